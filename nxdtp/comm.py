@@ -1,0 +1,153 @@
+"""The one module that talks to a collective backend.
+
+The backend follows the tensor: a tensor on an XLA device goes to ``torch_xla.core.xla_model`` collectives with the
+group's replica-group list; any other tensor goes to ``torch.distributed`` with the group's ProcessGroup (gloo on CPU,
+nccl on CUDA). Nothing else in nxdtp chooses a backend.
+
+All functions are functional: they return a new tensor and never modify their input, so autograd Functions can call them.
+A group of size 1 needs no communication and returns the input unchanged (as a result, not a copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+import torch.distributed as dist
+
+from .parallel_state import ParallelGroup, get_topology
+
+_REDUCE_OPS = ("sum", "max", "min")
+
+
+def _is_xla(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "xla"
+
+
+def _xla_model():
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def _check_xla_world(group: ParallelGroup) -> None:
+    """XLA collectives run over the runtime's replicas; refuse to run when those are not the topology's world.
+
+    Under torchrun with PJRT_DEVICE=CPU every process is a runtime world of 1, and xm.all_reduce silently returns its
+    input: that would train with wrong numbers instead of failing.
+    """
+    import torch_xla.runtime as xr
+
+    topology = get_topology()
+    runtime_world, runtime_ordinal = xr.world_size(), xr.global_ordinal()
+    if runtime_world != topology.world_size or runtime_ordinal != topology.rank:
+        raise RuntimeError(
+            f"XLA runtime world size {runtime_world} (ordinal {runtime_ordinal}) differs from the nxdtp topology "
+            f"(world size {topology.world_size}, rank {topology.rank}) for a {group.kind}-parallel collective over "
+            f"replica groups {group.replica_groups_as_lists()}. XLA collectives would not reach the other ranks. "
+            "Launch with an XLA runtime that spans all ranks (e.g. torch_xla.launch on Neuron/TPU), or keep tensors "
+            "off the XLA device to use torch.distributed (gloo/nccl)."
+        )
+
+
+def _check_op(op: str) -> None:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not supported; valid ops are {list(_REDUCE_OPS)}")
+
+
+def _check_dim(tensor: torch.Tensor, dim: int) -> int:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+    return dim % tensor.dim()
+
+
+def all_reduce(tensor: torch.Tensor, group: ParallelGroup, op: str = "sum") -> torch.Tensor:
+    _check_op(op)
+    if group.size == 1:
+        return tensor
+    if _is_xla(tensor):
+        _check_xla_world(group)
+        xm = _xla_model()
+        reduce_type = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}[op]
+        return xm.all_reduce(reduce_type, tensor, groups=group.replica_groups_as_lists())
+    out = tensor.contiguous().clone()
+    dist_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, op=dist_op, group=group.process_group)
+    return out
+
+
+def all_gather(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> torch.Tensor:
+    """Concatenate the group's tensors along ``dim`` in group-rank order."""
+    dim = _check_dim(tensor, dim)
+    if group.size == 1:
+        return tensor
+    if _is_xla(tensor):
+        _check_xla_world(group)
+        # pin_layout=False lowers to a native all-gather; the pinned form is emulated with pad + all-reduce.
+        return _xla_model().all_gather(tensor, dim=dim, groups=group.replica_groups_as_lists(), pin_layout=False)
+    # all_gather_into_tensor stacks along dim 0 of contiguous memory: gather with `dim` moved to the front.
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] * group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
+    dist.all_gather_into_tensor(out, moved, group=group.process_group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> torch.Tensor:
+    """Sum over the group, then keep this rank's 1/size slice along ``dim``."""
+    dim = _check_dim(tensor, dim)
+    if tensor.shape[dim] % group.size != 0:
+        raise ValueError(
+            f"reduce_scatter: dimension {dim} of shape {tuple(tensor.shape)} has size {tensor.shape[dim]}, "
+            f"which the {group.kind}-parallel group size {group.size} does not divide"
+        )
+    if group.size == 1:
+        return tensor
+    if _is_xla(tensor):
+        _check_xla_world(group)
+        xm = _xla_model()
+        return xm.reduce_scatter(xm.REDUCE_SUM, tensor, scale=1.0, scatter_dim=dim, shard_count=group.size,
+                                 groups=group.replica_groups_as_lists(), pin_layout=False)
+    # reduce_scatter_tensor works on dim 0 of contiguous memory: move `dim` to the front and back.
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
+    dist.reduce_scatter_tensor(out, moved, group=group.process_group)
+    return out.movedim(0, dim)
+
+
+def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 0) -> torch.Tensor:
+    """Every rank of the group receives the tensor held by group rank ``src_group_rank``."""
+    if not 0 <= src_group_rank < group.size:
+        raise ValueError(f"src_group_rank={src_group_rank} is outside the {group.kind}-parallel group of size {group.size}")
+    if group.size == 1:
+        return tensor
+    if _is_xla(tensor):
+        # Only the source contributes to the sum; one all-reduce keeps this in the step's graph.
+        is_src = group.rank == src_group_rank
+        contribution = tensor if is_src else torch.zeros_like(tensor)
+        return all_reduce(contribution, group)
+    out = tensor.contiguous().clone()
+    dist.broadcast(out, src=group.ranks[src_group_rank], group=group.process_group)
+    return out
+
+
+# ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------
+
+def _host_process_group():
+    topology = get_topology()
+    if topology.simulated:
+        raise RuntimeError("host-side collectives need a real process group; the installed topology is simulated")
+    return topology.host_process_group  # None means the default (gloo) group
+
+
+def barrier() -> None:
+    dist.barrier(group=_host_process_group())
+
+
+def all_gather_object(obj: Any) -> List[Any]:
+    """Gather one picklable object from every rank of the world, on the host."""
+    group = _host_process_group()
+    out: List[Any] = [None] * get_topology().world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out

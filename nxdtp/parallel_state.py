@@ -1,0 +1,280 @@
+"""Topology of a tensor-parallel x data-parallel world.
+
+The topology is one immutable value. Tensor-parallel (TP) groups are blocks of contiguous ranks, so TP traffic stays inside
+a node; data-parallel (DP) groups take one rank from each TP group (strided). The module keeps NxD's function names, all of
+which read from the installed topology.
+
+A topology can be built for a world this process is not part of (``simulated_topology(world_size=8, rank=5, ...)``): it has
+the same groups and replica-group lists but no process groups, which is what XLA lowering tests need to trace one rank's
+program in a single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, List, Optional, Sequence
+
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroup:
+    """One communication group as seen from this rank.
+
+    ``replica_groups`` lists every group of this kind in the world (the form XLA collectives take); ``ranks`` is the one this
+    rank (``global_rank``) belongs to, ``rank`` its position there. ``process_group`` is the torch.distributed group, or None in a simulated
+    topology.
+    """
+
+    kind: str
+    ranks: tuple
+    replica_groups: tuple
+    process_group: Optional[object] = dataclasses.field(default=None, compare=False)
+    global_rank: int = -1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.global_rank)
+
+    @property
+    def src_rank(self) -> int:
+        return self.ranks[0]
+
+    def replica_groups_as_lists(self) -> List[List[int]]:
+        return [list(g) for g in self.replica_groups]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    world_size: int
+    rank: int
+    tensor_model_parallel_size: int
+    tensor_parallel: ParallelGroup
+    data_parallel: ParallelGroup
+    # Host-side group (gloo) for barriers and object exchange; None when simulated or when the world has no process group.
+    host_process_group: Optional[object] = dataclasses.field(default=None, compare=False)
+    simulated: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_model_parallel_size
+
+
+def tensor_parallel_rank_lists(world_size: int, tensor_model_parallel_size: int) -> List[List[int]]:
+    tp = tensor_model_parallel_size
+    return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+
+
+def data_parallel_rank_lists(world_size: int, tensor_model_parallel_size: int) -> List[List[int]]:
+    tp = tensor_model_parallel_size
+    return [list(range(offset, world_size, tp)) for offset in range(tp)]
+
+
+def _validate(world_size: int, rank: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
+    for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
+                        ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size} is not supported: nxdtp does tensor and data "
+            "parallelism only; use pipeline_model_parallel_size=1"
+        )
+    if tensor_model_parallel_size < 1:
+        raise ValueError(f"tensor_model_parallel_size={tensor_model_parallel_size} must be >= 1")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if world_size % tensor_model_parallel_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"tensor_model_parallel_size={tensor_model_parallel_size} does not divide world size {world_size}; "
+            f"valid sizes are {divisors}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside the world of size {world_size} (valid: 0..{world_size - 1})")
+
+
+def build_topology(world_size: int, rank: int, tensor_model_parallel_size: int,
+                   pipeline_model_parallel_size: int = 1) -> Topology:
+    """Compute the groups of a world without touching torch.distributed (the value behind `simulated_topology`)."""
+    _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
+    return _make_topology(world_size, rank, tensor_model_parallel_size, {}, None, simulated=True)
+
+
+def _make_topology(world_size, rank, tp, process_groups, host_group, simulated) -> Topology:
+    def group(kind, lists):
+        mine = next(g for g in lists if rank in g)
+        return ParallelGroup(kind=kind, ranks=tuple(mine), replica_groups=tuple(tuple(g) for g in lists),
+                             process_group=process_groups.get((kind, tuple(mine))), global_rank=rank)
+
+    return Topology(
+        world_size=world_size,
+        rank=rank,
+        tensor_model_parallel_size=tp,
+        tensor_parallel=group("tensor", tensor_parallel_rank_lists(world_size, tp)),
+        data_parallel=group("data", data_parallel_rank_lists(world_size, tp)),
+        host_process_group=host_group,
+        simulated=simulated,
+    )
+
+
+_TOPOLOGY: Optional[Topology] = None
+# Every process group initialize_model_parallel created, this rank's or not, so destroy_model_parallel can release them.
+_OWNED_PROCESS_GROUPS: List[object] = []
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
+
+    Every rank must call this (group creation is collective). On an XLA world the TP/DP collectives use XLA replica groups;
+    the process groups made here serve the non-XLA path and host-side (gloo) coordination.
+    """
+    global _TOPOLOGY
+    if _TOPOLOGY is not None:
+        raise RuntimeError(
+            "model parallel is already initialized (tensor_model_parallel_size="
+            f"{_TOPOLOGY.tensor_model_parallel_size}, world size {_TOPOLOGY.world_size}); "
+            "call destroy_model_parallel() first to re-initialize"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group(...) before "
+            f"initialize_model_parallel(tensor_model_parallel_size={tensor_model_parallel_size}), or use "
+            "nxdtp.parallel_state.simulated_topology(...) to trace a rank without a process group"
+        )
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
+
+    process_groups = {}
+    for kind, lists in (("tensor", tensor_parallel_rank_lists(world_size, tensor_model_parallel_size)),
+                        ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size))):
+        for ranks in lists:
+            # new_group is collective over the whole world: every rank creates every group, in the same order.
+            process_groups[(kind, tuple(ranks))] = dist.new_group(ranks)
+    # XLA and NCCL worlds still need a CPU channel for barriers and object exchange (checkpoint coordination).
+    host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    _OWNED_PROCESS_GROUPS.extend(list(process_groups.values()) + ([host_group] if host_group is not None else []))
+    _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group, simulated=False)
+
+
+def destroy_model_parallel() -> None:
+    """Forget the topology and release the process groups initialize_model_parallel created."""
+    global _TOPOLOGY
+    _TOPOLOGY = None
+    while _OWNED_PROCESS_GROUPS:
+        group = _OWNED_PROCESS_GROUPS.pop()
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TOPOLOGY is not None
+
+
+@contextlib.contextmanager
+def simulated_topology(world_size: int, rank: int, tensor_model_parallel_size: int) -> Iterator[Topology]:
+    """Install the topology of a world this process is not part of, for tracing; restores the previous one on exit."""
+    global _TOPOLOGY
+    previous = _TOPOLOGY
+    _TOPOLOGY = build_topology(world_size, rank, tensor_model_parallel_size)
+    try:
+        yield _TOPOLOGY
+    finally:
+        _TOPOLOGY = previous
+
+
+def get_topology() -> Topology:
+    if _TOPOLOGY is None:
+        raise RuntimeError(
+            "model parallel is not initialized: call nxdtp.parallel_state.initialize_model_parallel("
+            "tensor_model_parallel_size=...) after torch.distributed.init_process_group(...)"
+        )
+    return _TOPOLOGY
+
+
+def tensor_parallel_group() -> ParallelGroup:
+    return get_topology().tensor_parallel
+
+
+def data_parallel_group() -> ParallelGroup:
+    return get_topology().data_parallel
+
+
+# ---- NxD-compatible getters -------------------------------------------------------------------------------------------
+
+def get_tensor_model_parallel_group(as_list: bool = False):
+    """The torch.distributed group of this rank's TP group; with ``as_list=True`` the list of all TP groups' ranks."""
+    g = tensor_parallel_group()
+    return g.replica_groups_as_lists() if as_list else g.process_group
+
+
+def get_data_parallel_group(as_list: bool = False):
+    g = data_parallel_group()
+    return g.replica_groups_as_lists() if as_list else g.process_group
+
+
+def get_tensor_model_parallel_size() -> int:
+    return tensor_parallel_group().size
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return tensor_parallel_group().rank
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    return tensor_parallel_group().src_rank
+
+
+def get_tensor_model_parallel_replica_groups() -> List[List[int]]:
+    return tensor_parallel_group().replica_groups_as_lists()
+
+
+def get_data_parallel_size() -> int:
+    return data_parallel_group().size
+
+
+def get_data_parallel_rank() -> int:
+    return data_parallel_group().rank
+
+
+def get_data_parallel_src_rank() -> int:
+    return data_parallel_group().src_rank
+
+
+def get_data_parallel_replica_groups() -> List[List[int]]:
+    return data_parallel_group().replica_groups_as_lists()
+
+
+def get_pipeline_model_parallel_size() -> int:
+    get_topology()
+    return 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    get_topology()
+    return 0
+
+
+def get_world_size() -> int:
+    return get_topology().world_size
+
+
+def get_rank() -> int:
+    return get_topology().rank
+
+
+__all__: Sequence[str] = [
+    "ParallelGroup", "Topology", "build_topology", "simulated_topology", "get_topology",
+    "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized",
+    "tensor_parallel_group", "data_parallel_group",
+    "get_tensor_model_parallel_group", "get_tensor_model_parallel_size", "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank", "get_tensor_model_parallel_replica_groups",
+    "get_data_parallel_group", "get_data_parallel_size", "get_data_parallel_rank", "get_data_parallel_src_rank",
+    "get_data_parallel_replica_groups", "get_pipeline_model_parallel_size", "get_pipeline_model_parallel_rank",
+    "get_world_size", "get_rank",
+]

@@ -1,0 +1,118 @@
+"""Sharding specs that parallel modules own for their parameters.
+
+A spec says how one local parameter relates to the full (dense) tensor: which dimension is split, with which stride
+(fused weights such as QKV), the full shape before and after padding, and whether its gradient must be summed over the
+tensor-parallel group (parameters replicated inside sequence-parallel regions).
+
+The module is the source of truth. The NxD attributes on Parameter objects (``tensor_model_parallel``, ``partition_dim``,
+``partition_stride``, ``num_partitions``, ``sequence_parallel_enabled``) are a cache for code that only sees parameters
+(grad clipping, optimizers); ``.to(xla)``, ``to_empty()`` and ``copy.deepcopy`` can drop them, and
+``nxdtp.utils.move_model_to_device`` puts them back from the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+SPEC_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    full_shape: Tuple[int, ...]
+    partition_dim: Optional[int] = None  # None: the parameter is replicated on every TP rank
+    stride: int = 1
+    num_partitions: int = 1
+    real_shape: Optional[Tuple[int, ...]] = None  # the unpadded full shape; None means equal to full_shape
+    sequence_parallel: bool = False
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.partition_dim is not None
+
+    @property
+    def unpadded_shape(self) -> Tuple[int, ...]:
+        return self.real_shape if self.real_shape is not None else self.full_shape
+
+    def local_shape(self) -> Tuple[int, ...]:
+        if not self.is_sharded:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.partition_dim] //= self.num_partitions
+        return tuple(shape)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["full_shape"] = list(self.full_shape)
+        d["real_shape"] = list(self.unpadded_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ParamSpec":
+        return cls(full_shape=tuple(d["full_shape"]), partition_dim=d["partition_dim"], stride=d["stride"],
+                   num_partitions=d["num_partitions"], real_shape=tuple(d["real_shape"]),
+                   sequence_parallel=d["sequence_parallel"])
+
+
+def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:
+    """Write the NxD attribute cache of ``spec`` onto a parameter."""
+    param.tensor_model_parallel = spec.is_sharded
+    param.partition_dim = spec.partition_dim if spec.is_sharded else -1
+    param.partition_stride = spec.stride
+    param.num_partitions = spec.num_partitions
+    param.sequence_parallel_enabled = spec.sequence_parallel
+
+
+class ShardedModule(nn.Module):
+    """Mixin for modules whose parameters carry a ParamSpec.
+
+    The specs travel with ``state_dict()`` as the module's extra state (key ``<prefix>_extra_state``), so a checkpoint saved
+    from a plain state dict still records how every tensor was split; loading a state dict made at another TP degree fails
+    with a message naming both, instead of copying mismatched slices.
+    """
+
+    def register_param_spec(self, name: str, spec: ParamSpec) -> None:
+        if "_nxdtp_specs" not in self.__dict__:
+            self._nxdtp_specs: Dict[str, ParamSpec] = {}
+        param = getattr(self, name)
+        if tuple(param.shape) != spec.local_shape():
+            raise ValueError(f"{type(self).__name__}.{name} has shape {tuple(param.shape)} but its spec "
+                             f"expects the local shape {spec.local_shape()}")
+        self._nxdtp_specs[name] = spec
+        attach_spec_attributes(param, spec)
+
+    def param_specs(self) -> Dict[str, ParamSpec]:
+        return dict(self.__dict__.get("_nxdtp_specs", {}))
+
+    def reattach_spec_attributes(self) -> None:
+        for name, spec in self.param_specs().items():
+            param = getattr(self, name, None)
+            if param is not None:
+                attach_spec_attributes(param, spec)
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {"nxdtp_spec_version": SPEC_FORMAT_VERSION,
+                "params": {name: spec.to_dict() for name, spec in self.param_specs().items()}}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or "params" not in state:
+            raise ValueError(f"{type(self).__name__}: extra state {state!r} is not an nxdtp sharding spec")
+        ours = self.param_specs()
+        for name, theirs in state["params"].items():
+            theirs = ParamSpec.from_dict(theirs)
+            mine = ours.get(name)
+            if mine is None:
+                raise ValueError(f"{type(self).__name__}: the state dict has a spec for '{name}', which this module lacks")
+            if (mine.partition_dim, mine.num_partitions, mine.full_shape, mine.stride) != (
+                    theirs.partition_dim, theirs.num_partitions, theirs.full_shape, theirs.stride):
+                raise ValueError(
+                    f"{type(self).__name__}.{name}: the state dict was saved with partition_dim={theirs.partition_dim}, "
+                    f"{theirs.num_partitions} partitions, stride {theirs.stride}, full shape {list(theirs.full_shape)}, "
+                    f"but this module has partition_dim={mine.partition_dim}, {mine.num_partitions} partitions, stride "
+                    f"{mine.stride}, full shape {list(mine.full_shape)}. Reshard the checkpoint to tensor parallel "
+                    f"size {mine.num_partitions} first."
+                )

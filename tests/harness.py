@@ -1,0 +1,117 @@
+"""Run many multi-rank test cases on one long-lived group of worker processes.
+
+Starting a process that imports torch costs seconds, so a pool of ``world_size`` gloo workers is started once per pytest
+session and runs every case sent to it. A case is a plain module-level function (named ``case_*`` so pytest does not
+collect it); each rank calls it with the same keyword arguments after ``initialize_model_parallel(tp)``. What it returns
+comes back as a list indexed by rank; an exception on any rank fails the test with that rank's traceback.
+
+A case that hangs (one rank failed before a collective the others wait in) is caught by gloo's timeout; the pool is then
+torn down and the next case starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+COLLECTIVE_TIMEOUT_S = 90
+CASE_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str], env: Dict[str, str]):
+    os.environ.update(env)
+    sys.path[:] = sys_path
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    from nxdtp import parallel_state
+
+    while True:
+        message = tasks.get()
+        if message is None:
+            break
+        module_name, function_name, tp, kwargs = message
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+            if tp is not None:
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            results.put((rank, "ok", function(**kwargs)))
+        except BaseException:  # noqa: BLE001 - everything goes back to the test as text
+            results.put((rank, "error", traceback.format_exc()))
+        finally:
+            parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class WorkerGroup:
+    def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None):
+        self.world_size = world_size
+        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self._processes: List[mp.Process] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._processes = [
+            ctx.Process(target=_worker_main, daemon=True,
+                        args=(rank, self.world_size, port, self._tasks[rank], self._results, list(sys.path), self.env))
+            for rank in range(self.world_size)
+        ]
+        for p in self._processes:
+            p.start()
+
+    def close(self) -> None:
+        for q, p in zip(getattr(self, "_tasks", []), self._processes):
+            if p.is_alive():
+                q.put(None)
+        for p in self._processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._processes = []
+
+    def run(self, case: Callable, tensor_model_parallel_size: Optional[int] = 1, **kwargs) -> List[Any]:
+        """Run ``case(**kwargs)`` on every rank; return the per-rank results, or raise with the failing ranks' tracebacks."""
+        if not self._processes or not all(p.is_alive() for p in self._processes):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((case.__module__, case.__name__, tensor_model_parallel_size, kwargs))
+        outcomes: Dict[int, tuple] = {}
+        try:
+            while len(outcomes) < self.world_size:
+                rank, status, value = self._results.get(timeout=CASE_TIMEOUT_S)
+                outcomes[rank] = (status, value)
+        except queue.Empty:
+            self.close()
+            missing = sorted(set(range(self.world_size)) - set(outcomes))
+            raise AssertionError(f"{case.__name__}: ranks {missing} gave no result within {CASE_TIMEOUT_S}s"
+                                 + _format_errors(outcomes))
+        errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+        if errors:
+            # A rank that failed mid-case may have left peers inside a collective; start clean next time.
+            self.close()
+            raise AssertionError(f"{case.__name__} failed on ranks {sorted(errors)}" + _format_errors(outcomes))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+
+def _format_errors(outcomes: Dict[int, tuple]) -> str:
+    return "".join(f"\n----- rank {r} -----\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error")
