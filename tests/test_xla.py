@@ -1,0 +1,290 @@
+"""The XLA path, proven on XLA:CPU (see shared/XLA_TESTING.md for what can and cannot run here).
+
+(a) Lowering: a rank of a simulated world (8 ranks, tp=4, this is rank 5) is traced to HLO text, which is parsed for the
+    collectives, their replica groups and their count. These graphs are never executed; they run in their own worker
+    process ("xla-hlo"), apart from the graphs that do execute ("xla-exec").
+(b) Execution at tp=1 on the XLA:CPU device, compared with eager CPU.
+(c) Graph counts per training step from torch_xla.debug.metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+
+pytestmark = pytest.mark.xla
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
+
+
+# ---- helpers that run inside the XLA worker processes ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def _simulated_rank(world_size=8, rank=5, tp=4):
+    """Install the topology and make the XLA runtime report it, so xm does not short-circuit collectives as a world of 1.
+
+    The patch stays active for backward(), because collectives inside autograd Functions are traced then.
+    """
+    from unittest import mock
+
+    import torch_xla.runtime as xr
+
+    from nxdtp import parallel_state
+
+    with parallel_state.simulated_topology(world_size, rank, tp), \
+            mock.patch.object(xr, "world_size", lambda: world_size), \
+            mock.patch.object(xr, "global_ordinal", lambda: rank):
+        yield
+
+
+def _reset_collective_token():
+    # The all-reduce token chains collectives across graphs; reset it so each HLO holds only the region asked for.
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
+
+
+def _hlo(tensors) -> str:
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def _collective_counts(hlo: str) -> dict:
+    return {op: len(re.findall(r"\s%s\(" % op, hlo)) for op in COLLECTIVES}
+
+
+def _replica_groups(hlo: str) -> set:
+    return set(re.findall(r"replica_groups=(\{\{[0-9,{}]*\}\})", hlo))
+
+
+def _grads(module, extra=()):
+    return list(extra) + [p.grad for p in module.parameters()]
+
+
+# ---- (a) lowering under a simulated topology ----------------------------------------------------------------------------
+
+def case_mlp_lowering(sequence_parallel: bool):
+    import torch
+    import torch_xla
+
+    from nxdtp import layers
+
+    device = torch_xla.device()
+    with _simulated_rank():
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(
+            layers.ColumnParallelLinear(16, 32, gather_output=False, sequence_parallel_enabled=sequence_parallel),
+            torch.nn.GELU(),
+            layers.RowParallelLinear(32, 16, input_is_parallel=True, sequence_parallel_enabled=sequence_parallel),
+        ).to(device)
+        # Sequence-parallel input is this rank's sequence shard ([seq/tp, batch, hidden]).
+        x = torch.randn(2, 3, 16).to(device).requires_grad_()
+        _reset_collective_token()
+        y = mlp(x)
+        forward = _hlo([y])
+        _reset_collective_token()
+        y.backward(torch.randn(y.shape).to(device))
+        input_grad = _hlo([x.grad])
+        # The whole step: a weight gradient reuses the forward's gathered input, so its graph holds that collective too.
+        step = _hlo(_grads(mlp, [y, x.grad]))
+        _reset_collective_token()
+    return {"forward": _collective_counts(forward), "input_grad": _collective_counts(input_grad),
+            "step": _collective_counts(step), "groups": sorted(_replica_groups(step)), "out_shape": tuple(y.shape)}
+
+
+def test_column_row_mlp_lowers_to_one_all_reduce_each_way(worlds):
+    result, = worlds(1, "xla-hlo").run(case_mlp_lowering, tensor_model_parallel_size=None, sequence_parallel=False)
+    assert result["forward"] == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0}
+    assert result["input_grad"] == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0}
+    assert result["step"] == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0}
+    assert result["groups"] == ["{{0,1,2,3},{4,5,6,7}}"]
+
+
+def test_sequence_parallel_mlp_lowers_to_native_gather_and_reduce_scatter(worlds):
+    result, = worlds(1, "xla-hlo").run(case_mlp_lowering, tensor_model_parallel_size=None, sequence_parallel=True)
+    # Forward: all-gather the sequence into the column layer, reduce-scatter out of the row layer; backward mirrors it.
+    assert result["forward"] == {"all-reduce": 0, "all-gather": 1, "reduce-scatter": 1}
+    # Whole step: forward all-gather + reduce-scatter, and their mirrors in backward (the input-gradient graph alone
+    # also holds the forward all-gather, because GELU's backward reads the column output).
+    assert result["step"] == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 2}
+    assert result["groups"] == ["{{0,1,2,3},{4,5,6,7}}"]
+    assert result["out_shape"] == (2, 3, 16)
+
+
+def case_embedding_and_dp_lowering():
+    import torch
+    import torch_xla
+
+    from nxdtp import comm, layers, parallel_state
+
+    device = torch_xla.device()
+    with _simulated_rank():
+        torch.manual_seed(0)
+        embedding = layers.ParallelEmbedding(40, 8).to(device)
+        ids = torch.randint(0, 40, (2, 5)).to(device)
+        _reset_collective_token()
+        vocab_parallel = _hlo([embedding(ids)])
+        _reset_collective_token()
+        grad = torch.randn(24).to(device)
+        dp_sum = _hlo([comm.all_reduce(grad, parallel_state.data_parallel_group())])
+        _reset_collective_token()
+    return {"embedding": (_collective_counts(vocab_parallel), sorted(_replica_groups(vocab_parallel))),
+            "dp": (_collective_counts(dp_sum), sorted(_replica_groups(dp_sum)))}
+
+
+def test_embedding_and_data_parallel_replica_groups(worlds):
+    result, = worlds(1, "xla-hlo").run(case_embedding_and_dp_lowering, tensor_model_parallel_size=None)
+    assert result["embedding"] == ({"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0},
+                                   ["{{0,1,2,3},{4,5,6,7}}"])
+    # DP groups are strided: one rank from each TP group.
+    assert result["dp"] == ({"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0}, ["{{0,4},{1,5},{2,6},{3,7}}"])
+
+
+def case_runtime_world_mismatch_is_an_error():
+    import torch
+    import torch_xla
+
+    from nxdtp import comm, parallel_state
+
+    x = torch.ones(4).to(torch_xla.device())
+    # The topology says world 2 (tp=2), the XLA:CPU runtime says 1: xm.all_reduce would silently return its input.
+    with parallel_state.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        for op in (lambda: comm.all_reduce(x, parallel_state.tensor_parallel_group()),
+                   lambda: comm.all_gather(x, parallel_state.tensor_parallel_group(), 0),
+                   lambda: comm.reduce_scatter(x, parallel_state.tensor_parallel_group(), 0)):
+            try:
+                op()
+            except RuntimeError as e:
+                message = str(e)
+                assert "XLA runtime world size 1" in message and "world size 2" in message, message
+                assert "[[0, 1]]" in message, message
+            else:
+                raise AssertionError("an XLA collective ran although the runtime world differs from the topology")
+
+
+def test_comm_refuses_xla_collectives_when_runtime_world_differs(worlds):
+    worlds(1, "xla-hlo").run(case_runtime_world_mismatch_is_an_error, tensor_model_parallel_size=None)
+
+
+# ---- (b) tp=1 on XLA:CPU equals eager ---------------------------------------------------------------------------------
+
+def _build_tp1_model(seed):
+    import torch
+
+    from nxdtp import layers
+
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({
+        "embedding": layers.ParallelEmbedding(30, 16, padding_idx=1),
+        "norm": layers.LayerNorm(16),
+        "column": layers.ColumnParallelLinear(16, 48, stride=3),
+        "row": layers.RowParallelLinear(48, 16),
+    })
+    with torch.no_grad():
+        for p in model.parameters():  # randomise everything: fresh LayerNorms and biases hide bugs
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def _tp1_forward(model, ids):
+    import torch
+
+    h = model["norm"](model["embedding"](ids))
+    return model["row"](torch.nn.functional.gelu(model["column"](h)))
+
+
+def case_tp1_layers_on_xla_equal_eager():
+    import torch
+    import torch_xla
+
+    from nxdtp.utils import move_model_to_device
+
+    ids = torch.randint(0, 30, (3, 7))
+    upstream = torch.randn(3, 7, 16)
+    results = {}
+    for device in ("cpu", torch_xla.device()):
+        model = move_model_to_device(_build_tp1_model(seed=11), device)
+        out = _tp1_forward(model, ids.to(device))
+        out.backward(upstream.to(device))
+        torch_xla.sync()
+        results[str(device)] = [out.cpu()] + [p.grad.cpu() for p in model.parameters()]
+        # .to(xla) makes new Parameter objects; move_model_to_device must have put the TP attributes back.
+        assert all(hasattr(p, "tensor_model_parallel") for p in model.parameters())
+    eager, xla = results["cpu"], results[str(torch_xla.device())]
+    for a, b in zip(eager, xla):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    return len(eager)
+
+
+def test_tp1_layers_on_xla_cpu_equal_eager(worlds):
+    compared, = worlds(1, "xla-exec").run(case_tp1_layers_on_xla_equal_eager, tensor_model_parallel_size=1)
+    assert compared == 1 + 7  # the output and every parameter's gradient
+
+
+def case_move_to_xla_reties_weights():
+    import torch
+    import torch_xla
+
+    from nxdtp import layers
+    from nxdtp.utils import move_model_to_device
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"embedding": layers.ParallelEmbedding(12, 4), "head": torch.nn.Linear(4, 12)})
+    model["head"].weight = model["embedding"].weight
+    plain = torch.nn.ModuleDict({"embedding": layers.ParallelEmbedding(12, 4), "head": torch.nn.Linear(4, 12)})
+    plain["head"].weight = plain["embedding"].weight
+    plain.to(torch_xla.device())
+    untied_by_plain_to = plain["head"].weight is not plain["embedding"].weight
+    lost_attributes = not hasattr(plain["embedding"].weight, "partition_dim")
+    move_model_to_device(model, torch_xla.device())
+    assert model["head"].weight is model["embedding"].weight, "move_model_to_device lost the tie"
+    assert model["embedding"].weight.device.type == "xla"
+    assert model["embedding"].weight.partition_dim == 0 and model["embedding"].weight.tensor_model_parallel is True
+    return untied_by_plain_to, lost_attributes
+
+
+def test_move_model_to_xla_reties_and_reattaches(worlds):
+    (untied_by_plain_to, lost_attributes), = worlds(1, "xla-exec").run(case_move_to_xla_reties_weights,
+                                                                       tensor_model_parallel_size=1)
+    # The fix is needed at all: plain .to(xla) unties shared weights and drops the attributes.
+    assert untied_by_plain_to and lost_attributes
+
+
+# ---- (c) graphs per step ----------------------------------------------------------------------------------------------
+
+def case_graphs_per_step(steps):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    from nxdtp.utils import move_model_to_device
+
+    device = torch_xla.device()
+    model = move_model_to_device(_build_tp1_model(seed=3), device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 30, (3, 7)).to(device)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    met.clear_all()
+    per_step = []
+    for _ in range(steps):
+        before = {k: met.counter_value(k) or 0 for k in ("UncachedCompile", "CachedCompile", "ExecuteComputation")}
+        optimizer.zero_grad()
+        _tp1_forward(model, ids).square().mean().backward()
+        optimizer.step()
+        torch_xla.sync()
+        xm.wait_device_ops()  # executions are counted when they finish, asynchronously
+        per_step.append({k: (met.counter_value(k) or 0) - v for k, v in before.items()})
+    return per_step
+
+
+def test_one_graph_per_step_and_no_recompiles(worlds):
+    per_step, = worlds(1, "xla-exec").run(case_graphs_per_step, tensor_model_parallel_size=1, steps=5)
+    assert per_step[0]["UncachedCompile"] >= 1
+    for step in per_step[2:]:
+        assert step == {"UncachedCompile": 0, "CachedCompile": 1, "ExecuteComputation": 1}, per_step
