@@ -159,6 +159,15 @@ def _unstride_last_dim(gathered: torch.Tensor, stride: int, tp: int) -> torch.Te
     return blocks.transpose(-3, -2).reshape(*lead, last)
 
 
+def _stride_last_dim(full: torch.Tensor, stride: int, tp: int) -> torch.Tensor:
+    """Inverse of ``_unstride_last_dim``: dense order [s0: r0 r1 .., s1: ..] -> [r0: s0 s1 .., r1: s0 s1 ..]."""
+    if stride == 1 or tp == 1:
+        return full
+    lead, last = full.shape[:-1], full.shape[-1]
+    blocks = full.reshape(*lead, stride, tp, last // (tp * stride))
+    return blocks.transpose(-3, -2).reshape(*lead, last)
+
+
 class RowParallelLinear(ShardedModule):
     """``Y = X A^T + b`` with A split along its input dimension: each TP rank computes a partial sum of Y.
 
@@ -192,6 +201,9 @@ class RowParallelLinear(ShardedModule):
         tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide("RowParallelLinear input_size", input_size, tp)
+        if input_size % (tp * stride) != 0:
+            raise ValueError(f"RowParallelLinear: input_size={input_size} is not divisible by "
+                             f"tensor_model_parallel_size * stride = {tp} * {stride}")
         self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
         self.skip_bias_add, self.stride = skip_bias_add, stride
         self.sequence_parallel_enabled = sequence_parallel_enabled
@@ -219,7 +231,10 @@ class RowParallelLinear(ShardedModule):
         if self.input_is_parallel:
             input_parallel = input_
         else:
-            input_parallel = mappings.scatter_to_tensor_model_parallel_region(input_)
+            # With stride > 1 the weight holds the rank's slice of each of the `stride` blocks of the input dimension
+            # (shard_of); reorder the full input so that a contiguous split hands every rank the matching columns.
+            input_parallel = mappings.scatter_to_tensor_model_parallel_region(
+                _stride_last_dim(input_, self.stride, tensor_parallel_group().size))
         output_parallel = F.linear(input_parallel, self.weight)
         if self.sequence_parallel_enabled:
             output = mappings.reduce_scatter_to_sequence_parallel_region(

@@ -98,6 +98,18 @@ class ShardedModule(nn.Module):
         return {"nxdtp_spec_version": SPEC_FORMAT_VERSION,
                 "params": {name: spec.to_dict() for name, spec in self.param_specs().items()}}
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Check the saved spec before torch copies any parameter: a refused load must leave the weights untouched.
+        # A state dict without the spec (NxD's per-rank checkpoints, hand-made dicts) loads on shapes alone.
+        spec_key = prefix + "_extra_state"
+        if spec_key in state_dict:
+            self.set_extra_state(state_dict[spec_key])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if spec_key in missing_keys:
+            missing_keys.remove(spec_key)
+
     def set_extra_state(self, state: Any) -> None:
         if not isinstance(state, dict) or "params" not in state:
             raise ValueError(f"{type(self).__name__}: extra state {state!r} is not an nxdtp sharding spec")
