@@ -90,7 +90,7 @@ def all_gather(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> tor
     out = torch.empty((moved.shape[0] * group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     dist.all_gather_into_tensor(out, moved, group=group.process_group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> torch.Tensor:
@@ -113,7 +113,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) ->
     out = torch.empty((moved.shape[0] // group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     dist.reduce_scatter_tensor(out, moved, group=group.process_group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 0) -> torch.Tensor:
@@ -123,10 +123,11 @@ def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 
     if group.size == 1:
         return tensor
     if _is_xla(tensor):
-        # Only the source contributes to the sum; one all-reduce keeps this in the step's graph.
-        is_src = group.rank == src_group_rank
-        contribution = tensor if is_src else torch.zeros_like(tensor)
-        return all_reduce(contribution, group)
+        # Only the source contributes to the sum. The choice is data (a 1-element mask: torch_xla folds 0-dim host
+        # scalars into constants), so every rank traces the same graph; `where`, not a product, so NaNs elsewhere
+        # cannot leak in.
+        is_src = torch.tensor([group.rank == src_group_rank]).to(tensor.device).reshape(())
+        return all_reduce(torch.where(is_src, tensor, torch.zeros_like(tensor)), group)
     out = tensor.contiguous().clone()
     dist.broadcast(out, src=group.ranks[src_group_rank], group=group.process_group)
     return out

@@ -137,12 +137,17 @@ class ColumnParallelLinear(ShardedModule):
             input_parallel = mappings.copy_to_tensor_model_parallel_region(input_)
         bias = None if self.skip_bias_add else self.bias
         output = F.linear(input_parallel, self.weight, bias)
-        if self.gather_output:
-            output = _unstride_last_dim(mappings.gather_from_tensor_model_parallel_region(output), self.stride,
-                                        tensor_parallel_group().size)
+        if not self.gather_output:
+            return (output, self.bias) if self.skip_bias_add else output
+        output = self._gather(output)
         if self.skip_bias_add:
-            return output, self.bias
+            # The caller adds the bias to the full output, so it gets the full bias too.
+            return output, (self._gather(self.bias) if self.bias is not None else None)
         return output
+
+    def _gather(self, sharded_last_dim: torch.Tensor) -> torch.Tensor:
+        gathered = mappings.gather_from_tensor_model_parallel_region(sharded_last_dim)
+        return _unstride_last_dim(gathered, self.stride, tensor_parallel_group().size)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, per_partition="
@@ -253,13 +258,6 @@ class RowParallelLinear(ShardedModule):
                 f"{self.input_is_parallel}, sequence_parallel={self.sequence_parallel_enabled}")
 
 
-def _embedding_init(weight: torch.Tensor, padding_idx: Optional[int]) -> None:
-    nn.init.normal_(weight)  # torch.nn.Embedding's default
-    if padding_idx is not None:
-        with torch.no_grad():
-            weight[padding_idx].zero_()
-
-
 class ParallelEmbedding(ShardedModule):
     """Embedding split over TP ranks.
 
@@ -281,8 +279,11 @@ class ParallelEmbedding(ShardedModule):
         _reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
                             scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False),
                             tensor_model_parallel_group=(tensor_model_parallel_group, None))
-        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
-            raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} must be in [0, {num_embeddings})")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} must be in "
+                                 f"[{-num_embeddings}, {num_embeddings})")
+            padding_idx %= num_embeddings  # as torch.nn.Embedding: -1 is the last row
         group = tensor_parallel_group()
         tp = group.size
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
@@ -313,10 +314,9 @@ class ParallelEmbedding(ShardedModule):
 
         def init(full: torch.Tensor) -> None:
             real = full[:num_embeddings]
-            if user_init is None:
-                _embedding_init(real, padding_idx)
-            else:
-                user_init(real)
+            (user_init or nn.init.normal_)(real)  # normal_ is torch.nn.Embedding's default
+            if padding_idx is not None:
+                real[padding_idx].zero_()
             full[num_embeddings:].zero_()
 
         weight, _ = _materialise(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False)

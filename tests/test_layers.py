@@ -149,7 +149,8 @@ def case_construction():
                 assert row.bias is None, what
     assert getattr(ColumnParallelLinear(8, 8 * tp), "master_weight", None) is None
 
-    for num, padding_idx, pad in ((16, None, False), (16, 13, False), (16, 2, False), (11, None, True), (11, 9, True)):
+    for num, padding_idx, pad in ((16, None, False), (16, 13, False), (16, 2, False), (16, -1, False),
+                                  (11, None, True), (11, 9, True)):
         what = f"Embedding({num}, padding_idx={padding_idx}, pad={pad})"
         torch.manual_seed(13)
         dense = nn.Embedding(num, 8, padding_idx=padding_idx)
@@ -160,9 +161,15 @@ def case_construction():
         full = torch.cat([dense.weight.detach(), torch.zeros(padded - num, 8)])
         _equal(emb.weight.detach(), _slice(full, 0, rank, tp), f"{what} weight")
         if padding_idx is not None:
-            lo = rank * padded // tp
-            if lo <= padding_idx < lo + padded // tp:
-                assert torch.all(emb.weight[padding_idx - lo] == 0), f"{what}: padding row not zero"
+            lo, row_id = rank * padded // tp, padding_idx % num  # -1 means the last row, as in nn.Embedding
+            if lo <= row_id < lo + padded // tp:
+                assert torch.all(emb.weight[row_id - lo] == 0), f"{what}: padding row not zero"
+            # A user init_method still gets the padding row zeroed, as nn.Embedding does.
+            custom = ParallelEmbedding(num, 8, padding_idx=padding_idx, pad=pad, init_method=nn.init.ones_)
+            expected = torch.ones(padded, 8)
+            expected[row_id] = 0
+            expected[num:] = 0
+            _equal(custom.weight.detach(), _slice(expected, 0, rank, tp), f"{what} custom init_method")
         # shard_across_embedding: the same full table, split by columns.
         torch.manual_seed(13)
         dense = nn.Embedding(num, 8, padding_idx=padding_idx)
@@ -201,12 +208,18 @@ def _check_column(seed, gather_output, bias, skip_bias_add, stride):
     if skip_bias_add:
         assert isinstance(out, tuple) and len(out) == 2, what
         out, returned_bias = out
-        assert returned_bias is col.bias, f"{what}: skip_bias_add must return the layer's bias"
-        if bias and not gather_output:
+        if not bias:
+            assert returned_bias is None, what
+        elif gather_output:
+            # The full output comes with the full (gathered, dense-ordered) bias.
+            _close(returned_bias, dense.bias.detach(), f"{what} returned full bias")
+            _close(out, yd.detach() - dense.bias.detach(), f"{what} gathered output without bias")
+            out = out + returned_bias
+        else:
+            assert returned_bias is col.bias, f"{what}: skip_bias_add must return the layer's bias"
             out = out + returned_bias  # local output and local bias shard line up
     if gather_output:
-        expected = yd.detach() - dense.bias.detach() if (bias and skip_bias_add) else yd.detach()
-        _close(out, expected, f"{what} gathered output")
+        _close(out, yd.detach(), f"{what} gathered output")
         out.backward(g)
     else:
         assert out.shape[-1] == 24 // tp, what
@@ -214,7 +227,7 @@ def _check_column(seed, gather_output, bias, skip_bias_add, stride):
         out.backward(_slice(g, -1, rank, tp, stride))
     _close(xp.grad, xd.grad, f"{what} input grad")
     _close(col.weight.grad, _slice(dense.weight.grad, 0, rank, tp, stride), f"{what} weight grad")
-    if bias and not (skip_bias_add and gather_output):
+    if bias:
         _close(col.bias.grad, _slice(dense.bias.grad, 0, rank, tp, stride), f"{what} bias grad")
     return x.sum().item()
 
@@ -686,7 +699,7 @@ def _esc(s: str) -> str:
      _esc("num_embeddings=10 is not divisible by tensor_model_parallel_size=4; pass pad=True to pad the vocabulary to 12")),
     (lambda: ParallelEmbedding(16, 6, shard_across_embedding=True), ValueError,
      _esc("embedding_dim=6 is not divisible by tensor_model_parallel_size=4")),
-    (lambda: ParallelEmbedding(16, 8, padding_idx=16), ValueError, _esc("padding_idx=16 must be in [0, 16)")),
+    (lambda: ParallelEmbedding(16, 8, padding_idx=16), ValueError, _esc("padding_idx=16 must be in [-16, 16)")),
     (lambda: ColumnParallelLinear(8, 16, pad=True), ValueError, _esc("pad=True is not supported")),
     (lambda: RowParallelLinear(16, 8, pad=True), ValueError, _esc("pad=True is not supported")),
     (lambda: ColumnParallelLinear(8, 16, tensor_model_parallel_group=object()), ValueError,

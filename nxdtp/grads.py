@@ -1,0 +1,242 @@
+"""Gradient norm and clipping over tensor-parallel shards, and the data- and sequence-parallel gradient all-reduces.
+
+Scale rules (DESIGN.md, principle 7):
+
+* ``get_grad_norm`` / ``clip_grad_norm`` give the norm of the *dense* model's gradient. A TP-sharded parameter holds a
+  different slice on every TP rank, so every rank counts its slice; a replicated parameter holds the same gradient on
+  every TP rank, so it is counted once. One all-reduce over the TP group combines them.
+* ``bucket_allreduce_gradients`` averages over the data-parallel group only: sum over the DP ranks, divide by the DP
+  size. Never by the world size, and never over TP ranks (their gradients are different shards, or already equal).
+* ``allreduce_sequence_parallel_gradients`` sums, over the TP group, the gradients of replicated parameters used inside a
+  sequence-parallel region (each TP rank saw only its part of the sequence).
+
+Everything is written to trace one graph on every rank under XLA: no branch depends on tensor values or on the rank;
+per-rank differences enter as data (a weight tensor), not as graph structure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Tuple, Union
+
+import torch
+from torch import nn
+
+from . import comm
+from .parallel_state import ParallelGroup, data_parallel_group, tensor_parallel_group
+
+# Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference.
+_CLIP_EPS = 1e-6
+# Default size of one flattened gradient bucket (as in NxD).
+DEFAULT_BUCKET_CAP_MB = 512
+
+ParamsArg = Union[torch.Tensor, Iterable[Any]]
+
+
+# ---- collecting parameters ---------------------------------------------------------------------------------------------
+
+def _unique_params(parameters: ParamsArg) -> List[torch.Tensor]:
+    """Flatten a tensor, an iterable of tensors, a module, or optimizer-style param-group dicts; drop repeats by identity.
+
+    A tied weight listed twice (an embedding and an LM head) is one parameter with one gradient: it counts once.
+    """
+    if isinstance(parameters, torch.Tensor):
+        items: Iterable[Any] = [parameters]
+    elif isinstance(parameters, nn.Module):
+        items = parameters.parameters()
+    elif isinstance(parameters, dict):
+        items = [parameters]
+    else:
+        items = parameters
+    out: List[torch.Tensor] = []
+    seen = set()
+
+    def add(p: Any) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"expected parameters (tensors), got an item of type {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+
+    for item in items:
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise TypeError(f"a parameter-group dict needs a 'params' entry; got keys {sorted(item)}")
+            group_params = item["params"]
+            for p in ([group_params] if isinstance(group_params, torch.Tensor) else group_params):
+                add(p)
+        else:
+            add(item)
+    return out
+
+
+def _is_tp_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _check_nxd_defaults(zero1_optimizer: bool, zero1_optimizer_groups: Any) -> None:
+    if zero1_optimizer:
+        raise ValueError("zero1_optimizer=True is not supported: nxdtp has no ZeRO-1 optimizer; use zero1_optimizer=False")
+    if zero1_optimizer_groups is not None:
+        raise ValueError(f"zero1_optimizer_groups={zero1_optimizer_groups!r} is not supported; pass None")
+
+
+def _check_norm_type(norm_type: Union[float, int, str]) -> float:
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"norm_type={norm_type!r} is not a number; use a float p > 0 or float('inf')") from None
+    if math.isnan(p) or p <= 0:
+        raise ValueError(f"norm_type={norm_type!r} is not supported: the gradient norm needs p > 0 (or inf)")
+    return p
+
+
+# ---- norm and clipping -------------------------------------------------------------------------------------------------
+
+def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, zero1_optimizer: bool = False,
+                  zero1_optimizer_groups: Any = None, force_spmd: bool = True) -> torch.Tensor:
+    """The p-norm of the gradients of ``parameters`` as the dense (unsharded) model would compute it.
+
+    ``parameters``: a tensor, an iterable of tensors, a module, or optimizer param groups. Parameters without a gradient
+    are skipped; one listed twice counts once. Computed in fp32 whatever the gradient dtype. Returns a 0-dim fp32 tensor
+    on the gradients' device, equal on every rank of the TP group.
+
+    Every rank of the TP group must call this (it all-reduces over the group), with the same parameter structure.
+    ``force_spmd`` is accepted for NxD compatibility: nxdtp always uses the SPMD form (the same graph on every rank).
+    """
+    _check_nxd_defaults(zero1_optimizer, zero1_optimizer_groups)
+    p = _check_norm_type(norm_type)
+    grads_sharded: List[torch.Tensor] = []
+    grads_replicated: List[torch.Tensor] = []
+    for param in _unique_params(parameters):
+        if param.grad is not None:
+            (grads_sharded if _is_tp_sharded(param) else grads_replicated).append(param.grad.detach())
+    all_grads = grads_sharded + grads_replicated
+    device = all_grads[0].device if all_grads else torch.device("cpu")
+    group = tensor_parallel_group()
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+
+    def per_tensor_norms(grads: List[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return zero.reshape(1)
+        return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
+
+    if math.isinf(p):
+        # max is idempotent: replicated gradients may appear on every rank, the TP-wide max is unchanged.
+        local = per_tensor_norms(all_grads).max()
+        return comm.all_reduce(local, group, op="max")
+
+    # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. The weight is data, not a Python branch or
+    # constant, so every rank traces the same graph. It is moved over as a 1-element tensor: torch_xla turns a 0-dim
+    # host tensor holding 0 or 1 into a graph constant, which would give TP rank 0 a different graph.
+    replica_weight = torch.tensor([1.0 if group.rank == 0 else 0.0], dtype=torch.float32).to(device).reshape(())
+    sharded = per_tensor_norms(grads_sharded).pow(p).sum()
+    replicated = per_tensor_norms(grads_replicated).pow(p).sum()
+    total = comm.all_reduce(sharded + replicated * replica_weight, group, op="sum")
+    return total.pow(1.0 / p)
+
+
+def clip_grad_norm(parameters: ParamsArg, max_norm: float, norm_type: Union[float, int, str] = 2,
+                   zero1_optimizer: bool = False, zero1_optimizer_groups: Any = None,
+                   force_spmd: bool = True) -> torch.Tensor:
+    """Scale the gradients in place so that their dense-model norm is at most ``max_norm``; return the pre-clip norm.
+
+    The scale is ``min(1, max_norm / (norm + 1e-6))`` as in ``torch.nn.utils.clip_grad_norm_``, always applied as a
+    multiply (no branch on the norm's value, so XLA traces one graph).
+    """
+    max_norm = float(max_norm)
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0")
+    params = _unique_params(parameters)
+    total_norm = get_grad_norm(params, norm_type, zero1_optimizer=zero1_optimizer,
+                               zero1_optimizer_groups=zero1_optimizer_groups, force_spmd=force_spmd)
+    coefficient = torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
+    for param in params:
+        if param.grad is not None:
+            param.grad.detach().mul_(coefficient.to(param.grad.device))
+    return total_norm
+
+
+# ---- bucketed all-reduce -----------------------------------------------------------------------------------------------
+
+def _buckets(grads: List[torch.Tensor], cap_bytes: int) -> List[List[torch.Tensor]]:
+    """Group gradients of one dtype and device, in order, into buckets of at most ``cap_bytes`` (a larger tensor is
+    a bucket by itself)."""
+    by_kind: Dict[Tuple[torch.dtype, torch.device], List[List[torch.Tensor]]] = {}
+    sizes: Dict[Tuple[torch.dtype, torch.device], int] = {}
+    for g in grads:
+        key = (g.dtype, g.device)
+        nbytes = g.numel() * g.element_size()
+        buckets = by_kind.setdefault(key, [[]])
+        if buckets[-1] and sizes[key] + nbytes > cap_bytes:
+            buckets.append([])
+            sizes[key] = 0
+        buckets[-1].append(g)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [bucket for buckets in by_kind.values() for bucket in buckets if bucket]
+
+
+def _bucketed_all_reduce(grads: List[torch.Tensor], group: ParallelGroup, divisor: int, bucket_cap_mb: float) -> None:
+    """Sum ``grads`` over ``group`` (one collective per bucket), divide by ``divisor``, and write back in place."""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
+    if group.size == 1:
+        return
+    unique: List[torch.Tensor] = []
+    seen = set()
+    for g in grads:
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            unique.append(g)
+    for bucket in _buckets(unique, int(bucket_cap_mb * 1024 * 1024)):
+        flat = torch.cat([g.detach().reshape(-1) for g in bucket])
+        reduced = comm.all_reduce(flat, group, op="sum")
+        if divisor != 1:
+            reduced = reduced / divisor
+        offset = 0
+        for g in bucket:
+            n = g.numel()
+            g.detach().copy_(reduced[offset:offset + n].view_as(g))
+            offset += n
+
+
+def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor],
+                               bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+    """Average gradients over the data-parallel group, in place: sum over the DP ranks, divide by the DP size.
+
+    Never divides by the world size or reduces over TP ranks (DESIGN.md principle 7). Gradients of one dtype are
+    flattened into buckets of at most ``bucket_cap_mb`` MiB, one all-reduce per bucket. ``None`` entries and repeats are
+    skipped. Every rank of a DP group must pass gradients of the same shapes in the same order. No-op when the DP size
+    is 1.
+    """
+    group = data_parallel_group()
+    _bucketed_all_reduce(list(grads_list), group, group.size, bucket_cap_mb)
+
+
+def allreduce_sequence_parallel_gradients(optimizer_or_params: Any,
+                                          bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+    """Sum over the TP group, in place, the gradients of parameters marked ``sequence_parallel_enabled``.
+
+    Those are replicated parameters (LayerNorm weights, biases) applied to sequence-parallel activations: each TP rank's
+    gradient covers only its part of the sequence. Takes an optimizer (its ``param_groups``), a module, or parameters.
+    Call it after backward and before the DP all-reduce, clipping and the optimizer step. No-op at TP size 1.
+    """
+    source = optimizer_or_params.param_groups if hasattr(optimizer_or_params, "param_groups") else optimizer_or_params
+    grads = [p.grad for p in _unique_params(source)
+             if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]
+    _bucketed_all_reduce(grads, tensor_parallel_group(), 1, bucket_cap_mb)
+
+
+def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+    """Average over the DP group the gradients of every parameter of a module (or parameter list) that has one.
+
+    Every rank of a DP group must have gradients for the same parameters (the same model and the same used layers).
+    """
+    grads = [p.grad for p in _unique_params(model_or_params) if p.grad is not None]
+    bucket_allreduce_gradients(grads, bucket_cap_mb=bucket_cap_mb)
+
+
+__all__ = [
+    "get_grad_norm", "clip_grad_norm", "bucket_allreduce_gradients", "allreduce_sequence_parallel_gradients",
+    "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB",
+]
