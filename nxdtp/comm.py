@@ -50,6 +50,16 @@ def _check_xla_world(group: ParallelGroup) -> None:
         )
 
 
+def _process_group(group: ParallelGroup):
+    if group.process_group is None:
+        # group=None would silently mean "the whole world" to torch.distributed.
+        raise RuntimeError(
+            f"the {group.kind}-parallel group {list(group.ranks)} has no torch.distributed process group (the topology "
+            "is simulated); only XLA tensors can be traced under a simulated topology"
+        )
+    return group.process_group
+
+
 def _check_op(op: str) -> None:
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is not supported; valid ops are {list(_REDUCE_OPS)}")
@@ -72,7 +82,7 @@ def all_reduce(tensor: torch.Tensor, group: ParallelGroup, op: str = "sum") -> t
         return xm.all_reduce(reduce_type, tensor, groups=group.replica_groups_as_lists())
     out = tensor.contiguous().clone()
     dist_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(out, op=dist_op, group=group.process_group)
+    dist.all_reduce(out, op=dist_op, group=_process_group(group))
     return out
 
 
@@ -89,7 +99,7 @@ def all_gather(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> tor
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] * group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.all_gather_into_tensor(out, moved, group=group.process_group)
+    dist.all_gather_into_tensor(out, moved, group=_process_group(group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -112,7 +122,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) ->
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.reduce_scatter_tensor(out, moved, group=group.process_group)
+    dist.reduce_scatter_tensor(out, moved, group=_process_group(group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -129,7 +139,7 @@ def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 
         is_src = torch.tensor([group.rank == src_group_rank]).to(tensor.device).reshape(())
         return all_reduce(torch.where(is_src, tensor, torch.zeros_like(tensor)), group)
     out = tensor.contiguous().clone()
-    dist.broadcast(out, src=group.ranks[src_group_rank], group=group.process_group)
+    dist.broadcast(out, src=group.ranks[src_group_rank], group=_process_group(group))
     return out
 
 

@@ -91,7 +91,8 @@ class ColumnParallelLinear(ShardedModule):
                  init_method: Optional[InitMethod] = None, sequence_parallel_enabled: bool = False,
                  sequence_dimension: Optional[int] = None, keep_master_weight: bool = False,
                  skip_bias_add: bool = False, pad: bool = False, tensor_model_parallel_group=None,
-                 reduce_dtype: torch.dtype = torch.float32, **unsupported):
+                 reduce_dtype: torch.dtype = torch.float32, input_in_tensor_parallel_region: bool = False,
+                 **unsupported):
         super().__init__()
         if unsupported:
             raise TypeError(f"ColumnParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
@@ -110,6 +111,9 @@ class ColumnParallelLinear(ShardedModule):
             raise ValueError(f"ColumnParallelLinear: output_size={output_size} is not divisible by "
                              f"tensor_model_parallel_size * stride = {tp} * {stride}")
         self.gather_output, self.skip_bias_add, self.stride = gather_output, skip_bias_add, stride
+        # Several column layers reading one input (Q, K and V) can share a single entry region opened by the caller,
+        # so backward sums their input gradients in one all-reduce instead of one each.
+        self.input_in_tensor_parallel_region = input_in_tensor_parallel_region
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
@@ -130,7 +134,9 @@ class ColumnParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
-        if self.sequence_parallel_enabled:
+        if self.input_in_tensor_parallel_region:
+            input_parallel = input_
+        elif self.sequence_parallel_enabled:
             input_parallel = mappings.gather_from_sequence_parallel_region(
                 input_, to_model_parallel=True, sequence_dimension=self.sequence_dimension)
         else:
@@ -272,10 +278,12 @@ class ParallelEmbedding(ShardedModule):
                  sparse: bool = False, init_method: Optional[InitMethod] = None, device=None,
                  dtype: torch.dtype = torch.float32, shard_across_embedding: bool = False, pad: bool = False,
                  tensor_model_parallel_group=None, sequence_parallel_enabled: bool = False,
-                 sequence_dimension: Optional[int] = None, **unsupported):
+                 sequence_dimension: Optional[int] = None, pad_to_multiple_of: int = 1, **unsupported):
         super().__init__()
         if unsupported:
             raise TypeError(f"ParallelEmbedding got unexpected keyword arguments {sorted(unsupported)}")
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"ParallelEmbedding: pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
         _reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
                             scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False),
                             tensor_model_parallel_group=(tensor_model_parallel_group, None))
@@ -296,14 +304,17 @@ class ParallelEmbedding(ShardedModule):
             self.padded_num_embeddings = num_embeddings
             dim = 1
         else:
+            # Megatron's make_vocab_size_divisible_by: each rank's block is a multiple of pad_to_multiple_of.
+            multiple = tp * pad_to_multiple_of
             self.padded_num_embeddings = num_embeddings
-            if num_embeddings % tp != 0:
+            if num_embeddings % multiple != 0:
                 if not pad:
                     raise ValueError(
                         f"ParallelEmbedding: num_embeddings={num_embeddings} is not divisible by "
-                        f"tensor_model_parallel_size={tp}; pass pad=True to pad the vocabulary to "
-                        f"{-(-num_embeddings // tp) * tp}")
-                self.padded_num_embeddings = -(-num_embeddings // tp) * tp
+                        f"tensor_model_parallel_size={tp}" + (f" * pad_to_multiple_of={pad_to_multiple_of}"
+                                                              if pad_to_multiple_of > 1 else "")
+                        + f"; pass pad=True to pad the vocabulary to {-(-num_embeddings // multiple) * multiple}")
+                self.padded_num_embeddings = -(-num_embeddings // multiple) * multiple
             dim = 0
         rows_per_rank = self.padded_num_embeddings // tp
         self.vocab_start_index = 0 if shard_across_embedding else group.rank * rows_per_rank

@@ -12,7 +12,7 @@ Each region is a pair of collectives, one in forward and its mirror in backward:
 
 All collectives go through nxdtp.comm over the tensor-parallel group, so the same code serves XLA, NCCL and gloo.
 Sequence-parallel tensors are sequence-first by default ([seq, batch, hidden], as in Megatron and NxD); pass
-``sequence_dimension=1`` for batch-first tensors.
+``sequence_dimension=1`` for batch-first tensors. Positional arguments follow NxD's order.
 """
 
 from __future__ import annotations
@@ -116,13 +116,13 @@ def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, process_group
     return _ReduceFromRegion.apply(input_, _group(process_group))
 
 
-def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, partition_dim: int = -1,
-                                            process_group=None) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=None,
+                                            partition_dim: int = -1) -> torch.Tensor:
     return _Split.apply(input_, _group(process_group), partition_dim)
 
 
-def gather_from_tensor_model_parallel_region(input_: torch.Tensor, partition_dim: int = -1,
-                                             process_group=None) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor, process_group=None,
+                                             partition_dim: int = -1) -> torch.Tensor:
     # The consumer of a gathered tensor is replicated, so every rank holds the same full gradient: split it.
     return _Gather.apply(input_, _group(process_group), partition_dim, False)
 
@@ -132,8 +132,8 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, sequence_dimension
     return _Split.apply(input_, _group(process_group), sequence_dimension)
 
 
-def gather_from_sequence_parallel_region(input_: torch.Tensor, to_model_parallel: bool = True,
-                                         sequence_dimension: int = 0, process_group=None) -> torch.Tensor:
+def gather_from_sequence_parallel_region(input_: torch.Tensor, sequence_dimension: int = 0,
+                                         to_model_parallel: bool = True, process_group=None) -> torch.Tensor:
     """All-gather the sequence shards.
 
     ``to_model_parallel=True``: the gathered tensor feeds a TP region (a column-parallel layer), whose ranks produce

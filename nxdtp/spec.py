@@ -119,8 +119,10 @@ class ShardedModule(nn.Module):
             mine = ours.get(name)
             if mine is None:
                 raise ValueError(f"{type(self).__name__}: the state dict has a spec for '{name}', which this module lacks")
-            if (mine.partition_dim, mine.num_partitions, mine.full_shape, mine.stride) != (
-                    theirs.partition_dim, theirs.num_partitions, theirs.full_shape, theirs.stride):
+            # A replicated tensor is the same at every TP degree; only a sharded one depends on the partition count.
+            layout = lambda spec: (spec.partition_dim, spec.full_shape, spec.stride,
+                                   spec.num_partitions if spec.is_sharded else None)
+            if layout(mine) != layout(theirs):
                 raise ValueError(
                     f"{type(self).__name__}.{name}: the state dict was saved with partition_dim={theirs.partition_dim}, "
                     f"{theirs.num_partitions} partitions, stride {theirs.stride}, full shape {list(theirs.full_shape)}, "

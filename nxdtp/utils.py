@@ -83,8 +83,14 @@ def move_model_to_device(model: nn.Module, device: Optional[torch.device | str])
     modules own.
     """
     tie_groups = tied_parameter_names(model)
+    # Attributes set by hand on parameters of non-nxdtp modules are kept too; the modules' specs then take precedence.
+    hand_set = {name: {a: getattr(p, a) for a in _SPEC_ATTRIBUTES if hasattr(p, a)}
+                for name, p in model.named_parameters()}
     model.to(device)
     retie_parameters(model, tie_groups)
+    for name, param in model.named_parameters():
+        for attribute, value in hand_set.get(name, {}).items():
+            setattr(param, attribute, value)
     reattach_spec_attributes(model)
     return model
 

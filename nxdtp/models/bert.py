@@ -1,0 +1,272 @@
+"""Tensor-parallel plan for Hugging Face BERT (transformers 5): BertModel, BertForPreTraining, BertForMaskedLM and
+BertForSequenceClassification.
+
+Everything that can be split is split, Megatron-style:
+
+* Q, K and V are column-parallel and share one entry region, and attention output is row-parallel: one all-reduce
+  forward and one backward per attention block. Intermediate is column-parallel, output dense row-parallel: the same
+  for the MLP. Each rank runs ``num_attention_heads / tp`` heads.
+* The word embedding is vocab-parallel, padded to a multiple of ``make_vocab_size_divisible_by * tp``. The MLM decoder
+  is vocab-parallel, tied to the embedding shard, with a sharded bias. Its logits are never gathered for the loss:
+  ``outputs.loss`` comes from ``parallel_cross_entropy`` with the real vocabulary size, so padded columns take no part.
+* Replicated: position and token-type embeddings, LayerNorms, pooler, NSP head, the MLM transform.
+* ``sequence_parallel=True``: the encoder input is split along the sequence after the embeddings; LayerNorm and
+  dropout between the blocks run on sequence shards; the encoder output is gathered (split in backward) before the
+  pooler and MLM head.
+* Dropout inside TP regions (attention probabilities, and sequence-parallel hidden dropout) runs under the RNG
+  tracker's fork, so it differs across TP ranks; dropout in replicated regions uses the default generator, which
+  ``model_parallel_xla_manual_seed`` seeds identically on all ranks.
+
+Model outputs are HF's, with one difference: ``prediction_logits`` / ``logits`` of the MLM head are vocab-parallel
+(``[batch, seq, padded_vocab / tp]``). ``gather_vocab_logits`` gives the full, unpadded logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import mappings
+from ..loss_functions import parallel_cross_entropy
+from ..parallel_state import data_parallel_group, tensor_parallel_group
+from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
+    parallelize, wrap_forward
+from ..random import get_xla_rng_tracker
+
+logger = logging.getLogger(__name__)
+
+# HF BERT is batch-first: [batch, seq, hidden].
+SEQUENCE_DIM = 1
+
+SUPPORTED = ("BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification")
+
+
+def bert_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+    sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
+    layer = "*encoder.layer.*."
+    styles = {
+        "*embeddings.word_embeddings": VocabParallelEmbedding(pad_to_multiple_of=make_vocab_size_divisible_by),
+        layer + "attention.self.query": ColumnParallel(input_in_tensor_parallel_region=True, **sp),
+        layer + "attention.self.key": ColumnParallel(input_in_tensor_parallel_region=True, **sp),
+        layer + "attention.self.value": ColumnParallel(input_in_tensor_parallel_region=True, **sp),
+        layer + "attention.output.dense": RowParallel(**sp),
+        layer + "intermediate.dense": ColumnParallel(**sp),
+        layer + "output.dense": RowParallel(**sp),
+    }
+    if sequence_parallel:
+        styles[layer + "attention.output.LayerNorm"] = Replicate(sequence_parallel=True)
+        styles[layer + "output.LayerNorm"] = Replicate(sequence_parallel=True)
+
+    def prepare(model: nn.Module) -> None:
+        _validate(model, sequence_parallel)
+        if _has_mlm_head(model):
+            styles["cls.predictions.decoder"] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
+
+    def finalize(model: nn.Module) -> None:
+        _wire(model, sequence_parallel)
+
+    return Plan(styles=styles, prepare=prepare, finalize=finalize)
+
+
+def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+                     broadcast_replicated: bool = True) -> nn.Module:
+    """Shard an HF BERT model in place over the tensor-parallel group and return it."""
+    return parallelize(model, bert_plan(sequence_parallel, make_vocab_size_divisible_by),
+                       broadcast_replicated=broadcast_replicated)
+
+
+def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """All-gather vocab-parallel logits and drop the padded columns (for evaluation or inspection, not the loss)."""
+    full = mappings.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
+    return full[..., :vocab_size]
+
+
+# ---- validation -----------------------------------------------------------------------------------------------------------
+
+def _validate(model: nn.Module, sequence_parallel: bool) -> None:
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        raise TypeError(f"parallelize_bert supports {list(SUPPORTED)}, not {name}")
+    config = model.config
+    tp = tensor_parallel_group().size
+    for what, value in (("num_attention_heads", config.num_attention_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % tp != 0:
+            raise ValueError(f"BERT {what}={value} is not divisible by tensor_model_parallel_size={tp}")
+    if config.is_decoder or getattr(config, "add_cross_attention", False):
+        raise ValueError("parallelize_bert supports encoder BERT only (config.is_decoder=False, no cross-attention)")
+    if sequence_parallel and name == "BertForSequenceClassification" and tp > 1:
+        pass  # the pooler reads the gathered sequence; nothing extra to check
+
+
+def _has_mlm_head(model: nn.Module) -> bool:
+    return hasattr(model, "cls") and hasattr(model.cls, "predictions")
+
+
+# ---- wiring -----------------------------------------------------------------------------------------------------------------
+
+def _wire(model: nn.Module, sequence_parallel: bool) -> None:
+    from transformers.models.bert import modeling_bert as hf
+
+    tp = tensor_parallel_group().size
+    for module in model.modules():
+        if isinstance(module, hf.BertSelfAttention):
+            module.num_attention_heads //= tp
+            module.all_head_size //= tp
+            wrap_forward(module, "nxdtp_tp_attention_sp" if sequence_parallel else "nxdtp_tp_attention",
+                         _sequence_parallel_attention if sequence_parallel else _tensor_parallel_attention)
+        elif sequence_parallel and isinstance(module, (hf.BertSelfOutput, hf.BertOutput)):
+            wrap_forward(module, "nxdtp_sequence_parallel_dropout", _under_tp_rng_when_dropping)
+        elif sequence_parallel and isinstance(module, hf.BertEncoder):
+            wrap_forward(module, "nxdtp_sequence_parallel_encoder", _sequence_parallel_encoder)
+    if type(model).__name__ in ("BertForPreTraining", "BertForMaskedLM"):
+        model._nxdtp_forward_signature = inspect.signature(type(model).forward)
+        wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
+
+
+def _dropping(module: nn.Module) -> bool:
+    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def _attention_dropping(attention: nn.Module) -> bool:
+    return attention.training and attention.dropout.p > 0
+
+
+def _tensor_parallel_attention(forward, hidden_states, *args, **kwargs):
+    self = forward.__self__
+    # One region for Q, K and V: backward sums their input gradients with a single all-reduce.
+    hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
+    return _maybe_forked(_attention_dropping(self), forward, hidden_states, *args, **kwargs)
+
+
+def _sequence_parallel_attention(forward, hidden_states, *args, **kwargs):
+    self = forward.__self__
+    hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, to_model_parallel=True,
+                                                                  sequence_dimension=SEQUENCE_DIM)
+    return _maybe_forked(_attention_dropping(self), forward, hidden_states, *args, **kwargs)
+
+
+def _under_tp_rng_when_dropping(forward, *args, **kwargs):
+    # Hidden dropout on a sequence shard: each rank owns different tokens, so each draws its own mask.
+    return _maybe_forked(_dropping(forward.__self__), forward, *args, **kwargs)
+
+
+def _maybe_forked(fork: bool, forward, *args, **kwargs):
+    if not fork:
+        return forward(*args, **kwargs)
+    with get_xla_rng_tracker().fork():
+        return forward(*args, **kwargs)
+
+
+def _sequence_parallel_encoder(forward, hidden_states, *args, **kwargs):
+    hidden_states = mappings.scatter_to_sequence_parallel_region(hidden_states, sequence_dimension=SEQUENCE_DIM)
+    output = forward(hidden_states, *args, **kwargs)
+    # The pooler and the MLM head are replicated: gather the sequence; backward only splits.
+    output.last_hidden_state = mappings.gather_from_sequence_parallel_region(
+        output.last_hidden_state, to_model_parallel=False, sequence_dimension=SEQUENCE_DIM)
+    return output
+
+
+def _vocab_parallel_loss(forward, *args, **kwargs):
+    """HF's loss views the logits as [-1, vocab_size], which vocab-parallel logits are not: compute it here instead.
+
+    Extra keyword arguments ``mlm_denominator`` / ``nsp_denominator`` normalise the summed losses by global counts
+    (masked tokens / sentences over all DP ranks and accumulation steps) instead of this batch's counts. The result is
+    scaled by the DP size so that the DP-averaged gradient is the gradient of the global-batch mean loss.
+    """
+    self = forward.__self__
+    mlm_denominator = kwargs.pop("mlm_denominator", None)
+    nsp_denominator = kwargs.pop("nsp_denominator", None)
+    bound = self._nxdtp_forward_signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    extra = arguments.pop("kwargs", {})
+    labels = arguments.pop("labels", None)
+    next_sentence_label = arguments.pop("next_sentence_label", None)
+    output = forward(**arguments, **extra)
+
+    is_pretraining = "next_sentence_label" in self._nxdtp_forward_signature.parameters
+    if labels is None or (is_pretraining and next_sentence_label is None):
+        return output  # HF computes no loss in these cases either
+    logits = output.prediction_logits if is_pretraining else output.logits
+    dp = data_parallel_group().size
+    per_token = parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size, reduction="none")
+    if mlm_denominator is None:
+        mlm_loss = per_token.sum() / (labels != -100).sum()
+    else:
+        mlm_loss = per_token.sum() * dp / mlm_denominator
+    output["mlm_loss"] = mlm_loss
+    loss = mlm_loss
+    if is_pretraining:
+        nsp = F.cross_entropy(output.seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1),
+                              reduction="none")
+        nsp_loss = nsp.mean() if nsp_denominator is None else nsp.sum() * dp / nsp_denominator
+        output["nsp_loss"] = nsp_loss
+        loss = mlm_loss + nsp_loss
+    output["loss"] = loss
+    return output
+
+
+def local_head_count(model: nn.Module) -> Optional[int]:
+    from transformers.models.bert import modeling_bert as hf
+
+    for module in model.modules():
+        if isinstance(module, hf.BertSelfAttention):
+            return module.num_attention_heads
+    return None
+
+
+# ---- loading pretrained weights ---------------------------------------------------------------------------------------------
+
+def _bert_checkpoint_keys(name: str, base_prefix: str = "bert."):
+    """Checkpoint keys that may hold parameter ``name``: with or without the base-model prefix, and the legacy
+    LayerNorm names (gamma/beta) of early BERT checkpoints."""
+    variants = [name, name[len(base_prefix):] if name.startswith(base_prefix) else base_prefix + name]
+    for variant in list(variants):
+        if variant.endswith("LayerNorm.weight"):
+            variants.append(variant[:-len("weight")] + "gamma")
+        elif variant.endswith("LayerNorm.bias"):
+            variants.append(variant[:-len("bias")] + "beta")
+    return variants
+
+
+def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel: bool = False,
+                            make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32,
+                            device="cpu") -> nn.Module:
+    """Build a TP-sharded BERT from an HF model directory; each rank reads only its own slices of the weights.
+
+    ``model_class`` defaults to the first of ``config.architectures``, else BertForPreTraining. Parameters the
+    checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made equal across TP ranks.
+    """
+    import transformers
+
+    from ..plan import broadcast_replicated_state
+    from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model
+
+    config = transformers.BertConfig.from_pretrained(model_dir)
+    if model_class is None:
+        architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
+        model_class = getattr(transformers, architectures[0])
+    reader = CheckpointReader(model_dir)  # fail on a missing checkpoint before building anything
+    with torch.device("meta"):
+        model = model_class(config)
+    parallelize_bert(model, sequence_parallel=sequence_parallel,
+                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, broadcast_replicated=False)
+    materialize_meta_model(model, device)
+    model.to(dtype)
+    # Non-persistent buffers (position ids) and parameters missing from the checkpoint get HF's initialisation;
+    # everything in the checkpoint is then overwritten by its slice.
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)
+    missing = load_sharded_weights(model, reader, _bert_checkpoint_keys)
+    if missing:
+        logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
+    broadcast_replicated_state(model)
+    return model

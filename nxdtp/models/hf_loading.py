@@ -1,0 +1,155 @@
+"""Load Hugging Face weights into an already-sharded model, each rank reading only its own slices.
+
+The model is built on the meta device, sharded by its plan, materialised empty, and then every parameter is filled from
+the checkpoint: a sharded parameter reads only the rows or columns its spec assigns to this rank (``safetensors``
+``get_slice``, or slices of a memory-mapped ``pytorch_model.bin``), so a rank's peak host memory is about its shard.
+
+Checkpoint forms: ``model.safetensors``; sharded safetensors with ``model.safetensors.index.json``; ``pytorch_model.bin``
+(loaded with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..parallel_state import tensor_parallel_group
+from ..spec import ParamSpec, ShardedModule
+from ..utils import reattach_spec_attributes, retie_parameters, tied_parameter_names
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PYTORCH_BIN = "pytorch_model.bin"
+
+
+class CheckpointReader:
+    """Read whole tensors or slices of them from an HF model directory without loading the rest."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._files: Dict[str, str] = {}  # key -> file
+        self._open: Dict[str, object] = {}
+        if os.path.isfile(os.path.join(model_dir, SAFETENSORS)):
+            self._add_safetensors(SAFETENSORS)
+        elif os.path.isfile(os.path.join(model_dir, SAFETENSORS_INDEX)):
+            with open(os.path.join(model_dir, SAFETENSORS_INDEX)) as f:
+                weight_map = json.load(f)["weight_map"]
+            for key, file in weight_map.items():
+                if not os.path.isfile(os.path.join(model_dir, file)):
+                    raise FileNotFoundError(f"{SAFETENSORS_INDEX} in {model_dir} names {file} for '{key}', "
+                                            "which does not exist")
+                self._files[key] = file
+        elif os.path.isfile(os.path.join(model_dir, PYTORCH_BIN)):
+            path = os.path.join(model_dir, PYTORCH_BIN)
+            self._bin = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            self._files = {key: PYTORCH_BIN for key in self._bin}
+        else:
+            raise FileNotFoundError(f"{model_dir} has none of {SAFETENSORS}, {SAFETENSORS_INDEX}, {PYTORCH_BIN}")
+
+    def _add_safetensors(self, file: str) -> None:
+        for key in self._handle(file).keys():
+            self._files[key] = file
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            from safetensors import safe_open
+
+            self._open[file] = safe_open(os.path.join(self.model_dir, file), framework="pt", device="cpu")
+        return self._open[file]
+
+    def keys(self) -> List[str]:
+        return list(self._files)
+
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """The tensor ``key``, or only ``[start, stop)`` along ``dim``."""
+        file = self._files[key]
+        if file == PYTORCH_BIN:
+            tensor = self._bin[key]
+            return tensor.clone() if dim is None else tensor.narrow(dim, start, stop - start).clone()
+        if dim is None:
+            return self._handle(file).get_tensor(key)
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._handle(file).get_slice(key)[index]
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        file = self._files[key]
+        if file == PYTORCH_BIN:
+            return tuple(self._bin[key].shape)
+        return tuple(self._handle(file).get_slice(key).get_shape())
+
+
+def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -> torch.Tensor:
+    """This rank's shard of ``key`` as ``spec`` lays it out: strided pieces, with zero rows past the real size."""
+    dim, tp, stride = spec.partition_dim, spec.num_partitions, spec.stride
+    real = spec.unpadded_shape[dim]
+    stored = reader.shape(key)
+    if stored != spec.unpadded_shape:
+        raise ValueError(f"checkpoint tensor '{key}' has shape {list(stored)}, but the model expects "
+                         f"{list(spec.unpadded_shape)}")
+    piece = spec.full_shape[dim] // (tp * stride)
+    parts = []
+    for block in range(stride):
+        start = (block * tp + rank) * piece
+        stop = start + piece
+        have = max(0, min(stop, real) - start)
+        if have:
+            parts.append(reader.read(key, dim, start, start + have))
+        if have < piece:
+            shape = list(spec.full_shape)
+            shape[dim] = piece - have
+            parts.append(torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32))
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+
+def materialize_meta_model(model: nn.Module, device="cpu") -> nn.Module:
+    """Give a meta-device model real (uninitialised) storage, keeping weight ties and TP attributes."""
+    tie_groups = tied_parameter_names(model)
+    model.to_empty(device=device)
+    retie_parameters(model, tie_groups)
+    reattach_spec_attributes(model)
+    return model
+
+
+def _spec_of(model: nn.Module, name: str) -> Optional[ParamSpec]:
+    owner_name, _, attribute = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return owner.param_specs().get(attribute) if isinstance(owner, ShardedModule) else None
+
+
+def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
+                         candidate_keys: Callable[[str], Iterable[str]]) -> List[str]:
+    """Fill every parameter of ``model`` from ``reader``; return the parameter names the checkpoint lacks.
+
+    ``candidate_keys(name)`` lists the checkpoint keys that may hold parameter ``name`` (prefix and legacy-name
+    variants), first match wins. Tied parameters are loaded once, through whichever of their names is present.
+    """
+    rank = tensor_parallel_group().rank
+    available = set(reader.keys())
+    tie_groups = {id(p): names for names in tied_parameter_names(model) for p in [model.get_parameter(names[0])]}
+    missing: List[str] = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            names = tie_groups.get(id(param), [name])
+            key = next((k for n in names for k in candidate_keys(n) if k in available), None)
+            if key is None:
+                missing.append(name)
+                continue
+            # The spec belongs to the module that owns the sharded copy, under any of the tied names.
+            spec = next((s for s in (_spec_of(model, n) for n in names) if s is not None), None)
+            if spec is not None and spec.is_sharded:
+                value = read_shard(reader, key, spec, rank)
+            else:
+                value = reader.read(key)
+                expected = tuple(spec.unpadded_shape) if spec is not None else tuple(param.shape)
+                if tuple(value.shape) != expected:
+                    raise ValueError(f"checkpoint tensor '{key}' has shape {list(value.shape)}, but parameter "
+                                     f"'{name}' expects {list(expected)}")
+            param.copy_(value.to(param.dtype))
+    return missing

@@ -1,0 +1,292 @@
+"""Shard an existing model in place by a plan: module-name patterns mapped to parallel styles.
+
+A plan names *what* is split; the styles know *how*. Converting a dense ``nn.Linear`` or ``nn.Embedding`` reslices its
+existing weights into the parallel layer, so a converted model computes exactly what the dense one did. It works on the
+meta device too (the slices are meta tensors, to be loaded later), so no rank has to materialise the full model.
+
+Model-specific wiring (loss path, where a sequence-parallel region starts and ends, attention head counts) lives in the
+plan's ``finalize`` hook, in ``nxdtp/models/``. Helpers for it are here: ``wrap_forward`` changes what one module instance
+does around its own forward without changing its parameter names, so HF state-dict keys stay as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import comm
+from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear, shard_of
+from .parallel_state import tensor_parallel_group
+from .spec import ShardedModule
+from .utils import retie_parameters, tied_parameter_names
+
+
+def padded_size(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+# ---- styles --------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ColumnParallel:
+    """``nn.Linear`` → ColumnParallelLinear (output features split)."""
+
+    gather_output: bool = False
+    stride: int = 1
+    input_in_tensor_parallel_region: bool = False
+    sequence_parallel: bool = False
+    sequence_dimension: int = 0
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        _expect(module, nn.Linear, self, name)
+        layer = ColumnParallelLinear(
+            module.in_features, module.out_features, bias=module.bias is not None, gather_output=self.gather_output,
+            dtype=module.weight.dtype, device="meta", stride=self.stride,
+            sequence_parallel_enabled=self.sequence_parallel, sequence_dimension=self.sequence_dimension,
+            input_in_tensor_parallel_region=self.input_in_tensor_parallel_region)
+        _load_shards(layer, module, {"weight": (0, self.stride), "bias": (0, self.stride)})
+        return layer
+
+
+@dataclasses.dataclass(frozen=True)
+class RowParallel:
+    """``nn.Linear`` → RowParallelLinear (input features split; output all-reduced or reduce-scattered)."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+    sequence_dimension: int = 0
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        _expect(module, nn.Linear, self, name)
+        layer = RowParallelLinear(
+            module.in_features, module.out_features, bias=module.bias is not None,
+            input_is_parallel=self.input_is_parallel, dtype=module.weight.dtype, device="meta",
+            sequence_parallel_enabled=self.sequence_parallel, sequence_dimension=self.sequence_dimension)
+        _load_shards(layer, module, {"weight": (1, 1), "bias": (None, 1)})
+        return layer
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelEmbedding:
+    """``nn.Embedding`` → ParallelEmbedding split by vocabulary, padded to a multiple of ``pad_to_multiple_of * tp``."""
+
+    pad_to_multiple_of: int = 1
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        _expect(module, nn.Embedding, self, name)
+        group = tensor_parallel_group()
+        layer = ParallelEmbedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
+                                  dtype=module.weight.dtype, device="meta", pad=True,
+                                  pad_to_multiple_of=self.pad_to_multiple_of)
+        weight = _pad_rows(module.weight.detach(), layer.padded_num_embeddings)
+        _replace_param(layer, "weight", shard_of(weight, 0, group.rank, group.size), module.weight)
+        return layer
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelLMHead:
+    """``nn.Linear(hidden, vocab)`` → ColumnParallelLinear over the padded vocabulary, logits left vocab-parallel.
+
+    A weight tied to a vocab-parallel embedding stays tied (``parallelize`` keeps the model's ties); the shard ranges
+    agree because both pad the vocabulary the same way. Padded bias entries are zero; the loss excludes padded columns
+    (parallel_cross_entropy's ``vocab_size``), and gathering the logits strips them.
+    """
+
+    pad_to_multiple_of: int = 1
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        _expect(module, nn.Linear, self, name)
+        tp = tensor_parallel_group().size
+        padded = padded_size(module.out_features, self.pad_to_multiple_of * tp)
+        layer = ColumnParallelLinear(module.in_features, padded, bias=module.bias is not None, gather_output=False,
+                                     dtype=module.weight.dtype, device="meta")
+        rank = tensor_parallel_group().rank
+        _replace_param(layer, "weight", shard_of(_pad_rows(module.weight.detach(), padded), 0, rank, tp),
+                       module.weight)
+        if module.bias is not None:
+            _replace_param(layer, "bias", shard_of(_pad_rows(module.bias.detach(), padded), 0, rank, tp), module.bias)
+        _record_real_rows(layer, module.out_features)
+        return layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """Keep the module whole on every TP rank. With ``sequence_parallel`` an ``nn.LayerNorm`` becomes nxdtp's LayerNorm,
+    whose parameters are marked so their gradients are summed over TP (each rank normalises only its sequence shard)."""
+
+    sequence_parallel: bool = False
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        if not self.sequence_parallel:
+            return module
+        _expect(module, nn.LayerNorm, self, name)
+        layer = LayerNorm(module.normalized_shape, eps=module.eps, elementwise_affine=module.elementwise_affine,
+                          bias=module.bias is not None, sequence_parallel_enabled=True, device="meta",
+                          dtype=module.weight.dtype if module.weight is not None else None)
+        for param_name in ("weight", "bias"):
+            if getattr(module, param_name, None) is not None:
+                _replace_param(layer, param_name, getattr(module, param_name).detach(), getattr(module, param_name))
+        return layer
+
+
+Style = object  # anything with convert(module, name) -> module
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Plan:
+    """``styles`` maps fnmatch patterns over dotted module names (``"*.layer.*.attention.self.query"``) to styles; the
+    first matching pattern wins. ``prepare`` validates the model before anything changes; ``finalize`` wires the
+    model-specific hooks after the layers are converted."""
+
+    styles: Dict[str, Style]
+    prepare: Optional[Callable[[nn.Module], None]] = None
+    finalize: Optional[Callable[[nn.Module], None]] = None
+
+
+def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return it.
+
+    Weight ties that held before (e.g. MLM decoder and word embedding) hold after. With ``broadcast_replicated`` every
+    replicated parameter and buffer is broadcast from TP rank 0, so TP ranks start identical even if they initialised
+    the dense model differently.
+    """
+    if plan.prepare is not None:
+        plan.prepare(model)
+    tie_groups = tied_parameter_names(model)
+    matched = _match(model, plan)
+    for name, style in matched:
+        converted = style.convert(model.get_submodule(name), name)
+        _set_submodule(model, name, converted)
+    _retie_after_conversion(model, tie_groups)
+    if plan.finalize is not None:
+        plan.finalize(model)
+    if broadcast_replicated:
+        broadcast_replicated_state(model)
+    return model
+
+
+def _match(model: nn.Module, plan: Plan) -> List[Tuple[str, Style]]:
+    matched, used = [], set()
+    for name, _ in model.named_modules():
+        if not name:
+            continue
+        for pattern, style in plan.styles.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                matched.append((name, style))
+                used.add(pattern)
+                break
+    unused = [p for p in plan.styles if p not in used]
+    if unused:
+        raise ValueError(f"plan patterns {unused} match no module of {type(model).__name__}; "
+                         f"module names look like {[n for n, _ in list(model.named_modules())[1:6]]}")
+    # Convert children before parents would be wrong (a parent's conversion would drop converted children); plans
+    # name leaves, so reject nested matches outright.
+    names = [n for n, _ in matched]
+    nested = [(a, b) for a in names for b in names if b.startswith(a + ".")]
+    if nested:
+        raise ValueError(f"plan matches nested modules {nested[0]}: name leaf modules only")
+    return matched
+
+
+def broadcast_replicated_state(model: nn.Module) -> None:
+    """Make every replicated parameter and buffer equal to TP rank 0's copy."""
+    group = tensor_parallel_group()
+    if group.size == 1:
+        return
+    sharded = {id(getattr(m, n)) for m in model.modules() if isinstance(m, ShardedModule)
+               for n, spec in m.param_specs().items() if spec.is_sharded}
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if id(tensor) in sharded or tensor.device.type == "meta":
+                continue
+            tensor.copy_(comm.broadcast(tensor, group, src_group_rank=0))
+
+
+# ---- wiring helpers for plans' finalize hooks ---------------------------------------------------------------------------
+
+_WRAPPED_CLASSES: Dict[Tuple[type, str], type] = {}
+
+
+def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> None:
+    """Make ``module`` call ``wrapper(super_forward, *args, **kwargs)`` instead of its forward.
+
+    The module's class is swapped for a subclass (cached per class and wrapper), so parameter names, ``state_dict``
+    keys, ``deepcopy`` and ``isinstance`` checks are all unchanged.
+    """
+    base = type(module)
+    if getattr(base, "_nxdtp_wrapper", None) == wrapper_name:
+        return
+    key = (base, wrapper_name)
+    if key not in _WRAPPED_CLASSES:
+        def forward(self, *args, **kwargs):
+            return wrapper(super(cls, self).forward, *args, **kwargs)
+
+        cls = type(base.__name__, (base,), {"forward": forward, "_nxdtp_wrapper": wrapper_name,
+                                            "__module__": base.__module__, "__qualname__": base.__qualname__})
+        _WRAPPED_CLASSES[key] = cls
+    module.__class__ = _WRAPPED_CLASSES[key]
+
+
+# ---- conversion internals -----------------------------------------------------------------------------------------------
+
+def _expect(module: nn.Module, kind: type, style, name: str) -> None:
+    if not isinstance(module, kind):
+        raise TypeError(f"{type(style).__name__} applies to {kind.__name__}, but '{name}' is {type(module).__name__}")
+
+
+def _replace_param(layer: nn.Module, name: str, value: torch.Tensor, like: torch.Tensor) -> None:
+    setattr(layer, name, nn.Parameter(value.contiguous(), requires_grad=like.requires_grad))
+    if isinstance(layer, ShardedModule):
+        layer.reattach_spec_attributes()
+
+
+def _load_shards(layer: nn.Module, dense: nn.Module, dims: Dict[str, Tuple[Optional[int], int]]) -> None:
+    group = tensor_parallel_group()
+    for name, (dim, stride) in dims.items():
+        source = getattr(dense, name, None)
+        if source is None:
+            continue
+        value = source.detach() if dim is None else shard_of(source.detach(), dim, group.rank, group.size, stride)
+        _replace_param(layer, name, value, source)
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    padding = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, padding])
+
+
+def _record_real_rows(layer: ColumnParallelLinear, real_rows: int) -> None:
+    """Record the unpadded vocabulary in the LM head's specs, so merged checkpoints strip the padding."""
+    layer.real_output_size = real_rows
+    for name, spec in layer.param_specs().items():
+        layer.register_param_spec(name, dataclasses.replace(spec, real_shape=(real_rows,) + tuple(spec.full_shape[1:])))
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _retie_after_conversion(model: nn.Module, tie_groups: List[List[str]]) -> None:
+    """Re-point tied names at one parameter, preferring a converted (sharded) one as the owner."""
+    for names in tie_groups:
+        present = [n for n in names if _has_parameter(model, n)]
+        sharded = [n for n in present if getattr(model.get_parameter(n), "tensor_model_parallel", False)]
+        owner = sharded[0] if sharded else present[0]
+        retie_parameters(model, [[owner] + [n for n in present if n != owner]])
+
+
+def _has_parameter(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+        return True
+    except AttributeError:
+        return False

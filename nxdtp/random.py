@@ -1,0 +1,244 @@
+"""Dropout randomness under tensor parallelism, and activation checkpointing that replays it.
+
+Two kinds of region need different masks. Replicated activations (after a row-parallel all-reduce, LayerNorm inputs)
+must draw the *same* dropout mask on every TP rank, or the replicas drift apart. TP-sharded activations (attention
+probabilities of this rank's heads, column-parallel outputs) must draw *different* masks per TP rank, or the shards of
+one dense tensor would reuse one mask. So the default generators get one seed on all ranks, and a named RNG state in a
+tracker gets a per-TP-rank seed; ``with get_xla_rng_tracker().fork():`` swaps it in around sharded dropout.
+
+The generators swapped are the ones dropout draws from: always the CPU one, CUDA's once CUDA is in use, and XLA's once
+torch_xla is loaded (this module never imports it; a program using XLA tensors already has).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from .parallel_state import get_tensor_model_parallel_rank
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Added to the seed for the per-TP-rank state, so it never equals the replicated seed of any rank.
+_TP_SEED_OFFSET = 2718
+
+RngState = Dict[str, Any]  # backend name -> that backend's state (a ByteTensor, or XLA's int seed)
+
+
+# ---- the one place that knows the backends ----------------------------------------------------------------------------
+
+def _xla_model():
+    # Only called once torch_xla is loaded (an "xla" backend is active, or a tensor lives on XLA).
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def _active_backends() -> tuple:
+    backends = ["cpu"]
+    if torch.cuda.is_initialized():
+        backends.append("cuda")
+    if "torch_xla" in sys.modules:  # loaded by the program: XLA dropout may run; never load it ourselves
+        backends.append("xla")
+    return tuple(backends)
+
+
+def _get_state(backend: str):
+    if backend == "cpu":
+        return torch.get_rng_state()
+    if backend == "cuda":
+        return torch.cuda.get_rng_state()
+    return _xla_model().get_rng_state()
+
+
+def _set_state(backend: str, state) -> None:
+    if backend == "cpu":
+        torch.set_rng_state(state)
+    elif backend == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        _xla_model().set_rng_state(state)
+
+
+def _seed(backend: str, seed: int) -> None:
+    if backend == "cpu":
+        torch.default_generator.manual_seed(seed)
+    elif backend == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        _xla_model().set_rng_state(seed)
+
+
+def get_rng_state() -> RngState:
+    """The states of every generator dropout may draw from now."""
+    return {backend: _get_state(backend) for backend in _active_backends()}
+
+
+def set_rng_state(state: RngState) -> None:
+    for backend, value in state.items():
+        _set_state(backend, value)
+
+
+def _seeded_state(seed: int, backends) -> RngState:
+    """The states ``backends`` would have right after seeding with ``seed``, leaving the live generators untouched."""
+    saved = {backend: _get_state(backend) for backend in backends}
+    try:
+        for backend in backends:
+            _seed(backend, seed)
+        return {backend: _get_state(backend) for backend in backends}
+    finally:
+        set_rng_state(saved)
+
+
+# ---- the tracker -----------------------------------------------------------------------------------------------------
+
+class XLARNGStatesTracker:
+    """Named RNG states, each seeded once and advanced only inside ``fork(name)``.
+
+    Seeds must be distinct across names: two names with one seed would draw identical masks, which is exactly the
+    correlation the tracker exists to avoid.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._states: Dict[str, RngState] = {}
+        self._seeds: Dict[str, int] = {}
+
+    def get_states(self) -> Dict[str, RngState]:
+        """A snapshot (copied, so later forks do not change it) to save in a checkpoint or replay a recompute."""
+        return {name: dict(state) for name, state in self._states.items()}
+
+    def set_states(self, states: Dict[str, RngState]) -> None:
+        self._states = {name: dict(state) for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self._states:
+            raise ValueError(f"RNG state {name!r} is already registered (seed {self._seeds.get(name)}); names must be "
+                             "unique (call reset() first to re-seed)")
+        owner = next((n for n, s in self._seeds.items() if s == seed), None)
+        if owner is not None:
+            raise ValueError(f"seed {seed} is already used by RNG state {owner!r}; each name needs its own seed")
+        self._seeds[name] = seed
+        self._states[name] = _seeded_state(seed, _active_backends())
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draw from the named state inside the block; keep its advanced state for the next fork."""
+        if name not in self._states:
+            raise ValueError(f"RNG state {name!r} is not registered; registered names are {sorted(self._states)}. "
+                             "Call model_parallel_xla_manual_seed(seed) or get_xla_rng_tracker().add(name, seed) first")
+        state = self._states[name]
+        missing = [b for b in _active_backends() if b not in state]
+        if missing:
+            # A backend came into use after add() (CUDA initialised late): seed it the way add() would have.
+            if name not in self._seeds:
+                raise RuntimeError(f"RNG state {name!r} has no state for {missing} and no seed to make one; re-add it")
+            state = {**state, **_seeded_state(self._seeds[name], missing)}
+        outside = get_rng_state()
+        set_rng_state(state)
+        try:
+            yield
+        finally:
+            self._states[name] = {backend: _get_state(backend) for backend in state}
+            set_rng_state(outside)
+
+
+_TRACKER = XLARNGStatesTracker()
+
+
+def get_xla_rng_tracker() -> XLARNGStatesTracker:
+    """The process-wide tracker that parallel layers and ``checkpoint`` use."""
+    return _TRACKER
+
+
+def model_parallel_xla_manual_seed(seed: int) -> None:
+    """Seed replicated regions with ``seed`` (same on all ranks) and TP-sharded ones with ``seed + 2718 + tp_rank``.
+
+    Call it on every rank with the same ``seed``, after ``initialize_model_parallel``.
+    """
+    tp_rank = get_tensor_model_parallel_rank()
+    torch.manual_seed(seed)
+    if "torch_xla" in sys.modules:
+        _seed("xla", seed)
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+
+
+# ---- activation checkpointing ----------------------------------------------------------------------------------------
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Forward without keeping activations; backward recomputes them under the forward's RNG states.
+
+    Restoring both the default generators and the tracker's states makes the recompute draw the very masks the forward
+    drew, inside and outside ``fork()``; without that the gradient would belong to different masks than the loss.
+    """
+
+    @staticmethod
+    def forward(ctx, function, keyword_names, _always_requires_grad, *args):
+        ctx.function, ctx.keyword_names = function, keyword_names
+        ctx.rng_state, ctx.tracker_states = get_rng_state(), _TRACKER.get_states()
+        tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.tensor_positions = tensor_positions
+        ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in tensor_positions))
+        outputs = _call(function, keyword_names, args)
+        ctx.returned_tuple = isinstance(outputs, tuple)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = list(ctx.other_args)
+        saved = ctx.saved_tensors
+        for i, tensor in zip(ctx.tensor_positions, saved):
+            args[i] = tensor.detach().requires_grad_(tensor.requires_grad)
+        on_xla = [args[i] for i in ctx.tensor_positions if args[i].device.type == "xla"]
+        if on_xla:
+            # Without the barrier XLA sees the recompute as a copy of the forward and may CSE it away.
+            _xla_model().optimization_barrier_(on_xla)
+
+        now, tracker_now = get_rng_state(), _TRACKER.get_states()
+        set_rng_state(ctx.rng_state)
+        _TRACKER.set_states(ctx.tracker_states)
+        try:
+            with torch.enable_grad():
+                outputs = _call(ctx.function, ctx.keyword_names, args)
+        finally:
+            set_rng_state(now)
+            _TRACKER.set_states(tracker_now)
+
+        outputs = outputs if ctx.returned_tuple else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
+        return (None, None, None) + input_grads
+
+
+def _call(function, keyword_names, args):
+    split = len(args) - len(keyword_names)
+    return function(*args[:split], **dict(zip(keyword_names, args[split:])))
+
+
+def checkpoint(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` without storing its activations; backward recomputes them with the same dropout.
+
+    Unlike ``torch.utils.checkpoint``, the recompute also replays the tracker's named states, so dropout inside
+    ``get_xla_rng_tracker().fork()`` matches the forward. Tensor arguments (positional or keyword) receive gradients;
+    other arguments are passed through. ``function`` returns a tensor or a tuple of tensors.
+    """
+    keyword_names = tuple(kwargs)
+    # Parameters used inside `function` are not inputs of the autograd Function; if no input required grad either,
+    # the output would not require grad and the parameters would silently get none. This input makes it always do.
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    return _CheckpointFunction.apply(function, keyword_names, anchor, *args, *kwargs.values())
+
+
+__all__ = [
+    "XLARNGStatesTracker", "get_xla_rng_tracker", "model_parallel_xla_manual_seed", "checkpoint",
+    "get_rng_state", "set_rng_state", "MODEL_PARALLEL_RNG",
+]

@@ -1,0 +1,207 @@
+"""parallel_cross_entropy and from_parallel_logits_to_logprobs against dense torch on the full logits.
+
+Every rank of a TP group builds the same full logits and targets from one seed, keeps its contiguous vocab shard, and
+compares the per-token loss and its logits-gradient shard with ``F.cross_entropy`` on the full tensor. Each DP group gets
+different data (the seed includes the DP rank), so a reduction over the wrong group would show up as wrong numbers.
+"""
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdtp import comm
+from nxdtp import parallel_state as ps
+from nxdtp.loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _configs(tp):
+    """(name, kwargs) pairs; ``local`` is the vocab columns per rank, ``pad`` the padded columns at the end."""
+    base = dict(batch=(13,), local=8, pad=0, smoothing=0.0, reduction="none", dtype=torch.float32, ignore_frac=0.3,
+                scale=3.0, offset=0.0)
+    variants = [
+        ("plain", {}),
+        ("smoothing", dict(smoothing=0.1)),
+        ("3d-mean", dict(batch=(3, 5), reduction="mean")),
+        ("3d-mean-smoothing", dict(batch=(3, 5), reduction="mean", smoothing=0.1)),
+        ("sum-smoothing", dict(batch=(2, 7), reduction="sum", smoothing=0.1)),
+        ("large-logits", dict(scale=30.0, offset=100.0, smoothing=0.1)),  # exp overflows without the max shift
+        ("no-ignored", dict(ignore_frac=0.0, smoothing=0.1)),
+        ("padded-last-shard", dict(local=6, pad=tp - 1)),
+        ("padded-last-shard-smoothing", dict(batch=(3, 4), local=6, pad=tp - 1, smoothing=0.1, reduction="mean")),
+        ("bf16", dict(dtype=torch.bfloat16, smoothing=0.1)),
+        ("bf16-mean", dict(dtype=torch.bfloat16, batch=(3, 5), reduction="mean")),
+    ]
+    if tp > 2:  # 3 padded columns of a 4x2 vocab span two shards: shard 2 is half padding, shard 3 all padding
+        variants.append(("padding-spans-shards", dict(local=2, pad=3, smoothing=0.1)))
+    return [(name, {**base, **v}) for name, v in variants]
+
+
+def _make(seed, batch, local, pad, dtype, ignore_frac, scale, offset, tp):
+    """Full logits (padded vocab), targets among the real ids with some ignored, and a random upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    full_vocab = local * tp
+    vocab = full_vocab - pad
+    logits = (torch.randn(*batch, full_vocab, generator=g) * scale + offset).to(dtype)
+    target = torch.randint(0, vocab, batch, generator=g)
+    ignored = torch.rand(batch, generator=g) < ignore_frac
+    target = torch.where(ignored, torch.full_like(target, -100), target)
+    upstream = torch.randn(batch, generator=g)
+    return logits, target, upstream, vocab
+
+
+def _dense(logits, target, smoothing, reduction, vocab):
+    """F.cross_entropy on the real (unpadded) columns in fp32, with the padded columns' gradient as zeros."""
+    full = logits.detach().float().requires_grad_(True)
+    real = full[..., :vocab]
+    loss = F.cross_entropy(real.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction)
+    return full, (loss.reshape(target.shape) if reduction == "none" else loss)
+
+
+def _grad_tolerance(dtype):
+    # The bf16 gradient is the fp32 gradient rounded to bf16, so it may differ from the rounded dense one by one bf16
+    # ulp (relative 2**-8 of the value; 2**-7 leaves room for values on a rounding boundary).
+    return TOL if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _counting_all_reduces():
+    """Record the op of every comm.all_reduce (the loss reaches the backend only through it)."""
+    calls, original = [], comm.all_reduce
+
+    def counting(tensor, group, op="sum"):
+        calls.append(op)
+        return original(tensor, group, op=op)
+
+    comm.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        comm.all_reduce = original
+
+
+def case_cross_entropy_matches_dense(seed):
+    tp, tp_rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+    checked, failures = [], []
+    for i, (name, c) in enumerate(_configs(tp)):
+        logits, target, upstream, vocab = _make(seed * 1000 + 17 * ps.get_data_parallel_rank() + i, c["batch"],
+                                                c["local"], c["pad"], c["dtype"], c["ignore_frac"], c["scale"],
+                                                c["offset"], tp)
+        lo, hi = tp_rank * c["local"], (tp_rank + 1) * c["local"]
+        shard = logits[..., lo:hi].clone().requires_grad_(True)
+        vocab_size = vocab if c["pad"] else None
+        with _counting_all_reduces() as calls:
+            loss = parallel_cross_entropy(shard, target, label_smoothing=c["smoothing"], reduction=c["reduction"],
+                                          vocab_size=vocab_size)
+            forward_calls = list(calls)
+            grad_out = upstream if c["reduction"] == "none" else upstream.flatten()[0]
+            loss.backward(grad_out)
+        full, dense = _dense(logits, target, c["smoothing"], c["reduction"], vocab)
+        dense.backward(grad_out)
+        # Check after every collective of this config has run, and fail only at the end, so that one rank's mismatch
+        # does not leave the other ranks waiting in a collective.
+        try:
+            # One MAX for stability, one stacked SUM; the backward needs no communication at all.
+            assert forward_calls == ["max", "sum"] and calls == forward_calls, f"all-reduces: {calls}"
+            assert loss.dtype == torch.float32, loss.dtype
+            torch.testing.assert_close(loss, dense.detach(), **TOL, msg=lambda m: f"loss\n{m}")
+            if c["reduction"] == "none":
+                assert torch.all(loss[target == -100] == 0), "ignored targets must give exactly 0"
+            assert shard.grad.dtype == c["dtype"], shard.grad.dtype
+            torch.testing.assert_close(shard.grad, full.grad[..., lo:hi].to(c["dtype"]), **_grad_tolerance(c["dtype"]),
+                                       msg=lambda m: f"logits grad\n{m}")
+            padded = torch.arange(lo, hi) >= vocab
+            assert torch.all(shard.grad[..., padded] == 0), "padded columns must get no gradient"
+            assert padded.all() or shard.grad.abs().sum() > 0, "zero gradient"
+            checked.append(name)
+        except AssertionError as e:
+            failures.append(f"{name} (tp={tp}, tp_rank={tp_rank}): {e}")
+
+    # Every target ignored: the mean is 0/0 = NaN as in torch, and no gradient flows.
+    logits, target, upstream, _ = _make(seed, (6,), 4, 0, torch.float32, 1.0, 1.0, 0.0, tp)
+    shard = logits[..., tp_rank * 4:(tp_rank + 1) * 4].clone().requires_grad_(True)
+    loss = parallel_cross_entropy(shard, target, reduction="mean")
+    parallel_cross_entropy(shard, target).backward(upstream)
+    if not (math.isnan(loss.item()) and math.isnan(F.cross_entropy(logits, target).item())):
+        failures.append(f"all-ignored: mean is {loss.item()}, torch gives NaN")
+    if not torch.all(shard.grad == 0):
+        failures.append("all-ignored: nonzero gradient")
+    checked.append("all-ignored")
+    assert not failures, "\n".join(failures)
+    return checked
+
+
+def case_logprobs_match_dense(seed):
+    tp, tp_rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+    checked = []
+    for i, (batch, local, pad) in enumerate([((2, 9), 5, 0), ((11,), 6, tp - 1)]):
+        logits, target, upstream, vocab = _make(seed + 31 * ps.get_data_parallel_rank() + i, batch, local, pad,
+                                                torch.float32, 0.0, 4.0, 0.0, tp)
+        shard = logits[..., tp_rank * local:(tp_rank + 1) * local].clone().requires_grad_(True)
+        logprobs = from_parallel_logits_to_logprobs(shard, target, vocab_size=vocab if pad else None)
+        full = logits.clone().requires_grad_(True)
+        dense = full[..., :vocab].log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        logprobs.backward(upstream)
+        dense.backward(upstream)
+        try:  # fail after the loop, so every rank runs every collective (see case_cross_entropy_matches_dense)
+            torch.testing.assert_close(logprobs, dense.detach(), **TOL)
+            torch.testing.assert_close(shard.grad, full.grad[..., tp_rank * local:(tp_rank + 1) * local], **TOL)
+            checked.append((batch, local, pad))
+        except AssertionError as e:
+            checked.append(f"{(batch, local, pad)}: {e}")
+    assert all(isinstance(c, tuple) for c in checked), checked
+    return checked
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
+def test_parallel_cross_entropy_matches_dense(worlds, world, tp):
+    results = worlds(world).run(case_cross_entropy_matches_dense, tensor_model_parallel_size=tp, seed=7 + tp)
+    assert all(len(r) == len(_configs(tp)) + 1 for r in results)
+
+
+@pytest.mark.parametrize("world,tp", [(4, 2), (4, 4)])
+def test_logprobs_match_dense(worlds, world, tp):
+    results = worlds(world).run(case_logprobs_match_dense, tensor_model_parallel_size=tp, seed=3)
+    assert all(len(r) == 2 for r in results)
+
+
+def test_single_rank_equals_dense():
+    """tp=1 needs no communication; it still has to be the same function as torch's."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 10, requires_grad=True)
+    target = torch.randint(0, 10, (4, 6))
+    target[0, :3] = -100
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        loss = parallel_cross_entropy(logits, target, label_smoothing=0.2, reduction="mean")
+    dense_logits = logits.detach().clone().requires_grad_(True)
+    dense = F.cross_entropy(dense_logits.reshape(-1, 10), target.reshape(-1), label_smoothing=0.2)
+    torch.testing.assert_close(loss, dense, **TOL)
+    loss.backward()
+    dense.backward()
+    torch.testing.assert_close(logits.grad, dense_logits.grad, **TOL)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(reduction="avg"), ValueError, "reduction='avg' is not supported; valid values are ['none', 'mean', 'sum']"),
+    (dict(label_smoothing=1.0), ValueError, "label_smoothing=1.0 must be a number in [0, 1)"),
+    (dict(label_smoothing=-0.1), ValueError, "label_smoothing=-0.1 must be a number in [0, 1)"),
+    (dict(target=torch.zeros(3, 5)), TypeError, "target must be an integer tensor of vocabulary ids"),
+    (dict(target=torch.zeros(3, dtype=torch.long)), ValueError,
+     "vocab_parallel_logits of shape (3, 5, 8) needs a target of shape (3, 5) (its shape without the vocab dim), "
+     "got (3,)"),
+    (dict(logits=torch.zeros(3, 5, 8, dtype=torch.long)), TypeError,
+     "vocab_parallel_logits must be a floating-point tensor, got torch.int64"),
+    (dict(vocab_size=17), ValueError, "vocab_size=17 must be an int in [1, 16]"),
+    (dict(vocab_size=0), ValueError, "vocab_size=0 must be an int in [1, 16]"),
+])
+def test_invalid_arguments_name_the_value(kwargs, error, message):
+    logits = kwargs.pop("logits", torch.zeros(3, 5, 8))
+    target = kwargs.pop("target", torch.zeros(3, 5, dtype=torch.long))
+    with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
+        with pytest.raises(error) as info:
+            parallel_cross_entropy(logits, target, **kwargs)
+    assert message in str(info.value)
