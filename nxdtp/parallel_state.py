@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 from typing import Iterator, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -128,11 +129,14 @@ _TOPOLOGY: Optional[Topology] = None
 _OWNED_PROCESS_GROUPS: List[object] = []
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              timeout: Optional[datetime.timedelta] = None) -> None:
     """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
 
     Every rank must call this (group creation is collective). On an XLA world the TP/DP collectives use XLA replica groups;
-    the process groups made here serve the non-XLA path and host-side (gloo) coordination.
+    the process groups made here serve the non-XLA path and host-side (gloo) coordination. ``timeout`` bounds every
+    collective on these groups (torch.distributed's default otherwise: 30 minutes for gloo), so a rank that died is
+    reported instead of waited for.
     """
     global _TOPOLOGY
     if _TOPOLOGY is not None:
@@ -155,9 +159,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                         ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size))):
         for ranks in lists:
             # new_group is collective over the whole world: every rank creates every group, in the same order.
-            process_groups[(kind, tuple(ranks))] = dist.new_group(ranks)
+            process_groups[(kind, tuple(ranks))] = dist.new_group(ranks, timeout=timeout)
     # XLA and NCCL worlds still need a CPU channel for barriers and object exchange (checkpoint coordination).
-    host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     _OWNED_PROCESS_GROUPS.extend(list(process_groups.values()) + ([host_group] if host_group is not None else []))
     _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group, simulated=False)
 

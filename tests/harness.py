@@ -50,7 +50,8 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
         try:
             function = getattr(importlib.import_module(module_name), function_name)
             if tp is not None:
-                parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+                parallel_state.initialize_model_parallel(
+                    tensor_model_parallel_size=tp, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             results.put((rank, "ok", function(**kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test as text
             results.put((rank, "error", traceback.format_exc()))

@@ -189,11 +189,16 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     extra = arguments.pop("kwargs", {})
     labels = arguments.pop("labels", None)
     next_sentence_label = arguments.pop("next_sentence_label", None)
-    output = forward(**arguments, **extra)
+    # HF's forward returns a tuple for return_dict=False (or config.return_dict=False); the loss is added to its
+    # ModelOutput here, so ask for that and make the tuple at the end, as HF's @can_return_tuple does.
+    return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    output = forward(**arguments, **extra, return_dict=True)
 
     is_pretraining = "next_sentence_label" in self._nxdtp_forward_signature.parameters
     if labels is None or (is_pretraining and next_sentence_label is None):
-        return output  # HF computes no loss in these cases either
+        return output if return_dict else output.to_tuple()  # HF computes no loss in these cases either
     logits = output.prediction_logits if is_pretraining else output.logits
     dp = data_parallel_group().size
     per_token = parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size, reduction="none")
@@ -201,15 +206,21 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
         mlm_loss = per_token.sum() / (labels != -100).sum()
     else:
         mlm_loss = per_token.sum() * dp / mlm_denominator
-    output["mlm_loss"] = mlm_loss
+    losses = {"mlm_loss": mlm_loss}
     loss = mlm_loss
     if is_pretraining:
         nsp = F.cross_entropy(output.seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1),
                               reduction="none")
         nsp_loss = nsp.mean() if nsp_denominator is None else nsp.sum() * dp / nsp_denominator
-        output["nsp_loss"] = nsp_loss
+        losses["nsp_loss"] = nsp_loss
         loss = mlm_loss + nsp_loss
-    output["loss"] = loss
+    # Rebuild the output so the loss is its first key, as in HF: ``outputs[0]`` and ``outputs.to_tuple()[0]`` are the
+    # loss (setting output["loss"] afterwards would append it after the logits).
+    output = type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
+    if not return_dict:
+        return output.to_tuple()  # HF's tuple: the extra mlm_loss / nsp_loss stay out of it
+    for key, value in losses.items():
+        output[key] = value  # after HF's keys, so positional access matches HF
     return output
 
 
