@@ -140,15 +140,20 @@ def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Te
 
 
 def from_parallel_logits_to_logprobs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                     vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Differentiable log-probability of each target token, ``log_softmax(full_logits).gather(-1, target)``.
+                                     inference: bool = True, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Log-probability of the *next* token at each position, from vocab-parallel logits of shape [..., S, V/tp].
 
-    For policy-gradient style losses that need log p(target) per token without materialising the full vocab. Every
-    target counts (there is no ignore index); it is the negative unsmoothed cross-entropy.
+    As NxD's function of the same name: ``target`` is the unshifted token sequence; position ``s`` is scored against
+    ``target[..., s + 1]``, so the result has shape [..., S - 1]. With ``inference=True`` (NxD's default) no autograd
+    graph is kept; pass ``inference=False`` to differentiate through it (policy-gradient or preference losses). It is
+    the negative unsmoothed cross-entropy against the shifted targets, computed without gathering the vocabulary.
     """
     group = tensor_parallel_group()
     _check_inputs(vocab_parallel_logits, target, 0.0, "none", vocab_size, group)
-    return -_VocabParallelCrossEntropy.apply(vocab_parallel_logits, target.long(), 0.0, None, vocab_size, group)
+    next_tokens = target.long().roll(shifts=-1, dims=-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
+        logprobs = -_VocabParallelCrossEntropy.apply(vocab_parallel_logits, next_tokens, 0.0, None, vocab_size, group)
+    return logprobs[..., :-1].contiguous()
 
 
 __all__ = ["parallel_cross_entropy", "from_parallel_logits_to_logprobs"]

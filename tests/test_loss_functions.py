@@ -142,11 +142,16 @@ def case_logprobs_match_dense(seed):
         logits, target, upstream, vocab = _make(seed + 31 * ps.get_data_parallel_rank() + i, batch, local, pad,
                                                 torch.float32, 0.0, 4.0, 0.0, tp)
         shard = logits[..., tp_rank * local:(tp_rank + 1) * local].clone().requires_grad_(True)
-        logprobs = from_parallel_logits_to_logprobs(shard, target, vocab_size=vocab if pad else None)
+        logprobs = from_parallel_logits_to_logprobs(shard, target, inference=False, vocab_size=vocab if pad else None)
+        # NxD's contract: position s is scored against target s + 1, and the last position is dropped.
         full = logits.clone().requires_grad_(True)
-        dense = full[..., :vocab].log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        logprobs.backward(upstream)
-        dense.backward(upstream)
+        next_tokens = target.roll(-1, dims=-1)
+        dense = full[..., :vocab].log_softmax(-1).gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)[..., :-1]
+        logprobs.backward(upstream[..., :-1])
+        dense.backward(upstream[..., :-1])
+        inference = from_parallel_logits_to_logprobs(shard, target, vocab_size=vocab if pad else None)
+        if inference.requires_grad or not torch.equal(inference, logprobs.detach()):
+            checked.append(f"{(batch, local, pad)}: inference=True must give the same values without a graph")
         try:  # fail after the loop, so every rank runs every collective (see case_cross_entropy_matches_dense)
             torch.testing.assert_close(logprobs, dense.detach(), **TOL)
             torch.testing.assert_close(shard.grad, full.grad[..., tp_rank * local:(tp_rank + 1) * local], **TOL)
