@@ -1,0 +1,12 @@
+"""Sharded checkpoints that describe themselves (format: docs/checkpoints.md).
+
+``save(checkpoint_dict, output_dir)`` and ``load(output_dir, model_or_optimizer)`` keep NxD's call form; ``merge`` and
+``reshard`` (tools/merge_checkpoints.py) need nothing but the checkpoint directory.
+"""
+
+from .index import FORMAT_VERSION, CheckpointIndex
+from .save_load import list_tags, load, read_model_shard, restore_rng, save
+from .tags import newest_tag, resolve_tag
+
+__all__ = ["save", "load", "list_tags", "newest_tag", "resolve_tag", "read_model_shard", "restore_rng",
+           "CheckpointIndex", "FORMAT_VERSION"]

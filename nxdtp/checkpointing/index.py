@@ -1,0 +1,137 @@
+"""The checkpoint index: what every tensor of a sharded checkpoint is and where it lies.
+
+``nxdtp_index.json`` makes a checkpoint self-describing: merging, resharding and loading need nothing but the directory.
+Per model tensor it records the real and padded full shape, dtype, partition dim and stride (or that it is replicated),
+the file of each TP rank that holds a piece, and the other names it is tied to (stored once: safetensors refuses shared
+tensors). Specs come from the modules (``state_dict()`` carries them as ``<module>._extra_state``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..spec import ParamSpec
+
+FORMAT_VERSION = 1
+INDEX_FILE = "nxdtp_index.json"
+DONE_FILE = "done"
+EXTRA_STATE_SUFFIX = "._extra_state"
+
+
+def model_file(tp_rank: int) -> str:
+    return f"model/tp_rank_{tp_rank:02d}.safetensors"
+
+
+def optim_file(tp_rank: int) -> str:
+    return f"optim/tp_rank_{tp_rank:02d}.safetensors"
+
+
+@dataclasses.dataclass
+class TensorEntry:
+    """One logical (full) tensor of the model."""
+
+    dtype: str
+    spec: ParamSpec
+    aliases: List[str] = dataclasses.field(default_factory=list)
+
+    def files(self, tp: int) -> List[str]:
+        """The file holding each TP rank's piece; a replicated tensor lives only in TP rank 0's file."""
+        return [model_file(r) for r in range(tp)] if self.spec.is_sharded else [model_file(0)]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"dtype": self.dtype, "spec": self.spec.to_dict(), "aliases": self.aliases}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "TensorEntry":
+        return cls(dtype=d["dtype"], spec=ParamSpec.from_dict(d["spec"]), aliases=list(d["aliases"]))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint index")
+    return dtype
+
+
+def split_state_dict(state_dict: Dict[str, Any], tp: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
+    """Separate a model state dict into the tensors to store (aliases dropped) and their index entries.
+
+    A tensor without a spec in its module's extra state is replicated. Two keys whose tensors share storage, shape and
+    offset are one tied tensor, stored under its first key.
+    """
+    specs: Dict[str, ParamSpec] = {}
+    for key, value in state_dict.items():
+        if key.endswith("_extra_state") and isinstance(value, dict) and "params" in value:
+            prefix = key[: -len("_extra_state")]
+            for name, spec in value["params"].items():
+                specs[prefix + name] = ParamSpec.from_dict(spec)
+    # Group tied keys first: the spec may belong to any of them (an MLM bias is owned by the decoder module).
+    groups: Dict[object, List[str]] = {}
+    for key, value in state_dict.items():
+        if key.endswith("_extra_state"):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"model state '{key}' is a {type(value).__name__}, not a tensor; only tensors and nxdtp "
+                            "specs can be saved in a model state dict")
+        identity = key if value.device.type == "meta" else \
+            (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
+        groups.setdefault(identity, []).append(key)
+    tensors: Dict[str, torch.Tensor] = {}
+    entries: Dict[str, TensorEntry] = {}
+    for keys in groups.values():
+        key, value = keys[0], state_dict[keys[0]]
+        spec = next((specs[k] for k in keys if k in specs), None) or ParamSpec(full_shape=tuple(value.shape),
+                                                                             num_partitions=tp)
+        if tuple(value.shape) != spec.local_shape():
+            raise ValueError(f"model state '{key}' has shape {list(value.shape)}, but its spec expects the local shape "
+                             f"{list(spec.local_shape())}")
+        tensors[key] = value
+        entries[key] = TensorEntry(dtype=dtype_name(value.dtype), spec=spec, aliases=keys[1:])
+    return tensors, entries
+
+
+@dataclasses.dataclass
+class CheckpointIndex:
+    tensor_model_parallel_size: int
+    data_parallel_size: int
+    tensors: Dict[str, TensorEntry]
+    optimizer: Optional[Dict[str, Any]] = None  # param name -> {"state": [fields], "spec": ...}; None if not saved
+    nxdtp_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"format_version": self.format_version, "nxdtp_version": self.nxdtp_version,
+                "tensor_model_parallel_size": self.tensor_model_parallel_size,
+                "data_parallel_size": self.data_parallel_size,
+                "tensors": {k: e.to_json() for k, e in self.tensors.items()}, "optimizer": self.optimizer}
+
+    def write(self, tag_dir: str) -> None:
+        with open(os.path.join(tag_dir, INDEX_FILE), "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def read(cls, tag_dir: str) -> "CheckpointIndex":
+        path = os.path.join(tag_dir, INDEX_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: {tag_dir} is not an nxdtp checkpoint tag")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is damaged: {e}") from None
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{path} has format_version={version!r}; this nxdtp reads format version {FORMAT_VERSION}")
+        return cls(tensor_model_parallel_size=d["tensor_model_parallel_size"],
+                   data_parallel_size=d["data_parallel_size"],
+                   tensors={k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
+                   optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version)

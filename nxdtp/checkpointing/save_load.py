@@ -1,0 +1,320 @@
+"""``save`` and ``load`` in NxD's call form, writing and reading the self-describing sharded format.
+
+Who writes what: the ranks whose DP rank is 0 write their TP shard of the model and optimizer (the DP replicas hold the
+same values); every rank writes its own RNG states; global rank 0 writes the index, trainer state, config, ``done`` and
+``newest``. Barriers on the host group order these steps, so ``done`` exists only once every file is complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import __version__, comm
+from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
+from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
+from . import tags
+from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_state_dict
+from .safetensors_stream import StreamingSafetensorsWriter
+
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_STATE_FILE = "optim/state.json"
+CONFIG_FILE = "config.json"
+LIVE_OR_STATE_KEYS = ("model", "optimizer", "scheduler")
+
+
+# ---- save ---------------------------------------------------------------------------------------------------------------
+
+def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None, keep_last: Optional[int] = None,
+         down_cast_bf16: bool = False) -> str:
+    """Save a training checkpoint; return the tag directory.
+
+    ``checkpoint`` is NxD's dict: ``model`` (a module or its ``state_dict()``), ``optimizer`` (an optimizer or its state
+    dict), ``scheduler``, ``global_step``, and any other JSON-serialisable values (epoch, data position, ...). The tag
+    defaults to ``step_<global_step>``. ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
+    floating model tensors as bfloat16 (the optimizer keeps full precision).
+    """
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+        raise ValueError("save() takes a dict with at least a 'model' entry (a module or its state_dict()), got "
+                         f"{type(checkpoint).__name__}" + (f" with keys {sorted(checkpoint)}"
+                                                           if isinstance(checkpoint, dict) else ""))
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every tag)")
+    if tag is None:
+        if "global_step" not in checkpoint:
+            raise ValueError("save() needs a tag, or a 'global_step' entry to name the tag after")
+        tag = tags.tag_for_step(checkpoint["global_step"])
+    tags.check_tag_name(tag)
+    tag_dir = os.path.join(output_dir, tag)
+
+    topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
+    model = checkpoint["model"]
+    model_state = model.state_dict() if isinstance(model, nn.Module) else model
+    tensors, entries = split_state_dict(model_state, tp_group.size)
+    if down_cast_bf16:
+        tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+        for key, entry in entries.items():
+            if tensors[key].dtype == torch.bfloat16:
+                entry.dtype = "bfloat16"
+    optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
+
+    if topology.rank == 0:
+        if os.path.isdir(tag_dir) and tags.is_complete(tag_dir):
+            raise FileExistsError(f"checkpoint tag {tag_dir} already exists and is complete; choose another tag")
+        os.makedirs(tag_dir, exist_ok=True)
+        # A previous crashed save of this tag may have left files; its missing 'done' kept it from being loaded.
+    comm.barrier()
+
+    if dp_group.rank == 0:
+        _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)), tensors, entries, tp_group.rank)
+        if optimizer_tensors is not None:
+            _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)), optimizer_tensors)
+    _write_json(os.path.join(tag_dir, "rng", f"rank_{topology.rank:05d}.json"), _rng_payload())
+
+    if topology.rank == 0:
+        index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
+                                tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__)
+        index.write(tag_dir)
+        if optimizer_json is not None:
+            _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
+        _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), _trainer_payload(checkpoint))
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            with open(os.path.join(tag_dir, CONFIG_FILE), "w") as f:
+                f.write(config.to_json_string())
+    comm.barrier()  # every rank's files are on disk before 'done' says so
+
+    if topology.rank == 0:
+        tags.mark_done(tag_dir)
+        tags.set_newest(output_dir, tag)
+        if keep_last is not None:
+            tags.prune(output_dir, keep_last, protect=tag)
+    comm.barrier()
+    return tag_dir
+
+
+def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> None:
+    """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor."""
+    mine = [(k, t) for k, t in tensors.items() if entries[k].spec.is_sharded or tp_rank == 0]
+    with StreamingSafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in mine]) as writer:
+        for key, tensor in mine:
+            writer.write(key, tensor)
+
+
+def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> None:
+    with StreamingSafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]) as writer:
+        for key, tensor in tensors.items():
+            writer.write(key, tensor)
+
+
+def _write_json(path: str, payload: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def _trainer_payload(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    payload = {}
+    scheduler = checkpoint.get("scheduler")
+    if scheduler is not None:
+        payload["scheduler"] = scheduler.state_dict() if hasattr(scheduler, "state_dict") else scheduler
+    for key, value in checkpoint.items():
+        if key in LIVE_OR_STATE_KEYS:
+            continue
+        payload[key] = value
+    try:
+        json.dumps(payload)
+    except TypeError as e:
+        raise TypeError(f"checkpoint entries other than model/optimizer must be JSON-serialisable: {e}") from None
+    return payload
+
+
+# ---- optimizer ----------------------------------------------------------------------------------------------------------
+
+def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict]]:
+    """Optimizer tensors keyed ``<param>/<field>``, the per-param index, and the JSON part (groups, scalars).
+
+    With a live optimizer and a live model, state is keyed by parameter *name* and carries the parameter's spec, so it
+    can be resharded. An optimizer state dict alone (NxD's form) is keyed by parameter index: it reloads at the same TP
+    degree only.
+    """
+    if optimizer is None:
+        return None, None, None
+    names: Dict[int, str] = {}
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
+        by_identity = {id(p): n for n, p in model.named_parameters()}
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
+    state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
+    tensors: Dict[str, torch.Tensor] = {}
+    index: Dict[str, Dict[str, Any]] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for param_id, fields in state_dict["state"].items():
+        name = names.get(int(param_id), str(param_id))
+        index[name] = {"param_index": int(param_id), "tensors": []}
+        for field, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{field}"] = value
+                index[name]["tensors"].append(field)
+            else:
+                scalars.setdefault(name, {})[field] = value
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
+    return tensors, {"keyed_by": "name" if names else "index", "params": index}, {"param_groups": groups,
+                                                                                  "scalars": scalars}
+
+
+def _optimizer_state_dict(tag_dir: str, index: Dict, tp_rank: int, optimizer: torch.optim.Optimizer,
+                          model: Optional[nn.Module]) -> Dict[str, Any]:
+    from safetensors import safe_open
+
+    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
+        saved = json.load(f)
+    path = os.path.join(tag_dir, optim_file(tp_rank))
+    _require_file(path)
+    position: Dict[str, int] = {}
+    if index["keyed_by"] == "name":
+        if model is None:
+            raise ValueError("this optimizer state is keyed by parameter name: pass the model to load() as well")
+        by_identity = {id(p): n for n, p in model.named_parameters()}
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        position = {by_identity[id(p)]: i for i, p in enumerate(flat) if id(p) in by_identity}
+    state: Dict[int, Dict[str, Any]] = {}
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name, info in index["params"].items():
+            slot = position.get(name, info["param_index"])
+            state[slot] = {field: f.get_tensor(f"{name}/{field}") for field in info["tensors"]}
+            state[slot].update(saved["scalars"].get(name, {}))
+    groups = []
+    for group in saved["param_groups"]:
+        groups.append({**group, "params": [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p)
+                                           for p in group["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+# ---- RNG ----------------------------------------------------------------------------------------------------------------
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return {"tensor": base64.b64encode(buffer.getvalue()).decode()}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"tensor"}:
+        return torch.load(io.BytesIO(base64.b64decode(value["tensor"])), weights_only=True)
+    return value
+
+
+def _rng_payload() -> Dict[str, Any]:
+    return {"default": {k: _encode(v) for k, v in get_rng_state().items()},
+            "tracker": {name: {k: _encode(v) for k, v in state.items()}
+                        for name, state in get_xla_rng_tracker().get_states().items()}}
+
+
+def restore_rng(tag_dir: str, rank: int) -> None:
+    path = os.path.join(tag_dir, "rng", f"rank_{rank:05d}.json")
+    _require_file(path)
+    with open(path) as f:
+        payload = json.load(f)
+    set_rng_state({k: _decode(v) for k, v in payload["default"].items()})
+    get_xla_rng_tracker().set_states({name: {k: _decode(v) for k, v in state.items()}
+                                      for name, state in payload["tracker"].items()})
+
+
+# ---- load ---------------------------------------------------------------------------------------------------------------
+
+def _require_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+
+
+def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int) -> Dict[str, torch.Tensor]:
+    """This TP rank's model state dict (tied aliases included) from its own file and TP rank 0's replicated tensors."""
+    from safetensors import safe_open
+
+    state: Dict[str, torch.Tensor] = {}
+    sources = {model_file(tp_rank)} | {model_file(0)}
+    handles = {}
+    try:
+        for relative in sorted(sources):
+            path = os.path.join(tag_dir, relative)
+            _require_file(path)
+            try:
+                handles[relative] = safe_open(path, framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for damaged headers
+                raise ValueError(f"checkpoint file {path} is damaged or truncated: {e}") from None
+        for key, entry in index.tensors.items():
+            relative = model_file(tp_rank) if entry.spec.is_sharded else model_file(0)
+            try:
+                tensor = handles[relative].get_tensor(key)
+            except Exception as e:
+                raise ValueError(f"checkpoint file {os.path.join(tag_dir, relative)} cannot give '{key}': {e}") \
+                    from None
+            if tuple(tensor.shape) != entry.spec.local_shape():
+                raise ValueError(f"'{key}' in {relative} has shape {list(tensor.shape)}, the index says "
+                                 f"{list(entry.spec.local_shape())}")
+            state[key] = tensor
+            for alias in entry.aliases:
+                state[alias] = tensor
+    finally:
+        handles.clear()
+    return state
+
+
+def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag: Optional[str] = None,
+         strict: bool = True, *, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+         scheduler=None, restore_rng_states: bool = False) -> Dict[str, Any]:
+    """Load a checkpoint saved by ``save`` into live objects; return the trainer state (step, epoch, ...).
+
+    NxD's form ``load(dir, model)`` or ``load(dir, optimizer)`` works; so does ``load(dir, model=..., optimizer=...,
+    scheduler=..., restore_rng_states=True)`` to resume training exactly. ``tag`` defaults to the newest complete one.
+    The TP degree must match the one saved; otherwise the error names both and the reshard command.
+    """
+    if model_or_optimizer is not None:
+        if isinstance(model_or_optimizer, torch.optim.Optimizer):
+            optimizer = optimizer or model_or_optimizer
+        elif isinstance(model_or_optimizer, nn.Module):
+            model = model or model_or_optimizer
+        else:
+            raise TypeError(f"model_or_optimizer must be an nn.Module or an optimizer, got "
+                            f"{type(model_or_optimizer).__name__}")
+    if model_key != "model":
+        raise ValueError(f"model_key={model_key!r} is not supported; nxdtp checkpoints store the model as 'model'")
+    tag_dir = tags.resolve_tag(output_dir, tag)
+    index = CheckpointIndex.read(tag_dir)
+    tp_group = tensor_parallel_group()
+    if index.tensor_model_parallel_size != tp_group.size:
+        raise ValueError(
+            f"{tag_dir} was saved with tensor_model_parallel_size={index.tensor_model_parallel_size}, but this run "
+            f"has tensor_model_parallel_size={tp_group.size}. Reshard it first: python tools/merge_checkpoints.py "
+            f"{output_dir} OUT_DIR --reshard {tp_group.size}")
+    if model is not None:
+        state = read_model_shard(tag_dir, index, tp_group.rank)
+        state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
+                 for k, v in state.items()}
+        model.load_state_dict(state, strict=strict)
+    if optimizer is not None:
+        if index.optimizer is None:
+            raise ValueError(f"{tag_dir} holds no optimizer state")
+        optimizer.load_state_dict(_optimizer_state_dict(tag_dir, index.optimizer, tp_group.rank, optimizer, model))
+    with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
+        trainer_state = json.load(f)
+    if scheduler is not None and "scheduler" in trainer_state:
+        scheduler.load_state_dict(trainer_state["scheduler"])
+    if restore_rng_states:
+        restore_rng(tag_dir, get_topology().rank)
+    comm.barrier()
+    return trainer_state
+
+
+def list_tags(output_dir: str) -> List[str]:
+    return tags.complete_tags(output_dir)
