@@ -79,6 +79,29 @@ def _materialise(shape: Tuple[int, ...], dtype, device, init: Callable[[torch.Te
     return local, (master.to(dtype) if keep_master else None)
 
 
+def _split_size(layer: str, what: str, size: int, tp: int, stride: int) -> int:
+    """The per-rank size of a dimension split over ``tp`` ranks with ``stride`` fused blocks."""
+    if stride < 1:
+        raise ValueError(f"{layer}: stride={stride} must be >= 1")
+    per_rank = _divide(f"{layer} {what}", size, tp)
+    if size % (tp * stride) != 0:
+        raise ValueError(f"{layer}: {what}={size} is not divisible by tensor_model_parallel_size * stride = "
+                         f"{tp} * {stride}")
+    return per_rank
+
+
+def _init_linear_weight(layer: ShardedModule, input_size: int, output_size: int, dim: int, stride: int, dtype, device,
+                        init_method: Optional[InitMethod], keep_master_weight: bool) -> None:
+    """Create ``layer.weight`` as this rank's slice of the dense [output_size, input_size] weight, split along ``dim``."""
+    weight, master = _materialise((output_size, input_size), dtype, device, init_method or _linear_weight_init,
+                                  dim=dim, stride=stride, keep_master=keep_master_weight)
+    layer.weight = nn.Parameter(weight)
+    if keep_master_weight:
+        layer.master_weight = master
+    layer.register_param_spec("weight", ParamSpec(full_shape=(output_size, input_size), partition_dim=dim,
+                                                  stride=stride, num_partitions=tensor_parallel_group().size))
+
+
 class ColumnParallelLinear(ShardedModule):
     """``Y = X A^T + b`` with A split along its output dimension: each TP rank computes its columns of Y.
 
@@ -102,14 +125,9 @@ class ColumnParallelLinear(ShardedModule):
         if sequence_parallel_enabled and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel_enabled=True needs gather_output=False (the "
                              "sequence-parallel input is gathered on entry; gathering the output as well is not defined)")
-        if stride < 1:
-            raise ValueError(f"ColumnParallelLinear: stride={stride} must be >= 1")
         tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = _divide("ColumnParallelLinear output_size", output_size, tp)
-        if output_size % (tp * stride) != 0:
-            raise ValueError(f"ColumnParallelLinear: output_size={output_size} is not divisible by "
-                             f"tensor_model_parallel_size * stride = {tp} * {stride}")
+        self.output_size_per_partition = _split_size("ColumnParallelLinear", "output_size", output_size, tp, stride)
         self.gather_output, self.skip_bias_add, self.stride = gather_output, skip_bias_add, stride
         # Several column layers reading one input (Q, K and V) can share a single entry region opened by the caller,
         # so backward sums their input gradients in one all-reduce instead of one each.
@@ -117,13 +135,7 @@ class ColumnParallelLinear(ShardedModule):
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
-        weight, master = _materialise((output_size, input_size), dtype, device, init_method or _linear_weight_init,
-                                      dim=0, stride=stride, keep_master=keep_master_weight)
-        self.weight = nn.Parameter(weight)
-        if keep_master_weight:
-            self.master_weight = master
-        self.register_param_spec("weight", ParamSpec(full_shape=(output_size, input_size), partition_dim=0,
-                                                     stride=stride, num_partitions=tp))
+        _init_linear_weight(self, input_size, output_size, 0, stride, dtype, device, init_method, keep_master_weight)
         if bias:
             b, _ = _materialise((output_size,), dtype, device, lambda t: _linear_bias_init(t, input_size),
                                 dim=0, stride=stride, keep_master=False)
@@ -207,26 +219,15 @@ class RowParallelLinear(ShardedModule):
             raise ValueError("RowParallelLinear: reduce_output=False with bias=True needs skip_bias_add=True: the output "
                              "is a partial sum, and a bias added on every rank would be counted tensor_model_parallel_size "
                              "times once the caller reduces it")
-        if stride < 1:
-            raise ValueError(f"RowParallelLinear: stride={stride} must be >= 1")
         tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = _divide("RowParallelLinear input_size", input_size, tp)
-        if input_size % (tp * stride) != 0:
-            raise ValueError(f"RowParallelLinear: input_size={input_size} is not divisible by "
-                             f"tensor_model_parallel_size * stride = {tp} * {stride}")
+        self.input_size_per_partition = _split_size("RowParallelLinear", "input_size", input_size, tp, stride)
         self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
         self.skip_bias_add, self.stride = skip_bias_add, stride
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
-        weight, master = _materialise((output_size, input_size), dtype, device, init_method or _linear_weight_init,
-                                      dim=1, stride=stride, keep_master=keep_master_weight)
-        self.weight = nn.Parameter(weight)
-        if keep_master_weight:
-            self.master_weight = master
-        self.register_param_spec("weight", ParamSpec(full_shape=(output_size, input_size), partition_dim=1,
-                                                     stride=stride, num_partitions=tp))
+        _init_linear_weight(self, input_size, output_size, 1, stride, dtype, device, init_method, keep_master_weight)
         if bias:
             b, _ = _materialise((output_size,), dtype, device, lambda t: _linear_bias_init(t, input_size),
                                 dim=None, stride=1, keep_master=False)
