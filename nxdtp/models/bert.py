@@ -277,6 +277,11 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
         for module in model.modules():
             model._init_weights(module)
     missing = load_sharded_weights(model, reader, _bert_checkpoint_keys)
+    # HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them.
+    sharded_missing = [n for n in missing if getattr(model.get_parameter(n), "tensor_model_parallel", False)]
+    if sharded_missing:
+        raise ValueError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
+                         "the checkpoint")
     if missing:
         logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
     broadcast_replicated_state(model)

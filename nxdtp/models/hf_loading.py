@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_BIN = "pytorch_model.bin"
+# Unmap the checkpoint after this many bytes of it were touched: bounds the mapped pages counted in RSS, at the cost of
+# re-opening the file.
+RELEASE_EVERY_BYTES = 16 * 2**20
 
 
 class CheckpointReader:
@@ -47,11 +50,20 @@ class CheckpointReader:
                                             "which does not exist")
                 self._files[key] = file
         elif os.path.isfile(os.path.join(model_dir, PYTORCH_BIN)):
-            path = os.path.join(model_dir, PYTORCH_BIN)
-            self._bin = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            self._files = {key: PYTORCH_BIN for key in self._bin}
+            self._files = {key: PYTORCH_BIN for key in self._bin_state()}
         else:
             raise FileNotFoundError(f"{model_dir} has none of {SAFETENSORS}, {SAFETENSORS_INDEX}, {PYTORCH_BIN}")
+
+    def _bin_state(self) -> Dict[str, torch.Tensor]:
+        if PYTORCH_BIN not in self._open:
+            path = os.path.join(self.model_dir, PYTORCH_BIN)
+            self._open[PYTORCH_BIN] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self._open[PYTORCH_BIN]
+
+    def release(self) -> None:
+        """Unmap the open files. Pages a slice touched stay in this process's RSS while the map is open (a slice
+        along columns touches every page of the tensor), so long loads release every few hundred MiB."""
+        self._open.clear()
 
     def _add_safetensors(self, file: str) -> None:
         for key in self._handle(file).keys():
@@ -71,7 +83,7 @@ class CheckpointReader:
         """The tensor ``key``, or only ``[start, stop)`` along ``dim``."""
         file = self._files[key]
         if file == PYTORCH_BIN:
-            tensor = self._bin[key]
+            tensor = self._bin_state()[key]
             return tensor.clone() if dim is None else tensor.narrow(dim, start, stop - start).clone()
         if dim is None:
             return self._handle(file).get_tensor(key)
@@ -81,7 +93,7 @@ class CheckpointReader:
     def shape(self, key: str) -> Tuple[int, ...]:
         file = self._files[key]
         if file == PYTORCH_BIN:
-            return tuple(self._bin[key].shape)
+            return tuple(self._bin_state()[key].shape)
         return tuple(self._handle(file).get_slice(key).get_shape())
 
 
@@ -132,6 +144,7 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
     """
     rank = tensor_parallel_group().rank
     available = set(reader.keys())
+    read_since_release = 0
     tie_groups = {id(p): names for names in tied_parameter_names(model) for p in [model.get_parameter(names[0])]}
     missing: List[str] = []
     with torch.no_grad():
@@ -152,4 +165,14 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
                     raise ValueError(f"checkpoint tensor '{key}' has shape {list(value.shape)}, but parameter "
                                      f"'{name}' expects {list(expected)}")
             param.copy_(value.to(param.dtype))
+            # A slice along any dim but the first reads a little of every row, so it touches every page of the tensor.
+            touched = value.numel() * value.element_size()
+            if spec is not None and spec.is_sharded and spec.partition_dim != 0:
+                touched *= spec.num_partitions
+            read_since_release += touched
+            del value  # a slice may still view the mapped file
+            if read_since_release >= RELEASE_EVERY_BYTES:
+                reader.release()
+                read_since_release = 0
+    reader.release()
     return missing
