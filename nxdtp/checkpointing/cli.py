@@ -1,0 +1,117 @@
+"""``nxdtp-merge`` / ``python tools/merge_checkpoints.py``: merge or reshard a sharded nxdtp checkpoint.
+
+    nxdtp-merge CKPT_DIR OUT_DIR [--tag T] [--format safetensors|bin] [--config CONFIG_JSON] [--force] [--no-progress]
+        dense Hugging Face checkpoint (model.safetensors or pytorch_model.bin, plus config.json) in OUT_DIR;
+        --config supplies the config of checkpoints saved from model.state_dict(), which record none
+    nxdtp-merge CKPT_DIR OUT_DIR --reshard N [--pad-to-multiple-of M] [--tag T] [--force] [--no-progress]
+        sharded nxdtp checkpoint at tensor parallel size N in OUT_DIR
+    nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--force]
+        dense HF checkpoint from an NxD BERT checkpoint (tp_rank_XX_pp_rank_XX/checkpoint.pt), which carries no spec
+
+Bad input (missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and
+one line on stderr; the output directory is then left as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import sys
+import warnings
+from typing import List, Optional
+
+PROG = "nxdtp-merge"
+EXIT_BAD_INPUT = 2
+
+
+class _BadUsage(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block; exit status 2 like argparse
+        raise _BadUsage(f"{message} (see {self.prog} --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Merge a sharded nxdtp checkpoint into a dense Hugging Face checkpoint, "
+                                            "or reshard it to another tensor parallel size.")
+    parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="checkpoint directory (holds 'newest' and tags)")
+    parser.add_argument("output_dir", metavar="OUT_DIR", help="output directory (created; must not be inside CKPT_DIR)")
+    parser.add_argument("--tag", default=None, help="tag to read (default: the newest complete one)")
+    parser.add_argument("--reshard", type=int, default=None, metavar="N",
+                        help="write a sharded checkpoint at tensor parallel size N instead of a dense one")
+    parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
+                        help="with --reshard: pad the vocabulary to a multiple of M * N (the model's "
+                             "make_vocab_size_divisible_by; default: as recorded or inferred from the source)")
+    parser.add_argument("--format", choices=("safetensors", "bin"), default="safetensors",
+                        help="dense output format: model.safetensors (streamed) or pytorch_model.bin (holds the "
+                             "whole model in memory)")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--from-nxd", action="store_true",
+                        help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_XX/checkpoint.pt); needs --config")
+    parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                        help="the HF config.json to write to OUT_DIR (needed with --from-nxd, and for checkpoints "
+                             "saved from model.state_dict(), which record no config)")
+    return parser
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+def _from_nxd(args) -> str:
+    if args.config is None:
+        raise _BadUsage("--from-nxd needs --config CONFIG_JSON (NxD checkpoints carry no config)")
+    if args.reshard is not None or args.tag is not None or args.format != "safetensors":
+        raise _BadUsage("--from-nxd writes a dense safetensors checkpoint; it takes no --reshard, --tag or --format")
+    module_name = "nxdtp.models.bert_nxd"
+    if importlib.util.find_spec(module_name) is None:
+        raise _BadUsage(f"--from-nxd needs {module_name}, which this nxdtp does not have yet")
+    merge_nxd_checkpoint = importlib.import_module(module_name).merge_nxd_checkpoint
+    kwargs = {"force": args.force}
+    if "progress" in inspect.signature(merge_nxd_checkpoint).parameters:
+        kwargs["progress"] = not args.no_progress
+    return merge_nxd_checkpoint(args.checkpoint_dir, args.config, args.output_dir, **kwargs)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command line; return the exit status (0, or 2 for bad input)."""
+    try:
+        args = _parser().parse_args(argv)
+        progress = not args.no_progress
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            if args.from_nxd:
+                result = _from_nxd(args)
+                what = "dense checkpoint"
+            elif args.reshard is not None:
+                if args.format != "safetensors":
+                    raise _BadUsage("--format applies to dense merges; --reshard writes nxdtp's sharded format")
+                from .merge import reshard
+
+                result = reshard(args.checkpoint_dir, args.output_dir, args.reshard, tag=args.tag, force=args.force,
+                                 progress=progress, pad_to_multiple_of=args.pad_to_multiple_of, config=args.config)
+                what = f"checkpoint at tensor_model_parallel_size={args.reshard}"
+            else:
+                if args.pad_to_multiple_of is not None:
+                    raise _BadUsage("--pad-to-multiple-of only applies with --reshard")
+                from .merge import merge
+
+                result = merge(args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
+                               output_format="pytorch_bin" if args.format == "bin" else "safetensors",
+                               progress=progress, config=args.config)
+                what = "dense checkpoint"
+    except (_BadUsage, OSError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if progress:
+        print(f"{PROG}: wrote {what} {result}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,589 @@
+"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree.
+
+Both work from the checkpoint directory alone (``nxdtp_index.json`` says how every tensor was split), so they know
+nothing about the model family. ``tools/merge_checkpoints.py`` and the ``nxdtp-merge`` console script wrap them.
+
+Safety rules shared by both:
+
+* Everything is checked before anything is written: the tag is complete, the index parses, and every rank file the
+  index names exists, is a readable safetensors file, and holds every tensor with the shape the index gives.
+  Errors name the file.
+* The output directory must not be (or lie inside, or contain) the input checkpoint directory. An existing non-empty
+  output directory is refused unless ``force``.
+* The output is written into a temporary sibling directory and renamed into place at the end: after any error,
+  ``output_dir`` is exactly as it was before (absent, or the old contents when ``force`` was given).
+
+Memory: tensors are reassembled and written one at a time with ``StreamingSafetensorsWriter``, so the peak is about one
+full tensor (plus one rank's piece), not the model. ``output_format="pytorch_bin"`` is the exception: ``torch.save``
+needs the whole state dict, so it holds the full dense model in memory.
+
+Vocabulary padding when resharding (``pad_to_multiple_of``): a tensor padded along its partition dim (real shape smaller
+than the full shape in the index), or whose partition dim equals ``vocab_size`` in the tag's ``config.json``, is a
+vocab-parallel tensor. At the new degree it is padded to ``nxdtp.plan.padded_size(real, pad_to_multiple_of * new_tp)``,
+the rule ``ParallelEmbedding`` / ``VocabParallelLMHead`` (``parallelize_bert(make_vocab_size_divisible_by=...)``) use,
+so the model built at the new degree with the same ``make_vocab_size_divisible_by`` has exactly these shapes.
+``pad_to_multiple_of`` is, in order: the argument; the value recorded in the source tag's ``reshard.json`` (written by
+an earlier reshard); the smallest multiple m that reproduces the source's padding (m = 1 whenever the source's padding
+is just "a multiple of tp"). The padding cannot tell every m apart (53 padded to 64 at tp=2 fits m = 16 and m = 32), so
+pass the model's ``make_vocab_size_divisible_by`` when it was not 1. The value used is recorded in the new tag's
+``reshard.json``, which later reshards read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import __version__
+from ..layers import shard_of
+from ..plan import padded_size
+from ..spec import ParamSpec
+from . import tags
+from .index import INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file
+from .safetensors_stream import StreamingSafetensorsWriter
+
+CONFIG_FILE = "config.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_STATE_FILE = "optim/state.json"
+RESHARD_FILE = "reshard.json"
+SAFETENSORS_NAME = "model.safetensors"
+PYTORCH_BIN_NAME = "pytorch_model.bin"
+OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
+
+__all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
+
+
+# ---- public entry points ------------------------------------------------------------------------------------------------
+
+def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
+          force: bool = False, progress: bool = True, config: Optional[str] = None) -> str:
+    """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout; return the file path.
+
+    ``output_dir`` gets ``model.safetensors`` (or ``pytorch_model.bin`` for ``output_format="pytorch_bin"``) with the
+    full, unpadded tensors under their HF names (each tied tensor once, under its first name), and the tag's
+    ``config.json`` if it has one, so ``AutoModel.from_pretrained(output_dir)`` loads it. ``config`` (a config.json
+    path) is copied instead: a checkpoint saved from ``model.state_dict()`` (NxD's form) has no config of its own.
+    ``tag`` defaults to the newest complete one. The safetensors form streams one tensor at a time; the bin form
+    holds the whole model in memory (``torch.save`` needs the full dict).
+    """
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
+    tag_dir = tags.resolve_tag(checkpoint_dir, tag)
+    index = _read_index(tag_dir)
+    config_path = _config_source(tag_dir, config)
+    _check_output_dir(checkpoint_dir, output_dir, force)
+    model_files = _open_model_files(tag_dir, index)  # validates every file before anything is written
+    try:
+        def write(staging: str) -> str:
+            name = SAFETENSORS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
+            entries = list(index.tensors.items())
+            bar = _progress(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
+            try:
+                if output_format == "safetensors":
+                    layout = [(key, dtype_from_name(e.dtype), e.spec.unpadded_shape) for key, e in entries]
+                    with StreamingSafetensorsWriter(os.path.join(staging, name), layout,
+                                                    metadata={"format": "pt"}) as writer:
+                        for key, entry in entries:
+                            writer.write(key, _dense(model_files, key, entry, index))
+                            bar.update(1)
+                else:
+                    state = {}
+                    for key, entry in entries:
+                        state[key] = _dense(model_files, key, entry, index).clone()  # a view would save the padding
+                        bar.update(1)
+                    torch.save(state, os.path.join(staging, name))
+            finally:
+                bar.close()
+            _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
+            return name
+
+        name = _write_atomically(output_dir, write)
+    finally:
+        model_files.clear()
+    return os.path.join(output_dir, name)
+
+
+def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str] = None, force: bool = False,
+            progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None) -> str:
+    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp``; return its tag directory.
+
+    The output is a checkpoint directory in the same format (``newest`` and one tag of the same name, with index,
+    model files, trainer state, config and ``done``), loadable with ``nxdtp.checkpointing.load`` into a model built at
+    the new degree. Vocab-parallel tensors are padded again for the new degree (see the module docstring for the
+    ``pad_to_multiple_of`` rule). Optimizer state keyed by parameter name (saved from a live optimizer and model) is
+    resharded: tensors of the parameter's local shape are split like the parameter, others ('step', scalars) copied.
+    Optimizer state keyed by index (NxD's ``optimizer.state_dict()`` form) cannot be matched to parameters and is
+    dropped with a warning. RNG states are copied when the degree is unchanged and dropped otherwise (a TP rank's
+    tracker state has no counterpart at another degree); ``reshard.json`` in the tag records what was done.
+    ``config`` (a config.json path) replaces or supplies the tag's config.json.
+    """
+    if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
+        raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
+    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
+    tag_dir = tags.resolve_tag(checkpoint_dir, tag)
+    tag_name = os.path.basename(os.path.normpath(tag_dir))
+    index = _read_index(tag_dir)
+    old_tp = index.tensor_model_parallel_size
+    config_path = _config_source(tag_dir, config)
+    _check_output_dir(checkpoint_dir, output_dir, force)
+
+    notes: List[str] = []
+    multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
+    vocab_size = _config_vocab_size(config_path)
+    new_entries = {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size),
+                                    aliases=list(e.aliases))
+                   for key, e in index.tensors.items()}
+
+    model_files = _open_model_files(tag_dir, index)
+    optimizer_plan = None
+    optim_files: Dict[str, Any] = {}
+    try:
+        if index.optimizer is not None:
+            try:
+                optimizer_plan, optim_files, why_not = _plan_optimizer(tag_dir, index, new_entries)
+            except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
+                raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") \
+                    from None
+            if optimizer_plan is None:
+                message = f"{tag_dir}: optimizer state dropped: {why_not}"
+                warnings.warn(message, stacklevel=2)
+                notes.append(message)
+        rng_dir = os.path.join(tag_dir, "rng")
+        copy_rng = new_tp == old_tp and os.path.isdir(rng_dir)
+        if os.path.isdir(rng_dir) and not copy_rng:
+            notes.append(f"RNG states (rng/) dropped: they belong to tensor_model_parallel_size={old_tp}; resume with "
+                         f"restore_rng_states=False")
+
+        def write(staging: str) -> str:
+            new_tag_dir = os.path.join(staging, tag_name)
+            os.makedirs(new_tag_dir)
+            total = len(new_entries) + sum(len(fields) for _, (_, fields) in optimizer_plan or [])
+            bar = _progress(total, f"reshard {tag_name} tp {old_tp}->{new_tp}", progress)
+            try:
+                _reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar)
+                if optimizer_plan is not None:
+                    _reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files, new_tp, bar)
+            finally:
+                bar.close()
+            if optimizer_plan is not None:
+                os.makedirs(os.path.join(new_tag_dir, "optim"), exist_ok=True)
+                shutil.copy2(os.path.join(tag_dir, OPTIMIZER_STATE_FILE),
+                             os.path.join(new_tag_dir, OPTIMIZER_STATE_FILE))
+            new_index = CheckpointIndex(tensor_model_parallel_size=new_tp, data_parallel_size=index.data_parallel_size,
+                                        tensors=new_entries, optimizer=index.optimizer if optimizer_plan else None,
+                                        nxdtp_version=__version__)
+            new_index.write(new_tag_dir)
+            _copy_if_present(os.path.join(tag_dir, TRAINER_STATE_FILE), os.path.join(new_tag_dir, TRAINER_STATE_FILE))
+            _copy_if_present(config_path, os.path.join(new_tag_dir, CONFIG_FILE))
+            if copy_rng:
+                shutil.copytree(rng_dir, os.path.join(new_tag_dir, "rng"))
+            with open(os.path.join(new_tag_dir, RESHARD_FILE), "w") as f:
+                json.dump({"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size": old_tp,
+                           "tensor_model_parallel_size": new_tp, "pad_to_multiple_of": multiple,
+                           "pad_to_multiple_of_source": multiple_source, "notes": notes}, f, indent=1)
+            tags.mark_done(new_tag_dir)
+            tags.set_newest(staging, tag_name)
+            return tag_name
+
+        _write_atomically(output_dir, write)
+    finally:
+        model_files.clear()
+        optim_files.clear()
+    return os.path.join(output_dir, tag_name)
+
+
+# ---- index and input checks ---------------------------------------------------------------------------------------------
+
+def _read_index(tag_dir: str) -> CheckpointIndex:
+    path = os.path.join(tag_dir, INDEX_FILE)
+    try:
+        index = CheckpointIndex.read(tag_dir)
+    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not an index
+        raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
+    tp = index.tensor_model_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"{path} is damaged: tensor_model_parallel_size={tp!r}")
+    for key, entry in index.tensors.items():
+        spec = entry.spec
+        try:
+            dtype_from_name(entry.dtype)
+        except ValueError as e:
+            raise ValueError(f"{path}: '{key}': {e}") from None
+        if len(spec.unpadded_shape) != len(spec.full_shape) or any(
+                r > f for r, f in zip(spec.unpadded_shape, spec.full_shape)):
+            raise ValueError(f"{path} is damaged: '{key}' has real shape {list(spec.unpadded_shape)} and full shape "
+                             f"{list(spec.full_shape)}")
+        if spec.is_sharded:
+            if spec.num_partitions != tp or not 0 <= spec.partition_dim < len(spec.full_shape) or spec.stride < 1 \
+                    or spec.full_shape[spec.partition_dim] % (tp * spec.stride) != 0:
+                raise ValueError(f"{path} is damaged: '{key}' is split along dim {spec.partition_dim} into "
+                                 f"{spec.num_partitions} partitions with stride {spec.stride}, full shape "
+                                 f"{list(spec.full_shape)}, in a checkpoint of tensor_model_parallel_size={tp}")
+    return index
+
+
+def _open_safetensors(path: str):
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for damaged headers and truncated data
+        raise ValueError(f"checkpoint file {path} is damaged or truncated: {e}") from None
+
+
+def _check_piece(handle, path: str, key: str, expected: Tuple[int, ...]) -> None:
+    if key not in handle.keys():
+        raise ValueError(f"checkpoint file {path} lacks '{key}', which the index places there")
+    shape = tuple(handle.get_slice(key).get_shape())
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint file {path}: '{key}' has shape {list(shape)}, the index says {list(expected)}")
+
+
+def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
+    """Open every model file the index names, checking each tensor's piece is there with the indexed shape."""
+    handles: Dict[str, Any] = {}
+    for relative in sorted({f for e in index.tensors.values() for f in e.files(index.tensor_model_parallel_size)}):
+        handles[relative] = _open_safetensors(os.path.join(tag_dir, relative))
+    for key, entry in index.tensors.items():
+        for relative in entry.files(index.tensor_model_parallel_size):
+            _check_piece(handles[relative], os.path.join(tag_dir, relative), key, entry.spec.local_shape())
+    return handles
+
+
+# ---- output directory ---------------------------------------------------------------------------------------------------
+
+def _check_output_dir(checkpoint_dir: str, output_dir: str, force: bool) -> None:
+    source, target = os.path.realpath(checkpoint_dir), os.path.realpath(output_dir)
+    if target == source or target.startswith(source.rstrip(os.sep) + os.sep):
+        raise ValueError(f"output directory {output_dir} is inside the input checkpoint directory {checkpoint_dir}; "
+                         "choose a directory outside it")
+    if source.startswith(target.rstrip(os.sep) + os.sep):
+        raise ValueError(f"output directory {output_dir} contains the input checkpoint directory {checkpoint_dir}; "
+                         "choose another directory")
+    if os.path.lexists(output_dir):
+        if not os.path.isdir(output_dir):
+            raise FileExistsError(f"output path {output_dir} exists and is not a directory")
+        if os.listdir(output_dir) and not force:
+            raise FileExistsError(f"output directory {output_dir} exists and is not empty; pass --force (force=True) "
+                                  "to replace it")
+
+
+def _write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
+    """Run ``write(staging_dir)`` in a temporary sibling of ``output_dir``, then put the result in its place."""
+    target = os.path.abspath(output_dir)
+    parent, base = os.path.dirname(target), os.path.basename(target)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{base}.nxdtp-tmp-", dir=parent)
+    try:
+        result = write(staging)
+        os.chmod(staging, 0o755 & ~_umask())  # mkdtemp makes it private; give it a normal directory's mode
+        aside = None
+        if os.path.lexists(target):
+            aside = tempfile.mkdtemp(prefix=f".{base}.nxdtp-old-", dir=parent)
+            os.rmdir(aside)
+            os.rename(target, aside)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, target)
+            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return result
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _copy_if_present(source: Optional[str], destination: str) -> None:
+    if source is not None and os.path.isfile(source):
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        shutil.copy2(source, destination)
+
+
+def _progress(total: int, description: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="tensor", file=sys.stderr, disable=not enabled, leave=False)
+
+
+# ---- reassembling and splitting -----------------------------------------------------------------------------------------
+
+def _assemble_from(read_piece: Callable[[int], torch.Tensor], spec: ParamSpec, tp: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """The full (padded) tensor from the TP pieces: the inverse of ``shard_of`` with the spec's stride.
+
+    Rank r's piece holds ``stride`` chunks; chunk j is block ``j * tp + r`` of the full dimension. Pieces are read and
+    copied in one at a time, so the peak is the full tensor plus one piece.
+    """
+    if not spec.is_sharded:
+        return read_piece(0).to(dtype)
+    dim, stride = spec.partition_dim, spec.stride
+    full = torch.empty(spec.full_shape, dtype=dtype)
+    block = spec.full_shape[dim] // (tp * stride)
+    for rank in range(tp):
+        piece = read_piece(rank)
+        for chunk in range(stride):
+            full.narrow(dim, (chunk * tp + rank) * block, block).copy_(piece.narrow(dim, chunk * block, block))
+        del piece
+    return full
+
+
+def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
+    files = entry.files(index.tensor_model_parallel_size)
+    return _assemble_from(lambda rank: model_files[files[rank]].get_tensor(key), entry.spec,
+                          index.tensor_model_parallel_size, dtype_from_name(entry.dtype))
+
+
+def _dense(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
+    """The full tensor without its padding, in the index dtype."""
+    return _narrow_to(_assemble(model_files, key, entry, index), entry.spec.unpadded_shape).contiguous()
+
+
+def _narrow_to(tensor: torch.Tensor, shape) -> torch.Tensor:
+    """The leading ``shape`` block of ``tensor`` (a view): the tensor without its padding."""
+    for dim, size in enumerate(shape):
+        if tensor.shape[dim] != size:
+            tensor = tensor.narrow(dim, 0, size)
+    return tensor
+
+
+def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
+    """The real part of ``full`` (old padding) padded with zeros to the new full shape."""
+    real = _narrow_to(full, old.unpadded_shape)
+    if tuple(real.shape) == tuple(new.full_shape):
+        return real
+    padded = torch.zeros(new.full_shape, dtype=full.dtype)
+    _narrow_to(padded, real.shape).copy_(real)
+    return padded
+
+
+def _pieces(full: torch.Tensor, spec: ParamSpec, new_tp: int):
+    """Each new rank's piece of ``full`` (None where the rank's file holds no copy of a replicated tensor)."""
+    for rank in range(new_tp):
+        if spec.is_sharded:
+            yield rank, shard_of(full, spec.partition_dim, rank, new_tp, spec.stride)
+        elif rank == 0:
+            yield rank, full.contiguous()
+
+
+# ---- resharding ---------------------------------------------------------------------------------------------------------
+
+def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
+    if explicit is not None:
+        return explicit, "argument"
+    recorded = os.path.join(tag_dir, RESHARD_FILE)
+    if os.path.isfile(recorded):
+        try:
+            with open(recorded) as f:
+                value = json.load(f).get("pad_to_multiple_of")
+            if isinstance(value, int) and value >= 1:
+                return value, f"recorded in {recorded}"
+        except (ValueError, AttributeError):
+            pass
+    tp = index.tensor_model_parallel_size
+    padded = {(e.spec.unpadded_shape[e.spec.partition_dim], e.spec.full_shape[e.spec.partition_dim])
+              for e in index.tensors.values() if e.spec.is_sharded
+              and e.spec.unpadded_shape[e.spec.partition_dim] != e.spec.full_shape[e.spec.partition_dim]}
+    if not padded:
+        return 1, "default (the source checkpoint has no padding)"
+    per_rank_max = max(full for _, full in padded) // tp
+    for m in range(1, per_rank_max + 1):
+        if all(padded_size(real, m * tp) == full for real, full in padded):
+            return m, "inferred from the source checkpoint's padding"
+    raise ValueError(f"{tag_dir}: the vocabulary padding {sorted(padded)} (real, padded) is not padded_size(real, m * "
+                     f"{tp}) for any m; pass pad_to_multiple_of (--pad-to-multiple-of) explicitly")
+
+
+def _config_source(tag_dir: str, explicit: Optional[str]) -> Optional[str]:
+    """The config.json to copy (``explicit``, else the tag's own, else None), checked to be a JSON object."""
+    path = explicit if explicit is not None else os.path.join(tag_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        if explicit is not None:
+            raise FileNotFoundError(f"config file {explicit} does not exist")
+        return None
+    try:
+        with open(path) as f:
+            if not isinstance(json.load(f), dict):
+                raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"config file {path} is damaged: not a JSON object") from None
+    return path
+
+
+def _config_vocab_size(config_path: Optional[str]) -> Optional[int]:
+    if config_path is None:
+        return None
+    with open(config_path) as f:
+        value = json.load(f).get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size: Optional[int]) -> ParamSpec:
+    if not spec.is_sharded:
+        return dataclasses.replace(spec, num_partitions=new_tp)
+    dim, stride = spec.partition_dim, spec.stride
+    real = spec.unpadded_shape[dim]
+    full = list(spec.full_shape)
+    vocab_parallel = real != full[dim] or (vocab_size is not None and real == vocab_size and stride == 1)
+    if vocab_parallel:
+        if stride != 1:
+            raise ValueError(f"'{key}' is padded along its partition dim {dim} but has stride {stride}; padding a "
+                             "strided tensor is not supported")
+        full[dim] = padded_size(real, multiple * new_tp)
+    elif full[dim] % (new_tp * stride) != 0:
+        raise ValueError(f"'{key}': dimension {dim} of size {full[dim]} cannot be split into {new_tp} partitions"
+                         + (f" with stride {stride}" if stride > 1 else ""))
+    return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp)
+
+
+def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
+                   model_files: Dict[str, Any], new_tp: int, bar) -> None:
+    layouts: List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]] = [[] for _ in range(new_tp)]
+    for key, entry in new_entries.items():
+        for rank in range(new_tp):
+            if entry.spec.is_sharded or rank == 0:
+                layouts[rank].append((key, dtype_from_name(entry.dtype), entry.spec.local_shape()))
+    writers = _open_writers([os.path.join(new_tag_dir, model_file(r)) for r in range(new_tp)], layouts)
+    try:
+        for key, entry in index.tensors.items():
+            full = _repad(_assemble(model_files, key, entry, index), entry.spec, new_entries[key].spec)
+            for rank, piece in _pieces(full, new_entries[key].spec, new_tp):
+                writers[rank].write(key, piece)
+            del full
+            bar.update(1)
+    except BaseException:
+        for writer in writers:
+            writer.__exit__(RuntimeError, None, None)
+        raise
+    for writer in writers:
+        writer.close()
+
+
+def _open_writers(paths: List[str], layouts) -> List[StreamingSafetensorsWriter]:
+    writers: List[StreamingSafetensorsWriter] = []
+    try:
+        for path, layout in zip(paths, layouts):
+            writers.append(StreamingSafetensorsWriter(path, layout))
+    except BaseException:
+        for writer in writers:
+            writer.__exit__(RuntimeError, None, None)
+        raise
+    return writers
+
+
+def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry]):
+    """How each optimizer tensor reshards: [(param key, [(field, kind, old shape)])], the open files, or why not.
+
+    kind is "shard" (the param's local shape, param sharded: split like the param), "replicate" (the param's shape,
+    param replicated) or "copy" (anything else, e.g. Adam's 'step': copied from TP rank 0 to every rank).
+    """
+    info = index.optimizer
+    tp = index.tensor_model_parallel_size
+    if not isinstance(info, dict) or info.get("keyed_by") != "name":
+        return None, {}, ("it is keyed by parameter index (saved from optimizer.state_dict() rather than a live "
+                          "optimizer and model), so it cannot be matched to the parameters it belongs to")
+    primary = {}
+    for key, entry in index.tensors.items():
+        primary[key] = key
+        for alias in entry.aliases:
+            primary[alias] = key
+    params = info.get("params", {})
+    unknown = [name for name in params if name not in primary]
+    if unknown:
+        return None, {}, f"its parameters {unknown[:3]} are not tensors of the model index"
+    state_path = os.path.join(tag_dir, OPTIMIZER_STATE_FILE)
+    if not os.path.isfile(state_path):
+        raise FileNotFoundError(f"checkpoint file {state_path} is missing")
+    handles: Dict[str, Any] = {}
+    for rank in range(tp):
+        handles[optim_file(rank)] = _open_safetensors(os.path.join(tag_dir, optim_file(rank)))
+    plan = []
+    for name, fields in params.items():
+        entry = index.tensors[primary[name]]
+        per_field = []
+        for field in fields["tensors"]:
+            key = f"{name}/{field}"
+            path0 = os.path.join(tag_dir, optim_file(0))
+            if key not in handles[optim_file(0)].keys():
+                raise ValueError(f"checkpoint file {path0} lacks '{key}', which the index lists")
+            shape = tuple(handles[optim_file(0)].get_slice(key).get_shape())
+            if entry.spec.is_sharded and shape == entry.spec.local_shape():
+                kind = "shard"
+                for rank in range(1, tp):
+                    _check_piece(handles[optim_file(rank)], os.path.join(tag_dir, optim_file(rank)), key, shape)
+            elif not entry.spec.is_sharded and shape == tuple(entry.spec.full_shape):
+                kind = "replicate"
+            else:
+                kind = "copy"
+            per_field.append((field, kind, shape))
+        plan.append((name, primary[name], per_field))
+    return [(name, (key, per_field)) for name, key, per_field in plan], handles, None
+
+
+def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
+                       handles: Dict[str, Any], new_tp: int, bar) -> None:
+    tp = index.tensor_model_parallel_size
+    rank0 = handles[optim_file(0)]
+    layouts: List[list] = [[] for _ in range(new_tp)]
+    for name, (key, fields) in plan:
+        new_spec = new_entries[key].spec
+        for field, kind, shape in fields:
+            dtype = _safetensors_dtype(rank0, f"{name}/{field}")
+            local = new_spec.local_shape() if kind == "shard" else shape
+            for rank in range(new_tp):
+                layouts[rank].append((f"{name}/{field}", dtype, tuple(local)))
+    writers = _open_writers([os.path.join(new_tag_dir, optim_file(r)) for r in range(new_tp)], layouts)
+    try:
+        for name, (key, fields) in plan:
+            old_spec, new_spec = index.tensors[key].spec, new_entries[key].spec
+            for field, kind, _ in fields:
+                tensor_key = f"{name}/{field}"
+                if kind == "shard":
+                    full = _assemble_from(lambda r: handles[optim_file(r)].get_tensor(tensor_key), old_spec, tp,
+                                          _safetensors_dtype(rank0, tensor_key))
+                    full = _repad(full, old_spec, new_spec)
+                    for rank in range(new_tp):
+                        writers[rank].write(tensor_key, shard_of(full, new_spec.partition_dim, rank, new_tp,
+                                                                 new_spec.stride))
+                else:
+                    value = rank0.get_tensor(tensor_key)
+                    for rank in range(new_tp):
+                        writers[rank].write(tensor_key, value)
+                bar.update(1)
+    except BaseException:
+        for writer in writers:
+            writer.__exit__(RuntimeError, None, None)
+        raise
+    for writer in writers:
+        writer.close()
+
+
+_DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_dtype(handle, key: str) -> torch.dtype:
+    name = handle.get_slice(key).get_dtype()
+    if name not in _DTYPES_BY_SAFETENSORS_NAME:
+        raise ValueError(f"'{key}' has safetensors dtype {name}, which nxdtp does not handle")
+    return _DTYPES_BY_SAFETENSORS_NAME[name]
