@@ -131,7 +131,10 @@ class CheckpointIndex:
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(f"{path} has format_version={version!r}; this nxdtp reads format version {FORMAT_VERSION}")
-        return cls(tensor_model_parallel_size=d["tensor_model_parallel_size"],
-                   data_parallel_size=d["data_parallel_size"],
-                   tensors={k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
-                   optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version)
+        try:
+            return cls(tensor_model_parallel_size=int(d["tensor_model_parallel_size"]),
+                       data_parallel_size=int(d["data_parallel_size"]),
+                       tensors={k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
+                       optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
