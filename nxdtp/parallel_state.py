@@ -129,8 +129,13 @@ _TOPOLOGY: Optional[Topology] = None
 _OWNED_PROCESS_GROUPS: List[object] = []
 
 
+# NxD options of initialize_model_parallel that nxdtp does not implement, with the only value it accepts.
+_NXD_DEFAULTS = {"context_parallel_size": 1, "expert_model_parallel_size": 1, "skip_collective_init": False,
+                 "lnc_size": 1, "mesh_only": False}
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              timeout: Optional[datetime.timedelta] = None) -> None:
+                              timeout: Optional[datetime.timedelta] = None, **nxd_options) -> None:
     """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
 
     Every rank must call this (group creation is collective). On an XLA world the TP/DP collectives use XLA replica groups;
@@ -139,6 +144,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     reported instead of waited for.
     """
     global _TOPOLOGY
+    for name, value in nxd_options.items():
+        if name not in _NXD_DEFAULTS:
+            raise TypeError(f"initialize_model_parallel() got an unexpected keyword argument {name!r}")
+        if value != _NXD_DEFAULTS[name]:
+            raise ValueError(f"{name}={value!r} is not supported by nxdtp; only the default {name}="
+                             f"{_NXD_DEFAULTS[name]!r} is")
     if _TOPOLOGY is not None:
         raise RuntimeError(
             "model parallel is already initialized (tensor_model_parallel_size="

@@ -35,6 +35,7 @@ def padded_size(size: int, multiple: int) -> int:
 class ColumnParallel:
     """``nn.Linear`` → ColumnParallelLinear (output features split)."""
 
+    expects = nn.Linear
     gather_output: bool = False
     stride: int = 1
     input_in_tensor_parallel_region: bool = False
@@ -56,6 +57,7 @@ class ColumnParallel:
 class RowParallel:
     """``nn.Linear`` → RowParallelLinear (input features split; output all-reduced or reduce-scattered)."""
 
+    expects = nn.Linear
     input_is_parallel: bool = True
     sequence_parallel: bool = False
     sequence_dimension: int = 0
@@ -74,6 +76,7 @@ class RowParallel:
 class VocabParallelEmbedding:
     """``nn.Embedding`` → ParallelEmbedding split by vocabulary, padded to a multiple of ``pad_to_multiple_of * tp``."""
 
+    expects = nn.Embedding
     pad_to_multiple_of: int = 1
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
@@ -96,6 +99,7 @@ class VocabParallelLMHead:
     (parallel_cross_entropy's ``vocab_size``), and gathering the logits strips them.
     """
 
+    expects = nn.Linear
     pad_to_multiple_of: int = 1
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
@@ -119,6 +123,10 @@ class Replicate:
     whose parameters are marked so their gradients are summed over TP (each rank normalises only its sequence shard)."""
 
     sequence_parallel: bool = False
+
+    @property
+    def expects(self) -> type:
+        return nn.LayerNorm if self.sequence_parallel else nn.Module
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
         if not self.sequence_parallel:
@@ -185,6 +193,9 @@ def _match(model: nn.Module, plan: Plan) -> List[Tuple[str, Style]]:
     if unused:
         raise ValueError(f"plan patterns {unused} match no module of {type(model).__name__}; "
                          f"module names look like {[n for n, _ in list(model.named_modules())[1:6]]}")
+    # Check every match before converting any, so a bad plan leaves the model untouched.
+    for name, style in matched:
+        _expect(model.get_submodule(name), getattr(style, "expects", nn.Module), style, name)
     # Convert children before parents would be wrong (a parent's conversion would drop converted children); plans
     # name leaves, so reject nested matches outright.
     names = [n for n, _ in matched]
@@ -223,11 +234,15 @@ def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> Non
     if getattr(base, "_nxdtp_wrapper", None) == wrapper_name:
         return
     key = (base, wrapper_name)
+    if key in _WRAPPED_CLASSES and _WRAPPED_CLASSES[key]._nxdtp_wrapper_function is not wrapper:
+        raise ValueError(f"wrapper name {wrapper_name!r} is already used for {base.__name__} with another function; "
+                         "give each wrapper function its own name")
     if key not in _WRAPPED_CLASSES:
         def forward(self, *args, **kwargs):
             return wrapper(super(cls, self).forward, *args, **kwargs)
 
         cls = type(base.__name__, (base,), {"forward": forward, "_nxdtp_wrapper": wrapper_name,
+                                            "_nxdtp_wrapper_function": wrapper,
                                             "__module__": base.__module__, "__qualname__": base.__qualname__})
         _WRAPPED_CLASSES[key] = cls
     module.__class__ = _WRAPPED_CLASSES[key]

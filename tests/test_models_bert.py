@@ -681,3 +681,23 @@ def test_bert_large_tp8_parameters_per_rank(capsys):
     assert tuple(model.bert.encoder.layer[5].attention.self.query.weight.shape) == (128, 1024)
     assert tuple(model.bert.encoder.layer[5].output.dense.weight.shape) == (1024, 512)
     assert fraction <= 0.133, f"rank holds {100 * fraction:.2f} % of the dense parameters"
+
+
+def test_a_bad_plan_leaves_the_model_untouched():
+    import torch
+    from torch import nn
+
+    from nxdtp.parallel_state import simulated_topology
+    from nxdtp.plan import ColumnParallel, Plan, parallelize, wrap_forward
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    before = [type(m) for m in model]
+    with simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        with pytest.raises(TypeError, match="ColumnParallel applies to Linear, but '1' is ReLU"):
+            parallelize(model, Plan(styles={"0": ColumnParallel(), "1": ColumnParallel()}),
+                        broadcast_replicated=False)
+    assert [type(m) for m in model] == before
+    wrap_forward(model[0], "nxdtp_test_wrapper", lambda forward, *a, **k: forward(*a, **k))
+    with pytest.raises(ValueError, match="already used for Linear with another function"):
+        wrap_forward(model[2], "nxdtp_test_wrapper", lambda forward, *a, **k: forward(*a, **k) * 2)
+    assert torch.equal(model(torch.ones(1, 4)), model(torch.ones(1, 4)))

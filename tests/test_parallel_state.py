@@ -99,3 +99,20 @@ def case_world_not_divisible():
 
 def test_tp_not_dividing_real_world(worlds):
     worlds(4).run(case_world_not_divisible, tensor_model_parallel_size=None)
+
+
+def case_nxd_options_at_defaults():
+    try:
+        ps.initialize_model_parallel(2, context_parallel_size=2)
+    except ValueError as e:
+        assert "context_parallel_size=2 is not supported" in str(e), e
+    else:
+        raise AssertionError("context_parallel_size=2 was accepted")
+    assert not ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel(2, context_parallel_size=1, expert_model_parallel_size=1, skip_collective_init=False,
+                                 lnc_size=1, mesh_only=False)
+    assert ps.get_tensor_model_parallel_size() == 2
+
+
+def test_nxd_options_accepted_only_at_defaults(worlds):
+    worlds(2).run(case_nxd_options_at_defaults, tensor_model_parallel_size=None)

@@ -252,8 +252,10 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
                             device="cpu") -> nn.Module:
     """Build a TP-sharded BERT from an HF model directory; each rank reads only its own slices of the weights.
 
-    ``model_class`` defaults to the first of ``config.architectures``, else BertForPreTraining. Parameters the
-    checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made equal across TP ranks.
+    ``model_class`` defaults to the first of ``config.architectures``, else BertForPreTraining. Replicated parameters
+    the checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made equal across TP
+    ranks; a missing tensor-parallel bias starts at zero as in HF, a missing tensor-parallel weight is an error. The
+    model is returned in eval mode, as HF does.
     """
     import transformers
 
@@ -277,12 +279,22 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
         for module in model.modules():
             model._init_weights(module)
     missing = load_sharded_weights(model, reader, _bert_checkpoint_keys)
-    # HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them.
-    sharded_missing = [n for n in missing if getattr(model.get_parameter(n), "tensor_model_parallel", False)]
+    # HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them. HF starts
+    # biases at zero, which needs no slicing; a missing sharded weight cannot be reproduced, so it is an error.
+    sharded_missing = []
+    with torch.no_grad():
+        for name in missing:
+            param = model.get_parameter(name)
+            if getattr(param, "tensor_model_parallel", False):
+                if name.endswith("bias"):
+                    param.zero_()
+                else:
+                    sharded_missing.append(name)
     if sharded_missing:
         raise ValueError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
                          "the checkpoint")
     if missing:
         logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
     broadcast_replicated_state(model)
+    model.eval()  # as HF's from_pretrained
     return model
