@@ -48,7 +48,7 @@ from ..plan import padded_size
 from ..spec import ParamSpec
 from . import tags
 from .index import INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file
-from .safetensors_stream import StreamingSafetensorsWriter
+from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
 CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -231,14 +231,12 @@ def _read_index(tag_dir: str) -> CheckpointIndex:
     return index
 
 
-def _open_safetensors(path: str):
-    from safetensors import safe_open
-
+def _open_safetensors(path: str) -> SafetensorsFileReader:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path} is missing")
     try:
-        return safe_open(path, framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for damaged headers and truncated data
+        return SafetensorsFileReader(path)
+    except ValueError as e:
         raise ValueError(f"checkpoint file {path} is damaged or truncated: {e}") from None
 
 

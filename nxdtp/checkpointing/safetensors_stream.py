@@ -75,3 +75,73 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self._file.close()
+
+
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+class _TensorInfo:
+    """What safetensors' ``get_slice`` answers about a tensor, without reading it."""
+
+    def __init__(self, dtype: str, shape: List[int]):
+        self._dtype, self._shape = dtype, shape
+
+    def get_dtype(self) -> str:
+        return self._dtype
+
+    def get_shape(self) -> List[int]:
+        return list(self._shape)
+
+
+class SafetensorsFileReader:
+    """Read tensors of a safetensors file with plain reads at their byte offsets.
+
+    ``safe_open`` memory-maps the file, and every page a tensor touched stays in the process's RSS while the file is
+    open: merging a checkpoint that way holds the whole checkpoint in RSS. Reading each tensor into its own buffer
+    keeps the footprint at the tensors actually alive. The header is checked on open, so a truncated or damaged file
+    is refused before anything is read.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"{path} is truncated: no safetensors header")
+            header_size = struct.unpack("<Q", prefix)[0]
+            if header_size > size - 8:
+                raise ValueError(f"{path} is truncated or damaged: its header claims {header_size} bytes")
+            try:
+                header = json.loads(f.read(header_size))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} has a damaged header: {e}") from None
+        header.pop("__metadata__", None)
+        self._data_start = 8 + header_size
+        self._entries = {}
+        for key, info in header.items():
+            try:
+                dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{path} has a damaged header entry for '{key}'") from None
+            if dtype not in _DTYPES_BY_NAME:
+                raise ValueError(f"{path}: '{key}' has safetensors dtype {dtype}, which nxdtp does not handle")
+            if self._data_start + end > size:
+                raise ValueError(f"{path} is truncated: '{key}' ends at byte {self._data_start + end} of {size}")
+            self._entries[key] = (dtype, shape, begin, end)
+
+    def keys(self):
+        return self._entries.keys()
+
+    def get_slice(self, key: str) -> _TensorInfo:
+        dtype, shape, _, _ = self._entries[key]
+        return _TensorInfo(dtype, shape)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        dtype, shape, begin, end = self._entries[key]
+        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin)
+            if f.readinto(memoryview(buffer.numpy())) != end - begin:
+                raise ValueError(f"{self.path} is truncated: '{key}' could not be read whole")
+        return buffer.view(_DTYPES_BY_NAME[dtype]).reshape(shape)
