@@ -2,7 +2,8 @@
 
 Who writes what: the ranks whose DP rank is 0 write their TP shard of the model and optimizer (the DP replicas hold the
 same values); every rank writes its own RNG states; global rank 0 writes the index, trainer state, config, ``done`` and
-``newest``. Barriers on the host group order these steps, so ``done`` exists only once every file is complete.
+``newest``. Each step ends with an exchange on the host group in which every rank learns whether any rank failed, so
+``done`` exists only once every file is complete, and a failure on one rank (in ``save`` or ``load``) raises on all.
 """
 
 from __future__ import annotations
@@ -55,48 +56,72 @@ def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None,
 
     topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
     model = checkpoint["model"]
-    model_state = model.state_dict() if isinstance(model, nn.Module) else model
-    tensors, entries = split_state_dict(model_state, tp_group.size)
-    if down_cast_bf16:
-        tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
-        for key, entry in entries.items():
-            if tensors[key].dtype == torch.bfloat16:
-                entry.dtype = "bfloat16"
-    optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
+    # Each phase ends with every rank learning whether any rank failed (_agree), never with a bare barrier: a rank that
+    # raised alone would leave its peers waiting in the next collective, or writing into a tag that rank 0 refused.
+    error: Optional[BaseException] = None
+    try:
+        model_state = model.state_dict() if isinstance(model, nn.Module) else model
+        tensors, entries = split_state_dict(model_state, tp_group.size)
+        if down_cast_bf16:
+            tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+            for key, entry in entries.items():
+                if tensors[key].dtype == torch.bfloat16:
+                    entry.dtype = "bfloat16"
+        optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
+        if topology.rank == 0:
+            if os.path.isdir(tag_dir) and tags.is_complete(tag_dir):
+                raise FileExistsError(f"checkpoint tag {tag_dir} already exists and is complete; choose another tag")
+            # A previous crashed save of this tag may have left files; its missing 'done' kept it from being loaded.
+            os.makedirs(tag_dir, exist_ok=True)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+        error = e
+    _agree(error, f"saving {tag_dir}")
 
-    if topology.rank == 0:
-        if os.path.isdir(tag_dir) and tags.is_complete(tag_dir):
-            raise FileExistsError(f"checkpoint tag {tag_dir} already exists and is complete; choose another tag")
-        os.makedirs(tag_dir, exist_ok=True)
-        # A previous crashed save of this tag may have left files; its missing 'done' kept it from being loaded.
-    comm.barrier()
+    try:
+        if dp_group.rank == 0:
+            _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)), tensors, entries, tp_group.rank)
+            if optimizer_tensors is not None:
+                _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)), optimizer_tensors)
+        _write_json(os.path.join(tag_dir, "rng", f"rank_{topology.rank:05d}.json"), _rng_payload())
 
-    if dp_group.rank == 0:
-        _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)), tensors, entries, tp_group.rank)
-        if optimizer_tensors is not None:
-            _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)), optimizer_tensors)
-    _write_json(os.path.join(tag_dir, "rng", f"rank_{topology.rank:05d}.json"), _rng_payload())
+        if topology.rank == 0:
+            index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
+                                    tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__)
+            index.write(tag_dir)
+            if optimizer_json is not None:
+                _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
+            _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), _trainer_payload(checkpoint))
+            config = getattr(model, "config", None)
+            if config is not None and hasattr(config, "to_json_string"):
+                with open(os.path.join(tag_dir, CONFIG_FILE), "w") as f:
+                    f.write(config.to_json_string())
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, f"saving {tag_dir}")  # every rank's files are on disk before 'done' says so
 
-    if topology.rank == 0:
-        index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
-                                tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__)
-        index.write(tag_dir)
-        if optimizer_json is not None:
-            _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
-        _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), _trainer_payload(checkpoint))
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            with open(os.path.join(tag_dir, CONFIG_FILE), "w") as f:
-                f.write(config.to_json_string())
-    comm.barrier()  # every rank's files are on disk before 'done' says so
-
-    if topology.rank == 0:
-        tags.mark_done(tag_dir)
-        tags.set_newest(output_dir, tag)
-        if keep_last is not None:
-            tags.prune(output_dir, keep_last, protect=tag)
-    comm.barrier()
+    try:
+        if topology.rank == 0:
+            tags.mark_done(tag_dir)
+            tags.set_newest(output_dir, tag)
+            if keep_last is not None:
+                tags.prune(output_dir, keep_last, protect=tag)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, f"saving {tag_dir}")
     return tag_dir
+
+
+def _agree(error: Optional[BaseException], what: str) -> None:
+    """Collective: raise on every rank if any rank failed. A failed rank re-raises its own error; the others raise a
+    RuntimeError that names the failed ranks and their errors. Also a barrier when nothing failed."""
+    reports = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: report for rank, report in enumerate(reports) if report is not None}
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: "
+                       + "; ".join(f"rank {rank}: {report}" for rank, report in sorted(failed.items())))
 
 
 def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> None:
@@ -191,8 +216,13 @@ def _optimizer_state_dict(tag_dir: str, index: Dict, tp_rank: int, optimizer: to
             slot = position.get(name, info["param_index"])
             state[slot] = {field: f.get_tensor(f"{name}/{field}") for field in info["tensors"]}
             state[slot].update(saved["scalars"].get(name, {}))
+    if len(optimizer.param_groups) != len(saved["param_groups"]):
+        raise ValueError(f"{tag_dir}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
+                         f"{len(saved['param_groups'])}")
     groups = []
-    for group in saved["param_groups"]:
+    for live, group in zip(optimizer.param_groups, saved["param_groups"]):
+        # JSON turned tuples (Adam's betas) into lists: give them back the live optimizer's type.
+        group = {k: tuple(v) if isinstance(v, list) and isinstance(live.get(k), tuple) else v for k, v in group.items()}
         groups.append({**group, "params": [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p)
                                            for p in group["params"]]})
     return {"state": state, "param_groups": groups}
@@ -289,30 +319,37 @@ def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag
                             f"{type(model_or_optimizer).__name__}")
     if model_key != "model":
         raise ValueError(f"model_key={model_key!r} is not supported; nxdtp checkpoints store the model as 'model'")
-    tag_dir = tags.resolve_tag(output_dir, tag)
-    index = CheckpointIndex.read(tag_dir)
-    tp_group = tensor_parallel_group()
-    if index.tensor_model_parallel_size != tp_group.size:
-        raise ValueError(
-            f"{tag_dir} was saved with tensor_model_parallel_size={index.tensor_model_parallel_size}, but this run "
-            f"has tensor_model_parallel_size={tp_group.size}. Reshard it first: python tools/merge_checkpoints.py "
-            f"{output_dir} OUT_DIR --reshard {tp_group.size}")
-    if model is not None:
-        state = read_model_shard(tag_dir, index, tp_group.rank)
-        state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
-                 for k, v in state.items()}
-        model.load_state_dict(state, strict=strict)
-    if optimizer is not None:
-        if index.optimizer is None:
-            raise ValueError(f"{tag_dir} holds no optimizer state")
-        optimizer.load_state_dict(_optimizer_state_dict(tag_dir, index.optimizer, tp_group.rank, optimizer, model))
-    with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-        trainer_state = json.load(f)
-    if scheduler is not None and "scheduler" in trainer_state:
-        scheduler.load_state_dict(trainer_state["scheduler"])
-    if restore_rng_states:
-        restore_rng(tag_dir, get_topology().rank)
-    comm.barrier()
+    # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
+    error: Optional[BaseException] = None
+    trainer_state: Dict[str, Any] = {}
+    try:
+        tag_dir = tags.resolve_tag(output_dir, tag)
+        index = CheckpointIndex.read(tag_dir)
+        tp_group = tensor_parallel_group()
+        if index.tensor_model_parallel_size != tp_group.size:
+            raise ValueError(
+                f"{tag_dir} was saved with tensor_model_parallel_size={index.tensor_model_parallel_size}, but this run "
+                f"has tensor_model_parallel_size={tp_group.size}. Reshard it first: python tools/merge_checkpoints.py "
+                f"{output_dir} OUT_DIR --reshard {tp_group.size}")
+        if model is not None:
+            state = read_model_shard(tag_dir, index, tp_group.rank)
+            state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
+                     for k, v in state.items()}
+            model.load_state_dict(state, strict=strict)
+        if optimizer is not None:
+            if index.optimizer is None:
+                raise ValueError(f"{tag_dir} holds no optimizer state")
+            optimizer.load_state_dict(_optimizer_state_dict(tag_dir, index.optimizer, tp_group.rank, optimizer,
+                                                            model))
+        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
+            trainer_state = json.load(f)
+        if scheduler is not None and "scheduler" in trainer_state:
+            scheduler.load_state_dict(trainer_state["scheduler"])
+        if restore_rng_states:
+            restore_rng(tag_dir, get_topology().rank)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+        error = e
+    _agree(error, f"loading {output_dir}")
     return trainer_state
 
 
