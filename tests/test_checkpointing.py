@@ -639,3 +639,16 @@ def test_index_records_shapes_specs_aliases_and_writers(worlds, tmp_path):
             open(os.path.join(bert_dir, "rng", "rank_00002.json")) as f2:
         r0, r1, r2 = json.load(f0), json.load(f1), json.load(f2)
     assert r0["tracker"] != r1["tracker"] and r0["default"] == r1["default"] and r0 == r2
+
+
+def test_a_state_dict_without_specs_is_refused_at_tp_above_one():
+    """Filtered of its '_extra_state' entries, a state dict would record every shard as replicated and lose the
+    shards of TP ranks > 0; save refuses it instead."""
+    import torch
+
+    from nxdtp.checkpointing.index import split_state_dict
+
+    with pytest.raises(ValueError, match="carries no nxdtp sharding specs .* tensor_model_parallel_size=2"):
+        split_state_dict({"encoder.weight": torch.zeros(4, 2)}, tp=2)
+    tensors, entries = split_state_dict({"encoder.weight": torch.zeros(4, 2)}, tp=1)
+    assert not entries["encoder.weight"].spec.is_sharded

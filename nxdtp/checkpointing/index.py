@@ -74,6 +74,10 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int) -> Tuple[Dict[str, tor
             prefix = key[: -len("_extra_state")]
             for name, spec in value["params"].items():
                 specs[prefix + name] = ParamSpec.from_dict(spec)
+    if tp > 1 and not specs and any(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        # Without specs every tensor would be recorded as replicated, and TP ranks > 0 would lose their shards.
+        raise ValueError("the model state dict carries no nxdtp sharding specs ('<module>._extra_state' entries) at "
+                         f"tensor_model_parallel_size={tp}: pass the model itself, or its unfiltered state_dict()")
     # Group tied keys first: the spec may belong to any of them (an MLM bias is owned by the decoder module).
     groups: Dict[object, List[str]] = {}
     for key, value in state_dict.items():

@@ -142,6 +142,8 @@ def _write_json(path: str, payload: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before 'done' claims the tag is complete
 
 
 def _trainer_payload(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
@@ -213,6 +215,9 @@ def _optimizer_state_dict(tag_dir: str, index: Dict, tp_rank: int, optimizer: to
     state: Dict[int, Dict[str, Any]] = {}
     with safe_open(path, framework="pt", device="cpu") as f:
         for name, info in index["params"].items():
+            if index["keyed_by"] == "name" and name not in position:
+                raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter '{name}', which the "
+                                 "model passed to load() does not have (or the optimizer does not hold)")
             slot = position.get(name, info["param_index"])
             state[slot] = {field: f.get_tensor(f"{name}/{field}") for field in info["tensors"]}
             state[slot].update(saved["scalars"].get(name, {}))
