@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator
 
 import torch
 

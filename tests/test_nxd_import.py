@@ -301,7 +301,7 @@ def test_output_exists_needs_force(tmp_path, dense):
     empty = tmp_path / "empty"
     empty.mkdir()
     merge_nxd_checkpoint(checkpoint, config, str(empty), progress=False)
-    with pytest.raises(ValueError, match="would replace the checkpoint"):
+    with pytest.raises(ValueError, match="contains the input checkpoint directory"):
         merge_nxd_checkpoint(checkpoint, config, str(tmp_path), force=True, progress=False)
 
 

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -47,6 +46,7 @@ from ..layers import shard_of
 from ..plan import padded_size
 from ..spec import ParamSpec
 from . import tags
+from .output_dir import check_output_dir, write_atomically
 from .index import INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
@@ -79,7 +79,7 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     tag_dir = tags.resolve_tag(checkpoint_dir, tag)
     index = _read_index(tag_dir)
     config_path = _config_source(tag_dir, config)
-    _check_output_dir(checkpoint_dir, output_dir, force)
+    check_output_dir(checkpoint_dir, output_dir, force)
     model_files = _open_model_files(tag_dir, index)  # validates every file before anything is written
     try:
         def write(staging: str) -> str:
@@ -105,7 +105,7 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
             _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             return name
 
-        name = _write_atomically(output_dir, write)
+        name = write_atomically(output_dir, write)
     finally:
         model_files.clear()
     return os.path.join(output_dir, name)
@@ -134,7 +134,7 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     index = _read_index(tag_dir)
     old_tp = index.tensor_model_parallel_size
     config_path = _config_source(tag_dir, config)
-    _check_output_dir(checkpoint_dir, output_dir, force)
+    check_output_dir(checkpoint_dir, output_dir, force)
 
     notes: List[str] = []
     multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
@@ -194,7 +194,7 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
             tags.set_newest(staging, tag_name)
             return tag_name
 
-        _write_atomically(output_dir, write)
+        write_atomically(output_dir, write)
     finally:
         model_files.clear()
         optim_files.clear()
@@ -260,56 +260,6 @@ def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
 
 
 # ---- output directory ---------------------------------------------------------------------------------------------------
-
-def _check_output_dir(checkpoint_dir: str, output_dir: str, force: bool) -> None:
-    source, target = os.path.realpath(checkpoint_dir), os.path.realpath(output_dir)
-    if target == source or target.startswith(source.rstrip(os.sep) + os.sep):
-        raise ValueError(f"output directory {output_dir} is inside the input checkpoint directory {checkpoint_dir}; "
-                         "choose a directory outside it")
-    if source.startswith(target.rstrip(os.sep) + os.sep):
-        raise ValueError(f"output directory {output_dir} contains the input checkpoint directory {checkpoint_dir}; "
-                         "choose another directory")
-    if os.path.lexists(output_dir):
-        if not os.path.isdir(output_dir):
-            raise FileExistsError(f"output path {output_dir} exists and is not a directory")
-        if os.listdir(output_dir) and not force:
-            raise FileExistsError(f"output directory {output_dir} exists and is not empty; pass --force (force=True) "
-                                  "to replace it")
-
-
-def _write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
-    """Run ``write(staging_dir)`` in a temporary sibling of ``output_dir``, then put the result in its place."""
-    target = os.path.abspath(output_dir)
-    parent, base = os.path.dirname(target), os.path.basename(target)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{base}.nxdtp-tmp-", dir=parent)
-    try:
-        result = write(staging)
-        os.chmod(staging, 0o755 & ~_umask())  # mkdtemp makes it private; give it a normal directory's mode
-        aside = None
-        if os.path.lexists(target):
-            aside = tempfile.mkdtemp(prefix=f".{base}.nxdtp-old-", dir=parent)
-            os.rmdir(aside)
-            os.rename(target, aside)
-        try:
-            os.rename(staging, target)
-        except BaseException:
-            if aside is not None:
-                os.rename(aside, target)
-            raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-    return result
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
 
 def _copy_if_present(source: Optional[str], destination: str) -> None:
     if source is not None and os.path.isfile(source):

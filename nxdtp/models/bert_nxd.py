@@ -25,13 +25,12 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..checkpointing.output_dir import check_output_dir, write_atomically
 from ..checkpointing.safetensors_stream import StreamingSafetensorsWriter
 
 # Key pattern (fnmatch, over HF state-dict keys) -> dim along which NxD splits the tensor over TP ranks.
@@ -267,18 +266,6 @@ def _say(progress: bool, message: str) -> None:
         print(f"[nxdtp merge-nxd] {message}", file=sys.stderr, flush=True)
 
 
-def _check_output_dir(output_dir: str, checkpoint_dir: str, force: bool) -> None:
-    out, ckpt = os.path.realpath(output_dir), os.path.realpath(checkpoint_dir)
-    if out == ckpt or ckpt.startswith(out.rstrip(os.sep) + os.sep):
-        raise ValueError(f"output directory {output_dir} would replace the checkpoint directory {checkpoint_dir}")
-    if os.path.lexists(output_dir):
-        if not os.path.isdir(output_dir) or os.path.islink(output_dir):
-            raise FileExistsError(f"output {output_dir} exists and is not a directory")
-        if os.listdir(output_dir) and not force:
-            raise FileExistsError(f"output directory {output_dir} exists and is not empty; pass force=True to "
-                                  "replace it")
-
-
 def _validate(shards: Sequence[_RankShard], shapes: Dict[str, Tuple[int, ...]], tied: Dict[str, str],
               plan: Mapping[str, int]) -> Tuple[Dict[str, str], List[str]]:
     """Check key sets and every shard's shape; return (output key -> checkpoint key it is read from, dropped keys)."""
@@ -365,34 +352,6 @@ def _check_ties(shards: Sequence[_RankShard], tied: Dict[str, str], plan: Mappin
                     f"would use '{source}' for both; set tie_word_embeddings to false in the config to keep both")
 
 
-def _make_parents(path: str) -> List[str]:
-    created = []
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(parent):
-        created.append(parent)
-        parent = os.path.dirname(parent)
-    for directory in reversed(created):
-        os.mkdir(directory)
-    return created
-
-
-def _install(tmp: str, output_dir: str) -> None:
-    """Move the finished ``tmp`` to ``output_dir``, replacing what is there only once the new one is complete."""
-    if not os.path.lexists(output_dir):
-        os.rename(tmp, output_dir)
-        return
-    parent, name = os.path.split(os.path.abspath(output_dir))
-    old = tempfile.mkdtemp(prefix=f".{name}.replaced-", dir=parent)
-    os.rmdir(old)
-    os.rename(output_dir, old)
-    try:
-        os.rename(tmp, output_dir)
-    except BaseException:
-        os.rename(old, output_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
                          progress: bool = True, model_class=None, model_key: Optional[str] = "model",
                          plan: Mapping[str, int] = NXD_ATTENTION_ONLY_PLAN,
@@ -413,7 +372,7 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
     checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
     config = _load_config(config_json)
     cls = _model_class(config, model_class)
-    _check_output_dir(output_dir, checkpoint_dir, force)
+    check_output_dir(checkpoint_dir, output_dir, force)
     files = find_rank_files(checkpoint_dir)
     tp = len(files)
     shards = []
@@ -431,25 +390,16 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
         return dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
 
     layout = [(key, out_dtype(key), shapes[key]) for key in sources]
-    created = _make_parents(output_dir)
-    parent, name = os.path.split(os.path.abspath(output_dir))
-    tmp = tempfile.mkdtemp(prefix=f".{name}.merging-", dir=parent)
-    try:
+
+    def write(staging: str) -> None:
         _say(progress, f"writing {len(layout)} tensors (tp={tp} merged) to {output_dir}")
         metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(tp)}
-        with StreamingSafetensorsWriter(os.path.join(tmp, SAFETENSORS_FILE), layout, metadata) as writer:
+        with StreamingSafetensorsWriter(os.path.join(staging, SAFETENSORS_FILE), layout, metadata) as writer:
             for key, dtype_, _ in layout:
                 writer.write(key, _merged(shards, sources[key], plan).to(dtype_))
         config.architectures = [cls.__name__]
-        config.save_pretrained(tmp)
-        _install(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for directory in created:
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass
-        raise
+        config.save_pretrained(staging)
+
+    write_atomically(output_dir, write)
     _say(progress, f"done: {output_dir}")
     return output_dir
