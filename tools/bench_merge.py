@@ -63,7 +63,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,63 +83,11 @@ KIND_LABELS = {"raw": "raw copy (stream, 16 MiB buffer, fsync)", "merge": "merge
 MIB = 1 << 20
 
 
-# ---- memory probes (Linux) --------------------------------------------------------------------------------------------
-
-def _proc_status_kib() -> dict:
-    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of this process, in KiB."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                fields[key] = int(value.split()[0])
-    return fields
-
-
-def _maxrss_kib() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS watermark (VmHWM) to its current RSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class _RssSampler:
-    """Highest RssAnon / RssFile / VmRSS seen by a background thread while running."""
-
-    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S):
-        self.interval_s = interval_s
-        self.peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        status = _proc_status_kib()
-        for key in self.peak:
-            self.peak[key] = max(self.peak[key], status.get(key, 0))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.interval_s)
-
-    def __enter__(self):
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+# Memory probes shared by the benchmarks (tools/rss_probe.py).
+from rss_probe import RssSampler as _RssSampler  # noqa: E402
+from rss_probe import maxrss_kib as _maxrss_kib  # noqa: E402
+from rss_probe import proc_status_kib as _proc_status_kib  # noqa: E402
+from rss_probe import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 def _measure(run) -> dict:
@@ -152,7 +99,7 @@ def _measure(run) -> dict:
     maxrss_before = _maxrss_kib()
     peak_reset = _reset_peak_rss()
     start = time.perf_counter()
-    with _RssSampler() as sampler:
+    with _RssSampler(SAMPLE_INTERVAL_S) as sampler:
         run()
     seconds = time.perf_counter() - start
     after = _proc_status_kib()

@@ -45,7 +45,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,63 +60,11 @@ COMMON = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
 MIB = 1 << 20
 
 
-# ---- memory probes (Linux) --------------------------------------------------------------------------------------------
-
-def _proc_status_kib() -> dict:
-    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of this process, in KiB."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                fields[key] = int(value.split()[0])
-    return fields
-
-
-def _maxrss_kib() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS watermark to its current RSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class _RssSampler:
-    """Highest RssAnon / RssFile / VmRSS seen by a background thread while running."""
-
-    def __init__(self, interval_s: float = 0.001):
-        self.interval_s = interval_s
-        self.peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        status = _proc_status_kib()
-        for key in self.peak:
-            self.peak[key] = max(self.peak[key], status.get(key, 0))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.interval_s)
-
-    def __enter__(self):
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+# Memory probes shared by the benchmarks (tools/rss_probe.py).
+from rss_probe import RssSampler as _RssSampler  # noqa: E402
+from rss_probe import maxrss_kib as _maxrss_kib  # noqa: E402
+from rss_probe import proc_status_kib as _proc_status_kib  # noqa: E402
+from rss_probe import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 def _param_bytes(model) -> int:
