@@ -701,3 +701,48 @@ def test_a_bad_plan_leaves_the_model_untouched():
     with pytest.raises(ValueError, match="already used for Linear with another function"):
         wrap_forward(model[2], "nxdtp_test_wrapper", lambda forward, *a, **k: forward(*a, **k) * 2)
     assert torch.equal(model(torch.ones(1, 4)), model(torch.ones(1, 4)))
+
+
+# ---- training helpers: attention_bias and checkpoint_layers ---------------------------------------------------------------
+
+def case_attention_bias_and_checkpoint_layers():
+    """The 4-D additive mask gives the 2-D mask's loss and gradients; checkpointed layers (dropout on, SP on) give the
+    plain model's loss and gradients when both start from the same RNG states."""
+    from nxdtp.models.bert import attention_bias, checkpoint_layers
+
+    rank, tp = _tp()
+    config = _config(vocab_size=101, dropout=0.1)
+    dense = _dense(BertForPreTraining, config, seed=5)
+    plain = parallelize_bert(copy.deepcopy(dense), sequence_parallel=True)
+    checkpointed = checkpoint_layers(parallelize_bert(copy.deepcopy(dense), sequence_parallel=True))
+    batch = _batch(config, seed=6)
+    bias_batch = {**batch, "attention_mask": attention_bias(batch["attention_mask"], torch.float32)}
+    assert bias_batch["attention_mask"].shape == (BATCH, 1, 1, SEQ)
+
+    def loss_and_grads(model, inputs):
+        model_parallel_xla_manual_seed(7)
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        loss.backward()
+        allreduce_sequence_parallel_gradients(model.parameters())
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    reference_loss, reference_grads = loss_and_grads(plain, batch)
+    for name, model, inputs in (("attention_bias", plain, bias_batch), ("checkpoint_layers", checkpointed, batch),
+                                ("both", checkpointed, bias_batch)):
+        loss, grads = loss_and_grads(model, inputs)
+        _close(loss, reference_loss, f"{name}: loss (tp={tp})")
+        for (param_name, _), g, ref in zip(plain.named_parameters(), grads, reference_grads):
+            _close(g, ref, f"{name}: grad of {param_name} (tp={tp})")
+    # Dropout really was on: a different seed changes the loss, so equal losses above mean equal masks.
+    model_parallel_xla_manual_seed(8)
+    assert not torch.allclose(plain(**batch).loss, reference_loss, **TOL)
+    with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+        attention_bias(bias_batch["attention_mask"], torch.float32)
+    with pytest.raises(ValueError, match="no BertLayer"):
+        checkpoint_layers(nn.Linear(2, 2))
+    return True
+
+
+def test_attention_bias_and_checkpoint_layers_change_nothing(worlds):
+    assert worlds(2).run(case_attention_bias_and_checkpoint_layers, tensor_model_parallel_size=2) == [True, True]

@@ -62,11 +62,21 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+def _alias_identity(key: str, value: torch.Tensor) -> object:
+    """Equal for two state-dict entries that are one tied tensor."""
+    if value.device.type == "meta":
+        return key
+    if value.device.type == "xla":
+        # XLA tensors expose no storage: ties show as one Parameter object in a ``state_dict(keep_vars=True)``.
+        return id(value)
+    return value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype
+
+
 def split_state_dict(state_dict: Dict[str, Any], tp: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
     """Separate a model state dict into the tensors to store (aliases dropped) and their index entries.
 
     A tensor without a spec in its module's extra state is replicated. Two keys whose tensors share storage, shape and
-    offset are one tied tensor, stored under its first key.
+    offset (on XLA: that are one Parameter object) are one tied tensor, stored under its first key.
     """
     specs: Dict[str, ParamSpec] = {}
     for key, value in state_dict.items():
@@ -86,9 +96,7 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int) -> Tuple[Dict[str, tor
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"model state '{key}' is a {type(value).__name__}, not a tensor; only tensors and nxdtp "
                             "specs can be saved in a model state dict")
-        identity = key if value.device.type == "meta" else \
-            (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
-        groups.setdefault(identity, []).append(key)
+        groups.setdefault(_alias_identity(key, value), []).append(key)
     tensors: Dict[str, torch.Tensor] = {}
     entries: Dict[str, TensorEntry] = {}
     for keys in groups.values():
@@ -98,7 +106,7 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int) -> Tuple[Dict[str, tor
         if tuple(value.shape) != spec.local_shape():
             raise ValueError(f"model state '{key}' has shape {list(value.shape)}, but its spec expects the local shape "
                              f"{list(spec.local_shape())}")
-        tensors[key] = value
+        tensors[key] = value.detach()
         entries[key] = TensorEntry(dtype=dtype_name(value.dtype), spec=spec, aliases=keys[1:])
     return tensors, entries
 

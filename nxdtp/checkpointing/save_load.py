@@ -60,7 +60,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None,
     # raised alone would leave its peers waiting in the next collective, or writing into a tag that rank 0 refused.
     error: Optional[BaseException] = None
     try:
-        model_state = model.state_dict() if isinstance(model, nn.Module) else model
+        # keep_vars: tied parameters stay one object, which is how ties are recognised on XLA (no storage pointers).
+        model_state = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
         tensors, entries = split_state_dict(model_state, tp_group.size)
         if down_cast_bf16:
             tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}

@@ -36,7 +36,7 @@ from ..loss_functions import parallel_cross_entropy
 from ..parallel_state import data_parallel_group, tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     parallelize, wrap_forward
-from ..random import get_xla_rng_tracker
+from ..random import checkpoint, get_xla_rng_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,8 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     losses = {"mlm_loss": mlm_loss}
     loss = mlm_loss
     if is_pretraining:
-        nsp = F.cross_entropy(output.seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1),
+        # In fp32 like the MLM loss, whatever the model's dtype.
+        nsp = F.cross_entropy(output.seq_relationship_logits.float().view(-1, 2), next_sentence_label.view(-1),
                               reduction="none")
         nsp_loss = nsp.mean() if nsp_denominator is None else nsp.sum() * dp / nsp_denominator
         losses["nsp_loss"] = nsp_loss
@@ -222,6 +223,43 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     for key, value in losses.items():
         output[key] = value  # after HF's keys, so positional access matches HF
     return output
+
+
+def attention_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[batch, seq]`` 0/1 padding mask as the ``[batch, 1, 1, seq]`` additive mask HF attention applies.
+
+    Pass this instead of the 2-D mask on XLA: from a 2-D mask transformers first checks whether any token is padded
+    (``mask.all()``), a device-to-host read that executes a separate graph in every forward. A 4-D mask is used as
+    given. The numbers are the same: 0 where attended, the dtype's minimum where padded.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [batch, seq], got shape {list(attention_mask.shape)}")
+    keep = attention_mask[:, None, None, :].to(torch.bool)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def checkpoint_layers(model: nn.Module) -> nn.Module:
+    """Recompute each encoder layer in backward instead of storing its activations (activation checkpointing).
+
+    Uses ``nxdtp.random.checkpoint``, which replays the RNG tracker's states as well as the default generators, so
+    dropout inside TP regions draws the forward's masks again (HF's ``gradient_checkpointing_enable`` restores only
+    the default generator). On XLA the recompute is fenced by an optimization barrier so the compiler cannot merge it
+    with the forward. Returns the model.
+    """
+    from transformers.models.bert import modeling_bert as hf
+
+    layers = [m for m in model.modules() if isinstance(m, hf.BertLayer)]
+    if not layers:
+        raise ValueError(f"checkpoint_layers() found no BertLayer in {type(model).__name__}")
+    for layer in layers:
+        wrap_forward(layer, "nxdtp_activation_checkpoint", _checkpointed_layer)
+    return model
+
+
+def _checkpointed_layer(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, **kwargs)
 
 
 def local_head_count(model: nn.Module) -> Optional[int]:
