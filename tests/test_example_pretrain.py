@@ -1,0 +1,297 @@
+"""examples/tp_dp_bert: the pretraining script against its own dense-equivalent layouts.
+
+Most runs call the script's ``run()`` inside the shared gloo worker pools (tests/harness.py), which saves a process
+start per run; the command-line paths (torchrun, XLA:CPU, two nodes) run as real launches. Equality of layouts is the
+dense reference here: TP=1 × DP=2 is plain data parallelism over the same global batch, and the layer-level tests
+already compare TP with dense modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "tp_dp_bert")
+SCRIPT = os.path.join(EXAMPLE, "tp_dp_bert_large_hf_pretrain_hdf5.py")
+SEQ_LEN, MAX_PRED, VOCAB = 64, 10, 1001   # a vocabulary that TP=2 must pad
+
+
+def _example_module(name: str):
+    if EXAMPLE not in sys.path:
+        sys.path.insert(0, EXAMPLE)
+    return __import__(name)
+
+
+# ---- cases run on every rank of a worker pool -------------------------------------------------------------------------------
+
+def case_train(argv):
+    script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
+    return script.run(script.parse_args(argv))
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("pretraining_data"))
+    builder = _example_module("build_pretraining_data")
+    builder.main(["--output_dir", directory, "--synthetic", "--vocab_size", str(VOCAB), "--seq_len", str(SEQ_LEN),
+                  "--max_pred_len", str(MAX_PRED), "--num_sequences", "640", "--num_shards", "2", "--seed", "3"])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    from transformers import BertConfig
+
+    directory = str(tmp_path_factory.mktemp("bert_tiny"))
+    BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               max_position_embeddings=SEQ_LEN).save_pretrained(directory)
+    return directory
+
+
+def training_argv(data_dir, model_config, output_dir, tp, dp, global_batch=16, accum=1, steps=20, lr=2e-3,
+                  dropout=0.0, *extra):
+    argv = ["--data_dir", data_dir, "--output_dir", output_dir, "--metrics_file",
+            os.path.join(output_dir, "results.json"), "--model_config", model_config,
+            "--tensor_parallel_size", str(tp), "--batch_size", str(global_batch // dp), "--grad_accum_usteps",
+            str(accum), "--steps_this_run", str(steps), "--max_steps", str(steps), "--warmup_steps", "2",
+            "--lr", str(lr), "--seq_len", str(SEQ_LEN), "--max_pred_len", str(MAX_PRED), "--shards_per_ckpt", "0",
+            "--seed", "11", "--device", "cpu", "--print_grad_norm"]
+    if dropout is not None:
+        argv += ["--dropout", str(dropout)]
+    return argv + list(extra)
+
+
+def step_log(output_dir):
+    return _example_module("training_log").read_step_log(output_dir)
+
+
+def losses(output_dir):
+    return [r["loss"] for r in step_log(output_dir)]
+
+
+def assert_curves_agree(a, b, tolerance):
+    assert len(a) == len(b), (len(a), len(b))
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst <= tolerance, f"max |loss difference| {worst:.3e} > {tolerance:g}\n{a}\n{b}"
+
+
+def assert_falls(curve, factor=0.9):
+    assert all(map(lambda v: v == v and abs(v) != float("inf"), curve)), curve
+    tail = sum(curve[-3:]) / 3
+    assert tail < factor * curve[0], f"the loss did not fall: first {curve[0]:.4f}, mean of last 3 {tail:.4f}"
+
+
+# ---- TP × DP equals DP on the same global batch --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_tp2_dp1_matches_tp1_dp2_over_20_steps(worlds, data_dir, model_config, tmp_path, accum):
+    runs = {}
+    for tp, dp in ((2, 1), (1, 2)):
+        out = str(tmp_path / f"tp{tp}")
+        worlds(2).run(case_train, tensor_model_parallel_size=None,
+                      argv=training_argv(data_dir, model_config, out, tp, dp, accum=accum))
+        runs[tp] = step_log(out)
+    # fp32 sums over a different reduction order (a TP all-reduce vs a DP all-reduce) drift by ~1e-6 per step.
+    assert_curves_agree([r["loss"] for r in runs[2]], [r["loss"] for r in runs[1]], 1e-4)
+    norms2, norms1 = [r["grad_norm"] for r in runs[2]], [r["grad_norm"] for r in runs[1]]
+    assert max(abs(a - b) / b for a, b in zip(norms2, norms1)) < 1e-4, (norms2, norms1)
+    assert_falls([r["loss"] for r in runs[2]])
+    assert_falls([r["loss"] for r in runs[1]])
+
+
+def test_lamb_tp2_equals_lamb_without_tp(worlds, data_dir, model_config, tmp_path):
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.merge import merge
+
+    merged = {}
+    curves = {}
+    for tp, dp in ((2, 1), (1, 2)):
+        out = str(tmp_path / f"tp{tp}")
+        worlds(2).run(case_train, tensor_model_parallel_size=None,
+                      argv=training_argv(data_dir, model_config, out, tp, dp, steps=3, lr=5e-3)
+                      + ["--optimizer", "LAMB"])
+        curves[tp] = losses(out)
+        merged[tp] = load_file(merge(out, str(tmp_path / f"merged{tp}"), progress=False))
+    assert_curves_agree(curves[2], curves[1], 1e-5)
+    assert merged[2].keys() == merged[1].keys()
+    for name in merged[1]:
+        torch.testing.assert_close(merged[2][name], merged[1][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---- the options ------------------------------------------------------------------------------------------------------------
+
+def test_sequence_parallel_and_activation_checkpointing_change_nothing(worlds, data_dir, model_config, tmp_path):
+    curves = {}
+    for name, flags in (("plain", []), ("sp", ["--sequence_parallel"]), ("ac", ["--activation_checkpointing"]),
+                        ("sp_ac", ["--sequence_parallel", "--activation_checkpointing"])):
+        out = str(tmp_path / name)
+        worlds(2).run(case_train, tensor_model_parallel_size=None,
+                      argv=training_argv(data_dir, model_config, out, 2, 1, steps=8) + flags)
+        curves[name] = losses(out)
+    assert_falls(curves["plain"], 0.97)
+    for name in ("sp", "ac", "sp_ac"):
+        assert_curves_agree(curves[name], curves["plain"], 1e-4)
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--enable_pt_autocast"])
+def test_bf16_options_train(worlds, data_dir, model_config, tmp_path, flag):
+    out = str(tmp_path / "run")
+    worlds(2).run(case_train, tensor_model_parallel_size=None,
+                  argv=training_argv(data_dir, model_config, out, 2, 1, steps=8) + [flag])
+    fp32 = str(tmp_path / "fp32")
+    worlds(2).run(case_train, tensor_model_parallel_size=None,
+                  argv=training_argv(data_dir, model_config, fp32, 2, 1, steps=8))
+    curve = losses(out)
+    assert_falls(curve, 0.97)
+    # bf16 keeps 8 bits of mantissa: the curve follows fp32's within a few percent, not within fp32 tolerance.
+    assert max(abs(a - b) / b for a, b in zip(curve, losses(fp32))) < 0.05
+
+
+def test_ddp_over_the_dp_group_equals_nxdtp_all_reduce(worlds, data_dir, model_config, tmp_path):
+    curves = {}
+    for name, flags in (("nxdtp", []), ("ddp", ["--ddp"])):
+        out = str(tmp_path / name)
+        worlds(4).run(case_train, tensor_model_parallel_size=None,
+                      argv=training_argv(data_dir, model_config, out, 2, 2, accum=2, steps=5) + flags)
+        curves[name] = [(r["loss"], r["grad_norm"]) for r in step_log(out)]
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(curves["ddp"], curves["nxdtp"]):
+        assert abs(loss_a - loss_b) < 1e-5 and abs(norm_a - norm_b) < 1e-5 * norm_b, curves
+
+
+# ---- checkpoints and resuming -------------------------------------------------------------------------------------------
+
+def test_resume_continues_the_loss_curve_exactly(worlds, data_dir, model_config, tmp_path):
+    # Dropout on: resuming must restore the RNG states too, not only weights, optimizer, schedule and data position.
+    straight = str(tmp_path / "straight")
+    worlds(2).run(case_train, tensor_model_parallel_size=None,
+                  argv=training_argv(data_dir, model_config, straight, 2, 1, accum=2, steps=10, dropout=0.1))
+    split = str(tmp_path / "split")
+    first = training_argv(data_dir, model_config, split, 2, 1, accum=2, steps=10, dropout=0.1)
+    first[first.index("--steps_this_run") + 1] = "4"
+    worlds(2).run(case_train, tensor_model_parallel_size=None, argv=first)
+    worlds(2).run(case_train, tensor_model_parallel_size=None,
+                  argv=training_argv(data_dir, model_config, split, 2, 1, accum=2, steps=10, dropout=0.1)
+                  + ["--resume_ckpt"])
+    resumed = step_log(split)
+    assert [r["step"] for r in resumed] == list(range(1, 11))
+    assert [r["loss"] for r in resumed] == losses(straight)
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in step_log(straight)]
+
+
+def test_bad_data_stops_with_a_clear_error(worlds, data_dir, model_config, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(AssertionError, match=re.escape(str(empty))):
+        worlds(2).run(case_train, tensor_model_parallel_size=None,
+                      argv=training_argv(str(empty), model_config, str(tmp_path / "o1"), 2, 1))
+    argv = training_argv(data_dir, model_config, str(tmp_path / "o2"), 2, 1)
+    argv[argv.index("--seq_len") + 1] = "128"
+    with pytest.raises(AssertionError, match="--seq_len 128"):
+        worlds(2).run(case_train, tensor_model_parallel_size=None, argv=argv)
+    one_shard = tmp_path / "one_shard"
+    one_shard.mkdir()
+    source = sorted(f for f in os.listdir(data_dir) if "_training_" in f)[0]
+    os.symlink(os.path.join(data_dir, source), one_shard / source)
+    with pytest.raises(AssertionError, match="2 data-parallel ranks"):
+        worlds(2).run(case_train, tensor_model_parallel_size=None,
+                      argv=training_argv(str(one_shard), model_config, str(tmp_path / "o3"), 1, 2))
+
+
+# ---- real launches -------------------------------------------------------------------------------------------------------
+
+def _launch(command, env_extra=None, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout + done.stderr
+
+
+LOG_LINE = re.compile(r"^LOG \w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4} - \((\d+), (\d+)\) step_loss : (\d+\.\d{4}) "
+                      r"learning_rate : (\d\.\d\de[-+]\d\d) throughput : (\d+\.\d\d) seq/s grad-norm : (\S+)$",
+                      re.MULTILINE)
+
+
+def test_the_nxd_tutorial_flags_run_under_torchrun(data_dir, tmp_path):
+    out, metrics = str(tmp_path / "out"), str(tmp_path / "results.json")
+    # The tutorial's command, scaled down: --tensor_parallel_size 8 --steps_this_run 10 --batch_size 64
+    # --grad_accum_usteps 64 becomes 2 / 3 / 4 / 2, with NxD's --debug model.
+    flags = ["--data_dir", data_dir, "--output_dir", out, "--metrics_file", metrics, "--optimizer", "LAMB",
+             "--batch_size", "4", "--max_steps", "10", "--steps_this_run", "3", "--shards_per_ckpt", "1",
+             "--seed", "5", "--lr", "1e-3", "--seq_len", str(SEQ_LEN), "--debug", "--max_pred_len", str(MAX_PRED),
+             "--warmup_steps", "2", "--grad_accum_usteps", "2", "--print_grad_norm", "--test_checkpointing",
+             "--tensor_parallel_size", "2", "--model_config", str(tmp_path / "config")]
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=VOCAB, max_position_embeddings=SEQ_LEN).save_pretrained(str(tmp_path / "config"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT]
+    output = _launch(torchrun + flags)
+    steps = [(int(e), int(s), float(loss)) for e, s, loss, *_ in LOG_LINE.findall(output)]
+    assert [s for _, s, _ in steps] == [1, 2, 3], output
+    assert "verified: every tensor reloads exactly" in output
+    with open(metrics) as f:
+        results = json.load(f)["results"]
+    assert results["parameters"]["Tensor parallel degree"] == 2
+    names = [m["MetricName"] for m in results["metrics"]]
+    assert {"Final loss", "Time to train", "Average throughput", "Peak throughput"} <= set(names)
+    final = next(m for m in results["metrics"] if m["MetricName"] == "Final loss")["MeasuredValue"]
+    assert abs(final - steps[-1][2]) < 1e-4
+    # NxD's resume flags: continue from the newest checkpoint to step 5, or from a named step.
+    output = _launch(torchrun + flags[:flags.index("--steps_this_run")] + ["--steps_this_run", "5"]
+                     + flags[flags.index("--steps_this_run") + 2:] + ["--resume_ckpt", "--resume_step", "3"])
+    assert [int(s) for _, s, *_ in LOG_LINE.findall(output)] == [4, 5], output
+
+
+@pytest.mark.slow
+def test_xla_cpu_runs_one_graph_per_step_and_matches_eager(data_dir, model_config, tmp_path):
+    pytest.importorskip("torch_xla")
+    runs = {}
+    for device in ("xla", "cpu"):
+        out = str(tmp_path / device)
+        argv = training_argv(data_dir, model_config, out, 1, 1, global_batch=8, steps=6)
+        argv[argv.index("--device") + 1] = device
+        _launch([sys.executable, SCRIPT] + argv, env_extra={"PJRT_DEVICE": "CPU"})
+        runs[device] = step_log(out)
+    records = runs["xla"]
+    for before, after in zip(records[2:], records[3:]):
+        assert after["xla_uncached_compiles"] == before["xla_uncached_compiles"], records
+        assert after["xla_executions"] - before["xla_executions"] == 1, records
+    # XLA:CPU fuses and reorders fp32 arithmetic: the same math, a few ulps apart per op.
+    assert_curves_agree([r["loss"] for r in records], [r["loss"] for r in runs["cpu"]], 1e-4)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_loopback_nodes_match_one_node(data_dir, model_config, tmp_path):
+    curves = {}
+    one = str(tmp_path / "one_node")
+    _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", SCRIPT]
+            + training_argv(data_dir, model_config, one, 2, 2, steps=4))
+    curves["one"] = losses(one)
+    two = str(tmp_path / "two_nodes")
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+                               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT]
+                              + training_argv(data_dir, model_config, two, 2, 2, steps=4),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    curves["two"] = losses(two)
+    assert curves["two"] == curves["one"]
