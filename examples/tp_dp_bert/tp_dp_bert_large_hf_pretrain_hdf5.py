@@ -60,12 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the global step reaches this value (-1: run to --max_steps)")
     p.add_argument("--shards_per_ckpt", type=int, default=1,
                    help="save a checkpoint each time this many data shards are finished (0: only at the end)")
-    p.add_argument("--seed", type=int, default=12349)
+    p.add_argument("--seed", type=int, default=12349, help="model initialisation, data order and dropout")
     p.add_argument("--lr", type=float, default=4e-4, help="peak learning rate")
     p.add_argument("--seq_len", type=int, default=None, help="must match the data's sequence length if given")
     p.add_argument("--debug", action="store_true", help=f"use a tiny model ({DEBUG_MODEL})")
     p.add_argument("--max_pred_len", type=int, default=20, help="masked positions per sequence in the data")
-    p.add_argument("--warmup_steps", type=int, default=2000)
+    p.add_argument("--warmup_steps", type=int, default=2000,
+                   help="optimizer steps of linear warmup from 0 to --lr; then linear decay to 0 at --max_steps")
     p.add_argument("--grad_accum_usteps", type=int, default=64, help="micro-batches per optimizer step")
     p.add_argument("--enable_pt_autocast", action="store_true", help="torch.autocast to bf16 (weights stay fp32)")
     p.add_argument("--print_grad_norm", action="store_true", help="append the pre-clip grad norm to each LOG line")
@@ -74,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the final save, load it back into a fresh model and check every tensor")
     p.add_argument("--resume_ckpt", action="store_true", help="resume from a checkpoint (see --resume_ckpt_path)")
     p.add_argument("--resume_ckpt_path", default=None,
-                   help="checkpoint directory to resume from (default: --output_dir)")
+                   help="checkpoint directory to resume from; None means --output_dir")
     p.add_argument("--resume_step", type=int, default=-1, help="resume from this step's tag (default: the newest)")
-    p.add_argument("--tensor_parallel_size", type=int, default=2)
+    p.add_argument("--tensor_parallel_size", type=int, default=2,
+                   help="ranks per tensor-parallel group (contiguous); the world size must be a multiple of it")
     # nxdtp's flags.
     p.add_argument("--sequence_parallel", action="store_true", help="Megatron sequence parallelism inside TP groups")
     p.add_argument("--activation_checkpointing", action="store_true",
@@ -86,10 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local Hugging Face config directory (or config.json); default: BERT-large, uncased vocab")
     p.add_argument("--dropout", type=float, default=None,
                    help="override hidden and attention dropout (0 makes runs comparable step by step)")
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--max_grad_norm", type=float, default=1.0,
+                   help="clip the global (TP-aware) gradient norm to this")
     p.add_argument("--save_every_steps", type=int, default=0, help="also save every N optimizer steps (0: off)")
     p.add_argument("--keep_last_ckpts", type=int, default=None, help="keep only the newest N checkpoints")
-    p.add_argument("--device", default="auto", choices=runtime_lib.DEVICE_CHOICES)
+    p.add_argument("--device", default="auto", choices=runtime_lib.DEVICE_CHOICES,
+                   help="auto: an XLA accelerator if present, else CUDA, else CPU; xla on a CPU-only machine is XLA:CPU")
     p.add_argument("--ddp", action="store_true",
                    help="average gradients with torch DistributedDataParallel over the DP group instead of nxdtp's "
                         "bucketed all-reduce (CPU/CUDA)")
@@ -121,6 +125,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--dropout {args.dropout} must be in [0, 1)")
     if args.resume_ckpt_path and not args.resume_ckpt:
         args.resume_ckpt = True
+    if args.enable_pt_autocast:
+        os.environ.setdefault("NEURON_RT_STOCHASTIC_ROUNDING_EN", "1")  # as NxD does: bf16 rounding on Trainium
     if args.ddp and args.bf16:
         parser.error("--ddp averages the model's own gradients; with --bf16 they are reduced on the fp32 master "
                      "copy instead, so use one or the other")
@@ -308,10 +314,20 @@ class Trainer:
         args = self.args
         directory = args.resume_ckpt_path or args.output_dir
         tag = checkpointing.tags.tag_for_step(args.resume_step) if args.resume_step >= 0 else None
-        minimal = checkpointing.CheckpointIndex.read(checkpointing.resolve_tag(directory, tag)).optimizer is None
+        tag_dir = checkpointing.resolve_tag(directory, tag)
+        minimal = checkpointing.CheckpointIndex.read(tag_dir).optimizer is None
         state = checkpointing.load(directory, model=self.weights, tag=tag,
                                    optimizer=None if minimal else self.optimizer,
-                                   scheduler=None if minimal else self.scheduler, restore_rng_states=True)
+                                   scheduler=None if minimal else self.scheduler)
+        same_layout = state.get("data_parallel_size") == self.dp_group.size
+        rng_files = os.path.join(tag_dir, "rng")
+        if same_layout and os.path.isdir(rng_files) and len(os.listdir(rng_files)) == self.rt.world_size:
+            checkpointing.restore_rng(tag_dir, self.rt.rank)
+        elif self.rt.is_root:
+            # A resharded checkpoint or another DP size has no RNG state for this rank: dropout restarts from the
+            # seed, so the run continues correctly but not bit for bit.
+            print(f"note: {tag_dir} has no RNG state for this layout (world {self.rt.world_size}); dropout continues "
+                  f"from --seed {args.seed}", flush=True)
         if self.master is not None:
             self.master.master_to_model()
         self.global_step = int(state["global_step"])
