@@ -1,0 +1,272 @@
+"""Helpers shared by the benchmark sections: paths, environment, machine description, statistics, formatting, and
+long-lived worker processes that answer commands over a pipe."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+TOOLS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(TOOLS_DIR)
+BENCHMARK_SCRIPT = os.path.join(TOOLS_DIR, "benchmark.py")
+MIB = 1 << 20
+
+# Every measuring process runs with one intra-op thread (and these variables set before torch is imported).
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                     "TOKENIZERS_PARALLELISM": "false"}
+
+
+def ensure_import_paths() -> None:
+    """The repository (for nxdtp) and tools/ (for rss_probe, bench_merge, bench) on sys.path."""
+    for path in (TOOLS_DIR, REPO_ROOT):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of a measuring subprocess: single-threaded, with nxdtp and tools/ importable."""
+    env = dict(os.environ)
+    env.update(SINGLE_THREAD_ENV)
+    path = [REPO_ROOT, TOOLS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker_script(worker: str, args: Dict[str, Any], out_path: str, env: Optional[Dict[str, str]] = None,
+                      timeout: float = 900, launcher: Sequence[str] = ()) -> Dict[str, Any]:
+    """Run ``tools/benchmark.py --worker NAME`` in a fresh process (optionally under a launcher such as torchrun) and
+    return the JSON it wrote to ``out_path``."""
+    cmd = [sys.executable] + list(launcher) + [BENCHMARK_SCRIPT, "--worker", worker, "--worker-args", json.dumps(args),
+                                               "--worker-out", out_path]
+    run = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"worker {worker!r} failed (exit {run.returncode}): {' '.join(cmd)}\n"
+                           f"--- stdout ---\n{run.stdout[-4000:]}\n--- stderr ---\n{run.stderr[-8000:]}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+# ---- machine description ---------------------------------------------------------------------------------------------
+
+def _version(package: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _mem_total_gib() -> Optional[float]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return None
+
+
+def machine() -> Dict[str, Any]:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "memory_gib": _mem_total_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "torch_xla": _version("torch-xla") or _version("torch_xla"),
+        "transformers": _version("transformers"),
+        "safetensors": _version("safetensors"),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# ---- statistics and formatting ---------------------------------------------------------------------------------------
+
+def summary(values: Sequence[float]) -> Dict[str, Any]:
+    values = list(values)
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt(value: Optional[float], digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def fmt_range(s: Dict[str, Any], digits: int = 3) -> str:
+    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}-{fmt(s['max'], digits)})"
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{n:,.0f} B"
+    if abs(n) < MIB:
+        return f"{n / 1024:,.1f} KiB"
+    return f"{n / MIB:,.1f} MiB" if abs(n) < (1 << 30) else f"{n / (1 << 30):,.2f} GiB"
+
+
+def verdict(value: Optional[float], target: float, lower_is_better: bool = True) -> str:
+    if value is None:
+        return "-"
+    met = value <= target if lower_is_better else value >= target
+    return "met" if met else f"MISSED by {abs(value - target) / target * 100:.1f} %"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send file descriptor 1 to stderr for a while (child processes inherit it), so the report on stdout stays
+    clean."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def log(message: str) -> None:
+    print(f"# [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---- long-lived worker processes -------------------------------------------------------------------------------------
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def serve(conn, handlers: Dict[str, Callable], state: Dict[str, Any]) -> None:
+    """The command loop of a worker process: receive ``(command, kwargs)``, answer ``("ok", value)`` or
+    ``("error", traceback)``; ``"quit"`` ends it."""
+    while True:
+        try:
+            command, kwargs = conn.recv()
+        except EOFError:
+            return
+        if command == "quit":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", handlers[command](state, **kwargs)))
+        except BaseException:  # noqa: BLE001 - everything goes back to the driver as text
+            conn.send(("error", traceback.format_exc()))
+
+
+class Worker:
+    """One spawned process running ``target(conn, *args)``, which is expected to call :func:`serve`."""
+
+    def __init__(self, name: str, target: Callable, args: tuple):
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child,) + tuple(args), name=name, daemon=True)
+        self.process.start()
+        child.close()
+
+    def send(self, command: str, **kwargs) -> None:
+        self.conn.send((command, kwargs))
+
+    def receive(self, timeout: float = 1800) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise WorkerError(f"{self.name} died (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"{self.name}: no answer within {timeout:.0f} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise WorkerError(f"{self.name} failed:\n{value}")
+        return value
+
+    def close(self, quit_sent: bool = False) -> None:
+        if self.process.is_alive():
+            try:
+                if not quit_sent:
+                    self.send("quit")
+                self.receive(timeout=60)
+            except (WorkerError, OSError, EOFError):
+                pass
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+
+
+class WorkerGroup:
+    """The ranks of one competitor: every command goes to all of them, and the answers come back as a list by rank."""
+
+    def __init__(self, name: str, target: Callable, world_size: int, extra_args: tuple = ()):
+        port = free_port()
+        self.name = name
+        self.world_size = world_size
+        self.workers: List[Worker] = [
+            Worker(f"{name}[rank {rank}]", target, (name, rank, world_size, port) + tuple(extra_args))
+            for rank in range(world_size)]
+
+    def send(self, command: str, **kwargs) -> None:
+        for w in self.workers:
+            w.send(command, **kwargs)
+
+    def receive(self, timeout: float = 1800) -> List[Any]:
+        return [w.receive(timeout) for w in self.workers]
+
+    def call(self, command: str, timeout: float = 1800, **kwargs) -> List[Any]:
+        self.send(command, **kwargs)
+        return self.receive(timeout)
+
+    def close(self) -> None:
+        sent = []
+        for w in self.workers:
+            try:
+                w.send("quit")
+                sent.append(True)
+            except (OSError, ValueError):
+                sent.append(False)
+        for w, quit_sent in zip(self.workers, sent):
+            w.close(quit_sent=quit_sent)

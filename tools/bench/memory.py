@@ -1,0 +1,135 @@
+"""Section 2: parameter and AdamW-state bytes per rank of BERT-large BertForPreTraining at TP = 1, 2, 4, 8.
+
+nxdtp's figures are counted, not computed: the model is built on the meta device (no storage) and sharded by
+``parallelize_bert`` under ``simulated_topology(world_size=tp, rank=r, tensor_model_parallel_size=tp)``, as
+tests/test_models_bert.py does for tp=8; every rank is counted (they differ only if the vocabulary padding did).
+
+Next to it:
+
+* the limit, dense / tp: what a rank would hold if every parameter were split;
+* NxD's attention-only recipe, computed from the config: NxD's BERT example shards only Q, K, V (column-parallel:
+  weight and bias split) and the attention output dense (row-parallel: weight split, bias replicated); everything
+  else (embeddings, MLP, LayerNorms, pooler, heads) is replicated.
+
+Bytes assume fp32 training with AdamW: parameters 4 B, gradients 4 B, optimizer state 8 B (exp_avg and exp_avg_sq)
+per parameter, plus one step counter per parameter tensor (ignored: a few hundred scalars).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from .common import fmt, fmt_bytes, markdown_table, verdict
+
+BERT_LARGE = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
+TPS = (1, 2, 4, 8)
+BYTES_PER_PARAMETER = 4
+ADAMW_STATE_PER_PARAMETER = 2  # exp_avg, exp_avg_sq
+TARGET_PERCENT_AT_TP8 = 13.3
+
+
+def analytic_counts(cfg: Dict[str, int], tp: int) -> Dict[str, int]:
+    """Dense BertForPreTraining parameters, and a rank's share under NxD's attention-only recipe, from the config."""
+    h, n_layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    vocab, positions, types = cfg["vocab_size"], cfg["max_position_embeddings"], cfg["type_vocab_size"]
+    layer_norm = 2 * h
+    embeddings = (vocab + positions + types) * h + layer_norm
+    qkv = 3 * (h * h + h)
+    attention_out = h * h + h
+    mlp = (h * inter + inter) + (inter * h + h)
+    layer = qkv + attention_out + layer_norm + mlp + layer_norm
+    pooler = h * h + h
+    # MLM head: transform dense + LayerNorm, decoder weight tied to the word embedding, decoder bias; NSP head.
+    heads = (h * h + h) + layer_norm + vocab + (2 * h + 2)
+    dense = embeddings + n_layers * layer + pooler + heads
+    nxd_layer = qkv // tp + (h * h) // tp + h + layer_norm + mlp + layer_norm
+    nxd = embeddings + n_layers * nxd_layer + pooler + heads
+    return {"dense": dense, "nxd_attention_only": nxd}
+
+
+def _parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied weight once
+
+
+def run(cfg: Dict[str, int] = None) -> Dict[str, Any]:
+    import torch
+    from transformers import BertConfig, BertForPreTraining
+
+    from nxdtp.models.bert import parallelize_bert
+    from nxdtp.parallel_state import simulated_topology
+
+    cfg = dict(cfg or BERT_LARGE)
+    config = BertConfig(**cfg)
+    with torch.device("meta"):
+        dense_model = BertForPreTraining(config)
+    dense = _parameter_count(dense_model)
+    analytic_dense = analytic_counts(cfg, 1)["dense"]
+    if analytic_dense != dense:
+        raise AssertionError(f"the analytic parameter count {analytic_dense:,} differs from the model's {dense:,}: "
+                             "the NxD attention-only figures would be wrong")
+    rows = []
+    for tp in TPS:
+        per_rank = []
+        for rank in sorted({0, tp - 1}):
+            with torch.device("meta"):
+                model = BertForPreTraining(config)
+            with simulated_topology(world_size=tp, rank=rank, tensor_model_parallel_size=tp):
+                parallelize_bert(model)  # meta tensors: no broadcast, no process group needed
+            if any(p.device.type != "meta" for p in model.parameters()):
+                raise AssertionError("parallelize_bert materialised a meta model")
+            per_rank.append(_parameter_count(model))
+        nxdtp_count = max(per_rank)
+        nxd_count = analytic_counts(cfg, tp)["nxd_attention_only"]
+        rows.append({
+            "tp": tp, "nxdtp_parameters_per_rank": nxdtp_count, "ranks_counted": sorted({0, tp - 1}),
+            "ranks_equal": len(set(per_rank)) == 1,
+            "nxdtp_parameter_bytes": nxdtp_count * BYTES_PER_PARAMETER,
+            "nxdtp_adamw_state_bytes": nxdtp_count * BYTES_PER_PARAMETER * ADAMW_STATE_PER_PARAMETER,
+            "nxdtp_training_bytes": nxdtp_count * BYTES_PER_PARAMETER * (2 + ADAMW_STATE_PER_PARAMETER),
+            "nxdtp_percent_of_dense": 100 * nxdtp_count / dense,
+            "limit_percent_of_dense": 100 / tp,
+            "limit_parameter_bytes": dense * BYTES_PER_PARAMETER / tp,
+            "nxd_parameters_per_rank": nxd_count,
+            "nxd_parameter_bytes": nxd_count * BYTES_PER_PARAMETER,
+            "nxd_adamw_state_bytes": nxd_count * BYTES_PER_PARAMETER * ADAMW_STATE_PER_PARAMETER,
+            "nxd_percent_of_dense": 100 * nxd_count / dense,
+        })
+    at8 = next(r for r in rows if r["tp"] == 8)
+    return {
+        "config": cfg, "dense_parameters": dense, "dense_parameter_bytes": dense * BYTES_PER_PARAMETER,
+        "dense_adamw_state_bytes": dense * BYTES_PER_PARAMETER * ADAMW_STATE_PER_PARAMETER,
+        "rows": rows, "target_percent_at_tp8": TARGET_PERCENT_AT_TP8,
+        "target_met": at8["nxdtp_percent_of_dense"] <= TARGET_PERCENT_AT_TP8,
+        "numbers": {**{f"nxdtp_percent_tp{r['tp']}": r["nxdtp_percent_of_dense"] for r in rows},
+                    **{f"nxd_percent_tp{r['tp']}": r["nxd_percent_of_dense"] for r in rows},
+                    **{f"nxdtp_parameter_bytes_tp{r['tp']}": r["nxdtp_parameter_bytes"] for r in rows},
+                    **{f"nxdtp_adamw_state_bytes_tp{r['tp']}": r["nxdtp_adamw_state_bytes"] for r in rows}},
+    }
+
+
+def tables(result: Dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"BERT-large BertForPreTraining (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+             f"{cfg['num_attention_heads']} heads, intermediate {cfg['intermediate_size']}, vocab "
+             f"{cfg['vocab_size']}): "
+             f"dense {result['dense_parameters']:,} parameters = {fmt_bytes(result['dense_parameter_bytes'])} fp32, "
+             f"AdamW state {fmt_bytes(result['dense_adamw_state_bytes'])}. Per rank, built on meta and sharded under a "
+             "simulated topology; NxD attention-only computed from the config.", ""]
+    rows = []
+    for r in result["rows"]:
+        rows.append([r["tp"], f"{r['nxdtp_parameters_per_rank']:,}", fmt_bytes(r["nxdtp_parameter_bytes"]),
+                     fmt_bytes(r["nxdtp_adamw_state_bytes"]), fmt_bytes(r["nxdtp_training_bytes"]),
+                     f"{fmt(r['nxdtp_percent_of_dense'])} %", f"{fmt(r['limit_percent_of_dense'])} %",
+                     f"{r['nxd_parameters_per_rank']:,}", fmt_bytes(r["nxd_parameter_bytes"]),
+                     fmt_bytes(r["nxd_adamw_state_bytes"]), f"{fmt(r['nxd_percent_of_dense'])} %"])
+    lines.append(markdown_table(
+        ["tp", "nxdtp parameters / rank", "parameter bytes", "AdamW state bytes", "params + grads + AdamW",
+         "% of dense", "limit: dense / tp", "NxD attention-only parameters / rank", "NxD parameter bytes",
+         "NxD AdamW state bytes", "NxD % of dense"], rows))
+    at8 = next(r for r in result["rows"] if r["tp"] == 8)
+    lines += ["", f"Target at tp=8: <= {TARGET_PERCENT_AT_TP8} % of dense; nxdtp "
+                  f"{fmt(at8['nxdtp_percent_of_dense'])} % "
+                  f"({verdict(at8['nxdtp_percent_of_dense'], TARGET_PERCENT_AT_TP8)}); limit "
+                  f"{fmt(at8['limit_percent_of_dense'])} %; NxD attention-only {fmt(at8['nxd_percent_of_dense'])} %."]
+    return "\n".join(lines)
