@@ -5,9 +5,9 @@ columns ``[r * V/tp, (r + 1) * V/tp)``. Gathering the full ``[tokens, V]`` logit
 large all-gather per step. The softmax normaliser and the target logit are sums over the vocabulary, so each rank reduces
 its slice to a few numbers per token and two small all-reduces finish the job:
 
-1. MAX of the local maxima, so every rank shifts by the same value before ``exp`` (numerical stability);
+1. MAX of the local log-sum-exps, so every rank rescales by the same value (numerical stability);
 2. one SUM of a stacked ``[..., 2 or 3]`` tensor: the target's logit (only the rank owning the target contributes),
-   the sum of ``exp``, and, with label smoothing, the sum of the logits.
+   ``exp(local log-sum-exp - max)``, and, with label smoothing, the sum of the logits.
 
 Everything is computed in fp32 whatever the logits' dtype, so bf16 logits lose no precision in the reductions.
 """
@@ -25,72 +25,66 @@ _REDUCTIONS = ("none", "mean", "sum")
 _INTEGRAL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _vocab_mask(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int], device) -> Optional[torch.Tensor]:
-    """True for this shard's columns that are real vocabulary; None when the vocab was not padded (nothing to mask)."""
-    full = local_vocab * group.size
-    if vocab_size is None or vocab_size == full:
-        return None
-    first = group.rank * local_vocab
-    return torch.arange(first, first + local_vocab, device=device) < vocab_size
+def _real_columns(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int]) -> int:
+    """How many of this shard's columns are real vocabulary. Padding sits at the end of the full vocabulary, so the
+    real columns of every shard are a prefix of it: slicing a view replaces masking a copy."""
+    if vocab_size is None:
+        return local_vocab
+    return max(0, min(local_vocab, vocab_size - group.rank * local_vocab))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss ``(1 - eps) * nll + eps * (logZ - mean logit)``; returns 0 for ignored targets.
 
-    Backward recomputes the softmax from the saved input logits and the per-token log-normaliser instead of saving the
-    fp32 softmax: that keeps one fp32 copy of the (large) logits shard out of memory for the cost of one ``exp``.
+    The forward reduces each shard to its local log-sum-exp, so no shifted or exponentiated copy of the logits outlives
+    a single reduction. The backward recomputes this shard's softmax from the saved logits and the global
+    log-normaliser, in one buffer updated in place: one fp32 copy of the (large) logits shard at peak.
     """
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, vocab_size, group):
         x = logits.float()
         local_vocab = x.shape[-1]
-        real = _vocab_mask(local_vocab, group, vocab_size, x.device)
+        num_real = _real_columns(local_vocab, group, vocab_size)
         num_classes = vocab_size if vocab_size is not None else local_vocab * group.size
-        if real is not None:
-            x = x.masked_fill(~real, float("-inf"))  # padded columns get probability 0
+        real = x[..., :num_real]
 
-        global_max = comm.all_reduce(x.amax(dim=-1), group, op="max")
-        shifted = x - global_max.unsqueeze(-1)
+        local_lse = torch.logsumexp(real, dim=-1)  # -inf on a shard that holds only padding
+        global_max = comm.all_reduce(local_lse, group, op="max")
 
         ignored = target == ignore_index if ignore_index is not None else torch.zeros_like(target, dtype=torch.bool)
         local_target = target - group.rank * local_vocab
         in_shard = (local_target >= 0) & (local_target < local_vocab) & ~ignored
         safe_index = torch.where(in_shard, local_target, torch.zeros_like(local_target))
-        picked = shifted.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
-        parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), shifted.exp().sum(dim=-1)]
+        picked = x.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
+        parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), (local_lse - global_max).exp()]
         if label_smoothing > 0:
-            finite = shifted if real is None else shifted.masked_fill(~real, 0.0)
-            parts.append(finite.sum(dim=-1))
+            parts.append(real.sum(dim=-1))
         totals = comm.all_reduce(torch.stack(parts, dim=-1), group, op="sum")
 
-        log_sum_exp = totals[..., 1].log()
-        loss = log_sum_exp - totals[..., 0]
+        log_normaliser = global_max + totals[..., 1].log()
+        loss = log_normaliser - totals[..., 0]
         if label_smoothing > 0:
             mean_logit = totals[..., 2] / num_classes
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum_exp - mean_logit)
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_normaliser - mean_logit)
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
-        ctx.save_for_backward(logits, global_max + log_sum_exp, safe_index, in_shard, ignored)
-        ctx.label_smoothing, ctx.num_classes, ctx.vocab_size, ctx.group = label_smoothing, num_classes, vocab_size, group
+        ctx.save_for_backward(logits, log_normaliser, safe_index, in_shard, ignored)
+        ctx.label_smoothing, ctx.num_classes, ctx.num_real = label_smoothing, num_classes, num_real
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, log_normaliser, safe_index, in_shard, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
-        x = logits.float()
-        real = _vocab_mask(x.shape[-1], ctx.group, ctx.vocab_size, x.device)
-        if real is not None:
-            x = x.masked_fill(~real, float("-inf"))
-        grad = (x - log_normaliser.unsqueeze(-1)).exp()  # this shard's softmax
+        grad = torch.sub(logits.float(), log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax
+        grad[..., ctx.num_real:] = 0.0  # padded columns have probability 0
         hit = in_shard.to(grad.dtype) * (1.0 - eps)
         grad.scatter_add_(-1, safe_index.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps > 0:
-            smoothing = torch.full_like(grad, eps / ctx.num_classes)
-            grad = grad - (smoothing if real is None else smoothing * real)
+            grad[..., :ctx.num_real].sub_(eps / ctx.num_classes)
         scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss.float())
-        grad = grad * scale.unsqueeze(-1)
+        grad.mul_(scale.unsqueeze(-1))
         return grad.to(logits.dtype), None, None, None, None, None
 
 
