@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local Hugging Face config directory (or config.json); default: BERT-large, uncased vocab")
     p.add_argument("--dropout", type=float, default=None,
                    help="override hidden and attention dropout (0 makes runs comparable step by step)")
+    p.add_argument("--make_vocab_size_divisible_by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times --tensor_parallel_size (Megatron's default; "
+                        "odd shard widths make the MLM head's matrix multiplies slower). Merging strips the padding.")
     p.add_argument("--max_grad_norm", type=float, default=1.0,
                    help="clip the global (TP-aware) gradient norm to this")
     p.add_argument("--save_every_steps", type=int, default=0, help="also save every N optimizer steps (0: off)")
@@ -111,7 +114,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps_this_run < 0:
         args.steps_this_run = args.max_steps
-    for name in ("batch_size", "max_steps", "grad_accum_usteps", "tensor_parallel_size", "max_pred_len"):
+    for name in ("batch_size", "max_steps", "grad_accum_usteps", "tensor_parallel_size", "max_pred_len",
+                 "make_vocab_size_divisible_by"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)} must be >= 1")
     for name in ("warmup_steps", "shards_per_ckpt", "save_every_steps"):
@@ -165,7 +169,8 @@ def build_model(args: argparse.Namespace, config, device: torch.device):
     # Every rank builds the dense model from the same seed and keeps its slices: TP equals dense at step 0.
     torch.manual_seed(args.seed)
     model = BertForPreTraining(config)
-    parallelize_bert(model, sequence_parallel=args.sequence_parallel)
+    parallelize_bert(model, sequence_parallel=args.sequence_parallel,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     if args.activation_checkpointing:
         checkpoint_layers(model)
     move_model_to_device(model, device)
@@ -181,11 +186,12 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float = 0.01) -> List
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     groups = parameter_groups(model)
     if args.optimizer == "lamb":
         return Lamb(groups, lr=args.lr, trust_clip=True)
-    return torch.optim.AdamW(groups, lr=args.lr, eps=1e-6)
+    # The fused kernel exists for CPU and CUDA (about 6x faster than the per-tensor loop on CPU); XLA traces the loop.
+    return torch.optim.AdamW(groups, lr=args.lr, eps=1e-6, fused=device.type in ("cpu", "cuda"))
 
 
 class LinearWarmupDecay:
@@ -231,7 +237,7 @@ class Trainer:
         # With --bf16 the optimizer, clipping and checkpoints work on the fp32 master model.
         self.weights = self.master.master if self.master else self.model
         self.compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.optimizer = build_optimizer(args, self.weights)
+        self.optimizer = build_optimizer(args, self.weights, rt.device)
         self.ddp = None
         if args.ddp:
             if rt.is_xla:
