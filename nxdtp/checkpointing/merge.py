@@ -31,13 +31,14 @@ pass the model's ``make_vocab_size_divisible_by`` when it was not 1. The value u
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -410,32 +411,21 @@ def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[s
         for rank in range(new_tp):
             if entry.spec.is_sharded or rank == 0:
                 layouts[rank].append((key, dtype_from_name(entry.dtype), entry.spec.local_shape()))
-    writers = _open_writers([os.path.join(new_tag_dir, model_file(r)) for r in range(new_tp)], layouts)
-    try:
+    with _open_writers([os.path.join(new_tag_dir, model_file(r)) for r in range(new_tp)], layouts) as writers:
         for key, entry in index.tensors.items():
             full = _repad(_assemble(model_files, key, entry, index), entry.spec, new_entries[key].spec)
             for rank, piece in _pieces(full, new_entries[key].spec, new_tp):
                 writers[rank].write(key, piece)
             del full
             bar.update(1)
-    except BaseException:
-        for writer in writers:
-            writer.__exit__(RuntimeError, None, None)
-        raise
-    for writer in writers:
-        writer.close()
 
 
-def _open_writers(paths: List[str], layouts) -> List[StreamingSafetensorsWriter]:
-    writers: List[StreamingSafetensorsWriter] = []
-    try:
-        for path, layout in zip(paths, layouts):
-            writers.append(StreamingSafetensorsWriter(path, layout))
-    except BaseException:
-        for writer in writers:
-            writer.__exit__(RuntimeError, None, None)
-        raise
-    return writers
+@contextlib.contextmanager
+def _open_writers(paths: List[str], layouts) -> Iterator[List[StreamingSafetensorsWriter]]:
+    """One writer per path. Leaving normally completes them all (each checks every tensor was written); leaving on
+    an error closes them without completing, so no file passes for a whole one."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(StreamingSafetensorsWriter(path, layout)) for path, layout in zip(paths, layouts)]
 
 
 def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry]):
@@ -499,8 +489,7 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
             local = new_spec.local_shape() if kind == "shard" else shape
             for rank in range(new_tp):
                 layouts[rank].append((f"{name}/{field}", dtype, tuple(local)))
-    writers = _open_writers([os.path.join(new_tag_dir, optim_file(r)) for r in range(new_tp)], layouts)
-    try:
+    with _open_writers([os.path.join(new_tag_dir, optim_file(r)) for r in range(new_tp)], layouts) as writers:
         for name, (key, fields) in plan:
             old_spec, new_spec = index.tensors[key].spec, new_entries[key].spec
             for field, kind, _ in fields:
@@ -517,12 +506,6 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
                     for rank in range(new_tp):
                         writers[rank].write(tensor_key, value)
                 bar.update(1)
-    except BaseException:
-        for writer in writers:
-            writer.__exit__(RuntimeError, None, None)
-        raise
-    for writer in writers:
-        writer.close()
 
 
 _DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
