@@ -49,7 +49,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         num_classes = vocab_size if vocab_size is not None else local_vocab * group.size
         real = x[..., :num_real]
 
-        local_lse = torch.logsumexp(real, dim=-1)  # -inf on a shard that holds only padding
+        if num_real == 0:  # a shard of padding only (XLA cannot lower a reduction over zero columns)
+            local_lse = x.new_full(x.shape[:-1], float("-inf"))
+        else:
+            local_lse = torch.logsumexp(real, dim=-1)
         global_max = comm.all_reduce(local_lse, group, op="max")
 
         ignored = target == ignore_index if ignore_index is not None else torch.zeros_like(target, dtype=torch.bool)
@@ -77,7 +80,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, log_normaliser, safe_index, in_shard, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
-        grad = torch.sub(logits.float(), log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax
+        # The fp32 normaliser promotes bf16 logits: one fp32 buffer, reused in place below.
+        grad = torch.sub(logits, log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax
         grad[..., ctx.num_real:] = 0.0  # padded columns have probability 0
         hit = in_shard.to(grad.dtype) * (1.0 - eps)
         grad.scatter_add_(-1, safe_index.unsqueeze(-1), -hit.unsqueeze(-1))

@@ -144,6 +144,37 @@ def test_embedding_and_data_parallel_replica_groups(worlds):
     assert result["dp"] == ({"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0}, ["{{0,4},{1,5},{2,6},{3,7}}"])
 
 
+def case_loss_on_a_padding_only_shard_lowers():
+    """Rank 5 (TP rank 1 of 4) holds columns 8-15 of a 32-column vocab of 6 real words: only padding. Its loss must still
+    trace (XLA cannot reduce over zero columns) with the same two all-reduces as every other rank."""
+    import torch
+    import torch_xla
+
+    from nxdtp.loss_functions import parallel_cross_entropy
+
+    device = torch_xla.device()
+    counts = {}
+    with _simulated_rank():
+        for smoothing in (0.0, 0.1):
+            logits = torch.randn(3, 8, requires_grad=True, device=device)
+            target = torch.tensor([1, 5, -100], device=device)
+            _reset_collective_token()
+            loss = parallel_cross_entropy(logits, target, label_smoothing=smoothing, vocab_size=6)
+            forward = _hlo([loss])
+            loss.sum().backward()
+            backward = _hlo([logits.grad])
+            _reset_collective_token()
+            counts[smoothing] = (_collective_counts(forward), "ROOT" in backward)
+    return counts
+
+
+def test_loss_lowers_on_a_shard_of_padding_only(worlds):
+    result, = worlds(1, "xla-hlo").run(case_loss_on_a_padding_only_shard_lowers, tensor_model_parallel_size=None)
+    for smoothing, (forward, backward_traced) in result.items():
+        assert forward == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0}, (smoothing, forward)
+        assert backward_traced, smoothing
+
+
 def case_runtime_world_mismatch_is_an_error():
     import torch
     import torch_xla
