@@ -181,6 +181,7 @@ class _CheckpointFunction(torch.autograd.Function):
     def forward(ctx, function, keyword_names, _always_requires_grad, *args):
         ctx.function, ctx.keyword_names = function, keyword_names
         ctx.rng_state, ctx.tracker_states = get_rng_state(), _TRACKER.get_states()
+        ctx.autocast_states = _autocast_states(args)
         tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_positions = tensor_positions
         ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
@@ -204,7 +205,7 @@ class _CheckpointFunction(torch.autograd.Function):
         set_rng_state(ctx.rng_state)
         _TRACKER.set_states(ctx.tracker_states)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast_as(ctx.autocast_states):
                 outputs = _call(ctx.function, ctx.keyword_names, args)
         finally:
             set_rng_state(now)
@@ -217,6 +218,22 @@ class _CheckpointFunction(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
         return (None, None, None) + input_grads
+
+
+def _autocast_states(args) -> list:
+    """Autocast as it is now for the devices of ``args`` (and the CPU): (device type, enabled, dtype) each."""
+    device_types = {"cpu"} | {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in sorted(device_types)]
+
+
+@contextlib.contextmanager
+def _autocast_as(states):
+    """Recompute in the forward's autocast state, whatever autocast says at backward time. The cache stays off: the
+    forward ran without grad, so casts cached then have no path to the weights, which would get no gradient."""
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in states:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False))
+        yield
 
 
 def _call(function, keyword_names, args):

@@ -187,6 +187,12 @@ def test_resume_continues_the_loss_curve_exactly(worlds, data_dir, model_config,
     assert [r["step"] for r in resumed] == list(range(1, 11))
     assert [r["loss"] for r in resumed] == losses(straight)
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in step_log(straight)]
+    # Resuming a finished run (a requeued job) is a no-op; resuming an older step next to newer tags is refused.
+    again = training_argv(data_dir, model_config, split, 2, 1, accum=2, steps=10, dropout=0.1) + ["--resume_ckpt"]
+    summary = worlds(2).run(case_train, tensor_model_parallel_size=None, argv=again)
+    assert summary[0]["global_step"] == 10 and summary[0]["final_loss"] is None
+    with pytest.raises(AssertionError, match=r"newer checkpoint\(s\) \['step_000010'\]"):
+        worlds(2).run(case_train, tensor_model_parallel_size=None, argv=again + ["--resume_step", "4"])
 
 
 def test_resume_on_another_dp_layout_continues_the_same_curve(worlds, data_dir, model_config, tmp_path):

@@ -744,5 +744,43 @@ def case_attention_bias_and_checkpoint_layers():
     return True
 
 
+def case_checkpoint_layers_under_autocast():
+    """bf16 autocast around the forward, backward outside it (PyTorch's recommended form) and inside it: checkpointed
+    layers must give every parameter the gradient the plain model gives. The recompute runs in backward, so it must
+    replay the forward's autocast state and must not reuse casts cached during the no-grad forward."""
+    from nxdtp.models.bert import checkpoint_layers
+
+    rank, tp = _tp()
+    config = _config(vocab_size=101, dropout=0.1)
+    dense = _dense(BertForPreTraining, config, seed=9)
+    plain = parallelize_bert(copy.deepcopy(dense))
+    checkpointed = checkpoint_layers(parallelize_bert(copy.deepcopy(dense)))
+    batch = _batch(config, seed=10)
+
+    def grads(model, backward_inside):
+        model_parallel_xla_manual_seed(11)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    for backward_inside in (False, True):
+        reference, actual = grads(plain, backward_inside), grads(checkpointed, backward_inside)
+        missing = sorted(n for n, g in actual.items() if g is None and reference[n] is not None)
+        assert not missing, f"tp={tp}, backward inside autocast={backward_inside}: no gradient for {missing[:3]}"
+        for name, ref in reference.items():
+            # The same bf16 kernels on the same inputs: equal up to fp32 accumulation order.
+            _close(actual[name], ref, f"tp={tp}, backward inside autocast={backward_inside}: grad of {name}")
+    return True
+
+
+def test_checkpoint_layers_under_autocast_train_every_parameter(worlds):
+    assert worlds(2).run(case_checkpoint_layers_under_autocast, tensor_model_parallel_size=2) == [True, True]
+
+
 def test_attention_bias_and_checkpoint_layers_change_nothing(worlds):
     assert worlds(2).run(case_attention_bias_and_checkpoint_layers, tensor_model_parallel_size=2) == [True, True]

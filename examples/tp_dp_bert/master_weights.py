@@ -38,11 +38,15 @@ class MasterWeights:
         return [(model_params[name], master_params[name]) for name in model_params]
 
     def gradients_to_master(self) -> None:
-        """Move the bf16 gradients into fp32 master gradients (and free the bf16 ones)."""
+        """Add the bf16 gradients of one micro-batch to the fp32 master gradients, and free them: accumulation over
+        micro-batches happens in fp32."""
         for param, master in self.pairs:
             if param.grad is None:
                 continue
-            master.grad = param.grad.detach().float()
+            if master.grad is None:
+                master.grad = param.grad.detach().float()
+            else:
+                master.grad.add_(param.grad.detach())
             param.grad = None
 
     @torch.no_grad()

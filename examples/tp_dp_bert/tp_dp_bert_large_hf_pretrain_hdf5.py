@@ -267,17 +267,18 @@ class Trainer:
             last = i == len(micro_batches) - 1
             # DDP all-reduces in the backward of the last micro-batch only.
             syncing = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
-            with syncing, self.rt.autocast(self.args.enable_pt_autocast):
-                outputs = (self.ddp or self.model)(
-                    input_ids=input_ids, attention_mask=attention_bias(input_mask, self.compute_dtype),
-                    token_type_ids=segment_ids,
-                    labels=masked_lm_labels, next_sentence_label=next_sentence_labels,
-                    mlm_denominator=mlm_count, nsp_denominator=nsp_count)
+            with syncing:
+                with self.rt.autocast(self.args.enable_pt_autocast):  # the forward only, as PyTorch recommends
+                    outputs = (self.ddp or self.model)(
+                        input_ids=input_ids, attention_mask=attention_bias(input_mask, self.compute_dtype),
+                        token_type_ids=segment_ids,
+                        labels=masked_lm_labels, next_sentence_label=next_sentence_labels,
+                        mlm_denominator=mlm_count, nsp_denominator=nsp_count)
                 loss = outputs.loss.float()
                 loss.backward()
+            if self.master is not None:
+                self.master.gradients_to_master()  # accumulate in fp32, micro-batch by micro-batch
             step_loss = step_loss + loss.detach()
-        if self.master is not None:
-            self.master.gradients_to_master()
         if self.args.sequence_parallel:
             grads.allreduce_sequence_parallel_gradients(self.weights)
         if self.ddp is None:
@@ -338,6 +339,14 @@ class Trainer:
             self.master.master_to_model()
         self.global_step = int(state["global_step"])
         self.consumed_sequences = int(state.get("consumed_sequences", 0))
+        if os.path.abspath(directory) == os.path.abspath(args.output_dir):
+            self.saved_step = self.global_step  # this step's tag is the one just loaded: never written again
+            newer = [t for t in checkpointing.list_tags(directory)
+                     if (checkpointing.tags.step_of(t) or -1) > self.global_step]
+            if newer:
+                raise ValueError(f"resuming {directory} at step {self.global_step}, but it already holds the newer "
+                                 f"checkpoint(s) {newer}, which this run would collide with: resume into a new "
+                                 f"--output_dir with --resume_ckpt_path {directory} (and --resume_step)")
         if minimal:
             self.scheduler.load_state_dict({"step_count": self.global_step})
         if self.rt.is_root:
@@ -461,7 +470,8 @@ def _train(args: argparse.Namespace, rt: runtime_lib.Runtime) -> Dict[str, Any]:
             {"name": "Peak throughput", "value": max(throughputs), "units": "seq/s", "additional_data": extra},
         ])
         log.close()
-        print(f"done: step {trainer.global_step}, loss {final_loss:.4f}, checkpoint {tag_dir}", flush=True)
+        loss_text = "no step run (already at --steps_this_run)" if final_loss is None else f"loss {final_loss:.4f}"
+        print(f"done: step {trainer.global_step}, {loss_text}, checkpoint {tag_dir}", flush=True)
     return summary
 
 

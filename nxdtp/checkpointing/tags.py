@@ -21,6 +21,12 @@ def tag_for_step(global_step: int) -> str:
     return f"step_{int(global_step):06d}"
 
 
+def step_of(tag: str) -> Optional[int]:
+    """The global step a ``tag_for_step`` tag names; None for a tag named otherwise."""
+    match = re.fullmatch(r"step_(\d+)", tag)
+    return int(match.group(1)) if match else None
+
+
 def check_tag_name(tag: str) -> None:
     if not _TAG_PATTERN.match(tag) or tag in (".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name of letters, digits, '_', '.', '-'")
