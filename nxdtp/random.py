@@ -245,7 +245,8 @@ def checkpoint(function, *args, **kwargs):
     """``function(*args, **kwargs)`` without storing its activations; backward recomputes them with the same dropout.
 
     Unlike ``torch.utils.checkpoint``, the recompute also replays the tracker's named states, so dropout inside
-    ``get_xla_rng_tracker().fork()`` matches the forward. Tensor arguments (positional or keyword) receive gradients;
+    ``get_xla_rng_tracker().fork()`` matches the forward, and runs in the forward's autocast state. Tensor arguments
+    (positional or keyword) receive gradients;
     other arguments are passed through. ``function`` returns a tensor or a tuple of tensors.
     """
     keyword_names = tuple(kwargs)
