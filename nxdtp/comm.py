@@ -1,8 +1,9 @@
 """The one module that talks to a collective backend.
 
 The backend follows the tensor: a tensor on an XLA device goes to ``torch_xla.core.xla_model`` collectives with the
-group's replica-group list; any other tensor goes to ``torch.distributed`` with the group's ProcessGroup (gloo on CPU,
-nccl on CUDA). Nothing else in nxdtp chooses a backend.
+group's replica-group list; a CPU tensor goes to ``torch.distributed`` over the group's gloo group; any other device's
+tensor (CUDA, a PrivateUse1 device, ...) over the group's process group of the world's default backend (NCCL, or
+whatever backend the world was started with). Nothing else in nxdtp chooses a backend.
 
 All functions are functional: they return a new tensor and never modify their input, so autograd Functions can call them.
 A group of size 1 needs no communication and returns the input unchanged (as a result, not a copy).
@@ -10,7 +11,7 @@ A group of size 1 needs no communication and returns the input unchanged (as a r
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Iterable, List
 
 import torch
 import torch.distributed as dist
@@ -50,14 +51,15 @@ def _check_xla_world(group: ParallelGroup) -> None:
         )
 
 
-def _process_group(group: ParallelGroup):
-    if group.process_group is None:
+def _process_group(group: ParallelGroup, tensor: torch.Tensor):
+    process_group = group.process_group_for(tensor.device.type)
+    if process_group is None:
         # group=None would silently mean "the whole world" to torch.distributed.
         raise RuntimeError(
             f"the {group.kind}-parallel group {list(group.ranks)} has no torch.distributed process group (the topology "
-            "is simulated); only XLA tensors can be traced under a simulated topology"
+            f"is simulated); only XLA tensors can be traced under a simulated topology, got a {tensor.device} tensor"
         )
-    return group.process_group
+    return process_group
 
 
 def _check_op(op: str) -> None:
@@ -82,7 +84,7 @@ def all_reduce(tensor: torch.Tensor, group: ParallelGroup, op: str = "sum") -> t
         return xm.all_reduce(reduce_type, tensor, groups=group.replica_groups_as_lists())
     out = tensor.contiguous().clone()
     dist_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(out, op=dist_op, group=_process_group(group))
+    dist.all_reduce(out, op=dist_op, group=_process_group(group, out))
     return out
 
 
@@ -99,7 +101,7 @@ def all_gather(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> tor
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] * group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.all_gather_into_tensor(out, moved, group=_process_group(group))
+    dist.all_gather_into_tensor(out, moved, group=_process_group(group, moved))
     return out.movedim(0, dim).contiguous()
 
 
@@ -122,7 +124,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) ->
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // group.size,) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.reduce_scatter_tensor(out, moved, group=_process_group(group))
+    dist.reduce_scatter_tensor(out, moved, group=_process_group(group, out))
     return out.movedim(0, dim).contiguous()
 
 
@@ -139,8 +141,23 @@ def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 
         is_src = torch.tensor([group.rank == src_group_rank]).to(tensor.device).reshape(())
         return all_reduce(torch.where(is_src, tensor, torch.zeros_like(tensor)), group)
     out = tensor.contiguous().clone()
-    dist.broadcast(out, src=group.ranks[src_group_rank], group=_process_group(group))
+    dist.broadcast(out, src=group.ranks[src_group_rank], group=_process_group(group, out))
     return out
+
+
+def materialize(tensors: Iterable[Any]) -> None:
+    """Run the pending device computation now, so that later host reads of these tensors only copy.
+
+    On XLA, reading a tensor whose graph is pending executes that graph on the reading rank alone: if it holds a
+    collective (a step's DP gradient all-reduce) the other ranks never join and the job hangs, and if it does not, ranks
+    still compile and run different graphs. Every rank must call this at the same point, before any rank-dependent read
+    (checkpoint saving). Eager devices compute as they go: nothing to do.
+    """
+    if any(isinstance(t, torch.Tensor) and _is_xla(t) for t in tensors):
+        import torch_xla
+
+        torch_xla.sync()
+        _xla_model().wait_device_ops()
 
 
 # ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------

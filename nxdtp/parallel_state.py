@@ -24,8 +24,10 @@ class ParallelGroup:
     """One communication group as seen from this rank.
 
     ``replica_groups`` lists every group of this kind in the world (the form XLA collectives take); ``ranks`` is the one this
-    rank (``global_rank``) belongs to, ``rank`` its position there. ``process_group`` is the torch.distributed group, or None in a simulated
-    topology.
+    rank (``global_rank``) belongs to, ``rank`` its position there. ``process_group`` is the torch.distributed group of
+    the world's default backend (what NxD's getters return; on an "xla" world it carries the full mesh), and
+    ``cpu_process_group`` a gloo group over the same ranks for CPU tensors, which the default backend of an XLA, NCCL or
+    other device world refuses. On a gloo world the two are the same group. Both are None in a simulated topology.
     """
 
     kind: str
@@ -33,6 +35,7 @@ class ParallelGroup:
     replica_groups: tuple
     process_group: Optional[object] = dataclasses.field(default=None, compare=False)
     global_rank: int = -1
+    cpu_process_group: Optional[object] = dataclasses.field(default=None, compare=False)
 
     @property
     def size(self) -> int:
@@ -45,6 +48,11 @@ class ParallelGroup:
     @property
     def src_rank(self) -> int:
         return self.ranks[0]
+
+    def process_group_for(self, device_type: str):
+        """The torch.distributed group for tensors of ``device_type`` ("cpu", "cuda", ...): gloo for CPU tensors, the
+        world's default backend for every other device. XLA tensors use ``replica_groups`` instead (see nxdtp.comm)."""
+        return self.cpu_process_group if device_type == "cpu" else self.process_group
 
     def replica_groups_as_lists(self) -> List[List[int]]:
         return [list(g) for g in self.replica_groups]
@@ -107,11 +115,14 @@ def build_topology(world_size: int, rank: int, tensor_model_parallel_size: int,
     return _make_topology(world_size, rank, tensor_model_parallel_size, {}, None, simulated=True)
 
 
-def _make_topology(world_size, rank, tp, process_groups, host_group, simulated) -> Topology:
+def _make_topology(world_size, rank, tp, process_groups, host_group, simulated, cpu_process_groups=None) -> Topology:
+    cpu_process_groups = process_groups if cpu_process_groups is None else cpu_process_groups
+
     def group(kind, lists):
         mine = next(g for g in lists if rank in g)
         return ParallelGroup(kind=kind, ranks=tuple(mine), replica_groups=tuple(tuple(g) for g in lists),
-                             process_group=process_groups.get((kind, tuple(mine))), global_rank=rank)
+                             process_group=process_groups.get((kind, tuple(mine))), global_rank=rank,
+                             cpu_process_group=cpu_process_groups.get((kind, tuple(mine))))
 
     return Topology(
         world_size=world_size,
@@ -138,8 +149,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               timeout: Optional[datetime.timedelta] = None, **nxd_options) -> None:
     """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
 
-    Every rank must call this (group creation is collective). On an XLA world the TP/DP collectives use XLA replica groups;
-    the process groups made here serve the non-XLA path and host-side (gloo) coordination. ``timeout`` bounds every
+    Every rank must call this (group creation is collective). Each TP/DP group gets a process group of the world's default
+    backend (on an "xla" world with the full mesh, as NxD's) and, when that backend is not gloo, a gloo group over the
+    same ranks for CPU tensors; nxdtp.comm picks one from the tensor's device (XLA tensors use replica groups). ``timeout`` bounds every
     collective on these groups (torch.distributed's default otherwise: 30 minutes for gloo), so a rank that died is
     reported instead of waited for.
     """
@@ -165,16 +177,33 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     world_size, rank = dist.get_world_size(), dist.get_rank()
     _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
 
-    process_groups = {}
+    default_backend = dist.get_backend()
+    # CPU tensors are everywhere (model build before the device move, pretrained loading, host-side metrics), and the
+    # default backend of an XLA, NCCL or other device world refuses them: such worlds get a gloo twin of every group.
+    separate_cpu_groups = default_backend != "gloo"
+    process_groups, cpu_process_groups = {}, {}
     for kind, lists in (("tensor", tensor_parallel_rank_lists(world_size, tensor_model_parallel_size)),
                         ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size))):
         for ranks in lists:
+            key = (kind, tuple(ranks))
             # new_group is collective over the whole world: every rank creates every group, in the same order.
-            process_groups[(kind, tuple(ranks))] = dist.new_group(ranks, timeout=timeout)
-    # XLA and NCCL worlds still need a CPU channel for barriers and object exchange (checkpoint coordination).
-    host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    _OWNED_PROCESS_GROUPS.extend(list(process_groups.values()) + ([host_group] if host_group is not None else []))
-    _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group, simulated=False)
+            process_groups[key] = dist.new_group(ranks, timeout=timeout, **_group_options(default_backend, lists))
+            cpu_process_groups[key] = (dist.new_group(ranks, backend="gloo", timeout=timeout) if separate_cpu_groups
+                                       else process_groups[key])
+    # Barriers and object exchange (checkpoint coordination) go over the whole world on the host.
+    host_group = dist.new_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
+    _OWNED_PROCESS_GROUPS.extend(list(process_groups.values()) + [host_group]
+                                 + (list(cpu_process_groups.values()) if separate_cpu_groups else []))
+    _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group,
+                               simulated=False, cpu_process_groups=cpu_process_groups)
+
+
+def _group_options(default_backend: str, all_groups: List[List[int]]) -> dict:
+    """torch_xla's new_group records only the caller's ranks as the group's mesh, so plain torch.distributed
+    collectives on it would name incomplete replica groups; NxD passes every group of the kind, and so does nxdtp."""
+    if default_backend == "xla":
+        return {"pg_options": {"xla_pg_options": {"mesh": [list(g) for g in all_groups]}}}
+    return {}
 
 
 def destroy_model_parallel() -> None:

@@ -31,15 +31,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str], env: Dict[str, str]):
+# The worlds a pool can be: the default torch.distributed backend its processes start with.
+BACKENDS = ("gloo", "xla", "cpu_refusing")
+
+
+def _init_world(backend: str, rank: int, world_size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    if backend == "xla":
+        import torch_xla
+        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
+
+        # As an XLA program does, take the device before any backward: autograd sizes its per-device queues from the
+        # devices known when it first runs, and an XLA backward would otherwise fail on a CPU-first process.
+        torch_xla.device()
+    elif backend == "cpu_refusing":
+        from tests import cpu_refusing_backend
+
+        cpu_refusing_backend.register()
+    # env:// as torchrun gives it, which is also how an "xla" world starts on a CPU machine.
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str], env: Dict[str, str],
+                 backend: str):
     os.environ.update(env)
     sys.path[:] = sys_path
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    _init_world(backend, rank, world_size, port)
     from nxdtp import parallel_state
 
     while True:
@@ -61,8 +86,11 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
 
 
 class WorkerGroup:
-    def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None):
+    def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None, backend: str = "gloo"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         self.world_size = world_size
+        self.backend = backend
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._processes: List[mp.Process] = []
 
@@ -73,7 +101,8 @@ class WorkerGroup:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._processes = [
             ctx.Process(target=_worker_main, daemon=True,
-                        args=(rank, self.world_size, port, self._tasks[rank], self._results, list(sys.path), self.env))
+                        args=(rank, self.world_size, port, self._tasks[rank], self._results, list(sys.path), self.env,
+                              self.backend))
             for rank in range(self.world_size)
         ]
         for p in self._processes:

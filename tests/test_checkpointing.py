@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nxdtp import comm
 from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import FORMAT_VERSION, list_tags, load, newest_tag, save, save_load
 from nxdtp.checkpointing import tags as checkpoint_tags
@@ -303,7 +304,7 @@ def case_crash(root: str):
         crash = _error(lambda: save({"model": model, "optimizer": opt, "global_step": 2}, root))
     finally:
         checkpoint_tags.mark_done = original
-    dist.barrier()
+    comm.barrier()
     partial_files = _files(os.path.join(root, "step_000002"))
     newest_after_crash = newest_tag(root)
 
@@ -312,7 +313,7 @@ def case_crash(root: str):
         os.makedirs(os.path.join(root, "step_000003", "model"))
         shutil.copy(os.path.join(root, "step_000001", "model", "tp_rank_00.safetensors"),
                     os.path.join(root, "step_000003", "model"))
-    dist.barrier()
+    comm.barrier()
 
     fresh, _ = _tiny(seed=50)
     trainer = load(root, fresh)
@@ -358,7 +359,7 @@ def case_tags(root: str):
     before = _digests(os.path.join(root, "step_000004"))
     other, _ = _tiny(seed=77)
     again = _error(lambda: save({"model": other, "global_step": 4}, root, keep_last=2))
-    dist.barrier()  # every rank is past the refused save before the files are compared
+    comm.barrier()  # every rank is past the refused save before the files are compared
     after = _digests(os.path.join(root, "step_000004"))
     bad_keep = _error(lambda: save({"model": model, "global_step": 5}, root, keep_last=0))
     named = save({"model": model}, root, tag="before-eval.v2")
@@ -440,13 +441,13 @@ def case_bad_input(root: str):
         if rank == 0:
             shutil.copytree(os.path.join(root, base), directory)
             _damage(os.path.join(directory, "step_000001"), scenario)
-        dist.barrier()
+        comm.barrier()
         fresh, fresh_opt = _tiny(seed=60)
         kwargs = {"model": dict(model=fresh), "optimizer": dict(optimizer=fresh_opt),
                   "model+optimizer": dict(model=fresh, optimizer=fresh_opt),
                   "rng": dict(model=fresh, restore_rng_states=True)}[target]
         out[scenario] = _error(lambda: load(directory, **kwargs))
-        dist.barrier()
+        comm.barrier()
     out["no such directory"] = _error(lambda: load(os.path.join(root, "nowhere"), model))
     # A checkpoint saved at tp=2 and loaded at tp=1 is handled by case_other_tp_degree (it needs another topology).
     return out

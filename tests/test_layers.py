@@ -83,13 +83,13 @@ def _load_(param: torch.Tensor, full: torch.Tensor, dim, stride: int = 1) -> Non
 
 def _tp_sum(t: torch.Tensor) -> torch.Tensor:
     out = t.detach().clone()
-    dist.all_reduce(out, group=ps.get_tensor_model_parallel_group())
+    dist.all_reduce(out, group=ps.tensor_parallel_group().process_group_for(out.device.type))
     return out
 
 
 def _tp_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_size())]
-    dist.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, t.detach().contiguous(), group=ps.tensor_parallel_group().process_group_for(t.device.type))
     return torch.cat(parts, dim=dim)
 
 

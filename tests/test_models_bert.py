@@ -390,7 +390,7 @@ def case_tp_dp():
 
 def _dp_mean(value: torch.Tensor) -> float:
     total = value.detach().clone().reshape(1)
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    dist.all_reduce(total, group=ps.data_parallel_group().process_group_for(total.device.type))
     return total.item() / ps.get_data_parallel_size()
 
 

@@ -59,7 +59,7 @@ def case_load_equals_dense(root: str, forms):
     import torch.distributed as dist
     from transformers import BertForPreTraining, BertForSequenceClassification
 
-    from nxdtp import parallel_state
+    from nxdtp import comm, parallel_state
     from nxdtp.layers import shard_of
     from nxdtp.models.bert import from_pretrained_sharded, gather_vocab_logits
 
@@ -70,7 +70,7 @@ def case_load_equals_dense(root: str, forms):
         directory = os.path.join(root, form)
         if dist.get_rank() == 0:
             _write_checkpoint(dense, directory, form)
-        dist.barrier()
+        comm.barrier()
         reference = BertForPreTraining.from_pretrained(os.path.join(root, "safetensors")) \
             if form != "safetensors" else BertForPreTraining.from_pretrained(directory)
         model = from_pretrained_sharded(directory)
@@ -105,7 +105,7 @@ def case_load_equals_dense(root: str, forms):
             dense.config.save_pretrained(directory)
             save_file({k: v for k, v in full.items() if k not in drop}, os.path.join(directory, "model.safetensors"),
                       metadata={"format": "pt"})
-        dist.barrier()
+        comm.barrier()
         if form == "no-mlm-bias":
             model = from_pretrained_sharded(directory)
             assert torch.all(model.cls.predictions.bias == 0) and not model.training
@@ -123,10 +123,10 @@ def case_load_equals_dense(root: str, forms):
     # A classifier the checkpoint lacks is initialised and made identical on every TP rank.
     classifier = from_pretrained_sharded(os.path.join(root, "safetensors"),
                                          model_class=BertForSequenceClassification)
-    weights = [torch.empty_like(classifier.classifier.weight) for _ in range(dist.get_world_size())]
-    dist.all_gather(weights, classifier.classifier.weight.detach().contiguous())
-    tp_group = parallel_state.tensor_parallel_group().ranks
-    assert all(torch.equal(weights[r], weights[tp_group[0]]) for r in tp_group)
+    tp_group = parallel_state.tensor_parallel_group()
+    weights = [torch.empty_like(classifier.classifier.weight) for _ in range(tp_group.size)]
+    dist.all_gather(weights, classifier.classifier.weight.detach().contiguous(), group=tp_group.process_group_for("cpu"))
+    assert all(torch.equal(w, weights[0]) for w in weights)
     return True
 
 

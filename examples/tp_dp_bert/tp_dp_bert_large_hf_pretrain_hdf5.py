@@ -244,7 +244,7 @@ class Trainer:
                 raise ValueError("--ddp is for CPU and CUDA runs; on XLA the DP average is nxdtp's all-reduce")
             # DDP divides by its group's size: over the DP group that is exactly nxdtp's DP average.
             self.ddp = torch.nn.parallel.DistributedDataParallel(
-                self.model, process_group=self.dp_group.process_group,
+                self.model, process_group=self.dp_group.process_group_for(rt.device.type),
                 device_ids=[rt.device.index] if rt.kind == "cuda" else None)
         self.scheduler = LinearWarmupDecay(self.optimizer, args.lr, args.warmup_steps, args.max_steps)
         self.global_step = 0

@@ -62,13 +62,16 @@ def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None,
     try:
         # keep_vars: tied parameters stay one object, which is how ties are recognised on XLA (no storage pointers).
         model_state = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
+        optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
+        # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
+        comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
         tensors, entries = split_state_dict(model_state, tp_group.size)
         if down_cast_bf16:
-            tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+            # The cast happens on the host while writing: on XLA a device-side cast would be a graph that only the
+            # writing ranks run.
             for key, entry in entries.items():
-                if tensors[key].dtype == torch.bfloat16:
+                if tensors[key].is_floating_point():
                     entry.dtype = "bfloat16"
-        optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
         if topology.rank == 0:
             if os.path.isdir(tag_dir) and tags.is_complete(tag_dir):
                 raise FileExistsError(f"checkpoint tag {tag_dir} already exists and is complete; choose another tag")
@@ -127,10 +130,11 @@ def _agree(error: Optional[BaseException], what: str) -> None:
 
 def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> None:
     """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor."""
-    mine = [(k, t) for k, t in tensors.items() if entries[k].spec.is_sharded or tp_rank == 0]
-    with StreamingSafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in mine]) as writer:
-        for key, tensor in mine:
-            writer.write(key, tensor)
+    mine = [(k, t, dtype_from_name(entries[k].dtype)) for k, t in tensors.items()
+            if entries[k].spec.is_sharded or tp_rank == 0]
+    with StreamingSafetensorsWriter(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine]) as writer:
+        for key, tensor, dtype in mine:
+            writer.write(key, tensor.detach().to("cpu").to(dtype))
 
 
 def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> None:
@@ -328,6 +332,8 @@ def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag
     # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
     error: Optional[BaseException] = None
     trainer_state: Dict[str, Any] = {}
+    # The step's pending graph runs here on every rank, not inside whatever this load does first on one rank only.
+    comm.materialize(_live_tensors(model, optimizer))
     try:
         tag_dir = tags.resolve_tag(output_dir, tag)
         index = CheckpointIndex.read(tag_dir)
@@ -353,10 +359,20 @@ def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag
             scheduler.load_state_dict(trainer_state["scheduler"])
         if restore_rng_states:
             restore_rng(tag_dir, get_topology().rank)
+        # The loaded values become device data now, so the next step traces the same graph as an uninterrupted run.
+        comm.materialize(_live_tensors(model, optimizer))
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
     _agree(error, f"loading {output_dir}")
     return trainer_state
+
+
+def _live_tensors(model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> List[torch.Tensor]:
+    tensors = list(model.state_dict(keep_vars=True).values()) if model is not None else []
+    if optimizer is not None:
+        tensors += [value for state in optimizer.state.values() for value in state.values()
+                    if isinstance(value, torch.Tensor)]
+    return tensors
 
 
 def list_tags(output_dir: str) -> List[str]:
