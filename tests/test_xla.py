@@ -403,3 +403,61 @@ def case_tp1_bert_on_xla_equals_eager():
 def test_tp1_bert_on_xla_cpu_equals_eager(worlds):
     compared, = worlds(1, "xla-exec").run(case_tp1_bert_on_xla_equals_eager, tensor_model_parallel_size=1)
     assert compared > 20
+
+
+# ---- checkpoints on XLA: a resumed run traces the uninterrupted run's graph ------------------------------------------
+
+def case_resumed_run_compiles_nothing_new(root: str):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    from nxdtp.checkpointing import load, save
+    from nxdtp.utils import move_model_to_device
+
+    device = torch_xla.device()
+    ids = torch.randint(0, 30, (3, 7)).to(device)
+
+    def fresh(seed):
+        model = move_model_to_device(_build_tp1_model(seed=seed), device)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train(model, optimizer, steps):
+        record = []
+        for _ in range(steps):
+            before = {k: met.counter_value(k) or 0 for k in ("UncachedCompile", "ExecuteComputation")}
+            optimizer.zero_grad()
+            loss = _tp1_forward(model, ids).square().mean()
+            loss.backward()
+            optimizer.step()
+            torch_xla.sync()
+            xm.wait_device_ops()
+            record.append({"loss": loss.item(),
+                           **{k: (met.counter_value(k) or 0) - v for k, v in before.items()}})
+        return record
+
+    model, optimizer = fresh(seed=3)
+    train(model, optimizer, 3)
+    save({"model": model, "optimizer": optimizer, "global_step": 3}, root)
+    saved = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    uninterrupted = train(model, optimizer, 3)
+
+    model, optimizer = fresh(seed=4)
+    torch_xla.sync()
+    load(root, model=model, optimizer=optimizer)
+    resumed = train(model, optimizer, 3)
+    # The checkpoint is device-neutral: the one saved from XLA loads into an eager CPU model.
+    on_cpu = _build_tp1_model(seed=5)
+    load(root, model=on_cpu)
+    same_on_cpu = all(torch.equal(v, saved[k]) for k, v in on_cpu.state_dict().items() if k in saved)
+    return uninterrupted, resumed, same_on_cpu
+
+
+def test_a_resumed_run_compiles_nothing_new(worlds, tmp_path):
+    (uninterrupted, resumed, same_on_cpu), = worlds(1, "xla-exec").run(
+        case_resumed_run_compiles_nothing_new, tensor_model_parallel_size=1, root=str(tmp_path / "ckpt"))
+    assert same_on_cpu
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted], (resumed, uninterrupted)
+    # Every resumed step runs one graph, and it is the uninterrupted run's (already compiled in this process).
+    assert all(r["UncachedCompile"] == 0 and r["ExecuteComputation"] == 1 for r in resumed), resumed

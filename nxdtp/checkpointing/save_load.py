@@ -359,8 +359,6 @@ def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag
             scheduler.load_state_dict(trainer_state["scheduler"])
         if restore_rng_states:
             restore_rng(tag_dir, get_topology().rank)
-        # The loaded values become device data now, so the next step traces the same graph as an uninterrupted run.
-        comm.materialize(_live_tensors(model, optimizer))
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
     _agree(error, f"loading {output_dir}")
