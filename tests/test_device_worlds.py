@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nxdtp import parallel_state as ps
+from nxdtp.checkpointing import cli as merge_cli
 from tests import test_checkpointing, test_comm, test_grads, test_layers, test_loss_functions, test_models_bert
 from tests import test_models_bert_loading
 from tests.test_example_pretrain import data_dir, model_config  # noqa: F401 - fixtures
@@ -231,3 +232,12 @@ def test_the_example_builds_trains_saves_and_resumes_in_the_world(worlds, backen
     # DDP over the DP group of CPU tensors takes the gloo twin; TP=1 x DP=2 is the same global batch.
     _train_example(worlds(2, backend), argv("ddp", 1, 2, 4, "--ddp"))
     assert_curves_agree(losses(str(tmp_path / "ddp")), reference, 1e-4)
+    # Merge (no device needed), then start new runs from the merged weights: TP=2 in this world, TP=1 x DP=2 on gloo.
+    merged = str(tmp_path / "merged")
+    assert merge_cli.main([str(tmp_path / "gloo"), merged]) == 0
+    _train_example(worlds(2, backend), argv("from_merged_tp2", 2, 1, 2, "--init_from", merged))
+    _train_example(worlds(2), argv("from_merged_dp2", 1, 2, 2, "--init_from", merged))
+    from_merged = losses(str(tmp_path / "from_merged_tp2"))
+    assert_curves_agree(from_merged, losses(str(tmp_path / "from_merged_dp2")), 1e-4)
+    # The trained weights were really loaded: the first batch's loss is below the untrained model's.
+    assert from_merged[0] < reference[0] - 0.05, (from_merged, reference)

@@ -229,6 +229,18 @@ def test_bad_data_stops_with_a_clear_error(worlds, data_dir, model_config, tmp_p
     with pytest.raises(AssertionError, match="2 data-parallel ranks"):
         worlds(2).run(case_train, tensor_model_parallel_size=None,
                       argv=training_argv(str(one_shard), model_config, str(tmp_path / "o3"), 1, 2))
+    # --init_from a directory without a config: named before any rank builds anything.
+    argv = training_argv(data_dir, model_config, str(tmp_path / "o4"), 2, 1) + ["--init_from", str(empty)]
+    del argv[argv.index("--model_config"):argv.index("--model_config") + 2]
+    with pytest.raises(AssertionError, match=re.escape(f"--init_from {empty}: no config.json there")):
+        worlds(2).run(case_train, tensor_model_parallel_size=None, argv=argv)
+
+
+def test_init_from_refuses_debug_shapes(model_config, capsys):
+    script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
+    with pytest.raises(SystemExit):
+        script.parse_args(["--init_from", model_config, "--debug"])
+    assert "--init_from loads a model's weights; --debug would change its shapes" in capsys.readouterr().err
 
 
 # ---- real launches -------------------------------------------------------------------------------------------------------

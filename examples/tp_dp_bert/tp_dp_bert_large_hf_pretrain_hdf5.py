@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="bf16 weights and compute, fp32 master weights and loss")
     p.add_argument("--model_config", default=None,
                    help="local Hugging Face config directory (or config.json); default: BERT-large, uncased vocab")
+    p.add_argument("--init_from", default=None,
+                   help="start from the weights of a local Hugging Face BERT directory (config.json and "
+                        "model.safetensors or pytorch_model.bin); each rank reads only its slices. Its config is "
+                        "the model's unless --model_config is given. Not read when resuming.")
     p.add_argument("--dropout", type=float, default=None,
                    help="override hidden and attention dropout (0 makes runs comparable step by step)")
     p.add_argument("--make_vocab_size_divisible_by", type=int, default=128,
@@ -127,6 +131,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--bf16 and --enable_pt_autocast are alternatives: bf16 weights, or fp32 weights with autocast")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         parser.error(f"--dropout {args.dropout} must be in [0, 1)")
+    if args.init_from is not None and args.debug:
+        parser.error("--init_from loads a model's weights; --debug would change its shapes")
     if args.resume_ckpt_path and not args.resume_ckpt:
         args.resume_ckpt = True
     if args.enable_pt_autocast:
@@ -142,7 +148,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def load_config(args: argparse.Namespace):
     from transformers import BertConfig
 
-    if args.model_config is None:
+    if args.model_config is None and args.init_from is not None:
+        if not os.path.isfile(os.path.join(args.init_from, "config.json")):
+            raise FileNotFoundError(f"--init_from {args.init_from}: no config.json there (give a Hugging Face model "
+                                    "directory)")
+        config = BertConfig.from_pretrained(args.init_from)
+    elif args.model_config is None:
         # BERT-large uncased, written out so that no hub access is needed.
         config = BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                             intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
@@ -161,16 +172,23 @@ def load_config(args: argparse.Namespace):
     return config
 
 
-def build_model(args: argparse.Namespace, config, device: torch.device):
+def build_model(args: argparse.Namespace, config, device: torch.device, pretrained: bool = False):
+    """The sharded model, built and sharded on the host on every device, then moved: ``pretrained`` reads the
+    --init_from weights (each rank its slices), otherwise every rank builds the dense model from the same seed and
+    keeps its slices, so TP equals dense at step 0."""
     from transformers import BertForPreTraining
 
-    from nxdtp.models.bert import checkpoint_layers, parallelize_bert
+    from nxdtp.models.bert import checkpoint_layers, from_pretrained_sharded, parallelize_bert
 
-    # Every rank builds the dense model from the same seed and keeps its slices: TP equals dense at step 0.
     torch.manual_seed(args.seed)
-    model = BertForPreTraining(config)
-    parallelize_bert(model, sequence_parallel=args.sequence_parallel,
-                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    if pretrained:
+        model = from_pretrained_sharded(args.init_from, model_class=BertForPreTraining, config=config,
+                                        sequence_parallel=args.sequence_parallel,
+                                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    else:
+        model = BertForPreTraining(config)
+        parallelize_bert(model, sequence_parallel=args.sequence_parallel,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     if args.activation_checkpointing:
         checkpoint_layers(model)
     move_model_to_device(model, device)
@@ -232,7 +250,9 @@ class Trainer:
         self.args, self.rt = args, rt
         self.dp_group = parallel_state.data_parallel_group()
         self.config = load_config(args)
-        self.model = build_model(args, self.config, rt.device)
+        # A resumed run loads every weight from its checkpoint: reading --init_from too would be wasted.
+        self.model = build_model(args, self.config, rt.device,
+                                 pretrained=args.init_from is not None and not args.resume_ckpt)
         self.master = MasterWeights(self.model) if args.bf16 else None
         # With --bf16 the optimizer, clipping and checkpoints work on the fp32 master model.
         self.weights = self.master.master if self.master else self.model
@@ -308,8 +328,6 @@ class Trainer:
     def save(self, epoch: int) -> str:
         if self.saved_step == self.global_step:
             return os.path.join(self.args.output_dir, checkpointing.tags.tag_for_step(self.global_step))
-        if self.rt.is_xla:
-            self.rt.end_step()  # the values to save must exist before they are read
         tag_dir = checkpointing.save(self.checkpoint_dict(epoch), self.args.output_dir,
                                      keep_last=self.args.keep_last_ckpts)
         self.saved_step = self.global_step

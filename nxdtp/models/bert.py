@@ -287,10 +287,12 @@ def _bert_checkpoint_keys(name: str, base_prefix: str = "bert."):
 
 def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel: bool = False,
                             make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32,
-                            device="cpu") -> nn.Module:
+                            device="cpu", config=None) -> nn.Module:
     """Build a TP-sharded BERT from an HF model directory; each rank reads only its own slices of the weights.
 
-    ``model_class`` defaults to the first of ``config.architectures``, else BertForPreTraining. Replicated parameters
+    ``config`` replaces the directory's config.json, as in HF's ``from_pretrained`` (e.g. to change dropout); its
+    shapes must still match the checkpoint. ``model_class`` defaults to the first of ``config.architectures``, else
+    BertForPreTraining. Replicated parameters
     the checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made equal across TP
     ranks; a missing tensor-parallel bias starts at zero as in HF, a missing tensor-parallel weight is an error. The
     model is returned in eval mode, as HF does.
@@ -300,7 +302,8 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
     from ..plan import broadcast_replicated_state
     from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model
 
-    config = transformers.BertConfig.from_pretrained(model_dir)
+    if config is None:
+        config = transformers.BertConfig.from_pretrained(model_dir)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
         model_class = getattr(transformers, architectures[0])
