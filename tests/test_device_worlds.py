@@ -241,3 +241,41 @@ def test_the_example_builds_trains_saves_and_resumes_in_the_world(worlds, backen
     assert_curves_agree(from_merged, losses(str(tmp_path / "from_merged_dp2")), 1e-4)
     # The trained weights were really loaded: the first batch's loss is below the untrained model's.
     assert from_merged[0] < reference[0] - 0.05, (from_merged, reference)
+
+
+def test_the_example_on_an_xla_device_resumes_loads_pretrained_and_keeps_bf16_masters(worlds, data_dir,
+                                                                                       model_config, tmp_path):
+    """--device xla in an "xla" world of one process (XLA:CPU runs one replica per process): the model is built and
+    sharded on the host, moved to the device, saved with the step's graph synced, resumed, and started from merged
+    weights, with the code the CPU runs use."""
+    from nxdtp.checkpointing import CheckpointIndex, resolve_tag
+    from tests.test_example_pretrain import assert_curves_agree, losses, step_log, training_argv
+
+    pool = worlds(1, "xla")
+
+    def argv(name, steps, *extra):
+        args = training_argv(data_dir, model_config, str(tmp_path / name), 1, 1, 8, 1, 4, 2e-3, 0.0, *extra)
+        args[args.index("--steps_this_run") + 1] = str(steps)
+        args[args.index("--device") + 1] = "xla"
+        return args
+
+    _train_example(pool, argv("straight", 4))
+    straight = step_log(str(tmp_path / "straight"))
+    _train_example(pool, argv("split", 2))
+    _train_example(pool, argv("split", 4, "--resume_ckpt"))
+    resumed = step_log(str(tmp_path / "split"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    # The resumed run's steps after its first two compile nothing (its graphs are the uninterrupted run's).
+    assert resumed[-1]["xla_uncached_compiles"] == resumed[-2]["xla_uncached_compiles"], resumed
+
+    merged = str(tmp_path / "merged")
+    assert merge_cli.main([str(tmp_path / "straight"), merged]) == 0
+    _train_example(pool, argv("from_merged", 1, "--init_from", merged))
+    assert losses(str(tmp_path / "from_merged"))[0] < straight[0]["loss"] - 0.05
+
+    # --bf16 on the device: bf16 compute, fp32 master weights (what the checkpoint holds) and an fp32 loss.
+    _train_example(pool, argv("bf16", 4, "--bf16"))
+    assert_curves_agree(losses(str(tmp_path / "bf16")), [r["loss"] for r in straight], 0.05 * straight[0]["loss"])
+    index = CheckpointIndex.read(resolve_tag(str(tmp_path / "bf16"), None))
+    assert {entry.dtype for entry in index.tensors.values() if entry.dtype.startswith(("float", "bfloat"))} == \
+        {"float32"}, index.tensors
