@@ -149,11 +149,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               timeout: Optional[datetime.timedelta] = None, **nxd_options) -> None:
     """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
 
-    Every rank must call this (group creation is collective). Each TP/DP group gets a process group of the world's default
-    backend (on an "xla" world with the full mesh, as NxD's) and, when that backend is not gloo, a gloo group over the
-    same ranks for CPU tensors; nxdtp.comm picks one from the tensor's device (XLA tensors use replica groups). ``timeout`` bounds every
-    collective on these groups (torch.distributed's default otherwise: 30 minutes for gloo), so a rank that died is
-    reported instead of waited for.
+    Every rank must call this (group creation is collective). Each TP/DP group gets a process group of the world's
+    default backend (on an "xla" world with the full mesh, as NxD's) and, when that backend is not gloo, a gloo group
+    over the same ranks for CPU tensors; nxdtp.comm picks one from the tensor's device (XLA tensors use replica groups).
+    ``timeout`` bounds every collective on these groups (torch.distributed's default otherwise: 30 minutes for gloo), so
+    a rank that died is reported instead of waited for.
     """
     global _TOPOLOGY
     for name, value in nxd_options.items():

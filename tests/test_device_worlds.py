@@ -26,7 +26,7 @@ DEVICE_BACKENDS = ("xla", "cpu_refusing")
 @pytest.fixture(params=DEVICE_BACKENDS)
 def device_worlds(request, worlds):
     """Like ``worlds``, but every pool's default backend is ``request.param``."""
-    return lambda world_size, name=None: worlds(world_size, request.param)
+    return lambda world_size: worlds(world_size, request.param)
 
 
 # ---- the gloo suite's dense-equality cases, unchanged ----------------------------------------------------------------

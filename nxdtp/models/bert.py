@@ -292,10 +292,9 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
 
     ``config`` replaces the directory's config.json, as in HF's ``from_pretrained`` (e.g. to change dropout); its
     shapes must still match the checkpoint. ``model_class`` defaults to the first of ``config.architectures``, else
-    BertForPreTraining. Replicated parameters
-    the checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made equal across TP
-    ranks; a missing tensor-parallel bias starts at zero as in HF, a missing tensor-parallel weight is an error. The
-    model is returned in eval mode, as HF does.
+    BertForPreTraining. Replicated parameters the checkpoint lacks (e.g. a new classification head) are initialised as
+    HF would, then made equal across TP ranks; a missing tensor-parallel bias starts at zero as in HF, a missing
+    tensor-parallel weight is an error. The model is returned in eval mode, as HF does.
     """
     import transformers
 
