@@ -18,10 +18,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, mappings
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear, shard_of
 from .parallel_state import tensor_parallel_group
-from .spec import ShardedModule
+from .spec import ParamSpec, ShardedModule
 from .utils import retie_parameters, tied_parameter_names
 
 
@@ -119,19 +119,19 @@ class VocabParallelLMHead:
 
 @dataclasses.dataclass(frozen=True)
 class Replicate:
-    """Keep the module whole on every TP rank. With ``sequence_parallel`` an ``nn.LayerNorm`` becomes nxdtp's LayerNorm,
-    whose parameters are marked so their gradients are summed over TP (each rank normalises only its sequence shard)."""
+    """Keep the module whole on every TP rank. With ``sequence_parallel`` its parameters are marked so their gradients
+    are summed over TP (each rank normalises only its sequence shard): an ``nn.LayerNorm`` becomes nxdtp's LayerNorm,
+    and any other norm (RMSNorm of any family) keeps its class and code and gains the spec of replicated,
+    sequence-parallel parameters."""
 
     sequence_parallel: bool = False
-
-    @property
-    def expects(self) -> type:
-        return nn.LayerNorm if self.sequence_parallel else nn.Module
+    expects = nn.Module
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
         if not self.sequence_parallel:
             return module
-        _expect(module, nn.LayerNorm, self, name)
+        if not isinstance(module, nn.LayerNorm):
+            return _with_sequence_parallel_params(module)
         layer = LayerNorm(module.normalized_shape, eps=module.eps, elementwise_affine=module.elementwise_affine,
                           bias=module.bias is not None, sequence_parallel_enabled=True, device="meta",
                           dtype=module.weight.dtype if module.weight is not None else None)
@@ -139,6 +139,34 @@ class Replicate:
             if getattr(module, param_name, None) is not None:
                 _replace_param(layer, param_name, getattr(module, param_name).detach(), getattr(module, param_name))
         return layer
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedWithGradAllReduce:
+    """Keep the module whole on every TP rank when it acts inside a TP region on this rank's share of the data (a
+    per-head norm such as Qwen3's q_norm sees only this rank's heads): each rank then holds part of the parameters'
+    gradient, and backward sums it over TP. The parameters enter the forward through a copy-to-TP region, so the sum
+    happens in autograd itself, with no call to remember after backward (HF's ``replicated_with_grad_allreduce``)."""
+
+    expects = nn.Module
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        wrap_forward(module, "nxdtp_replicated_with_grad_allreduce", _parameters_through_tp_region)
+        return module
+
+
+def _parameters_through_tp_region(forward, *args, **kwargs):
+    module = forward.__self__
+    originals = dict(module._parameters)
+    # The forward reads self.<name>; for this call that is the region's output (identity forward, all-reduce of the
+    # gradient backward), whose gradient flows on to the real parameter. Direct dict access: a non-leaf is no Parameter.
+    for name, param in originals.items():
+        if param is not None:
+            module._parameters[name] = mappings.copy_to_tensor_model_parallel_region(param)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        module._parameters.update(originals)
 
 
 Style = object  # anything with convert(module, name) -> module
@@ -249,6 +277,25 @@ def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> Non
 
 
 # ---- conversion internals -----------------------------------------------------------------------------------------------
+
+_SPEC_OWNING_CLASSES: Dict[type, type] = {}
+
+
+def _with_sequence_parallel_params(module: nn.Module) -> nn.Module:
+    """Give ``module`` a subclass of its own class that owns specs (state dicts and device moves keep them), and mark
+    its direct parameters replicated and sequence-parallel."""
+    base = type(module)
+    if not isinstance(module, ShardedModule):
+        if base not in _SPEC_OWNING_CLASSES:
+            _SPEC_OWNING_CLASSES[base] = type(base.__name__, (base, ShardedModule),
+                                              {"__module__": base.__module__, "__qualname__": base.__qualname__})
+        module.__class__ = _SPEC_OWNING_CLASSES[base]
+    tp = tensor_parallel_group().size
+    for name, param in module.named_parameters(recurse=False):
+        module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=tp,
+                                                   sequence_parallel=True))
+    return module
+
 
 def _expect(module: nn.Module, kind: type, style, name: str) -> None:
     if not isinstance(module, kind):

@@ -36,7 +36,8 @@ from ..loss_functions import parallel_cross_entropy
 from ..parallel_state import data_parallel_group, tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     parallelize, wrap_forward
-from ..random import checkpoint, get_xla_rng_tracker
+from ..random import checkpoint
+from .common import attention_bias, dropping, gather_vocab_logits, maybe_forked, tensor_parallel_block  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,6 @@ def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_voc
                        broadcast_replicated=broadcast_replicated)
 
 
-def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """All-gather vocab-parallel logits and drop the padded columns (for evaluation or inspection, not the loss)."""
-    full = mappings.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
-    return full[..., :vocab_size]
-
-
 # ---- validation -----------------------------------------------------------------------------------------------------------
 
 def _validate(model: nn.Module, sequence_parallel: bool) -> None:
@@ -119,7 +114,7 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
             module.num_attention_heads //= tp
             module.all_head_size //= tp
             wrap_forward(module, "nxdtp_tp_attention_sp" if sequence_parallel else "nxdtp_tp_attention",
-                         _sequence_parallel_attention if sequence_parallel else _tensor_parallel_attention)
+                         tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_dropping))
         elif sequence_parallel and isinstance(module, (hf.BertSelfOutput, hf.BertOutput)):
             wrap_forward(module, "nxdtp_sequence_parallel_dropout", _under_tp_rng_when_dropping)
         elif sequence_parallel and isinstance(module, hf.BertEncoder):
@@ -129,38 +124,13 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
         wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
 
 
-def _dropping(module: nn.Module) -> bool:
-    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
-
-
 def _attention_dropping(attention: nn.Module) -> bool:
     return attention.training and attention.dropout.p > 0
 
 
-def _tensor_parallel_attention(forward, hidden_states, *args, **kwargs):
-    self = forward.__self__
-    # One region for Q, K and V: backward sums their input gradients with a single all-reduce.
-    hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
-    return _maybe_forked(_attention_dropping(self), forward, hidden_states, *args, **kwargs)
-
-
-def _sequence_parallel_attention(forward, hidden_states, *args, **kwargs):
-    self = forward.__self__
-    hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, to_model_parallel=True,
-                                                                  sequence_dimension=SEQUENCE_DIM)
-    return _maybe_forked(_attention_dropping(self), forward, hidden_states, *args, **kwargs)
-
-
 def _under_tp_rng_when_dropping(forward, *args, **kwargs):
     # Hidden dropout on a sequence shard: each rank owns different tokens, so each draws its own mask.
-    return _maybe_forked(_dropping(forward.__self__), forward, *args, **kwargs)
-
-
-def _maybe_forked(fork: bool, forward, *args, **kwargs):
-    if not fork:
-        return forward(*args, **kwargs)
-    with get_xla_rng_tracker().fork():
-        return forward(*args, **kwargs)
+    return maybe_forked(dropping(forward.__self__), forward, *args, **kwargs)
 
 
 def _sequence_parallel_encoder(forward, hidden_states, *args, **kwargs):
@@ -225,19 +195,6 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     return output
 
 
-def attention_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A ``[batch, seq]`` 0/1 padding mask as the ``[batch, 1, 1, seq]`` additive mask HF attention applies.
-
-    Pass this instead of the 2-D mask on XLA: from a 2-D mask transformers first checks whether any token is padded
-    (``mask.all()``), a device-to-host read that executes a separate graph in every forward. A 4-D mask is used as
-    given. The numbers are the same: 0 where attended, the dtype's minimum where padded.
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [batch, seq], got shape {list(attention_mask.shape)}")
-    keep = attention_mask[:, None, None, :].to(torch.bool)
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
-
-
 def checkpoint_layers(model: nn.Module) -> nn.Module:
     """Recompute each encoder layer in backward instead of storing its activations (activation checkpointing).
 
@@ -273,7 +230,7 @@ def local_head_count(model: nn.Module) -> Optional[int]:
 
 # ---- loading pretrained weights ---------------------------------------------------------------------------------------------
 
-def _bert_checkpoint_keys(name: str, base_prefix: str = "bert."):
+def checkpoint_keys(name: str, base_prefix: str = "bert."):
     """Checkpoint keys that may hold parameter ``name``: with or without the base-model prefix, and the legacy
     LayerNorm names (gamma/beta) of early BERT checkpoints."""
     variants = [name, name[len(base_prefix):] if name.startswith(base_prefix) else base_prefix + name]
@@ -292,49 +249,20 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
 
     ``config`` replaces the directory's config.json, as in HF's ``from_pretrained`` (e.g. to change dropout); its
     shapes must still match the checkpoint. ``model_class`` defaults to the first of ``config.architectures``, else
-    BertForPreTraining. Replicated parameters the checkpoint lacks (e.g. a new classification head) are initialised as
-    HF would, then made equal across TP ranks; a missing tensor-parallel bias starts at zero as in HF, a missing
-    tensor-parallel weight is an error. The model is returned in eval mode, as HF does.
+    BertForPreTraining. See ``nxdtp.models.pretrained.build_from_pretrained`` for parameters the checkpoint lacks.
     """
     import transformers
 
-    from ..plan import broadcast_replicated_state
-    from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model
+    from .pretrained import build_from_pretrained
 
     if config is None:
         config = transformers.BertConfig.from_pretrained(model_dir)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
         model_class = getattr(transformers, architectures[0])
-    reader = CheckpointReader(model_dir)  # fail on a missing checkpoint before building anything
-    with torch.device("meta"):
-        model = model_class(config)
-    parallelize_bert(model, sequence_parallel=sequence_parallel,
-                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, broadcast_replicated=False)
-    materialize_meta_model(model, device)
-    model.to(dtype)
-    # Non-persistent buffers (position ids) and parameters missing from the checkpoint get HF's initialisation;
-    # everything in the checkpoint is then overwritten by its slice.
-    with torch.no_grad():
-        for module in model.modules():
-            model._init_weights(module)
-    missing = load_sharded_weights(model, reader, _bert_checkpoint_keys)
-    # HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them. HF starts
-    # biases at zero, which needs no slicing; a missing sharded weight cannot be reproduced, so it is an error.
-    sharded_missing = []
-    with torch.no_grad():
-        for name in missing:
-            param = model.get_parameter(name)
-            if getattr(param, "tensor_model_parallel", False):
-                if name.endswith("bias"):
-                    param.zero_()
-                else:
-                    sharded_missing.append(name)
-    if sharded_missing:
-        raise ValueError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
-                         "the checkpoint")
-    if missing:
-        logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
-    broadcast_replicated_state(model)
-    model.eval()  # as HF's from_pretrained
-    return model
+    return build_from_pretrained(
+        model_dir, model_class, config,
+        lambda model: parallelize_bert(model, sequence_parallel=sequence_parallel,
+                                       make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                       broadcast_replicated=False),
+        checkpoint_keys, dtype=dtype, device=device)

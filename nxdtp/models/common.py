@@ -1,0 +1,90 @@
+"""Helpers every model family's plan uses: TP regions around attention and MLP blocks, sequence-parallel entry and
+exit, RNG forks for dropout inside TP regions, logits gathering, and attention masks.
+
+They are forward wrappers (``nxdtp.plan.wrap_forward``) and small functions; none of them names a model family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .. import mappings
+from ..random import get_xla_rng_tracker
+
+
+def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """All-gather vocab-parallel logits and drop the padded columns (for evaluation or inspection, not the loss)."""
+    full = mappings.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
+    return full[..., :vocab_size]
+
+
+def attention_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[batch, seq]`` 0/1 padding mask as the ``[batch, 1, 1, seq]`` additive mask HF attention applies.
+
+    Pass this instead of the 2-D mask on XLA: from a 2-D mask transformers first checks whether any token is padded
+    (``mask.all()``), a device-to-host read that executes a separate graph in every forward. A 4-D mask is used as
+    given. The numbers are the same: 0 where attended, the dtype's minimum where padded.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [batch, seq], got shape {list(attention_mask.shape)}")
+    keep = attention_mask[:, None, None, :].to(torch.bool)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def dropping(module: nn.Module) -> bool:
+    """Whether ``module`` would draw a dropout mask in this forward."""
+    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def maybe_forked(fork: bool, forward, *args, **kwargs):
+    """Run ``forward`` under the TP RNG tracker's fork when ``fork``: dropout inside a TP region then draws a different
+    mask on each TP rank, as each rank holds different heads or tokens."""
+    if not fork:
+        return forward(*args, **kwargs)
+    with get_xla_rng_tracker().fork():
+        return forward(*args, **kwargs)
+
+
+# The wrapper factories are cached: wrap_forward keys its subclasses by wrapper name and requires one function per name.
+@functools.lru_cache(maxsize=None)
+def tensor_parallel_block(sequence_dimension: int, sequence_parallel: bool, forks_dropout):
+    """A forward wrapper for a block whose column-parallel input projections (Q/K/V, or gate/up) all read the same
+    ``hidden_states``: one entry region for all of them, so backward sums their input gradients with a single
+    all-reduce (or, with sequence parallelism, gathers the sequence once and reduce-scatters once).
+    ``forks_dropout(module)`` says whether the block's dropout draws per-rank masks."""
+
+    def wrapper(forward, hidden_states, *args, **kwargs):
+        if sequence_parallel:
+            hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, to_model_parallel=True,
+                                                                          sequence_dimension=sequence_dimension)
+        else:
+            hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
+        return maybe_forked(forks_dropout(forward.__self__), forward, hidden_states, *args, **kwargs)
+
+    return wrapper
+
+
+@functools.lru_cache(maxsize=None)
+def scatter_sequence_of_input(sequence_dimension: int):
+    """A forward wrapper that splits the first argument along the sequence: where a sequence-parallel region starts."""
+
+    def wrapper(forward, hidden_states, *args, **kwargs):
+        return forward(mappings.scatter_to_sequence_parallel_region(hidden_states, sequence_dimension=sequence_dimension),
+                       *args, **kwargs)
+
+    return wrapper
+
+
+@functools.lru_cache(maxsize=None)
+def gather_sequence_of_output(sequence_dimension: int):
+    """A forward wrapper that gathers a tensor output along the sequence for replicated consumers (backward splits):
+    where a sequence-parallel region ends."""
+
+    def wrapper(forward, *args, **kwargs):
+        return mappings.gather_from_sequence_parallel_region(forward(*args, **kwargs), to_model_parallel=False,
+                                                             sequence_dimension=sequence_dimension)
+
+    return wrapper

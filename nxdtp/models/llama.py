@@ -1,0 +1,109 @@
+"""Tensor-parallel plan for the Llama family of Hugging Face decoders: LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM and Qwen3ForCausalLM (they share module names and structure; Qwen2 adds Q/K/V biases, Qwen3 per-head
+q_norm / k_norm).
+
+Megatron-style, as for BERT:
+
+* Q, K and V are column-parallel behind one entry region, ``o_proj`` row-parallel: one all-reduce forward and one
+  backward per attention block. ``gate_proj`` and ``up_proj`` are column-parallel behind one region, ``down_proj``
+  row-parallel. Each rank runs ``num_attention_heads / tp`` query heads and ``num_key_value_heads / tp`` KV heads;
+  rotary embeddings apply per head, so they need nothing.
+* ``embed_tokens`` and ``lm_head`` are vocab-parallel (padded to ``make_vocab_size_divisible_by * tp``), tied when the
+  config ties them. The loss is the vocab-parallel causal-LM loss (``nxdtp.models.losses``); ``logits`` stay
+  vocab-parallel (``gather_vocab_logits`` gives the full ones).
+* RMSNorms are replicated. Qwen3's q_norm / k_norm act on this rank's heads only, so their gradients are summed over
+  TP in backward (``ReplicatedWithGradAllReduce``).
+* ``sequence_parallel=True``: the hidden states are split along the sequence from the first decoder layer's input to
+  the final norm's output; the RMSNorms run on sequence shards (their parameters are marked sequence-parallel: call
+  ``nxdtp.grads.allreduce_sequence_parallel_gradients`` after backward); attention and MLP gather the sequence once
+  on entry and reduce-scatter on exit.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..parallel_state import tensor_parallel_group
+from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
+    VocabParallelLMHead, wrap_forward
+from .common import gather_sequence_of_output, scatter_sequence_of_input, tensor_parallel_block
+from .losses import use_vocab_parallel_causal_lm_loss
+
+# HF decoders are batch-first: [batch, seq, hidden].
+SEQUENCE_DIM = 1
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LAYER = "model.layers.*."
+
+
+def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+    pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
+    sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
+    entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
+    styles = {
+        "model.embed_tokens": VocabParallelEmbedding(**pad),
+        LAYER + "self_attn.q_proj": ColumnParallel(**entry),
+        LAYER + "self_attn.k_proj": ColumnParallel(**entry),
+        LAYER + "self_attn.v_proj": ColumnParallel(**entry),
+        LAYER + "self_attn.o_proj": RowParallel(**sp),
+        LAYER + "mlp.gate_proj": ColumnParallel(**entry),
+        LAYER + "mlp.up_proj": ColumnParallel(**entry),
+        LAYER + "mlp.down_proj": RowParallel(**sp),
+        "lm_head": VocabParallelLMHead(**pad),
+    }
+    if sequence_parallel:
+        for norm in (LAYER + "input_layernorm", LAYER + "post_attention_layernorm", "model.norm"):
+            styles[norm] = Replicate(sequence_parallel=True)
+
+    def prepare(model: nn.Module) -> None:
+        _validate(model)
+        names = {name for name, _ in model.named_modules()}
+        if "model.layers.0.self_attn.q_norm" in names:
+            styles[LAYER + "self_attn.q_norm"] = ReplicatedWithGradAllReduce()
+            styles[LAYER + "self_attn.k_norm"] = ReplicatedWithGradAllReduce()
+
+    def finalize(model: nn.Module) -> None:
+        _wire(model, sequence_parallel)
+
+    return Plan(styles=styles, prepare=prepare, finalize=finalize)
+
+
+def _validate(model: nn.Module) -> None:
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        raise TypeError(f"the Llama-family plan supports {list(SUPPORTED)}, not {name}")
+    config = model.config
+    tp = tensor_parallel_group().size
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, what)
+        if value % tp != 0:
+            raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}; choose a "
+                             f"tensor_model_parallel_size that divides it")
+
+
+def _attention_drops(attention: nn.Module) -> bool:
+    return attention.training and getattr(attention, "attention_dropout", 0.0) > 0
+
+
+def _never_drops(module: nn.Module) -> bool:
+    return False
+
+
+def _wire(model: nn.Module, sequence_parallel: bool) -> None:
+    tp_attention = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_drops)
+    tp_mlp = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _never_drops)
+    suffix = "_sp" if sequence_parallel else ""
+    for layer in model.model.layers:
+        wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)
+        wrap_forward(layer.mlp, "nxdtp_tp_mlp" + suffix, tp_mlp)
+    if sequence_parallel:
+        wrap_forward(model.model.layers[0], "nxdtp_sequence_parallel_entry",
+                     scatter_sequence_of_input(SEQUENCE_DIM))
+        wrap_forward(model.model.norm, "nxdtp_sequence_parallel_exit", gather_sequence_of_output(SEQUENCE_DIM))
+    use_vocab_parallel_causal_lm_loss(model)
+
+
+def checkpoint_keys(name: str):
+    """Checkpoint keys that may hold parameter ``name``: as named, or without / with the base model's prefix."""
+    base = "model."
+    return [name, name[len(base):] if name.startswith(base) else base + name]

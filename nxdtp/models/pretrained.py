@@ -1,0 +1,57 @@
+"""Build a sharded model from a local Hugging Face directory, each rank reading only its slices: the steps every
+family shares. A family supplies how to shard (its plan) and which checkpoint keys may hold a parameter."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..plan import broadcast_replicated_state
+from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model
+
+logger = logging.getLogger(__name__)
+
+
+def build_from_pretrained(model_dir: str, model_class, config, shard: Callable[[nn.Module], None],
+                          candidate_keys: Callable[[str], Iterable[str]], dtype: torch.dtype = torch.float32,
+                          device="cpu") -> nn.Module:
+    """``model_class(config)`` built on the meta device, sharded by ``shard(model)``, then filled from ``model_dir``.
+
+    Replicated parameters the checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made
+    equal across TP ranks; a missing tensor-parallel bias starts at zero as in HF, a missing tensor-parallel weight is
+    an error. The model is returned in eval mode, as HF does.
+    """
+    reader = CheckpointReader(model_dir)  # fail on a missing checkpoint before building anything
+    with torch.device("meta"):
+        model = model_class(config)
+    shard(model)
+    materialize_meta_model(model, device)
+    model.to(dtype)
+    # Non-persistent buffers (position ids, rotary frequencies) and parameters missing from the checkpoint get HF's
+    # initialisation; everything in the checkpoint is then overwritten by its slice.
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)
+    missing = load_sharded_weights(model, reader, candidate_keys)
+    # HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them. HF starts
+    # biases at zero, which needs no slicing; a missing sharded weight cannot be reproduced, so it is an error.
+    sharded_missing = []
+    with torch.no_grad():
+        for name in missing:
+            param = model.get_parameter(name)
+            if getattr(param, "tensor_model_parallel", False):
+                if name.endswith("bias"):
+                    param.zero_()
+                else:
+                    sharded_missing.append(name)
+    if sharded_missing:
+        raise ValueError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
+                         "the checkpoint")
+    if missing:
+        logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
+    broadcast_replicated_state(model)
+    model.eval()  # as HF's from_pretrained
+    return model

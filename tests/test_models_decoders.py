@@ -1,0 +1,126 @@
+"""``nxdtp.models.parallelize_model`` on the Llama family of HF decoders (Llama, Mistral, Qwen2, Qwen3) against the
+dense HF model, on real gloo ranks.
+
+Each case builds the dense model from a seed on every rank, randomises every parameter (norms and Qwen2's Q/K/V biases
+included), deep-copies it and shards the copy. The dense model is the reference for the loss (shifted labels, ignored
+positions, and the vocab-parallel loss on an odd vocabulary padded for TP), the gathered logits, every parameter's
+gradient slice and the TP-aware gradient norm. Configurations use grouped-query attention (fewer KV heads than query
+heads) with KV heads divisible by TP. Tolerance: fp32, 1e-5 absolute and relative.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nxdtp import parallel_state as ps
+from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
+from nxdtp.models import from_pretrained_sharded, gather_vocab_logits, parallelize_model
+from tests.test_models_bert import TOL, _check_grads, _check_weights, _close, _dense_grad_norm, _expected_local, _specs
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 101, 8, 2   # an odd vocabulary: TP pads it; SEQ divisible by tp=2 and 4 for sequence parallelism
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),   # Q/K/V biases of its own
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8, attention_bias=True)),  # q_norm / k_norm
+}
+
+
+def _config(family: str, tp: int):
+    config_class, _, extra = FAMILIES[family]
+    return getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=tp, max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0,
+        **{"tie_word_embeddings": False, **extra})
+
+
+def _dense(family: str, config, seed: int):
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family][1])(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    input_ids[0, 3] = VOCAB - 1  # an id and a target next to the vocabulary padding
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -2:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[0, 5] = -100
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int):
+    tp = ps.get_tensor_model_parallel_size()
+    report = []
+    for family in families:
+        what = f"{family} tp={tp} sp={sequence_parallel} divisible_by={multiple}"
+        config = _config(family, tp)
+        dense = _dense(family, config, seed=len(family))
+        model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel,
+                                  make_vocab_size_divisible_by=multiple)
+        _check_weights(model, dense, what)
+        if config.tie_word_embeddings:
+            assert model.lm_head.weight is model.model.embed_tokens.weight, f"{what}: the tie was lost"
+        batch = _batch(seed=len(family) + 1)
+        dense_out, out = dense(**batch), model(**batch)
+        _close(out.loss, dense_out.loss, f"{what} loss")
+        logits = gather_vocab_logits(out.logits, VOCAB)
+        _close(logits, dense_out.logits, f"{what} gathered logits")
+        dense_out.loss.backward()
+        out.loss.backward()
+        marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel_enabled", False)]
+        assert bool(marked) == sequence_parallel, f"{what}: sequence-parallel parameters {marked}"
+        if sequence_parallel:
+            specs = _specs(model)
+            partial = [n for n in marked if not torch.allclose(
+                model.get_parameter(n).grad,
+                _expected_local(dense.get_parameter(n).grad, model.get_parameter(n), specs.get(id(model.get_parameter(n))),
+                                n), **TOL)]
+            assert partial, f"{what}: the SP norms' gradients were complete before their all-reduce"
+            allreduce_sequence_parallel_gradients(model.parameters())
+        _check_grads(model, dense, what)
+        norm = get_grad_norm(list(model.parameters()))
+        _close(norm, torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+        report.append(what)
+    return report
+
+
+ALL = tuple(FAMILIES)
+
+
+@pytest.mark.parametrize("world,tp,sp", [pytest.param(2, 2, False, id="tp2"), pytest.param(4, 4, False, id="tp4"),
+                                         pytest.param(2, 2, True, id="tp2-sp"), pytest.param(4, 4, True, id="tp4-sp")])
+def test_decoders_equal_dense(worlds, world, tp, sp):
+    families = ALL if not sp else ("llama", "qwen3")
+    results = worlds(world).run(case_decoder_equals_dense, tensor_model_parallel_size=tp, families=families,
+                                sequence_parallel=sp, multiple=8 if sp else 1)
+    assert all(len(r) == len(families) for r in results)
+
+
+def test_unsupported_models_are_named():
+    from nxdtp.models import supported_models
+
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        gpt_neo = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+            vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, attention_types=[[["global"], 1]]))
+        with pytest.raises(TypeError, match=r"nxdtp cannot shard GPTNeoForCausalLM: supported models are .*"
+                                            r"'LlamaForCausalLM'"):
+            parallelize_model(gpt_neo)
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
+            num_key_value_heads=3))
+        with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by tensor_model_parallel_size=2"):
+            parallelize_model(llama)
+    assert "Qwen3ForCausalLM" in supported_models()
