@@ -97,8 +97,10 @@ def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None,
             _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), _trainer_payload(checkpoint))
             config = getattr(model, "config", None)
             if config is not None and hasattr(config, "to_json_string"):
-                with open(os.path.join(tag_dir, CONFIG_FILE), "w") as f:
-                    f.write(config.to_json_string())
+                payload = json.loads(config.to_json_string())
+                # As HF's save_pretrained records it, so the merged model loads by its class name.
+                payload["architectures"] = payload.get("architectures") or [type(model).__name__]
+                _write_json(os.path.join(tag_dir, CONFIG_FILE), payload)
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, f"saving {tag_dir}")  # every rank's files are on disk before 'done' says so
