@@ -205,3 +205,31 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
                                            msg=lambda m: f"{what} {key}: {m}")
             assert abs(result[family]["next_loss"] - saved[family]["next_loss"]) <= 1e-5, (what, result[family],
                                                                                            saved[family])
+
+
+# ---- the docs' fine-tuning example -----------------------------------------------------------------------------------
+
+def test_the_fine_tuning_example_runs(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "wrapping_hf_models.md").read_text()
+    section = text[text.index("## Decoder LMs"):]
+    script = tmp_path / "finetune_llama.py"
+    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    differences = re.findall(r"rank (\d): \|TP - dense\| loss = ([0-9.e+-]+)", run.stdout)
+    assert sorted(r for r, _ in differences) == ["0", "1"] and all(float(d) < 1e-5 for _, d in differences), \
+        run.stdout
+    for rank in "01":
+        losses = [float(x) for x in re.findall(rf"rank {rank}: step \d loss ([0-9.]+)", run.stdout)]
+        assert len(losses) == 5 and losses[-1] < losses[0], run.stdout
+    steps = re.findall(r"rank \d: (step \d loss [0-9.]+ grad norm [0-9.]+)", run.stdout)
+    assert len(set(steps)) == 5, run.stdout   # both ranks print the same loss and norm at every step
