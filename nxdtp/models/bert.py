@@ -23,6 +23,8 @@ Model outputs are HF's, with one difference: ``prediction_logits`` / ``logits`` 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import logging
 from typing import Optional
@@ -47,7 +49,31 @@ SEQUENCE_DIM = 1
 SUPPORTED = ("BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification")
 
 
+@dataclasses.dataclass(frozen=True)
+class EncoderFamily:
+    """What differs between BERT-structured encoders (BERT, RoBERTa): class names, the HF modeling module, the base
+    model's attribute and the MLM decoder's module name. The plan and its wiring are shared."""
+
+    name: str                  # "BERT", for messages
+    class_prefix: str          # "Bert": BertSelfAttention, BertSelfOutput, BertOutput, BertEncoder
+    hf_module: str             # "transformers.models.bert.modeling_bert"
+    supported: tuple
+    mlm_decoder: str           # module name of the MLM head's decoder Linear
+    base_prefix: str           # "bert.": the base model's attribute in checkpoints
+
+    def hf_class(self, suffix: str) -> type:
+        return getattr(importlib.import_module(self.hf_module), self.class_prefix + suffix)
+
+
+BERT = EncoderFamily("BERT", "Bert", "transformers.models.bert.modeling_bert", SUPPORTED, "cls.predictions.decoder",
+                     "bert.")
+
+
 def bert_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+    return encoder_plan(BERT, sequence_parallel, make_vocab_size_divisible_by)
+
+
+def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     layer = "*encoder.layer.*."
     styles = {
@@ -64,12 +90,12 @@ def bert_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
         styles[layer + "output.LayerNorm"] = Replicate(sequence_parallel=True)
 
     def prepare(model: nn.Module) -> None:
-        _validate(model, sequence_parallel)
-        if _has_mlm_head(model):
-            styles["cls.predictions.decoder"] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
+        _validate(family, model)
+        if any(name == family.mlm_decoder for name, _ in model.named_modules()):
+            styles[family.mlm_decoder] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
 
     def finalize(model: nn.Module) -> None:
-        _wire(model, sequence_parallel)
+        _wire(family, model, sequence_parallel)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
@@ -83,43 +109,39 @@ def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_voc
 
 # ---- validation -----------------------------------------------------------------------------------------------------------
 
-def _validate(model: nn.Module, sequence_parallel: bool) -> None:
+def _validate(family: EncoderFamily, model: nn.Module) -> None:
     name = type(model).__name__
-    if name not in SUPPORTED:
-        raise TypeError(f"parallelize_bert supports {list(SUPPORTED)}, not {name}")
+    entry = f"parallelize_{family.class_prefix.lower()}"
+    if name not in family.supported:
+        raise TypeError(f"{entry} supports {list(family.supported)}, not {name}")
     config = model.config
     tp = tensor_parallel_group().size
     for what, value in (("num_attention_heads", config.num_attention_heads),
                         ("intermediate_size", config.intermediate_size)):
         if value % tp != 0:
-            raise ValueError(f"BERT {what}={value} is not divisible by tensor_model_parallel_size={tp}")
+            raise ValueError(f"{family.name} {what}={value} is not divisible by tensor_model_parallel_size={tp}")
     if config.is_decoder or getattr(config, "add_cross_attention", False):
-        raise ValueError("parallelize_bert supports encoder BERT only (config.is_decoder=False, no cross-attention)")
-    if sequence_parallel and name == "BertForSequenceClassification" and tp > 1:
-        pass  # the pooler reads the gathered sequence; nothing extra to check
-
-
-def _has_mlm_head(model: nn.Module) -> bool:
-    return hasattr(model, "cls") and hasattr(model.cls, "predictions")
+        raise ValueError(f"{entry} supports encoder {family.name} only (config.is_decoder=False, no cross-attention)")
 
 
 # ---- wiring -----------------------------------------------------------------------------------------------------------------
 
-def _wire(model: nn.Module, sequence_parallel: bool) -> None:
-    from transformers.models.bert import modeling_bert as hf
-
+def _wire(family: EncoderFamily, model: nn.Module, sequence_parallel: bool) -> None:
+    self_attention, outputs, encoder = (family.hf_class("SelfAttention"),
+                                        (family.hf_class("SelfOutput"), family.hf_class("Output")),
+                                        family.hf_class("Encoder"))
     tp = tensor_parallel_group().size
     for module in model.modules():
-        if isinstance(module, hf.BertSelfAttention):
+        if isinstance(module, self_attention):
             module.num_attention_heads //= tp
             module.all_head_size //= tp
             wrap_forward(module, "nxdtp_tp_attention_sp" if sequence_parallel else "nxdtp_tp_attention",
                          tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_dropping))
-        elif sequence_parallel and isinstance(module, (hf.BertSelfOutput, hf.BertOutput)):
+        elif sequence_parallel and isinstance(module, outputs):
             wrap_forward(module, "nxdtp_sequence_parallel_dropout", _under_tp_rng_when_dropping)
-        elif sequence_parallel and isinstance(module, hf.BertEncoder):
+        elif sequence_parallel and isinstance(module, encoder):
             wrap_forward(module, "nxdtp_sequence_parallel_encoder", _sequence_parallel_encoder)
-    if type(model).__name__ in ("BertForPreTraining", "BertForMaskedLM"):
+    if any(name == family.mlm_decoder for name, _ in model.named_modules()):
         model._nxdtp_forward_signature = inspect.signature(type(model).forward)
         wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
 

@@ -1,0 +1,34 @@
+"""Tensor-parallel plan for Hugging Face RoBERTa: RobertaModel, RobertaForMaskedLM and RobertaForSequenceClassification.
+
+RoBERTa is BERT's encoder with another MLM head (``lm_head``: dense, LayerNorm, and a decoder tied to the word
+embedding, with a bias tied to ``lm_head.bias``) and no NSP. BERT's encoder plan shards it as it shards BERT: Q/K/V
+column-parallel behind one region, row-parallel output projections, a vocab-parallel word embedding and decoder, the
+MLM loss on the vocab-parallel logits, and optional sequence parallelism; see ``nxdtp/models/bert.py``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..plan import Plan, parallelize
+from .bert import EncoderFamily, encoder_plan
+from .bert import checkpoint_keys as _encoder_checkpoint_keys
+
+SUPPORTED = ("RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification")
+ROBERTA = EncoderFamily("RoBERTa", "Roberta", "transformers.models.roberta.modeling_roberta", SUPPORTED,
+                        "lm_head.decoder", "roberta.")
+
+
+def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+    return encoder_plan(ROBERTA, sequence_parallel, make_vocab_size_divisible_by)
+
+
+def parallelize_roberta(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+                        broadcast_replicated: bool = True) -> nn.Module:
+    """Shard an HF RoBERTa model in place over the tensor-parallel group and return it."""
+    return parallelize(model, roberta_plan(sequence_parallel, make_vocab_size_divisible_by),
+                       broadcast_replicated=broadcast_replicated)
+
+
+def checkpoint_keys(name: str):
+    return _encoder_checkpoint_keys(name, base_prefix=ROBERTA.base_prefix)
