@@ -156,13 +156,20 @@ class ReplicatedWithGradAllReduce:
 
 
 def _parameters_through_tp_region(forward, *args, **kwargs):
+    # Identity forward, all-reduce of the gradient backward; the gradient flows on to the real parameter.
+    return call_with_parameters_as(forward, mappings.copy_to_tensor_model_parallel_region, *args, **kwargs)
+
+
+def call_with_parameters_as(forward, transform: Callable[[torch.Tensor], torch.Tensor], *args, **kwargs):
+    """Call a module's ``forward`` while its own parameters read as ``transform(parameter)``: a differentiable view
+    (a transpose, an autograd region) that the forward uses in their place, so gradients reach the real parameters.
+    The module's code is unchanged; parameter names and state dicts are too."""
     module = forward.__self__
     originals = dict(module._parameters)
-    # The forward reads self.<name>; for this call that is the region's output (identity forward, all-reduce of the
-    # gradient backward), whose gradient flows on to the real parameter. Direct dict access: a non-leaf is no Parameter.
+    # Direct dict access: the transformed tensor is not a leaf, so it cannot be registered as a Parameter.
     for name, param in originals.items():
         if param is not None:
-            module._parameters[name] = mappings.copy_to_tensor_model_parallel_region(param)
+            module._parameters[name] = transform(param)
     try:
         return forward(*args, **kwargs)
     finally:

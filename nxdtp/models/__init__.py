@@ -2,7 +2,7 @@
 
 ``parallelize_model(model)`` shards an HF model in place with its family's plan; ``from_pretrained_sharded(model_dir)``
 builds one from a local HF directory, each rank reading only its slices; ``gather_vocab_logits`` gives the full
-logits of a vocab-parallel head. One file per family holds its plan (``bert.py``, ``roberta.py``, ``llama.py``); this module only maps
+logits of a vocab-parallel head. One file per family holds its plan (``bert.py``, ``roberta.py``, ``gpt2.py``, ``llama.py``); this module only maps
 model classes to families. Importing it does not import transformers.
 """
 
@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from ..plan import parallelize
-from . import bert, llama, roberta
+from . import bert, gpt2, llama, roberta
 from .common import attention_bias, gather_vocab_logits
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
 # (checkpoint_keys); _PLANS gives each family's plan(sequence_parallel, make_vocab_size_divisible_by).
-_FAMILIES: Dict[str, ModuleType] = {name: family for family in (bert, roberta, llama) for name in family.SUPPORTED}
-_PLANS = {bert: bert.bert_plan, roberta: roberta.roberta_plan, llama: llama.decoder_plan}
+_FAMILIES: Dict[str, ModuleType] = {name: family for family in (bert, roberta, gpt2, llama) for name in family.SUPPORTED}
+_PLANS = {bert: bert.bert_plan, roberta: roberta.roberta_plan, gpt2: gpt2.gpt2_plan, llama: llama.decoder_plan}
 
 
 def supported_models() -> list:

@@ -39,6 +39,11 @@ def dropping(module: nn.Module) -> bool:
     return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
 
+def never_drops(module: nn.Module) -> bool:
+    """For blocks without dropout inside their TP region."""
+    return False
+
+
 def maybe_forked(fork: bool, forward, *args, **kwargs):
     """Run ``forward`` under the TP RNG tracker's fork when ``fork``: dropout inside a TP region then draws a different
     mask on each TP rank, as each rank holds different heads or tokens."""

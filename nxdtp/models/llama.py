@@ -26,7 +26,7 @@ from torch import nn
 from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, wrap_forward
-from .common import gather_sequence_of_output, scatter_sequence_of_input, tensor_parallel_block
+from .common import gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block
 from .losses import use_vocab_parallel_causal_lm_loss
 
 # HF decoders are batch-first: [batch, seq, hidden].
@@ -85,13 +85,9 @@ def _attention_drops(attention: nn.Module) -> bool:
     return attention.training and getattr(attention, "attention_dropout", 0.0) > 0
 
 
-def _never_drops(module: nn.Module) -> bool:
-    return False
-
-
 def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     tp_attention = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_drops)
-    tp_mlp = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _never_drops)
+    tp_mlp = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, never_drops)
     suffix = "_sp" if sequence_parallel else ""
     for layer in model.model.layers:
         wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)

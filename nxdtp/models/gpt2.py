@@ -1,0 +1,142 @@
+"""Tensor-parallel plan for Hugging Face GPT-2: GPT2Model and GPT2LMHeadModel.
+
+GPT-2 projects with HF's ``Conv1D``, whose weight is ``[in_features, out_features]`` (the transpose of ``nn.Linear``'s):
+
+* ``attn.c_attn`` (fused Q, K, V: ``[hidden, 3 * hidden]``) is column-parallel with stride 3: each rank keeps its
+  1/tp of Q, of K and of V, so the fused output splits into this rank's heads; nothing is gathered. ``attn.c_proj`` is
+  row-parallel. ``mlp.c_fc`` is column-parallel, ``mlp.c_proj`` row-parallel. One all-reduce forward and one backward
+  per block.
+* The parallel layers keep Conv1D's weight layout, so state dicts, merged checkpoints and ``from_pretrained_sharded``
+  read and write HF's shapes; the forward uses the transposed view.
+* ``transformer.wte`` and ``lm_head`` are vocab-parallel and stay tied; the loss is the vocab-parallel causal-LM loss.
+  ``wpe``, the LayerNorms and the dropouts outside attention are replicated.
+* Attention dropout draws per-rank masks (each rank holds other heads); the residual dropout after ``c_proj``, which
+  HF applies inside the attention module, acts on replicated activations and draws the same mask on every rank.
+
+Sequence parallelism is not supported for GPT-2 yet (a clear error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..parallel_state import tensor_parallel_group
+from ..plan import ColumnParallel, Plan, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
+    call_with_parameters_as, wrap_forward
+from .. import mappings
+from .common import maybe_forked, never_drops, tensor_parallel_block
+from .losses import use_vocab_parallel_causal_lm_loss
+
+SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")
+SEQUENCE_DIM = 1
+BLOCK = "*h.*."
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv1DParallel:
+    """HF ``Conv1D`` → the parallel layer ``linear_style`` makes from the equivalent ``nn.Linear``, with the weight
+    kept in Conv1D's ``[in, out]`` layout (and its spec describing that layout)."""
+
+    linear_style: object  # ColumnParallel(...) or RowParallel(...)
+    expects = nn.Module
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        if getattr(module, "weight", None) is None or module.weight.dim() != 2 or type(module).__name__ != "Conv1D":
+            raise TypeError(f"{type(self).__name__} applies to transformers' Conv1D, but '{name}' is "
+                            f"{type(module).__name__}")
+        in_features, out_features = module.weight.shape
+        linear = nn.Linear(in_features, out_features, bias=module.bias is not None, device="meta",
+                           dtype=module.weight.dtype)
+        linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=module.weight.requires_grad)
+        if module.bias is not None:
+            linear.bias = module.bias
+        layer = self.linear_style.convert(linear, name)
+        spec = layer.param_specs()["weight"]
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous(), requires_grad=layer.weight.requires_grad)
+        layer.register_param_spec("weight", dataclasses.replace(
+            spec, full_shape=tuple(reversed(spec.full_shape)), partition_dim=1 - spec.partition_dim,
+            real_shape=tuple(reversed(spec.real_shape)) if spec.real_shape is not None else None))
+        wrap_forward(layer, "nxdtp_conv1d_weight_layout", _with_conv1d_weight)
+        return layer
+
+
+def _with_conv1d_weight(forward, *args, **kwargs):
+    return call_with_parameters_as(forward, torch.Tensor.t, *args, **kwargs)  # a 1-D bias is its own transpose
+
+
+def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+    if sequence_parallel:
+        raise ValueError("sequence_parallel=True is not supported for GPT-2 yet; use sequence_parallel=False")
+    pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
+    entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
+    styles = {
+        "*wte": VocabParallelEmbedding(**pad),
+        BLOCK + "attn.c_attn": Conv1DParallel(ColumnParallel(stride=3, **entry)),
+        BLOCK + "attn.c_proj": Conv1DParallel(RowParallel()),
+        BLOCK + "mlp.c_fc": Conv1DParallel(ColumnParallel(**entry)),
+        BLOCK + "mlp.c_proj": Conv1DParallel(RowParallel()),
+    }
+
+    def prepare(model: nn.Module) -> None:
+        _validate(model)
+        if hasattr(model, "lm_head"):
+            styles["lm_head"] = VocabParallelLMHead(**pad)
+
+    def finalize(model: nn.Module) -> None:
+        _wire(model)
+
+    return Plan(styles=styles, prepare=prepare, finalize=finalize)
+
+
+def _validate(model: nn.Module) -> None:
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        raise TypeError(f"the GPT-2 plan supports {list(SUPPORTED)}, not {name}")
+    config = model.config
+    tp = tensor_parallel_group().size
+    inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
+    for what, value in (("n_head", config.n_head), ("n_inner", inner)):
+        if value % tp != 0:
+            raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}")
+    if config.add_cross_attention:
+        raise ValueError(f"{name} with add_cross_attention=True is not supported: use a decoder-only GPT-2")
+
+
+def _attention_drops(attention: nn.Module) -> bool:
+    return attention.training and attention.attn_dropout.p > 0
+
+
+def _tensor_parallel_attention(forward, hidden_states, *args, **kwargs):
+    attention = forward.__self__
+    hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
+    # HF applies the residual dropout inside the attention module, after c_proj's all-reduce: that one acts on
+    # replicated activations and must draw the same mask on every rank, so it runs outside the RNG fork.
+    residual_dropout = attention.resid_dropout
+    attention._modules["resid_dropout"] = nn.Identity()
+    try:
+        output, weights = maybe_forked(_attention_drops(attention), forward, hidden_states, *args, **kwargs)
+    finally:
+        attention._modules["resid_dropout"] = residual_dropout
+    return residual_dropout(output), weights
+
+
+def _wire(model: nn.Module) -> None:
+    tp = tensor_parallel_group().size
+    transformer = model.transformer if hasattr(model, "transformer") else model
+    for block in transformer.h:
+        block.attn.split_size //= tp      # c_attn's local output is this rank's Q, K and V, each hidden / tp wide
+        block.attn.num_heads //= tp
+        wrap_forward(block.attn, "nxdtp_tp_attention", _tensor_parallel_attention)
+        wrap_forward(block.mlp, "nxdtp_tp_mlp", tensor_parallel_block(SEQUENCE_DIM, False, never_drops))
+    if hasattr(model, "lm_head"):
+        use_vocab_parallel_causal_lm_loss(model)
+
+
+def checkpoint_keys(name: str):
+    """Checkpoint keys that may hold parameter ``name``: with or without the ``transformer.`` prefix (HF's own GPT-2
+    checkpoints store the base model's keys without it)."""
+    base = "transformer."
+    return [name, name[len(base):] if name.startswith(base) else base + name]
