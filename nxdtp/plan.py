@@ -81,6 +81,9 @@ class VocabParallelEmbedding:
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
         _expect(module, nn.Embedding, self, name)
+        if has_own_forward(module, nn.Embedding):
+            raise TypeError(f"'{name}' is {type(module).__name__}, an nn.Embedding with a forward of its own (e.g. a "
+                            "scaled embedding); converting it to ParallelEmbedding would drop that: keep it replicated")
         group = tensor_parallel_group()
         layer = ParallelEmbedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
                                   dtype=module.weight.dtype, device="meta", pad=True,
@@ -302,6 +305,11 @@ def _with_sequence_parallel_params(module: nn.Module) -> nn.Module:
         module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=tp,
                                                    sequence_parallel=True))
     return module
+
+
+def has_own_forward(module: nn.Module, base: type) -> bool:
+    """Whether ``module``'s class (a subclass of ``base``) computes something other than ``base.forward``."""
+    return type(module).forward is not base.forward
 
 
 def _expect(module: nn.Module, kind: type, style, name: str) -> None:

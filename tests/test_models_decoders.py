@@ -115,7 +115,7 @@ def test_unsupported_models_are_named():
     with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
         gpt_neo = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
             vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, attention_types=[[["global"], 1]]))
-        with pytest.raises(TypeError, match=r"nxdtp cannot shard GPTNeoForCausalLM: supported models are .*"
+        with pytest.raises(TypeError, match=r"nxdtp cannot shard GPTNeoForCausalLM: it has no hand-written plan .*"
                                             r"'LlamaForCausalLM'"):
             parallelize_model(gpt_neo)
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(

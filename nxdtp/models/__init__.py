@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..plan import parallelize
-from . import bert, gpt2, llama, roberta
+from . import bert, gpt2, hf_tp_plan, llama, roberta
 from .common import attention_bias, gather_vocab_logits
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
@@ -28,24 +28,32 @@ def supported_models() -> list:
     return sorted(_FAMILIES)
 
 
-def _family_of(model_class: type) -> ModuleType:
+def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_vocab_size_divisible_by: int):
+    """(a function of the model giving its plan, the checkpoint-key function): the family's hand-written plan, else
+    the one HF ships in the config (base_model_tp_plan), else a TypeError naming the class."""
     family = _FAMILIES.get(model_class.__name__)
-    if family is None:
-        raise TypeError(f"nxdtp cannot shard {model_class.__name__}: supported models are {supported_models()}")
-    return family
+    if family is not None:
+        plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by)
+        return (lambda model: plan), family.checkpoint_keys
+    if hf_tp_plan.has_tp_plan(model_class, config):
+        return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by)),
+                hf_tp_plan.checkpoint_keys_for(model_class))
+    raise TypeError(f"nxdtp cannot shard {model_class.__name__}: it has no hand-written plan (supported models are "
+                    f"{supported_models()}) and its config has no base_model_tp_plan")
 
 
 def parallelize_model(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
                       broadcast_replicated: bool = True) -> nn.Module:
     """Shard a supported HF model in place over the tensor-parallel group and return it.
 
-    ``make_vocab_size_divisible_by`` pads the vocabulary to a multiple of it times the TP size (merging strips the
-    padding). ``broadcast_replicated`` makes replicated parameters equal to TP rank 0's. A model nxdtp cannot shard
-    raises ``TypeError`` naming its class and the supported ones, before anything changes.
+    Families with a hand-written plan use it; any other model whose config carries HF's ``base_model_tp_plan`` is
+    sharded from that (``nxdtp.models.hf_tp_plan``). ``make_vocab_size_divisible_by`` pads the vocabulary to a multiple
+    of it times the TP size (merging strips the padding). ``broadcast_replicated`` makes replicated parameters equal to
+    TP rank 0's. A model nxdtp cannot shard raises ``TypeError`` naming its class, before anything changes.
     """
-    family = _family_of(type(model))
-    return parallelize(model, _PLANS[family](sequence_parallel, make_vocab_size_divisible_by),
-                       broadcast_replicated=broadcast_replicated)
+    plan_of, _ = _plan_and_keys(type(model), getattr(model, "config", None), sequence_parallel,
+                                make_vocab_size_divisible_by)
+    return parallelize(model, plan_of(model), broadcast_replicated=broadcast_replicated)
 
 
 def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, sequence_parallel: bool = False,
@@ -68,11 +76,10 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
             raise ValueError(f"{model_dir}: config.json names no known architecture ({architectures}); pass "
                              f"model_class=, one of {supported_models()}")
         model_class = getattr(transformers, architectures[0])
-    family = _family_of(model_class)
-    plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by)
+    plan_of, checkpoint_keys = _plan_and_keys(model_class, config, sequence_parallel, make_vocab_size_divisible_by)
     return build_from_pretrained(model_dir, model_class, config,
-                                 lambda model: parallelize(model, plan, broadcast_replicated=False),
-                                 family.checkpoint_keys, dtype=dtype, device=device)
+                                 lambda model: parallelize(model, plan_of(model), broadcast_replicated=False),
+                                 checkpoint_keys, dtype=dtype, device=device)
 
 
 __all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "attention_bias",

@@ -1,0 +1,112 @@
+"""Models nxdtp has no hand-written plan for, sharded from the tensor-parallel plan transformers ships with them.
+
+At tp=2 against the dense HF model (loss, logits, every gradient slice and the grad norm, every parameter randomised
+first; fp32, tolerance 1e-5):
+
+* Granite: ``colwise`` / ``rowwise``, with embedding, residual and attention multipliers and logits scaling (logit
+  processing the loss must see);
+* Phi3: fused ``qkv_proj`` and ``gate_up_proj`` with ``colwise_gather_output`` / ``rowwise_split_input``;
+* Olmo2: gathered Q/K/V for its full-width q/k norms;
+* Gemma2: final-logit and attention soft-capping, and a scaled embedding class tied to the head, which stay
+  replicated (converting that class would drop its scaling).
+
+HF's plans gather the LM head's output; nxdtp keeps it vocab-parallel (over a padded vocabulary) and computes the loss
+on the shards, after the model's own logit processing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nxdtp import parallel_state as ps
+from nxdtp.grads import get_grad_norm
+from nxdtp.models import gather_vocab_logits, parallelize_model
+from nxdtp.plan import ColumnParallel
+from tests.test_models_bert import _check_grads, _check_weights, _close, _dense_grad_norm
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 91, 8, 2
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0)
+MODELS = {  # name: (config class, config options, whether the head ends up vocab-parallel)
+    "GraniteForCausalLM": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                 attention_multiplier=0.3, logits_scaling=2.0,
+                                                 tie_word_embeddings=False), True),
+    "Phi3ForCausalLM": ("Phi3Config", dict(pad_token_id=0, tie_word_embeddings=False), True),
+    "Olmo2ForCausalLM": ("Olmo2Config", dict(tie_word_embeddings=False), True),
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(head_dim=8, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
+                                               query_pre_attn_scalar=8, sliding_window=4), False),
+}
+
+
+def _dense(name, seed):
+    config_class, extra, _ = MODELS[name]
+    config = getattr(transformers, config_class)(**COMMON, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    input_ids[0, 2] = VOCAB - 1
+    labels = input_ids.clone()
+    labels[1, :3] = -100
+    return dict(input_ids=input_ids, labels=labels)
+
+
+def case_tp_plan_models_equal_dense(names, multiple):
+    tp = ps.get_tensor_model_parallel_size()
+    checked = []
+    for name in names:
+        what = f"{name} tp={tp} divisible_by={multiple}"
+        dense = _dense(name, seed=17)
+        model = parallelize_model(copy.deepcopy(dense), make_vocab_size_divisible_by=multiple)
+        _check_weights(model, dense, what)
+        batch = _batch(seed=18)
+        dense_out, out = dense(**batch), model(**batch)
+        if MODELS[name][2]:
+            padded = out.logits.shape[-1] * tp
+            assert padded % (multiple * tp) == 0 and padded > VOCAB, f"{what}: the head's logits are not vocab-parallel"
+            logits = gather_vocab_logits(out.logits, VOCAB)
+        else:
+            logits = out.logits
+        _close(out.loss, dense_out.loss, f"{what} loss")
+        _close(logits, dense_out.logits, f"{what} logits")
+        dense_out.loss.backward()
+        out.loss.backward()
+        _check_grads(model, dense, what)
+        _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+        checked.append(what)
+    return checked
+
+
+def test_models_sharded_from_hf_tp_plan_equal_dense(worlds):
+    results = worlds(2).run(case_tp_plan_models_equal_dense, tensor_model_parallel_size=2, names=tuple(MODELS),
+                            multiple=8)
+    assert all(len(r) == len(MODELS) for r in results)
+
+
+def test_unknown_hf_styles_and_sequence_parallel_are_refused():
+    from nxdtp.models import hf_tp_plan
+
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        model = _dense("Olmo2ForCausalLM", seed=1)
+        model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "local_colwise"}
+        with pytest.raises(ValueError, match=r"Olmo2ForCausalLM's tp_plan gives 'model.layers.\*.self_attn.q_proj' "
+                                             r"the style 'local_colwise', which nxdtp does not map"):
+            parallelize_model(model)
+        with pytest.raises(ValueError, match="sequence_parallel=True needs a hand-written plan"):
+            parallelize_model(_dense("Phi3ForCausalLM", seed=1), sequence_parallel=True)
+        plan = hf_tp_plan.tp_plan(_dense("Gemma2ForCausalLM", seed=1))
+        assert plan.styles["model.layers.*.self_attn.q_proj"] == ColumnParallel()
