@@ -129,7 +129,7 @@ def test_unsupported_models_are_named():
 # ---- checkpoints: save at tp=2, merge to HF, load sharded at tp=4, reshard and resume ----------------------------------
 
 LR = 1e-3
-CHECKPOINT_FAMILIES = ("llama", "qwen2", "qwen3")   # untied and tied heads, Q/K/V biases, q/k norms
+CHECKPOINT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")   # untied and tied heads, Q/K/V biases, q/k norms
 KV_HEADS = 4                                        # divides both tp=2 and tp=4
 
 
@@ -233,3 +233,66 @@ def test_the_fine_tuning_example_runs(tmp_path):
         assert len(losses) == 5 and losses[-1] < losses[0], run.stdout
     steps = re.findall(r"rank \d: (step \d loss [0-9.]+ grad norm [0-9.]+)", run.stdout)
     assert len(set(steps)) == 5, run.stdout   # both ranks print the same loss and norm at every step
+
+
+# ---- memory: a Llama 1B-shaped model at tp=8, on meta --------------------------------------------------------------------
+
+def test_llama_1b_tp8_parameters_per_rank(capsys):
+    # Llama 3.2 1B's shapes (tied embeddings), with 8 KV heads so tp=8 needs no KV replication.
+    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                      tie_word_embeddings=True)
+    with torch.device("meta"):
+        dense = transformers.LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config)
+    dense_count = sum(p.numel() for p in dense.parameters())
+    norms = sum(p.numel() for n, p in dense.named_parameters() if n.endswith("norm.weight"))
+    with ps.simulated_topology(world_size=8, rank=5, tensor_model_parallel_size=8):
+        parallelize_model(model)
+    rank_count = sum(p.numel() for p in model.parameters())
+    with capsys.disabled():
+        print(f"\nLlama-1B-shaped LlamaForCausalLM: dense {dense_count:,} parameters; tp=8 rank 5 holds {rank_count:,} "
+              f"({100 * rank_count / dense_count:.2f} %; replicated norms {norms:,})")
+    # Everything but the norms is split 8 ways (the vocabulary divides by 8, so no padding).
+    assert rank_count == (dense_count - norms) // 8 + norms
+    assert rank_count <= 0.125 * dense_count + norms
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+# ---- TP x DP: the global batch --------------------------------------------------------------------------------------------
+
+def case_tp_dp_equals_dense(family: str):
+    """tp=2 x dp=2: each DP rank takes half of the global batch, the vocab-parallel loss sums over its targets and
+    divides by the global count (num_items_in_batch), the DP all-reduce averages: the dense gradient of the whole batch."""
+    from nxdtp import comm
+    from nxdtp.grads import allreduce_gradients
+
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_size()
+    if family == "gpt2":
+        from tests.test_models_gpt2 import _dense as gpt2_dense
+
+        dense = gpt2_dense(transformers.GPT2LMHeadModel, seed=3)
+    else:
+        dense = _dense(family, _config(family, 2), seed=3)
+    model = parallelize_model(copy.deepcopy(dense))
+    g = torch.Generator().manual_seed(4)
+    input_ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    labels = input_ids.clone()
+    labels[0, :5] = -100   # uneven target counts on the two DP ranks
+    global_items = (labels[:, 1:] != -100).sum()
+    dense_out = dense(input_ids=input_ids, labels=labels)
+    dense_out.loss.backward()
+    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+    out = model(input_ids=input_ids[rows], labels=labels[rows], num_items_in_batch=global_items)
+    (out.loss * dp).backward()   # the DP average divides by dp: scale so it averages to the global mean's gradient
+    allreduce_gradients(model)
+    loss = comm.all_reduce(out.loss.detach(), ps.data_parallel_group())
+    _close(loss, dense_out.loss, f"{family} tp2xdp2 global loss")
+    _check_grads(model, dense, f"{family} tp2xdp2")
+    _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{family} grad norm")
+    return family
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tp2_dp2_global_batch_equals_dense(worlds, family):
+    assert worlds(4).run(case_tp_dp_equals_dense, tensor_model_parallel_size=2, family=family) == [family] * 4
