@@ -739,7 +739,7 @@ def case_attention_bias_and_checkpoint_layers():
     assert not torch.allclose(plain(**batch).loss, reference_loss, **TOL)
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         attention_bias(bias_batch["attention_mask"], torch.float32)
-    with pytest.raises(ValueError, match="no BertLayer"):
+    with pytest.raises(ValueError, match="found no transformer layer"):
         checkpoint_layers(nn.Linear(2, 2))
     return True
 

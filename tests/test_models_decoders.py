@@ -296,3 +296,39 @@ def case_tp_dp_equals_dense(family: str):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_tp2_dp2_global_batch_equals_dense(worlds, family):
     assert worlds(4).run(case_tp_dp_equals_dense, tensor_model_parallel_size=2, family=family) == [family] * 4
+
+
+def test_an_unsupported_transformers_release_is_refused(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "4.46.3")
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        model = _dense("llama", _config("llama", 2), seed=0)
+        with pytest.raises(ImportError, match=r"transformers 4\.46\.3 is not supported by nxdtp\.models: supported "
+                                              r"versions are >=5\.0,<6"):
+            parallelize_model(model)
+
+
+# ---- activation checkpointing of decoder layers -----------------------------------------------------------------------
+
+def case_checkpointed_decoder_layers(family: str, sequence_parallel: bool):
+    from nxdtp.models.common import checkpoint_layers
+
+    dense = _dense(family, _config(family, 2), seed=9)
+    plain = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
+    checkpointed = checkpoint_layers(parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel))
+    batch = _batch(seed=10)
+    losses = []
+    for model in (plain, checkpointed):
+        loss = model(**batch).loss
+        loss.backward()
+        allreduce_sequence_parallel_gradients(model.parameters())
+        losses.append(loss)
+    _close(losses[1], losses[0], f"{family} checkpointed loss")
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"{family} checkpointed grad {name}: {m}")
+    return family
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_checkpoint_layers_on_decoders_changes_nothing(worlds, sp):
+    assert worlds(2).run(case_checkpointed_decoder_layers, tensor_model_parallel_size=2, family="qwen3",
+                         sequence_parallel=sp) == ["qwen3"] * 2

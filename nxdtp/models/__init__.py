@@ -16,7 +16,7 @@ from torch import nn
 
 from ..plan import parallelize
 from . import bert, gpt2, hf_tp_plan, llama, roberta
-from .common import attention_bias, gather_vocab_logits
+from .common import attention_bias, gather_vocab_logits, require_supported_transformers
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
 # (checkpoint_keys); _PLANS gives each family's plan(sequence_parallel, make_vocab_size_divisible_by).
@@ -31,6 +31,7 @@ def supported_models() -> list:
 def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_vocab_size_divisible_by: int):
     """(a function of the model giving its plan, the checkpoint-key function): the family's hand-written plan, else
     the one HF ships in the config (base_model_tp_plan), else a TypeError naming the class."""
+    require_supported_transformers()
     family = _FAMILIES.get(model_class.__name__)
     if family is not None:
         plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by)

@@ -38,8 +38,8 @@ from ..loss_functions import parallel_cross_entropy
 from ..parallel_state import data_parallel_group, tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     parallelize, wrap_forward
-from ..random import checkpoint
-from .common import attention_bias, dropping, gather_vocab_logits, maybe_forked, tensor_parallel_block  # noqa: F401
+from .common import attention_bias, checkpoint_layers, dropping, gather_vocab_logits, maybe_forked, \
+    require_supported_transformers, tensor_parallel_block  # noqa: F401 - attention_bias, checkpoint_layers re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
         styles[layer + "output.LayerNorm"] = Replicate(sequence_parallel=True)
 
     def prepare(model: nn.Module) -> None:
+        require_supported_transformers()
         _validate(family, model)
         if any(name == family.mlm_decoder for name, _ in model.named_modules()):
             styles[family.mlm_decoder] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
@@ -215,30 +216,6 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     for key, value in losses.items():
         output[key] = value  # after HF's keys, so positional access matches HF
     return output
-
-
-def checkpoint_layers(model: nn.Module) -> nn.Module:
-    """Recompute each encoder layer in backward instead of storing its activations (activation checkpointing).
-
-    Uses ``nxdtp.random.checkpoint``, which replays the RNG tracker's states as well as the default generators, so
-    dropout inside TP regions draws the forward's masks again (HF's ``gradient_checkpointing_enable`` restores only
-    the default generator). On XLA the recompute is fenced by an optimization barrier so the compiler cannot merge it
-    with the forward. Returns the model.
-    """
-    from transformers.models.bert import modeling_bert as hf
-
-    layers = [m for m in model.modules() if isinstance(m, hf.BertLayer)]
-    if not layers:
-        raise ValueError(f"checkpoint_layers() found no BertLayer in {type(model).__name__}")
-    for layer in layers:
-        wrap_forward(layer, "nxdtp_activation_checkpoint", _checkpointed_layer)
-    return model
-
-
-def _checkpointed_layer(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, **kwargs)
 
 
 def local_head_count(model: nn.Module) -> Optional[int]:

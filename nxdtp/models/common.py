@@ -12,7 +12,24 @@ import torch
 from torch import nn
 
 from .. import mappings
-from ..random import get_xla_rng_tracker
+from ..plan import wrap_forward
+from ..random import checkpoint, get_xla_rng_tracker
+
+
+# The transformers releases the plans are written and tested against (setup.cfg's extras say the same).
+SUPPORTED_TRANSFORMERS = (5, 6)   # >= 5.0, < 6
+
+
+def require_supported_transformers() -> None:
+    """Refuse a transformers release the plans were not written for: its module names or forwards may differ, and a
+    plan that matched the wrong modules would compute wrong numbers rather than fail."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= major < high:
+        raise ImportError(f"transformers {transformers.__version__} is not supported by nxdtp.models: supported "
+                          f"versions are >={low}.0,<{high} (pip install 'transformers>={low},<{high}')")
 
 
 def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -32,6 +49,39 @@ def attention_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Te
         raise ValueError(f"attention_mask must be [batch, seq], got shape {list(attention_mask.shape)}")
     keep = attention_mask[:, None, None, :].to(torch.bool)
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def checkpoint_layers(model: nn.Module) -> nn.Module:
+    """Recompute each transformer layer (BERT's encoder layers, GPT-2's and Llama's decoder blocks: every transformers
+    ``GradientCheckpointingLayer``) in backward instead of storing its activations.
+
+    Uses ``nxdtp.random.checkpoint``, which replays the RNG tracker's states as well as the default generators, so
+    dropout inside TP regions draws the forward's masks again (HF's ``gradient_checkpointing_enable`` restores only
+    the default generator). On XLA the recompute is fenced by an optimization barrier so the compiler cannot merge it
+    with the forward. Returns the model.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"checkpoint_layers() found no transformer layer (transformers' GradientCheckpointingLayer) "
+                         f"in {type(model).__name__}")
+    for layer in layers:
+        wrap_forward(layer, "nxdtp_activation_checkpoint", _checkpointed_layer)
+    return model
+
+
+def _checkpointed_layer(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    # A KV cache would be appended to again when backward recomputes the layer (HF turns caching off under its own
+    # checkpointing for the same reason).
+    for cache in ("past_key_values", "layer_past"):
+        if kwargs.get(cache) is not None:
+            kwargs[cache] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return checkpoint(forward, *args, **kwargs)
 
 
 def dropping(module: nn.Module) -> bool:
