@@ -11,13 +11,14 @@ dropout draws one mask) while attention dropout differs per rank. Then save at t
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 
 from nxdtp import comm
 from nxdtp import parallel_state as ps
-from nxdtp.grads import get_grad_norm
+from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import from_pretrained_sharded, gather_vocab_logits, parallelize_model
 from nxdtp.random import model_parallel_xla_manual_seed
 from tests.test_models_bert import TOL, _check_grads, _check_weights, _close, _dense_grad_norm
@@ -52,13 +53,14 @@ def _batch(seed):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def case_gpt2_equals_dense(multiple: int):
+def case_gpt2_equals_dense(multiple: int, sequence_parallel: bool = False):
     tp = ps.get_tensor_model_parallel_size()
     checked = []
     for name in ("GPT2LMHeadModel", "GPT2Model"):
-        what = f"{name} tp={tp} divisible_by={multiple}"
+        what = f"{name} tp={tp} divisible_by={multiple} sp={sequence_parallel}"
         dense = _dense(getattr(transformers, name), seed=11)
-        model = parallelize_model(copy.deepcopy(dense), make_vocab_size_divisible_by=multiple)
+        model = parallelize_model(copy.deepcopy(dense), make_vocab_size_divisible_by=multiple,
+                                  sequence_parallel=sequence_parallel)
         _check_weights(model, dense, what)
         batch = _batch(seed=12)
         if name == "GPT2LMHeadModel":
@@ -76,15 +78,23 @@ def case_gpt2_equals_dense(multiple: int):
             loss = (out.last_hidden_state * upstream).mean()
         dense_loss.backward()
         loss.backward()
+        marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel_enabled", False)]
+        # Under SP: the LayerNorms (ln_1, ln_2 per block, ln_f) and the row-parallel biases, added on sequence shards.
+        expected = [n for n, _ in dense.named_parameters() if re.search(r"(ln_\w+\.(weight|bias)|c_proj\.bias)$", n)]
+        assert sorted(marked) == (sorted(expected) if sequence_parallel else []), (what, marked)
+        allreduce_sequence_parallel_gradients(model.parameters())
         _check_grads(model, dense, what)
         _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
         checked.append(what)
     return checked
 
 
-@pytest.mark.parametrize("world,tp,multiple", [pytest.param(2, 2, 1, id="tp2"), pytest.param(4, 4, 8, id="tp4-padded")])
-def test_gpt2_equals_dense(worlds, world, tp, multiple):
-    results = worlds(world).run(case_gpt2_equals_dense, tensor_model_parallel_size=tp, multiple=multiple)
+@pytest.mark.parametrize("world,tp,multiple,sp", [pytest.param(2, 2, 1, False, id="tp2"),
+                                                  pytest.param(4, 4, 8, False, id="tp4-padded"),
+                                                  pytest.param(2, 2, 1, True, id="tp2-sp")])
+def test_gpt2_equals_dense(worlds, world, tp, multiple, sp):
+    results = worlds(world).run(case_gpt2_equals_dense, tensor_model_parallel_size=tp, multiple=multiple,
+                                sequence_parallel=sp)
     assert all(len(r) == 2 for r in results)
 
 

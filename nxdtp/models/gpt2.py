@@ -12,8 +12,10 @@ GPT-2 projects with HF's ``Conv1D``, whose weight is ``[in_features, out_feature
   ``wpe``, the LayerNorms and the dropouts outside attention are replicated.
 * Attention dropout draws per-rank masks (each rank holds other heads); the residual dropout after ``c_proj``, which
   HF applies inside the attention module, acts on replicated activations and draws the same mask on every rank.
-
-Sequence parallelism is not supported for GPT-2 yet (a clear error).
+* ``sequence_parallel=True``: the hidden states are split along the sequence from the first block's input to
+  ``ln_f``'s output; the LayerNorms run on shards (sequence-parallel parameters), attention and MLP gather the sequence
+  on entry and reduce-scatter on exit, and the residual and MLP dropouts, now on each rank's own tokens, draw per-rank
+  masks.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import torch
 from torch import nn
 
 from ..parallel_state import tensor_parallel_group
-from ..plan import ColumnParallel, Plan, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
+from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     call_with_parameters_as, wrap_forward
 from .. import mappings
-from .common import maybe_forked, never_drops, tensor_parallel_block
+from .common import dropping, gather_sequence_of_output, maybe_forked, never_drops, scatter_sequence_of_input, \
+    tensor_parallel_block
 from .losses import use_vocab_parallel_causal_lm_loss
 
 SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")
@@ -68,17 +71,19 @@ def _with_conv1d_weight(forward, *args, **kwargs):
 
 
 def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True is not supported for GPT-2 yet; use sequence_parallel=False")
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
+    sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     styles = {
         "*wte": VocabParallelEmbedding(**pad),
         BLOCK + "attn.c_attn": Conv1DParallel(ColumnParallel(stride=3, **entry)),
-        BLOCK + "attn.c_proj": Conv1DParallel(RowParallel()),
+        BLOCK + "attn.c_proj": Conv1DParallel(RowParallel(**sp)),
         BLOCK + "mlp.c_fc": Conv1DParallel(ColumnParallel(**entry)),
-        BLOCK + "mlp.c_proj": Conv1DParallel(RowParallel()),
+        BLOCK + "mlp.c_proj": Conv1DParallel(RowParallel(**sp)),
     }
+    if sequence_parallel:
+        for norm in (BLOCK + "ln_1", BLOCK + "ln_2", "*ln_f"):
+            styles[norm] = Replicate(sequence_parallel=True)
 
     def prepare(model: nn.Module) -> None:
         _validate(model)
@@ -86,7 +91,7 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
             styles["lm_head"] = VocabParallelLMHead(**pad)
 
     def finalize(model: nn.Module) -> None:
-        _wire(model)
+        _wire(model, sequence_parallel)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
@@ -123,14 +128,22 @@ def _tensor_parallel_attention(forward, hidden_states, *args, **kwargs):
     return residual_dropout(output), weights
 
 
-def _wire(model: nn.Module) -> None:
+def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     tp = tensor_parallel_group().size
     transformer = model.transformer if hasattr(model, "transformer") else model
     for block in transformer.h:
         block.attn.split_size //= tp      # c_attn's local output is this rank's Q, K and V, each hidden / tp wide
         block.attn.num_heads //= tp
-        wrap_forward(block.attn, "nxdtp_tp_attention", _tensor_parallel_attention)
-        wrap_forward(block.mlp, "nxdtp_tp_mlp", tensor_parallel_block(SEQUENCE_DIM, False, never_drops))
+        if sequence_parallel:
+            # Every dropout in these blocks now acts on this rank's heads or this rank's tokens: per-rank masks.
+            wrap_forward(block.attn, "nxdtp_tp_attention_sp", tensor_parallel_block(SEQUENCE_DIM, True, dropping))
+            wrap_forward(block.mlp, "nxdtp_tp_mlp_sp", tensor_parallel_block(SEQUENCE_DIM, True, dropping))
+        else:
+            wrap_forward(block.attn, "nxdtp_tp_attention", _tensor_parallel_attention)
+            wrap_forward(block.mlp, "nxdtp_tp_mlp", tensor_parallel_block(SEQUENCE_DIM, False, never_drops))
+    if sequence_parallel:
+        wrap_forward(transformer.h[0], "nxdtp_sequence_parallel_entry", scatter_sequence_of_input(SEQUENCE_DIM))
+        wrap_forward(transformer.ln_f, "nxdtp_sequence_parallel_exit", gather_sequence_of_output(SEQUENCE_DIM))
     if hasattr(model, "lm_head"):
         use_vocab_parallel_causal_lm_loss(model)
 
