@@ -10,6 +10,7 @@ Checkpoint forms: ``model.safetensors``; sharded safetensors with ``model.safete
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -121,12 +122,44 @@ def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -
 
 
 def materialize_meta_model(model: nn.Module, device="cpu") -> nn.Module:
-    """Give a meta-device model real (uninitialised) storage, keeping weight ties and TP attributes."""
+    """Give the meta tensors of a model real (uninitialised) storage on ``device``, keeping weight ties and TP
+    attributes; tensors that already hold values (buffers computed at construction) are moved there unchanged."""
     tie_groups = tied_parameter_names(model)
-    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    value = torch.empty_like(param, device=device) if param.is_meta else param.to(device)
+                    module._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta \
+                        else buffer.to(device)
     retie_parameters(model, tie_groups)
     reattach_spec_attributes(model)
     return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Construct modules with their parameters on the meta device and their buffers for real.
+
+    Buffers a model computes at construction (position ids, rotary frequencies, causal masks) and does not store in
+    checkpoints would be garbage if built on meta, and not every transformers release re-initialises them. Each
+    parameter is moved to meta as it is registered, before any initialisation runs on it.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
 
 
 def _spec_of(model: nn.Module, name: str) -> Optional[ParamSpec]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..plan import broadcast_replicated_state
-from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model
+from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model, parameters_on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def build_from_pretrained(model_dir: str, model_class, config, shard: Callable[[
     an error. The model is returned in eval mode, as HF does.
     """
     reader = CheckpointReader(model_dir)  # fail on a missing checkpoint before building anything
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = model_class(config)
     shard(model)
     materialize_meta_model(model, device)
