@@ -11,7 +11,7 @@ A group of size 1 needs no communication and returns the input unchanged (as a r
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List
+from typing import Any, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -179,3 +179,17 @@ def all_gather_object(obj: Any) -> List[Any]:
     out: List[Any] = [None] * get_topology().world_size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def raise_on_every_rank_if_any_failed(error: Optional[BaseException], what: str) -> None:
+    """Collective: raise on every rank if any rank failed (a barrier when none did). A failed rank re-raises its own
+    error; the others raise a RuntimeError naming the failed ranks and their errors. Use it where one rank can fail
+    alone before a collective that the others would then wait in forever."""
+    reports = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: report for rank, report in enumerate(reports) if report is not None}
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: "
+                       + "; ".join(f"rank {rank}: {report}" for rank, report in sorted(failed.items())))

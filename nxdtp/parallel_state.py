@@ -180,7 +180,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     default_backend = dist.get_backend()
     # CPU tensors are everywhere (model build before the device move, pretrained loading, host-side metrics), and the
     # default backend of an XLA, NCCL or other device world refuses them: such worlds get a gloo twin of every group.
-    separate_cpu_groups = default_backend != "gloo"
+    # A world whose default already maps CPU tensors to gloo ("cpu:gloo,cuda:nccl") needs none.
+    separate_cpu_groups = "cpu:gloo" not in dist.get_backend_config().split(",")
     process_groups, cpu_process_groups = {}, {}
     for kind, lists in (("tensor", tensor_parallel_rank_lists(world_size, tensor_model_parallel_size)),
                         ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size))):

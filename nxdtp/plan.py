@@ -79,11 +79,13 @@ class VocabParallelEmbedding:
     expects = nn.Embedding
     pad_to_multiple_of: int = 1
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
-        _expect(module, nn.Embedding, self, name)
+    def check(self, module: nn.Module, name: str) -> None:
         if has_own_forward(module, nn.Embedding):
             raise TypeError(f"'{name}' is {type(module).__name__}, an nn.Embedding with a forward of its own (e.g. a "
                             "scaled embedding); converting it to ParallelEmbedding would drop that: keep it replicated")
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        _expect(module, nn.Embedding, self, name)
         group = tensor_parallel_group()
         layer = ParallelEmbedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
                                   dtype=module.weight.dtype, device="meta", pad=True,
@@ -130,10 +132,16 @@ class Replicate:
     sequence_parallel: bool = False
     expects = nn.Module
 
+    def check(self, module: nn.Module, name: str) -> None:
+        nested = [n for n, _ in module.named_parameters() if "." in n]
+        if self.sequence_parallel and nested:
+            raise TypeError(f"Replicate(sequence_parallel=True) marks a module's own parameters, but '{name}' "
+                            f"({type(module).__name__}) has nested ones {nested[:3]}: name the norm modules themselves")
+
     def convert(self, module: nn.Module, name: str) -> nn.Module:
         if not self.sequence_parallel:
             return module
-        if not isinstance(module, nn.LayerNorm):
+        if not isinstance(module, nn.LayerNorm) or has_own_forward(module, nn.LayerNorm):
             return _with_sequence_parallel_params(module)
         layer = LayerNorm(module.normalized_shape, eps=module.eps, elementwise_affine=module.elementwise_affine,
                           bias=module.bias is not None, sequence_parallel_enabled=True, device="meta",
@@ -166,14 +174,15 @@ def _parameters_through_tp_region(forward, *args, **kwargs):
 def call_with_parameters_as(forward, transform: Callable[[torch.Tensor], torch.Tensor], *args, **kwargs):
     """Call a module's ``forward`` while its own parameters read as ``transform(parameter)``: a differentiable view
     (a transpose, an autograd region) that the forward uses in their place, so gradients reach the real parameters.
-    The module's code is unchanged; parameter names and state dicts are too."""
+    The module's code is unchanged; parameter names and state dicts are too. The swap lives on the module for the
+    duration of the call, so one module must not run this forward from two threads at once."""
     module = forward.__self__
     originals = dict(module._parameters)
-    # Direct dict access: the transformed tensor is not a leaf, so it cannot be registered as a Parameter.
-    for name, param in originals.items():
-        if param is not None:
-            module._parameters[name] = transform(param)
     try:
+        # Direct dict access: the transformed tensor is not a leaf, so it cannot be registered as a Parameter.
+        for name, param in originals.items():
+            if param is not None:
+                module._parameters[name] = transform(param)
         return forward(*args, **kwargs)
     finally:
         module._parameters.update(originals)
@@ -187,11 +196,12 @@ Style = object  # anything with convert(module, name) -> module
 @dataclasses.dataclass
 class Plan:
     """``styles`` maps fnmatch patterns over dotted module names (``"*.layer.*.attention.self.query"``) to styles; the
-    first matching pattern wins. ``prepare`` validates the model before anything changes; ``finalize`` wires the
-    model-specific hooks after the layers are converted."""
+    first matching pattern wins. ``prepare`` validates the model before anything changes and may return more styles
+    for this model (heads it has, norms only some variants have); the plan itself is never modified, so one plan can
+    shard several models. ``finalize`` wires the model-specific hooks after the layers are converted."""
 
     styles: Dict[str, Style]
-    prepare: Optional[Callable[[nn.Module], None]] = None
+    prepare: Optional[Callable[[nn.Module], Optional[Dict[str, Style]]]] = None
     finalize: Optional[Callable[[nn.Module], None]] = None
 
 
@@ -202,10 +212,11 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     replicated parameter and buffer is broadcast from TP rank 0, so TP ranks start identical even if they initialised
     the dense model differently.
     """
+    styles = dict(plan.styles)
     if plan.prepare is not None:
-        plan.prepare(model)
+        styles.update(plan.prepare(model) or {})
     tie_groups = tied_parameter_names(model)
-    matched = _match(model, plan)
+    matched = _match(model, styles)
     for name, style in matched:
         converted = style.convert(model.get_submodule(name), name)
         _set_submodule(model, name, converted)
@@ -217,23 +228,26 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     return model
 
 
-def _match(model: nn.Module, plan: Plan) -> List[Tuple[str, Style]]:
+def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]]:
     matched, used = [], set()
     for name, _ in model.named_modules():
         if not name:
             continue
-        for pattern, style in plan.styles.items():
+        for pattern, style in styles.items():
             if fnmatch.fnmatchcase(name, pattern):
                 matched.append((name, style))
                 used.add(pattern)
                 break
-    unused = [p for p in plan.styles if p not in used]
+    unused = [p for p in styles if p not in used]
     if unused:
         raise ValueError(f"plan patterns {unused} match no module of {type(model).__name__}; "
                          f"module names look like {[n for n, _ in list(model.named_modules())[1:6]]}")
     # Check every match before converting any, so a bad plan leaves the model untouched.
     for name, style in matched:
-        _expect(model.get_submodule(name), getattr(style, "expects", nn.Module), style, name)
+        module = model.get_submodule(name)
+        _expect(module, getattr(style, "expects", nn.Module), style, name)
+        if hasattr(style, "check"):
+            style.check(module, name)
     # Convert children before parents would be wrong (a parent's conversion would drop converted children); plans
     # name leaves, so reject nested matches outright.
     names = [n for n, _ in matched]

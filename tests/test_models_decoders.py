@@ -17,7 +17,8 @@ import torch
 
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
-from nxdtp.models import from_pretrained_sharded, gather_vocab_logits, parallelize_model
+from nxdtp.models import gather_vocab_logits, parallelize_model
+from tests.model_helpers import check_checkpoint_round_trip, randomised
 from tests.test_models_bert import TOL, _check_grads, _check_weights, _close, _dense_grad_norm, _expected_local, _specs
 
 transformers = pytest.importorskip("transformers")
@@ -42,12 +43,7 @@ def _config(family: str, tp: int):
 
 def _dense(family: str, config, seed: int):
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return randomised(getattr(transformers, FAMILIES[family][1])(config), seed + 1)
 
 
 def _batch(seed: int):
@@ -128,83 +124,26 @@ def test_unsupported_models_are_named():
 
 # ---- checkpoints: save at tp=2, merge to HF, load sharded at tp=4, reshard and resume ----------------------------------
 
-LR = 1e-3
-CHECKPOINT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")   # untied and tied heads, Q/K/V biases, q/k norms
-KV_HEADS = 4                                        # divides both tp=2 and tp=4
+KV_HEADS = 4   # divides both tp=2 and tp=4
 
 
-def _train_step(model, optimizer, batch) -> float:
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+def _round_trip_model(family):
+    return lambda seed: _dense(family, _config(family, KV_HEADS), seed=seed)
 
 
-def _logits(model, batch):
-    with torch.no_grad():
-        return gather_vocab_logits(model(**batch).logits, VOCAB)
+llama_model, mistral_model, qwen2_model, qwen3_model = (_round_trip_model(f) for f in
+                                                        ("llama", "mistral", "qwen2", "qwen3"))
 
 
-def case_train_and_save(root: str):
-    import os
-
-    from nxdtp import checkpointing
-
-    out = {}
-    for family in CHECKPOINT_FAMILIES:
-        model = parallelize_model(_dense(family, _config(family, KV_HEADS), seed=7))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        batch = _batch(seed=8)
-        for _ in range(2):
-            _train_step(model, optimizer, batch)
-        checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 2}, os.path.join(root, family))
-        out[family] = dict(logits=_logits(model, batch), next_loss=_train_step(model, optimizer, batch))
-    return out
+def checkpoint_batch():
+    return _batch(seed=8)
 
 
-def case_load_at_tp4(root: str):
-    """The tp=2 checkpoint, resharded to 4, resumed by a model built from another seed; and the merged HF directory
-    read by from_pretrained_sharded, each rank its slices."""
-    import os
-
-    from nxdtp import checkpointing
-
-    out = {}
-    for family in CHECKPOINT_FAMILIES:
-        model = parallelize_model(_dense(family, _config(family, KV_HEADS), seed=99))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10)   # the checkpoint's param groups win
-        state = checkpointing.load(os.path.join(root, family + "_tp4"), model=model, optimizer=optimizer)
-        batch = _batch(seed=8)
-        out[family] = dict(step=state["global_step"], logits=_logits(model, batch),
-                           next_loss=_train_step(model, optimizer, batch),
-                           pretrained_logits=_logits(from_pretrained_sharded(os.path.join(root, family + "_merged")),
-                                                     batch))
-    return out
-
-
-def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
-    from nxdtp.checkpointing.merge import merge, reshard
-
-    saved = worlds(2).run(case_train_and_save, tensor_model_parallel_size=2, root=str(tmp_path))[0]
-    for family in CHECKPOINT_FAMILIES:
-        merge(str(tmp_path / family), str(tmp_path / (family + "_merged")), progress=False)
-        reshard(str(tmp_path / family), str(tmp_path / (family + "_tp4")), 4, progress=False)
-        # Plain transformers loads the merge and computes the TP model's logits.
-        dense = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / (family + "_merged")))
-        assert type(dense).__name__ == FAMILIES[family][1]
-        with torch.no_grad():
-            logits = dense(**_batch(seed=8)).logits
-        torch.testing.assert_close(logits, saved[family]["logits"], **TOL, msg=lambda m: f"{family} merged: {m}")
-    for rank, result in enumerate(worlds(4).run(case_load_at_tp4, tensor_model_parallel_size=4, root=str(tmp_path))):
-        for family in CHECKPOINT_FAMILIES:
-            what = f"{family} rank {rank}"
-            assert result[family]["step"] == 2, what
-            for key in ("logits", "pretrained_logits"):
-                torch.testing.assert_close(result[family][key], saved[family]["logits"], **TOL,
-                                           msg=lambda m: f"{what} {key}: {m}")
-            assert abs(result[family]["next_loss"] - saved[family]["next_loss"]) <= 1e-5, (what, result[family],
-                                                                                           saved[family])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])  # untied/tied heads, biases, q/k norms
+def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family):
+    check_checkpoint_round_trip(worlds, tmp_path, f"tests.test_models_decoders:{family}_model",
+                                "tests.test_models_decoders:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                FAMILIES[family][1])
 
 
 # ---- the docs' fine-tuning example -----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from nxdtp import parallel_state as ps
 from nxdtp.grads import get_grad_norm
 from nxdtp.models import gather_vocab_logits, parallelize_model
 from nxdtp.plan import ColumnParallel
+from tests.model_helpers import randomised
 from tests.test_models_bert import _check_grads, _check_weights, _close, _dense_grad_norm
 
 transformers = pytest.importorskip("transformers")
@@ -48,12 +49,7 @@ def _dense(name, seed):
     config = getattr(transformers, config_class)(**COMMON, **extra)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = getattr(transformers, name)(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return randomised(getattr(transformers, name)(config), seed + 1)
 
 
 def _batch(seed):

@@ -16,8 +16,9 @@ import torch
 
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
-from nxdtp.models import from_pretrained_sharded, gather_vocab_logits, parallelize_model
-from tests.test_models_bert import TOL, _check_grads, _check_weights, _close, _dense_grad_norm
+from nxdtp.models import gather_vocab_logits, parallelize_model
+from tests.model_helpers import check_checkpoint_round_trip, randomised
+from tests.test_models_bert import _check_grads, _check_weights, _close, _dense_grad_norm
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,12 +34,7 @@ def _config(dropout=0.0):
 
 def _dense(model_class, seed):
     torch.manual_seed(seed)
-    model = model_class(_config())
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return randomised(model_class(_config()), seed + 1)
 
 
 def _batch(seed, classification=False):
@@ -94,54 +90,15 @@ def test_roberta_equals_dense(worlds, world, tp, sp):
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------------
 
-def _step(model, optimizer, batch) -> float:
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+def masked_lm(seed):
+    return _dense(transformers.RobertaForMaskedLM, seed)
 
 
-def _logits(model, batch):
-    with torch.no_grad():
-        return gather_vocab_logits(model(**batch).logits, VOCAB)
-
-
-def case_train_and_save(root: str):
-    from nxdtp import checkpointing
-
-    model = parallelize_model(_dense(transformers.RobertaForMaskedLM, seed=5))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = _batch(seed=6)
-    for _ in range(2):
-        _step(model, optimizer, batch)
-    checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 2}, root + "/tp2")
-    return dict(logits=_logits(model, batch), next_loss=_step(model, optimizer, batch))
-
-
-def case_load_at_tp4(root: str):
-    from nxdtp import checkpointing
-
-    model = parallelize_model(_dense(transformers.RobertaForMaskedLM, seed=50))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    checkpointing.load(root + "/tp4", model=model, optimizer=optimizer)
-    batch = _batch(seed=6)
-    return dict(logits=_logits(model, batch), next_loss=_step(model, optimizer, batch),
-                pretrained_logits=_logits(from_pretrained_sharded(root + "/merged"), batch))
+def checkpoint_batch():
+    return _batch(seed=6)
 
 
 def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
-    from nxdtp.checkpointing.merge import merge, reshard
-
-    root = str(tmp_path)
-    saved = worlds(2).run(case_train_and_save, tensor_model_parallel_size=2, root=root)[0]
-    merge(root + "/tp2", root + "/merged", progress=False)
-    reshard(root + "/tp2", root + "/tp4", 4, progress=False)
-    dense = transformers.AutoModelForMaskedLM.from_pretrained(root + "/merged")
-    assert type(dense).__name__ == "RobertaForMaskedLM"
-    with torch.no_grad():
-        torch.testing.assert_close(dense(**_batch(seed=6)).logits, saved["logits"], **TOL)
-    for result in worlds(4).run(case_load_at_tp4, tensor_model_parallel_size=4, root=root):
-        torch.testing.assert_close(result["logits"], saved["logits"], **TOL)
-        torch.testing.assert_close(result["pretrained_logits"], saved["logits"], **TOL)
-        assert abs(result["next_loss"] - saved["next_loss"]) <= 1e-5, (result["next_loss"], saved["next_loss"])
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_roberta:masked_lm",
+                                "tests.test_models_roberta:checkpoint_batch", VOCAB, "AutoModelForMaskedLM",
+                                "RobertaForMaskedLM")

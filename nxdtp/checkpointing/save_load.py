@@ -120,17 +120,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None,
     return tag_dir
 
 
-def _agree(error: Optional[BaseException], what: str) -> None:
-    """Collective: raise on every rank if any rank failed. A failed rank re-raises its own error; the others raise a
-    RuntimeError that names the failed ranks and their errors. Also a barrier when nothing failed."""
-    reports = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-    failed = {rank: report for rank, report in enumerate(reports) if report is not None}
-    if not failed:
-        return
-    if error is not None:
-        raise error
-    raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: "
-                       + "; ".join(f"rank {rank}: {report}" for rank, report in sorted(failed.items())))
+# Raise on every rank if any rank failed; also a barrier when none did.
+_agree = comm.raise_on_every_rank_if_any_failed
 
 
 def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> None:

@@ -36,7 +36,7 @@ def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_voca
     if family is not None:
         plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by)
         return (lambda model: plan), family.checkpoint_keys
-    if hf_tp_plan.has_tp_plan(model_class, config):
+    if hf_tp_plan.has_tp_plan(config):
         return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by)),
                 hf_tp_plan.checkpoint_keys_for(model_class))
     raise TypeError(f"nxdtp cannot shard {model_class.__name__}: it has no hand-written plan (supported models are "

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import logging
 from typing import Optional
 
 import torch
@@ -39,9 +38,7 @@ from ..parallel_state import data_parallel_group, tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     parallelize, wrap_forward
 from .common import attention_bias, checkpoint_layers, dropping, gather_vocab_logits, maybe_forked, \
-    require_supported_transformers, tensor_parallel_block  # noqa: F401 - attention_bias, checkpoint_layers re-exported
-
-logger = logging.getLogger(__name__)
+    require_supported_transformers, tensor_parallel_block, with_and_without_prefix  # noqa: F401 - re-exports
 
 # HF BERT is batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1
@@ -89,11 +86,12 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
         styles[layer + "attention.output.LayerNorm"] = Replicate(sequence_parallel=True)
         styles[layer + "output.LayerNorm"] = Replicate(sequence_parallel=True)
 
-    def prepare(model: nn.Module) -> None:
+    def prepare(model: nn.Module) -> dict:
         require_supported_transformers()
         _validate(family, model)
         if any(name == family.mlm_decoder for name, _ in model.named_modules()):
-            styles[family.mlm_decoder] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
+            return {family.mlm_decoder: VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)}
+        return {}
 
     def finalize(model: nn.Module) -> None:
         _wire(family, model, sequence_parallel)
@@ -232,7 +230,7 @@ def local_head_count(model: nn.Module) -> Optional[int]:
 def checkpoint_keys(name: str, base_prefix: str = "bert."):
     """Checkpoint keys that may hold parameter ``name``: with or without the base-model prefix, and the legacy
     LayerNorm names (gamma/beta) of early BERT checkpoints."""
-    variants = [name, name[len(base_prefix):] if name.startswith(base_prefix) else base_prefix + name]
+    variants = with_and_without_prefix(name, base_prefix)
     for variant in list(variants):
         if variant.endswith("LayerNorm.weight"):
             variants.append(variant[:-len("weight")] + "gamma")
@@ -244,24 +242,16 @@ def checkpoint_keys(name: str, base_prefix: str = "bert."):
 def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel: bool = False,
                             make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32,
                             device="cpu", config=None) -> nn.Module:
-    """Build a TP-sharded BERT from an HF model directory; each rank reads only its own slices of the weights.
-
-    ``config`` replaces the directory's config.json, as in HF's ``from_pretrained`` (e.g. to change dropout); its
-    shapes must still match the checkpoint. ``model_class`` defaults to the first of ``config.architectures``, else
-    BertForPreTraining. See ``nxdtp.models.pretrained.build_from_pretrained`` for parameters the checkpoint lacks.
-    """
+    """``nxdtp.models.from_pretrained_sharded`` for BERT directories: the config is read as a BertConfig and the class
+    defaults to the first of ``config.architectures``, else BertForPreTraining."""
     import transformers
 
-    from .pretrained import build_from_pretrained
+    from . import from_pretrained_sharded as build  # the package imports this module first
 
     if config is None:
         config = transformers.BertConfig.from_pretrained(model_dir)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
         model_class = getattr(transformers, architectures[0])
-    return build_from_pretrained(
-        model_dir, model_class, config,
-        lambda model: parallelize_bert(model, sequence_parallel=sequence_parallel,
-                                       make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                       broadcast_replicated=False),
-        checkpoint_keys, dtype=dtype, device=device)
+    return build(model_dir, model_class=model_class, sequence_parallel=sequence_parallel,
+                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype, device=device, config=config)

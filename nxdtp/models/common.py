@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import mappings
+from ..parallel_state import tensor_parallel_group
 from ..plan import wrap_forward
 from ..random import checkpoint, get_xla_rng_tracker
 
@@ -31,6 +32,25 @@ def require_supported_transformers() -> None:
         oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
         raise ImportError(f"transformers {transformers.__version__} is not supported by nxdtp.models: supported "
                           f"versions are >={oldest},<{NEWEST_MAJOR} (pip install 'transformers>={oldest},<{NEWEST_MAJOR}')")
+
+
+def check_model(model: nn.Module, plan_name: str, supported, sizes) -> None:
+    """Refuse, before anything changes, a class outside ``supported`` and any of ``sizes`` (name → value) that the
+    tensor-parallel size does not divide, naming the value."""
+    name = type(model).__name__
+    if supported is not None and name not in supported:
+        raise TypeError(f"the {plan_name} plan supports {list(supported)}, not {name}")
+    tp = tensor_parallel_group().size
+    for what, value in sizes.items():
+        if isinstance(value, int) and value % tp != 0:
+            raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}; choose a "
+                             "tensor_model_parallel_size that divides it")
+
+
+def with_and_without_prefix(name: str, prefix: str) -> list:
+    """``name`` and its variant with ``prefix`` added or removed: HF checkpoints store a base model's keys with or
+    without the attribute it has in the task model (``model.``, ``transformer.``, ``bert.``)."""
+    return [name, name[len(prefix):] if name.startswith(prefix) else prefix + name]
 
 
 def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

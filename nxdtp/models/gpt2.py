@@ -29,8 +29,8 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     call_with_parameters_as, wrap_forward
 from .. import mappings
-from .common import dropping, gather_sequence_of_output, maybe_forked, never_drops, scatter_sequence_of_input, \
-    tensor_parallel_block
+from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, scatter_sequence_of_input, \
+    tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
 SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")
@@ -46,10 +46,12 @@ class Conv1DParallel:
     linear_style: object  # ColumnParallel(...) or RowParallel(...)
     expects = nn.Module
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    def check(self, module: nn.Module, name: str) -> None:
         if getattr(module, "weight", None) is None or module.weight.dim() != 2 or type(module).__name__ != "Conv1D":
             raise TypeError(f"{type(self).__name__} applies to transformers' Conv1D, but '{name}' is "
                             f"{type(module).__name__}")
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
         in_features, out_features = module.weight.shape
         linear = nn.Linear(in_features, out_features, bias=module.bias is not None, device="meta",
                            dtype=module.weight.dtype)
@@ -85,10 +87,9 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
         for norm in (BLOCK + "ln_1", BLOCK + "ln_2", "*ln_f"):
             styles[norm] = Replicate(sequence_parallel=True)
 
-    def prepare(model: nn.Module) -> None:
+    def prepare(model: nn.Module) -> dict:
         _validate(model)
-        if hasattr(model, "lm_head"):
-            styles["lm_head"] = VocabParallelLMHead(**pad)
+        return {"lm_head": VocabParallelLMHead(**pad)} if hasattr(model, "lm_head") else {}
 
     def finalize(model: nn.Module) -> None:
         _wire(model, sequence_parallel)
@@ -97,17 +98,12 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
 
 
 def _validate(model: nn.Module) -> None:
-    name = type(model).__name__
-    if name not in SUPPORTED:
-        raise TypeError(f"the GPT-2 plan supports {list(SUPPORTED)}, not {name}")
     config = model.config
-    tp = tensor_parallel_group().size
     inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
-    for what, value in (("n_head", config.n_head), ("n_inner", inner)):
-        if value % tp != 0:
-            raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}")
+    check_model(model, "GPT-2", SUPPORTED, {"n_head": config.n_head, "n_inner": inner})
     if config.add_cross_attention:
-        raise ValueError(f"{name} with add_cross_attention=True is not supported: use a decoder-only GPT-2")
+        raise ValueError(f"{type(model).__name__} with add_cross_attention=True is not supported: use a decoder-only "
+                         "GPT-2")
 
 
 def _attention_drops(attention: nn.Module) -> bool:
@@ -151,5 +147,4 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
 def checkpoint_keys(name: str):
     """Checkpoint keys that may hold parameter ``name``: with or without the ``transformer.`` prefix (HF's own GPT-2
     checkpoints store the base model's keys without it)."""
-    base = "transformer."
-    return [name, name[len(base):] if name.startswith(base) else base + name]
+    return with_and_without_prefix(name, "transformer.")

@@ -26,9 +26,9 @@ from typing import Dict
 
 from torch import nn
 
-from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, has_own_forward
+from .common import check_model
 from .losses import use_vocab_parallel_causal_lm_loss
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 GATHERING = ("colwise_gather_output", "colwise_rep")
 
 
-def has_tp_plan(model_class: type, config) -> bool:
+def has_tp_plan(config) -> bool:
     return bool(getattr(config, "base_model_tp_plan", None))
 
 
@@ -54,7 +54,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
     head_plan = dict(getattr(type(model), "_tp_plan", None) or getattr(model, "_tp_plan", None) or {})
     for pattern, style in base_plan.items():
         full = f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
-        styles[full] = _style(style, full, name)
+        styles[full] = _style(style, full, name, pad)
     embedding_module = model.get_input_embeddings()
     embedding = _module_name(model, embedding_module)
     shard_embedding = embedding is not None and not has_own_forward(embedding_module, nn.Embedding)
@@ -70,9 +70,13 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
             styles[pattern] = VocabParallelLMHead(**pad)  # no gather: the loss takes the vocab-parallel logits
             vocab_parallel_head = True
         else:
-            styles[pattern] = _style(style, pattern, name)
+            styles[pattern] = _style(style, pattern, name, pad)
     if shard_embedding:
         styles.setdefault(embedding, VocabParallelEmbedding(**pad))
+        if head_tied and head_name not in styles:
+            # The head holds the embedding's weight: it must be split the same way, or it would compute garbage.
+            styles[head_name] = VocabParallelLMHead(**pad)
+            vocab_parallel_head = True
 
     def prepare(model: nn.Module) -> None:
         _validate(model)
@@ -84,7 +88,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
 
-def _style(style: str, module_pattern: str, model_name: str):
+def _style(style: str, module_pattern: str, model_name: str, pad: dict):
     if style == "colwise":
         return ColumnParallel()
     if style == "rowwise":
@@ -96,7 +100,7 @@ def _style(style: str, module_pattern: str, model_name: str):
     if style == "packed_colwise":
         return ColumnParallel(stride=2)
     if style == "embedding_rowwise":
-        return VocabParallelEmbedding()
+        return VocabParallelEmbedding(**pad)
     if style == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
     raise ValueError(f"{model_name}'s tp_plan gives '{module_pattern}' the style {style!r}, which nxdtp does not map; "
@@ -105,12 +109,8 @@ def _style(style: str, module_pattern: str, model_name: str):
 
 
 def _validate(model: nn.Module) -> None:
-    config, tp, name = model.config, tensor_parallel_group().size, type(model).__name__
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, what, None)
-        if isinstance(value, int) and value % tp != 0:
-            raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}; choose a "
-                             "tensor_model_parallel_size that divides it")
+    check_model(model, "HF tp_plan", None, {what: getattr(model.config, what, None) for what in
+                                            ("num_attention_heads", "num_key_value_heads", "intermediate_size")})
 
 
 def _module_name(model: nn.Module, module) -> str:

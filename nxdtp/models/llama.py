@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, wrap_forward
-from .common import gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block
+from .common import check_model, gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block, \
+    with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
 # HF decoders are batch-first: [batch, seq, hidden].
@@ -55,12 +55,12 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
         for norm in (LAYER + "input_layernorm", LAYER + "post_attention_layernorm", "model.norm"):
             styles[norm] = Replicate(sequence_parallel=True)
 
-    def prepare(model: nn.Module) -> None:
+    def prepare(model: nn.Module) -> dict:
         _validate(model)
-        names = {name for name, _ in model.named_modules()}
-        if "model.layers.0.self_attn.q_norm" in names:
-            styles[LAYER + "self_attn.q_norm"] = ReplicatedWithGradAllReduce()
-            styles[LAYER + "self_attn.k_norm"] = ReplicatedWithGradAllReduce()
+        if "model.layers.0.self_attn.q_norm" in {name for name, _ in model.named_modules()}:
+            return {LAYER + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
+                    LAYER + "self_attn.k_norm": ReplicatedWithGradAllReduce()}
+        return {}
 
     def finalize(model: nn.Module) -> None:
         _wire(model, sequence_parallel)
@@ -69,16 +69,9 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
 
 
 def _validate(model: nn.Module) -> None:
-    name = type(model).__name__
-    if name not in SUPPORTED:
-        raise TypeError(f"the Llama-family plan supports {list(SUPPORTED)}, not {name}")
     config = model.config
-    tp = tensor_parallel_group().size
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, what)
-        if value % tp != 0:
-            raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}; choose a "
-                             f"tensor_model_parallel_size that divides it")
+    check_model(model, "Llama-family", SUPPORTED, {what: getattr(config, what) for what in
+                                                   ("num_attention_heads", "num_key_value_heads", "intermediate_size")})
 
 
 def _attention_drops(attention: nn.Module) -> bool:
@@ -101,5 +94,4 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
 
 def checkpoint_keys(name: str):
     """Checkpoint keys that may hold parameter ``name``: as named, or without / with the base model's prefix."""
-    base = "model."
-    return [name, name[len(base):] if name.startswith(base) else base + name]
+    return with_and_without_prefix(name, "model.")

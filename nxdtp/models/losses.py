@@ -32,13 +32,14 @@ def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vo
         # Pad, then shift: the last position has no next token, exactly as HF does it.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(logits.device)
-    per_token = parallel_cross_entropy(logits.float(), shift_labels, label_smoothing=label_smoothing,
-                                       ignore_index=ignore_index, reduction="none", vocab_size=vocab_size)
+    loss = parallel_cross_entropy(logits.float(), shift_labels, label_smoothing=label_smoothing,
+                                  ignore_index=ignore_index, reduction="mean" if num_items_in_batch is None else "sum",
+                                  vocab_size=vocab_size)
     if num_items_in_batch is None:
-        return per_token.sum() / (shift_labels != ignore_index).sum()
+        return loss
     if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(per_token.device)
-    return per_token.sum() / num_items_in_batch
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
 
 
 def use_vocab_parallel_causal_lm_loss(model: nn.Module) -> None:

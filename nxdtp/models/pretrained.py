@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from .. import comm
 from ..plan import broadcast_replicated_state
 from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model, parameters_on_meta
 
@@ -29,15 +30,34 @@ def build_from_pretrained(model_dir: str, model_class, config, shard: Callable[[
         model = model_class(config)
     shard(model)
     materialize_meta_model(model, device)
-    model.to(dtype)
+    # Parameters only: buffers keep their dtype (HF keeps rotary frequencies in fp32 under a bf16 model).
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     # Non-persistent buffers (position ids, rotary frequencies) and parameters missing from the checkpoint get HF's
     # initialisation; everything in the checkpoint is then overwritten by its slice.
     with torch.no_grad():
         for module in model.modules():
             model._init_weights(module)
-    missing = load_sharded_weights(model, reader, candidate_keys)
-    # HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them. HF starts
-    # biases at zero, which needs no slicing; a missing sharded weight cannot be reproduced, so it is an error.
+    # Each rank reads only its own slices, so a read can fail on one rank alone: every rank must learn of it before
+    # the broadcast below, which the others would otherwise wait in forever.
+    error, missing = None, []
+    try:
+        missing = load_sharded_weights(model, reader, candidate_keys)
+        _initialise_missing_shards(model, model_dir, missing)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank
+        error = e
+    comm.raise_on_every_rank_if_any_failed(error, f"loading {model_dir}")
+    if missing:
+        logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
+    broadcast_replicated_state(model)
+    model.eval()  # as HF's from_pretrained
+    return model
+
+
+def _initialise_missing_shards(model: nn.Module, model_dir: str, missing) -> None:
+    """HF's initialisation knows nn.Linear and nn.Embedding, not the parallel layers that replaced them. HF starts
+    biases at zero, which needs no slicing; a missing sharded weight cannot be reproduced, so it is an error."""
     sharded_missing = []
     with torch.no_grad():
         for name in missing:
@@ -50,8 +70,3 @@ def build_from_pretrained(model_dir: str, model_class, config, shard: Callable[[
     if sharded_missing:
         raise ValueError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
                          "the checkpoint")
-    if missing:
-        logger.warning("%s: not in the checkpoint, newly initialised: %s", model_dir, missing)
-    broadcast_replicated_state(model)
-    model.eval()  # as HF's from_pretrained
-    return model
