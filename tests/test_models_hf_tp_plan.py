@@ -25,7 +25,7 @@ from nxdtp import parallel_state as ps
 from nxdtp.grads import get_grad_norm
 from nxdtp.models import gather_vocab_logits, parallelize_model
 from nxdtp.plan import ColumnParallel
-from tests.model_helpers import randomised
+from tests.model_helpers import check_checkpoint_round_trip, randomised
 from tests.test_models_bert import _check_grads, _check_weights, _close, _dense_grad_norm
 
 transformers = pytest.importorskip("transformers")
@@ -44,9 +44,9 @@ MODELS = {  # name: (config class, config options, whether the head ends up voca
 }
 
 
-def _dense(name, seed):
+def _dense(name, seed, **overrides):
     config_class, extra, _ = MODELS[name]
-    config = getattr(transformers, config_class)(**COMMON, **extra)
+    config = getattr(transformers, config_class)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return randomised(getattr(transformers, name)(config), seed + 1)
@@ -106,3 +106,19 @@ def test_unknown_hf_styles_and_sequence_parallel_are_refused():
             parallelize_model(_dense("Phi3ForCausalLM", seed=1), sequence_parallel=True)
         plan = hf_tp_plan.tp_plan(_dense("Gemma2ForCausalLM", seed=1))
         assert plan.styles["model.layers.*.self_attn.q_proj"] == ColumnParallel()
+
+
+# ---- checkpoints of a model sharded from HF's tp_plan ----------------------------------------------------------------
+
+def granite_model(seed):
+    return _dense("GraniteForCausalLM", seed, num_key_value_heads=4)  # KV heads tp=4 divides
+
+
+def checkpoint_batch():
+    return _batch(seed=19)
+
+
+def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_hf_tp_plan:granite_model",
+                                "tests.test_models_hf_tp_plan:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                "GraniteForCausalLM")

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -140,26 +141,32 @@ def materialize_meta_model(model: nn.Module, device="cpu") -> nn.Module:
     return model
 
 
+_REGISTER_PARAMETER_PATCH = threading.Lock()
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Construct modules with their parameters on the meta device and their buffers for real.
 
     Buffers a model computes at construction (position ids, rotary frequencies, causal masks) and does not store in
     checkpoints would be garbage if built on meta, and not every transformers release re-initialises them. Each
-    parameter is moved to meta as it is registered, before any initialisation runs on it.
+    parameter is moved to meta as it is registered, before any initialisation runs on it. ``register_parameter`` is
+    patched process-wide for the duration: a lock keeps two such constructions apart, but another thread building
+    modules meanwhile would get meta parameters too.
     """
-    original = nn.Module.register_parameter
+    with _REGISTER_PARAMETER_PATCH:
+        original = nn.Module.register_parameter
 
-    def register_on_meta(module: nn.Module, name: str, param) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        def register_on_meta(module: nn.Module, name: str, param) -> None:
+            if param is not None and not param.is_meta:
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            original(module, name, param)
 
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = register_on_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original
 
 
 def _spec_of(model: nn.Module, name: str) -> Optional[ParamSpec]:
