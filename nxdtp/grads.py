@@ -108,9 +108,13 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     p = _check_norm_type(norm_type)
     grads_sharded: List[torch.Tensor] = []
     grads_replicated: List[torch.Tensor] = []
+    # A shard of a tensor whose blocks the full tensor holds several times (replicated KV heads) counts once per copy.
+    copies: List[float] = []
     for param in _unique_params(parameters):
         if param.grad is not None:
             (grads_sharded if _is_tp_sharded(param) else grads_replicated).append(param.grad.detach())
+            if _is_tp_sharded(param):
+                copies.append(float(getattr(param, "num_replicas", 1)))
     all_grads = grads_sharded + grads_replicated
     device = all_grads[0].device if all_grads else torch.device("cpu")
     group = tensor_parallel_group()
@@ -130,7 +134,7 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     # constant, so every rank traces the same graph. It is moved over as a 1-element tensor: torch_xla turns a 0-dim
     # host tensor holding 0 or 1 into a graph constant, which would give TP rank 0 a different graph.
     replica_weight = torch.tensor([1.0 if group.rank == 0 else 0.0], dtype=torch.float32).to(device).reshape(())
-    sharded = per_tensor_norms(grads_sharded).pow(p).sum()
+    sharded = (per_tensor_norms(grads_sharded).pow(p) / torch.tensor(copies or [1.0], device=device)).sum()
     replicated = per_tensor_norms(grads_replicated).pow(p).sum()
     total = comm.all_reduce(sharded + replicated * replica_weight, group, op="sum")
     return total.pow(1.0 / p)

@@ -106,6 +106,31 @@ class _ReduceScatter(torch.autograd.Function):
         return comm.all_gather(grad, ctx.group, ctx.dim), None, None
 
 
+class _SumOverReplicas(torch.autograd.Function):
+    """Forward: identity on this rank's shard of a tensor whose full form repeats each block of rows ``replicas``
+    times (along dim 0). Backward: every copy of a block gets the sum of all copies' gradients, wherever they live."""
+
+    @staticmethod
+    def forward(ctx, x, group, replicas, block):
+        ctx.group, ctx.replicas, ctx.block = group, replicas, block
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = comm.all_gather(grad, ctx.group, 0)
+        rest = tuple(full.shape[1:])
+        grouped = full.reshape((-1, ctx.replicas, ctx.block) + rest)
+        summed = grouped.sum(dim=1, keepdim=True).expand_as(grouped).reshape(full.shape)
+        return split_along_dim(summed, ctx.group, 0), None, None, None
+
+
+def sum_gradients_over_replicas(input_: torch.Tensor, replicas: int, block: int) -> torch.Tensor:
+    """For a TP shard (split along dim 0) of a tensor that holds each ``block`` rows ``replicas`` times (KV heads
+    replicated because TP exceeds them): the copies' gradients are summed, so the copies, wherever they are, get the
+    dense gradient of their block and stay equal under any optimizer."""
+    return _SumOverReplicas.apply(input_, tensor_parallel_group(), replicas, block)
+
+
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, gradient summed over TP ranks in backward."""
     return _CopyToRegion.apply(input_, _group(process_group))

@@ -153,6 +153,52 @@ class Replicate:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVReplicatedColumnParallel:
+    """A K or V projection (``nn.Linear`` with ``heads * head_dim`` outputs) for tensor parallelism beyond its head
+    count: every head is repeated ``replicas`` times, then the outputs are split column-parallel, so each rank holds the
+    KV heads its query heads attend with (NxD's ``kv_size_multiplier``). The copies' gradients are summed in backward,
+    so copies on different ranks stay equal; the gradient norm counts each once; checkpoints merge to the dense
+    projection and reshard to any degree."""
+
+    head_dim: int
+    replicas: int
+    expects = nn.Linear
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        block = dict(replicas=self.replicas, replica_block=self.head_dim)
+        dense_spec = ParamSpec(full_shape=(module.out_features * self.replicas, module.in_features), partition_dim=0,
+                               **block)
+        expanded = nn.Linear(module.in_features, module.out_features * self.replicas, bias=module.bias is not None,
+                             device="meta", dtype=module.weight.dtype)
+        expanded.weight = nn.Parameter(dense_spec.expand_replicas(module.weight.detach()),
+                                       requires_grad=module.weight.requires_grad)
+        if module.bias is not None:
+            expanded.bias = nn.Parameter(dense_spec.expand_replicas(module.bias.detach()),
+                                         requires_grad=module.bias.requires_grad)
+        layer = ColumnParallel(input_in_tensor_parallel_region=True).convert(expanded, name)
+        for param_name, spec in layer.param_specs().items():
+            dense = (module.out_features,) + tuple(spec.full_shape[1:])
+            layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=dense, **block))
+        wrap_forward(layer, f"nxdtp_kv_replicas_{self.replicas}x{self.head_dim}",
+                     _kv_replica_forward(self.replicas, self.head_dim))
+        return layer
+
+
+_KV_REPLICA_FORWARDS: Dict[Tuple[int, int], Callable] = {}
+
+
+def _kv_replica_forward(replicas: int, block: int) -> Callable:
+    # One function per (replicas, block): wrap_forward keys its subclasses by wrapper name.
+    if (replicas, block) not in _KV_REPLICA_FORWARDS:
+        def forward_with_summed_copies(forward, *args, **kwargs):
+            return call_with_parameters_as(
+                forward, lambda p: mappings.sum_gradients_over_replicas(p, replicas, block), *args, **kwargs)
+
+        _KV_REPLICA_FORWARDS[(replicas, block)] = forward_with_summed_copies
+    return _KV_REPLICA_FORWARDS[(replicas, block)]
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicatedWithGradAllReduce:
     """Keep the module whole on every TP rank when it acts inside a TP region on this rank's share of the data (a
     per-head norm such as Qwen3's q_norm sees only this rank's heads): each rank then holds part of the parameters'

@@ -29,6 +29,10 @@ class ParamSpec:
     num_partitions: int = 1
     real_shape: Optional[Tuple[int, ...]] = None  # the unpadded full shape; None means equal to full_shape
     sequence_parallel: bool = False
+    # Replicated blocks (KV heads when tp exceeds them): along partition_dim the full tensor holds every block of
+    # ``replica_block`` rows of the dense tensor ``replicas`` times in a row; real_shape is then the dense shape.
+    replicas: int = 1
+    replica_block: int = 1
 
     @property
     def is_sharded(self) -> bool:
@@ -37,6 +41,25 @@ class ParamSpec:
     @property
     def unpadded_shape(self) -> Tuple[int, ...]:
         return self.real_shape if self.real_shape is not None else self.full_shape
+
+    def collapse_replicas(self, full: torch.Tensor) -> torch.Tensor:
+        """The dense tensor from the full (replicated) one: the first copy of every block."""
+        if self.replicas == 1:
+            return full
+        dim, block = self.partition_dim, self.replica_block
+        shape = tuple(full.shape)
+        grouped = full.reshape(shape[:dim] + (-1, self.replicas, block) + shape[dim + 1:])
+        return grouped.select(dim + 1, 0).reshape(shape[:dim] + (-1,) + shape[dim + 1:])
+
+    def expand_replicas(self, dense: torch.Tensor) -> torch.Tensor:
+        """The full (replicated) tensor from the dense one: every block ``replicas`` times in a row."""
+        if self.replicas == 1:
+            return dense
+        dim, block = self.partition_dim, self.replica_block
+        shape = tuple(dense.shape)
+        grouped = dense.reshape(shape[:dim] + (-1, 1, block) + shape[dim + 1:])
+        expanded = grouped.expand(shape[:dim] + (grouped.shape[dim], self.replicas, block) + shape[dim + 1:])
+        return expanded.reshape(shape[:dim] + (-1,) + shape[dim + 1:])
 
     def local_shape(self) -> Tuple[int, ...]:
         if not self.is_sharded:
@@ -55,7 +78,8 @@ class ParamSpec:
     def from_dict(cls, d: Dict[str, Any]) -> "ParamSpec":
         return cls(full_shape=tuple(d["full_shape"]), partition_dim=d["partition_dim"], stride=d["stride"],
                    num_partitions=d["num_partitions"], real_shape=tuple(d["real_shape"]),
-                   sequence_parallel=d["sequence_parallel"])
+                   sequence_parallel=d["sequence_parallel"], replicas=d.get("replicas", 1),
+                   replica_block=d.get("replica_block", 1))
 
 
 def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:
@@ -65,6 +89,7 @@ def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:
     param.partition_stride = spec.stride
     param.num_partitions = spec.num_partitions
     param.sequence_parallel_enabled = spec.sequence_parallel
+    param.num_replicas = spec.replicas
 
 
 class ShardedModule(nn.Module):

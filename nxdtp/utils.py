@@ -10,7 +10,7 @@ from torch import nn
 from .spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
-                    "sequence_parallel_enabled")
+                    "sequence_parallel_enabled", "num_replicas")
 
 
 def divide(numerator: int, denominator: int) -> int:

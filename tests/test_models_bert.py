@@ -134,8 +134,13 @@ def _expected_local(dense_tensor: torch.Tensor, param: torch.Tensor, spec, what:
     assert (param.partition_dim, param.partition_stride) == (spec.partition_dim, spec.stride), what
     assert tuple(dense_tensor.shape) == tuple(spec.unpadded_shape), (
         f"{what}: dense shape {tuple(dense_tensor.shape)} != spec real shape {spec.unpadded_shape}")
-    full = dense_tensor.new_zeros(spec.full_shape)
-    full[tuple(slice(0, s) for s in dense_tensor.shape)] = dense_tensor
+    if spec.replicas > 1:
+        # Replicated blocks (KV heads): the full tensor repeats each block of `replica_block` rows `replicas` times.
+        rows = dense_tensor.reshape((-1, spec.replica_block) + tuple(dense_tensor.shape[1:]))
+        full = rows.repeat_interleave(spec.replicas, dim=0).reshape(spec.full_shape)
+    else:
+        full = dense_tensor.new_zeros(spec.full_shape)
+        full[tuple(slice(0, s) for s in dense_tensor.shape)] = dense_tensor
     return _slice(full, param.partition_dim, rank, tp, param.partition_stride)
 
 

@@ -33,11 +33,11 @@ FAMILIES = {
 }
 
 
-def _config(family: str, tp: int):
+def _config(family: str, kv_heads: int):
     config_class, _, extra = FAMILIES[family]
     return getattr(transformers, config_class)(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=tp, max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0,
+        num_key_value_heads=kv_heads, max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0,
         **{"tie_word_embeddings": False, **extra})
 
 
@@ -57,12 +57,13 @@ def _batch(seed: int):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int):
+def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int, kv_heads=None):
     tp = ps.get_tensor_model_parallel_size()
     report = []
     for family in families:
-        what = f"{family} tp={tp} sp={sequence_parallel} divisible_by={multiple}"
-        config = _config(family, tp)
+        kv = kv_heads or tp
+        what = f"{family} tp={tp} kv_heads={kv} sp={sequence_parallel} divisible_by={multiple}"
+        config = _config(family, kv)
         dense = _dense(family, config, seed=len(family))
         model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel,
                                   make_vocab_size_divisible_by=multiple)
@@ -103,6 +104,15 @@ def test_decoders_equal_dense(worlds, world, tp, sp):
     results = worlds(world).run(case_decoder_equals_dense, tensor_model_parallel_size=tp, families=families,
                                 sequence_parallel=sp, multiple=8 if sp else 1)
     assert all(len(r) == len(families) for r in results)
+
+
+@pytest.mark.parametrize("world,tp,sp", [pytest.param(4, 4, False, id="tp4"), pytest.param(4, 4, True, id="tp4-sp")])
+def test_kv_heads_fewer_than_tp_are_replicated(worlds, world, tp, sp):
+    # num_key_value_heads=2 at tp=4: every KV head twice; K/V gradients (summed over the copies) and the grad norm
+    # (each copy counted once) equal dense.
+    results = worlds(world).run(case_decoder_equals_dense, tensor_model_parallel_size=tp, families=("llama", "qwen3"),
+                                sequence_parallel=sp, multiple=1, kv_heads=2)
+    assert all(len(r) == 2 for r in results)
 
 
 def test_unsupported_models_are_named():

@@ -21,10 +21,13 @@ Megatron-style, as for BERT:
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
-from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
-    VocabParallelLMHead, wrap_forward
+from ..parallel_state import tensor_parallel_group
+from ..plan import ColumnParallel, KVReplicatedColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, \
+    RowParallel, VocabParallelEmbedding, VocabParallelLMHead, wrap_forward
 from .common import check_model, gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block, \
     with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
@@ -56,11 +59,11 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
             styles[norm] = Replicate(sequence_parallel=True)
 
     def prepare(model: nn.Module) -> dict:
-        _validate(model)
+        extra = _validate(model)
         if "model.layers.0.self_attn.q_norm" in {name for name, _ in model.named_modules()}:
-            return {LAYER + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
-                    LAYER + "self_attn.k_norm": ReplicatedWithGradAllReduce()}
-        return {}
+            extra.update({LAYER + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
+                          LAYER + "self_attn.k_norm": ReplicatedWithGradAllReduce()})
+        return extra
 
     def finalize(model: nn.Module) -> None:
         _wire(model, sequence_parallel)
@@ -68,10 +71,31 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
 
-def _validate(model: nn.Module) -> None:
+def _validate(model: nn.Module) -> dict:
+    """Check the sizes; return the K/V styles when TP exceeds (or does not divide) the KV heads."""
     config = model.config
     check_model(model, "Llama-family", SUPPORTED, {what: getattr(config, what) for what in
-                                                   ("num_attention_heads", "num_key_value_heads", "intermediate_size")})
+                                                   ("num_attention_heads", "intermediate_size")})
+    tp = tensor_parallel_group().size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    replicas = kv_replicas(config, tp)
+    if replicas == 1:
+        return {}
+    if heads % (kv_heads * replicas) != 0:
+        raise ValueError(f"{type(model).__name__} num_key_value_heads={kv_heads} at tensor_model_parallel_size={tp} "
+                         f"needs each KV head {replicas} times, {kv_heads * replicas} in all, which does not divide "
+                         f"num_attention_heads={heads}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = KVReplicatedColumnParallel(head_dim=head_dim, replicas=replicas)
+    return {LAYER + "self_attn.k_proj": kv, LAYER + "self_attn.v_proj": kv}
+
+
+def kv_replicas(config, tp: int) -> int:
+    """How many times each KV head is repeated so that TP divides them (1 when it already does). Each rank then holds
+    the KV heads its query heads use, as long as the repeated count divides the query heads: HF's grouping maps query
+    head q to KV head q // (num_attention_heads / num_key_value_heads)."""
+    kv_heads = config.num_key_value_heads
+    return 1 if kv_heads % tp == 0 else math.lcm(kv_heads, tp) // kv_heads
 
 
 def _attention_drops(attention: nn.Module) -> bool:
@@ -82,7 +106,11 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     tp_attention = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_drops)
     tp_mlp = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, never_drops)
     suffix = "_sp" if sequence_parallel else ""
+    config = model.config
+    # Query heads per local KV head: unchanged by an even split, smaller when KV heads are repeated.
+    groups = config.num_attention_heads // (config.num_key_value_heads * kv_replicas(config, tensor_parallel_group().size))
     for layer in model.model.layers:
+        layer.self_attn.num_key_value_groups = groups
         wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)
         wrap_forward(layer.mlp, "nxdtp_tp_mlp" + suffix, tp_mlp)
     if sequence_parallel:
