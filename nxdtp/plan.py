@@ -158,7 +158,8 @@ class KVReplicatedColumnParallel:
     count: every head is repeated ``replicas`` times, then the outputs are split column-parallel, so each rank holds the
     KV heads its query heads attend with (NxD's ``kv_size_multiplier``). The copies' gradients are summed in backward,
     so copies on different ranks stay equal; the gradient norm counts each once; checkpoints merge to the dense
-    projection and reshard to any degree."""
+    projection and reshard to any degree. With ``replicas=1`` it is a plain column-parallel split whose spec still
+    records the head size, so a checkpoint can later be resharded to a degree that needs copies."""
 
     head_dim: int
     replicas: int
@@ -179,8 +180,9 @@ class KVReplicatedColumnParallel:
         for param_name, spec in layer.param_specs().items():
             dense = (module.out_features,) + tuple(spec.full_shape[1:])
             layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=dense, **block))
-        wrap_forward(layer, f"nxdtp_kv_replicas_{self.replicas}x{self.head_dim}",
-                     _kv_replica_forward(self.replicas, self.head_dim))
+        if self.replicas > 1:
+            wrap_forward(layer, f"nxdtp_kv_replicas_{self.replicas}x{self.head_dim}",
+                         _kv_replica_forward(self.replicas, self.head_dim))
         return layer
 
 

@@ -115,6 +115,14 @@ def test_kv_heads_fewer_than_tp_are_replicated(worlds, world, tp, sp):
     assert all(len(r) == 2 for r in results)
 
 
+@pytest.mark.slow
+def test_kv_heads_repeated_four_times_at_tp8(worlds):
+    # 8 ranks on a 2-core machine: slow. Each of 2 KV heads is repeated 4 times, one copy per rank.
+    results = worlds(8).run(case_decoder_equals_dense, tensor_model_parallel_size=8, families=("llama",),
+                            sequence_parallel=False, multiple=1, kv_heads=2)
+    assert all(len(r) == 1 for r in results)
+
+
 def test_unsupported_models_are_named():
     from nxdtp.models import supported_models
 
@@ -145,8 +153,18 @@ llama_model, mistral_model, qwen2_model, qwen3_model = (_round_trip_model(f) for
                                                         ("llama", "mistral", "qwen2", "qwen3"))
 
 
+def llama_kv2_model(seed):
+    return _dense("llama", _config("llama", 2), seed=seed)   # tp=2 splits the KV heads, tp=4 repeats them
+
+
 def checkpoint_batch():
     return _batch(seed=8)
+
+
+def test_kv_heads_repeated_after_resharding_round_trip(worlds, tmp_path):
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_decoders:llama_kv2_model",
+                                "tests.test_models_decoders:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                "LlamaForCausalLM")
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])  # untied/tied heads, biases, q/k norms
@@ -281,3 +299,25 @@ def case_checkpointed_decoder_layers(family: str, sequence_parallel: bool):
 def test_checkpoint_layers_on_decoders_changes_nothing(worlds, sp):
     assert worlds(2).run(case_checkpointed_decoder_layers, tensor_model_parallel_size=2, family="qwen3",
                          sequence_parallel=sp) == ["qwen3"] * 2
+
+
+def test_a_checkpoint_with_repeated_kv_heads_merges_and_reshards_back(worlds, tmp_path):
+    """Saved at tp=4 with each of 2 KV heads repeated twice: the merge holds the dense projections (plain transformers
+    computes the same logits) and resharding to tp=2 drops the copies (the resumed run continues with the same loss)."""
+    from nxdtp.checkpointing.merge import merge, reshard
+    from tests.model_helpers import TOL as HELPER_TOL, case_load_resharded, case_train_and_save
+
+    build, batch = "tests.test_models_decoders:llama_kv2_model", "tests.test_models_decoders:checkpoint_batch"
+    saved = worlds(4).run(case_train_and_save, tensor_model_parallel_size=4, directory=str(tmp_path / "tp4"),
+                          build=build, batch=batch, vocab_size=VOCAB)[0]
+    merge(str(tmp_path / "tp4"), str(tmp_path / "merged"), progress=False)
+    reshard(str(tmp_path / "tp4"), str(tmp_path / "tp2"), 2, progress=False)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert tuple(dense.model.layers[0].self_attn.k_proj.weight.shape) == (2 * 4, 32)  # 2 KV heads of 4 dims
+    with torch.no_grad():
+        torch.testing.assert_close(dense(**checkpoint_batch()).logits, saved["logits"], **HELPER_TOL)
+    for result in worlds(2).run(case_load_resharded, tensor_model_parallel_size=2, resharded=str(tmp_path / "tp2"),
+                                merged=str(tmp_path / "merged"), build=build, batch=batch, vocab_size=VOCAB):
+        torch.testing.assert_close(result["logits"], saved["logits"], **HELPER_TOL)
+        torch.testing.assert_close(result["pretrained_logits"], saved["logits"], **HELPER_TOL)
+        assert abs(result["next_loss"] - saved["next_loss"]) <= 1e-5, (result["next_loss"], saved["next_loss"])

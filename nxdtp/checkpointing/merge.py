@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -303,8 +304,9 @@ def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: 
 
 
 def _dense(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
-    """The full tensor without its padding, in the index dtype."""
-    return _narrow_to(_assemble(model_files, key, entry, index), entry.spec.unpadded_shape).contiguous()
+    """The dense tensor: the full one without its replicated copies and padding, in the index dtype."""
+    full = _assemble(model_files, key, entry, index)
+    return _narrow_to(entry.spec.collapse_replicas(full), entry.spec.unpadded_shape).contiguous()
 
 
 def _narrow_to(tensor: torch.Tensor, shape) -> torch.Tensor:
@@ -316,8 +318,11 @@ def _narrow_to(tensor: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
-    """The real part of ``full`` (old padding) padded with zeros to the new full shape."""
-    real = _narrow_to(full, old.unpadded_shape)
+    """The real part of ``full`` (old padding and copies dropped) in the new layout: padded with zeros to the new full
+    shape, or with its blocks repeated as the new degree needs."""
+    real = _narrow_to(old.collapse_replicas(full), old.unpadded_shape)
+    if new.replicas > 1:
+        return new.expand_replicas(real).contiguous()
     if tuple(real.shape) == tuple(new.full_shape):
         return real
     padded = torch.zeros(new.full_shape, dtype=full.dtype)
@@ -350,7 +355,7 @@ def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int])
             pass
     tp = index.tensor_model_parallel_size
     padded = {(e.spec.unpadded_shape[e.spec.partition_dim], e.spec.full_shape[e.spec.partition_dim])
-              for e in index.tensors.values() if e.spec.is_sharded
+              for e in index.tensors.values() if e.spec.is_sharded and e.spec.replicas == 1
               and e.spec.unpadded_shape[e.spec.partition_dim] != e.spec.full_shape[e.spec.partition_dim]}
     if not padded:
         return 1, "default (the source checkpoint has no padding)"
@@ -392,6 +397,12 @@ def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size:
     dim, stride = spec.partition_dim, spec.stride
     real = spec.unpadded_shape[dim]
     full = list(spec.full_shape)
+    if spec.replica_block > 1:
+        # Heads (KV projections) are repeated until the new degree divides them, as the model will shard them.
+        heads = real // spec.replica_block
+        replicas = 1 if heads % new_tp == 0 else math.lcm(heads, new_tp) // heads
+        full[dim] = heads * replicas * spec.replica_block
+        return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp, replicas=replicas)
     vocab_parallel = real != full[dim] or (vocab_size is not None and real == vocab_size and stride == 1)
     if vocab_parallel:
         if stride != 1:

@@ -107,6 +107,12 @@ def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -
     if stored != spec.unpadded_shape:
         raise ValueError(f"checkpoint tensor '{key}' has shape {list(stored)}, but the model expects "
                          f"{list(spec.unpadded_shape)}")
+    if spec.replicas > 1:
+        # This rank's copies of repeated blocks (KV heads): each local block is a whole block of the dense tensor.
+        block = spec.replica_block
+        local_blocks = spec.full_shape[dim] // tp // block
+        dense_blocks = [(rank * local_blocks + b) // spec.replicas for b in range(local_blocks)]
+        return torch.cat([reader.read(key, dim, j * block, (j + 1) * block) for j in dense_blocks], dim=dim)
     piece = spec.full_shape[dim] // (tp * stride)
     parts = []
     for block in range(stride):

@@ -79,8 +79,6 @@ def _validate(model: nn.Module) -> dict:
     tp = tensor_parallel_group().size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     replicas = kv_replicas(config, tp)
-    if replicas == 1:
-        return {}
     if heads % (kv_heads * replicas) != 0:
         raise ValueError(f"{type(model).__name__} num_key_value_heads={kv_heads} at tensor_model_parallel_size={tp} "
                          f"needs each KV head {replicas} times, {kv_heads * replicas} in all, which does not divide "
