@@ -72,6 +72,10 @@ class ParamSpec:
         d = dataclasses.asdict(self)
         d["full_shape"] = list(self.full_shape)
         d["real_shape"] = list(self.unpadded_shape)
+        # Written only where they say something, so specs without repeated blocks read as before.
+        for name in ("replicas", "replica_block"):
+            if d[name] == 1:
+                del d[name]
         return d
 
     @classmethod
