@@ -186,6 +186,44 @@ class KVReplicatedColumnParallel:
         return layer
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadPadded:
+    """A projection whose attention heads TP does not divide: ``padded_heads - heads`` zero heads are appended along
+    ``dim`` (0: the output rows of Q/K/V, 1: the input columns of the output projection), then ``style`` splits it.
+    Zero heads stay zero in training (their scores, values and gradients are zero) and add nothing to the output;
+    the spec records the real size, so merging strips them and resharding pads for the new degree."""
+
+    style: object        # ColumnParallel(...) or RowParallel(...)
+    head_dim: int
+    padded_heads: int
+    dim: int
+    expects = nn.Linear
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        padded_size_ = self.padded_heads * self.head_dim
+        real = module.weight.shape[self.dim]
+        weight = module.weight.detach()
+        shape = list(weight.shape)
+        shape[self.dim] = padded_size_ - real
+        weight = torch.cat([weight, weight.new_zeros(shape)], dim=self.dim)
+        padded = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta",
+                           dtype=module.weight.dtype)
+        padded.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        if module.bias is not None:
+            bias = module.bias.detach()
+            if self.dim == 0:
+                bias = torch.cat([bias, bias.new_zeros(padded_size_ - real)])
+            padded.bias = nn.Parameter(bias, requires_grad=module.bias.requires_grad)
+        layer = self.style.convert(padded, name)
+        for param_name, spec in layer.param_specs().items():
+            if spec.partition_dim == self.dim:
+                dense = list(spec.full_shape)
+                dense[spec.partition_dim] = real
+                layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=tuple(dense),
+                                                                          pad_block=self.head_dim))
+        return layer
+
+
 _KV_REPLICA_FORWARDS: Dict[Tuple[int, int], Callable] = {}
 
 

@@ -33,6 +33,9 @@ class ParamSpec:
     # ``replica_block`` rows of the dense tensor ``replicas`` times in a row; real_shape is then the dense shape.
     replicas: int = 1
     replica_block: int = 1
+    # Zero-padded heads (head counts TP does not divide): the real rows end in whole heads of ``pad_block`` rows along
+    # partition_dim, and the padding is whole zero heads after them.
+    pad_block: int = 1
 
     @property
     def is_sharded(self) -> bool:
@@ -73,7 +76,7 @@ class ParamSpec:
         d["full_shape"] = list(self.full_shape)
         d["real_shape"] = list(self.unpadded_shape)
         # Written only where they say something, so specs without repeated blocks read as before.
-        for name in ("replicas", "replica_block"):
+        for name in ("replicas", "replica_block", "pad_block"):
             if d[name] == 1:
                 del d[name]
         return d
@@ -83,7 +86,7 @@ class ParamSpec:
         return cls(full_shape=tuple(d["full_shape"]), partition_dim=d["partition_dim"], stride=d["stride"],
                    num_partitions=d["num_partitions"], real_shape=tuple(d["real_shape"]),
                    sequence_parallel=d["sequence_parallel"], replicas=d.get("replicas", 1),
-                   replica_block=d.get("replica_block", 1))
+                   replica_block=d.get("replica_block", 1), pad_block=d.get("pad_block", 1))
 
 
 def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:

@@ -104,3 +104,29 @@ def check_checkpoint_round_trip(worlds, root, build: str, batch: str, vocab_size
         for key in ("logits", "pretrained_logits"):
             torch.testing.assert_close(result[key], saved["logits"], **TOL, msg=lambda m: f"{what} {key}: {m}")
         assert abs(result["next_loss"] - saved["next_loss"]) <= 1e-5, (what, result["next_loss"], saved["next_loss"])
+
+
+def check_saved_at_tp4_merges_and_reshards_to_tp2(worlds, root, build: str, batch: str, vocab_size: int,
+                                                  class_name: str):
+    """The other direction, for layouts that only the larger degree has (repeated KV heads, zero heads): saved at tp=4,
+    the merge is the dense model (plain transformers computes the same logits) and the checkpoint resharded to tp=2
+    resumes with the same next loss."""
+    import transformers
+
+    from nxdtp.checkpointing.merge import merge, reshard
+
+    saved_dir, merged, resharded = (os.path.join(str(root), name) for name in ("tp4", "merged", "tp2"))
+    saved = worlds(4).run(case_train_and_save, tensor_model_parallel_size=4, directory=saved_dir, build=build,
+                          batch=batch, vocab_size=vocab_size)[0]
+    merge(saved_dir, merged, progress=False)
+    reshard(saved_dir, resharded, 2, progress=False)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    assert type(dense).__name__ == class_name, type(dense).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(dense(**_resolve(batch)()).logits, saved["logits"], **TOL)
+    for result in worlds(2).run(case_load_resharded, tensor_model_parallel_size=2, resharded=resharded, merged=merged,
+                                build=build, batch=batch, vocab_size=vocab_size):
+        torch.testing.assert_close(result["logits"], saved["logits"], **TOL)
+        torch.testing.assert_close(result["pretrained_logits"], saved["logits"], **TOL)
+        assert abs(result["next_loss"] - saved["next_loss"]) <= 1e-5, (result["next_loss"], saved["next_loss"])
+    return dense

@@ -18,7 +18,8 @@ import torch
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import gather_vocab_logits, parallelize_model
-from tests.model_helpers import check_checkpoint_round_trip, randomised
+from tests.model_helpers import check_checkpoint_round_trip, check_saved_at_tp4_merges_and_reshards_to_tp2, \
+    randomised
 from tests.test_models_bert import TOL, _check_grads, _check_weights, _close, _dense_grad_norm, _expected_local, _specs
 
 transformers = pytest.importorskip("transformers")
@@ -135,8 +136,15 @@ def test_unsupported_models_are_named():
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
             num_key_value_heads=3))
-        with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by tensor_model_parallel_size=2"):
-            parallelize_model(llama)
+        with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by tensor_model_parallel_size=2; "
+                                             ".*or pass pad_heads=True"):
+            parallelize_model(llama, pad_heads=False)
+        grouped = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
+            num_key_value_heads=1))
+        with pytest.raises(ValueError, match=r"num_attention_heads=3 is not divisible by tensor_model_parallel_size=2, "
+                                             r"and zero-head padding is supported for models without grouped KV heads"):
+            parallelize_model(grouped)
     assert "Qwen3ForCausalLM" in supported_models()
 
 
@@ -302,22 +310,65 @@ def test_checkpoint_layers_on_decoders_changes_nothing(worlds, sp):
 
 
 def test_a_checkpoint_with_repeated_kv_heads_merges_and_reshards_back(worlds, tmp_path):
-    """Saved at tp=4 with each of 2 KV heads repeated twice: the merge holds the dense projections (plain transformers
-    computes the same logits) and resharding to tp=2 drops the copies (the resumed run continues with the same loss)."""
-    from nxdtp.checkpointing.merge import merge, reshard
-    from tests.model_helpers import TOL as HELPER_TOL, case_load_resharded, case_train_and_save
-
-    build, batch = "tests.test_models_decoders:llama_kv2_model", "tests.test_models_decoders:checkpoint_batch"
-    saved = worlds(4).run(case_train_and_save, tensor_model_parallel_size=4, directory=str(tmp_path / "tp4"),
-                          build=build, batch=batch, vocab_size=VOCAB)[0]
-    merge(str(tmp_path / "tp4"), str(tmp_path / "merged"), progress=False)
-    reshard(str(tmp_path / "tp4"), str(tmp_path / "tp2"), 2, progress=False)
-    dense = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    """Saved at tp=4 with each of 2 KV heads repeated twice: the merge holds the dense projections and resharding to
+    tp=2 drops the copies."""
+    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(worlds, tmp_path, "tests.test_models_decoders:llama_kv2_model",
+                                                          "tests.test_models_decoders:checkpoint_batch", VOCAB,
+                                                          "LlamaForCausalLM")
     assert tuple(dense.model.layers[0].self_attn.k_proj.weight.shape) == (2 * 4, 32)  # 2 KV heads of 4 dims
-    with torch.no_grad():
-        torch.testing.assert_close(dense(**checkpoint_batch()).logits, saved["logits"], **HELPER_TOL)
-    for result in worlds(2).run(case_load_resharded, tensor_model_parallel_size=2, resharded=str(tmp_path / "tp2"),
-                                merged=str(tmp_path / "merged"), build=build, batch=batch, vocab_size=VOCAB):
-        torch.testing.assert_close(result["logits"], saved["logits"], **HELPER_TOL)
-        torch.testing.assert_close(result["pretrained_logits"], saved["logits"], **HELPER_TOL)
-        assert abs(result["next_loss"] - saved["next_loss"]) <= 1e-5, (result["next_loss"], saved["next_loss"])
+
+
+# ---- head counts TP does not divide: zero heads ------------------------------------------------------------------------
+
+def _six_heads(seed):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=64,
+                                      attention_bias=True, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return randomised(transformers.LlamaForCausalLM(config), seed + 1)
+
+
+six_heads_model = _six_heads
+
+
+def case_padded_heads_equal_dense(sequence_parallel: bool):
+    tp = ps.get_tensor_model_parallel_size()
+    what = f"llama 6 heads tp={tp} sp={sequence_parallel}"
+    dense = _six_heads(seed=21)
+    model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
+    q = model.model.layers[0].self_attn.q_proj
+    assert tuple(q.weight.shape) == (2 * 8, 48), (what, tuple(q.weight.shape))   # 8 heads of 8 dims, 2 per rank
+    batch = _batch(seed=22)
+    dense_out, out = dense(**batch), model(**batch)
+    _close(out.loss, dense_out.loss, f"{what} loss")
+    _close(gather_vocab_logits(out.logits, VOCAB), dense_out.logits, f"{what} logits")
+    dense_out.loss.backward()
+    out.loss.backward()
+    allreduce_sequence_parallel_gradients(model.parameters())
+    _check_grads(model, dense, what)   # the padded heads' rows and columns: zero gradient
+    _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+    with pytest.raises(ValueError, match=r"num_attention_heads=6 is not divisible by tensor_model_parallel_size=4; "
+                                         r".*pad_heads=True"):
+        parallelize_model(copy.deepcopy(dense), pad_heads=False)
+    return what
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
+def test_heads_tp_does_not_divide_are_padded(worlds, sp):
+    assert len(worlds(4).run(case_padded_heads_equal_dense, tensor_model_parallel_size=4, sequence_parallel=sp)) == 4
+
+
+def test_padded_heads_round_trip(worlds, tmp_path):
+    # Saved at tp=2 (6 heads split evenly), resumed at tp=4 with 2 zero heads; from_pretrained_sharded pads too.
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_decoders:six_heads_model",
+                                "tests.test_models_decoders:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                "LlamaForCausalLM")
+
+
+
+def test_a_checkpoint_with_zero_heads_merges_and_reshards_back(worlds, tmp_path):
+    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(worlds, tmp_path, "tests.test_models_decoders:six_heads_model",
+                                                          "tests.test_models_decoders:checkpoint_batch", VOCAB,
+                                                          "LlamaForCausalLM")
+    assert tuple(dense.model.layers[0].self_attn.q_proj.weight.shape) == (6 * 8, 48)  # the zero heads are stripped
+    assert tuple(dense.model.layers[0].self_attn.o_proj.weight.shape) == (48, 6 * 8)

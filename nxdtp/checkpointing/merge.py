@@ -355,7 +355,7 @@ def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int])
             pass
     tp = index.tensor_model_parallel_size
     padded = {(e.spec.unpadded_shape[e.spec.partition_dim], e.spec.full_shape[e.spec.partition_dim])
-              for e in index.tensors.values() if e.spec.is_sharded and e.spec.replicas == 1
+              for e in index.tensors.values() if e.spec.is_sharded and e.spec.replicas == 1 and e.spec.pad_block == 1
               and e.spec.unpadded_shape[e.spec.partition_dim] != e.spec.full_shape[e.spec.partition_dim]}
     if not padded:
         return 1, "default (the source checkpoint has no padding)"
@@ -403,6 +403,11 @@ def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size:
         replicas = 1 if heads % new_tp == 0 else math.lcm(heads, new_tp) // heads
         full[dim] = heads * replicas * spec.replica_block
         return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp, replicas=replicas)
+    if spec.pad_block > 1:
+        # Zero heads are appended until the new degree divides the heads, as the model will pad them.
+        heads = real // spec.pad_block
+        full[dim] = -(-heads // new_tp) * new_tp * spec.pad_block
+        return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp)
     vocab_parallel = real != full[dim] or (vocab_size is not None and real == vocab_size and stride == 1)
     if vocab_parallel:
         if stride != 1:

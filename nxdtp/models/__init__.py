@@ -28,13 +28,16 @@ def supported_models() -> list:
     return sorted(_FAMILIES)
 
 
-def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_vocab_size_divisible_by: int):
+def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_vocab_size_divisible_by: int,
+                   pad_heads: bool = True):
     """(a function of the model giving its plan, the checkpoint-key function): the family's hand-written plan, else
     the one HF ships in the config (base_model_tp_plan), else a TypeError naming the class."""
     require_supported_transformers()
     family = _FAMILIES.get(model_class.__name__)
     if family is not None:
-        plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by)
+        # Head padding exists for the Llama family; the other plans refuse head counts TP does not divide.
+        options = {"pad_heads": pad_heads} if family is llama else {}
+        plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by, **options)
         return (lambda model: plan), family.checkpoint_keys
     if hf_tp_plan.has_tp_plan(config):
         return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by)),
@@ -44,22 +47,24 @@ def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_voca
 
 
 def parallelize_model(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
-                      broadcast_replicated: bool = True) -> nn.Module:
+                      broadcast_replicated: bool = True, pad_heads: bool = True) -> nn.Module:
     """Shard a supported HF model in place over the tensor-parallel group and return it.
 
     Families with a hand-written plan use it; any other model whose config carries HF's ``base_model_tp_plan`` is
     sharded from that (``nxdtp.models.hf_tp_plan``). ``make_vocab_size_divisible_by`` pads the vocabulary to a multiple
     of it times the TP size (merging strips the padding). ``broadcast_replicated`` makes replicated parameters equal to
-    TP rank 0's. A model nxdtp cannot shard raises ``TypeError`` naming its class, before anything changes.
+    TP rank 0's. ``pad_heads`` (Llama family, models without grouped KV heads) appends zero attention heads when TP
+    does not divide them, with a logged warning; ``False`` makes that an error. A model nxdtp cannot shard raises
+    ``TypeError`` naming its class, before anything changes.
     """
     plan_of, _ = _plan_and_keys(type(model), getattr(model, "config", None), sequence_parallel,
-                                make_vocab_size_divisible_by)
+                                make_vocab_size_divisible_by, pad_heads)
     return parallelize(model, plan_of(model), broadcast_replicated=broadcast_replicated)
 
 
 def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, sequence_parallel: bool = False,
                             make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
-                            config=None) -> nn.Module:
+                            config=None, pad_heads: bool = True) -> nn.Module:
     """Build a TP-sharded model from a local HF model directory; each rank reads only its own slices of the weights.
 
     ``model_class`` defaults to the first of ``config.architectures``; ``config`` replaces the directory's config.json
@@ -77,7 +82,8 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
             raise ValueError(f"{model_dir}: config.json names no known architecture ({architectures}); pass "
                              f"model_class=, one of {supported_models()}")
         model_class = getattr(transformers, architectures[0])
-    plan_of, checkpoint_keys = _plan_and_keys(model_class, config, sequence_parallel, make_vocab_size_divisible_by)
+    plan_of, checkpoint_keys = _plan_and_keys(model_class, config, sequence_parallel, make_vocab_size_divisible_by,
+                                              pad_heads)
     return build_from_pretrained(model_dir, model_class, config,
                                  lambda model: parallelize(model, plan_of(model), broadcast_replicated=False),
                                  checkpoint_keys, dtype=dtype, device=device)

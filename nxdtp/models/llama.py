@@ -21,16 +21,19 @@ Megatron-style, as for BERT:
 
 from __future__ import annotations
 
+import logging
 import math
 
 from torch import nn
 
 from ..parallel_state import tensor_parallel_group
-from ..plan import ColumnParallel, KVReplicatedColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, \
+from ..plan import ColumnParallel, HeadPadded, KVReplicatedColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, \
     RowParallel, VocabParallelEmbedding, VocabParallelLMHead, wrap_forward
 from .common import check_model, gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block, \
     with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
+
+logger = logging.getLogger(__name__)
 
 # HF decoders are batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1
@@ -39,7 +42,9 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 LAYER = "model.layers.*."
 
 
-def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
+    """``pad_heads``: when TP does not divide the attention heads of a model without grouped KV heads, append zero
+    heads (with a logged warning naming the count) instead of refusing it."""
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
@@ -59,7 +64,7 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
             styles[norm] = Replicate(sequence_parallel=True)
 
     def prepare(model: nn.Module) -> dict:
-        extra = _validate(model)
+        extra = _validate(model, sequence_parallel, pad_heads)
         if "model.layers.0.self_attn.q_norm" in {name for name, _ in model.named_modules()}:
             extra.update({LAYER + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
                           LAYER + "self_attn.k_norm": ReplicatedWithGradAllReduce()})
@@ -71,21 +76,49 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
 
-def _validate(model: nn.Module) -> dict:
-    """Check the sizes; return the K/V styles when TP exceeds (or does not divide) the KV heads."""
+def _validate(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> dict:
+    """Check the sizes; return the attention styles when TP does not divide the heads: repeated KV heads, or padded
+    heads."""
     config = model.config
-    check_model(model, "Llama-family", SUPPORTED, {what: getattr(config, what) for what in
-                                                   ("num_attention_heads", "intermediate_size")})
+    name = type(model).__name__
+    check_model(model, "Llama-family", SUPPORTED, {"intermediate_size": config.intermediate_size})
     tp = tensor_parallel_group().size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    entry = dict(input_in_tensor_parallel_region=True)
+    if kv_heads == heads:
+        # Without grouped KV heads, Q, K, V and the output projection record their head size, so checkpoints can be
+        # resharded to degrees that need zero heads, and get zero heads here when TP does not divide them.
+        padded = padded_head_count(config, tp)
+        if padded != heads:
+            if not pad_heads:
+                raise ValueError(f"{name} num_attention_heads={heads} is not divisible by tensor_model_parallel_size="
+                                 f"{tp}; choose a tensor_model_parallel_size that divides it, or pass pad_heads=True")
+            logger.warning("%s: num_attention_heads=%d is not divisible by tensor_model_parallel_size=%d: padding with "
+                           "%d zero heads to %d", name, heads, tp, padded - heads, padded)
+        column = HeadPadded(ColumnParallel(**entry), head_dim, padded, dim=0)
+        return {LAYER + "self_attn.q_proj": column, LAYER + "self_attn.k_proj": column,
+                LAYER + "self_attn.v_proj": column,
+                LAYER + "self_attn.o_proj": HeadPadded(RowParallel(sequence_parallel=sequence_parallel,
+                                                                   sequence_dimension=SEQUENCE_DIM),
+                                                       head_dim, padded, dim=1)}
+    if heads % tp != 0:
+        raise ValueError(f"{name} num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}, "
+                         f"and zero-head padding is supported for models without grouped KV heads only "
+                         f"(num_key_value_heads={kv_heads}); choose a tensor_model_parallel_size that divides {heads}")
     replicas = kv_replicas(config, tp)
     if heads % (kv_heads * replicas) != 0:
-        raise ValueError(f"{type(model).__name__} num_key_value_heads={kv_heads} at tensor_model_parallel_size={tp} "
+        raise ValueError(f"{name} num_key_value_heads={kv_heads} at tensor_model_parallel_size={tp} "
                          f"needs each KV head {replicas} times, {kv_heads * replicas} in all, which does not divide "
                          f"num_attention_heads={heads}")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = KVReplicatedColumnParallel(head_dim=head_dim, replicas=replicas)
     return {LAYER + "self_attn.k_proj": kv, LAYER + "self_attn.v_proj": kv}
+
+
+def padded_head_count(config, tp: int) -> int:
+    """The attention heads after padding with zero heads to a multiple of ``tp`` (NxD's get_number_of_extra_heads
+    gives the difference)."""
+    return -(-config.num_attention_heads // tp) * tp
 
 
 def kv_replicas(config, tp: int) -> int:
@@ -106,7 +139,11 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     suffix = "_sp" if sequence_parallel else ""
     config = model.config
     # Query heads per local KV head: unchanged by an even split, smaller when KV heads are repeated.
-    groups = config.num_attention_heads // (config.num_key_value_heads * kv_replicas(config, tensor_parallel_group().size))
+    tp = tensor_parallel_group().size
+    if config.num_key_value_heads == config.num_attention_heads:
+        groups = 1   # with or without zero heads, every query head has its own KV head
+    else:
+        groups = config.num_attention_heads // (config.num_key_value_heads * kv_replicas(config, tp))
     for layer in model.model.layers:
         layer.self_attn.num_key_value_groups = groups
         wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)
