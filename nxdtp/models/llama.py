@@ -7,7 +7,9 @@ Megatron-style, as for BERT:
 * Q, K and V are column-parallel behind one entry region, ``o_proj`` row-parallel: one all-reduce forward and one
   backward per attention block. ``gate_proj`` and ``up_proj`` are column-parallel behind one region, ``down_proj``
   row-parallel. Each rank runs ``num_attention_heads / tp`` query heads and ``num_key_value_heads / tp`` KV heads;
-  rotary embeddings apply per head, so they need nothing.
+  rotary embeddings apply per head, so they need nothing. With fewer KV heads than TP ranks (or a count TP does not
+  divide) each KV head is repeated until TP divides them (``KVReplicatedColumnParallel``); a model without grouped KV
+  heads whose head count TP does not divide gets zero heads (``HeadPadded``, ``pad_heads``).
 * ``embed_tokens`` and ``lm_head`` are vocab-parallel (padded to ``make_vocab_size_divisible_by * tp``), tied when the
   config ties them. The loss is the vocab-parallel causal-LM loss (``nxdtp.models.losses``); ``logits`` stay
   vocab-parallel (``gather_vocab_logits`` gives the full ones).
