@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-from . import comm, grads, layers, loss_functions, mappings, optimizers, parallel_state, random, spec, utils  # noqa: E402
+from . import comm, grads, layers, loss_functions, mappings, optimizers, pad, parallel_state, random, spec, utils  # noqa: E402
 from .grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, clip_grad_norm, get_grad_norm  # noqa: E402
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear  # noqa: E402
 from .loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy  # noqa: E402
@@ -18,7 +18,7 @@ from .random import checkpoint, get_xla_rng_tracker, model_parallel_xla_manual_s
 from .utils import move_model_to_device  # noqa: E402
 
 __all__ = [
-    "__version__", "comm", "grads", "layers", "loss_functions", "mappings", "optimizers", "parallel_state", "random",
+    "__version__", "comm", "grads", "layers", "loss_functions", "mappings", "optimizers", "pad", "parallel_state", "random",
     "spec", "utils", "Lamb",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm",
     "parallel_cross_entropy", "from_parallel_logits_to_logprobs",

@@ -188,40 +188,68 @@ class KVReplicatedColumnParallel:
 
 @dataclasses.dataclass(frozen=True)
 class HeadPadded:
-    """A projection whose attention heads TP does not divide: ``padded_heads - heads`` zero heads are appended along
-    ``dim`` (0: the output rows of Q/K/V, 1: the input columns of the output projection), then ``style`` splits it.
-    Zero heads stay zero in training (their scores, values and gradients are zero) and add nothing to the output;
-    the spec records the real size, so merging strips them and resharding pads for the new degree."""
+    """A projection whose attention heads TP does not divide: zero heads are added along ``dim`` (0: the output rows of
+    Q/K/V, 1: the input columns of the output projection) until there are ``padded_heads``, then ``style`` splits it.
+    With ``groups=1`` the zero heads follow all real heads; with ``groups=k`` (grouped-query attention, k KV heads)
+    each of the k query groups gets its own zero heads at its end (``nxdtp.heads`` gives the counts).
+
+    The output projection multiplies its input by a mask of this rank's real columns (a buffer, so the graph is the
+    same on every rank): a zero query head that shares a real KV head still attends and produces values, and the mask
+    keeps them out of the output and out of every gradient. Zero heads therefore stay zero in training. The specs
+    record the real size, the head size and the groups, so merging strips the zero heads and resharding pads anew."""
 
     style: object        # ColumnParallel(...) or RowParallel(...)
     head_dim: int
     padded_heads: int
     dim: int
+    groups: int = 1
     expects = nn.Linear
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
-        padded_size_ = self.padded_heads * self.head_dim
-        real = module.weight.shape[self.dim]
-        weight = module.weight.detach()
-        shape = list(weight.shape)
-        shape[self.dim] = padded_size_ - real
-        weight = torch.cat([weight, weight.new_zeros(shape)], dim=self.dim)
-        padded = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta",
+        padding = dict(pad_block=self.head_dim, pad_groups=self.groups)
+        dense_shape = tuple(module.weight.shape)
+        full_shape = list(dense_shape)
+        full_shape[self.dim] = self.padded_heads * self.head_dim
+        weight_spec = ParamSpec(full_shape=tuple(full_shape), partition_dim=self.dim, real_shape=dense_shape, **padding)
+        padded = nn.Linear(full_shape[1], full_shape[0], bias=module.bias is not None, device="meta",
                            dtype=module.weight.dtype)
-        padded.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        padded.weight = nn.Parameter(weight_spec.full_from_dense(module.weight.detach()),
+                                     requires_grad=module.weight.requires_grad)
         if module.bias is not None:
             bias = module.bias.detach()
             if self.dim == 0:
-                bias = torch.cat([bias, bias.new_zeros(padded_size_ - real)])
+                bias = ParamSpec(full_shape=(full_shape[0],), partition_dim=0, real_shape=tuple(bias.shape),
+                                 **padding).full_from_dense(bias)
             padded.bias = nn.Parameter(bias, requires_grad=module.bias.requires_grad)
         layer = self.style.convert(padded, name)
         for param_name, spec in layer.param_specs().items():
             if spec.partition_dim == self.dim:
                 dense = list(spec.full_shape)
-                dense[spec.partition_dim] = real
-                layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=tuple(dense),
-                                                                          pad_block=self.head_dim))
+                dense[spec.partition_dim] = dense_shape[self.dim]
+                layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=tuple(dense), **padding))
+        if self.dim == 1 and full_shape[1] != dense_shape[1]:
+            _mask_padded_input_columns(layer, module.weight)
         return layer
+
+
+def _mask_padded_input_columns(layer: nn.Module, like: torch.Tensor) -> None:
+    spec = layer.param_specs()["weight"]
+    local = spec.local_shape()[1]
+    start = tensor_parallel_group().rank * local
+    mask = torch.zeros(local, dtype=like.dtype, device="cpu" if like.is_meta else like.device)
+    for position, length, dense_start in spec.dense_segments(start, start + local):
+        if dense_start is not None:
+            mask[position - start:position - start + length] = 1
+    # Not persistent: it is derived from the spec, and state dicts stay as they were. Rank-local, so the broadcast of
+    # replicated state must leave it alone.
+    layer.register_buffer("nxdtp_real_columns", mask, persistent=False)
+    layer._nxdtp_rank_local_buffers = ("nxdtp_real_columns",)
+    wrap_forward(layer, "nxdtp_mask_padded_heads", _forward_with_padded_heads_masked)
+
+
+def _forward_with_padded_heads_masked(forward, input_, *args, **kwargs):
+    mask = forward.__self__.nxdtp_real_columns
+    return forward(input_ * mask.to(input_.dtype), *args, **kwargs)
 
 
 _KV_REPLICA_FORWARDS: Dict[Tuple[int, int], Callable] = {}
@@ -344,15 +372,17 @@ def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]
 
 
 def broadcast_replicated_state(model: nn.Module) -> None:
-    """Make every replicated parameter and buffer equal to TP rank 0's copy."""
+    """Make every replicated parameter and buffer equal to TP rank 0's copy (sharded parameters and rank-local
+    buffers, which differ by rank on purpose, are left alone)."""
     group = tensor_parallel_group()
     if group.size == 1:
         return
-    sharded = {id(getattr(m, n)) for m in model.modules() if isinstance(m, ShardedModule)
-               for n, spec in m.param_specs().items() if spec.is_sharded}
+    per_rank = {id(getattr(m, n)) for m in model.modules() if isinstance(m, ShardedModule)
+                for n, spec in m.param_specs().items() if spec.is_sharded}
+    per_rank |= {id(getattr(m, n)) for m in model.modules() for n in getattr(m, "_nxdtp_rank_local_buffers", ())}
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            if id(tensor) in sharded or tensor.device.type == "meta":
+            if id(tensor) in per_rank or tensor.device.type == "meta":
                 continue
             tensor.copy_(comm.broadcast(tensor, group, src_group_rank=0))
 

@@ -33,9 +33,11 @@ class ParamSpec:
     # ``replica_block`` rows of the dense tensor ``replicas`` times in a row; real_shape is then the dense shape.
     replicas: int = 1
     replica_block: int = 1
-    # Zero-padded heads (head counts TP does not divide): the real rows end in whole heads of ``pad_block`` rows along
-    # partition_dim, and the padding is whole zero heads after them.
+    # Zero-padded heads (head counts TP does not divide): along partition_dim the real rows are ``pad_groups`` equal
+    # groups of whole heads of ``pad_block`` rows, and each group is followed by the same number of zero heads (one
+    # group: the zero heads come after all real rows; grouped-query attention: a group per KV head).
     pad_block: int = 1
+    pad_groups: int = 1
 
     @property
     def is_sharded(self) -> bool:
@@ -64,6 +66,51 @@ class ParamSpec:
         expanded = grouped.expand(shape[:dim] + (grouped.shape[dim], self.replicas, block) + shape[dim + 1:])
         return expanded.reshape(shape[:dim] + (-1,) + shape[dim + 1:])
 
+    def dense_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        """The dense tensor (a view where possible) from the full one: its copies and its padding dropped."""
+        real = self.collapse_replicas(full)
+        if self.pad_groups > 1:
+            dim = self.partition_dim
+            real = real.unflatten(dim, (self.pad_groups, -1)).narrow(dim + 1, 0, self._real_per_group())
+            real = real.flatten(dim, dim + 1)
+        return _leading_block(real, self.unpadded_shape)
+
+    def full_from_dense(self, dense: torch.Tensor) -> torch.Tensor:
+        """The full tensor from the dense one: its blocks repeated, or zero padding added, as this spec lays it out."""
+        if self.replicas > 1:
+            return self.expand_replicas(dense).contiguous()
+        if tuple(dense.shape) == tuple(self.full_shape):
+            return dense
+        full = torch.zeros(self.full_shape, dtype=dense.dtype, device=dense.device)
+        if self.pad_groups > 1:
+            dim = self.partition_dim
+            grouped = full.unflatten(dim, (self.pad_groups, -1)).narrow(dim + 1, 0, self._real_per_group())
+            grouped.copy_(dense.unflatten(dim, (self.pad_groups, -1)))
+        else:
+            _leading_block(full, dense.shape).copy_(dense)
+        return full
+
+    def _real_per_group(self) -> int:
+        return self.unpadded_shape[self.partition_dim] // self.pad_groups
+
+    def dense_segments(self, start: int, stop: int):
+        """``(start, length, dense_start)`` runs covering rows ``[start, stop)`` of the full tensor along
+        partition_dim: ``dense_start`` is where the run's rows lie in the dense tensor, or None for padding rows.
+        Copies of replicated blocks are not described here (see collapse_replicas)."""
+        dim = self.partition_dim
+        full, real = self.full_shape[dim], self.unpadded_shape[dim]
+        group_full, group_real = full // self.pad_groups, real // self.pad_groups
+        position = start
+        while position < stop:
+            group, offset = divmod(position, group_full)
+            if offset < group_real:
+                length = min(stop, group * group_full + group_real) - position
+                yield position, length, group * group_real + offset
+            else:
+                length = min(stop, (group + 1) * group_full) - position
+                yield position, length, None
+            position += length
+
     def local_shape(self) -> Tuple[int, ...]:
         if not self.is_sharded:
             return self.full_shape
@@ -76,7 +123,7 @@ class ParamSpec:
         d["full_shape"] = list(self.full_shape)
         d["real_shape"] = list(self.unpadded_shape)
         # Written only where they say something, so specs without repeated blocks read as before.
-        for name in ("replicas", "replica_block", "pad_block"):
+        for name in ("replicas", "replica_block", "pad_block", "pad_groups"):
             if d[name] == 1:
                 del d[name]
         return d
@@ -86,7 +133,16 @@ class ParamSpec:
         return cls(full_shape=tuple(d["full_shape"]), partition_dim=d["partition_dim"], stride=d["stride"],
                    num_partitions=d["num_partitions"], real_shape=tuple(d["real_shape"]),
                    sequence_parallel=d["sequence_parallel"], replicas=d.get("replicas", 1),
-                   replica_block=d.get("replica_block", 1), pad_block=d.get("pad_block", 1))
+                   replica_block=d.get("replica_block", 1), pad_block=d.get("pad_block", 1),
+                   pad_groups=d.get("pad_groups", 1))
+
+
+def _leading_block(tensor: torch.Tensor, shape) -> torch.Tensor:
+    """The leading ``shape`` block of ``tensor`` (a view): the tensor without padding at the end of its dims."""
+    for dim, size in enumerate(shape):
+        if tensor.shape[dim] != size:
+            tensor = tensor.narrow(dim, 0, size)
+    return tensor
 
 
 def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:

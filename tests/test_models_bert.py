@@ -138,6 +138,14 @@ def _expected_local(dense_tensor: torch.Tensor, param: torch.Tensor, spec, what:
         # Replicated blocks (KV heads): the full tensor repeats each block of `replica_block` rows `replicas` times.
         rows = dense_tensor.reshape((-1, spec.replica_block) + tuple(dense_tensor.shape[1:]))
         full = rows.repeat_interleave(spec.replicas, dim=0).reshape(spec.full_shape)
+    elif spec.pad_groups > 1:
+        # Grouped zero heads (grouped-query attention): each of the groups along the partition dim gets its own zero
+        # rows at its end.
+        dim = spec.partition_dim
+        pad = list(dense_tensor.shape)
+        pad[dim] = (spec.full_shape[dim] - dense_tensor.shape[dim]) // spec.pad_groups
+        groups = dense_tensor.chunk(spec.pad_groups, dim=dim)
+        full = torch.cat([part for group in groups for part in (group, dense_tensor.new_zeros(pad))], dim=dim)
     else:
         full = dense_tensor.new_zeros(spec.full_shape)
         full[tuple(slice(0, s) for s in dense_tensor.shape)] = dense_tensor

@@ -136,15 +136,14 @@ def test_unsupported_models_are_named():
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
             num_key_value_heads=3))
-        with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by tensor_model_parallel_size=2; "
-                                             ".*or pass pad_heads=True"):
+        with pytest.raises(ValueError, match=r"num_attention_heads=3 \(num_key_value_heads=3\) is not divisible by "
+                                             r"tensor_model_parallel_size=2; .*or pass pad_heads=True"):
             parallelize_model(llama, pad_heads=False)
-        grouped = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
-            num_key_value_heads=1))
-        with pytest.raises(ValueError, match=r"num_attention_heads=3 is not divisible by tensor_model_parallel_size=2, "
-                                             r"and zero-head padding is supported for models without grouped KV heads"):
-            parallelize_model(grouped)
+        uneven = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=3))
+        with pytest.raises(ValueError, match=r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
+            parallelize_model(uneven)
     assert "Qwen3ForCausalLM" in supported_models()
 
 
@@ -320,9 +319,9 @@ def test_a_checkpoint_with_repeated_kv_heads_merges_and_reshards_back(worlds, tm
 
 # ---- head counts TP does not divide: zero heads ------------------------------------------------------------------------
 
-def _six_heads(seed):
+def _six_heads(seed, kv_heads=6):
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=64,
+                                      num_attention_heads=6, num_key_value_heads=kv_heads, max_position_embeddings=64,
                                       attention_bias=True, tie_word_embeddings=False)
     torch.manual_seed(seed)
     return randomised(transformers.LlamaForCausalLM(config), seed + 1)
@@ -331,31 +330,55 @@ def _six_heads(seed):
 six_heads_model = _six_heads
 
 
-def case_padded_heads_equal_dense(sequence_parallel: bool):
+def six_heads_two_kv_model(seed):
+    # At tp=4: each of the 2 KV heads twice, and each group of 3 query heads padded to 4, split over the 2 copies.
+    return _six_heads(seed, kv_heads=2)
+
+
+def case_padded_heads_equal_dense(sequence_parallel: bool, kv_heads: int, padded_q_rows: int):
     tp = ps.get_tensor_model_parallel_size()
-    what = f"llama 6 heads tp={tp} sp={sequence_parallel}"
-    dense = _six_heads(seed=21)
+    what = f"llama 6 heads kv_heads={kv_heads} tp={tp} sp={sequence_parallel}"
+    dense = _six_heads(seed=21, kv_heads=kv_heads)
     model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
     q = model.model.layers[0].self_attn.q_proj
-    assert tuple(q.weight.shape) == (2 * 8, 48), (what, tuple(q.weight.shape))   # 8 heads of 8 dims, 2 per rank
-    batch = _batch(seed=22)
-    dense_out, out = dense(**batch), model(**batch)
-    _close(out.loss, dense_out.loss, f"{what} loss")
-    _close(gather_vocab_logits(out.logits, VOCAB), dense_out.logits, f"{what} logits")
-    dense_out.loss.backward()
-    out.loss.backward()
-    allreduce_sequence_parallel_gradients(model.parameters())
-    _check_grads(model, dense, what)   # the padded heads' rows and columns: zero gradient
-    _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
-    with pytest.raises(ValueError, match=r"num_attention_heads=6 is not divisible by tensor_model_parallel_size=4; "
-                                         r".*pad_heads=True"):
+    assert tuple(q.weight.shape) == (padded_q_rows // tp, 48), (what, tuple(q.weight.shape))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    # Two steps: after the first update, the zero heads must still be zero (else the second step would differ).
+    for step in range(2):
+        batch = _batch(seed=22 + step)
+        dense_out, out = dense(**batch), model(**batch)
+        _close(out.loss, dense_out.loss, f"{what} step {step} loss")
+        _close(gather_vocab_logits(out.logits, VOCAB), dense_out.logits, f"{what} step {step} logits")
+        dense_out.loss.backward()
+        out.loss.backward()
+        allreduce_sequence_parallel_gradients(model.parameters())
+        _check_grads(model, dense, f"{what} step {step}")   # the padded heads' rows and columns: zero gradient
+        _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)),
+               f"{what} step {step} grad norm")
+        for opt in (optimizer, dense_optimizer):
+            opt.step()
+            opt.zero_grad()
+    _check_weights(model, dense, what)
+    with pytest.raises(ValueError, match=rf"num_attention_heads=6 \(num_key_value_heads={kv_heads}\) is not "
+                                         r"divisible by tensor_model_parallel_size=4; .*pad_heads=True"):
         parallelize_model(copy.deepcopy(dense), pad_heads=False)
     return what
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
 def test_heads_tp_does_not_divide_are_padded(worlds, sp):
-    assert len(worlds(4).run(case_padded_heads_equal_dense, tensor_model_parallel_size=4, sequence_parallel=sp)) == 4
+    # 6 heads at tp=4: 2 zero heads after the real ones, in Q, K and V alike.
+    assert len(worlds(4).run(case_padded_heads_equal_dense, tensor_model_parallel_size=4, sequence_parallel=sp,
+                             kv_heads=6, padded_q_rows=8 * 8)) == 4
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
+def test_grouped_query_heads_tp_does_not_divide_are_padded(worlds, sp):
+    # 6 query heads over 2 KV heads at tp=4: KV heads repeated, each query group padded from 3 to 4 heads; the zero
+    # query heads attend with a real KV head, so only the output projection's mask keeps them out.
+    assert len(worlds(4).run(case_padded_heads_equal_dense, tensor_model_parallel_size=4, sequence_parallel=sp,
+                             kv_heads=2, padded_q_rows=8 * 8)) == 4
 
 
 def test_padded_heads_round_trip(worlds, tmp_path):
@@ -372,3 +395,20 @@ def test_a_checkpoint_with_zero_heads_merges_and_reshards_back(worlds, tmp_path)
                                                           "LlamaForCausalLM")
     assert tuple(dense.model.layers[0].self_attn.q_proj.weight.shape) == (6 * 8, 48)  # the zero heads are stripped
     assert tuple(dense.model.layers[0].self_attn.o_proj.weight.shape) == (48, 6 * 8)
+
+
+def test_grouped_query_padded_heads_round_trip(worlds, tmp_path):
+    # Saved at tp=2 (no zero heads), resumed at tp=4 (grouped zero heads); from_pretrained_sharded pads too.
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_decoders:six_heads_two_kv_model",
+                                "tests.test_models_decoders:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                "LlamaForCausalLM")
+
+
+def test_a_checkpoint_with_grouped_zero_heads_merges_and_reshards_back(worlds, tmp_path):
+    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(worlds, tmp_path,
+                                                          "tests.test_models_decoders:six_heads_two_kv_model",
+                                                          "tests.test_models_decoders:checkpoint_batch", VOCAB,
+                                                          "LlamaForCausalLM")
+    attention = dense.model.layers[0].self_attn
+    assert tuple(attention.q_proj.weight.shape) == (6 * 8, 48) and tuple(attention.o_proj.weight.shape) == (48, 6 * 8)
+    assert tuple(attention.k_proj.weight.shape) == (2 * 8, 48)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -44,6 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import __version__
+from ..heads import kv_replicas, padded_rows
 from ..layers import shard_of
 from ..plan import padded_size
 from ..spec import ParamSpec
@@ -305,29 +305,13 @@ def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: 
 
 def _dense(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
     """The dense tensor: the full one without its replicated copies and padding, in the index dtype."""
-    full = _assemble(model_files, key, entry, index)
-    return _narrow_to(entry.spec.collapse_replicas(full), entry.spec.unpadded_shape).contiguous()
-
-
-def _narrow_to(tensor: torch.Tensor, shape) -> torch.Tensor:
-    """The leading ``shape`` block of ``tensor`` (a view): the tensor without its padding."""
-    for dim, size in enumerate(shape):
-        if tensor.shape[dim] != size:
-            tensor = tensor.narrow(dim, 0, size)
-    return tensor
+    return entry.spec.dense_from_full(_assemble(model_files, key, entry, index)).contiguous()
 
 
 def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
     """The real part of ``full`` (old padding and copies dropped) in the new layout: padded with zeros to the new full
-    shape, or with its blocks repeated as the new degree needs."""
-    real = _narrow_to(old.collapse_replicas(full), old.unpadded_shape)
-    if new.replicas > 1:
-        return new.expand_replicas(real).contiguous()
-    if tuple(real.shape) == tuple(new.full_shape):
-        return real
-    padded = torch.zeros(new.full_shape, dtype=full.dtype)
-    _narrow_to(padded, real.shape).copy_(real)
-    return padded
+    shape, or with its blocks repeated, as the new degree needs."""
+    return new.full_from_dense(old.dense_from_full(full))
 
 
 def _pieces(full: torch.Tensor, spec: ParamSpec, new_tp: int):
@@ -400,13 +384,16 @@ def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size:
     if spec.replica_block > 1:
         # Heads (KV projections) are repeated until the new degree divides them, as the model will shard them.
         heads = real // spec.replica_block
-        replicas = 1 if heads % new_tp == 0 else math.lcm(heads, new_tp) // heads
+        replicas = kv_replicas(heads, new_tp)
         full[dim] = heads * replicas * spec.replica_block
         return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp, replicas=replicas)
+    if spec.pad_groups > 1 and spec.pad_block == 1:
+        raise ValueError(f"'{key}' has zero rows at the end of every rank's shard (nxdtp.pad.pad_model), which depend on "
+                         "the TP degree it was padded for; resharding it is not supported: merge the checkpoint, and "
+                         "pad the model again at the new degree")
     if spec.pad_block > 1:
-        # Zero heads are appended until the new degree divides the heads, as the model will pad them.
-        heads = real // spec.pad_block
-        full[dim] = -(-heads // new_tp) * new_tp * spec.pad_block
+        # Zero heads are added until the new degree divides the heads, as the model will pad them.
+        full[dim] = padded_rows(real, spec.pad_block, spec.pad_groups, new_tp)
         return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp)
     vocab_parallel = real != full[dim] or (vocab_size is not None and real == vocab_size and stride == 1)
     if vocab_parallel:

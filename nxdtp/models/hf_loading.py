@@ -100,9 +100,8 @@ class CheckpointReader:
 
 
 def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -> torch.Tensor:
-    """This rank's shard of ``key`` as ``spec`` lays it out: strided pieces, with zero rows past the real size."""
+    """This rank's shard of ``key`` as ``spec`` lays it out: strided pieces, with zero rows where it is padded."""
     dim, tp, stride = spec.partition_dim, spec.num_partitions, spec.stride
-    real = spec.unpadded_shape[dim]
     stored = reader.shape(key)
     if stored != spec.unpadded_shape:
         raise ValueError(f"checkpoint tensor '{key}' has shape {list(stored)}, but the model expects "
@@ -117,14 +116,13 @@ def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -
     parts = []
     for block in range(stride):
         start = (block * tp + rank) * piece
-        stop = start + piece
-        have = max(0, min(stop, real) - start)
-        if have:
-            parts.append(reader.read(key, dim, start, start + have))
-        if have < piece:
-            shape = list(spec.full_shape)
-            shape[dim] = piece - have
-            parts.append(torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32))
+        for _, length, dense_start in spec.dense_segments(start, start + piece):
+            if dense_start is not None:
+                parts.append(reader.read(key, dim, dense_start, dense_start + length))
+            else:
+                shape = list(spec.full_shape)
+                shape[dim] = length
+                parts.append(torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32))
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
 

@@ -24,10 +24,10 @@ Megatron-style, as for BERT:
 from __future__ import annotations
 
 import logging
-import math
 
 from torch import nn
 
+from ..heads import kv_replicas, padded_group_size, padded_head_count
 from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, HeadPadded, KVReplicatedColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, \
     RowParallel, VocabParallelEmbedding, VocabParallelLMHead, wrap_forward
@@ -79,56 +79,37 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
 
 
 def _validate(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> dict:
-    """Check the sizes; return the attention styles when TP does not divide the heads: repeated KV heads, or padded
-    heads."""
+    """Check the sizes; return the attention styles: Q, K, V and the output projection record their head layout, so
+    checkpoints can be resharded to degrees that need repeated KV heads or zero heads; this degree may need them."""
     config = model.config
     name = type(model).__name__
     check_model(model, "Llama-family", SUPPORTED, {"intermediate_size": config.intermediate_size})
     tp = tensor_parallel_group().size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if heads % kv_heads != 0:
+        raise ValueError(f"{name} num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    padded = padded_head_count(heads, kv_heads, tp)
+    if padded != heads:
+        if not pad_heads:
+            raise ValueError(f"{name} num_attention_heads={heads} (num_key_value_heads={kv_heads}) is not divisible "
+                             f"by tensor_model_parallel_size={tp}; choose a tensor_model_parallel_size that divides it, "
+                             "or pass pad_heads=True")
+        logger.warning("%s: num_attention_heads=%d (num_key_value_heads=%d) at tensor_model_parallel_size=%d: padding "
+                       "with %d zero heads to %d", name, heads, kv_heads, tp, padded - heads, padded)
     entry = dict(input_in_tensor_parallel_region=True)
+    row = RowParallel(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     if kv_heads == heads:
-        # Without grouped KV heads, Q, K, V and the output projection record their head size, so checkpoints can be
-        # resharded to degrees that need zero heads, and get zero heads here when TP does not divide them.
-        padded = padded_head_count(config, tp)
-        if padded != heads:
-            if not pad_heads:
-                raise ValueError(f"{name} num_attention_heads={heads} is not divisible by tensor_model_parallel_size="
-                                 f"{tp}; choose a tensor_model_parallel_size that divides it, or pass pad_heads=True")
-            logger.warning("%s: num_attention_heads=%d is not divisible by tensor_model_parallel_size=%d: padding with "
-                           "%d zero heads to %d", name, heads, tp, padded - heads, padded)
+        # Without grouped KV heads, K and V get the same zero heads as Q, at the end.
         column = HeadPadded(ColumnParallel(**entry), head_dim, padded, dim=0)
         return {LAYER + "self_attn.q_proj": column, LAYER + "self_attn.k_proj": column,
-                LAYER + "self_attn.v_proj": column,
-                LAYER + "self_attn.o_proj": HeadPadded(RowParallel(sequence_parallel=sequence_parallel,
-                                                                   sequence_dimension=SEQUENCE_DIM),
-                                                       head_dim, padded, dim=1)}
-    if heads % tp != 0:
-        raise ValueError(f"{name} num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}, "
-                         f"and zero-head padding is supported for models without grouped KV heads only "
-                         f"(num_key_value_heads={kv_heads}); choose a tensor_model_parallel_size that divides {heads}")
-    replicas = kv_replicas(config, tp)
-    if heads % (kv_heads * replicas) != 0:
-        raise ValueError(f"{name} num_key_value_heads={kv_heads} at tensor_model_parallel_size={tp} "
-                         f"needs each KV head {replicas} times, {kv_heads * replicas} in all, which does not divide "
-                         f"num_attention_heads={heads}")
-    kv = KVReplicatedColumnParallel(head_dim=head_dim, replicas=replicas)
-    return {LAYER + "self_attn.k_proj": kv, LAYER + "self_attn.v_proj": kv}
-
-
-def padded_head_count(config, tp: int) -> int:
-    """The attention heads after padding with zero heads to a multiple of ``tp`` (NxD's get_number_of_extra_heads
-    gives the difference)."""
-    return -(-config.num_attention_heads // tp) * tp
-
-
-def kv_replicas(config, tp: int) -> int:
-    """How many times each KV head is repeated so that TP divides them (1 when it already does). Each rank then holds
-    the KV heads its query heads use, as long as the repeated count divides the query heads: HF's grouping maps query
-    head q to KV head q // (num_attention_heads / num_key_value_heads)."""
-    kv_heads = config.num_key_value_heads
-    return 1 if kv_heads % tp == 0 else math.lcm(kv_heads, tp) // kv_heads
+                LAYER + "self_attn.v_proj": column, LAYER + "self_attn.o_proj": HeadPadded(row, head_dim, padded, dim=1)}
+    # With grouped KV heads, the KV heads are repeated until TP divides them, and each query group gets the zero heads
+    # that split it evenly over its KV head's copies.
+    kv = KVReplicatedColumnParallel(head_dim=head_dim, replicas=kv_replicas(kv_heads, tp))
+    return {LAYER + "self_attn.q_proj": HeadPadded(ColumnParallel(**entry), head_dim, padded, dim=0, groups=kv_heads),
+            LAYER + "self_attn.k_proj": kv, LAYER + "self_attn.v_proj": kv,
+            LAYER + "self_attn.o_proj": HeadPadded(row, head_dim, padded, dim=1, groups=kv_heads)}
 
 
 def _attention_drops(attention: nn.Module) -> bool:
@@ -142,10 +123,11 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     config = model.config
     # Query heads per local KV head: unchanged by an even split, smaller when KV heads are repeated.
     tp = tensor_parallel_group().size
-    if config.num_key_value_heads == config.num_attention_heads:
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if kv_heads == heads:
         groups = 1   # with or without zero heads, every query head has its own KV head
     else:
-        groups = config.num_attention_heads // (config.num_key_value_heads * kv_replicas(config, tp))
+        groups = padded_group_size(heads, kv_heads, tp) // kv_replicas(kv_heads, tp)
     for layer in model.model.layers:
         layer.self_attn.num_key_value_groups = groups
         wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)
