@@ -163,6 +163,7 @@ class KVReplicatedColumnParallel:
 
     head_dim: int
     replicas: int
+    input_in_tensor_parallel_region: bool = True
     expects = nn.Linear
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
@@ -176,7 +177,8 @@ class KVReplicatedColumnParallel:
         if module.bias is not None:
             expanded.bias = nn.Parameter(dense_spec.expand_replicas(module.bias.detach()),
                                          requires_grad=module.bias.requires_grad)
-        layer = ColumnParallel(input_in_tensor_parallel_region=True).convert(expanded, name)
+        layer = ColumnParallel(input_in_tensor_parallel_region=self.input_in_tensor_parallel_region).convert(expanded,
+                                                                                                            name)
         for param_name, spec in layer.param_specs().items():
             dense = (module.out_features,) + tuple(spec.full_shape[1:])
             layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=dense, **block))

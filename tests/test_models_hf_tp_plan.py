@@ -122,3 +122,53 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
     check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_hf_tp_plan:granite_model",
                                 "tests.test_models_hf_tp_plan:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
                                 "GraniteForCausalLM")
+
+
+# ---- head counts HF's plan cannot split: KV heads repeated, zero heads --------------------------------------------------
+
+HEAD_CASES = {  # name: (config overrides, what tp=4 needs)
+    "GraniteForCausalLM": (dict(num_key_value_heads=2), "each KV head twice"),
+    "Gemma2ForCausalLM": (dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8),
+                          "KV heads twice, query groups padded from 3 to 4"),
+}
+
+
+def case_tp_plan_head_counts_equal_dense():
+    tp = ps.get_tensor_model_parallel_size()
+    checked = []
+    for name, (overrides, needs) in HEAD_CASES.items():
+        what = f"{name} tp={tp} ({needs})"
+        dense = _dense(name, seed=23, **overrides)
+        model = parallelize_model(copy.deepcopy(dense))
+        attention = model.model.layers[0].self_attn
+        assert getattr(attention.k_proj.weight, "num_replicas", 1) == 2, f"{what}: KV heads not repeated"
+        _check_weights(model, dense, what)
+        batch = _batch(seed=24)
+        dense_out, out = dense(**batch), model(**batch)
+        logits = gather_vocab_logits(out.logits, VOCAB) if MODELS[name][2] else out.logits
+        _close(out.loss, dense_out.loss, f"{what} loss")
+        _close(logits, dense_out.logits, f"{what} logits")
+        dense_out.loss.backward()
+        out.loss.backward()
+        _check_grads(model, dense, what)
+        _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+        checked.append(what)
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM num_attention_heads=6 \(num_key_value_heads=2\) is not "
+                                         r"divisible by tensor_model_parallel_size=4; .*pad_heads=True"):
+        parallelize_model(_dense("Gemma2ForCausalLM", seed=1, **HEAD_CASES["Gemma2ForCausalLM"][0]), pad_heads=False)
+    return checked
+
+
+def test_tp_plan_models_get_kv_copies_and_zero_heads(worlds):
+    results = worlds(4).run(case_tp_plan_head_counts_equal_dense, tensor_model_parallel_size=4)
+    assert all(len(r) == len(HEAD_CASES) for r in results)
+
+
+def granite_kv2_model(seed):
+    return _dense("GraniteForCausalLM", seed, num_key_value_heads=2)  # tp=2 splits the KV heads, tp=4 repeats them
+
+
+def test_kv_heads_repeated_after_resharding_a_tp_plan_model(worlds, tmp_path):
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_hf_tp_plan:granite_kv2_model",
+                                "tests.test_models_hf_tp_plan:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                "GraniteForCausalLM")

@@ -35,12 +35,13 @@ def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_voca
     require_supported_transformers()
     family = _FAMILIES.get(model_class.__name__)
     if family is not None:
-        # Head padding exists for the Llama family; the other plans refuse head counts TP does not divide.
+        # Zero heads exist for the Llama family's plan; the other hand-written plans refuse head counts TP does not
+        # divide.
         options = {"pad_heads": pad_heads} if family is llama else {}
         plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by, **options)
         return (lambda model: plan), family.checkpoint_keys
     if hf_tp_plan.has_tp_plan(config):
-        return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by)),
+        return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by, pad_heads)),
                 hf_tp_plan.checkpoint_keys_for(model_class))
     raise TypeError(f"nxdtp cannot shard {model_class.__name__}: it has no hand-written plan (supported models are "
                     f"{supported_models()}) and its config has no base_model_tp_plan")

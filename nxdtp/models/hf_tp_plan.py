@@ -17,31 +17,42 @@ HF's style strings map onto nxdtp styles:
 The input embedding is made vocab-parallel too, so a head tied to it stays consistent, unless its class has a forward
 of its own (Gemma's scaled embedding): then it stays replicated, and so does a head tied to it (a warning says so).
 Any other style is an error naming the style and the module. Sequence parallelism needs a hand-written plan.
+
+Attention blocks whose Q, K and V are ``colwise`` and whose output projection is ``rowwise`` (each rank runs whole
+heads) get what HF's plan lacks: KV heads repeated when TP exceeds or does not divide them, and zero heads when TP does
+not divide the query heads (``attention_heads.py``, as in the hand-written plans).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from typing import Dict
 
 from torch import nn
 
+from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, has_own_forward
+from .attention_heads import attention_projection_styles, local_kv_groups
 from .common import check_model
 from .losses import use_vocab_parallel_causal_lm_loss
 
 logger = logging.getLogger(__name__)
 
 GATHERING = ("colwise_gather_output", "colwise_rep")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def has_tp_plan(config) -> bool:
     return bool(getattr(config, "base_model_tp_plan", None))
 
 
-def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
-    """The nxdtp plan equivalent to ``model``'s HF tensor-parallel plan."""
+def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+            pad_heads: bool = True) -> Plan:
+    """The nxdtp plan equivalent to ``model``'s HF tensor-parallel plan. Attention blocks whose Q, K, V are
+    ``colwise`` and output ``rowwise`` get KV-head copies and zero heads when TP needs them, as the hand-written plans
+    do (``pad_heads=False`` refuses zero heads)."""
     name = type(model).__name__
     if sequence_parallel:
         raise ValueError(f"sequence_parallel=True needs a hand-written plan; {name} is sharded from HF's tp_plan, "
@@ -52,9 +63,12 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
     prefix = model.base_model_prefix
     base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     head_plan = dict(getattr(type(model), "_tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    hf_styles = {}
     for pattern, style in base_plan.items():
         full = f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
         styles[full] = _style(style, full, name, pad)
+        hf_styles[full] = style
+    attention_patterns = _head_split_attention(model, hf_styles)
     embedding_module = model.get_input_embeddings()
     embedding = _module_name(model, embedding_module)
     shard_embedding = embedding is not None and not has_own_forward(embedding_module, nn.Embedding)
@@ -78,12 +92,24 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
             styles[head_name] = VocabParallelLMHead(**pad)
             vocab_parallel_head = True
 
-    def prepare(model: nn.Module) -> None:
-        _validate(model)
+    def prepare(model: nn.Module) -> dict:
+        _validate(model, heads_handled=bool(attention_patterns))
+        config, tp = model.config, tensor_parallel_group().size
+        extra = {}
+        for attention_pattern, head_dim in attention_patterns.items():
+            projections = attention_projection_styles(name, config.num_attention_heads, config.num_key_value_heads,
+                                                      head_dim, tp, pad_heads, ColumnParallel(), RowParallel())
+            extra.update({f"{attention_pattern}.{p}": style for p, style in zip(PROJECTIONS, projections)})
+        return extra
 
     def finalize(model: nn.Module) -> None:
         if vocab_parallel_head:
             use_vocab_parallel_causal_lm_loss(model)
+        config, tp = model.config, tensor_parallel_group().size
+        groups = local_kv_groups(config.num_attention_heads, config.num_key_value_heads, tp)
+        for module_name, module in model.named_modules():
+            if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in attention_patterns):
+                module.num_key_value_groups = groups
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
@@ -108,9 +134,30 @@ def _style(style: str, module_pattern: str, model_name: str, pad: dict):
                      "packed_colwise, embedding_rowwise, replicated_with_grad_allreduce")
 
 
-def _validate(model: nn.Module) -> None:
-    check_model(model, "HF tp_plan", None, {what: getattr(model.config, what, None) for what in
-                                            ("num_attention_heads", "num_key_value_heads", "intermediate_size")})
+def _head_split_attention(model: nn.Module, hf_styles: Dict[str, str]) -> Dict[str, int]:
+    """{attention module pattern: head size} for the attention blocks whose heads nxdtp can lay out for any head count:
+    Q, K and V ``colwise`` and the output ``rowwise`` (so each rank runs whole heads), in a module whose forward reads
+    its ``num_key_value_groups`` and ``head_dim`` attributes, as HF's attention classes do."""
+    config = model.config
+    if not (getattr(config, "num_attention_heads", None) and getattr(config, "num_key_value_heads", None)):
+        return {}
+    found = {}
+    for pattern in hf_styles:
+        attention = pattern[:-len(".q_proj")] if pattern.endswith(".q_proj") else None
+        if attention is None or any(hf_styles.get(f"{attention}.{p}") != style
+                                    for p, style in zip(PROJECTIONS, ("colwise",) * 3 + ("rowwise",))):
+            continue
+        module = next((m for n, m in model.named_modules() if fnmatch.fnmatchcase(n, attention)), None)
+        if module is not None and hasattr(module, "num_key_value_groups") and isinstance(getattr(module, "head_dim",
+                                                                                                 None), int):
+            found[attention] = module.head_dim
+    return found
+
+
+def _validate(model: nn.Module, heads_handled: bool) -> None:
+    sizes = ("intermediate_size",) if heads_handled else ("num_attention_heads", "num_key_value_heads",
+                                                          "intermediate_size")
+    check_model(model, "HF tp_plan", None, {what: getattr(model.config, what, None) for what in sizes})
 
 
 def _module_name(model: nn.Module, module) -> str:

@@ -8,8 +8,8 @@ Megatron-style, as for BERT:
   backward per attention block. ``gate_proj`` and ``up_proj`` are column-parallel behind one region, ``down_proj``
   row-parallel. Each rank runs ``num_attention_heads / tp`` query heads and ``num_key_value_heads / tp`` KV heads;
   rotary embeddings apply per head, so they need nothing. With fewer KV heads than TP ranks (or a count TP does not
-  divide) each KV head is repeated until TP divides them (``KVReplicatedColumnParallel``); a model without grouped KV
-  heads whose head count TP does not divide gets zero heads (``HeadPadded``, ``pad_heads``).
+  divide) each KV head is repeated until TP divides them (``KVReplicatedColumnParallel``); query heads TP does not
+  divide get zero heads (``HeadPadded``, ``pad_heads``). ``attention_heads.py`` chooses these styles.
 * ``embed_tokens`` and ``lm_head`` are vocab-parallel (padded to ``make_vocab_size_divisible_by * tp``), tied when the
   config ties them. The loss is the vocab-parallel causal-LM loss (``nxdtp.models.losses``); ``logits`` stay
   vocab-parallel (``gather_vocab_logits`` gives the full ones).
@@ -23,19 +23,17 @@ Megatron-style, as for BERT:
 
 from __future__ import annotations
 
-import logging
 
 from torch import nn
 
-from ..heads import kv_replicas, padded_group_size, padded_head_count
 from ..parallel_state import tensor_parallel_group
-from ..plan import ColumnParallel, HeadPadded, KVReplicatedColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, \
-    RowParallel, VocabParallelEmbedding, VocabParallelLMHead, wrap_forward
+from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
+    VocabParallelLMHead, wrap_forward
+from .attention_heads import attention_projection_styles, local_kv_groups
 from .common import check_model, gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block, \
     with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
-logger = logging.getLogger(__name__)
 
 # HF decoders are batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1
@@ -45,8 +43,8 @@ LAYER = "model.layers.*."
 
 
 def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
-    """``pad_heads``: when TP does not divide the attention heads of a model without grouped KV heads, append zero
-    heads (with a logged warning naming the count) instead of refusing it."""
+    """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
+    count) instead of refusing the model."""
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
@@ -79,37 +77,16 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
 
 
 def _validate(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> dict:
-    """Check the sizes; return the attention styles: Q, K, V and the output projection record their head layout, so
-    checkpoints can be resharded to degrees that need repeated KV heads or zero heads; this degree may need them."""
+    """Check the sizes; return the attention projections' styles for this model's head counts."""
     config = model.config
-    name = type(model).__name__
     check_model(model, "Llama-family", SUPPORTED, {"intermediate_size": config.intermediate_size})
-    tp = tensor_parallel_group().size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if heads % kv_heads != 0:
-        raise ValueError(f"{name} num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    padded = padded_head_count(heads, kv_heads, tp)
-    if padded != heads:
-        if not pad_heads:
-            raise ValueError(f"{name} num_attention_heads={heads} (num_key_value_heads={kv_heads}) is not divisible "
-                             f"by tensor_model_parallel_size={tp}; choose a tensor_model_parallel_size that divides it, "
-                             "or pass pad_heads=True")
-        logger.warning("%s: num_attention_heads=%d (num_key_value_heads=%d) at tensor_model_parallel_size=%d: padding "
-                       "with %d zero heads to %d", name, heads, kv_heads, tp, padded - heads, padded)
-    entry = dict(input_in_tensor_parallel_region=True)
-    row = RowParallel(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
-    if kv_heads == heads:
-        # Without grouped KV heads, K and V get the same zero heads as Q, at the end.
-        column = HeadPadded(ColumnParallel(**entry), head_dim, padded, dim=0)
-        return {LAYER + "self_attn.q_proj": column, LAYER + "self_attn.k_proj": column,
-                LAYER + "self_attn.v_proj": column, LAYER + "self_attn.o_proj": HeadPadded(row, head_dim, padded, dim=1)}
-    # With grouped KV heads, the KV heads are repeated until TP divides them, and each query group gets the zero heads
-    # that split it evenly over its KV head's copies.
-    kv = KVReplicatedColumnParallel(head_dim=head_dim, replicas=kv_replicas(kv_heads, tp))
-    return {LAYER + "self_attn.q_proj": HeadPadded(ColumnParallel(**entry), head_dim, padded, dim=0, groups=kv_heads),
-            LAYER + "self_attn.k_proj": kv, LAYER + "self_attn.v_proj": kv,
-            LAYER + "self_attn.o_proj": HeadPadded(row, head_dim, padded, dim=1, groups=kv_heads)}
+    styles = attention_projection_styles(
+        type(model).__name__, heads, config.num_key_value_heads, head_dim, tensor_parallel_group().size, pad_heads,
+        ColumnParallel(input_in_tensor_parallel_region=True),   # the block's wrapper opened the region already
+        RowParallel(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM))
+    return {LAYER + "self_attn." + name: style for name, style in zip(("q_proj", "k_proj", "v_proj", "o_proj"), styles)}
 
 
 def _attention_drops(attention: nn.Module) -> bool:
@@ -121,13 +98,7 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     tp_mlp = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, never_drops)
     suffix = "_sp" if sequence_parallel else ""
     config = model.config
-    # Query heads per local KV head: unchanged by an even split, smaller when KV heads are repeated.
-    tp = tensor_parallel_group().size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if kv_heads == heads:
-        groups = 1   # with or without zero heads, every query head has its own KV head
-    else:
-        groups = padded_group_size(heads, kv_heads, tp) // kv_replicas(kv_heads, tp)
+    groups = local_kv_groups(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_group().size)
     for layer in model.model.layers:
         layer.self_attn.num_key_value_groups = groups
         wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)
