@@ -611,15 +611,13 @@ def test_other_bert_heads_equal_dense(worlds):
 # ---- 7. errors (single process, simulated topology: validation runs before anything is converted) ------------------------
 
 @pytest.mark.parametrize("build,error,pattern", [
-    (lambda: BertModel(_config(num_attention_heads=6, hidden_size=48)), ValueError,
-     r"num_attention_heads=6.*tensor_model_parallel_size=4"),
     (lambda: BertModel(_config(intermediate_size=66)), ValueError, r"intermediate_size=66.*tensor_model_parallel_size=4"),
     (lambda: transformers.BertForTokenClassification(_config()), TypeError, r"BertForTokenClassification"),
     (lambda: transformers.BertForQuestionAnswering(_config()), TypeError, r"BertForQuestionAnswering"),
     (lambda: nn.Sequential(nn.Linear(4, 4)), TypeError, r"Sequential"),
     (lambda: BertModel(_config(is_decoder=True)), ValueError, r"is_decoder"),
     (lambda: BertForMaskedLM(_config(is_decoder=True, add_cross_attention=True)), ValueError, r"is_decoder"),
-], ids=["heads", "intermediate", "token-classification", "question-answering", "not-bert", "decoder",
+], ids=["intermediate", "token-classification", "question-answering", "not-bert", "decoder",
         "cross-attention"])
 def test_unsupported_models_are_rejected_before_any_change(build, error, pattern):
     model = build()
@@ -631,6 +629,46 @@ def test_unsupported_models_are_rejected_before_any_change(build, error, pattern
     assert [type(m) for m in model.modules()] == types_before
     after = dict(model.named_parameters())
     assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_zero_heads_refused_on_request_before_any_change():
+    model = BertModel(_config(num_attention_heads=6, hidden_size=48))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=4):
+        with pytest.raises(ValueError, match=r"BertModel num_attention_heads=6 \(num_key_value_heads=6\) is not "
+                                             r"divisible by tensor_model_parallel_size=4; .*pad_heads=True"):
+            parallelize_bert(model, pad_heads=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def case_zero_heads_equal_dense(sequence_parallel: bool):
+    """6 heads at tp=4: 2 zero heads; two SGD steps of BertForPreTraining equal dense (the zero heads stay zero)."""
+    config = _config(num_attention_heads=6, hidden_size=48, intermediate_size=64)
+    dense, model = _pair(BertForPreTraining, config, seed=31, sequence_parallel=sequence_parallel,
+                         make_vocab_size_divisible_by=8)
+    what = f"BERT 6 heads tp=4 sp={sequence_parallel}"
+    assert model.bert.encoder.layer[0].attention.self.num_attention_heads == 2, what
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, dense)]
+    for step in range(2):
+        batch = _batch(config, seed=32 + step)
+        dense_out, out = dense(**batch), model(**batch)
+        _close(out.loss, dense_out.loss, f"{what} step {step} loss")
+        dense_out.loss.backward()
+        out.loss.backward()
+        allreduce_sequence_parallel_gradients(model.parameters())
+        _check_grads(model, dense, f"{what} step {step}")
+        _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)),
+               f"{what} step {step} grad norm")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _check_weights(model, dense, what)
+    return what
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
+def test_heads_tp_does_not_divide_get_zero_heads(worlds, sp):
+    assert len(worlds(4).run(case_zero_heads_equal_dense, tensor_model_parallel_size=4, sequence_parallel=sp)) == 4
 
 
 def test_divisible_configs_pass_validation_at_tp4():

@@ -25,16 +25,17 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, BATCH, PAD = 97, 8, 2, 1
 
 
-def _config(dropout=0.0):
-    return transformers.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+def _config(dropout=0.0, hidden_size=32, heads=4):
+    return transformers.RobertaConfig(vocab_size=VOCAB, hidden_size=hidden_size, num_attention_heads=heads,
+                                      intermediate_size=64,
                                       num_hidden_layers=2, max_position_embeddings=SEQ + PAD + 1, type_vocab_size=1,
                                       hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                                       pad_token_id=PAD, num_labels=3)
 
 
-def _dense(model_class, seed):
+def _dense(model_class, seed, **config):
     torch.manual_seed(seed)
-    return randomised(model_class(_config()), seed + 1)
+    return randomised(model_class(_config(**config)), seed + 1)
 
 
 def _batch(seed, classification=False):
@@ -52,13 +53,13 @@ def _batch(seed, classification=False):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def case_roberta_equals_dense(sequence_parallel: bool, multiple: int):
+def case_roberta_equals_dense(sequence_parallel: bool, multiple: int, heads: int = 4):
     tp = ps.get_tensor_model_parallel_size()
     checked = []
     for name in ("RobertaForMaskedLM", "RobertaForSequenceClassification"):
-        what = f"{name} tp={tp} sp={sequence_parallel} divisible_by={multiple}"
+        what = f"{name} heads={heads} tp={tp} sp={sequence_parallel} divisible_by={multiple}"
         classification = name.endswith("Classification")
-        dense = _dense(getattr(transformers, name), seed=3)
+        dense = _dense(getattr(transformers, name), seed=3, hidden_size=8 * heads, heads=heads)
         model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel,
                                   make_vocab_size_divisible_by=multiple)
         _check_weights(model, dense, what)
@@ -85,6 +86,13 @@ def case_roberta_equals_dense(sequence_parallel: bool, multiple: int):
 def test_roberta_equals_dense(worlds, world, tp, sp):
     results = worlds(world).run(case_roberta_equals_dense, tensor_model_parallel_size=tp, sequence_parallel=sp,
                                 multiple=8 if sp else 1)
+    assert all(len(r) == 2 for r in results)
+
+
+def test_heads_tp_does_not_divide_get_zero_heads(worlds):
+    # 6 heads at tp=4: 2 zero heads after the real ones.
+    results = worlds(4).run(case_roberta_equals_dense, tensor_model_parallel_size=4, sequence_parallel=True,
+                            multiple=1, heads=6)
     assert all(len(r) == 2 for r in results)
 
 

@@ -5,7 +5,8 @@ Everything that can be split is split, Megatron-style:
 
 * Q, K and V are column-parallel and share one entry region, and attention output is row-parallel: one all-reduce
   forward and one backward per attention block. Intermediate is column-parallel, output dense row-parallel: the same
-  for the MLP. Each rank runs ``num_attention_heads / tp`` heads.
+  for the MLP. Each rank runs ``num_attention_heads / tp`` heads; when TP does not divide them, zero heads are added
+  (``pad_heads``, as for the decoders: ``attention_heads.py``).
 * The word embedding is vocab-parallel, padded to a multiple of ``make_vocab_size_divisible_by * tp``. The MLM decoder
   is vocab-parallel, tied to the embedding shard, with a sharded bias. Its logits are never gathered for the loss:
   ``outputs.loss`` comes from ``parallel_cross_entropy`` with the real vocabulary size, so padded columns take no part.
@@ -34,9 +35,11 @@ from torch import nn
 
 from .. import mappings
 from ..loss_functions import parallel_cross_entropy
+from ..heads import padded_head_count
 from ..parallel_state import data_parallel_group, tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     parallelize, wrap_forward
+from .attention_heads import attention_projection_styles
 from .common import attention_bias, checkpoint_layers, dropping, gather_vocab_logits, maybe_forked, \
     require_supported_transformers, tensor_parallel_block, with_and_without_prefix  # noqa: F401 - re-exports
 
@@ -66,11 +69,14 @@ BERT = EncoderFamily("BERT", "Bert", "transformers.models.bert.modeling_bert", S
                      "bert.")
 
 
-def bert_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
-    return encoder_plan(BERT, sequence_parallel, make_vocab_size_divisible_by)
+def bert_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
+    return encoder_plan(BERT, sequence_parallel, make_vocab_size_divisible_by, pad_heads)
 
 
-def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+                 pad_heads: bool = True) -> Plan:
+    """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
+    count) instead of refusing the model."""
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     layer = "*encoder.layer.*."
     styles = {
@@ -89,9 +95,17 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
     def prepare(model: nn.Module) -> dict:
         require_supported_transformers()
         _validate(family, model)
+        config = model.config
+        heads = config.num_attention_heads
+        projections = attention_projection_styles(
+            type(model).__name__, heads, heads, config.hidden_size // heads, tensor_parallel_group().size, pad_heads,
+            ColumnParallel(input_in_tensor_parallel_region=True, **sp), RowParallel(**sp))
+        extra = {layer + name: style for name, style in
+                 zip(("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"),
+                     projections)}
         if any(name == family.mlm_decoder for name, _ in model.named_modules()):
-            return {family.mlm_decoder: VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)}
-        return {}
+            extra[family.mlm_decoder] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
+        return extra
 
     def finalize(model: nn.Module) -> None:
         _wire(family, model, sequence_parallel)
@@ -100,9 +114,9 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
 
 
 def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
-                     broadcast_replicated: bool = True) -> nn.Module:
+                     broadcast_replicated: bool = True, pad_heads: bool = True) -> nn.Module:
     """Shard an HF BERT model in place over the tensor-parallel group and return it."""
-    return parallelize(model, bert_plan(sequence_parallel, make_vocab_size_divisible_by),
+    return parallelize(model, bert_plan(sequence_parallel, make_vocab_size_divisible_by, pad_heads),
                        broadcast_replicated=broadcast_replicated)
 
 
@@ -115,10 +129,9 @@ def _validate(family: EncoderFamily, model: nn.Module) -> None:
         raise TypeError(f"{entry} supports {list(family.supported)}, not {name}")
     config = model.config
     tp = tensor_parallel_group().size
-    for what, value in (("num_attention_heads", config.num_attention_heads),
-                        ("intermediate_size", config.intermediate_size)):
-        if value % tp != 0:
-            raise ValueError(f"{family.name} {what}={value} is not divisible by tensor_model_parallel_size={tp}")
+    if config.intermediate_size % tp != 0:
+        raise ValueError(f"{family.name} intermediate_size={config.intermediate_size} is not divisible by "
+                         f"tensor_model_parallel_size={tp}")
     if config.is_decoder or getattr(config, "add_cross_attention", False):
         raise ValueError(f"{entry} supports encoder {family.name} only (config.is_decoder=False, no cross-attention)")
 
@@ -130,10 +143,11 @@ def _wire(family: EncoderFamily, model: nn.Module, sequence_parallel: bool) -> N
                                         (family.hf_class("SelfOutput"), family.hf_class("Output")),
                                         family.hf_class("Encoder"))
     tp = tensor_parallel_group().size
+    heads = padded_head_count(model.config.num_attention_heads, model.config.num_attention_heads, tp) // tp
     for module in model.modules():
         if isinstance(module, self_attention):
-            module.num_attention_heads //= tp
-            module.all_head_size //= tp
+            module.num_attention_heads = heads
+            module.all_head_size = heads * module.attention_head_size
             wrap_forward(module, "nxdtp_tp_attention_sp" if sequence_parallel else "nxdtp_tp_attention",
                          tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_dropping))
         elif sequence_parallel and isinstance(module, outputs):

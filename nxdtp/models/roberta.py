@@ -19,14 +19,14 @@ ROBERTA = EncoderFamily("RoBERTa", "Roberta", "transformers.models.roberta.model
                         "lm_head.decoder", "roberta.")
 
 
-def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
-    return encoder_plan(ROBERTA, sequence_parallel, make_vocab_size_divisible_by)
+def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
+    return encoder_plan(ROBERTA, sequence_parallel, make_vocab_size_divisible_by, pad_heads)
 
 
 def parallelize_roberta(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
-                        broadcast_replicated: bool = True) -> nn.Module:
+                        broadcast_replicated: bool = True, pad_heads: bool = True) -> nn.Module:
     """Shard an HF RoBERTa model in place over the tensor-parallel group and return it."""
-    return parallelize(model, roberta_plan(sequence_parallel, make_vocab_size_divisible_by),
+    return parallelize(model, roberta_plan(sequence_parallel, make_vocab_size_divisible_by, pad_heads),
                        broadcast_replicated=broadcast_replicated)
 
 
