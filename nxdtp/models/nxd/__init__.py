@@ -1,7 +1,8 @@
 """Import checkpoints written by neuronx-distributed (NxD) into dense Hugging Face model directories.
 
 NxD's per-rank files carry no sharding spec, so each model family has a module that knows how NxD's layers split it
-(``bert.py``: NxD's BERT pretraining example); ``reader.py`` finds and reads the rank files for all of them. :func:`merge_nxd_checkpoint` picks the family from the config's ``model_type``
+(``bert.py``: NxD's BERT pretraining example; ``llama.py``: NxD's Llama training examples); ``reader.py`` finds and
+reads the rank files for all of them. :func:`merge_nxd_checkpoint` picks the family from the config's ``model_type``
 (``nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON`` calls it).
 """
 
@@ -9,15 +10,15 @@ from __future__ import annotations
 
 from typing import Dict
 
-from . import bert
+from . import bert, llama
 from .reader import NxdCheckpointError, load_config_dict
 
 # model_type -> the family module that imports it
-FAMILIES: Dict[str, object] = {model_type: family for family in (bert,) for model_type in family.MODEL_TYPES}
+FAMILIES: Dict[str, object] = {model_type: family for family in (bert, llama) for model_type in family.MODEL_TYPES}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 
 # Configs without model_type (written by hand) are recognised by their architecture's class-name prefix.
-_ARCHITECTURE_PREFIXES = {"Bert": "bert"}
+_ARCHITECTURE_PREFIXES = {"Bert": "bert", "Llama": "llama", "Mistral": "mistral"}
 
 
 def family_of(config_json):
@@ -47,8 +48,8 @@ def merge_nxd_checkpoint(checkpoint_dir, config_json, output_dir, force: bool = 
                          **options) -> str:
     """Merge an NxD checkpoint into a dense HF directory with its family's importer; return ``output_dir``.
 
-    ``options`` go to the family's ``merge_nxd_checkpoint`` (``bert.merge_nxd_checkpoint``, which takes ``tag``,
-    ``dtype`` and ``model_key``).
+    ``options`` go to the family's ``merge_nxd_checkpoint`` (``bert.merge_nxd_checkpoint`` or
+    ``llama.merge_nxd_checkpoint``; both take ``tag``, ``dtype`` and ``model_key``).
     """
     family = family_of(config_json)
     return family.merge_nxd_checkpoint(checkpoint_dir, config_json, output_dir, force=force, progress=progress,
