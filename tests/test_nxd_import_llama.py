@@ -178,8 +178,8 @@ def _assert_equals_dense(output_dir, model):
     import transformers
     from safetensors import safe_open
 
-    with safe_open(os.path.join(output_dir, "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == set(model.state_dict())
+    with safe_open(os.path.join(output_dir, "model.safetensors"), "pt") as f:  # tied aliases once, as HF saves
+        assert set(f.keys()) == set(model.state_dict()) - set(model.all_tied_weights_keys)
     loaded = getattr(transformers, type(model).__name__).from_pretrained(output_dir).eval()
     expected = model.state_dict()
     assert set(loaded.state_dict()) == set(expected)
@@ -244,6 +244,28 @@ def test_mistral_imports(tmp_path):
     checkpoint = save_v2(nxd_rank_states(model, 4, "fused"), str(tmp_path / "ckpt"))
     _import(checkpoint, _write_config(str(tmp_path / "cfg"), model.config), tmp_path / "out", "api")
     _assert_equals_dense(tmp_path / "out", model)
+
+
+def test_tied_embeddings_are_written_once(tmp_path):
+    from safetensors import safe_open
+
+    from nxdtp.models.nxd import merge_nxd_checkpoint
+
+    config = _config(2, tie_word_embeddings=True)
+    config.architectures = ["LlamaForCausalLM"]
+    model = _dense(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    config_path = _write_config(str(tmp_path / "cfg"), config)
+    states = nxd_rank_states(model, 2, "fused")  # NxD's state dict holds both names
+    merge_nxd_checkpoint(save_v1(states, str(tmp_path / "ckpt")), config_path, str(tmp_path / "out"), progress=False)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # as HF's save_pretrained writes a tied pair
+    _assert_equals_dense(tmp_path / "out", model)
+    for state in states:
+        state["lm_head.weight"] = state["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' differs from 'model\.embed_tokens\.weight'.*tie_word"):
+        merge_nxd_checkpoint(save_v1(states, str(tmp_path / "untied")), config_path, str(tmp_path / "out2"),
+                             progress=False)
 
 
 def test_regrouped_heads_compute_the_dense_attention():
