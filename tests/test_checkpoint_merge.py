@@ -492,7 +492,7 @@ def test_bad_arguments_exit_2(trained, tmp_path, capsys, monkeypatch):
     _refused([source, out, "--from-nxd"], capsys, "--config")
     _refused([source, out, "--config", tmp_path / "absent.json"], capsys, tmp_path / "absent.json")
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
-    _refused([source, out, "--from-nxd", "--config", tmp_path / "config.json"], capsys, "nxdtp.models.bert_nxd")
+    _refused([source, out, "--from-nxd", "--config", tmp_path / "config.json"], capsys, "nxdtp.models.nxd")
     assert not out.exists()
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
-import types
 from collections import OrderedDict
 
 import pytest
 import torch
+
+from tests.nxd_xser import xser_save
 
 VOCAB = 53
 ATTENTION_ROWS = (".attention.self.query.weight", ".attention.self.query.bias", ".attention.self.key.weight",
@@ -101,47 +101,6 @@ def _save_plain(model, root, tp, skip=()):
     return root
 
 
-# ---- xser, emulated without torch_xla --------------------------------------------------------------------------------
-
-class _Reference:
-    """Pickled under torch_xla's name, with torch_xla's state: what ``xser.save`` leaves in place of a tensor."""
-
-    def __init__(self, tid):
-        self.tid = tid
-
-
-class _XserPickler(pickle._Pickler):
-    def save_global(self, obj, name=None):
-        if obj is _Reference:
-            self.write(pickle.GLOBAL + b"torch_xla.utils.serialization\nTensorReference\n")
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
-
-
-_XSER_PICKLE = types.SimpleNamespace(Pickler=_XserPickler, __name__="xser_pickle")
-
-
-def _xser_save(data, path):
-    """``torch_xla.utils.serialization.save`` for a dict whose model tensors live on the XLA device: each such tensor
-    (once per object, tied ones share a reference) goes to ``path.tensors/tensor_<i>.pt``; CPU tensors stay inline."""
-    folder = path + ".tensors"
-    os.mkdir(folder)
-    ids = {}
-
-    def reference(tensor):
-        if id(tensor) not in ids:
-            ids[id(tensor)] = len(ids)
-            torch.save(tensor, os.path.join(folder, f"tensor_{ids[id(tensor)]}.pt"))
-        return _Reference(ids[id(tensor)])
-
-    ref_data = dict(data, model={k: reference(v) for k, v in data["model"].items()})
-    ref_data["optimizer"] = dict(data["optimizer"], state={
-        i: {k: (v if k == "step" else reference(v)) for k, v in s.items()}
-        for i, s in data["optimizer"]["state"].items()})
-    torch.save(ref_data, path, pickle_module=_XSER_PICKLE)
-
-
 def _save_xser(model, root, tp, in_directory=False):
     os.makedirs(root, exist_ok=True)
     for rank, state in enumerate(_nxd_state_dicts(model, tp)):
@@ -149,7 +108,7 @@ def _save_xser(model, root, tp, in_directory=False):
         if in_directory:
             os.makedirs(path)
             path = os.path.join(path, "checkpoint.pt")
-        _xser_save({"model": state, **_training_extras(state)}, path)
+        xser_save({"model": state, **_training_extras(state)}, path)
     return root
 
 
@@ -190,7 +149,7 @@ def _no_leftovers(parent, allowed):
 # ---- tests -----------------------------------------------------------------------------------------------------------
 
 def test_plan_is_nxd_attention_only():
-    from nxdtp.models.bert_nxd import NXD_ATTENTION_ONLY_PLAN, nxd_partition_dim
+    from nxdtp.models.nxd.bert import NXD_ATTENTION_ONLY_PLAN, nxd_partition_dim
 
     assert isinstance(NXD_ATTENTION_ONLY_PLAN, dict)
     layer = "bert.encoder.layer.11."
@@ -209,7 +168,7 @@ def test_plan_is_nxd_attention_only():
 def test_plain_checkpoint_merges_to_dense(tmp_path, dense, tp):
     from safetensors import safe_open
 
-    from nxdtp.models.bert_nxd import merge_nxd_checkpoint
+    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
 
     checkpoint = _save_plain(dense, str(tmp_path / "ckpt"), tp)
     config = _write_config(str(tmp_path / "cfg"))
@@ -228,7 +187,7 @@ def test_plain_checkpoint_merges_to_dense(tmp_path, dense, tp):
 
 @pytest.mark.parametrize("in_directory", [False, True], ids=["nxd-file", "checkpoint.pt-in-dir"])
 def test_xser_checkpoint_merges_to_dense(tmp_path, dense, in_directory):
-    from nxdtp.models.bert_nxd import merge_nxd_checkpoint
+    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
 
     checkpoint = _save_xser(dense, str(tmp_path / "ckpt"), 2, in_directory=in_directory)
     entries = sorted(os.listdir(checkpoint))
@@ -267,7 +226,7 @@ def case_write_with_torch_xla(shard_files):
 @pytest.mark.xla
 def test_xser_written_by_torch_xla_merges_to_dense(tmp_path, dense, worlds):
     pytest.importorskip("torch_xla")
-    from nxdtp.models.bert_nxd import merge_nxd_checkpoint
+    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
 
     plain = _save_plain(dense, str(tmp_path / "plain"), 2)
     checkpoint = tmp_path / "xser"
@@ -282,7 +241,7 @@ def test_xser_written_by_torch_xla_merges_to_dense(tmp_path, dense, worlds):
 
 
 def test_output_exists_needs_force(tmp_path, dense):
-    from nxdtp.models.bert_nxd import merge_nxd_checkpoint
+    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
 
     checkpoint = _save_plain(dense, str(tmp_path / "ckpt"), 2)
     config = _write_config(str(tmp_path / "cfg"))
@@ -384,7 +343,7 @@ def _bad_checkpoints(tmp_path, dense):
 
 
 def test_bad_inputs_fail_clearly_and_leave_output_untouched(tmp_path, dense):
-    from nxdtp.models.bert_nxd import merge_nxd_checkpoint
+    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
 
     cases = _bad_checkpoints(tmp_path, dense)
     outputs = tmp_path / "outputs"

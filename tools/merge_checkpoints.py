@@ -3,7 +3,7 @@
 
     python tools/merge_checkpoints.py CKPT_DIR OUT_DIR [--tag T] [--reshard N] [--format safetensors|bin] [--force]
                                       [--no-progress]
-    python tools/merge_checkpoints.py NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--force]
+    python tools/merge_checkpoints.py NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
 
 The same command is installed as the console script ``nxdtp-merge``; the logic lives in nxdtp/checkpointing/cli.py
 (``--help`` lists every option). Exit status 2 with a one-line message on bad input.

@@ -5,8 +5,9 @@
         --config supplies the config of checkpoints saved from model.state_dict(), which record none
     nxdtp-merge CKPT_DIR OUT_DIR --reshard N [--pad-to-multiple-of M] [--tag T] [--force] [--no-progress]
         sharded nxdtp checkpoint at tensor parallel size N in OUT_DIR
-    nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--force]
-        dense HF checkpoint from an NxD BERT checkpoint (tp_rank_XX_pp_rank_XX/checkpoint.pt), which carries no spec
+    nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
+        dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
+        the family (nxdtp.models.nxd)
 
 Bad input (missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and
 one line on stderr; the output directory is then left as it was.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import sys
 import warnings
 from typing import List, Optional
@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
                                             "or reshard it to another tensor parallel size.")
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="checkpoint directory (holds 'newest' and tags)")
     parser.add_argument("output_dir", metavar="OUT_DIR", help="output directory (created; must not be inside CKPT_DIR)")
-    parser.add_argument("--tag", default=None, help="tag to read (default: the newest complete one)")
+    parser.add_argument("--tag", default=None, help="tag to read (default: the newest complete one); with --from-nxd, "
+                                                    "a tag in a directory of NxD trainer checkpoint tags")
     parser.add_argument("--reshard", type=int, default=None, metavar="N",
                         help="write a sharded checkpoint at tensor parallel size N instead of a dense one")
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
@@ -52,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--from-nxd", action="store_true",
-                        help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_XX/checkpoint.pt); needs --config")
+                        help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_00/checkpoint.pt, or an NxD trainer "
+                             "checkpoint with model/dp_rank_00_tp_rank_XX_pp_rank_00.pt); needs --config")
     parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
                         help="the HF config.json to write to OUT_DIR (needed with --from-nxd, and for checkpoints "
                              "saved from model.state_dict(), which record no config)")
@@ -66,15 +68,16 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def _from_nxd(args) -> str:
     if args.config is None:
         raise _BadUsage("--from-nxd needs --config CONFIG_JSON (NxD checkpoints carry no config)")
-    if args.reshard is not None or args.tag is not None or args.format != "safetensors":
-        raise _BadUsage("--from-nxd writes a dense safetensors checkpoint; it takes no --reshard, --tag or --format")
-    module_name = "nxdtp.models.bert_nxd"
+    if args.reshard is not None or args.format != "safetensors":
+        raise _BadUsage("--from-nxd writes a dense safetensors checkpoint; it takes no --reshard or --format")
+    # By module name: nxdtp.checkpointing sits below nxdtp.models and must not import it.
+    module_name = "nxdtp.models.nxd"
     if importlib.util.find_spec(module_name) is None:
         raise _BadUsage(f"--from-nxd needs {module_name}, which this nxdtp does not have yet")
     merge_nxd_checkpoint = importlib.import_module(module_name).merge_nxd_checkpoint
-    kwargs = {"force": args.force}
-    if "progress" in inspect.signature(merge_nxd_checkpoint).parameters:
-        kwargs["progress"] = not args.no_progress
+    kwargs = {"force": args.force, "progress": not args.no_progress}
+    if args.tag is not None:
+        kwargs["tag"] = args.tag
     return merge_nxd_checkpoint(args.checkpoint_dir, args.config, args.output_dir, **kwargs)
 
 

@@ -1,0 +1,441 @@
+"""Import a Llama (or Mistral) checkpoint written by neuronx-distributed (NxD) into a dense HF ``*ForCausalLM``
+directory.
+
+The per-rank layout is that of NxD's Llama training model (``examples/training/llama/modeling_llama_nxd.py``), which
+is also what NxD's ``checkpoint_converter.py --convert_from_full_state`` writes. Per TP rank r of tp:
+
+* ``model.embed_tokens.weight`` (``ParallelEmbedding``) and ``lm_head.weight`` (``ColumnParallelLinear``): rows
+  ``[r*V/tp, (r+1)*V/tp)`` of the vocabulary. A vocabulary padded at the end to the next multiple of tp (NxD's
+  ``pad=True``, or a config padded by hand for training) is accepted; the padding rows are dropped.
+* ``mlp.gate_up_proj.weight`` (``ColumnParallelLinear(stride=2)``): this rank's gate rows, then its up rows.
+  ``mlp.down_proj.weight`` and ``self_attn.o_proj.weight`` (``RowParallelLinear``): split along dim 1.
+* Norm weights: whole on every rank.
+* Attention, in one of four forms (the config and script flags of NxD's example decide which):
+
+  - ``self_attn.qkv_proj.weight_qkv``: ``GQAQKVColumnParallelLinear(fuse_qkv=True)``, this rank's Q rows, then K,
+    then V;
+  - ``self_attn.qkv_proj.weight_q``, ``.weight_k``, ``.weight_v``: the same layer with ``fuse_qkv=False``;
+  - ``self_attn.qkv_proj.weight``: ``ColumnParallelLinear(stride=3)``, used when query and KV head counts are equal:
+    this rank's Q rows, then K, then V;
+  - ``self_attn.q_proj.weight``, ``.k_proj.weight``, ``.v_proj.weight``: three ``ColumnParallelLinear``.
+
+  ``GQAQKVColumnParallelLinear`` with ``kv_size_multiplier`` m holds each KV head m times: the K (and V) weight is
+  tiled m times along the heads (``K.repeat(m, 1)``, NxD's initialisation on trn1 and its converter's output) and
+  rank r holds the r-th 1/tp of that, so rank r's local KV slot j is head ``(r*kv_local + j) % num_key_value_heads``.
+  Q is split plainly, and each rank pairs its own Q heads with its own KV heads. The dense model must compute the
+  same, so each Q head (with its ``o_proj`` columns) is put at a place in the HF order whose HF KV head is the one it
+  was paired with (``checkpoint_converter.py`` reorders the same way). The m copies of a KV head are checked equal;
+  differing copies are an error that names the key, since the dense model can hold only one.
+
+The tensor-parallel degree is the number of rank files; the multiplier and the attention form are read from the keys
+and shapes, so the import needs nothing but the checkpoint and the model's config.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .reader import (AUTO, DenseTensor, NxdCheckpointError, RankFiles, RankShard, expected_layout, import_checkpoint,
+                     load_config_dict, missing_last_ranks, one_dtype, replicated, say)
+
+# model_type -> (config class, model class) in transformers
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+MODEL_TYPES = tuple(_CLASSES)
+
+# Buffers older transformers versions kept in the state dict; they are not weights and HF rebuilds them.
+DROPPED_BUFFER_PATTERNS = ("*rotary_emb.inv_freq",)
+
+LAYER = "model.layers.{}."
+VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class AttentionForm:
+    """One of the ways NxD's Llama attention stores Q, K and V (the key suffixes after ``self_attn.``)."""
+
+    name: str
+    keys: Tuple[str, ...]  # one fused key (Q rows, then K, then V on each rank), or the Q, K and V keys
+    kv_replication: bool  # whether the layer can hold kv_size_multiplier copies of each KV head
+    equal_heads: bool = False  # whether it exists only for models with as many KV heads as query heads
+
+
+ATTENTION_FORMS = (
+    AttentionForm("GQAQKVColumnParallelLinear(fuse_qkv=True)", ("qkv_proj.weight_qkv",), True),
+    AttentionForm("GQAQKVColumnParallelLinear(fuse_qkv=False)",
+                  ("qkv_proj.weight_q", "qkv_proj.weight_k", "qkv_proj.weight_v"), True),
+    AttentionForm("ColumnParallelLinear(stride=3) over Q|K|V", ("qkv_proj.weight",), False, equal_heads=True),
+    AttentionForm("ColumnParallelLinear q_proj, k_proj, v_proj", ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                  False),
+)
+
+
+def head_layout(num_heads: int, num_kv_heads: int, tp: int, multiplier: int):
+    """Where each dense head lives in the NxD ranks: ``(q_sources, kv_copies)``.
+
+    ``q_sources[h]`` is the (TP rank, local Q slot) that holds HF query head h; ``kv_copies[g]`` lists every (TP rank,
+    local KV slot) holding a copy of HF KV head g. Local Q slot s of a rank uses its local KV slot ``s // (q_local /
+    kv_local)`` (``repeat_kv`` on the rank's heads); HF query head h uses KV head ``h // (num_heads / num_kv_heads)``.
+    Q heads are placed in HF order so that both pairings agree, in rank order within each KV group.
+    """
+    q_local, kv_local = num_heads // tp, num_kv_heads * multiplier // tp
+    per_kv = q_local // kv_local
+    group = num_heads // num_kv_heads
+
+    def kv_head(rank: int, slot: int) -> int:
+        return (rank * kv_local + slot) % num_kv_heads  # K.repeat(multiplier, 1), then rank r's 1/tp
+
+    kv_copies: List[List[Tuple[int, int]]] = [[] for _ in range(num_kv_heads)]
+    for rank in range(tp):
+        for slot in range(kv_local):
+            kv_copies[kv_head(rank, slot)].append((rank, slot))
+    q_sources: List[Optional[Tuple[int, int]]] = [None] * num_heads
+    next_free = [g * group for g in range(num_kv_heads)]
+    for rank in range(tp):
+        for slot in range(q_local):
+            g = kv_head(rank, slot // per_kv)
+            q_sources[next_free[g]] = (rank, slot)
+            next_free[g] += 1
+    return q_sources, kv_copies
+
+
+def _load_config(config_json):
+    import transformers
+    from transformers import PretrainedConfig
+
+    if isinstance(config_json, PretrainedConfig):
+        config, where = copy.deepcopy(config_json), type(config_json).__name__  # architectures is set before saving
+        model_type = getattr(config, "model_type", None)
+    else:
+        raw, where = load_config_dict(config_json)
+        model_type = raw.get("model_type") or next(
+            (t for a in raw.get("architectures") or [] for t, (_, m) in _CLASSES.items() if a == m), None)
+        config = None
+    if model_type not in _CLASSES:
+        raise NxdCheckpointError(f"config {where}: model_type is {model_type!r}; nxdtp.models.nxd.llama reads "
+                                 f"model_type {', '.join(MODEL_TYPES)}")
+    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[model_type])
+    if config is None:
+        config = config_class.from_dict(raw)
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False):
+            raise NxdCheckpointError(f"config {where} sets {flag}=true, but NxD's Llama layers have no biases, so no "
+                                     "NxD checkpoint matches it; set it to false if the model was trained with NxD")
+    return config, model_class
+
+
+class _Planner:
+    """Checks an NxD Llama checkpoint against the config and says how to build each dense tensor."""
+
+    def __init__(self, config, model_class, shards: Sequence[RankShard], files: RankFiles, progress: bool):
+        self.config, self.shards, self.files, self.progress = config, shards, files, progress
+        self.tp = len(shards)
+        self.shapes, self.tied = expected_layout(config, model_class)
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.hidden = config.hidden_size
+        self.head_dim = self.shapes[LAYER.format(0) + "self_attn.q_proj.weight"][0] // self.heads
+        self.keys = set(shards[0].state)
+        self.dropped = sorted(k for k in self.keys if any(fnmatch.fnmatchcase(k, p) for p in DROPPED_BUFFER_PATTERNS))
+        self.consumed = set(self.dropped)
+        self.producers: Dict[str, Tuple[torch.dtype, Callable[[], torch.Tensor]]] = {}
+        self.multiplier: Optional[int] = None
+
+    # -- errors --
+
+    def _shape_error(self, shard: RankShard, key: str, shape, want: str) -> NxdCheckpointError:
+        return NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' has shape {list(shape)}, but the config needs "
+                                  f"{want}")
+
+    def _check_saved_tp(self) -> None:
+        """A missing last rank leaves ranks 0..tp-2 contiguous: o_proj's slice width tells the saved degree."""
+        key = LAYER.format(0) + "self_attn.o_proj.weight"
+        if key not in self.keys or self.shards[0].get(key).dim() != 2:
+            return
+        width, full = self.shards[0].get(key).shape[1], self.heads * self.head_dim
+        if width and full % width == 0 and full // width > self.tp:
+            raise missing_last_ranks(self.files, full // width,
+                                     f"{self.shards[0].tensor_file(key)}: '{key}' is a 1/{full // width} slice")
+
+    # -- plain tensors --
+
+    def _replicated(self, key: str) -> None:
+        want = self.shapes[key]
+        for shard in self.shards:
+            if tuple(shard.get(key).shape) != want:
+                raise self._shape_error(shard, key, shard.get(key).shape, f"{list(want)} (whole on every TP rank)")
+        self.producers[key] = (one_dtype(self.shards, key), lambda: replicated(self.shards, key))
+        self.consumed.add(key)
+
+    def _split(self, key: str, dim: int) -> None:
+        full = self.shapes[key]
+        if full[dim] % self.tp:
+            raise NxdCheckpointError(f"'{key}' of shape {list(full)} cannot be split along dim {dim} over {self.tp} "
+                                     "TP ranks, so NxD cannot have written it at this degree")
+        want = full[:dim] + (full[dim] // self.tp,) + full[dim + 1:]
+        for shard in self.shards:
+            if tuple(shard.get(key).shape) != want:
+                raise self._shape_error(shard, key, shard.get(key).shape, f"{list(want)} (its 1/{self.tp} slice along "
+                                                                          f"dim {dim} of the full {list(full)})")
+        self.producers[key] = (one_dtype(self.shards, key),
+                               lambda: torch.cat([s.get(key) for s in self.shards], dim=dim))
+        self.consumed.add(key)
+
+    def _vocab(self, key: str) -> None:
+        vocab, width = self.shapes[key]
+        rows = math.ceil(vocab / self.tp)
+        padding = rows * self.tp - vocab
+        how = f"its 1/{self.tp} slice of the {vocab}-token vocabulary" + (
+            f" padded to {rows * self.tp}" if padding else "")
+        for shard in self.shards:
+            if tuple(shard.get(key).shape) != (rows, width):
+                raise self._shape_error(shard, key, shard.get(key).shape, f"{[rows, width]} ({how})")
+        if padding:
+            say(self.progress, f"'{key}': dropping the {padding} padding row(s) past the vocabulary size {vocab}")
+        self.producers[key] = (one_dtype(self.shards, key),
+                               lambda: torch.cat([s.get(key) for s in self.shards], dim=0)[:vocab])
+        self.consumed.add(key)
+
+    def _gate_up(self, layer: str) -> None:
+        key = layer + "mlp.gate_up_proj.weight"
+        gate, up = layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"
+        if key not in self.keys:
+            return  # the HF keys are then reported missing
+        intermediate, hidden = self.shapes[gate]
+        if intermediate % self.tp:
+            raise NxdCheckpointError(f"'{key}': intermediate_size {intermediate} cannot be split over {self.tp} TP "
+                                     "ranks, so NxD cannot have written it at this degree")
+        local = intermediate // self.tp
+        for shard in self.shards:
+            if tuple(shard.get(key).shape) != (2 * local, hidden):
+                raise self._shape_error(shard, key, shard.get(key).shape,
+                                        f"{[2 * local, hidden]} (this rank's {local} gate rows, then its {local} up "
+                                        f"rows, of intermediate_size {intermediate})")
+        dtype = one_dtype(self.shards, key)
+        self.producers[gate] = (dtype, lambda: torch.cat([s.get(key)[:local] for s in self.shards]))
+        self.producers[up] = (dtype, lambda: torch.cat([s.get(key)[local:] for s in self.shards]))
+        self.consumed.add(key)
+
+    # -- attention --
+
+    def _form(self, layer: str) -> Optional[AttentionForm]:
+        present = [f for f in ATTENTION_FORMS if any(layer + "self_attn." + k in self.keys for k in f.keys)]
+        if len(present) > 1:
+            raise NxdCheckpointError(f"{self.shards[0].path}: {layer}self_attn holds the keys of more than one NxD "
+                                     f"attention layout ({'; '.join(f.name for f in present)})")
+        if not present:
+            return None
+        form = present[0]
+        absent = [layer + "self_attn." + k for k in form.keys if layer + "self_attn." + k not in self.keys]
+        if absent:
+            raise NxdCheckpointError(f"{self.shards[0].path}: {absent[0]} is missing ({form.name} stores "
+                                     f"{', '.join(form.keys)})")
+        return form
+
+    def _multipliers(self, form: AttentionForm) -> Dict[int, int]:
+        """KV rows per rank -> kv_size_multiplier, for every multiplier NxD accepts for this config and tp."""
+        options = {}
+        for m in (range(1, self.tp + 1) if form.kv_replication else (1,)):
+            kv_total = self.kv_heads * m
+            # NxD: tp % m == 0 and tp divides the replicated KV heads; each rank's Q heads share its KV heads evenly.
+            if self.tp % m == 0 and kv_total % self.tp == 0 and self.heads % kv_total == 0:
+                options[kv_total // self.tp * self.head_dim] = m
+        return options
+
+    def _attention(self, index: int) -> None:
+        layer = LAYER.format(index)
+        form = self._form(layer)
+        if form is None:
+            return  # the HF keys are then reported missing
+        names = [layer + "self_attn." + k for k in form.keys]
+        o_key = layer + "self_attn.o_proj.weight"
+        q_rows = self.heads * self.head_dim // self.tp
+        options = self._multipliers(form)
+        if form.equal_heads and self.heads != self.kv_heads:
+            raise NxdCheckpointError(f"{self.shards[0].path}: '{names[0]}' is NxD's {form.name}, which holds equal "
+                                     f"numbers of query and KV heads, but the config has {self.heads} query and "
+                                     f"{self.kv_heads} KV heads")
+        if not options:
+            raise NxdCheckpointError(f"{self.shards[0].path}: {layer}self_attn: NxD's {form.name} cannot split "
+                                     f"{self.heads} query and {self.kv_heads} KV heads over {self.tp} TP ranks")
+
+        def expected(kv_rows: int) -> Tuple[Tuple[int, ...], ...]:
+            if len(names) == 3:
+                return (q_rows, self.hidden), (kv_rows, self.hidden), (kv_rows, self.hidden)
+            return ((q_rows + 2 * kv_rows, self.hidden),)
+
+        def describe() -> str:
+            if len(names) == 3:
+                parts = [f"{[q_rows, self.hidden]} for Q and {[rows, self.hidden]} for K and V (kv_size_multiplier "
+                         f"{m})" for rows, m in options.items()]
+            else:
+                parts = [f"{[q_rows + 2 * rows, self.hidden]}: {q_rows} Q rows, then {rows} K and {rows} V rows "
+                         f"(kv_size_multiplier {m})" for rows, m in options.items()]
+            return (" or ".join(parts) + f"; from {self.heads} query and {self.kv_heads} KV heads of size "
+                    f"{self.head_dim} over {self.tp} TP ranks")
+
+        first = self.shards[0]
+        found = [tuple(first.get(n).shape) for n in names]
+        if len(names) == 3:
+            kv_rows = found[1][0] if found[1] else 0
+        else:
+            kv_rows = (found[0][0] - q_rows) / 2 if found[0] else 0  # not whole when the rows fit no layout
+        if kv_rows not in options or found != list(expected(int(kv_rows))):
+            if len(names) == 1 or found[0] != (q_rows, self.hidden):
+                wrong = 0
+            else:
+                wrong = 1 if found[1] not in {(rows, self.hidden) for rows in options} else 2
+            raise self._shape_error(first, names[wrong], found[wrong], describe())
+        kv_rows = int(kv_rows)
+        for shard in self.shards[1:]:
+            for name, want in zip(names, expected(kv_rows)):
+                if tuple(shard.get(name).shape) != want:
+                    raise self._shape_error(shard, name, shard.get(name).shape, f"{list(want)}, as on TP rank 0")
+        multiplier = options[kv_rows]
+        if self.multiplier is not None and multiplier != self.multiplier:
+            raise NxdCheckpointError(f"{first.path}: '{names[0]}' holds each KV head {multiplier} time(s) over the "
+                                     f"ranks, but earlier layers hold them {self.multiplier} time(s)")
+        self.multiplier = multiplier
+        o_want = (self.hidden, q_rows)
+        for shard in self.shards:
+            if tuple(shard.get(o_key).shape) != o_want:
+                raise self._shape_error(shard, o_key, shard.get(o_key).shape,
+                                        f"{list(o_want)} (its 1/{self.tp} slice along dim 1 of the full "
+                                        f"{list(self.shapes[o_key])})")
+        dtype = one_dtype(self.shards, names[0])
+        for name in names[1:] + [o_key]:
+            if one_dtype(self.shards, name) != dtype:
+                raise NxdCheckpointError(f"'{name}' is {one_dtype(self.shards, name)}, but '{names[0]}' is {dtype}")
+
+        def blocks(rank: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            shard = self.shards[rank]
+            if len(names) == 3:
+                return shard.get(names[0]), shard.get(names[1]), shard.get(names[2])
+            return torch.split(shard.get(names[0]), [q_rows, kv_rows, kv_rows])
+
+        q_sources, kv_copies = head_layout(self.heads, self.kv_heads, self.tp, multiplier)
+        d = self.head_dim
+        for part, label in ((1, "K"), (2, "V")):
+            key = names[part if len(names) == 3 else 0]
+            for head, copies in enumerate(kv_copies):
+                rank0, slot0 = copies[0]
+                reference = blocks(rank0)[part][slot0 * d:(slot0 + 1) * d]
+                for rank, slot in copies[1:]:
+                    if not torch.equal(blocks(rank)[part][slot * d:(slot + 1) * d], reference):
+                        raise NxdCheckpointError(
+                            f"{self.shards[rank].tensor_file(key)}: the {label} weights of KV head {head} in '{key}' "
+                            f"differ between TP rank {rank0} and TP rank {rank}. NxD holds kv_size_multiplier="
+                            f"{multiplier} copies of each KV head, which must stay equal, and the dense model can "
+                            "hold only one: this checkpoint is damaged, or its copies were never equal")
+
+        def q() -> torch.Tensor:
+            return torch.cat([blocks(r)[0][s * d:(s + 1) * d] for r, s in q_sources])
+
+        def kv(part: int) -> torch.Tensor:
+            return torch.cat([blocks(r)[part][s * d:(s + 1) * d] for r, s in (c[0] for c in kv_copies)])
+
+        def o() -> torch.Tensor:
+            return torch.cat([self.shards[r].get(o_key)[:, s * d:(s + 1) * d] for r, s in q_sources], dim=1)
+
+        hf = layer + "self_attn."
+        self.producers[hf + "q_proj.weight"] = (dtype, q)
+        self.producers[hf + "k_proj.weight"] = (dtype, lambda: kv(1))
+        self.producers[hf + "v_proj.weight"] = (dtype, lambda: kv(2))
+        self.producers[o_key] = (dtype, o)
+        self.consumed.update(names + [o_key])
+
+    # -- the whole model --
+
+    def plan(self) -> List[DenseTensor]:
+        self._check_saved_tp()
+        if self.heads % self.tp:
+            raise NxdCheckpointError(f"the config's {self.heads} query heads cannot be split over {self.tp} TP ranks, "
+                                     "so NxD's Llama attention cannot have written this checkpoint")
+        present = lambda key: key in self.keys  # noqa: E731
+        for key in VOCAB_KEYS:
+            if present(key) and key in self.shapes:
+                self._vocab(key)
+        if present("model.norm.weight"):
+            self._replicated("model.norm.weight")
+        for index in range(self.config.num_hidden_layers):
+            layer = LAYER.format(index)
+            self._attention(index)
+            self._gate_up(layer)
+            if present(layer + "mlp.down_proj.weight"):
+                self._split(layer + "mlp.down_proj.weight", 1)
+            for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                if present(layer + norm):
+                    self._replicated(layer + norm)
+        unexpected = sorted(self.keys - self.consumed)
+        if unexpected:
+            raise NxdCheckpointError(f"{self.shards[0].path}: keys NxD's Llama model of this config does not have: "
+                                     f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if self.dropped:
+            say(self.progress, f"dropping buffers that are not weights: {self.dropped}")
+        if self.multiplier and self.multiplier > 1:
+            say(self.progress, f"KV heads held {self.multiplier} times (kv_size_multiplier): copies checked equal, "
+                               "one kept")
+        return self._dense_tensors()
+
+    def _dense_tensors(self) -> List[DenseTensor]:
+        """HF's save_pretrained layout: each tied group once, under its source name; a tied pair held under both
+        names must agree, or the HF model would silently use one."""
+        out = []
+        for key, shape in self.shapes.items():
+            if key in self.tied:
+                continue
+            aliases = [a for a, s in self.tied.items() if s == key and a in self.producers]
+            names = [k for k in [key] + aliases if k in self.producers]
+            if not names:
+                raise NxdCheckpointError(f"{self.shards[0].path}: '{key}' (shape {list(shape)}) is missing from the "
+                                         f"checkpoint's model state dict ({self._nxd_name(key)})")
+            for alias in aliases:
+                if len(names) > 1 and not torch.equal(self.producers[alias][1](), self.producers[names[0]][1]()):
+                    raise NxdCheckpointError(
+                        f"{self.shards[0].path}: '{alias}' differs from '{key}', but the config ties them, so the HF "
+                        f"model would use '{key}' for both; set tie_word_embeddings to false in the config to keep "
+                        "both")
+            dtype, build = self.producers[names[0]]
+            out.append(DenseTensor(key, shape, dtype, build))
+        return out
+
+    @staticmethod
+    def _nxd_name(key: str) -> str:
+        if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            return ("NxD stores it in self_attn.qkv_proj.weight_qkv, self_attn.qkv_proj.weight_q/_k/_v, "
+                    "self_attn.qkv_proj.weight or self_attn.q_proj/k_proj/v_proj.weight")
+        if key.endswith(("gate_proj.weight", "up_proj.weight")):
+            return f"NxD stores it in '{key.rsplit('.', 2)[0]}.gate_up_proj.weight'"
+        return f"NxD stores it as '{key}'"
+
+
+def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
+                         progress: bool = True, model_key: Optional[str] = AUTO, dtype: Optional[torch.dtype] = None,
+                         tag: Optional[str] = None) -> str:
+    """Merge an NxD Llama (or Mistral) checkpoint into a dense HF ``*ForCausalLM`` directory; return ``output_dir``.
+
+    ``checkpoint_dir`` is any layout ``reader.py`` finds (NxD trainer checkpoints with their ``model/`` directory, or
+    ``parallel_layers.checkpointing.save``'s ``tp_rank_XX_pp_rank_00``); tp is the number of rank files.
+    ``config_json`` is the model's HF ``config.json`` (a file, a directory holding one, or a ``LlamaConfig`` /
+    ``MistralConfig``); NxD's extra config entries are kept as they are. The result loads with
+    ``LlamaForCausalLM.from_pretrained(output_dir)``. ``model_key`` is where the state dict sits in each rank's file
+    (None: the file is the state dict; default: as the layout stores it); ``dtype`` casts floating tensors; ``tag``
+    picks a tag in a directory of NxD trainer tags (default: the newest complete one).
+
+    Everything is checked before anything is written: every rank file present (ranks 0..tp-1, pp 0), keys equal on all
+    ranks, every shape consistent with the config and one NxD attention form, the copies of each replicated KV head
+    equal. The output is written to a temporary sibling and renamed into place, so an error leaves ``output_dir`` as
+    it was. A non-empty ``output_dir`` is refused unless ``force``.
+    """
+    config, model_class = _load_config(config_json)
+
+    def layout(shards: List[RankShard], files: RankFiles) -> List[DenseTensor]:
+        return _Planner(config, model_class, shards, files, progress).plan()
+
+    return import_checkpoint(checkpoint_dir, output_dir, config, model_class.__name__, layout, force=force,
+                             progress=progress, model_key=model_key, tag=tag, dtype=dtype)

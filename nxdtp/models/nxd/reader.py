@@ -1,0 +1,409 @@
+"""What every NxD-import family shares: finding NxD's per-rank files, loading them safely, the dense HF layout the
+result must have, and writing the dense directory.
+
+neuronx-distributed (NxD) saves one file per TP rank and records nothing about how the tensors were split, so each
+family module (``bert.py``, ``llama.py``) supplies that mapping; this module does not know any model.
+
+Layouts found in ``checkpoint_dir`` (pipeline rank 0 only; ``XX`` is the TP rank):
+
+* ``neuronx_distributed.parallel_layers.checkpointing.save`` ("v1"): ``tp_rank_XX_pp_rank_00/checkpoint.pt``, a
+  ``torch.save`` of ``{"model": state_dict, "optimizer": ..., ...}``; with ``save_xser=True`` the file
+  ``tp_rank_XX_pp_rank_00`` holds that dict with each tensor replaced by a ``TensorReference(tid)``, and tensor
+  ``tid`` is ``tp_rank_XX_pp_rank_00.tensors/tensor_<tid>.pt`` (a reference file at ``.../checkpoint.pt`` with
+  ``checkpoint.pt.tensors/`` is read the same way). ``save(master_dp_only=False)`` adds ``_dp_rank_YY``; DP rank 0's
+  copy is read.
+* ``neuronx_distributed.trainer.save_checkpoint`` ("v2", used by NxD's Llama training examples, and the output of NxD's
+  ``checkpoint_converter.py --convert_from_full_state``): ``model/dp_rank_00_tp_rank_XX_pp_rank_00.pt``, the model's
+  state dict itself; with ``use_xser=True`` the same name is a reference file next to ``<name>.tensors/`` (and a
+  ``<name>.info.pt`` that is not needed). ``checkpoint_dir`` may be the ``model`` directory, a tag directory holding it,
+  or the directory of tags, where the newest complete tag (the one whose ``done`` file is newest, NxD's own rule) is
+  read unless ``tag`` names one.
+
+Every pickle is loaded with ``torch.load(weights_only=True)``. The only global allowed beyond torch's defaults is
+torch_xla's ``TensorReference``, rebuilt as a local stand-in holding one integer, so torch_xla need not be installed and
+no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ...checkpointing.output_dir import check_output_dir, write_atomically
+from ...checkpointing.safetensors_stream import StreamingSafetensorsWriter
+
+CHECKPOINT_FILE = "checkpoint.pt"
+XSER_TENSORS_SUFFIX = ".tensors"
+SAFETENSORS_FILE = "model.safetensors"
+XLA_TENSOR_REFERENCE = "torch_xla.utils.serialization.TensorReference"
+V2_MODEL_DIR = "model"
+
+# The model_key default: the layout decides (v1 files hold a dict with the state dict under "model", v2 files are the
+# state dict).
+AUTO = "auto"
+
+_V1_ENTRY = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)(?:_dp_rank_(\d+))?$")
+_V2_ENTRY = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_V2_EXPERT_ENTRY = re.compile(r"^dp_rank_\d+_ep_rank_\d+_tp_rank_\d+_pp_rank_\d+\.pt$")
+
+
+class NxdCheckpointError(ValueError):
+    """An NxD checkpoint that cannot be imported: the message names the file and the tensor."""
+
+
+class _XlaTensorReference:
+    """Stand-in for ``torch_xla.utils.serialization.TensorReference``; only its integer ``tid`` is kept."""
+
+    def __init__(self, tid: int = -1):
+        self.tid = tid
+
+    def __setstate__(self, state: Any) -> None:
+        tid = state.get("tid") if isinstance(state, dict) else None
+        if type(tid) is not int or tid < 0 or set(state) != {"tid"}:
+            raise NxdCheckpointError(f"malformed torch_xla TensorReference state {state!r}")
+        self.tid = tid
+
+
+def say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[nxdtp merge-nxd] {message}", file=sys.stderr, flush=True)
+
+
+# ---- finding the rank files ------------------------------------------------------------------------------------------
+
+@dataclass
+class RankFiles:
+    """The checkpoint file of each TP rank (index = TP rank) in one of NxD's layouts."""
+
+    directory: str
+    paths: List[str]
+    layout: str  # "v1" (parallel_layers.checkpointing.save) or "v2" (trainer.save_checkpoint)
+
+    @property
+    def model_key(self) -> Optional[str]:
+        return "model" if self.layout == "v1" else None
+
+    def entry_name(self, tp_rank: int) -> str:
+        """The name NxD gives TP rank ``tp_rank``'s entry in this layout (to name files that are absent)."""
+        if self.layout == "v1":
+            return f"tp_rank_{tp_rank:02d}_pp_rank_00"
+        return f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
+
+
+def locate_rank_files(checkpoint_dir: str, tag: Optional[str] = None) -> RankFiles:
+    """Find the per-TP-rank files under ``checkpoint_dir`` (see the module docstring for the layouts)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"NxD checkpoint directory {checkpoint_dir} does not exist")
+    names = os.listdir(checkpoint_dir)
+    holds_ranks = any(_V1_ENTRY.match(n) or _V2_ENTRY.match(n) or _V2_EXPERT_ENTRY.match(n) for n in names)
+    if tag is not None and holds_ranks:
+        raise NxdCheckpointError(f"tag={tag!r} selects a tag in a directory of NxD trainer checkpoint tags, but "
+                                 f"{checkpoint_dir} holds rank files itself")
+    if holds_ranks:
+        return _scan(checkpoint_dir)
+    if tag is None and os.path.isdir(os.path.join(checkpoint_dir, V2_MODEL_DIR)):
+        return _scan(_model_dir_of_tag(checkpoint_dir))
+    tags = _complete_tags(checkpoint_dir)
+    if tag is not None:
+        path = os.path.join(checkpoint_dir, tag)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"NxD checkpoint tag {path} does not exist; complete tags: {_names(tags)}")
+        return _scan(_model_dir_of_tag(path))
+    if tags:
+        return _scan(_model_dir_of_tag(tags[-1]))
+    started = [n for n in sorted(names) if os.path.isfile(os.path.join(checkpoint_dir, n, "checkpoint"))]
+    if started:
+        raise NxdCheckpointError(f"{checkpoint_dir} holds no complete NxD checkpoint: the tags {started[:4]} have no "
+                                 "'done' file (their saves did not finish)")
+    legacy = [n for n in names if re.match(r"^tp_rank_\d+(_pp_rank\d+\.pt)?$", n)]
+    hint = (f"; {legacy[0]} looks like the naming of NxD releases before Neuron SDK 2.15, which is not supported"
+            if legacy else "")
+    raise FileNotFoundError(f"{checkpoint_dir} holds no NxD rank checkpoint (tp_rank_XX_pp_rank_00/{CHECKPOINT_FILE} "
+                            f"or the xser file tp_rank_XX_pp_rank_00, written by parallel_layers.checkpointing.save; "
+                            f"or {V2_MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_00.pt, written by "
+                            f"trainer.save_checkpoint){hint}")
+
+
+def _names(tags: Sequence[str]) -> List[str]:
+    return [os.path.basename(t) for t in tags]
+
+
+def _complete_tags(root: str) -> List[str]:
+    """Tag directories with a ``done`` file, oldest first by that file's time (NxD loads the last one)."""
+    found = []
+    for name in os.listdir(root):
+        done = os.path.join(root, name, "done")
+        if os.path.isfile(done):
+            found.append((os.path.getmtime(done), name))
+    return [os.path.join(root, name) for _, name in sorted(found)]
+
+
+def _model_dir_of_tag(tag_dir: str) -> str:
+    # trainer.save_checkpoint writes "checkpoint" when a save starts and "done" when it ends; the converter's output
+    # has neither, and is complete.
+    if os.path.isfile(os.path.join(tag_dir, "checkpoint")) and not os.path.isfile(os.path.join(tag_dir, "done")):
+        raise NxdCheckpointError(f"NxD checkpoint tag {tag_dir} is incomplete: it has no 'done' file (the save did "
+                                 "not finish)")
+    model_dir = os.path.join(tag_dir, V2_MODEL_DIR)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir} is missing: NxD checkpoint tag {tag_dir} holds no model")
+    return model_dir
+
+
+def _scan(directory: str) -> RankFiles:
+    """The rank files in ``directory``; checks pp is 0, one layout, and ranks 0..tp-1."""
+    found: Dict[int, List[str]] = {}
+    layouts, pipeline, expert = set(), [], []
+    for name in sorted(os.listdir(directory)):
+        v1, v2 = _V1_ENTRY.match(name), _V2_ENTRY.match(name)
+        if _V2_EXPERT_ENTRY.match(name):
+            expert.append(name)
+            continue
+        if not (v1 or v2):
+            continue  # also skips xser tensor folders ("<entry>.tensors") and v2's "<entry>.info.pt"
+        if v1:
+            tp_rank, pp_rank, dp_rank = int(v1[1]), int(v1[2]), int(v1[3] or 0)
+        else:
+            dp_rank, tp_rank, pp_rank = int(v2[1]), int(v2[2]), int(v2[3])
+        if pp_rank != 0:
+            pipeline.append(name)
+            continue
+        if dp_rank != 0:
+            continue  # DP replicas of the model; DP rank 0's copy is as good as any
+        layouts.add("v1" if v1 else "v2")
+        path = os.path.join(directory, name)
+        if v1 and os.path.isdir(path):
+            path = os.path.join(path, CHECKPOINT_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} is missing: NxD rank directory {name} holds no {CHECKPOINT_FILE}")
+        found.setdefault(tp_rank, []).append(path)
+    if expert:
+        raise NxdCheckpointError(f"{directory} is an expert-parallel NxD checkpoint ({expert[0]} ...); only "
+                                 "checkpoints without expert parallelism can be imported")
+    if pipeline:
+        raise NxdCheckpointError(f"{directory} is a pipeline-parallel NxD checkpoint ({', '.join(pipeline[:4])}"
+                                 f"{' ...' if len(pipeline) > 4 else ''}); only pp_rank_00 (no pipeline parallelism) "
+                                 "can be imported")
+    if len(layouts) > 1:
+        raise NxdCheckpointError(f"{directory} mixes the file names of two NxD checkpoint layouts "
+                                 "(tp_rank_XX_pp_rank_XX and dp_rank_XX_tp_rank_XX_pp_rank_XX.pt); keep one "
+                                 "checkpoint per directory")
+    files = RankFiles(directory, [], layouts.pop() if layouts else "v1")
+    for tp_rank, paths in found.items():
+        if len(paths) > 1:
+            raise NxdCheckpointError(f"{directory} holds more than one checkpoint for TP rank {tp_rank}: "
+                                     f"{', '.join(paths)}")
+    tp = max(found) + 1
+    missing = [files.entry_name(r) for r in range(tp) if r not in found]
+    if missing:
+        raise FileNotFoundError(f"{directory}: TP ranks must be numbered 0..{tp - 1}, but {', '.join(missing)} "
+                                f"{'is' if len(missing) == 1 else 'are'} missing (found "
+                                f"{', '.join(files.entry_name(r) for r in sorted(found))})")
+    files.paths = [found[r][0] for r in range(tp)]
+    return files
+
+
+def missing_last_ranks(files: RankFiles, saved_tp: int, evidence: str) -> FileNotFoundError:
+    """The error for a checkpoint whose tensors show it was saved at ``saved_tp`` ranks when fewer files exist (a
+    missing last rank leaves 0..tp-2 contiguous, so only the slice sizes tell)."""
+    tp = len(files.paths)
+    return FileNotFoundError(f"{evidence}, so the checkpoint was saved at tp={saved_tp}, but only {tp} rank(s) are "
+                             f"present in {files.directory}; missing: "
+                             f"{', '.join(files.entry_name(r) for r in range(tp, saved_tp))}")
+
+
+# ---- reading the rank files ------------------------------------------------------------------------------------------
+
+def _torch_load(path: str) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped where the file allows it; refusals name the file."""
+
+    def load(mmap: bool):
+        with torch.serialization.safe_globals([(_XlaTensorReference, XLA_TENSOR_REFERENCE)]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            return load(mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            return load(mmap=False)  # the legacy (pre-zipfile) torch.save format cannot be memory-mapped
+    except NxdCheckpointError as error:  # a malformed TensorReference
+        raise NxdCheckpointError(f"{path}: {error}") from error
+    except pickle.UnpicklingError as error:
+        raise NxdCheckpointError(f"{path}: refused to load with torch.load(weights_only=True); it holds Python objects "
+                                 f"beyond tensors and plain containers. Only load it unrestricted if you trust "
+                                 f"where it came from. Detail: {error}") from error
+    except (RuntimeError, EOFError, OSError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise NxdCheckpointError(f"{path}: cannot be read as a torch checkpoint: {error}") from error
+
+
+class RankShard:
+    """One TP rank's model state dict; xser references are resolved (memory-mapped) on first use."""
+
+    def __init__(self, path: str, model_key: Optional[str]):
+        self.path = path
+        checkpoint = _torch_load(path)
+        if model_key is None:
+            state = checkpoint
+        else:
+            if not isinstance(checkpoint, Mapping) or model_key not in checkpoint:
+                keys = list(checkpoint)[:8] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+                raise NxdCheckpointError(f"{path}: expected a dict with the model state dict under '{model_key}', "
+                                         f"found {keys}")
+            state = checkpoint[model_key]
+        if not isinstance(state, Mapping):
+            raise NxdCheckpointError(f"{path}: '{model_key}' is a {type(state).__name__}, not a state dict")
+        self.state: Dict[str, Any] = {}
+        for key, value in state.items():
+            if not isinstance(key, str):
+                raise NxdCheckpointError(f"{path}: state dict key {key!r} is not a string")
+            if key.endswith("_extra_state"):
+                continue
+            if not isinstance(value, (torch.Tensor, _XlaTensorReference)):
+                raise NxdCheckpointError(f"{path}: '{key}' is a {type(value).__name__}, not a tensor")
+            self.state[key] = value
+        self._tensors_dir = path + XSER_TENSORS_SUFFIX
+        refs = [v for v in self.state.values() if isinstance(v, _XlaTensorReference)]
+        if refs and not os.path.isdir(self._tensors_dir):
+            raise FileNotFoundError(f"{path} is an xser checkpoint (it references tensor files) but its tensor "
+                                    f"directory {self._tensors_dir} is missing")
+        self._resolved: Dict[int, torch.Tensor] = {}
+
+    def tensor_file(self, key: str) -> str:
+        value = self.state[key]
+        if isinstance(value, _XlaTensorReference):
+            return os.path.join(self._tensors_dir, f"tensor_{value.tid}.pt")
+        return self.path
+
+    def get(self, key: str) -> torch.Tensor:
+        value = self.state[key]
+        if not isinstance(value, _XlaTensorReference):
+            return value
+        if value.tid not in self._resolved:
+            file = self.tensor_file(key)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{file} is missing: {self.path} needs it for '{key}'")
+            tensor = _torch_load(file)
+            if not isinstance(tensor, torch.Tensor):
+                raise NxdCheckpointError(f"{file} (for '{key}' of {self.path}) holds a {type(tensor).__name__}, "
+                                         "not a tensor")
+            self._resolved[value.tid] = tensor
+        return self._resolved[value.tid]
+
+
+def open_shards(files: RankFiles, model_key: Optional[str], progress: bool) -> List[RankShard]:
+    """Every rank's state dict (``model_key`` AUTO: the layout's), after checking that all ranks hold the same keys."""
+    key = files.model_key if model_key == AUTO else model_key
+    shards = []
+    for rank, path in enumerate(files.paths):
+        say(progress, f"reading TP rank {rank + 1}/{len(files.paths)}: {path}")
+        shards.append(RankShard(path, key))
+    reference = shards[0]
+    for shard in shards[1:]:
+        extra = sorted(set(shard.state) - set(reference.state))
+        absent = sorted(set(reference.state) - set(shard.state))
+        if extra or absent:
+            raise NxdCheckpointError(f"{shard.path}: its model keys differ from {reference.path}'s: "
+                                     f"missing {absent[:5]}, extra {extra[:5]}")
+    return shards
+
+
+def one_dtype(shards: Sequence[RankShard], key: str) -> torch.dtype:
+    dtypes = {shard.get(key).dtype for shard in shards}
+    if len(dtypes) > 1:
+        raise NxdCheckpointError(f"'{key}' has different dtypes across ranks: {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+def replicated(shards: Sequence[RankShard], key: str) -> torch.Tensor:
+    """TP rank 0's copy of a tensor every rank holds whole; warns when another rank's copy differs."""
+    value = shards[0].get(key)
+    for shard in shards[1:]:
+        other = shard.get(key)
+        if not torch.equal(other, value):
+            diff = (other.double() - value.double()).abs().max().item() if value.is_floating_point() else "n/a"
+            say(True, f"warning: replicated '{key}' differs between {shards[0].path} and {shard.path} "
+                      f"(max abs diff {diff}); using TP rank 0's")
+    return value
+
+
+# ---- the dense model -------------------------------------------------------------------------------------------------
+
+def load_config_dict(config_json) -> Tuple[Dict[str, Any], str]:
+    """The raw dict of a config.json (a file or a directory holding one), and its path."""
+    path = os.fspath(config_json)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config {path} does not exist")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as error:
+            raise NxdCheckpointError(f"config {path} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise NxdCheckpointError(f"config {path} holds a {type(raw).__name__}, not a JSON object")
+    return raw, path
+
+
+def expected_layout(config, model_class) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, str]]:
+    """Shapes of the dense model's state dict, and its tied aliases (alias -> source) as HF's config sets them."""
+    with torch.device("meta"):
+        model = model_class(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:  # transformers < 5 has no such map: every key is then required in the checkpoint
+        tied = {}
+    return shapes, dict(tied)
+
+
+@dataclass
+class DenseTensor:
+    """One tensor of the output: its HF name, shape and dtype, and how to assemble it from the rank files."""
+
+    key: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    build: Callable[[], torch.Tensor]
+
+
+def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
+                      plan: Callable[[List[RankShard], RankFiles], List[DenseTensor]], *, force: bool, progress: bool,
+                      model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype]) -> str:
+    """The steps every family shares: check the output, find and open the rank files, let ``plan`` check everything
+    and say how to build each dense tensor, then write ``model.safetensors`` and ``config.json`` atomically."""
+    checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
+    check_output_dir(checkpoint_dir, output_dir, force)
+    files = locate_rank_files(checkpoint_dir, tag)
+    shards = open_shards(files, model_key, progress)
+    tensors = plan(shards, files)
+    tp = len(shards)
+
+    def out_dtype(tensor: DenseTensor) -> torch.dtype:
+        return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+
+    layout = [(t.key, out_dtype(t), t.shape) for t in tensors]
+
+    def write(staging: str) -> None:
+        say(progress, f"writing {len(layout)} tensors (tp={tp} merged) to {output_dir}")
+        metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(tp)}
+        with StreamingSafetensorsWriter(os.path.join(staging, SAFETENSORS_FILE), layout, metadata) as writer:
+            for tensor, (key, dtype_, _) in zip(tensors, layout):
+                writer.write(key, tensor.build().to(dtype_))
+        config.architectures = [architecture]
+        config.save_pretrained(staging)
+
+    write_atomically(output_dir, write)
+    say(progress, f"done: {output_dir}")
+    return output_dir
