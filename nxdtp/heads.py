@@ -36,9 +36,12 @@ def padded_head_count(heads: int, kv_heads: int, tp: int) -> int:
     return kv_heads * padded_group_size(heads, kv_heads, tp)
 
 
-def padded_rows(real_rows: int, head_dim: int, groups: int, tp: int) -> int:
-    """The rows of a head-padded projection at degree ``tp`` given its real rows, head size and padding groups (1: zero
-    heads at the end; the KV head count: zero heads at the end of every query group)."""
+def padded_rows(real_rows: int, head_dim: int, groups: int, tp: int, stride: int = 1) -> int:
+    """The rows of a head-padded projection at degree ``tp`` given its real rows, head size and padding groups: with
+    ``stride`` > 1 (fused Q|K|V, one group per part) each part is padded like heads without grouping; otherwise 1 group
+    means zero heads at the end, and more groups are the query groups of grouped KV heads."""
     heads = real_rows // head_dim
+    if stride > 1:
+        return stride * padded_head_count(heads // stride, heads // stride, tp) * head_dim
     kv_heads = heads if groups == 1 else groups
     return padded_head_count(heads, kv_heads, tp) * head_dim

@@ -29,14 +29,14 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, BATCH = 99, 8, 2
 
 
-def _config(dropout=0.0):
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_positions=16,
+def _config(dropout=0.0, heads=4):
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=8 * heads, n_head=heads, n_layer=2, n_positions=16,
                                    resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
 
 
-def _dense(model_class, seed, dropout=0.0):
+def _dense(model_class, seed, dropout=0.0, heads=4):
     torch.manual_seed(seed)
-    return randomised(model_class(_config(dropout)), seed + 1)
+    return randomised(model_class(_config(dropout, heads)), seed + 1)
 
 
 def _batch(seed):
@@ -49,12 +49,12 @@ def _batch(seed):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def case_gpt2_equals_dense(multiple: int, sequence_parallel: bool = False):
+def case_gpt2_equals_dense(multiple: int, sequence_parallel: bool = False, heads: int = 4):
     tp = ps.get_tensor_model_parallel_size()
     checked = []
     for name in ("GPT2LMHeadModel", "GPT2Model"):
-        what = f"{name} tp={tp} divisible_by={multiple} sp={sequence_parallel}"
-        dense = _dense(getattr(transformers, name), seed=11)
+        what = f"{name} heads={heads} tp={tp} divisible_by={multiple} sp={sequence_parallel}"
+        dense = _dense(getattr(transformers, name), seed=11, heads=heads)
         model = parallelize_model(copy.deepcopy(dense), make_vocab_size_divisible_by=multiple,
                                   sequence_parallel=sequence_parallel)
         _check_weights(model, dense, what)
@@ -85,12 +85,14 @@ def case_gpt2_equals_dense(multiple: int, sequence_parallel: bool = False):
     return checked
 
 
-@pytest.mark.parametrize("world,tp,multiple,sp", [pytest.param(2, 2, 1, False, id="tp2"),
-                                                  pytest.param(4, 4, 8, False, id="tp4-padded"),
-                                                  pytest.param(2, 2, 1, True, id="tp2-sp")])
-def test_gpt2_equals_dense(worlds, world, tp, multiple, sp):
+@pytest.mark.parametrize("world,tp,multiple,sp,heads", [pytest.param(2, 2, 1, False, 4, id="tp2"),
+                                                        pytest.param(4, 4, 8, False, 4, id="tp4-padded"),
+                                                        pytest.param(2, 2, 1, True, 4, id="tp2-sp"),
+                                                        pytest.param(4, 4, 1, True, 6, id="tp4-sp-zero-heads")])
+def test_gpt2_equals_dense(worlds, world, tp, multiple, sp, heads):
+    # The last case: 6 heads at tp=4, so Q, K and V each get 2 zero heads inside the fused c_attn.
     results = worlds(world).run(case_gpt2_equals_dense, tensor_model_parallel_size=tp, multiple=multiple,
-                                sequence_parallel=sp)
+                                sequence_parallel=sp, heads=heads)
     assert all(len(r) == 2 for r in results)
 
 
@@ -121,6 +123,10 @@ def lm_head_model(seed):
     return _dense(transformers.GPT2LMHeadModel, seed)
 
 
+def six_heads_lm_head_model(seed):
+    return _dense(transformers.GPT2LMHeadModel, seed, heads=6)
+
+
 def checkpoint_batch():
     return _batch(seed=32)
 
@@ -134,3 +140,10 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
 
     with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as f:
         assert tuple(f.get_slice("transformer.h.0.attn.c_attn.weight").get_shape()) == (32, 96)
+
+
+def test_zero_heads_in_the_fused_projection_round_trip(worlds, tmp_path):
+    # 6 heads: split evenly at tp=2, zero heads in each of Q, K, V after resharding to tp=4; merging strips them.
+    check_checkpoint_round_trip(worlds, tmp_path, "tests.test_models_gpt2:six_heads_lm_head_model",
+                                "tests.test_models_gpt2:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                "GPT2LMHeadModel")

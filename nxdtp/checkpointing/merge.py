@@ -393,7 +393,7 @@ def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size:
                          "pad the model again at the new degree")
     if spec.pad_block > 1:
         # Zero heads are added until the new degree divides the heads, as the model will pad them.
-        full[dim] = padded_rows(real, spec.pad_block, spec.pad_groups, new_tp)
+        full[dim] = padded_rows(real, spec.pad_block, spec.pad_groups, new_tp, spec.stride)
         return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp)
     vocab_parallel = real != full[dim] or (vocab_size is not None and real == vocab_size and stride == 1)
     if vocab_parallel:

@@ -35,9 +35,7 @@ def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_voca
     require_supported_transformers()
     family = _FAMILIES.get(model_class.__name__)
     if family is not None:
-        # GPT-2's fused c_attn has no zero heads yet: its plan refuses head counts TP does not divide.
-        options = {} if family is gpt2 else {"pad_heads": pad_heads}
-        plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by, **options)
+        plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by, pad_heads)
         return (lambda model: plan), family.checkpoint_keys
     if hf_tp_plan.has_tp_plan(config):
         return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by, pad_heads)),

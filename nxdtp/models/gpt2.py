@@ -3,7 +3,8 @@
 GPT-2 projects with HF's ``Conv1D``, whose weight is ``[in_features, out_features]`` (the transpose of ``nn.Linear``'s):
 
 * ``attn.c_attn`` (fused Q, K, V: ``[hidden, 3 * hidden]``) is column-parallel with stride 3: each rank keeps its
-  1/tp of Q, of K and of V, so the fused output splits into this rank's heads; nothing is gathered. ``attn.c_proj`` is
+  1/tp of Q, of K and of V, so the fused output splits into this rank's heads; nothing is gathered. When TP does not
+  divide the heads, Q, K and V each get zero heads at their end, and ``c_proj`` the matching zero columns. ``attn.c_proj`` is
   row-parallel. ``mlp.c_fc`` is column-parallel, ``mlp.c_proj`` row-parallel. One all-reduce forward and one backward
   per block.
 * The parallel layers keep Conv1D's weight layout, so state dicts, merged checkpoints and ``from_pretrained_sharded``
@@ -25,10 +26,12 @@ import dataclasses
 import torch
 from torch import nn
 
+from ..heads import padded_head_count
 from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     call_with_parameters_as, wrap_forward
 from .. import mappings
+from .attention_heads import attention_projection_styles
 from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, scatter_sequence_of_input, \
     tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
@@ -72,7 +75,9 @@ def _with_conv1d_weight(forward, *args, **kwargs):
     return call_with_parameters_as(forward, torch.Tensor.t, *args, **kwargs)  # a 1-D bias is its own transpose
 
 
-def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1) -> Plan:
+def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
+    """``pad_heads``: when TP does not divide the attention heads, add zero heads to each of Q, K and V and to
+    ``c_proj`` (with a logged warning naming the count) instead of refusing the model."""
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
@@ -89,7 +94,18 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
 
     def prepare(model: nn.Module) -> dict:
         _validate(model)
-        return {"lm_head": VocabParallelLMHead(**pad)} if hasattr(model, "lm_head") else {}
+        config = model.config
+        heads, head_dim = config.n_head, config.n_embd // config.n_head
+        q, _, _, o = attention_projection_styles(type(model).__name__, heads, heads, head_dim,
+                                                 tensor_parallel_group().size, pad_heads,
+                                                 ColumnParallel(stride=3, **entry), RowParallel(**sp))
+        # c_attn is Q|K|V fused: each part gets its own zero heads (three padding groups), then the stride-3 split.
+        extra = {BLOCK + "attn.c_attn": Conv1DParallel(dataclasses.replace(q, padded_heads=3 * q.padded_heads,
+                                                                           groups=3)),
+                 BLOCK + "attn.c_proj": Conv1DParallel(o)}
+        if hasattr(model, "lm_head"):
+            extra["lm_head"] = VocabParallelLMHead(**pad)
+        return extra
 
     def finalize(model: nn.Module) -> None:
         _wire(model, sequence_parallel)
@@ -100,7 +116,7 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
 def _validate(model: nn.Module) -> None:
     config = model.config
     inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
-    check_model(model, "GPT-2", SUPPORTED, {"n_head": config.n_head, "n_inner": inner})
+    check_model(model, "GPT-2", SUPPORTED, {"n_inner": inner})
     if config.add_cross_attention:
         raise ValueError(f"{type(model).__name__} with add_cross_attention=True is not supported: use a decoder-only "
                          "GPT-2")
@@ -126,10 +142,12 @@ def _tensor_parallel_attention(forward, hidden_states, *args, **kwargs):
 
 def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     tp = tensor_parallel_group().size
+    heads = padded_head_count(model.config.n_head, model.config.n_head, tp) // tp
     transformer = model.transformer if hasattr(model, "transformer") else model
     for block in transformer.h:
-        block.attn.split_size //= tp      # c_attn's local output is this rank's Q, K and V, each hidden / tp wide
-        block.attn.num_heads //= tp
+        # c_attn's local output is this rank's Q, K and V heads, zero heads included.
+        block.attn.num_heads = heads
+        block.attn.split_size = heads * block.attn.head_dim
         if sequence_parallel:
             # Every dropout in these blocks now acts on this rank's heads or this rank's tokens: per-rank masks.
             wrap_forward(block.attn, "nxdtp_tp_attention_sp", tensor_parallel_block(SEQUENCE_DIM, True, dropping))
