@@ -1,0 +1,1 @@
+"""Building blocks above nxdtp's parallel layers, at the paths of NxD's ``neuronx_distributed.modules``."""

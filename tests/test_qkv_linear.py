@@ -1,0 +1,220 @@
+"""NxD's GQAQKVColumnParallelLinear (nxdtp.modules.qkv_linear) against dense Q, K, V projections.
+
+A grouped-query attention block built from the layer and a RowParallelLinear output projection, as NxD's Llama model
+builds it, computes the dense block's output; every gradient (K and V summed over their copies), the input gradient and
+the TP-aware grad norm equal dense. The test states the layout itself: rank r holds query rows
+``[r * q_local, (r + 1) * q_local)`` and, for each of its KV slots, a whole copy of dense KV head
+``(r * slots + slot) // kv_size_multiplier``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from nxdtp import parallel_state as ps
+from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
+from nxdtp.layers import RowParallelLinear
+from nxdtp.modules.qkv_linear import GQAQKVColumnParallelLinear
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+HIDDEN, SEQ, BATCH = 32, 8, 2
+
+
+def _dense(heads, kv_heads, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (heads * head_dim, HIDDEN), "k": (kv_heads * head_dim, HIDDEN), "v": (kv_heads * head_dim, HIDDEN),
+              "o": (HIDDEN, heads * head_dim)}
+    weights = {name: torch.randn(shape, generator=g) * 0.2 for name, shape in shapes.items()}
+    biases = {name: torch.randn(shape[0], generator=g) * 0.2 for name, shape in shapes.items()}
+    return weights, biases
+
+
+def _attention(q, k, v, head_dim, groups):
+    """[batch, seq, heads * head_dim] in; grouped-query causal attention; [batch, seq, heads * head_dim] out."""
+    batch, seq = q.shape[:2]
+    q, k, v = (t.reshape(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) / head_dim ** 0.5
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
+
+
+def _kv_heads_of_rank(rank, tp, kv_heads, multiplier):
+    slots = kv_heads * multiplier // tp
+    return [(rank * slots + slot) // multiplier for slot in range(slots)]
+
+
+def case_gqa_block_equals_dense(heads, kv_heads, head_dim, multiplier, fuse_qkv, sequence_parallel,
+                                tell_head_dim=False):
+    rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_size()
+    what = f"heads={heads} kv={kv_heads} tp={tp} m={multiplier} fuse={fuse_qkv} sp={sequence_parallel}"
+    weights, biases = _dense(heads, kv_heads, head_dim)
+    dense_params = {f"{kind}_{n}": nn.Parameter(t.clone()) for kind, d in (("w", weights), ("b", biases))
+                    for n, t in d.items()}
+    qkv = GQAQKVColumnParallelLinear(HIDDEN, [heads * head_dim, kv_heads * head_dim], bias=True, gather_output=False,
+                                     kv_size_multiplier=multiplier, fuse_qkv=fuse_qkv,
+                                     sequence_parallel_enabled=sequence_parallel,
+                                     **(dict(head_dim=head_dim) if tell_head_dim else {}))
+    o_proj = RowParallelLinear(heads * head_dim, HIDDEN, input_is_parallel=True,
+                               sequence_parallel_enabled=sequence_parallel)
+    q_local = heads * head_dim // tp
+    kv_rows = lambda t: torch.cat([t[h * head_dim:(h + 1) * head_dim]  # noqa: E731
+                                   for h in _kv_heads_of_rank(rank, tp, kv_heads, multiplier)])
+    local = {"q": weights["q"][rank * q_local:(rank + 1) * q_local], "k": kv_rows(weights["k"]),
+             "v": kv_rows(weights["v"])}
+    local_bias = {"q": biases["q"][rank * q_local:(rank + 1) * q_local], "k": kv_rows(biases["k"]),
+                  "v": kv_rows(biases["v"])}
+    if fuse_qkv:   # NxD's fused state dict keys load into the three parameters
+        state = {"weight_qkv": torch.cat([local[p] for p in "qkv"]), "bias_qkv": torch.cat([local_bias[p] for p in "qkv"])}
+    else:
+        state = {**{f"weight_{p}": local[p] for p in "qkv"}, **{f"bias_{p}": local_bias[p] for p in "qkv"}}
+    qkv.load_state_dict(state)
+    o_proj.load_state_dict({"weight": weights["o"][:, rank * q_local:(rank + 1) * q_local], "bias": biases["o"]})
+    torch.testing.assert_close(qkv.weight_qkv, torch.cat([local[p] for p in "qkv"]), atol=0, rtol=0)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=g)
+    upstream = torch.randn(BATCH, SEQ, HIDDEN, generator=g)
+    dense_x = x.clone().requires_grad_()
+    dense_q, dense_k, dense_v = (dense_x @ dense_params[f"w_{p}"].t() + dense_params[f"b_{p}"] for p in "qkv")
+    dense_out = _attention(dense_q, dense_k, dense_v, head_dim, heads // kv_heads) @ dense_params["w_o"].t() \
+        + dense_params["b_o"]
+    (dense_out * upstream).sum().backward()
+
+    groups = (heads // tp) // (kv_heads * multiplier // tp)
+    if sequence_parallel:   # NxD's layout: [seq, batch, hidden], this rank's sequence chunk
+        x_local = x.transpose(0, 1).chunk(tp)[rank].clone().requires_grad_()
+        q, k, v = (t.transpose(0, 1) for t in qkv(x_local))
+        out = o_proj(_attention(q, k, v, head_dim, groups).transpose(0, 1))
+        expected = dense_out.detach().transpose(0, 1).chunk(tp)[rank]
+        (out * upstream.transpose(0, 1).chunk(tp)[rank]).sum().backward()
+        torch.testing.assert_close(x_local.grad, dense_x.grad.transpose(0, 1).chunk(tp)[rank], **TOL,
+                                   msg=lambda m: f"{what} input grad: {m}")
+        allreduce_sequence_parallel_gradients(o_proj.parameters())
+    else:
+        x_local = x.clone().requires_grad_()
+        q, k, v = qkv(x_local)
+        out = o_proj(_attention(q, k, v, head_dim, groups))
+        expected = dense_out.detach()
+        (out * upstream).sum().backward()
+        torch.testing.assert_close(x_local.grad, dense_x.grad, **TOL, msg=lambda m: f"{what} input grad: {m}")
+    torch.testing.assert_close(out, expected, **TOL, msg=lambda m: f"{what} output: {m}")
+    grads = {"q": dense_params["w_q"].grad[rank * q_local:(rank + 1) * q_local], "k": kv_rows(dense_params["w_k"].grad),
+             "v": kv_rows(dense_params["w_v"].grad)}
+    bias_grads = {"q": dense_params["b_q"].grad[rank * q_local:(rank + 1) * q_local],
+                  "k": kv_rows(dense_params["b_k"].grad), "v": kv_rows(dense_params["b_v"].grad)}
+    for p in "qkv":
+        torch.testing.assert_close(getattr(qkv, "weight_" + p).grad, grads[p], **TOL,
+                                   msg=lambda m: f"{what} weight_{p} grad: {m}")
+        torch.testing.assert_close(getattr(qkv, "bias_" + p).grad, bias_grads[p], **TOL,
+                                   msg=lambda m: f"{what} bias_{p} grad: {m}")
+    dense_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in dense_params.values()))
+    norm = get_grad_norm(list(qkv.parameters()) + list(o_proj.parameters()))
+    torch.testing.assert_close(norm, dense_norm, **TOL, msg=lambda m: f"{what} grad norm: {m}")
+    return what
+
+
+@pytest.mark.parametrize("multiplier,fuse,sp", [pytest.param(2, True, False, id="m2-fused"),
+                                                pytest.param(2, False, True, id="m2-separate-sp"),
+                                                pytest.param(1, True, False, id="m1-fused")])
+def test_gqa_block_equals_dense_at_tp4(worlds, multiplier, fuse, sp):
+    # 8 query heads over 2 KV heads (m=2: one KV copy per rank) or 4 KV heads (m=1: one KV head per rank).
+    kv_heads = 2 if multiplier == 2 else 4
+    assert len(worlds(4).run(case_gqa_block_equals_dense, tensor_model_parallel_size=4, heads=8, kv_heads=kv_heads,
+                             head_dim=4, multiplier=multiplier, fuse_qkv=fuse, sequence_parallel=sp)) == 4
+
+
+def test_two_kv_copies_per_rank_need_head_dim(worlds):
+    # 4 KV heads x m=2 at tp=4: two copies per rank, so the layer is told the head size.
+    assert len(worlds(4).run(case_gqa_block_equals_dense, tensor_model_parallel_size=4, heads=8, kv_heads=4,
+                             head_dim=4, multiplier=2, fuse_qkv=False, sequence_parallel=False,
+                             tell_head_dim=True)) == 4
+
+
+def case_initialised_copies_are_equal_and_dense():
+    """Under one seed every rank's KV copies are whole dense heads: copies of a head are equal across ranks."""
+    from nxdtp import comm
+
+    torch.manual_seed(5)
+    layer = GQAQKVColumnParallelLinear(HIDDEN, [8 * 4, 2 * 4], gather_output=False, kv_size_multiplier=2)
+    gathered = comm.all_gather(layer.weight_k.detach(), ps.tensor_parallel_group(), dim=0)
+    copies = gathered.reshape(2, 2, 4, HIDDEN)  # [KV head, copy, head_dim, hidden]
+    assert torch.equal(copies[:, 0], copies[:, 1])
+    torch.manual_seed(5)
+    dense = torch.empty(8 * 4, HIDDEN)
+    nn.init.kaiming_uniform_(dense, a=5 ** 0.5)
+    rank = ps.get_tensor_model_parallel_rank()
+    assert torch.equal(layer.weight_q, dense[rank * 8:(rank + 1) * 8])
+    return True
+
+
+def test_initialised_copies_are_equal(worlds):
+    assert worlds(4).run(case_initialised_copies_are_equal_and_dense, tensor_model_parallel_size=4) == [True] * 4
+
+
+class _Block(nn.Module):
+    def __init__(self, multiplier):
+        super().__init__()
+        self.qkv_proj = GQAQKVColumnParallelLinear(HIDDEN, [8 * 4, 2 * 4], gather_output=False,
+                                                   kv_size_multiplier=multiplier)
+
+
+def case_save(directory):
+    from nxdtp import checkpointing
+
+    torch.manual_seed(9)
+    block = _Block(multiplier=2)   # tp=4: each of the 2 KV heads twice
+    checkpointing.save({"model": block, "global_step": 1}, directory)
+    return {name: p.detach() for name, p in block.named_parameters()}
+
+
+def case_load(directory):
+    from nxdtp import checkpointing
+
+    torch.manual_seed(10)
+    block = _Block(multiplier=1)   # tp=2: the KV heads split evenly
+    checkpointing.load(directory, model=block)
+    return {name: p.detach() for name, p in block.named_parameters()}
+
+
+def test_checkpoint_merges_to_dense_and_reshards(worlds, tmp_path):
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.merge import merge, reshard
+
+    saved = worlds(4).run(case_save, tensor_model_parallel_size=4, directory=str(tmp_path / "tp4"))
+    merge(str(tmp_path / "tp4"), str(tmp_path / "merged"), progress=False)
+    dense = load_file(os.path.join(str(tmp_path / "merged"), "model.safetensors"))
+    assert tuple(dense["qkv_proj.weight_k"].shape) == (2 * 4, HIDDEN)   # one copy of each KV head
+    for kv_head, ranks in enumerate(((0, 1), (2, 3))):
+        for rank in ranks:
+            assert torch.equal(saved[rank]["qkv_proj.weight_k"], dense["qkv_proj.weight_k"][kv_head * 4:(kv_head + 1) * 4])
+    assert torch.equal(torch.cat([s["qkv_proj.weight_q"] for s in saved]), dense["qkv_proj.weight_q"])
+    reshard(str(tmp_path / "tp4"), str(tmp_path / "tp2"), 2, progress=False)
+    loaded = worlds(2).run(case_load, tensor_model_parallel_size=2, directory=str(tmp_path / "tp2"))
+    for part in ("weight_q", "weight_k", "weight_v", "bias_k"):
+        key = "qkv_proj." + part
+        assert torch.equal(torch.cat([r[part] if part in r else r[key] for r in loaded]), dense[key]), key
+
+
+def test_bad_arguments_are_named():
+    with ps.simulated_topology(world_size=4, rank=0, tensor_model_parallel_size=4):
+        with pytest.raises(ValueError, match=r"kv_size_multiplier=3 does not divide tensor_model_parallel_size=4"):
+            GQAQKVColumnParallelLinear(HIDDEN, [32, 8], kv_size_multiplier=3)
+        with pytest.raises(ValueError, match=r"output_sizes\[1\] \* kv_size_multiplier = 3 \* 2 is not divisible"):
+            GQAQKVColumnParallelLinear(HIDDEN, [32, 3], gather_output=False, kv_size_multiplier=2)
+        with pytest.raises(ValueError, match=r"head_dim=3 does not divide output_sizes=\[32, 8\]"):
+            GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False, kv_size_multiplier=2, head_dim=3)
+        with pytest.raises(ValueError, match=r"gather_output=True with kv_size_multiplier=2"):
+            GQAQKVColumnParallelLinear(HIDDEN, [32, 8], kv_size_multiplier=2)
+        with pytest.raises(ValueError, match=r"output_sizes=\[32\] must be \[q_size, kv_size\]"):
+            GQAQKVColumnParallelLinear(HIDDEN, [32])
+        with pytest.raises(ValueError, match=r"reduce_dtype=torch.bfloat16 is not supported"):
+            GQAQKVColumnParallelLinear(HIDDEN, [32, 8], reduce_dtype=torch.bfloat16)
+        layer = GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False)
+        with pytest.raises(RuntimeError, match=r"weight_qkv has 9 rows, but this rank's Q, K and V have \[8, 2, 2\]"):
+            layer.load_state_dict({"weight_qkv": torch.zeros(9, HIDDEN)}, strict=False)
