@@ -448,9 +448,13 @@ def case_dropout(steps=3, seed=1234):
                     hidden_masks.append((name, tuple(args[0].shape), (output == 0).detach().numpy().copy()))
                 return hook
 
+            # The hidden-state dropouts: after the embeddings, after attention's output dense and after each layer's
+            # output dense. Not the attention-probability dropout, checked through the probabilities above (its
+            # nn.Dropout module runs only in transformers 4.x's eager attention; 5.x and SDPA apply its p directly).
             for name, module in model.named_modules():
-                if isinstance(module, nn.Dropout) and (name.startswith("bert.encoder") or
-                                                       name == "bert.embeddings.dropout"):
+                if isinstance(module, nn.Dropout) and (
+                        name == "bert.embeddings.dropout" or
+                        re.fullmatch(r"bert\.encoder\.layer\.\d+\.(attention\.)?output\.dropout", name)):
                     hooks.append(module.register_forward_hook(record_hidden(name)))
             losses = []
             for step in range(steps):
@@ -758,7 +762,7 @@ def test_a_bad_plan_leaves_the_model_untouched():
 # ---- training helpers: attention_bias and checkpoint_layers ---------------------------------------------------------------
 
 def case_attention_bias_and_checkpoint_layers():
-    """The 4-D additive mask gives the 2-D mask's loss and gradients; checkpointed layers (dropout on, SP on) give the
+    """attention_bias's mask gives the 2-D mask's loss and gradients; checkpointed layers (dropout on, SP on) give the
     plain model's loss and gradients when both start from the same RNG states."""
     from nxdtp.models.bert import attention_bias, checkpoint_layers
 
@@ -769,7 +773,17 @@ def case_attention_bias_and_checkpoint_layers():
     checkpointed = checkpoint_layers(parallelize_bert(copy.deepcopy(dense), sequence_parallel=True))
     batch = _batch(config, seed=6)
     bias_batch = {**batch, "attention_mask": attention_bias(batch["attention_mask"], torch.float32)}
-    assert bias_batch["attention_mask"].shape == (BATCH, 1, 1, SEQ)
+    mask = bias_batch["attention_mask"]
+    padded = batch["attention_mask"] == 0
+    if hasattr(transformers.PreTrainedModel, "get_extended_attention_mask"):
+        # transformers 4 accepts 2-D and 3-D 0/1 masks only, and makes the additive mask itself.
+        assert mask.shape == (BATCH, 1, SEQ) and torch.equal(mask[:, 0], batch["attention_mask"].float())
+    else:
+        # transformers 5 uses a 4-D mask as given: additive.
+        assert mask.shape == (BATCH, 1, 1, SEQ)
+        assert torch.equal(mask[:, 0, 0][padded], torch.full((int(padded.sum()),), torch.finfo(torch.float32).min))
+        assert not mask[:, 0, 0][~padded].any()
+    assert padded.any()  # the batch has padding, so the masks' equality below is tested
 
     def loss_and_grads(model, inputs):
         model_parallel_xla_manual_seed(7)

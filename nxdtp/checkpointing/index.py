@@ -72,12 +72,13 @@ def _alias_identity(key: str, value: torch.Tensor) -> object:
     return value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype
 
 
-def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[str] = ()
-                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
+def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[str] = (),
+                     preferred_keys: Iterable[str] = ()) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
     """Separate a model state dict into the tensors to store (aliases dropped) and their index entries.
 
     A tied tensor is stored under its first key that is not in ``alias_keys`` (the keys a model re-ties on loading, such
-    as an HF model's ``_tied_weights_keys``), so a merged checkpoint names it as the model's own loader expects.
+    as an HF model's ``_tied_weights_keys``), so a merged checkpoint names it as the model's own loader expects; a key in
+    ``preferred_keys`` leads before any other (a model's plan names them where some loader needs that name).
 
     A tensor without a spec in its module's extra state is replicated. Two keys whose tensors share storage, shape and
     offset (on XLA: that are one Parameter object) are one tied tensor, stored under its first key.
@@ -103,9 +104,10 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[s
         groups.setdefault(_alias_identity(key, value), []).append(key)
     tensors: Dict[str, torch.Tensor] = {}
     entries: Dict[str, TensorEntry] = {}
-    alias_keys = set(alias_keys)
+    alias_keys, preferred_keys = set(alias_keys), set(preferred_keys)
     for keys in groups.values():
-        keys = sorted(keys, key=lambda k: k in alias_keys)  # stable: the first non-alias key leads
+        # Stable: the first preferred key leads, else the first non-alias key.
+        keys = sorted(keys, key=lambda k: (k not in preferred_keys, k in alias_keys))
         key, value = keys[0], state_dict[keys[0]]
         spec = next((specs[k] for k in keys if k in specs), None) or ParamSpec(full_shape=tuple(value.shape),
                                                                              num_partitions=tp)

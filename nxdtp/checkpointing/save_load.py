@@ -66,9 +66,10 @@ def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None,
         # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
         comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
         # HF models list the keys they re-tie when loading (a dict in transformers 5, a list before); the tie's owner
-        # is stored under a key the model loads directly.
+        # is stored under a key the model loads directly, or under the one its plan names (nxdtp_tied_keys_to_store).
         tensors, entries = split_state_dict(model_state, tp_group.size,
-                                            alias_keys=getattr(model, "_tied_weights_keys", None) or ())
+                                            alias_keys=getattr(model, "_tied_weights_keys", None) or (),
+                                            preferred_keys=getattr(model, "nxdtp_tied_keys_to_store", ()))
         if down_cast_bf16:
             # The cast happens on the host while writing: on XLA a device-side cast would be a graph that only the
             # writing ranks run.

@@ -32,12 +32,12 @@ def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_voca
                    pad_heads: bool = True):
     """(a function of the model giving its plan, the checkpoint-key function): the family's hand-written plan, else
     the one HF ships in the config (base_model_tp_plan), else a TypeError naming the class."""
-    require_supported_transformers()
     family = _FAMILIES.get(model_class.__name__)
     if family is not None:
         plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by, pad_heads)
         return (lambda model: plan), family.checkpoint_keys
     if hf_tp_plan.has_tp_plan(config):
+        require_supported_transformers(hf_tp_plan.FAMILY)  # before from_pretrained_sharded reads anything
         return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by, pad_heads)),
                 hf_tp_plan.checkpoint_keys_for(model_class))
     raise TypeError(f"nxdtp cannot shard {model_class.__name__}: it has no hand-written plan (supported models are "

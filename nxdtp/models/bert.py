@@ -60,6 +60,9 @@ class EncoderFamily:
     supported: tuple
     mlm_decoder: str           # module name of the MLM head's decoder Linear
     base_prefix: str           # "bert.": the base model's attribute in checkpoints
+    # Keys under which checkpoints store tied tensors, where the name HF's _tied_weights_keys implies does not load in
+    # every supported transformers release (see RoBERTa).
+    tied_keys_to_store: tuple = ()
 
     def hf_class(self, suffix: str) -> type:
         return getattr(importlib.import_module(self.hf_module), self.class_prefix + suffix)
@@ -77,6 +80,7 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
                  pad_heads: bool = True) -> Plan:
     """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
     count) instead of refusing the model."""
+    require_supported_transformers(family.name)
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     layer = "*encoder.layer.*."
     styles = {
@@ -93,7 +97,6 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
         styles[layer + "output.LayerNorm"] = Replicate(sequence_parallel=True)
 
     def prepare(model: nn.Module) -> dict:
-        require_supported_transformers()
         _validate(family, model)
         config = model.config
         heads = config.num_attention_heads
@@ -155,6 +158,8 @@ def _wire(family: EncoderFamily, model: nn.Module, sequence_parallel: bool) -> N
         elif sequence_parallel and isinstance(module, encoder):
             wrap_forward(module, "nxdtp_sequence_parallel_encoder", _sequence_parallel_encoder)
     if any(name == family.mlm_decoder for name, _ in model.named_modules()):
+        if family.tied_keys_to_store:
+            model.nxdtp_tied_keys_to_store = family.tied_keys_to_store  # read by nxdtp.checkpointing.save
         model._nxdtp_forward_signature = inspect.signature(type(model).forward)
         wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
 

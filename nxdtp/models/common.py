@@ -17,21 +17,41 @@ from ..plan import wrap_forward
 from ..random import checkpoint, get_xla_rng_tracker
 
 
-# The transformers releases the plans are written and tested against (setup.cfg's extras say the same): >= 5.0, < 6.
-# transformers 4.48 does not pass yet; what fails there is listed in issue 11's notes.
-OLDEST_TRANSFORMERS, NEWEST_MAJOR = (5, 0), 6
+# The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
+# matrix and docs/wrapping_hf_models.md's families table say the same): BERT from 4.26 (NxD's BERT tutorial), every other
+# family from 4.48 (NxD's training examples), up to the newest 5.x. Inside the range, differences between releases are
+# handled by feature detection in this package, never by version numbers.
+OLDEST_TRANSFORMERS = {"BERT": (4, 26)}
+DEFAULT_OLDEST_TRANSFORMERS = (4, 48)
+NEWEST_MAJOR = 6
 
 
-def require_supported_transformers() -> None:
-    """Refuse a transformers release the plans were not written for: its module names or forwards may differ, and a
-    plan that matched the wrong modules would compute wrong numbers rather than fail."""
+def supported_transformers(family: str) -> str:
+    """The transformers versions ``family``'s plan supports, as a pip requirement range: ``">=4.48,<6"``."""
+    oldest = ".".join(map(str, OLDEST_TRANSFORMERS.get(family, DEFAULT_OLDEST_TRANSFORMERS)))
+    return f">={oldest},<{NEWEST_MAJOR}"
+
+
+def require_supported_transformers(family: str) -> None:
+    """Refuse a transformers release ``family``'s plan was not written for: its module names or forwards may differ,
+    and a plan that matched the wrong modules would compute wrong numbers rather than fail. Called when a plan is
+    made, so the error comes before any model is changed."""
     import transformers
 
-    version = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-    if not OLDEST_TRANSFORMERS <= version < (NEWEST_MAJOR, 0):
-        oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
-        raise ImportError(f"transformers {transformers.__version__} is not supported by nxdtp.models: supported "
-                          f"versions are >={oldest},<{NEWEST_MAJOR} (pip install 'transformers>={oldest},<{NEWEST_MAJOR}')")
+    version = transformers.__version__
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ImportError(f"cannot read the transformers version {version!r}; nxdtp's {family} plan supports "
+                          f"transformers{supported_transformers(family)}") from None
+    oldest = OLDEST_TRANSFORMERS.get(family, DEFAULT_OLDEST_TRANSFORMERS)
+    if not oldest <= major_minor < (NEWEST_MAJOR, 0):
+        supported = supported_transformers(family)
+        ranges = [f"{name}'s plan: {supported_transformers(name)}" for name in OLDEST_TRANSFORMERS if name != family]
+        if family in OLDEST_TRANSFORMERS:
+            ranges.append(f"the other families': {supported_transformers('')}")
+        raise ImportError(f"transformers {version} is not supported by nxdtp's {family} plan: supported versions are "
+                          f"{supported} ({'; '.join(ranges)}); pip install 'transformers{supported}'")
 
 
 def check_model(model: nn.Module, plan_name: str, supported, sizes) -> None:
@@ -60,33 +80,65 @@ def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) ->
 
 
 def attention_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A ``[batch, seq]`` 0/1 padding mask as the ``[batch, 1, 1, seq]`` additive mask HF attention applies.
+    """A ``[batch, seq]`` 0/1 padding mask in the form BERT-style encoders (BERT, RoBERTa) use as given, without first
+    reading a value back to the host.
 
-    Pass this instead of the 2-D mask on XLA: from a 2-D mask transformers first checks whether any token is padded
-    (``mask.all()``), a device-to-host read that executes a separate graph in every forward. A 4-D mask is used as
-    given. The numbers are the same: 0 where attended, the dtype's minimum where padded.
+    Pass this instead of the 2-D mask on XLA: from a 2-D mask transformers' SDPA path first checks whether any token is
+    padded (``mask.all()``), a device-to-host read that executes a separate graph in every forward. The numbers are
+    the same as with the 2-D mask. The form depends on how the installed transformers builds BERT's mask:
+
+    * transformers 5: the ``[batch, 1, 1, seq]`` additive mask (0 where attended, the dtype's minimum where padded),
+      which it uses as given;
+    * transformers 4 (``get_extended_attention_mask``, which accepts 2-D and 3-D masks only): the 0/1 mask as
+      ``[batch, 1, seq]`` in ``dtype``, which it turns into the same additive mask on the device.
     """
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be [batch, seq], got shape {list(attention_mask.shape)}")
+    if _builds_extended_attention_masks():
+        return attention_mask[:, None, :].to(dtype)
     keep = attention_mask[:, None, None, :].to(torch.bool)
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
+def _builds_extended_attention_masks() -> bool:
+    """Whether the installed transformers' encoders build their additive mask with ``get_extended_attention_mask``
+    (transformers 4), rather than taking a 4-D mask as given (transformers 5)."""
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "get_extended_attention_mask")
+
+
+def transformer_layers(model: nn.Module) -> list:
+    """The layers HF's own gradient checkpointing recomputes one at a time (BERT's encoder layers, GPT-2's and Llama's
+    decoder blocks), in module order.
+
+    Newer transformers releases make every such layer a ``GradientCheckpointingLayer``. Older ones (4.x before that
+    class) put HF's ``gradient_checkpointing`` switch on the module that runs the layers (``BertEncoder``,
+    ``GPT2Model``, ``LlamaModel``), which checkpoints each entry of its layer list: those entries are the layers.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        GradientCheckpointingLayer = None
+    if GradientCheckpointingLayer is not None:
+        return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [layer for module in model.modules() if "gradient_checkpointing" in vars(module)
+            for child in module.children() if isinstance(child, nn.ModuleList) for layer in child]
+
+
 def checkpoint_layers(model: nn.Module) -> nn.Module:
-    """Recompute each transformer layer (BERT's encoder layers, GPT-2's and Llama's decoder blocks: every transformers
-    ``GradientCheckpointingLayer``) in backward instead of storing its activations.
+    """Recompute each transformer layer (those HF's gradient checkpointing recomputes: ``transformer_layers``) in
+    backward instead of storing its activations.
 
     Uses ``nxdtp.random.checkpoint``, which replays the RNG tracker's states as well as the default generators, so
     dropout inside TP regions draws the forward's masks again (HF's ``gradient_checkpointing_enable`` restores only
     the default generator). On XLA the recompute is fenced by an optimization barrier so the compiler cannot merge it
     with the forward. Returns the model.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = transformer_layers(model)
     if not layers:
-        raise ValueError(f"checkpoint_layers() found no transformer layer (transformers' GradientCheckpointingLayer) "
-                         f"in {type(model).__name__}")
+        raise ValueError(f"checkpoint_layers() found no transformer layer (the layers transformers' gradient "
+                         f"checkpointing recomputes) in {type(model).__name__}")
     for layer in layers:
         wrap_forward(layer, "nxdtp_activation_checkpoint", _checkpointed_layer)
     return model
@@ -96,8 +148,8 @@ def _checkpointed_layer(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     # A KV cache would be appended to again when backward recomputes the layer (HF turns caching off under its own
-    # checkpointing for the same reason).
-    for cache in ("past_key_values", "layer_past"):
+    # checkpointing for the same reason). transformers 4.x names it past_key_value in its decoder layers.
+    for cache in ("past_key_values", "past_key_value", "layer_past"):
         if kwargs.get(cache) is not None:
             kwargs[cache] = None
     if kwargs.get("use_cache"):

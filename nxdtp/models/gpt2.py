@@ -32,8 +32,8 @@ from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEm
     call_with_parameters_as, wrap_forward
 from .. import mappings
 from .attention_heads import attention_projection_styles
-from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, scatter_sequence_of_input, \
-    tensor_parallel_block, with_and_without_prefix
+from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, \
+    require_supported_transformers, scatter_sequence_of_input, tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
 SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")
@@ -78,6 +78,7 @@ def _with_conv1d_weight(forward, *args, **kwargs):
 def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
     """``pad_heads``: when TP does not divide the attention heads, add zero heads to each of Q, K and V and to
     ``c_proj`` (with a logged warning naming the count) instead of refusing the model."""
+    require_supported_transformers("GPT-2")
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)

@@ -35,11 +35,12 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, has_own_forward
 from .attention_heads import attention_projection_styles, local_kv_groups
-from .common import check_model
+from .common import check_model, require_supported_transformers
 from .losses import use_vocab_parallel_causal_lm_loss
 
 logger = logging.getLogger(__name__)
 
+FAMILY = "HF tp_plan"   # for messages
 GATHERING = ("colwise_gather_output", "colwise_rep")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -53,6 +54,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
     """The nxdtp plan equivalent to ``model``'s HF tensor-parallel plan. Attention blocks whose Q, K, V are
     ``colwise`` and output ``rowwise`` get KV-head copies and zero heads when TP needs them, as the hand-written plans
     do (``pad_heads=False`` refuses zero heads)."""
+    require_supported_transformers(FAMILY)
     name = type(model).__name__
     if sequence_parallel:
         raise ValueError(f"sequence_parallel=True needs a hand-written plan; {name} is sharded from HF's tp_plan, "
@@ -157,7 +159,7 @@ def _head_split_attention(model: nn.Module, hf_styles: Dict[str, str]) -> Dict[s
 def _validate(model: nn.Module, heads_handled: bool) -> None:
     sizes = ("intermediate_size",) if heads_handled else ("num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size")
-    check_model(model, "HF tp_plan", None, {what: getattr(model.config, what, None) for what in sizes})
+    check_model(model, FAMILY, None, {what: getattr(model.config, what, None) for what in sizes})
 
 
 def _module_name(model: nn.Module, module) -> str:

@@ -30,14 +30,15 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, wrap_forward
 from .attention_heads import attention_projection_styles, local_kv_groups
-from .common import check_model, gather_sequence_of_output, never_drops, scatter_sequence_of_input, tensor_parallel_block, \
-    with_and_without_prefix
+from .common import check_model, gather_sequence_of_output, never_drops, require_supported_transformers, \
+    scatter_sequence_of_input, tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
 
 # HF decoders are batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1
 
+FAMILY = "Llama-family"   # for messages
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 LAYER = "model.layers.*."
 
@@ -45,6 +46,7 @@ LAYER = "model.layers.*."
 def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
     """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
     count) instead of refusing the model."""
+    require_supported_transformers(FAMILY)
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
@@ -79,7 +81,7 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
 def _validate(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> dict:
     """Check the sizes; return the attention projections' styles for this model's head counts."""
     config = model.config
-    check_model(model, "Llama-family", SUPPORTED, {"intermediate_size": config.intermediate_size})
+    check_model(model, FAMILY, SUPPORTED, {"intermediate_size": config.intermediate_size})
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     styles = attention_projection_styles(

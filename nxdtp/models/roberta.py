@@ -15,8 +15,12 @@ from .bert import EncoderFamily, encoder_plan
 from .bert import checkpoint_keys as _encoder_checkpoint_keys
 
 SUPPORTED = ("RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification")
+# The MLM bias is one tensor under two names, lm_head.bias and lm_head.decoder.bias. transformers 4.48 loads it only
+# from lm_head.decoder.bias (from a directory holding just lm_head.bias, as its own save_pretrained writes, it re-ties
+# lm_head.bias to a freshly initialised decoder bias); every other supported release loads either name. So nxdtp's
+# checkpoints, and the HF directories merged from them, store it as lm_head.decoder.bias.
 ROBERTA = EncoderFamily("RoBERTa", "Roberta", "transformers.models.roberta.modeling_roberta", SUPPORTED,
-                        "lm_head.decoder", "roberta.")
+                        "lm_head.decoder", "roberta.", tied_keys_to_store=("lm_head.decoder.bias",))
 
 
 def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
