@@ -19,7 +19,11 @@ BERT-large at tp=8 on meta.
 Tolerance: fp32 1e-5 absolute and relative for everything (values, losses, every gradient, the grad norm, parameters
 after AdamW). The worst differences measured are ~3e-6 (BertModel gradients under a random upstream, sums of hundreds of
 products whose order TP changes) and ~2e-6 after the AdamW step. One exception, explained where it is made: the AdamW
-step of the attention key biases, whose gradient is zero in exact arithmetic.
+step of elements whose gradient is at rounding-noise level (below 1e-7: the attention key biases, whose gradient is
+zero in exact arithmetic, and a few elements by chance), which Adam turns into steps of arbitrary size.
+
+Under transformers releases without a feature (BERT's SDPA attention in 4.26) the tests that need it are skipped, with
+the reason.
 """
 
 from __future__ import annotations
@@ -388,15 +392,30 @@ def case_tp_dp():
 
         dense_opt = torch.optim.AdamW(dense.parameters(), **ADAM)
         opt = torch.optim.AdamW(model.parameters(), **ADAM)
-        # The key bias's gradient is exactly zero in exact arithmetic (softmax over keys ignores a shift q . b_k that
-        # is the same for every key); what fp32 computes is rounding noise, which Adam's g / (|g| + eps) turns into
-        # +-lr of arbitrary sign. Its gradient was compared above (it is ~0 on both sides); its step is not comparable.
-        noise_only = {n for n, _ in _named(dense) if n.endswith("attention.self.key.bias")}
-        for n in noise_only:
-            assert dense.get_parameter(n).grad.abs().max() < 1e-6, f"{what}: {n} gradient is not ~0"
+        # Adam's first step is lr * g / (|g| + eps), which moves by lr * eps * dg / |g|^2 when fp32 rounding moves g by
+        # dg (~1e-10 here): beyond the 1e-5 tolerance only for |g| below ~1e-7, where the step is +-lr of a size and
+        # sign the rounding decides. The key bias's gradient is exactly zero in exact arithmetic (softmax over keys
+        # ignores a shift q . b_k that is the same for every key), and a few other elements are that small by chance
+        # (with transformers 4.26's initialisation one weight gradient here is 3e-8). Those gradients were compared
+        # above (~0 on both sides); their steps are not comparable and are left out of the comparison below.
+        noise = {}
+        for n, p in _named(dense):
+            if n.endswith("attention.self.key.bias"):
+                assert p.grad.abs().max() < 1e-6, f"{what}: {n} gradient is not ~0"
+                noise[n] = torch.ones_like(p.grad, dtype=torch.bool)
+            else:
+                noise[n] = (p.grad != 0) & (p.grad.abs() < 1e-7)  # an exact zero (an unused embedding row) steps exactly
+        by_chance = sum(int(v.sum()) for n, v in noise.items() if not n.endswith("attention.self.key.bias"))
+        total = sum(v.numel() for v in noise.values())
+        assert by_chance <= 1e-3 * total, f"{what}: {by_chance} of {total} gradient elements below 1e-7"
+        specs = _specs(model)
+        noise_of = {id(dense.get_parameter(n)): v for n, v in noise.items()}
+        noise_of.update({id(p): _expected_local(noise[n].float(), p, specs.get(id(p)), n).bool()
+                         for n, p in _named(model)})
         dense_opt.step()
         opt.step()
-        _check_tensors(model, dense, lambda p: p, TOL, f"{what} after AdamW step", skip=noise_only)
+        _check_tensors(model, dense, lambda p: p.detach().masked_fill(noise_of[id(p)], 0), TOL,
+                       f"{what} after AdamW step")
         report.append((what, norm.item(), counts))
     return report
 
@@ -417,85 +436,92 @@ def test_tp2_dp2_global_batch_equals_dense(worlds):
 
 # ---- 5. dropout: replicated regions in lockstep, TP-sharded regions with their own masks --------------------------------
 
-def case_dropout(steps=3, seed=1234):
+def case_dropout(attn, steps=3, seed=1234):
     rank, tp = _tp()
     out = []
-    for attn in ("eager", "sdpa"):
-        for sp in (False, True):
-            what = f"dropout(attn={attn}, sp={sp}, tp={tp})"
-            config = _config(128, dropout=0.1, attn_implementation=attn)
-            dense, model = _pair(BertForPreTraining, config, seed=3, sequence_parallel=sp)
-            assert model.config._attn_implementation == attn, what
-            initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-            model.train()
-            model_parallel_xla_manual_seed(seed)
-            opt = torch.optim.AdamW(model.parameters(), **ADAM)
-            masks = []
+    for sp in (False, True):
+        what = f"dropout(attn={attn}, sp={sp}, tp={tp})"
+        config = _config(128, dropout=0.1, attn_implementation=attn)
+        dense, model = _pair(BertForPreTraining, config, seed=3, sequence_parallel=sp)
+        # transformers 4.26 has eager attention only, and no config._attn_implementation.
+        assert getattr(model.config, "_attn_implementation", "eager") == attn, what
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.train()
+        model_parallel_xla_manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), **ADAM)
+        masks = []
 
-            def record(module, args, output):
-                # Eager attention returns the attention probabilities after dropout: a dropped entry is exactly 0
-                # (softmax of these small scores is never 0, and there is no attention padding here).
-                if len(output) > 1 and output[1] is not None:
-                    masks.append((output[1] == 0).detach().clone())
+        def record(module, args, output):
+            # Eager attention returns the attention probabilities after dropout: a dropped entry is exactly 0
+            # (softmax of these small scores is never 0, and there is no attention padding here).
+            if len(output) > 1 and output[1] is not None:
+                masks.append((output[1] == 0).detach().clone())
 
-            hooks = [layer.attention.self.register_forward_hook(record) for layer in model.bert.encoder.layer]
-            hidden_masks = []
+        hooks = [layer.attention.self.register_forward_hook(record) for layer in model.bert.encoder.layer]
+        hidden_masks = []
 
-            def record_hidden(name):
-                def hook(module, args, output):
-                    # nn.Dropout zeroes dropped entries and scales the rest; inputs are never exactly 0 here.
-                    assert not (args[0] == 0).any(), name
-                    hidden_masks.append((name, tuple(args[0].shape), (output == 0).detach().numpy().copy()))
-                return hook
+        def record_hidden(name):
+            def hook(module, args, output):
+                # nn.Dropout zeroes dropped entries and scales the rest; inputs are never exactly 0 here.
+                assert not (args[0] == 0).any(), name
+                hidden_masks.append((name, tuple(args[0].shape), (output == 0).detach().numpy().copy()))
+            return hook
 
-            # The hidden-state dropouts: after the embeddings, after attention's output dense and after each layer's
-            # output dense. Not the attention-probability dropout, checked through the probabilities above (its
-            # nn.Dropout module runs only in transformers 4.x's eager attention; 5.x and SDPA apply its p directly).
-            for name, module in model.named_modules():
-                if isinstance(module, nn.Dropout) and (
-                        name == "bert.embeddings.dropout" or
-                        re.fullmatch(r"bert\.encoder\.layer\.\d+\.(attention\.)?output\.dropout", name)):
-                    hooks.append(module.register_forward_hook(record_hidden(name)))
-            losses = []
-            for step in range(steps):
-                batch = _batch(config, seed=100 + step, pad_tail=False)
-                opt.zero_grad(set_to_none=True)
-                # transformers 4.x returns the probabilities only when asked to; 5.x always does with eager attention.
-                loss = model(**batch, output_attentions=attn == "eager").loss
-                loss.backward()
-                if sp:
-                    allreduce_sequence_parallel_gradients(opt)
-                opt.step()
-                losses.append(loss.item())
-            for h in hooks:
-                h.remove()
-            # Dropout really ran: the first step's loss differs from the same model and batch in eval mode.
-            with torch.no_grad():
-                eval_model = parallelize_bert(copy.deepcopy(dense), sequence_parallel=sp).eval()
-                eval_loss = eval_model(**_batch(config, seed=100, pad_tail=False)).loss.item()
-            assert abs(eval_loss - losses[0]) > 1e-4, f"{what}: dropout had no effect ({eval_loss} vs {losses[0]})"
+        # The hidden-state dropouts: after the embeddings, after attention's output dense and after each layer's
+        # output dense. Not the attention-probability dropout, checked through the probabilities above (its
+        # nn.Dropout module runs only in transformers 4.x's eager attention; 5.x and SDPA apply its p directly).
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Dropout) and (
+                    name == "bert.embeddings.dropout" or
+                    re.fullmatch(r"bert\.encoder\.layer\.\d+\.(attention\.)?output\.dropout", name)):
+                hooks.append(module.register_forward_hook(record_hidden(name)))
+        losses, first_logits = [], None
+        for step in range(steps):
+            batch = _batch(config, seed=100 + step, pad_tail=False)
+            opt.zero_grad(set_to_none=True)
+            # transformers 4.x returns the probabilities only when asked to; 5.x always does with eager attention.
+            output = model(**batch, output_attentions=attn == "eager")
+            output.loss.backward()
+            if sp:
+                allreduce_sequence_parallel_gradients(opt)
+            opt.step()
+            losses.append(output.loss.item())
+            if first_logits is None:
+                first_logits = output.prediction_logits.detach()
+        for h in hooks:
+            h.remove()
+        # Dropout really ran: the first step's logits differ from the same model's on the same batch in eval mode (the
+        # loss alone can come out close by chance).
+        with torch.no_grad():
+            eval_model = parallelize_bert(copy.deepcopy(dense), sequence_parallel=sp).eval()
+            eval_logits = eval_model(**_batch(config, seed=100, pad_tail=False)).prediction_logits
+        change = (eval_logits - first_logits).abs().max().item()
+        assert change > 1e-2, f"{what}: dropout had no effect (logits changed by {change})"
 
-            replicated = {n: p.detach().numpy().copy() for n, p in model.named_parameters()
-                          if not getattr(p, "tensor_model_parallel", False)}
-            for n in replicated:
-                assert not torch.equal(model.get_parameter(n).detach(), initial[n]), f"{what}: {n} did not train"
-            if attn == "eager":
-                assert len(masks) == steps * config.num_hidden_layers, (what, len(masks))
-                rate = torch.stack([m.float().mean() for m in masks]).mean().item()
-                assert 0.03 < rate < 0.2, f"{what}: attention dropout rate {rate}"
-                mask_bytes = [m.numpy().copy() for m in masks]
-            else:
-                assert not masks, what  # SDPA returns no probabilities; its masks are checked through the params
-                mask_bytes = []
-            out.append(dict(what=what, replicated=replicated, masks=mask_bytes, losses=losses, hidden=hidden_masks,
-                            cpu_rng=torch.get_rng_state().numpy().copy()))
-            assert "model-parallel-rng" in get_xla_rng_tracker().get_states(), what  # seeded by the call above
+        replicated = {n: p.detach().numpy().copy() for n, p in model.named_parameters()
+                      if not getattr(p, "tensor_model_parallel", False)}
+        for n in replicated:
+            assert not torch.equal(model.get_parameter(n).detach(), initial[n]), f"{what}: {n} did not train"
+        if attn == "eager":
+            assert len(masks) == steps * config.num_hidden_layers, (what, len(masks))
+            rate = torch.stack([m.float().mean() for m in masks]).mean().item()
+            assert 0.03 < rate < 0.2, f"{what}: attention dropout rate {rate}"
+            mask_bytes = [m.numpy().copy() for m in masks]
+        else:
+            assert not masks, what  # SDPA returns no probabilities; its masks are checked through the params
+            mask_bytes = []
+        out.append(dict(what=what, replicated=replicated, masks=mask_bytes, losses=losses, hidden=hidden_masks,
+                        cpu_rng=torch.get_rng_state().numpy().copy()))
+        assert "model-parallel-rng" in get_xla_rng_tracker().get_states(), what  # seeded by the call above
     return out
 
 
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.skipif(
+    not getattr(transformers.BertPreTrainedModel, "_supports_sdpa", False),
+    reason=f"transformers {transformers.__version__}'s BERT has no SDPA attention"))])
 @pytest.mark.parametrize("world,tp", [pytest.param(2, 2, id="tp2"), pytest.param(4, 4, id="tp4")])
-def test_dropout_replicas_stay_identical_and_sharded_masks_differ(worlds, world, tp):
-    results = worlds(world).run(case_dropout, tensor_model_parallel_size=tp)
+def test_dropout_replicas_stay_identical_and_sharded_masks_differ(worlds, world, tp, attn):
+    results = worlds(world).run(case_dropout, tensor_model_parallel_size=tp, attn=attn)
     for i, first in enumerate(results[0]):
         what = first["what"]
         names = set(first["replicated"])
