@@ -143,17 +143,21 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
 
 # ---- head counts HF's plan cannot split: KV heads repeated, zero heads --------------------------------------------------
 
-HEAD_CASES = {  # name: (config overrides, what tp=4 needs)
-    "GraniteForCausalLM": (dict(num_key_value_heads=2), "each KV head twice"),
-    "Gemma2ForCausalLM": (dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8),
-                          "KV heads twice, query groups padded from 3 to 4"),
-}
+HEAD_CASES = [  # (name, config overrides, what tp=4 needs)
+    ("GraniteForCausalLM", dict(num_key_value_heads=2), "each KV head twice"),
+    # Zero heads for every supported transformers (Granite has a plan in each), and for Gemma2 where it has one.
+    ("GraniteForCausalLM", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2),
+     "KV heads twice, query groups padded from 3 to 4"),
+    ("Gemma2ForCausalLM", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8),
+     "KV heads twice, query groups padded from 3 to 4"),
+]
+HEAD_CASES = [case for case in HEAD_CASES if case[0] in WITH_PLAN]
 
 
 def case_tp_plan_head_counts_equal_dense():
     tp = ps.get_tensor_model_parallel_size()
     checked = []
-    for name, (overrides, needs) in HEAD_CASES.items():
+    for name, overrides, needs in HEAD_CASES:
         what = f"{name} tp={tp} ({needs})"
         dense = _dense(name, seed=23, **overrides)
         model = parallelize_model(copy.deepcopy(dense))
@@ -170,9 +174,10 @@ def case_tp_plan_head_counts_equal_dense():
         _check_grads(model, dense, what)
         _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
         checked.append(what)
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM num_attention_heads=6 \(num_key_value_heads=2\) is not "
+    name, overrides, _ = HEAD_CASES[-1]   # zero heads needed
+    with pytest.raises(ValueError, match=rf"{name} num_attention_heads=6 \(num_key_value_heads=2\) is not "
                                          r"divisible by tensor_model_parallel_size=4; .*pad_heads=True"):
-        parallelize_model(_dense("Gemma2ForCausalLM", seed=1, **HEAD_CASES["Gemma2ForCausalLM"][0]), pad_heads=False)
+        parallelize_model(_dense(name, seed=1, **overrides), pad_heads=False)
     return checked
 
 
