@@ -505,7 +505,10 @@ def case_bf16(root: str):
 
 def test_down_cast_bf16_stores_bf16_and_loads_back(worlds, tmp_path):
     for r in worlds(2).run(case_bf16, tensor_model_parallel_size=2, root=str(tmp_path)):
-        assert r["stored"] == ["torch.bfloat16"] and r["index"] == ["bfloat16"], r
+        # Floating tensors only: an integer buffer in the state dict (transformers 4.26's BERT position_ids) keeps
+        # its dtype.
+        assert [d for d in r["stored"] if d != "torch.int64"] == ["torch.bfloat16"], r
+        assert [d for d in r["index"] if d != "int64"] == ["bfloat16"], r
         assert r["not_rounded"] == [], r["not_rounded"]
         assert r["worst"] <= 2 ** -8 and r["changed"] > 0, r  # really rounded, within bf16's relative precision
         # The optimizer keeps full precision.

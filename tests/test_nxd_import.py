@@ -79,7 +79,7 @@ def _nxd_state_dicts(model, tp):
 
 def _training_extras(state):
     """Optimizer and scheduler state as in NxD's example checkpoint dict."""
-    names = list(state)[:3]
+    names = [n for n in state if state[n].is_floating_point()][:3]   # not transformers 4.26's position_ids
     return {
         "optimizer": {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(state[n]),
                                     "exp_avg_sq": torch.rand_like(state[n])} for i, n in enumerate(names)},

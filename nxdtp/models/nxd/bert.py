@@ -85,7 +85,8 @@ def _validate(shards: Sequence[RankShard], files: RankFiles, shapes: Dict[str, T
     # What to write: HF's save_pretrained layout, each tied group once, under its source name.
     sources: Dict[str, str] = {}
     for key in shapes:
-        if key in tied:
+        # transformers 4.26's BERT keeps position_ids as a persistent buffer: not a weight, and not written either.
+        if key in tied or any(fnmatch.fnmatchcase(key, p) for p in DROPPED_BUFFER_PATTERNS):
             continue
         aliases = [a for a, s in tied.items() if s == key]
         present = [k for k in [key] + aliases if k in keys]

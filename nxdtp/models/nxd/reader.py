@@ -362,10 +362,21 @@ def expected_layout(config, model_class) -> Tuple[Dict[str, Tuple[int, ...]], Di
     with torch.device("meta"):
         model = model_class(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return shapes, tied_aliases(model)
+
+
+def tied_aliases(model) -> Dict[str, str]:
+    """{alias: source} for the tied parameters of an HF model. transformers 5 lists them (``all_tied_weights_keys``);
+    transformers 4 has no such map, but ties them at construction: every further name of one parameter object is an
+    alias of its first name, which is the name HF loads directly (``named_parameters`` lists the input embedding
+    before the LM head, and a head's own bias before its decoder's)."""
     tied = getattr(model, "all_tied_weights_keys", None)
-    if tied is None:  # transformers < 5 has no such map: every key is then required in the checkpoint
-        tied = {}
-    return shapes, dict(tied)
+    if tied is not None:
+        return dict(tied)
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {alias: group[0] for group in names.values() for alias in group[1:]}
 
 
 @dataclass
