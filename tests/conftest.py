@@ -3,6 +3,14 @@ import pytest
 from tests.harness import BACKENDS, WorkerGroup
 
 
+def pytest_report_header(config):
+    try:
+        import transformers
+    except ImportError:
+        return "transformers: not installed"
+    return f"transformers {transformers.__version__} ({transformers.__file__})"
+
+
 @pytest.fixture(scope="session")
 def worlds():
     """``worlds(n)`` gives a shared pool of n gloo ranks; ``worlds(1, "xla-exec")`` a separate single XLA:CPU process.
