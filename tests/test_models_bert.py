@@ -661,6 +661,38 @@ def test_unsupported_models_are_rejected_before_any_change(build, error, pattern
     assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
 
 
+@pytest.mark.parametrize("version,refused", [("4.25.1", True), ("4.26.0", False), ("4.47.1", False),
+                                              ("6.0.0", True)])
+def test_the_transformers_range_is_per_family(monkeypatch, version, refused):
+    """BERT's plan supports transformers >=4.26,<6, every other family's >=4.48,<6: the plans are refused (an
+    ImportError naming the release, the family and the range) when made, before they touch a model."""
+    import sys
+
+    from nxdtp.models import bert, gpt2, hf_tp_plan, llama, roberta
+
+    model = BertModel(_config())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # The module nxdtp imports (some transformers releases replace their sys.modules entry after the first import).
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        if refused:
+            with pytest.raises(ImportError, match=rf"transformers {re.escape(version)} is not supported by nxdtp's "
+                                                  r"BERT plan: supported versions are >=4\.26,<6 \(the other "
+                                                  r"families': >=4\.48,<6\); pip install 'transformers>=4\.26,<6'"):
+                parallelize_bert(model)
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        else:
+            bert.bert_plan()
+        for make, family in ((roberta.roberta_plan, "RoBERTa"), (gpt2.gpt2_plan, "GPT-2"),
+                             (llama.decoder_plan, "Llama-family")):
+            with pytest.raises(ImportError, match=rf"transformers {re.escape(version)} is not supported by nxdtp's "
+                                                  rf"{family} plan: supported versions are >=4\.48,<6 \(BERT's "
+                                                  r"plan: >=4\.26,<6\)"):
+                make()
+        with pytest.raises(ImportError, match=r"nxdtp's HF tp_plan plan: supported versions are >=4\.48,<6"):
+            hf_tp_plan.tp_plan(model)
+
+
 def test_zero_heads_refused_on_request_before_any_change():
     model = BertModel(_config(num_attention_heads=6, hidden_size=48))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
