@@ -7,8 +7,9 @@ first; fp32, tolerance 1e-5):
   processing the loss must see);
 * Phi3: fused ``qkv_proj`` and ``gate_up_proj`` with ``colwise_gather_output`` / ``rowwise_split_input``;
 * Olmo2: gathered Q/K/V for its full-width q/k norms;
-* Gemma2: final-logit and attention soft-capping, and a scaled embedding class tied to the head, which stay
-  replicated (converting that class would drop its scaling).
+* Gemma2: final-logit and attention soft-capping, and (transformers 5) a scaled embedding class tied to the head,
+  which stay replicated (converting that class would drop its scaling; in 4.x the embedding is an nn.Embedding, the
+  model scales after it, and both are vocab-parallel).
 
 HF's plans gather the LM head's output; nxdtp keeps it vocab-parallel (over a padded vocabulary) and computes the loss
 on the shards, after the model's own logit processing.
@@ -37,15 +38,26 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, BATCH = 91, 8, 2
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0)
-MODELS = {  # name: (config class, config options, whether the head ends up vocab-parallel)
+MODELS = {  # name: (config class, config options, whether the head ends up vocab-parallel; None: see _vocab_parallel_head)
     "GraniteForCausalLM": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                                  attention_multiplier=0.3, logits_scaling=2.0,
                                                  tie_word_embeddings=False), True),
     "Phi3ForCausalLM": ("Phi3Config", dict(pad_token_id=0, tie_word_embeddings=False), True),
     "Olmo2ForCausalLM": ("Olmo2Config", dict(tie_word_embeddings=False), True),
     "Gemma2ForCausalLM": ("Gemma2Config", dict(head_dim=8, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
-                                               query_pre_attn_scalar=8, sliding_window=4), False),
+                                               query_pre_attn_scalar=8, sliding_window=4), None),
 }
+
+
+def _vocab_parallel_head(name, dense) -> bool:
+    """Gemma2's head is tied to its embedding. In transformers 5 that embedding is a class with a forward of its own
+    (it scales), which nxdtp leaves replicated, and the head with it; in 4.x it is an nn.Embedding (the model scales
+    after it), which is made vocab-parallel, and the head too."""
+    if MODELS[name][2] is not None:
+        return MODELS[name][2]
+    embedding = dense.get_input_embeddings()
+    assert dense.get_output_embeddings().weight is embedding.weight, name
+    return type(embedding).forward is torch.nn.Embedding.forward
 
 # The models whose config carries a base_model_tp_plan in the installed transformers.
 WITH_PLAN = tuple(name for name, (config_class, _, _) in MODELS.items()
@@ -86,7 +98,7 @@ def case_tp_plan_models_equal_dense(names, multiple):
         _check_weights(model, dense, what)
         batch = _batch(seed=18)
         dense_out, out = dense(**batch), model(**batch)
-        if MODELS[name][2]:
+        if _vocab_parallel_head(name, dense):
             padded = out.logits.shape[-1] * tp
             assert padded % (multiple * tp) == 0 and padded > VOCAB, f"{what}: the head's logits are not vocab-parallel"
             logits = gather_vocab_logits(out.logits, VOCAB)
@@ -166,7 +178,7 @@ def case_tp_plan_head_counts_equal_dense():
         _check_weights(model, dense, what)
         batch = _batch(seed=24)
         dense_out, out = dense(**batch), model(**batch)
-        logits = gather_vocab_logits(out.logits, VOCAB) if MODELS[name][2] else out.logits
+        logits = gather_vocab_logits(out.logits, VOCAB) if _vocab_parallel_head(name, dense) else out.logits
         _close(out.loss, dense_out.loss, f"{what} loss")
         _close(logits, dense_out.logits, f"{what} logits")
         dense_out.loss.backward()

@@ -9,7 +9,7 @@ HF's style strings map onto nxdtp styles:
 | ``colwise`` | ``ColumnParallel`` (output stays split) |
 | ``rowwise`` | ``RowParallel`` (input already split) |
 | ``colwise_gather_output``, ``colwise_rep`` | ``ColumnParallel(gather_output=True)``; on the LM head, better: a vocab-parallel head whose logits stay split, and the vocab-parallel loss |
-| ``rowwise_split_input`` | ``RowParallel(input_is_parallel=False)`` |
+| ``rowwise_split_input``, ``rowwise_rep`` (its name in transformers 4.5x) | ``RowParallel(input_is_parallel=False)`` |
 | ``packed_colwise`` | ``ColumnParallel(stride=2)`` (fused gate/up: each rank keeps its share of both halves) |
 | ``embedding_rowwise`` | ``VocabParallelEmbedding`` |
 | ``replicated_with_grad_allreduce`` | ``ReplicatedWithGradAllReduce`` |
@@ -123,7 +123,7 @@ def _style(style: str, module_pattern: str, model_name: str, pad: dict):
         return RowParallel()
     if style in GATHERING:
         return ColumnParallel(gather_output=True)
-    if style == "rowwise_split_input":
+    if style in ("rowwise_split_input", "rowwise_rep"):
         return RowParallel(input_is_parallel=False)
     if style == "packed_colwise":
         return ColumnParallel(stride=2)
@@ -132,7 +132,7 @@ def _style(style: str, module_pattern: str, model_name: str, pad: dict):
     if style == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
     raise ValueError(f"{model_name}'s tp_plan gives '{module_pattern}' the style {style!r}, which nxdtp does not map; "
-                     "supported styles: colwise, rowwise, colwise_gather_output, colwise_rep, rowwise_split_input, "
+                     "supported styles: colwise, rowwise, colwise_gather_output, colwise_rep, rowwise_split_input, rowwise_rep, "
                      "packed_colwise, embedding_rowwise, replicated_with_grad_allreduce")
 
 
