@@ -95,23 +95,28 @@ def case_tp_plan_models_equal_dense(names, multiple):
         what = f"{name} tp={tp} divisible_by={multiple}"
         dense = _dense(name, seed=17)
         model = parallelize_model(copy.deepcopy(dense), make_vocab_size_divisible_by=multiple)
-        _check_weights(model, dense, what)
-        batch = _batch(seed=18)
-        dense_out, out = dense(**batch), model(**batch)
-        if _vocab_parallel_head(name, dense):
-            padded = out.logits.shape[-1] * tp
-            assert padded % (multiple * tp) == 0 and padded > VOCAB, f"{what}: the head's logits are not vocab-parallel"
-            logits = gather_vocab_logits(out.logits, VOCAB)
-        else:
-            logits = out.logits
-        _close(out.loss, dense_out.loss, f"{what} loss")
-        _close(logits, dense_out.logits, f"{what} logits")
-        dense_out.loss.backward()
-        out.loss.backward()
-        _check_grads(model, dense, what)
-        _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+        _check_equals_dense(model, dense, name, _batch(seed=18), multiple, what)
         checked.append(what)
     return checked
+
+
+def _check_equals_dense(model, dense, name, batch, multiple, what):
+    """Weights, loss, logits (gathered where the head is vocab-parallel), every gradient and the grad norm."""
+    tp = ps.get_tensor_model_parallel_size()
+    _check_weights(model, dense, what)
+    dense_out, out = dense(**batch), model(**batch)
+    if _vocab_parallel_head(name, dense):
+        padded = out.logits.shape[-1] * tp
+        assert padded % (multiple * tp) == 0 and padded > VOCAB, f"{what}: the head's logits are not vocab-parallel"
+        logits = gather_vocab_logits(out.logits, VOCAB)
+    else:
+        logits = out.logits
+    _close(out.loss, dense_out.loss, f"{what} loss")
+    _close(logits, dense_out.logits, f"{what} logits")
+    dense_out.loss.backward()
+    out.loss.backward()
+    _check_grads(model, dense, what)
+    _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
 
 
 def test_models_sharded_from_hf_tp_plan_equal_dense(worlds):
@@ -175,16 +180,7 @@ def case_tp_plan_head_counts_equal_dense():
         model = parallelize_model(copy.deepcopy(dense))
         attention = model.model.layers[0].self_attn
         assert getattr(attention.k_proj.weight, "num_replicas", 1) == 2, f"{what}: KV heads not repeated"
-        _check_weights(model, dense, what)
-        batch = _batch(seed=24)
-        dense_out, out = dense(**batch), model(**batch)
-        logits = gather_vocab_logits(out.logits, VOCAB) if _vocab_parallel_head(name, dense) else out.logits
-        _close(out.loss, dense_out.loss, f"{what} loss")
-        _close(logits, dense_out.logits, f"{what} logits")
-        dense_out.loss.backward()
-        out.loss.backward()
-        _check_grads(model, dense, what)
-        _close(get_grad_norm(list(model.parameters())), torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+        _check_equals_dense(model, dense, name, _batch(seed=24), 1, what)
         checked.append(what)
     name, overrides, _ = HEAD_CASES[-1]   # zero heads needed
     with pytest.raises(ValueError, match=rf"{name} num_attention_heads=6 \(num_key_value_heads=2\) is not "
