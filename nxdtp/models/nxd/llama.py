@@ -41,6 +41,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..common import require_supported_transformers
+from ..llama import FAMILY as LLAMA_FAMILY
 from .reader import (AUTO, DenseTensor, NxdCheckpointError, RankFiles, RankShard, expected_layout, import_checkpoint,
                      load_config_dict, missing_last_ranks, one_dtype, replicated, say)
 
@@ -107,6 +109,9 @@ def head_layout(num_heads: int, num_kv_heads: int, tp: int, multiplier: int):
 def _load_config(config_json):
     import transformers
     from transformers import PretrainedConfig
+
+    # The Llama family's transformers range (LlamaConfig and the HF key names this import writes are checked there).
+    require_supported_transformers(LLAMA_FAMILY)
 
     if isinstance(config_json, PretrainedConfig):
         config, where = copy.deepcopy(config_json), type(config_json).__name__  # architectures is set before saving
