@@ -8,6 +8,7 @@
 __version__ = "0.1.0"
 
 from . import comm, grads, layers, loss_functions, mappings, optimizers, pad, parallel_state, random, spec, utils  # noqa: E402
+from .checkpointing import load, save  # noqa: E402
 from .grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, clip_grad_norm, get_grad_norm  # noqa: E402
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear  # noqa: E402
 from .loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy  # noqa: E402
@@ -15,7 +16,10 @@ from .optimizers import Lamb  # noqa: E402
 from .parallel_state import destroy_model_parallel, initialize_model_parallel, model_parallel_is_initialized  # noqa: E402
 from .plan import Plan, parallelize  # noqa: E402
 from .random import checkpoint, get_xla_rng_tracker, model_parallel_xla_manual_seed  # noqa: E402
-from .utils import move_model_to_device  # noqa: E402
+from .mappings import copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region, \
+    reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region  # noqa: E402
+from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, set_tensor_model_parallel_attributes, \
+    split_tensor_along_last_dim  # noqa: E402
 
 __all__ = [
     "__version__", "comm", "grads", "layers", "loss_functions", "mappings", "optimizers", "pad", "parallel_state", "random",
@@ -25,5 +29,8 @@ __all__ = [
     "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized",
     "get_grad_norm", "clip_grad_norm", "bucket_allreduce_gradients", "allreduce_sequence_parallel_gradients",
     "model_parallel_xla_manual_seed", "get_xla_rng_tracker", "checkpoint", "move_model_to_device",
-    "Plan", "parallelize",
+    "Plan", "parallelize", "save", "load",
+    "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
+    "copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes", "split_tensor_along_last_dim",
 ]

@@ -305,6 +305,45 @@ def get_pipeline_model_parallel_rank() -> int:
     return 0
 
 
+# Parallelism nxdtp does not do (context, expert): NxD's values for size 1. The expert data-parallel group of a
+# world without expert parallelism is the data-parallel group.
+
+def get_context_model_parallel_size() -> int:
+    get_topology()
+    return 1
+
+
+def get_context_model_parallel_rank() -> int:
+    get_topology()
+    return 0
+
+
+def get_expert_model_parallel_size() -> int:
+    get_topology()
+    return 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    get_topology()
+    return 0
+
+
+def get_expert_data_parallel_size() -> int:
+    return get_data_parallel_size()
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_data_parallel_rank()
+
+
+def get_expert_data_parallel_group(as_list: bool = False):
+    return get_data_parallel_group(as_list)
+
+
+def is_global_rank_zero() -> bool:
+    return get_rank() == 0
+
+
 def get_world_size() -> int:
     return get_topology().world_size
 
@@ -321,5 +360,7 @@ __all__: Sequence[str] = [
     "get_tensor_model_parallel_src_rank", "get_tensor_model_parallel_replica_groups",
     "get_data_parallel_group", "get_data_parallel_size", "get_data_parallel_rank", "get_data_parallel_src_rank",
     "get_data_parallel_replica_groups", "get_pipeline_model_parallel_size", "get_pipeline_model_parallel_rank",
-    "get_world_size", "get_rank",
+    "get_context_model_parallel_size", "get_context_model_parallel_rank", "get_expert_model_parallel_size",
+    "get_expert_model_parallel_rank", "get_expert_data_parallel_size", "get_expert_data_parallel_rank",
+    "get_expert_data_parallel_group", "is_global_rank_zero", "get_world_size", "get_rank",
 ]

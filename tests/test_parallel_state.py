@@ -21,6 +21,34 @@ def test_tp_groups_are_contiguous_and_dp_groups_strided():
     assert not ps.model_parallel_is_initialized()
 
 
+def test_getters_of_parallelism_nxdtp_does_not_do_give_nxds_size_one_values():
+    # Context and expert parallelism of size 1 (NxD's values); the expert data-parallel group is then the DP group.
+    with ps.simulated_topology(world_size=8, rank=5, tensor_model_parallel_size=4):
+        assert (ps.get_context_model_parallel_size(), ps.get_context_model_parallel_rank()) == (1, 0)
+        assert (ps.get_expert_model_parallel_size(), ps.get_expert_model_parallel_rank()) == (1, 0)
+        assert (ps.get_expert_data_parallel_size(), ps.get_expert_data_parallel_rank()) == (2, 1)
+        assert ps.get_expert_data_parallel_group(as_list=True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+        assert not ps.is_global_rank_zero()
+    with ps.simulated_topology(world_size=8, rank=0, tensor_model_parallel_size=4):
+        assert ps.is_global_rank_zero()
+    with pytest.raises(RuntimeError, match="model parallel is not initialized"):
+        ps.get_context_model_parallel_size()
+
+
+def test_nxd_package_level_names():
+    # NxD's parallel_layers/__init__ re-exports these; an NxD script imports them from the package.
+    import nxdtp
+    from nxdtp import checkpointing, mappings, utils
+
+    assert nxdtp.save is checkpointing.save and nxdtp.load is checkpointing.load
+    for name in ("copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+                 "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region"):
+        assert getattr(nxdtp, name) is getattr(mappings, name)
+    for name in ("copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
+                 "split_tensor_along_last_dim", "move_model_to_device"):
+        assert getattr(nxdtp, name) is getattr(utils, name)
+
+
 @pytest.mark.parametrize("world,tp", [(1, 1), (2, 2), (4, 2), (8, 8), (8, 1), (6, 3)])
 def test_every_rank_is_in_exactly_one_group_of_each_kind(world, tp):
     for rank in range(world):
