@@ -154,11 +154,32 @@ def clip_grad_norm(parameters: ParamsArg, max_norm: float, norm_type: Union[floa
     params = _unique_params(parameters)
     total_norm = get_grad_norm(params, norm_type, zero1_optimizer=zero1_optimizer,
                                zero1_optimizer_groups=zero1_optimizer_groups, force_spmd=force_spmd)
+    _scale_gradients(params, total_norm, max_norm)
+    return total_norm
+
+
+def clip_grads_with_norm(parameters: ParamsArg, total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale the gradients in place by ``min(1, max_norm / (total_norm + 1e-6))`` for a norm computed already (NxD's
+    name; ``clip_grad_norm`` is ``get_grad_norm`` and then this). Returns ``total_norm``."""
+    params = _unique_params(parameters)
+    if not params:
+        raise ValueError("clip_grads_with_norm needs at least one parameter")
+    _scale_gradients(params, torch.as_tensor(total_norm, dtype=torch.float32), float(max_norm))
+    return total_norm
+
+
+def _scale_gradients(params: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    # Always a multiply (no branch on the norm's value), so XLA traces one graph.
     coefficient = torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
     for param in params:
         if param.grad is not None:
             param.grad.detach().mul_(coefficient.to(param.grad.device))
-    return total_norm
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """NxD's filter: False for a parameter marked ``shared`` (for example an embedding shared across pipeline
+    stages), True otherwise."""
+    return not getattr(param, "shared", False)
 
 
 # ---- bucketed all-reduce -----------------------------------------------------------------------------------------------
@@ -241,6 +262,7 @@ def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAU
 
 
 __all__ = [
-    "get_grad_norm", "clip_grad_norm", "bucket_allreduce_gradients", "allreduce_sequence_parallel_gradients",
+    "get_grad_norm", "clip_grad_norm", "clip_grads_with_norm", "param_is_not_shared", "bucket_allreduce_gradients",
+    "allreduce_sequence_parallel_gradients",
     "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB",
 ]

@@ -1,32 +1,186 @@
-"""NxD's small helpers, plus moving a sharded model between devices without losing its specs or weight ties."""
+"""NxD's small helpers (``neuronx_distributed.parallel_layers.utils``), plus moving a sharded model between devices
+without losing its specs or weight ties."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import collections.abc
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .parallel_state import get_tensor_model_parallel_rank
 from .spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
                     "sequence_parallel_enabled", "num_replicas")
 
 
-def divide(numerator: int, denominator: int) -> int:
+# NxD's defaults for the attribute cache of a parameter that no parallel layer made.
+_NXD_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1,
+                           "num_partitions": 1}
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
     if denominator <= 0 or numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int) -> int:
+    ensure_divisibility(numerator, denominator)
     return numerator // denominator
+
+
+def get_padding_length(numerator: int, denominator: int) -> int:
+    """How much to add to ``numerator`` to make ``denominator`` divide it."""
+    return -numerator % denominator
+
+
+def split_tensor_along_dim(tensor: torch.Tensor, dim: int, num_partitions: int,
+                           contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
+    size = tensor.shape[dim]
+    if num_partitions <= 0 or size % num_partitions != 0:
+        raise ValueError(f"dimension {dim} of shape {tuple(tensor.shape)} is not divisible by "
+                         f"num_partitions={num_partitions}")
+    chunks = torch.split(tensor, size // num_partitions, dim=dim)
+    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else list(chunks)
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
                                 contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
-    last = tensor.shape[-1]
-    if last % num_partitions != 0:
-        raise ValueError(f"last dimension {last} of shape {tuple(tensor.shape)} is not divisible by "
-                         f"num_partitions={num_partitions}")
-    chunks = torch.split(tensor, last // num_partitions, dim=-1)
-    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else chunks
+    return split_tensor_along_dim(tensor, tensor.dim() - 1, num_partitions, contiguous_split_chunks)
+
+
+def split_tensor_along_second_dim(tensor: torch.Tensor, num_partitions: int,
+                                  contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
+    return split_tensor_along_dim(tensor, 1, num_partitions, contiguous_split_chunks)
+
+
+def indices_split_along_dim(tensor: Optional[torch.Tensor], dim: int, rank: int,
+                            num_partitions: int) -> Optional[torch.Tensor]:
+    """The indices along ``dim`` of ``rank``'s part when ``tensor`` is split evenly into ``num_partitions``."""
+    if tensor is None:
+        return None
+    size = divide(tensor.shape[dim], num_partitions)
+    return torch.arange(rank * size, (rank + 1) * size, device=tensor.device)
+
+
+class EmbeddingUtility:
+    """The ``[first, last)`` vocabulary range of a rank's partition."""
+
+    @staticmethod
+    def range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                            world_size: int) -> Tuple[int, int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
+        return EmbeddingUtility.range_from_per_partition_vocab_size(divide(global_vocab_size, world_size), rank,
+                                                                    world_size)
+
+
+def cast_tensor(tensor: torch.Tensor, from_dtype: torch.dtype = torch.float32,
+                to_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return tensor.to(dtype=to_dtype) if tensor.dtype == from_dtype else tensor
+
+
+def cast_all(state: Any, from_dtype: torch.dtype = torch.float32, to_dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``cast_tensor`` on every tensor inside dicts, lists and tuples; anything else is returned as it is."""
+    if isinstance(state, torch.Tensor):
+        return cast_tensor(state, from_dtype, to_dtype)
+    if isinstance(state, dict):
+        return {key: cast_all(value, from_dtype, to_dtype) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cast_all(value, from_dtype, to_dtype) for value in state)
+    return state
+
+
+def _autocast_dtype() -> Optional[torch.dtype]:
+    # NxD asks only for the GPU's autocast; nxdtp also looks at XLA's and the CPU's, in that order.
+    for device_type in ("cuda", "xla", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                return torch.get_autocast_dtype(device_type)
+        except RuntimeError:   # a device type this torch build does not know
+            continue
+    return None
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype is not torch.float64 else value
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, collections.abc.Mapping):
+        return {_cast_floating(k, dtype): _cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    return value
+
+
+def cast_if_autocast_enabled(*args: Any) -> Any:
+    """``args`` with floating tensors (not float64) cast to the autocast dtype when autocast is on, else unchanged."""
+    dtype = _autocast_dtype()
+    return args if dtype is None else _cast_floating(args, dtype)
+
+
+def verify_casted_dtype(value: Any) -> None:
+    """Raise if a tensor inside ``value`` is not in the autocast dtype while autocast is on."""
+    dtype = _autocast_dtype()
+    if dtype is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.dtype != dtype:
+            raise TypeError(f"a tensor is {value.dtype}, but autocast expects {dtype}")
+    elif isinstance(value, collections.abc.Mapping):
+        for key, item in value.items():
+            verify_casted_dtype(key)
+            verify_casted_dtype(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            verify_casted_dtype(item)
+
+
+def move_all_tensor_to_cpu(data: Any, convert: bool = True) -> Any:
+    """Every XLA tensor inside dicts, lists and tuples, executed and (with ``convert``) copied to the CPU; other values
+    unchanged. All pending XLA work runs once, before any copy."""
+    xla_tensors = []
+
+    def collect(value):
+        if isinstance(value, torch.Tensor) and value.device.type == "xla":
+            xla_tensors.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+
+    collect(data)
+    if xla_tensors:
+        from . import comm
+
+        comm.materialize(xla_tensors)
+    if not convert:
+        return data
+
+    def to_cpu(value):
+        if isinstance(value, torch.Tensor) and value.device.type == "xla":
+            return value.cpu()
+        if isinstance(value, dict):
+            return {key: to_cpu(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_cpu(item) for item in value)
+        return value
+
+    return to_cpu(data)
+
+
+def get_local_world_size() -> int:
+    """Processes on this host: torchrun's ``LOCAL_WORLD_SIZE``, else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1,
@@ -44,8 +198,17 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tensor_parallel_rank: int) -> bool:
-    """True where this rank's copy of ``param`` should count once in a TP-wide sum (sharded, or TP rank 0)."""
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    for attribute, default in _NXD_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, default)
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tensor_parallel_rank: Optional[int] = None) -> bool:
+    """True where this rank's copy of ``param`` should count once in a TP-wide sum (sharded, or TP rank 0). NxD's
+    form takes only ``param`` and reads the TP rank from the parallel state."""
+    if tensor_parallel_rank is None:
+        tensor_parallel_rank = get_tensor_model_parallel_rank()
     return bool(getattr(param, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
 
 
@@ -96,7 +259,10 @@ def move_model_to_device(model: nn.Module, device: Optional[torch.device | str])
 
 
 __all__ = [
-    "divide", "split_tensor_along_last_dim", "set_tensor_model_parallel_attributes",
+    "ensure_divisibility", "divide", "get_padding_length", "split_tensor_along_dim", "split_tensor_along_last_dim",
+    "split_tensor_along_second_dim", "indices_split_along_dim", "EmbeddingUtility", "cast_tensor", "cast_all",
+    "cast_if_autocast_enabled", "verify_casted_dtype", "move_all_tensor_to_cpu", "get_local_world_size",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate", "tied_parameter_names",
     "retie_parameters", "reattach_spec_attributes", "move_model_to_device",
 ]
