@@ -161,6 +161,8 @@ def clip_grad_norm(parameters: ParamsArg, max_norm: float, norm_type: Union[floa
 def clip_grads_with_norm(parameters: ParamsArg, total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale the gradients in place by ``min(1, max_norm / (total_norm + 1e-6))`` for a norm computed already (NxD's
     name; ``clip_grad_norm`` is ``get_grad_norm`` and then this). Returns ``total_norm``."""
+    if not float(max_norm) > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0")
     params = _unique_params(parameters)
     if not params:
         raise ValueError("clip_grads_with_norm needs at least one parameter")

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import comm
 from .parallel_state import get_tensor_model_parallel_rank
 from .spec import ShardedModule
 
@@ -34,6 +35,8 @@ def divide(numerator: int, denominator: int) -> int:
 
 def get_padding_length(numerator: int, denominator: int) -> int:
     """How much to add to ``numerator`` to make ``denominator`` divide it."""
+    if denominator <= 0:
+        raise ValueError(f"get_padding_length: denominator={denominator} must be > 0")
     return -numerator % denominator
 
 
@@ -144,43 +147,30 @@ def verify_casted_dtype(value: Any) -> None:
 
 
 def move_all_tensor_to_cpu(data: Any, convert: bool = True) -> Any:
-    """Every XLA tensor inside dicts, lists and tuples, executed and (with ``convert``) copied to the CPU; other values
-    unchanged. All pending XLA work runs once, before any copy."""
-    xla_tensors = []
-
-    def collect(value):
-        if isinstance(value, torch.Tensor) and value.device.type == "xla":
-            xla_tensors.append(value)
-        elif isinstance(value, dict):
-            for item in value.values():
-                collect(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                collect(item)
-
-    collect(data)
-    if xla_tensors:
-        from . import comm
-
-        comm.materialize(xla_tensors)
-    if not convert:
-        return data
-
-    def to_cpu(value):
-        if isinstance(value, torch.Tensor) and value.device.type == "xla":
-            return value.cpu()
+    """Every device tensor inside dicts, lists and tuples: its pending work executed (one ``comm.materialize`` for all
+    of them, which runs XLA's graph once) and, with ``convert``, copied to the CPU; other values unchanged."""
+    def map_tensors(value, function):
+        if isinstance(value, torch.Tensor):
+            return function(value)
         if isinstance(value, dict):
-            return {key: to_cpu(item) for key, item in value.items()}
+            return {key: map_tensors(item, function) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(to_cpu(item) for item in value)
+            return type(value)(map_tensors(item, function) for item in value)
         return value
 
-    return to_cpu(data)
+    on_device = []
+    map_tensors(data, lambda t: on_device.append(t) if t.device.type != "cpu" else None)
+    if on_device:
+        comm.materialize(on_device)
+    return map_tensors(data, lambda t: t.cpu()) if convert else data
 
 
 def get_local_world_size() -> int:
     """Processes on this host: torchrun's ``LOCAL_WORLD_SIZE``, else 1."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a positive integer")
+    return int(value)
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1,

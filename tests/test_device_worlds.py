@@ -279,3 +279,15 @@ def test_the_example_on_an_xla_device_resumes_loads_pretrained_and_keeps_bf16_ma
     index = CheckpointIndex.read(resolve_tag(str(tmp_path / "bf16"), None))
     assert {entry.dtype for entry in index.tensors.values() if entry.dtype.startswith(("float", "bfloat"))} == \
         {"float32"}, index.tensors
+
+
+# ---- attention heads TP does not divide, and NxD's GQA layer, on device worlds ---------------------------------------
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_grouped_query_zero_heads_and_gqa_layer_equal_dense(worlds, backend):
+    # The rank-local mask of zero heads and the summed KV-copy gradients, where CPU tensors must use the gloo twins.
+    from tests import test_models_decoders, test_qkv_linear
+
+    four = lambda world_size: worlds(world_size, backend)  # noqa: E731
+    test_models_decoders.test_grouped_query_heads_tp_does_not_divide_are_padded(four, sp=False)
+    test_qkv_linear.test_gqa_block_equals_dense_at_tp4(four, multiplier=2, fuse=True, sp=False)

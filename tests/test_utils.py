@@ -15,6 +15,8 @@ def test_division_and_padding():
     with pytest.raises(ValueError, match="10 is not divisible by 4"):
         utils.ensure_divisibility(10, 4)
     assert [utils.get_padding_length(n, 4) for n in (8, 9, 10, 11, 0)] == [0, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="denominator=0 must be > 0"):
+        utils.get_padding_length(5, 0)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -79,6 +81,9 @@ def test_local_world_size(monkeypatch):
     assert utils.get_local_world_size() == 4
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert utils.get_local_world_size() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two' is not a positive integer"):
+        utils.get_local_world_size()
 
 
 def case_move_all_tensor_to_cpu():
@@ -117,6 +122,8 @@ def test_clip_grads_with_norm_and_shared_filter():
         torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="needs at least one parameter"):
         clip_grads_with_norm([], norm, 1.0)
+    with pytest.raises(ValueError, match="max_norm=0 must be > 0"):
+        clip_grads_with_norm(params, norm, 0)
     shared = torch.nn.Parameter(torch.ones(1))
     shared.shared = True
     assert param_is_not_shared(params[0]) and not param_is_not_shared(shared)

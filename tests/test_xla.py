@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 
 import pytest
@@ -371,6 +372,45 @@ def test_bert_layer_lowers_to_megatron_minimum(worlds):
     assert result["step"] == {"all-reduce": 4, "all-gather": 0, "reduce-scatter": 0}
     assert result["step"]["all-reduce"] - result["forward"]["all-reduce"] == 2
     assert result["groups"] == ["{{0,1,2,3,4,5,6,7}}"]
+
+
+def case_zero_head_mask_traces_one_graph_for_every_rank():
+    """A 6-head, 2-KV-head Llama at tp=4 has zero heads on ranks 1 and 3 only; the output projection's mask is a buffer,
+    so every rank traces the same forward and backward graph for it (one all-reduce forward)."""
+    import torch
+    import torch_xla
+    import transformers
+
+    from nxdtp.models import parallelize_model
+
+    device = torch_xla.device()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=6, num_key_value_heads=2)
+    torch.manual_seed(0)
+    dense = transformers.LlamaForCausalLM(config)
+    graphs, masks, counts = [], [], []
+    for rank in range(4):
+        with _simulated_rank(world_size=4, rank=rank, tp=4):
+            o_proj = parallelize_model(copy.deepcopy(dense), broadcast_replicated=False).model.layers[0].self_attn.o_proj
+            masks.append(o_proj.nxdtp_real_columns.view(-1, 8)[:, 0].tolist())
+            o_proj = o_proj.to(device)
+            torch.manual_seed(1)
+            attended = torch.randn(2, 5, 16).to(device).requires_grad_()
+            _reset_collective_token()
+            out = o_proj(attended)
+            counts.append(_collective_counts(_hlo([out])))
+            out.backward(torch.ones(out.shape).to(device))
+            graphs.append(_hlo(_grads(o_proj, [out, attended.grad])))
+            _reset_collective_token()
+    return {"distinct_graphs": len(set(graphs)), "masks": masks, "counts": counts}
+
+
+def test_zero_head_mask_traces_one_graph_for_every_rank(worlds):
+    result, = worlds(1, "xla-hlo").run(case_zero_head_mask_traces_one_graph_for_every_rank,
+                                       tensor_model_parallel_size=None)
+    assert result["masks"] == [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0]]
+    assert result["distinct_graphs"] == 1
+    assert all(c == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0} for c in result["counts"])
 
 
 def case_tp1_bert_on_xla_equals_eager():
