@@ -11,8 +11,7 @@ at their NxD default and rejected otherwise.
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,86 +19,9 @@ from torch import nn
 
 from . import mappings
 from .parallel_state import tensor_parallel_group
+from .sharded_init import (InitMethod, divide_over_ranks, init_linear_weight, linear_bias_init, materialise_shard,
+                           reject_unsupported, shard_of, split_size)
 from .spec import ParamSpec, ShardedModule
-
-InitMethod = Callable[[torch.Tensor], object]
-
-
-def _reject_unsupported(layer: str, **given_and_default) -> None:
-    """``name=(given, default)``: NxD options nxdtp does not implement are only accepted at their default."""
-    for name, (given, default) in given_and_default.items():
-        if given is not default and given != default:
-            raise ValueError(f"{layer}: {name}={given!r} is not supported by nxdtp; only the default {name}={default!r} is")
-
-
-def _divide(what: str, size: int, parts: int) -> int:
-    if size % parts != 0:
-        raise ValueError(f"{what}={size} is not divisible by tensor_model_parallel_size={parts}")
-    return size // parts
-
-
-def _linear_weight_init(weight: torch.Tensor) -> None:
-    # torch.nn.Linear's default, so a parallel layer equals a slice of nn.Linear under the same seed.
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-
-
-def _linear_bias_init(bias: torch.Tensor, fan_in: int) -> None:
-    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-    nn.init.uniform_(bias, -bound, bound)
-
-
-def shard_of(full: torch.Tensor, dim: int, rank: int, num_partitions: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s part of ``full`` split along ``dim``.
-
-    With ``stride`` s > 1 (fused weights such as QKV), the dimension is first cut into s blocks and the rank takes its
-    1/num_partitions slice of each block, so every rank holds matching pieces of Q, K and V.
-    """
-    size = full.shape[dim]
-    if size % (num_partitions * stride) != 0:
-        raise ValueError(f"dimension {dim} of size {size} cannot be split into {num_partitions} partitions with "
-                         f"stride {stride}")
-    piece = size // (num_partitions * stride)
-    pieces = full.split(piece, dim=dim)
-    return torch.cat(pieces[rank::num_partitions], dim=dim).contiguous()
-
-
-def _materialise(shape: Tuple[int, ...], dtype, device, init: Callable[[torch.Tensor], object], dim: Optional[int],
-                 stride: int, keep_master: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Initialise the full tensor on CPU with ``init`` and keep this rank's shard (all of it when ``dim`` is None)."""
-    group = tensor_parallel_group()
-    if torch.device(device if device is not None else "cpu").type == "meta":
-        local = list(shape)
-        if dim is not None:
-            local[dim] //= group.size
-        return torch.empty(local, dtype=dtype, device="meta"), None
-    master = torch.empty(shape, dtype=torch.float32)
-    init(master)
-    local = master if dim is None else shard_of(master, dim, group.rank, group.size, stride)
-    local = local.to(dtype=dtype, device=device)
-    return local, (master.to(dtype) if keep_master else None)
-
-
-def _split_size(layer: str, what: str, size: int, tp: int, stride: int) -> int:
-    """The per-rank size of a dimension split over ``tp`` ranks with ``stride`` fused blocks."""
-    if stride < 1:
-        raise ValueError(f"{layer}: stride={stride} must be >= 1")
-    per_rank = _divide(f"{layer} {what}", size, tp)
-    if size % (tp * stride) != 0:
-        raise ValueError(f"{layer}: {what}={size} is not divisible by tensor_model_parallel_size * stride = "
-                         f"{tp} * {stride}")
-    return per_rank
-
-
-def _init_linear_weight(layer: ShardedModule, input_size: int, output_size: int, dim: int, stride: int, dtype, device,
-                        init_method: Optional[InitMethod], keep_master_weight: bool) -> None:
-    """Create ``layer.weight`` as this rank's slice of the dense [output_size, input_size] weight, split along ``dim``."""
-    weight, master = _materialise((output_size, input_size), dtype, device, init_method or _linear_weight_init,
-                                  dim=dim, stride=stride, keep_master=keep_master_weight)
-    layer.weight = nn.Parameter(weight)
-    if keep_master_weight:
-        layer.master_weight = master
-    layer.register_param_spec("weight", ParamSpec(full_shape=(output_size, input_size), partition_dim=dim,
-                                                  stride=stride, num_partitions=tensor_parallel_group().size))
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -119,7 +41,7 @@ class ColumnParallelLinear(ShardedModule):
         super().__init__()
         if unsupported:
             raise TypeError(f"ColumnParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
-        _reject_unsupported("ColumnParallelLinear", pad=(pad, False),
+        reject_unsupported("ColumnParallelLinear", pad=(pad, False),
                             tensor_model_parallel_group=(tensor_model_parallel_group, None),
                             reduce_dtype=(reduce_dtype, torch.float32))
         if sequence_parallel_enabled and gather_output:
@@ -127,7 +49,7 @@ class ColumnParallelLinear(ShardedModule):
                              "sequence-parallel input is gathered on entry; gathering the output as well is not defined)")
         tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = _split_size("ColumnParallelLinear", "output_size", output_size, tp, stride)
+        self.output_size_per_partition = split_size("ColumnParallelLinear", "output_size", output_size, tp, stride)
         self.gather_output, self.skip_bias_add, self.stride = gather_output, skip_bias_add, stride
         # Several column layers reading one input (Q, K and V) can share a single entry region opened by the caller,
         # so backward sums their input gradients in one all-reduce instead of one each.
@@ -135,9 +57,9 @@ class ColumnParallelLinear(ShardedModule):
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
-        _init_linear_weight(self, input_size, output_size, 0, stride, dtype, device, init_method, keep_master_weight)
+        init_linear_weight(self, input_size, output_size, 0, stride, dtype, device, init_method, keep_master_weight)
         if bias:
-            b, _ = _materialise((output_size,), dtype, device, lambda t: _linear_bias_init(t, input_size),
+            b, _ = materialise_shard((output_size,), dtype, device, lambda t: linear_bias_init(t, input_size),
                                 dim=0, stride=stride, keep_master=False)
             self.bias = nn.Parameter(b)
             self.register_param_spec("bias", ParamSpec(full_shape=(output_size,), partition_dim=0, stride=stride,
@@ -207,7 +129,7 @@ class RowParallelLinear(ShardedModule):
         super().__init__()
         if unsupported:
             raise TypeError(f"RowParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
-        _reject_unsupported("RowParallelLinear", pad=(pad, False),
+        reject_unsupported("RowParallelLinear", pad=(pad, False),
                             tensor_model_parallel_group=(tensor_model_parallel_group, None),
                             reduce_dtype=(reduce_dtype, torch.float32))
         if sequence_parallel_enabled and not input_is_parallel:
@@ -221,15 +143,15 @@ class RowParallelLinear(ShardedModule):
                              "times once the caller reduces it")
         tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = _split_size("RowParallelLinear", "input_size", input_size, tp, stride)
+        self.input_size_per_partition = split_size("RowParallelLinear", "input_size", input_size, tp, stride)
         self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
         self.skip_bias_add, self.stride = skip_bias_add, stride
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
-        _init_linear_weight(self, input_size, output_size, 1, stride, dtype, device, init_method, keep_master_weight)
+        init_linear_weight(self, input_size, output_size, 1, stride, dtype, device, init_method, keep_master_weight)
         if bias:
-            b, _ = _materialise((output_size,), dtype, device, lambda t: _linear_bias_init(t, input_size),
+            b, _ = materialise_shard((output_size,), dtype, device, lambda t: linear_bias_init(t, input_size),
                                 dim=None, stride=1, keep_master=False)
             self.bias = nn.Parameter(b)
             # Under sequence parallelism each rank adds the bias to its own sequence shard, so its gradient is a
@@ -285,7 +207,7 @@ class ParallelEmbedding(ShardedModule):
             raise TypeError(f"ParallelEmbedding got unexpected keyword arguments {sorted(unsupported)}")
         if pad_to_multiple_of < 1:
             raise ValueError(f"ParallelEmbedding: pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
-        _reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
+        reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
                             scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False),
                             tensor_model_parallel_group=(tensor_model_parallel_group, None))
         if padding_idx is not None:
@@ -301,7 +223,7 @@ class ParallelEmbedding(ShardedModule):
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
         if shard_across_embedding:
-            _divide("ParallelEmbedding embedding_dim", embedding_dim, tp)
+            divide_over_ranks("ParallelEmbedding embedding_dim", embedding_dim, tp)
             self.padded_num_embeddings = num_embeddings
             dim = 1
         else:
@@ -331,7 +253,7 @@ class ParallelEmbedding(ShardedModule):
                 real[padding_idx].zero_()
             full[num_embeddings:].zero_()
 
-        weight, _ = _materialise(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False)
+        weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False)
         self.weight = nn.Parameter(weight)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
                                                      real_shape=(num_embeddings, embedding_dim)))

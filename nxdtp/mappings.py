@@ -146,6 +146,12 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=
     return _Split.apply(input_, _group(process_group), partition_dim)
 
 
+def scatter_input_channels_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's block of channels (dim 1 of an NCHW tensor): the entry of an input-channel-parallel convolution.
+    Backward all-gathers the channel gradients."""
+    return _Split.apply(input_, tensor_parallel_group(), 1)
+
+
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor, process_group=None,
                                              partition_dim: int = -1) -> torch.Tensor:
     # The consumer of a gathered tensor is replicated, so every rank holds the same full gradient: split it.
@@ -176,6 +182,7 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, sequence_di
 __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "scatter_input_channels_to_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "split_along_dim",
 ]

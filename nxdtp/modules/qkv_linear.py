@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import mappings
-from ..layers import InitMethod, _linear_bias_init, _linear_weight_init, _reject_unsupported, shard_of
+from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported, shard_of
 from ..parallel_state import tensor_parallel_group
 from ..spec import ParamSpec, ShardedModule
 
@@ -47,7 +47,7 @@ class GQAQKVColumnParallelLinear(ShardedModule):
         name = type(self).__name__
         if unsupported:
             raise TypeError(f"{name} got unexpected keyword arguments {sorted(unsupported)}")
-        _reject_unsupported(name, reduce_dtype=(reduce_dtype, torch.float32))
+        reject_unsupported(name, reduce_dtype=(reduce_dtype, torch.float32))
         tp = tensor_parallel_group().size
         q_size, kv_size = _two_sizes(name, output_sizes)
         m = kv_size_multiplier
@@ -78,7 +78,7 @@ class GQAQKVColumnParallelLinear(ShardedModule):
             rows, copies = (q_size, {}) if part == "q" else (kv_size, dict(replicas=m, replica_block=block))
             spec = ParamSpec(full_shape=(rows * copies.get("replicas", 1), input_size), partition_dim=0,
                              num_partitions=tp, real_shape=(rows, input_size), **copies)
-            weight, master = _local_of_dense(spec, dtype, device, init_method or _linear_weight_init)
+            weight, master = _local_of_dense(spec, dtype, device, init_method or linear_weight_init)
             setattr(self, "weight_" + part, nn.Parameter(weight))
             self.register_param_spec("weight_" + part, spec)
             if keep_master_weight:
@@ -87,7 +87,7 @@ class GQAQKVColumnParallelLinear(ShardedModule):
                 bias_spec = ParamSpec(full_shape=spec.full_shape[:1], partition_dim=0, num_partitions=tp,
                                       real_shape=spec.unpadded_shape[:1], replicas=spec.replicas,
                                       replica_block=spec.replica_block)
-                value, _ = _local_of_dense(bias_spec, dtype, device, lambda t: _linear_bias_init(t, input_size))
+                value, _ = _local_of_dense(bias_spec, dtype, device, lambda t: linear_bias_init(t, input_size))
                 setattr(self, "bias_" + part, nn.Parameter(value))
                 self.register_param_spec("bias_" + part, bias_spec)
             else:
