@@ -40,6 +40,13 @@ def _check_xla_world(group: ParallelGroup) -> None:
     import torch_xla.runtime as xr
 
     topology = get_topology()
+    covered = sorted(rank for ranks in group.replica_groups for rank in ranks)
+    if covered != list(range(topology.world_size)):
+        raise RuntimeError(
+            f"the {group.kind} group {list(group.ranks)} has replica groups {group.replica_groups_as_lists()}, which do "
+            f"not partition the world of {topology.world_size} ranks; XLA collectives need every group of the kind: "
+            "make the group with pg_options={'xla_pg_options': {'mesh': [...all groups...]}}, or use nxdtp's groups"
+        )
     runtime_world, runtime_ordinal = xr.world_size(), xr.global_ordinal()
     if runtime_world != topology.world_size or runtime_ordinal != topology.rank:
         raise RuntimeError(
@@ -53,6 +60,12 @@ def _check_xla_world(group: ParallelGroup) -> None:
 
 def _process_group(group: ParallelGroup, tensor: torch.Tensor):
     process_group = group.process_group_for(tensor.device.type)
+    if process_group is None and group.process_group is not None:
+        raise RuntimeError(
+            f"the {group.kind} group {list(group.ranks)} is a {dist.get_backend(group.process_group)!r} group, which "
+            f"cannot carry a {tensor.device} tensor; make the group with dist.new_group(ranks, backend='gloo') for CPU "
+            "tensors, or move the tensor to the group's device"
+        )
     if process_group is None:
         # group=None would silently mean "the whole world" to torch.distributed.
         raise RuntimeError(

@@ -17,19 +17,37 @@ Sequence-parallel tensors are sequence-first by default ([seq, batch, hidden], a
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Callable, Optional
+
 import torch
 
 from . import comm
-from .parallel_state import ParallelGroup, tensor_parallel_group
+from .parallel_state import ParallelGroup, group_of, tensor_parallel_group
 
 
 def _group(process_group) -> ParallelGroup:
-    if process_group is not None:
-        raise ValueError(
-            f"process_group={process_group!r} is not supported: nxdtp regions always use the tensor-parallel group from "
-            "nxdtp.parallel_state; pass process_group=None"
-        )
-    return tensor_parallel_group()
+    return group_of(process_group)
+
+
+_TILE_CC_NOTED = set()
+
+
+def note_tile_cc(where: str, tile_cc: bool) -> None:
+    """NxD's ``tile_cc=True`` asks the Neuron compiler to split a collective into tiles; the result is the same, so
+    nxdtp accepts it and says once per call site that collectives run whole."""
+    if tile_cc and where not in _TILE_CC_NOTED:
+        _TILE_CC_NOTED.add(where)
+        warnings.warn(f"{where}: tile_cc=True is accepted but has no effect in nxdtp: collectives are issued whole "
+                      "(the result is the same; tiling is a Neuron scheduling choice)", stacklevel=3)
+
+
+def _in_dtype(collective, tensor: torch.Tensor, reduce_dtype):
+    """Run a summing collective in ``reduce_dtype`` (bf16 partial sums added in fp32) and return the input's dtype."""
+    if reduce_dtype is None or reduce_dtype == tensor.dtype:
+        return collective(tensor)
+    return collective(tensor.to(reduce_dtype)).to(tensor.dtype)
 
 
 def split_along_dim(tensor: torch.Tensor, group: ParallelGroup, dim: int) -> torch.Tensor:
@@ -48,23 +66,23 @@ def split_along_dim(tensor: torch.Tensor, group: ParallelGroup, dim: int) -> tor
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, reduce_dtype=None):
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_reduce(grad, ctx.group), None
+        return _in_dtype(lambda g: comm.all_reduce(g, ctx.group), grad, ctx.reduce_dtype), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return comm.all_reduce(x, group)
+    def forward(ctx, x, group, reduce_dtype=None):
+        return _in_dtype(lambda t: comm.all_reduce(t, group), x, reduce_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -84,26 +102,33 @@ class _Gather(torch.autograd.Function):
     """Forward: all-gather along ``dim``. Backward: reduce-scatter (the grads differ per rank) or split (they agree)."""
 
     @staticmethod
-    def forward(ctx, x, group, dim, reduce_in_backward):
-        ctx.group, ctx.dim, ctx.reduce_in_backward = group, dim, reduce_in_backward
+    def forward(ctx, x, group, dim, reduce_in_backward, reduce_dtype=None):
+        ctx.group, ctx.dim, ctx.reduce_in_backward, ctx.reduce_dtype = group, dim, reduce_in_backward, reduce_dtype
         return comm.all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduce_in_backward:
-            return comm.reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
-        return split_along_dim(grad, ctx.group, ctx.dim), None, None, None
+            grad_in = _in_dtype(lambda g: comm.reduce_scatter(g, ctx.group, ctx.dim), grad, ctx.reduce_dtype)
+        else:
+            grad_in = split_along_dim(grad, ctx.group, ctx.dim)
+        return grad_in, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
+    """Forward: sum over the group and keep this rank's slice along ``dim``. Backward: all-gather, in
+    ``grad_dtype`` when given (NxD's ``dtype``: the gradient travels in the layer's dtype, not the reduction's)."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return comm.reduce_scatter(x, group, dim)
+    def forward(ctx, x, group, dim, reduce_dtype=None, grad_dtype=None):
+        ctx.group, ctx.dim, ctx.grad_dtype = group, dim, grad_dtype
+        return _in_dtype(lambda t: comm.reduce_scatter(t, group, dim), x, reduce_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, ctx.dim), None, None
+        if ctx.grad_dtype is not None:
+            grad = grad.to(ctx.grad_dtype)
+        return comm.all_gather(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 class _SumOverReplicas(torch.autograd.Function):
@@ -131,14 +156,26 @@ def sum_gradients_over_replicas(input_: torch.Tensor, replicas: int, block: int)
     return _SumOverReplicas.apply(input_, tensor_parallel_group(), replicas, block)
 
 
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=None) -> torch.Tensor:
-    """Enter a TP region with a replicated input: identity forward, gradient summed over TP ranks in backward."""
-    return _CopyToRegion.apply(input_, _group(process_group))
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=None, *,
+                                         reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, gradient summed over TP ranks in backward (in
+    ``reduce_dtype`` when given, an nxdtp option)."""
+    return _CopyToRegion.apply(input_, _group(process_group), reduce_dtype)
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, process_group=None) -> torch.Tensor:
-    """Leave a TP region whose ranks hold partial sums: all-reduce forward, identity backward."""
-    return _ReduceFromRegion.apply(input_, _group(process_group))
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, process_group=None, *,
+                                             reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Leave a TP region whose ranks hold partial sums: all-reduce forward (in ``reduce_dtype`` when given, an nxdtp
+    option), identity backward."""
+    return _ReduceFromRegion.apply(input_, _group(process_group), reduce_dtype)
+
+
+def reduce_from_context_model_parallel_region(input_: torch.Tensor, process_group=None) -> torch.Tensor:
+    """NxD's context-parallel exit. nxdtp has no context parallelism: each rank's context group is itself, so with
+    ``process_group=None`` this is the identity; a group given explicitly is all-reduced over."""
+    if process_group is None:
+        return input_
+    return _ReduceFromRegion.apply(input_, _group(process_group), None)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=None,
@@ -158,31 +195,139 @@ def gather_from_tensor_model_parallel_region(input_: torch.Tensor, process_group
     return _Gather.apply(input_, _group(process_group), partition_dim, False)
 
 
+def gather_from_tensor_model_parallel_region_with_dim(input_: torch.Tensor, gather_dim: int,
+                                                      process_group=None) -> torch.Tensor:
+    """All-gather along ``gather_dim``; backward keeps this rank's slice (the consumer is replicated)."""
+    return _Gather.apply(input_, _group(process_group), gather_dim, False)
+
+
+def reduce_scatter_to_tensor_model_parallel_region_with_dim(input_: torch.Tensor, partition_dim: int,
+                                                            process_group=None) -> torch.Tensor:
+    """Sum over the group and keep this rank's slice along ``partition_dim``; backward all-gathers."""
+    return _ReduceScatter.apply(input_, _group(process_group), partition_dim)
+
+
 def scatter_to_sequence_parallel_region(input_: torch.Tensor, sequence_dimension: int = 0,
                                         process_group=None) -> torch.Tensor:
     return _Split.apply(input_, _group(process_group), sequence_dimension)
 
 
 def gather_from_sequence_parallel_region(input_: torch.Tensor, sequence_dimension: int = 0,
-                                         to_model_parallel: bool = True, process_group=None) -> torch.Tensor:
+                                         to_model_parallel: bool = True, process_group=None, tile_cc: bool = False, *,
+                                         reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """All-gather the sequence shards.
 
     ``to_model_parallel=True``: the gathered tensor feeds a TP region (a column-parallel layer), whose ranks produce
-    different partial input gradients, so backward reduce-scatters them. ``False``: it feeds replicated computation (a
-    pooler, a loss on full logits), whose gradient is the same on every rank, so backward only keeps this rank's slice.
+    different partial input gradients, so backward reduce-scatters them (in ``reduce_dtype`` when given, an nxdtp
+    option). ``False``: it feeds replicated computation (a pooler, a loss on full logits), whose gradient is the same on
+    every rank, so backward only keeps this rank's slice.
     """
-    return _Gather.apply(input_, _group(process_group), sequence_dimension, bool(to_model_parallel))
+    note_tile_cc("gather_from_sequence_parallel_region", tile_cc)
+    return _Gather.apply(input_, _group(process_group), sequence_dimension, bool(to_model_parallel), reduce_dtype)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, sequence_dimension: int = 0,
-                                               process_group=None) -> torch.Tensor:
-    return _ReduceScatter.apply(input_, _group(process_group), sequence_dimension)
+                                               process_group=None, dtype: Optional[torch.dtype] = None, *,
+                                               reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Reduce-scatter along the sequence; backward all-gathers, in ``dtype`` when given (NxD's meaning). The forward
+    sum runs in ``reduce_dtype`` when given (an nxdtp option)."""
+    return _ReduceScatter.apply(input_, _group(process_group), sequence_dimension, reduce_dtype, dtype)
+
+
+def _check_dims(x: torch.Tensor, dims: int, where: str, layout: str) -> None:
+    if x.dim() != dims:
+        raise ValueError(f"{where}: x has shape {tuple(x.shape)}; expected {dims} dimensions {layout}")
+
+
+def _drop_and_regather_tp_duplicates(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
+    # NxD drops the tokens duplicated over TP before the expert all-to-all and regathers them after it. With one
+    # expert-parallel rank there is no all-to-all, and the pair is the identity in value and in gradient.
+    if not scatter_gather:
+        return x
+    group = tensor_parallel_group()
+    return _Gather.apply(_Split.apply(x, group, 2), group, 2, False)
+
+
+def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
+    """NxD's expert-parallel entry, (e, c, h) -> (e/ep, ep, c, h), for nxdtp's expert-parallel size of 1: (e, 1, c, h)."""
+    _check_dims(x, 3, "enter_expert_parallel_region", "(experts, capacity, hidden)")
+    return _drop_and_regather_tp_duplicates(x.unsqueeze(1), scatter_gather)
+
+
+def exit_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
+    """NxD's expert-parallel exit, (e/ep, ep, c, h) -> (e, c, h), for nxdtp's expert-parallel size of 1."""
+    _check_dims(x, 4, "exit_expert_parallel_region", "(experts, 1, capacity, hidden)")
+    if x.shape[1] != 1:
+        raise ValueError(f"exit_expert_parallel_region: x has shape {tuple(x.shape)}; with expert-parallel size 1 "
+                         "dimension 1 (ep) must be 1")
+    return _drop_and_regather_tp_duplicates(x, scatter_gather).squeeze(1)
+
+
+def _rank_indices(rank: torch.Tensor, size: int, partition: int, round_robin: bool, device) -> torch.Tensor:
+    """The positions this rank keeps, computed from the rank as data, so every rank traces one graph."""
+    steps = torch.arange(partition, device=device)
+    rank = rank.to(device).reshape(-1)[:1]
+    return steps * size + rank if round_robin else steps + rank * partition
+
+
+class _ScatterByRankTensor(torch.autograd.Function):
+    """Forward: this rank's part along ``dim``, chosen by a rank tensor. Backward: the parts are all-gathered and put
+    back in place, so the input gradient is the full one on every rank (NxD raises in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, rank, group, round_robin):
+        size = x.shape[dim]
+        if size % group.size != 0:
+            raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} (size {size}) does not split over the "
+                             f"{group.kind} group of size {group.size}")
+        ctx.dim, ctx.group, ctx.round_robin = dim, group, round_robin
+        index = _rank_indices(rank, group.size, size // group.size, round_robin, x.device)
+        return x.index_select(dim, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = comm.all_gather(grad, ctx.group, ctx.dim)
+        if ctx.round_robin and ctx.group.size > 1:
+            # gathered order is [rank 0's rows, rank 1's rows, ...]; rank r's j-th row belongs at j * size + r
+            moved = full.movedim(ctx.dim, 0)
+            moved = moved.reshape(ctx.group.size, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+            full = moved.movedim(0, ctx.dim).contiguous()
+        return full, None, None, None, None
+
+
+def scatter_to_process_group_spmd(input_: torch.Tensor, partition_dim: int, rank: torch.Tensor,
+                                  process_group=None) -> torch.Tensor:
+    """This rank's contiguous 1/size block along ``partition_dim``, picked by the rank tensor ``rank``."""
+    return _ScatterByRankTensor.apply(input_, partition_dim, rank, _group(process_group), False)
+
+
+def round_robin_scatter_to_process_group_spmd(input_: torch.Tensor, partition_dim: int, rank: torch.Tensor,
+                                              process_group=None) -> torch.Tensor:
+    """Every size-th position along ``partition_dim`` starting at ``rank`` (rank 0 of 2: 0, 2, 4, ...)."""
+    return _ScatterByRankTensor.apply(input_, partition_dim, rank, _group(process_group), True)
+
+
+def nonzero_partition_dim_swap(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Decorator: ``func(x, 0, ...)`` works on dim 0; the wrapped ``f(x, partition_dim, ...)`` moves ``partition_dim``
+    to the front for the call and back after it."""
+
+    @functools.wraps(func)
+    def wrapped(x: torch.Tensor, partition_dim: int, *args, **kwargs) -> torch.Tensor:
+        if partition_dim == 0:
+            return func(x, 0, *args, **kwargs)
+        return func(x.transpose(0, partition_dim), 0, *args, **kwargs).transpose(0, partition_dim)
+
+    return wrapped
 
 
 __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "reduce_from_context_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_input_channels_to_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region_with_dim", "reduce_scatter_to_tensor_model_parallel_region_with_dim",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "split_along_dim",
+    "reduce_scatter_to_sequence_parallel_region", "enter_expert_parallel_region", "exit_expert_parallel_region",
+    "scatter_to_process_group_spmd", "round_robin_scatter_to_process_group_spmd", "nonzero_partition_dim_swap",
+    "split_along_dim", "sum_gradients_over_replicas",
 ]

@@ -250,6 +250,40 @@ def data_parallel_group() -> ParallelGroup:
     return get_topology().data_parallel
 
 
+def group_of(process_group=None) -> ParallelGroup:
+    """The ParallelGroup behind an NxD ``process_group=`` / ``tensor_model_parallel_group=`` argument.
+
+    None means the tensor-parallel group. nxdtp's own groups (either process group of the TP or DP group) map to their
+    ParallelGroup, and a ParallelGroup passes through. Any other torch.distributed group (one made by
+    ``dist.new_group``) becomes a group of kind "custom" over its ranks: its process group serves CPU tensors only when
+    it is a gloo group, and XLA tensors only when it carries the full replica-group mesh (torch_xla's
+    ``pg_options={"xla_pg_options": {"mesh": ...}}``), which nxdtp.comm checks.
+    """
+    if process_group is None:
+        return tensor_parallel_group()
+    if isinstance(process_group, ParallelGroup):
+        return process_group
+    topology = get_topology()
+    for own in (topology.tensor_parallel, topology.data_parallel):
+        if process_group is own.process_group or process_group is own.cpu_process_group:
+            return own
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        # what dist.new_group returns on the ranks it leaves out
+        raise ValueError(f"rank {topology.rank} is not a member of process_group={process_group!r} (torch.distributed's "
+                         "NON_GROUP_MEMBER); pass a group this rank belongs to")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group={process_group!r} is not a torch.distributed ProcessGroup; pass None (the "
+                        "tensor-parallel group), a group from nxdtp.parallel_state, or one made by dist.new_group")
+    ranks = tuple(dist.get_process_group_ranks(process_group))
+    if topology.rank not in ranks:
+        raise ValueError(f"rank {topology.rank} is not in process_group ranks {list(ranks)}")
+    mesh = getattr(process_group, "_mesh", None)
+    replica_groups = tuple(tuple(g) for g in mesh) if mesh else (ranks,)
+    return ParallelGroup(kind="custom", ranks=ranks, replica_groups=replica_groups, process_group=process_group,
+                         global_rank=topology.rank,
+                         cpu_process_group=process_group if dist.get_backend(process_group) == "gloo" else None)
+
+
 # ---- NxD-compatible getters -------------------------------------------------------------------------------------------
 
 def get_tensor_model_parallel_group(as_list: bool = False):

@@ -143,16 +143,161 @@ def test_regions_equal_dense_math(worlds, world, tp):
     assert all(len(done) == 8 for _, done in results)
 
 
-_REGIONS = [
-    mappings.copy_to_tensor_model_parallel_region, mappings.reduce_from_tensor_model_parallel_region,
-    mappings.scatter_to_tensor_model_parallel_region, mappings.gather_from_tensor_model_parallel_region,
-    mappings.scatter_to_sequence_parallel_region, mappings.gather_from_sequence_parallel_region,
-    mappings.reduce_scatter_to_sequence_parallel_region,
-]
+def case_nxd_regions(seed):
+    """The NxD regions beyond the seven: *_with_dim, context and expert regions, the rank-tensor scatters, the
+    input-channel scatter, against the same dense math as case_regions."""
+    group = ps.tensor_parallel_group()
+    n, i, ranks = group.size, group.rank, group.ranks
+    salt = iter(range(1000))
+
+    def inputs(shape):
+        s = next(salt)
+        return [_tensor(seed, r, shape, s) for r in ranks]
+
+    full, done = (2 * n, 3 * n, 2 * n), []
+    for dim in (0, 1, 2):
+        local = list(full)
+        local[dim] //= n
+        xs, dys = inputs(tuple(local)), inputs(full)
+        y, dx = _run_region(mappings.gather_from_tensor_model_parallel_region_with_dim, xs[i], dys[i], gather_dim=dim)
+        _close(y, torch.cat(xs, dim=dim), f"gather_with_dim {dim} forward")
+        _close(dx, dys[i].chunk(n, dim=dim)[i], f"gather_with_dim {dim} backward")
+        xs, dys = inputs(full), inputs(tuple(local))
+        y, dx = _run_region(mappings.reduce_scatter_to_tensor_model_parallel_region_with_dim, xs[i], dys[i],
+                            partition_dim=dim)
+        _close(y, torch.stack(xs).sum(0).chunk(n, dim=dim)[i], f"reduce_scatter_with_dim {dim} forward")
+        _close(dx, torch.cat(dys, dim=dim), f"reduce_scatter_with_dim {dim} backward")
+
+        # The rank as a tensor picks the block (contiguous or round robin); backward puts every rank's gradient back.
+        for round_robin, fn in ((False, mappings.scatter_to_process_group_spmd),
+                                (True, mappings.round_robin_scatter_to_process_group_spmd)):
+            positions = [list(range(r, full[dim], n)) if round_robin
+                         else list(range(r * local[dim], (r + 1) * local[dim])) for r in range(n)]
+            xs, dys = inputs(full), inputs(tuple(local))
+            y, dx = _run_region(fn, xs[i], dys[i], partition_dim=dim, rank=torch.tensor([i], dtype=torch.int32))
+            _close(y, xs[i].index_select(dim, torch.tensor(positions[i])), f"{fn.__name__} {dim} forward")
+            expected = torch.zeros(full)
+            for r in range(n):
+                expected.index_copy_(dim, torch.tensor(positions[r]), dys[r])
+            _close(dx, expected, f"{fn.__name__} {dim} backward")
+    done += ["with_dim", "spmd"]
+
+    xs, dys = inputs((2, 2 * n, 3, 3)), inputs((2, 2, 3, 3))
+    y, dx = _run_region(mappings.scatter_input_channels_to_tensor_model_parallel_region, xs[i], dys[i])
+    _close(y, xs[i].chunk(n, dim=1)[i], "input channels forward")
+    _close(dx, torch.cat(dys, dim=1), "input channels backward")
+
+    # Context and expert parallelism are of size 1: the regions keep values and (replicated) gradients.
+    x, dy = inputs(full)[0], inputs(full)[0]
+    y, dx = _run_region(mappings.reduce_from_context_model_parallel_region, x, dy)
+    _close(y, x, "context forward")
+    _close(dx, dy, "context backward")
+    for scatter_gather in (False, True):
+        y, dx = _run_region(mappings.enter_expert_parallel_region, x, dy.unsqueeze(1), scatter_gather=scatter_gather)
+        _close(y, x.unsqueeze(1), "enter expert forward")
+        _close(dx, dy, "enter expert backward")
+        y, dx = _run_region(mappings.exit_expert_parallel_region, x.unsqueeze(1), dy, scatter_gather=scatter_gather)
+        _close(y, x, "exit expert forward")
+        _close(dx, dy.unsqueeze(1), "exit expert backward")
+    done += ["channels", "context", "expert"]
+    return done
 
 
-@pytest.mark.parametrize("region", _REGIONS, ids=lambda f: f.__name__)
-def test_process_group_other_than_none_is_rejected(region):
+@pytest.mark.parametrize("world,tp", [(4, 2), (4, 4)])
+def test_nxd_regions_equal_dense_math(worlds, world, tp):
+    results = worlds(world).run(case_nxd_regions, tensor_model_parallel_size=tp, seed=99 + world + tp)
+    assert all(done == ["with_dim", "spmd", "channels", "context", "expert"] for done in results)
+
+
+def case_process_groups(seed):
+    """``process_group=`` given as nxdtp's own groups, or as subgroups made by dist.new_group, reduces over exactly
+    those ranks; a group that cannot carry the tensor is refused by name."""
+    import torch.distributed as dist
+
+    topo = ps.get_topology()
+    world, rank = topo.world_size, topo.rank
+    xs = [_tensor(seed, r, (4, 6), 0) for r in range(world)]
+    dys = [_tensor(seed, r, (4, 6), 1) for r in range(world)]
+
+    def check(group_arg, members, what):
+        y, dx = _run_region(mappings.reduce_from_tensor_model_parallel_region, xs[rank], dys[rank],
+                            process_group=group_arg)
+        _close(y, torch.stack([xs[r] for r in members]).sum(0), f"{what}: reduce_from")
+        y, dx = _run_region(mappings.copy_to_tensor_model_parallel_region, xs[rank], dys[rank], process_group=group_arg)
+        _close(dx, torch.stack([dys[r] for r in members]).sum(0), f"{what}: copy_to backward")
+        y, _ = _run_region(mappings.gather_from_tensor_model_parallel_region, xs[rank], dys[rank].repeat(1, len(members)),
+                           process_group=group_arg)
+        _close(y, torch.cat([xs[r] for r in members], dim=-1), f"{what}: gather")
+
+    tp, dp = topo.tensor_parallel, topo.data_parallel
+    for own, what in ((tp, "tp"), (dp, "dp")):
+        check(own.process_group, own.ranks, f"{what} process_group")
+        check(own.cpu_process_group, own.ranks, f"{what} cpu_process_group")
+    check(ps.get_tensor_model_parallel_group(), tp.ranks, "get_tensor_model_parallel_group()")
+    # Subgroups made by the user: every rank creates every group, in the same order.
+    halves = [list(range(0, world // 2)), list(range(world // 2, world))]
+    gloo_groups = [dist.new_group(h, backend="gloo") for h in halves]
+    default_groups = [dist.new_group(h) for h in halves]
+    mine = 0 if rank < world // 2 else 1
+    check(gloo_groups[mine], halves[mine], "gloo subgroup")
+    refused = None
+    if dist.get_backend() != "gloo":
+        try:
+            mappings.reduce_from_tensor_model_parallel_region(xs[rank], process_group=default_groups[mine])
+        except RuntimeError as error:
+            refused = str(error)
+    else:
+        check(default_groups[mine], halves[mine], "default-backend subgroup")
+    try:
+        mappings.reduce_from_tensor_model_parallel_region(xs[rank], process_group=gloo_groups[1 - mine])
+    except ValueError as error:
+        outsider = str(error)
+    for g in gloo_groups + default_groups:
+        if g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    return refused, outsider
+
+
+@pytest.mark.parametrize("backend", ["gloo", "cpu_refusing", "xla"])
+def test_process_group_argument(worlds, backend):
+    results = worlds(4, backend).run(case_process_groups, tensor_model_parallel_size=2, seed=5)
+    for refused, outsider in results:
+        assert "is not a member" in outsider or "is not in process_group" in outsider
+        if backend == "gloo":
+            assert refused is None
+        else:
+            assert "cannot carry a cpu tensor" in refused and "backend='gloo'" in refused
+
+
+@pytest.mark.parametrize("bad", [object(), "tp", 3])
+def test_process_group_of_another_type_is_refused(bad):
     with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
-        with pytest.raises(ValueError, match="process_group=.* is not supported.*pass process_group=None"):
-            region(torch.ones(2, 2, 2), process_group=object())
+        with pytest.raises(TypeError, match="is not a torch.distributed ProcessGroup"):
+            mappings.reduce_from_tensor_model_parallel_region(torch.ones(2, 2), process_group=bad)
+
+
+def case_reduce_dtype(seed):
+    """bf16 partial sums all-reduced in fp32 are closer to the exact sum than a bf16 all-reduce."""
+    group = ps.tensor_parallel_group()
+    gen = torch.Generator().manual_seed(seed)
+    # Partial sums of mixed magnitude, as a row-parallel layer's are: bf16 addition loses the small ones.
+    parts = [(torch.randn(4096, generator=gen) * torch.logspace(-3, 2, 4096)).to(torch.bfloat16)
+             for _ in range(group.size)]
+    exact = torch.stack([p.double() for p in parts]).sum(0)
+    mine = parts[group.rank]
+    in_fp32 = mappings.reduce_from_tensor_model_parallel_region(mine, reduce_dtype=torch.float32)
+    in_bf16 = mappings.reduce_from_tensor_model_parallel_region(mine)
+    x = mine.clone().requires_grad_(True)
+    mappings.copy_to_tensor_model_parallel_region(x, reduce_dtype=torch.float32).backward(parts[group.rank])
+    return (in_fp32.dtype, (in_fp32.double() - exact).abs().sum().item(), (in_bf16.double() - exact).abs().sum().item(),
+            torch.equal(in_fp32, exact.to(torch.float32).to(torch.bfloat16)), x.grad.dtype,
+            (x.grad.double() - exact).abs().sum().item())
+
+
+def test_reduce_dtype_fp32_is_closer_than_bf16(worlds):
+    for dtype, err_fp32, err_bf16, equal_to_rounded_exact, grad_dtype, grad_err in worlds(4).run(
+            case_reduce_dtype, tensor_model_parallel_size=4, seed=3):
+        assert dtype == torch.bfloat16 and grad_dtype == torch.bfloat16
+        assert err_fp32 < 0.7 * err_bf16, (err_fp32, err_bf16)
+        assert grad_err == err_fp32
+        assert equal_to_rounded_exact
