@@ -5,78 +5,203 @@ the full master weight is initialised on the CPU generator (the same on every ra
 default initialisation matches ``torch.nn.Linear`` / ``torch.nn.Embedding``, so ``ColumnParallelLinear(i, o)`` under seed s
 equals a slice of ``nn.Linear(i, o)`` under seed s, biases included.
 
-Layers own their sharding spec (nxdtp.spec); keyword arguments of NxD's layers that nxdtp does not implement are accepted
-at their NxD default and rejected otherwise.
+Layers own their sharding spec (nxdtp.spec). Every NxD keyword is accepted; one that nxdtp does not implement at some
+value is refused at that value with an error naming it, never silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
-from .parallel_state import tensor_parallel_group
-from .sharded_init import (InitMethod, divide_over_ranks, init_linear_weight, linear_bias_init, materialise_shard,
-                           reject_unsupported, shard_of, split_size)
+from .parallel_state import ParallelGroup, get_topology, group_of, tensor_parallel_group
+from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
+                           materialise_shard, reject_unsupported, shard_of, split_size)
+from .utils import cast_if_autocast_enabled, get_padding_length
 from .spec import ParamSpec, ShardedModule
 
 
-class ColumnParallelLinear(ShardedModule):
+def _check_rank_ordering(layer: str, rank_ordering: Optional[Sequence[int]], tp: int) -> None:
+    if rank_ordering is None or list(rank_ordering) == list(range(tp)):
+        return
+    raise ValueError(f"{layer}: rank_ordering={list(rank_ordering)!r} is not supported by nxdtp: tensor-parallel rank r "
+                     f"holds shard r and the collectives gather in rank order; valid are None or {list(range(tp))}")
+
+
+class BaseParallelLayer(ShardedModule):
+    """NxD's base of the parallel layers: the group a layer is split over.
+
+    ``tensor_model_parallel_group=None`` means the tensor-parallel group of the installed topology, looked up at each use;
+    any other value is resolved once by ``nxdtp.parallel_state.group_of`` (nxdtp's own groups, or a subgroup made by
+    ``dist.new_group``).
+    """
+
+    def __init__(self, tensor_model_parallel_group=None):
+        super().__init__()
+        self._explicit_group: Optional[ParallelGroup] = (
+            None if tensor_model_parallel_group is None else group_of(tensor_model_parallel_group))
+
+    def _group(self) -> ParallelGroup:
+        return self._explicit_group or tensor_parallel_group()
+
+
+class LinearWithAsyncCommunication:
+    """NxD's linear autograd function, built from nxdtp's regions: ``apply(input, weight, bias, async_grad_allreduce,
+    sequence_parallel_enabled, sequence_dimension=0, save_for_backward=True, process_group=None,
+    reduce_dtype=torch.float32)``.
+
+    With ``sequence_parallel_enabled`` the sequence-sharded input is all-gathered and its gradient reduce-scattered;
+    otherwise with ``async_grad_allreduce`` the input gradient is all-reduced over the group (both sums in
+    ``reduce_dtype``). Not a ``torch.autograd.Function`` subclass: its gradients are those of the regions it is made of,
+    so there is one implementation of each collective path.
+    """
+
+    @staticmethod
+    def apply(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], async_grad_allreduce: bool,
+              sequence_parallel_enabled: bool, sequence_dimension: Optional[int] = 0, save_for_backward: bool = True,
+              process_group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+        if not save_for_backward:
+            raise ValueError("LinearWithAsyncCommunication: save_for_backward=False is not supported by nxdtp: autograd "
+                             "keeps what the weight gradient needs; only save_for_backward=True is valid")
+        if sequence_parallel_enabled:
+            if sequence_dimension is None:
+                raise ValueError("LinearWithAsyncCommunication: sequence_parallel_enabled=True needs a "
+                                 "sequence_dimension (0 for [seq, batch, hidden] inputs), got None")
+            input = mappings.gather_from_sequence_parallel_region(input, sequence_dimension, True, process_group,
+                                                                  reduce_dtype=reduce_dtype)
+        elif async_grad_allreduce:
+            input = mappings.copy_to_tensor_model_parallel_region(input, process_group, reduce_dtype=reduce_dtype)
+        return F.linear(input, weight, bias)
+
+
+def linear_with_async_allreduce(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                async_grad_allreduce: bool, sequence_parallel_enabled: bool,
+                                sequence_dimension: Optional[int] = 0,
+                                autograd_func_class=LinearWithAsyncCommunication, save_for_backward: bool = True,
+                                process_group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """NxD's linear entry point: under autocast the operands are cast to the autocast dtype first (as NxD does), then
+    ``autograd_func_class.apply`` runs with autocast off."""
+    args = cast_if_autocast_enabled(input, weight, bias)
+    with torch.autocast(device_type=input.device.type, enabled=False):
+        return autograd_func_class.apply(*args, async_grad_allreduce, sequence_parallel_enabled, sequence_dimension,
+                                         save_for_backward, process_group, reduce_dtype)
+
+
+class BaseParallelLinear(BaseParallelLayer):
+    """NxD's base of the linear layers; ``autograd_func_class`` is what the layer's matrix product runs through."""
+
+    autograd_func_class = LinearWithAsyncCommunication
+
+    def _check_pad_false_for_training(self) -> None:
+        if self.pad and self.training:
+            raise RuntimeError(
+                f"{type(self).__name__}: pad=True is for inference only (as in NxD): the zero padding would take "
+                "gradients in training wherever a padded output is used. Call model.eval(), or use sizes the "
+                f"tensor-parallel size {self._group().size} divides")
+
+
+def _padded_linear_weight(layer: BaseParallelLinear, input_size: int, output_size: int, dim: int, padded: int,
+                          stride: int, dtype, device, init_method: Optional[InitMethod], keep_master_weight: bool,
+                          group: ParallelGroup) -> None:
+    """``layer.weight`` as this rank's slice of the dense weight padded with zeros along ``dim`` to ``padded``."""
+    if padded == (output_size, input_size)[dim]:
+        init_linear_weight(layer, input_size, output_size, dim, stride, dtype, device, init_method, keep_master_weight,
+                           group)
+        return
+    real = (output_size, input_size)
+    full_shape = list(real)
+    full_shape[dim] = padded
+
+    def init(full: torch.Tensor) -> None:
+        (init_method or linear_weight_init)(full.narrow(dim, 0, real[dim]))  # fan-in of the real weight, as dense
+        full.narrow(dim, real[dim], padded - real[dim]).zero_()
+
+    weight, master = materialise_shard(tuple(full_shape), dtype, device, init, dim=dim, stride=stride,
+                                       keep_master=keep_master_weight, group=group)
+    layer.weight = nn.Parameter(weight)
+    if keep_master_weight:
+        layer.master_weight = master
+    layer.register_param_spec("weight", ParamSpec(full_shape=tuple(full_shape), partition_dim=dim, stride=stride,
+                                                  num_partitions=group.size, real_shape=real))
+
+
+def _check_pad_arguments(layer: str, pad: bool, stride: int, pad_alignment_size_per_rank: int = 1) -> None:
+    if pad_alignment_size_per_rank < 1:
+        raise ValueError(f"{layer}: pad_alignment_size_per_rank={pad_alignment_size_per_rank} must be >= 1")
+    if pad and stride != 1:
+        raise ValueError(f"{layer}: pad=True with stride={stride} is not supported: padding goes after the last fused "
+                         "block, which would leave the blocks unequal; pad each block's size instead")
+
+
+class ColumnParallelLinear(BaseParallelLinear):
     """``Y = X A^T + b`` with A split along its output dimension: each TP rank computes its columns of Y.
 
     The input is replicated (or, with ``sequence_parallel_enabled``, sequence-sharded and all-gathered here). The output
-    stays sharded along the last dimension unless ``gather_output=True``.
+    stays sharded along the last dimension unless ``gather_output=True``. The input gradient is summed over the group in
+    ``reduce_dtype``. ``pad=True`` pads the output dimension with zero rows to a multiple of
+    ``pad_alignment_size_per_rank`` times the group size; a gathered output is cut back to ``output_size`` unless
+    ``keep_padded_output``.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
                  dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
                  init_method: Optional[InitMethod] = None, sequence_parallel_enabled: bool = False,
                  sequence_dimension: Optional[int] = None, keep_master_weight: bool = False,
-                 skip_bias_add: bool = False, pad: bool = False, tensor_model_parallel_group=None,
-                 reduce_dtype: torch.dtype = torch.float32, input_in_tensor_parallel_region: bool = False,
-                 **unsupported):
-        super().__init__()
+                 skip_bias_add: bool = False, pad: bool = False, pad_alignment_size_per_rank: int = 1,
+                 keep_padded_output: bool = False, tensor_model_parallel_group=None,
+                 reduce_dtype: Optional[torch.dtype] = torch.float32, rank_ordering: Optional[Sequence[int]] = None,
+                 input_in_tensor_parallel_region: bool = False, **unsupported):
+        super().__init__(tensor_model_parallel_group)
         if unsupported:
             raise TypeError(f"ColumnParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
-        reject_unsupported("ColumnParallelLinear", pad=(pad, False),
-                            tensor_model_parallel_group=(tensor_model_parallel_group, None),
-                            reduce_dtype=(reduce_dtype, torch.float32))
+        group = self._group()
+        tp = group.size
+        _check_rank_ordering("ColumnParallelLinear", rank_ordering, tp)
+        _check_pad_arguments("ColumnParallelLinear", pad, stride, pad_alignment_size_per_rank)
         if sequence_parallel_enabled and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel_enabled=True needs gather_output=False (the "
                              "sequence-parallel input is gathered on entry; gathering the output as well is not defined)")
-        tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = split_size("ColumnParallelLinear", "output_size", output_size, tp, stride)
+        self.pad, self.keep_padded_output = pad, keep_padded_output
+        self.pad_size = get_padding_length(output_size, pad_alignment_size_per_rank * tp) if pad else 0
+        padded = output_size + self.pad_size
+        self.output_size_per_partition = split_size("ColumnParallelLinear", "output_size", padded, tp, stride)
         self.gather_output, self.skip_bias_add, self.stride = gather_output, skip_bias_add, stride
+        self.reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
         # Several column layers reading one input (Q, K and V) can share a single entry region opened by the caller,
         # so backward sums their input gradients in one all-reduce instead of one each.
         self.input_in_tensor_parallel_region = input_in_tensor_parallel_region
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
-        init_linear_weight(self, input_size, output_size, 0, stride, dtype, device, init_method, keep_master_weight)
+        _padded_linear_weight(self, input_size, output_size, 0, padded, stride, dtype, device, init_method,
+                              keep_master_weight, group)
         if bias:
-            b, _ = materialise_shard((output_size,), dtype, device, lambda t: linear_bias_init(t, input_size),
-                                dim=0, stride=stride, keep_master=False)
+            def init_bias(full: torch.Tensor) -> None:
+                linear_bias_init(full[:output_size], input_size)
+                full[output_size:].zero_()
+
+            b, _ = materialise_shard((padded,), dtype, device, init_bias, dim=0, stride=stride, keep_master=False,
+                                     group=group)
             self.bias = nn.Parameter(b)
-            self.register_param_spec("bias", ParamSpec(full_shape=(output_size,), partition_dim=0, stride=stride,
-                                                       num_partitions=tp))
+            self.register_param_spec("bias", ParamSpec(full_shape=(padded,), partition_dim=0, stride=stride,
+                                                       num_partitions=tp, real_shape=(output_size,)))
         else:
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
-        if self.input_in_tensor_parallel_region:
-            input_parallel = input_
-        elif self.sequence_parallel_enabled:
-            input_parallel = mappings.gather_from_sequence_parallel_region(
-                input_, to_model_parallel=True, sequence_dimension=self.sequence_dimension)
-        else:
-            input_parallel = mappings.copy_to_tensor_model_parallel_region(input_)
-        bias = None if self.skip_bias_add else self.bias
-        output = F.linear(input_parallel, self.weight, bias)
+        self._check_pad_false_for_training()
+        in_region = self.input_in_tensor_parallel_region
+        output = linear_with_async_allreduce(
+            input_, self.weight, None if self.skip_bias_add else self.bias,
+            async_grad_allreduce=not in_region and not self.sequence_parallel_enabled,
+            sequence_parallel_enabled=not in_region and self.sequence_parallel_enabled,
+            sequence_dimension=self.sequence_dimension, autograd_func_class=self.autograd_func_class,
+            process_group=self._group(), reduce_dtype=self.reduce_dtype)
         if not self.gather_output:
             return (output, self.bias) if self.skip_bias_add else output
         output = self._gather(output)
@@ -86,13 +211,18 @@ class ColumnParallelLinear(ShardedModule):
         return output
 
     def _gather(self, sharded_last_dim: torch.Tensor) -> torch.Tensor:
-        gathered = mappings.gather_from_tensor_model_parallel_region(sharded_last_dim)
-        return _unstride_last_dim(gathered, self.stride, tensor_parallel_group().size)
+        group = self._group()
+        gathered = mappings.gather_from_tensor_model_parallel_region(sharded_last_dim, group)
+        gathered = _unstride_last_dim(gathered, self.stride, group.size)
+        if self.pad_size and not self.keep_padded_output:
+            gathered = gathered.narrow(-1, 0, self.output_size)
+        return gathered
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, per_partition="
                 f"{self.output_size_per_partition}, bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"stride={self.stride}, sequence_parallel={self.sequence_parallel_enabled}")
+                f"stride={self.stride}, sequence_parallel={self.sequence_parallel_enabled}"
+                + (f", pad_size={self.pad_size}" if self.pad_size else ""))
 
 
 def _unstride_last_dim(gathered: torch.Tensor, stride: int, tp: int) -> torch.Tensor:
@@ -113,11 +243,12 @@ def _stride_last_dim(full: torch.Tensor, stride: int, tp: int) -> torch.Tensor:
     return blocks.transpose(-3, -2).reshape(*lead, last)
 
 
-class RowParallelLinear(ShardedModule):
+class RowParallelLinear(BaseParallelLinear):
     """``Y = X A^T + b`` with A split along its input dimension: each TP rank computes a partial sum of Y.
 
-    The partial sums are all-reduced (or reduce-scattered along the sequence with ``sequence_parallel_enabled``); the
-    bias is replicated and added once after the reduction.
+    The partial sums are all-reduced (or reduce-scattered along the sequence with ``sequence_parallel_enabled``) in
+    ``reduce_dtype``; the bias is replicated and added once after the reduction. ``pad=True`` pads the input dimension
+    with zero columns to a multiple of the group size (a full input is padded with zeros to match).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
@@ -125,13 +256,16 @@ class RowParallelLinear(ShardedModule):
                  init_method: Optional[InitMethod] = None, sequence_parallel_enabled: bool = False,
                  sequence_dimension: Optional[int] = None, keep_master_weight: bool = False,
                  skip_bias_add: bool = False, pad: bool = False, reduce_output: bool = True,
-                 tensor_model_parallel_group=None, reduce_dtype: torch.dtype = torch.float32, **unsupported):
-        super().__init__()
+                 tensor_model_parallel_group=None, reduce_dtype: Optional[torch.dtype] = torch.float32,
+                 tile_cc: bool = False, rank_ordering: Optional[Sequence[int]] = None, **unsupported):
+        super().__init__(tensor_model_parallel_group)
         if unsupported:
             raise TypeError(f"RowParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
-        reject_unsupported("RowParallelLinear", pad=(pad, False),
-                            tensor_model_parallel_group=(tensor_model_parallel_group, None),
-                            reduce_dtype=(reduce_dtype, torch.float32))
+        group = self._group()
+        tp = group.size
+        _check_rank_ordering("RowParallelLinear", rank_ordering, tp)
+        _check_pad_arguments("RowParallelLinear", pad, stride)
+        mappings.note_tile_cc("RowParallelLinear", tile_cc)
         if sequence_parallel_enabled and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel_enabled=True needs input_is_parallel=True")
         if sequence_parallel_enabled and not reduce_output:
@@ -141,18 +275,22 @@ class RowParallelLinear(ShardedModule):
             raise ValueError("RowParallelLinear: reduce_output=False with bias=True needs skip_bias_add=True: the output "
                              "is a partial sum, and a bias added on every rank would be counted tensor_model_parallel_size "
                              "times once the caller reduces it")
-        tp = tensor_parallel_group().size
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = split_size("RowParallelLinear", "input_size", input_size, tp, stride)
+        self.pad = pad
+        self.pad_size = get_padding_length(input_size, tp) if pad else 0
+        padded = input_size + self.pad_size
+        self.input_size_per_partition = split_size("RowParallelLinear", "input_size", padded, tp, stride)
         self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
         self.skip_bias_add, self.stride = skip_bias_add, stride
+        self.reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
-        init_linear_weight(self, input_size, output_size, 1, stride, dtype, device, init_method, keep_master_weight)
+        _padded_linear_weight(self, input_size, output_size, 1, padded, stride, dtype, device, init_method,
+                              keep_master_weight, group)
         if bias:
             b, _ = materialise_shard((output_size,), dtype, device, lambda t: linear_bias_init(t, input_size),
-                                dim=None, stride=1, keep_master=False)
+                                     dim=None, stride=1, keep_master=False, group=group)
             self.bias = nn.Parameter(b)
             # Under sequence parallelism each rank adds the bias to its own sequence shard, so its gradient is a
             # partial sum that must be all-reduced over TP.
@@ -162,19 +300,27 @@ class RowParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
+        self._check_pad_false_for_training()
+        group = self._group()
         if self.input_is_parallel:
             input_parallel = input_
         else:
+            if self.pad_size:
+                input_ = F.pad(input_, (0, self.pad_size))
             # With stride > 1 the weight holds the rank's slice of each of the `stride` blocks of the input dimension
             # (shard_of); reorder the full input so that a contiguous split hands every rank the matching columns.
             input_parallel = mappings.scatter_to_tensor_model_parallel_region(
-                _stride_last_dim(input_, self.stride, tensor_parallel_group().size))
-        output_parallel = F.linear(input_parallel, self.weight)
+                _stride_last_dim(input_, self.stride, group.size), group)
+        output_parallel = linear_with_async_allreduce(
+            input_parallel, self.weight, None, async_grad_allreduce=False, sequence_parallel_enabled=False,
+            sequence_dimension=self.sequence_dimension, autograd_func_class=self.autograd_func_class,
+            process_group=group, reduce_dtype=self.reduce_dtype)
         if self.sequence_parallel_enabled:
             output = mappings.reduce_scatter_to_sequence_parallel_region(
-                output_parallel, sequence_dimension=self.sequence_dimension)
+                output_parallel, self.sequence_dimension, group, reduce_dtype=self.reduce_dtype)
         elif self.reduce_output:
-            output = mappings.reduce_from_tensor_model_parallel_region(output_parallel)
+            output = mappings.reduce_from_tensor_model_parallel_region(output_parallel, group,
+                                                                       reduce_dtype=self.reduce_dtype)
         else:
             output = output_parallel
         if self.skip_bias_add:
@@ -184,52 +330,110 @@ class RowParallelLinear(ShardedModule):
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, per_partition="
                 f"{self.input_size_per_partition}, bias={self.bias is not None}, input_is_parallel="
-                f"{self.input_is_parallel}, sequence_parallel={self.sequence_parallel_enabled}")
+                f"{self.input_is_parallel}, sequence_parallel={self.sequence_parallel_enabled}"
+                + (f", pad_size={self.pad_size}" if self.pad_size else ""))
 
 
-class ParallelEmbedding(ShardedModule):
+class SPMDRank(ShardedModule):
+    """The rank as data: ``rank`` is an int32 parameter of one element holding this rank's position, sharded over
+    ``world_size`` ranks (its full form is ``arange(world_size)``, which is what a checkpoint stores). Code that computes
+    offsets from ``get_rank()`` instead of a Python int traces one graph for every rank.
+
+    ``world_size`` is the tensor-parallel size (the position is the TP rank) or the world size (the global rank).
+    """
+
+    def __init__(self, world_size: int, tensor_model_parallel_size: Optional[int] = None):
+        super().__init__()
+        topology = get_topology()
+        tp = topology.tensor_model_parallel_size if tensor_model_parallel_size is None else tensor_model_parallel_size
+        world = topology.world_size
+        if world_size == tp:
+            position = topology.tensor_parallel.rank
+        elif world_size == world:
+            position = topology.rank
+        else:
+            raise ValueError(f"SPMDRank: world_size={world_size} is neither the tensor-parallel size {tp} nor the world "
+                             f"size {world}")
+        self.world_size, self.tensor_model_parallel_size = world_size, tp
+        self.rank = nn.Parameter(torch.tensor([position], dtype=torch.int32), requires_grad=False)
+        self.register_param_spec("rank", ParamSpec(full_shape=(world_size,), partition_dim=0, num_partitions=world_size))
+
+    def get_rank(self) -> torch.Tensor:
+        return self.rank
+
+    def initialize_expert_indices(self, num_local_experts: int) -> None:
+        """With one expert-parallel rank every expert is local: ``local_expert_indices`` is ``[[0, 1, ...]]``."""
+        self.local_expert_indices = nn.Parameter(torch.arange(num_local_experts, dtype=torch.int32).unsqueeze(0),
+                                                 requires_grad=False)
+        self.register_param_spec("local_expert_indices", ParamSpec(
+            full_shape=(self.world_size, num_local_experts), partition_dim=0, num_partitions=self.world_size))
+
+    def get_local_expert_indices(self) -> torch.Tensor:
+        return self.local_expert_indices
+
+
+class ParallelEmbedding(BaseParallelLayer):
     """Embedding split over TP ranks.
 
     Default: by vocabulary. Each rank holds a contiguous block of rows, looks up only the ids in its block (others read
     as zero) and the partial results are all-reduced (reduce-scattered along the sequence with
     ``sequence_parallel_enabled``). ``shard_across_embedding=True`` splits the embedding dimension instead and all-gathers
-    the output. ``pad=True`` pads the vocabulary to a multiple of the TP size; padded rows are zero and never looked up.
+    the output. ``collect_output=False`` skips the collective and returns this rank's part: a partial sum (by
+    vocabulary) or its columns (across the embedding). ``pad=True`` pads the vocabulary (or, across the embedding, the
+    embedding dimension) with zeros to a multiple of the TP size; padded rows are never looked up, padded columns are cut
+    from the output.
+
+    Sequence parallelism: with ``sequence_dimension=None`` (NxD's default) the ids are batch-first ``[batch, seq]`` and
+    the output is sequence-first ``[seq/tp, batch, hidden]``, as NxD's. An explicit ``sequence_dimension`` names the
+    ids' sequence dimension, which is split in place (``1``: ``[batch, seq/tp, hidden]``; ``0``: ids ``[seq, batch]``).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, init_method: Optional[InitMethod] = None, device=None,
                  dtype: torch.dtype = torch.float32, shard_across_embedding: bool = False, pad: bool = False,
-                 tensor_model_parallel_group=None, sequence_parallel_enabled: bool = False,
-                 sequence_dimension: Optional[int] = None, pad_to_multiple_of: int = 1, **unsupported):
-        super().__init__()
+                 sequence_parallel_enabled: bool = False, tensor_model_parallel_group=None,
+                 use_spmd_rank: bool = False, sequence_dimension: Optional[int] = None, tile_cc: bool = False,
+                 rank_ordering: Optional[Sequence[int]] = None, collect_output: bool = True,
+                 pad_to_multiple_of: int = 1, **unsupported):
+        super().__init__(tensor_model_parallel_group)
         if unsupported:
             raise TypeError(f"ParallelEmbedding got unexpected keyword arguments {sorted(unsupported)}")
         if pad_to_multiple_of < 1:
             raise ValueError(f"ParallelEmbedding: pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
+        # max_norm renormalises looked-up rows in place, which on a vocabulary shard would need the full rows' norms;
+        # the others change the gradient's layout or scale per id, which nxdtp's shards do not reproduce.
         reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
-                            scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False),
-                            tensor_model_parallel_group=(tensor_model_parallel_group, None))
+                           scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False))
+        group = self._group()
+        tp = group.size
+        _check_rank_ordering("ParallelEmbedding", rank_ordering, tp)
+        mappings.note_tile_cc("ParallelEmbedding", tile_cc)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} must be in "
                                  f"[{-num_embeddings}, {num_embeddings})")
             padding_idx %= num_embeddings  # as torch.nn.Embedding: -1 is the last row
-        group = tensor_parallel_group()
-        tp = group.size
+        if use_spmd_rank and shard_across_embedding:
+            raise ValueError("ParallelEmbedding: use_spmd_rank=True only applies to the vocabulary split; with "
+                             "shard_across_embedding=True no rank offset is computed")
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.shard_across_embedding = shard_across_embedding
+        self.shard_across_embedding, self.collect_output, self.pad = shard_across_embedding, collect_output, pad
         self.sequence_parallel_enabled = sequence_parallel_enabled
-        self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
+        self.sequence_dimension = sequence_dimension
+        self.rank_util = SPMDRank(tp) if use_spmd_rank else None
 
+        self.padded_num_embeddings, self.padded_embedding_dim = num_embeddings, embedding_dim
         if shard_across_embedding:
-            divide_over_ranks("ParallelEmbedding embedding_dim", embedding_dim, tp)
-            self.padded_num_embeddings = num_embeddings
+            if embedding_dim % tp != 0 and not pad:
+                raise ValueError(f"ParallelEmbedding: embedding_dim={embedding_dim} is not divisible by "
+                                 f"tensor_model_parallel_size={tp}; pass pad=True to pad it to "
+                                 f"{embedding_dim + get_padding_length(embedding_dim, tp)}")
+            self.padded_embedding_dim = embedding_dim + get_padding_length(embedding_dim, tp)
             dim = 1
         else:
             # Megatron's make_vocab_size_divisible_by: each rank's block is a multiple of pad_to_multiple_of.
             multiple = tp * pad_to_multiple_of
-            self.padded_num_embeddings = num_embeddings
             if num_embeddings % multiple != 0:
                 if not pad:
                     raise ValueError(
@@ -239,21 +443,25 @@ class ParallelEmbedding(ShardedModule):
                         + f"; pass pad=True to pad the vocabulary to {-(-num_embeddings // multiple) * multiple}")
                 self.padded_num_embeddings = -(-num_embeddings // multiple) * multiple
             dim = 0
+        self.pad_size = (self.padded_embedding_dim - embedding_dim if shard_across_embedding
+                         else self.padded_num_embeddings - num_embeddings)
         rows_per_rank = self.padded_num_embeddings // tp
+        self.num_embeddings_per_partition = self.padded_num_embeddings if shard_across_embedding else rows_per_rank
         self.vocab_start_index = 0 if shard_across_embedding else group.rank * rows_per_rank
         self.vocab_end_index = num_embeddings if shard_across_embedding else self.vocab_start_index + rows_per_rank
 
-        full_shape = (self.padded_num_embeddings, embedding_dim)
+        full_shape = (self.padded_num_embeddings, self.padded_embedding_dim)
         user_init = init_method
 
         def init(full: torch.Tensor) -> None:
-            real = full[:num_embeddings]
+            real = full[:num_embeddings, :embedding_dim]
             (user_init or nn.init.normal_)(real)  # normal_ is torch.nn.Embedding's default
             if padding_idx is not None:
                 real[padding_idx].zero_()
             full[num_embeddings:].zero_()
+            full[:, embedding_dim:].zero_()
 
-        weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False)
+        weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False, group=group)
         self.weight = nn.Parameter(weight)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
                                                      real_shape=(num_embeddings, embedding_dim)))
@@ -265,22 +473,45 @@ class ParallelEmbedding(ShardedModule):
             return self.padding_idx - self.vocab_start_index
         return None
 
+    def _to_sequence_shard(self, output: torch.Tensor, collective: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Apply ``collective(tensor, dim)`` along the sequence: NxD's layout for batch-first ids by default."""
+        if self.sequence_dimension is not None:
+            return collective(output, self.sequence_dimension)
+        if output.dim() < 3:
+            raise ValueError(f"ParallelEmbedding: sequence parallelism with sequence_dimension=None expects [batch, seq] "
+                             f"ids (output [seq/tp, batch, hidden]); got an output of shape {tuple(output.shape)}. "
+                             "Pass sequence_dimension= to name the ids' sequence dimension")
+        return collective(output.transpose(0, 1).contiguous(), 0)
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        group = self._group()
         if self.shard_across_embedding:
             output = F.embedding(input_, self.weight, self.padding_idx)
-            output = mappings.gather_from_tensor_model_parallel_region(output)
+            if not self.collect_output:
+                return output
+            output = mappings.gather_from_tensor_model_parallel_region(output, group)
+            if self.pad_size:
+                output = output.narrow(-1, 0, self.embedding_dim)
             if self.sequence_parallel_enabled:
-                output = mappings.scatter_to_sequence_parallel_region(output, self.sequence_dimension)
+                output = self._to_sequence_shard(
+                    output, lambda t, d: mappings.scatter_to_sequence_parallel_region(t, d, group))
             return output
-        if tensor_parallel_group().size == 1:
-            return F.embedding(input_, self.weight, self.padding_idx)
-        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
-        local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        output_parallel = F.embedding(local_ids, self.weight, self._local_padding_idx())
-        output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
+        if group.size == 1 and self.rank_util is None:
+            output = F.embedding(input_, self.weight, self.padding_idx)
+        else:
+            rows = self.num_embeddings_per_partition
+            start = (self.vocab_start_index if self.rank_util is None
+                     else self.rank_util.get_rank().to(input_.device).long() * rows)
+            outside = (input_ < start) | (input_ >= start + rows)
+            local_ids = (input_ - start).masked_fill(outside, 0)
+            output = F.embedding(local_ids, self.weight, self._local_padding_idx())
+            output = output.masked_fill(outside.unsqueeze(-1), 0.0)
+        if not self.collect_output:
+            return output
         if self.sequence_parallel_enabled:
-            return mappings.reduce_scatter_to_sequence_parallel_region(output_parallel, self.sequence_dimension)
-        return mappings.reduce_from_tensor_model_parallel_region(output_parallel)
+            return self._to_sequence_shard(
+                output, lambda t, d: mappings.reduce_scatter_to_sequence_parallel_region(t, d, group))
+        return mappings.reduce_from_tensor_model_parallel_region(output, group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, padded_num_embeddings={self.padded_num_embeddings}, "
@@ -305,4 +536,6 @@ class LayerNorm(nn.LayerNorm, ShardedModule):
                                                          sequence_parallel=sequence_parallel_enabled))
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "shard_of"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "SPMDRank", "BaseParallelLayer",
+           "BaseParallelLinear", "LinearWithAsyncCommunication", "linear_with_async_allreduce", "create_local_weight",
+           "shard_of"]

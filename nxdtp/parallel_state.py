@@ -57,6 +57,10 @@ class ParallelGroup:
     def replica_groups_as_lists(self) -> List[List[int]]:
         return [list(g) for g in self.replica_groups]
 
+    def __deepcopy__(self, memo) -> "ParallelGroup":
+        # Immutable, and process groups cannot be copied: a deep copy of a module that holds a group shares it.
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:

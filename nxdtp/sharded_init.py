@@ -96,3 +96,18 @@ def init_linear_weight(layer: ShardedModule, input_size: int, output_size: int, 
         layer.master_weight = master
     layer.register_param_spec("weight", ParamSpec(full_shape=(output_size, input_size), partition_dim=dim,
                                                   stride=stride, num_partitions=(group or tensor_parallel_group()).size))
+
+
+def create_local_weight(full_weight: torch.Tensor, partition_dim: int, per_partition_size: int, stride: int,
+                        out_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """NxD's name: this tensor-parallel rank's part of ``full_weight`` along ``partition_dim`` (``per_partition_size``
+    elements, in ``stride`` blocks as ``shard_of`` cuts them), written into ``out_weight`` when given."""
+    group = tensor_parallel_group()
+    if full_weight.shape[partition_dim] != per_partition_size * group.size:
+        raise ValueError(f"create_local_weight: dimension {partition_dim} of shape {tuple(full_weight.shape)} is not "
+                         f"per_partition_size={per_partition_size} * tensor_model_parallel_size={group.size}")
+    local = shard_of(full_weight, partition_dim, group.rank, group.size, stride)
+    if out_weight is None:
+        return local
+    with torch.no_grad():
+        return out_weight.copy_(local)

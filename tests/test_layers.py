@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdtp import parallel_state as ps
-from nxdtp.layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear, shard_of
+from nxdtp.layers import (ColumnParallelLinear, LayerNorm, LinearWithAsyncCommunication, ParallelEmbedding,
+                          RowParallelLinear, SPMDRank, create_local_weight, shard_of)
 from nxdtp.spec import ShardedModule
 from nxdtp.utils import move_model_to_device
 
@@ -462,23 +463,27 @@ def _check_sequence_parallel_block(seed, seq_dim):
 
 
 def _check_sequence_parallel_embedding(seed, seq_dim, shard_across_embedding):
+    """``seq_dim=None`` is NxD's default: batch-first ids give a sequence-first output [seq/tp, batch, hidden]. An
+    explicit ``sequence_dimension`` names the ids' sequence dimension, which is split where it is."""
     rank, tp = _tp()
     what = f"SP Embedding(sequence_dimension={seq_dim}, shard_across_embedding={shard_across_embedding})"
     num, seq, batch = 16, 8, 3
     dense = nn.Embedding(num, 8, padding_idx=9)
     _randomise_(dense, seed)
-    kw = {} if seq_dim == 0 else {"sequence_dimension": seq_dim}
     emb = ParallelEmbedding(num, 8, padding_idx=9, shard_across_embedding=shard_across_embedding,
-                            sequence_parallel_enabled=True, **kw)
+                            sequence_parallel_enabled=True, sequence_dimension=seq_dim)
     _load_(emb.weight, dense.weight, 1 if shard_across_embedding else 0)
     ids = _ids(num, (seq, batch) if seq_dim == 0 else (batch, seq), _data_seed(seed + 1))
     yd = dense(ids)
+    if seq_dim is None:
+        yd = yd.transpose(0, 1)
+    out_seq_dim = 1 if seq_dim == 1 else 0
     g = _randn(yd.shape, _data_seed(seed + 2))
     yd.backward(g)
     yp = emb(ids)
-    assert yp.shape[seq_dim] == seq // tp, f"{what}: output {tuple(yp.shape)} is not a sequence shard"
-    _close(_tp_gather(yp, seq_dim), yd.detach(), f"{what} gathered output")
-    yp.backward(_slice(g, seq_dim, rank, tp))
+    assert yp.shape[out_seq_dim] == seq // tp, f"{what}: output {tuple(yp.shape)} is not a sequence shard"
+    _close(_tp_gather(yp, out_seq_dim), yd.detach(), f"{what} gathered output")
+    yp.backward(_slice(g, out_seq_dim, rank, tp))
     _close(emb.weight.grad, _slice(dense.weight.grad, 1 if shard_across_embedding else 0, rank, tp),
            f"{what} weight grad")
 
@@ -488,8 +493,9 @@ def case_sequence_parallel():
     for seq_dim in (0, 1):
         s = _check_sequence_parallel_block(500 + 50 * seq_dim, seq_dim)
         checksum = s if checksum is None else checksum
+    for seq_dim in (None, 0, 1):
         for across in (False, True):
-            _check_sequence_parallel_embedding(600 + 50 * seq_dim + 10 * across, seq_dim, across)
+            _check_sequence_parallel_embedding(600 + 50 * (seq_dim or 2) + 10 * across, seq_dim, across)
     return _identity(), checksum
 
 
@@ -698,18 +704,29 @@ def _esc(s: str) -> str:
     (lambda: ParallelEmbedding(10, 8), ValueError,
      _esc("num_embeddings=10 is not divisible by tensor_model_parallel_size=4; pass pad=True to pad the vocabulary to 12")),
     (lambda: ParallelEmbedding(16, 6, shard_across_embedding=True), ValueError,
-     _esc("embedding_dim=6 is not divisible by tensor_model_parallel_size=4")),
+     _esc("embedding_dim=6 is not divisible by tensor_model_parallel_size=4; pass pad=True to pad it to 8")),
     (lambda: ParallelEmbedding(16, 8, padding_idx=16), ValueError, _esc("padding_idx=16 must be in [-16, 16)")),
-    (lambda: ColumnParallelLinear(8, 16, pad=True), ValueError, _esc("pad=True is not supported")),
-    (lambda: RowParallelLinear(16, 8, pad=True), ValueError, _esc("pad=True is not supported")),
-    (lambda: ColumnParallelLinear(8, 16, tensor_model_parallel_group=object()), ValueError,
-     "tensor_model_parallel_group=.* is not supported"),
-    (lambda: RowParallelLinear(16, 8, tensor_model_parallel_group=object()), ValueError,
-     "tensor_model_parallel_group=.* is not supported"),
-    (lambda: ParallelEmbedding(16, 8, tensor_model_parallel_group=object()), ValueError,
-     "tensor_model_parallel_group=.* is not supported"),
-    (lambda: ColumnParallelLinear(8, 16, reduce_dtype=torch.bfloat16), ValueError,
-     _esc("reduce_dtype=torch.bfloat16 is not supported")),
+    (lambda: ColumnParallelLinear(8, 12, pad=True, stride=3), ValueError, _esc("pad=True with stride=3 is not supported")),
+    (lambda: ColumnParallelLinear(8, 16, pad=True, pad_alignment_size_per_rank=0), ValueError,
+     _esc("pad_alignment_size_per_rank=0 must be >= 1")),
+    (lambda: ColumnParallelLinear(8, 16, tensor_model_parallel_group=object()), TypeError,
+     "tensor_model_parallel_group|is not a torch.distributed ProcessGroup"),
+    (lambda: RowParallelLinear(16, 8, tensor_model_parallel_group="tp"), TypeError,
+     "is not a torch.distributed ProcessGroup"),
+    (lambda: ParallelEmbedding(16, 8, tensor_model_parallel_group=3), TypeError,
+     "is not a torch.distributed ProcessGroup"),
+    (lambda: ColumnParallelLinear(8, 16, rank_ordering=[1, 0, 3, 2]), ValueError,
+     _esc("rank_ordering=[1, 0, 3, 2] is not supported by nxdtp") + ".*" + _esc("None or [0, 1, 2, 3]")),
+    (lambda: RowParallelLinear(16, 8, rank_ordering=[0, 1]), ValueError, _esc("rank_ordering=[0, 1] is not supported")),
+    (lambda: ParallelEmbedding(16, 8, rank_ordering=[3, 2, 1, 0]), ValueError, _esc("rank_ordering=[3, 2, 1, 0]")),
+    (lambda: ParallelEmbedding(16, 8, use_spmd_rank=True, shard_across_embedding=True), ValueError,
+     _esc("use_spmd_rank=True only applies to the vocabulary split")),
+    (lambda: SPMDRank(3), ValueError, _esc("SPMDRank: world_size=3 is neither the tensor-parallel size 4 nor")),
+    (lambda: LinearWithAsyncCommunication.apply(torch.ones(2, 4), torch.ones(4, 4), None, True, False,
+                                                save_for_backward=False), ValueError,
+     _esc("save_for_backward=False is not supported by nxdtp")),
+    (lambda: create_local_weight(torch.ones(10, 2), 0, 2, 1), ValueError,
+     _esc("dimension 0 of shape (10, 2) is not per_partition_size=2 * tensor_model_parallel_size=4")),
     (lambda: ParallelEmbedding(16, 8, max_norm=1.0), ValueError, _esc("max_norm=1.0 is not supported")),
     (lambda: ParallelEmbedding(16, 8, sparse=True), ValueError, _esc("sparse=True is not supported")),
     (lambda: ParallelEmbedding(16, 8, scale_grad_by_freq=True), ValueError, _esc("scale_grad_by_freq=True is not")),
