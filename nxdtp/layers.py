@@ -22,6 +22,7 @@ from .parallel_state import tensor_parallel_group
 from .sharded_init import (InitMethod, divide_over_ranks, init_linear_weight, linear_bias_init, materialise_shard,
                            reject_unsupported, shard_of, split_size)
 from .spec import ParamSpec, ShardedModule
+from .conv import BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d, OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -305,4 +306,6 @@ class LayerNorm(nn.LayerNorm, ShardedModule):
                                                          sequence_parallel=sequence_parallel_enabled))
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "shard_of"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "shard_of",
+           "BaseParallelConv", "Conv2dWithInputGradAllReduce", "conv2d_with_weight_grad_allreduce",
+           "OutputChannelParallelConv2d", "InputChannelParallelConv2d"]
