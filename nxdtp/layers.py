@@ -21,8 +21,10 @@ from . import mappings
 from .parallel_state import ParallelGroup, get_topology, group_of, tensor_parallel_group
 from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
                            materialise_shard, reject_unsupported, shard_of, split_size)
-from .utils import cast_if_autocast_enabled, get_padding_length
+from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
+                   OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
 from .spec import ParamSpec, ShardedModule
+from .utils import cast_if_autocast_enabled, get_padding_length
 
 
 def _check_rank_ordering(layer: str, rank_ordering: Optional[Sequence[int]], tp: int) -> None:
@@ -40,7 +42,7 @@ class BaseParallelLayer(ShardedModule):
     ``dist.new_group``).
     """
 
-    def __init__(self, tensor_model_parallel_group=None):
+    def __init__(self, device=None, tensor_model_parallel_group=None):
         super().__init__()
         self._explicit_group: Optional[ParallelGroup] = (
             None if tensor_model_parallel_group is None else group_of(tensor_model_parallel_group))
@@ -155,7 +157,7 @@ class ColumnParallelLinear(BaseParallelLinear):
                  keep_padded_output: bool = False, tensor_model_parallel_group=None,
                  reduce_dtype: Optional[torch.dtype] = torch.float32, rank_ordering: Optional[Sequence[int]] = None,
                  input_in_tensor_parallel_region: bool = False, **unsupported):
-        super().__init__(tensor_model_parallel_group)
+        super().__init__(device, tensor_model_parallel_group)
         if unsupported:
             raise TypeError(f"ColumnParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
         group = self._group()
@@ -258,7 +260,7 @@ class RowParallelLinear(BaseParallelLinear):
                  skip_bias_add: bool = False, pad: bool = False, reduce_output: bool = True,
                  tensor_model_parallel_group=None, reduce_dtype: Optional[torch.dtype] = torch.float32,
                  tile_cc: bool = False, rank_ordering: Optional[Sequence[int]] = None, **unsupported):
-        super().__init__(tensor_model_parallel_group)
+        super().__init__(device, tensor_model_parallel_group)
         if unsupported:
             raise TypeError(f"RowParallelLinear got unexpected keyword arguments {sorted(unsupported)}")
         group = self._group()
@@ -396,7 +398,7 @@ class ParallelEmbedding(BaseParallelLayer):
                  use_spmd_rank: bool = False, sequence_dimension: Optional[int] = None, tile_cc: bool = False,
                  rank_ordering: Optional[Sequence[int]] = None, collect_output: bool = True,
                  pad_to_multiple_of: int = 1, **unsupported):
-        super().__init__(tensor_model_parallel_group)
+        super().__init__(device, tensor_model_parallel_group)
         if unsupported:
             raise TypeError(f"ParallelEmbedding got unexpected keyword arguments {sorted(unsupported)}")
         if pad_to_multiple_of < 1:
@@ -525,7 +527,7 @@ class LayerNorm(nn.LayerNorm, ShardedModule):
     its sequence shard, so each holds a partial gradient)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 sequence_parallel_enabled: bool = False, device=None, dtype=None):
+                 device=None, dtype=None, sequence_parallel_enabled: bool = False):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias, device=device,
                          dtype=dtype)
         self.sequence_parallel_enabled = sequence_parallel_enabled
@@ -538,4 +540,5 @@ class LayerNorm(nn.LayerNorm, ShardedModule):
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "SPMDRank", "BaseParallelLayer",
            "BaseParallelLinear", "LinearWithAsyncCommunication", "linear_with_async_allreduce", "create_local_weight",
-           "shard_of"]
+           "shard_of", "BaseParallelConv", "Conv2dWithInputGradAllReduce", "conv2d_with_weight_grad_allreduce",
+           "OutputChannelParallelConv2d", "InputChannelParallelConv2d"]
