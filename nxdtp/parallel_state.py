@@ -287,8 +287,8 @@ def data_parallel_group() -> ParallelGroup:
 def group_of(process_group=None) -> ParallelGroup:
     """The ParallelGroup behind an NxD ``process_group=`` / ``tensor_model_parallel_group=`` argument.
 
-    None means the tensor-parallel group. nxdtp's own groups (either process group of the TP or DP group) map to their
-    ParallelGroup, and a ParallelGroup passes through. Any other torch.distributed group (one made by
+    None means the tensor-parallel group. nxdtp's own groups (either process group of the TP, DP, world or singleton
+    group: what the getters return) map to their ParallelGroup, and a ParallelGroup passes through. Any other torch.distributed group (one made by
     ``dist.new_group``) becomes a group of kind "custom" over its ranks: its process group serves CPU tensors only when
     it is a gloo group, and XLA tensors only when it carries the full replica-group mesh (torch_xla's
     ``pg_options={"xla_pg_options": {"mesh": ...}}``), which nxdtp.comm checks.
@@ -298,8 +298,8 @@ def group_of(process_group=None) -> ParallelGroup:
     if isinstance(process_group, ParallelGroup):
         return process_group
     topology = get_topology()
-    for own in (topology.tensor_parallel, topology.data_parallel):
-        if process_group is own.process_group or process_group is own.cpu_process_group:
+    for own in (topology.tensor_parallel, topology.data_parallel, topology.world, topology.singleton):
+        if own is not None and (process_group is own.process_group or process_group is own.cpu_process_group):
             return own
     if process_group is dist.GroupMember.NON_GROUP_MEMBER:
         # what dist.new_group returns on the ranks it leaves out
