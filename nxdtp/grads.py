@@ -254,7 +254,7 @@ def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor], reduce_over_e
     _bucketed_all_reduce(list(grads_list), group, group.size, bucket_cap_mb)
 
 
-def allreduce_sequence_parallel_gradients(optimizer_or_params: Any,
+def allreduce_sequence_parallel_gradients(optimizer: Any,
                                           bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
     """Sum over the TP group, in place, the gradients of parameters marked ``sequence_parallel_enabled``.
 
@@ -262,7 +262,7 @@ def allreduce_sequence_parallel_gradients(optimizer_or_params: Any,
     gradient covers only its part of the sequence. Takes an optimizer (its ``param_groups``), a module, or parameters.
     Call it after backward and before the DP all-reduce, clipping and the optimizer step. No-op at TP size 1.
     """
-    source = optimizer_or_params.param_groups if hasattr(optimizer_or_params, "param_groups") else optimizer_or_params
+    source = optimizer.param_groups if hasattr(optimizer, "param_groups") else optimizer
     grads = [p.grad for p in _unique_params(source)
              if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]
     _bucketed_all_reduce(grads, tensor_parallel_group(), 1, bucket_cap_mb)

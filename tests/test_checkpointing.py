@@ -825,3 +825,17 @@ def test_nxd_parameters_of_save_and_load_are_checked(call, error, message):
     with pytest.raises(error) as info:
         call()
     assert message in str(info.value), str(info.value)
+
+
+def test_signatures_are_nxds():
+    from nxdtp import checkpointing
+    from tests.test_utils import REQUIRED, check_nxd_signature
+
+    check_nxd_signature(checkpointing.ensure_directory_exists, [("filename", REQUIRED)])
+    check_nxd_signature(checkpointing.get_sharded_model_dict, [("model", REQUIRED), ("model_state_dict", REQUIRED)])
+    check_nxd_signature(checkpointing.save, [("checkpoint", REQUIRED), ("output_dir", REQUIRED),
+                                             ("save_serially", True), ("save_xser", False), ("down_cast_bf16", False),
+                                             ("master_dp_only", True)])
+    check_nxd_signature(checkpointing.load, [("chkpt_path", REQUIRED), ("model", None), ("model_or_optimizer", None),
+                                             ("model_key", "model"), ("load_xser", False), ("sharded", True),
+                                             ("strict", True), ("master_dp_only", True), ("weights_only", False)])

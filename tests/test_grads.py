@@ -340,3 +340,18 @@ def test_context_and_expert_passes_need_a_topology():
         nxg.allreduce_context_parallel_gradients(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0))
     with pytest.raises(RuntimeError, match="model parallel is not initialized"):
         nxg.bucket_allreduce_gradients([torch.ones(1)], True)
+
+
+def test_signatures_are_nxds():
+    from tests.test_utils import REQUIRED, check_nxd_signature
+
+    norm = [("norm_type", 2), ("zero1_optimizer", False), ("zero1_optimizer_groups", None), ("force_spmd", True)]
+    for function, parameters in (
+            (nxg.param_is_not_shared, [("param", REQUIRED)]),
+            (nxg.get_grad_norm, [("parameters", REQUIRED)] + norm),
+            (nxg.clip_grad_norm, [("parameters", REQUIRED), ("max_norm", REQUIRED)] + norm),
+            (nxg.clip_grads_with_norm, [("parameters", REQUIRED), ("total_norm", REQUIRED), ("max_norm", REQUIRED)]),
+            (nxg.bucket_allreduce_gradients, [("grads_list", REQUIRED), ("reduce_over_ep_group", False)]),
+            (nxg.allreduce_sequence_parallel_gradients, [("optimizer", REQUIRED)]),
+            (nxg.allreduce_context_parallel_gradients, [("optimizer", REQUIRED)])):
+        check_nxd_signature(function, parameters)

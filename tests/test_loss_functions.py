@@ -286,3 +286,15 @@ def test_invalid_arguments_name_the_value(kwargs, error, message):
         with pytest.raises(error) as info:
             parallel_cross_entropy(logits, target, **kwargs)
     assert message in str(info.value)
+
+
+def test_signatures_are_nxds():
+    from tests.test_utils import REQUIRED, check_nxd_signature
+
+    check_nxd_signature(parallel_cross_entropy, [("vocab_parallel_logits", REQUIRED), ("target", REQUIRED),
+                                                 ("label_smoothing", 0.0)])
+    check_nxd_signature(from_parallel_logits_to_logprobs, [("vocab_parallel_logits", REQUIRED), ("target", REQUIRED),
+                                                           ("inference", True)])
+    # DistributedLogprob.apply takes forward's parameters after ctx, by position.
+    check_nxd_signature(DistributedLogprob.forward, [("ctx", REQUIRED), ("vocab_parallel_logits", REQUIRED),
+                                                     ("target", REQUIRED), ("inference", True)])

@@ -294,3 +294,63 @@ def test_set_tensor_model_parallel_attributes_takes_nxds_parameters():
         with pytest.raises(ValueError, match=r"rank_ordering=\[1, 0, 2, 3\] is not supported by nxdtp, only "
                                              r"rank_ordering=None"):
             utils.set_tensor_model_parallel_attributes(p, True, 0, 1, 4, [1, 0, 2, 3])
+
+
+# ---- NxD 2.29's signatures: positional order, names and defaults --------------------------------------------------------
+
+REQUIRED = object()
+
+
+def check_nxd_signature(function, nxd_parameters):
+    """``function`` takes NxD's parameters first, by position and by name, with NxD's defaults; nxdtp may add
+    parameters after them, and may give a default to one NxD requires."""
+    import inspect
+
+    positional = [p for p in inspect.signature(function).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [name for name, _ in nxd_parameters]
+    assert [p.name for p in positional[:len(names)]] == names, (function.__qualname__, positional)
+    for parameter, (name, default) in zip(positional, nxd_parameters):
+        if default is not REQUIRED:
+            assert parameter.default == default, (function.__qualname__, name, parameter.default, default)
+
+
+NXD_UTILS = {
+    "param_is_not_tensor_parallel_duplicate": [("param", REQUIRED)],
+    "set_tensor_model_parallel_attributes": [("tensor", REQUIRED), ("is_parallel", REQUIRED), ("dim", REQUIRED),
+                                             ("stride", REQUIRED), ("num_partitions", -1), ("rank_ordering", None)],
+    "set_defaults_if_not_set_tensor_model_parallel_attributes": [("tensor", REQUIRED)],
+    "copy_tensor_model_parallel_attributes": [("destination_tensor", REQUIRED), ("source_tensor", REQUIRED)],
+    "ensure_divisibility": [("numerator", REQUIRED), ("denominator", REQUIRED)],
+    "divide": [("numerator", REQUIRED), ("denominator", REQUIRED)],
+    "split_tensor_along_dim": [("tensor", REQUIRED), ("dim", REQUIRED), ("num_partitions", REQUIRED),
+                               ("contiguous_split_chunks", False)],
+    "get_padding_length": [("numerator", REQUIRED), ("denominator", REQUIRED)],
+    "split_tensor_along_last_dim": [("tensor", REQUIRED), ("num_partitions", REQUIRED),
+                                    ("contiguous_split_chunks", False)],
+    "split_tensor_along_second_dim": [("tensor", REQUIRED), ("num_partitions", REQUIRED),
+                                      ("contiguous_split_chunks", False)],
+    "is_torch_version_greater_than_2": [], "is_pjrt_device": [], "requires_init_pg_override": [],
+    "cast_tensor": [("tensor", REQUIRED), ("from_dtype", torch.float32), ("to_dtype", torch.bfloat16)],
+    "cast_all": [("state", REQUIRED), ("from_dtype", torch.float32), ("to_dtype", torch.bfloat16)],
+    "cast_if_autocast_enabled": [],
+    "move_all_tensor_to_cpu": [("data", REQUIRED), ("convert", True)],
+    "get_local_world_size": [],
+    "move_model_to_device": [("model", REQUIRED), ("device", REQUIRED)],
+    "verify_casted_dtype": [("value", REQUIRED)],
+    "indices_split_along_dim": [("tensor", REQUIRED), ("dim", REQUIRED), ("rank", REQUIRED),
+                                ("num_partitions", REQUIRED)],
+    "initialize_fallback_parallel_state": [("device", None)],
+    "EmbeddingUtility.range_from_per_partition_vocab_size": [("per_partition_vocab_size", REQUIRED),
+                                                             ("rank", REQUIRED), ("world_size", REQUIRED)],
+    "EmbeddingUtility.range_from_global_vocab_size": [("global_vocab_size", REQUIRED), ("rank", REQUIRED),
+                                                      ("world_size", REQUIRED)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NXD_UTILS))
+def test_utils_signatures_are_nxds(name):
+    function = utils
+    for part in name.split("."):
+        function = getattr(function, part)
+    check_nxd_signature(function, NXD_UTILS[name])
