@@ -354,3 +354,19 @@ def test_utils_signatures_are_nxds(name):
     for part in name.split("."):
         function = getattr(function, part)
     check_nxd_signature(function, NXD_UTILS[name])
+
+
+def test_move_model_to_device_keeps_hand_set_attributes():
+    """A parameter of a plain module marked by hand keeps its marks across a move that replaces Parameter objects."""
+    model = torch.nn.Linear(4, 3)
+    with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
+        utils.set_tensor_model_parallel_attributes(model.weight, True, 0, 1)
+    original = model.weight
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        utils.move_model_to_device(model, "cpu")
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert model.weight is not original, "the move did not replace the Parameter: nothing was tested"
+    assert (model.weight.tensor_model_parallel, model.weight.partition_dim, model.weight.num_partitions) == (True, 0, 2)
+    assert not hasattr(model.bias, "tensor_model_parallel")
