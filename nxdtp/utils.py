@@ -253,10 +253,14 @@ def initialize_fallback_parallel_state(device: Optional[torch.device] = None) ->
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1,
                                          num_partitions: int = -1, rank_ordering: Optional[list] = None) -> None:
     """NxD's attribute cache, set by hand (modules built from nxdtp layers set it themselves). ``num_partitions=-1``
-    means the TP size, as in NxD. ``rank_ordering`` must be None: nxdtp's shards follow the TP ranks in order."""
+    means the TP size, as in NxD. ``rank_ordering`` may be None or the identity ``[0, ..., tp - 1]``: nxdtp's TP rank
+    r always holds shard r."""
     if rank_ordering is not None:
-        raise ValueError(f"rank_ordering={rank_ordering!r} is not supported by nxdtp, only rank_ordering=None: TP rank "
-                         "r always holds the r-th shard")
+        tp = get_tensor_model_parallel_size()
+        if list(rank_ordering) != list(range(tp)):
+            raise ValueError(f"set_tensor_model_parallel_attributes: rank_ordering={list(rank_ordering)!r} is not "
+                             f"supported by nxdtp: tensor-parallel rank r holds shard r; valid are None or "
+                             f"{list(range(tp))}")
     if num_partitions == -1:
         num_partitions = get_tensor_model_parallel_size()
     tensor.tensor_model_parallel = bool(is_parallel)

@@ -291,8 +291,10 @@ def test_set_tensor_model_parallel_attributes_takes_nxds_parameters():
         assert (p.tensor_model_parallel, p.partition_dim, p.partition_stride, p.num_partitions) == (True, 1, 1, 4)
         utils.set_tensor_model_parallel_attributes(p, True, 0, 2, 2, None)
         assert (p.partition_dim, p.partition_stride, p.num_partitions) == (0, 2, 2)
-        with pytest.raises(ValueError, match=r"rank_ordering=\[1, 0, 2, 3\] is not supported by nxdtp, only "
-                                             r"rank_ordering=None"):
+        utils.set_tensor_model_parallel_attributes(p, True, 1, 1, 4, [0, 1, 2, 3])    # the identity: as None
+        assert (p.partition_dim, p.num_partitions) == (1, 4)
+        with pytest.raises(ValueError, match=r"rank_ordering=\[1, 0, 2, 3\] is not supported by nxdtp: "
+                                             r"tensor-parallel rank r holds shard r; valid are None or \[0, 1, 2, 3\]"):
             utils.set_tensor_model_parallel_attributes(p, True, 0, 1, 4, [1, 0, 2, 3])
 
 
