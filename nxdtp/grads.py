@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import ParallelGroup, data_parallel_group, tensor_parallel_group
+from .parallel_state import (ParallelGroup, data_parallel_group, get_context_model_parallel_size,
+                             get_expert_model_parallel_size, tensor_parallel_group)
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference.
 _CLIP_EPS = 1e-6
@@ -227,7 +228,7 @@ def _bucketed_all_reduce(grads: List[torch.Tensor], group: ParallelGroup, diviso
             offset += n
 
 
-def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor],
+def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor], reduce_over_ep_group: bool = False,
                                bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
     """Average gradients over the data-parallel group, in place: sum over the DP ranks, divide by the DP size.
 
@@ -235,12 +236,25 @@ def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor],
     flattened into buckets of at most ``bucket_cap_mb`` MiB, one all-reduce per bucket. ``None`` entries and repeats are
     skipped. Every rank of a DP group must pass gradients of the same shapes in the same order. No-op when the DP size
     is 1.
+
+    ``reduce_over_ep_group=True`` is NxD's second pass for expert-parallel models: a sum over the expert-model-parallel
+    group, without division. nxdtp has no expert parallelism (that group is each rank alone), so the pass has nothing
+    to reduce and leaves the gradients as they are, as NxD does at expert-parallel size 1.
     """
+    if not isinstance(reduce_over_ep_group, bool):
+        raise TypeError(f"reduce_over_ep_group={reduce_over_ep_group!r} must be True or False (it is NxD's second "
+                        "parameter; pass bucket_cap_mb= by keyword)")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
+    if reduce_over_ep_group:
+        if get_expert_model_parallel_size() != 1:  # parallel_state has no expert parallelism; guard a future one
+            raise NotImplementedError("bucket_allreduce_gradients(reduce_over_ep_group=True) with expert parallelism")
+        return
     group = data_parallel_group()
     _bucketed_all_reduce(list(grads_list), group, group.size, bucket_cap_mb)
 
 
-def allreduce_sequence_parallel_gradients(optimizer_or_params: Any,
+def allreduce_sequence_parallel_gradients(optimizer: Any,
                                           bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
     """Sum over the TP group, in place, the gradients of parameters marked ``sequence_parallel_enabled``.
 
@@ -248,10 +262,20 @@ def allreduce_sequence_parallel_gradients(optimizer_or_params: Any,
     gradient covers only its part of the sequence. Takes an optimizer (its ``param_groups``), a module, or parameters.
     Call it after backward and before the DP all-reduce, clipping and the optimizer step. No-op at TP size 1.
     """
-    source = optimizer_or_params.param_groups if hasattr(optimizer_or_params, "param_groups") else optimizer_or_params
+    source = optimizer.param_groups if hasattr(optimizer, "param_groups") else optimizer
     grads = [p.grad for p in _unique_params(source)
              if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]
     _bucketed_all_reduce(grads, tensor_parallel_group(), 1, bucket_cap_mb)
+
+
+def allreduce_context_parallel_gradients(optimizer: Any) -> None:
+    """NxD's all-reduce of every gradient over the context-parallel group (averaged), after backward.
+
+    nxdtp has no context parallelism: its context-parallel size is 1, and, as in NxD at size 1, there is nothing to
+    reduce and the gradients are left as they are. Needs an installed topology, as NxD does.
+    """
+    if get_context_model_parallel_size() != 1:  # parallel_state has no context parallelism; guard a future one
+        raise NotImplementedError("allreduce_context_parallel_gradients with a context-parallel size above 1")
 
 
 def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
@@ -265,6 +289,6 @@ def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAU
 
 __all__ = [
     "get_grad_norm", "clip_grad_norm", "clip_grads_with_norm", "param_is_not_shared", "bucket_allreduce_gradients",
-    "allreduce_sequence_parallel_gradients",
+    "allreduce_sequence_parallel_gradients", "allreduce_context_parallel_gradients",
     "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB",
 ]

@@ -137,6 +137,65 @@ def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Te
     return loss.sum() / (target != ignore_index).sum()
 
 
+class DistributedLogprob(torch.autograd.Function):
+    """NxD's autograd Function: ``log p(target)`` at each position, from logits sharded over the vocab across the TP group.
+
+    ``DistributedLogprob.apply(vocab_parallel_logits, target, inference=True, vocab_size=None)``. ``target`` holds global
+    vocabulary ids for the *same* positions (it is not shifted here) and has the logits' shape without the last dim; the
+    result has that shape too. A target that no rank holds (negative, past the vocab, or a padded column when
+    ``vocab_size`` is given) gives 0 and no gradient, as in NxD. With ``inference=True`` nothing is saved for backward
+    and the result does not require grad. Two small all-reduces (a MAX, then one stacked SUM), computed in fp32; the
+    backward recomputes this shard's softmax from the saved logits and the log-normaliser and needs no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, inference=True, vocab_size=None):
+        group = tensor_parallel_group()
+        _check_inputs(vocab_parallel_logits, target, 0.0, "none", vocab_size, group)
+        if not isinstance(inference, bool):
+            raise TypeError(f"inference={inference!r} must be True (no graph kept) or False (differentiable)")
+        x = vocab_parallel_logits.float()
+        local_vocab = x.shape[-1]
+        num_real = _real_columns(local_vocab, group, vocab_size)
+        real = x[..., :num_real]
+        if num_real == 0:  # a shard of padding only (XLA cannot lower a reduction over zero columns)
+            local_lse = x.new_full(x.shape[:-1], float("-inf"))
+        else:
+            local_lse = torch.logsumexp(real, dim=-1)
+        global_max = comm.all_reduce(local_lse, group, op="max")
+
+        # The shard's first vocab id enters as data, not as a Python constant, so every rank traces the same graph
+        # (a 1-element host tensor: torch_xla would turn a 0-dim one holding 0 into a graph constant on rank 0).
+        first_id = torch.tensor([group.rank * local_vocab], dtype=torch.long).to(target.device).reshape(())
+        local_target = target.long() - first_id
+        in_shard = (local_target >= 0) & (local_target < num_real)
+        safe_index = torch.where(in_shard, local_target, torch.zeros_like(local_target))
+        picked = x.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
+        parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), (local_lse - global_max).exp(),
+                 in_shard.to(x.dtype)]
+        totals = comm.all_reduce(torch.stack(parts, dim=-1), group, op="sum")
+        log_normaliser = global_max + totals[..., 1].log()
+        held = totals[..., 2] > 0  # some rank holds the target
+        logprob = torch.where(held, totals[..., 0] - log_normaliser, torch.zeros_like(log_normaliser))
+        if inference:
+            ctx.mark_non_differentiable(logprob)
+        else:
+            ctx.save_for_backward(vocab_parallel_logits, log_normaliser, safe_index, in_shard, held)
+            ctx.num_real = num_real
+        return logprob
+
+    @staticmethod
+    def backward(ctx, grad_logprob):
+        logits, log_normaliser, safe_index, in_shard, held = ctx.saved_tensors
+        # d logprob / d logit_j = [j == target] - softmax_j, for positions whose target some rank holds.
+        grad = torch.sub(logits, log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax (fp32)
+        grad[..., ctx.num_real:] = 0.0
+        grad.scatter_add_(-1, safe_index.unsqueeze(-1), -in_shard.to(grad.dtype).unsqueeze(-1))
+        scale = torch.where(held, -grad_logprob.float(), torch.zeros_like(grad_logprob, dtype=torch.float32))
+        grad.mul_(scale.unsqueeze(-1))
+        return grad.to(logits.dtype), None, None, None
+
+
 def from_parallel_logits_to_logprobs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                      inference: bool = True, vocab_size: Optional[int] = None) -> torch.Tensor:
     """Log-probability of the *next* token at each position, from vocab-parallel logits of shape [..., S, V/tp].
@@ -144,14 +203,11 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits: torch.Tensor, target
     As NxD's function of the same name: ``target`` is the unshifted token sequence; position ``s`` is scored against
     ``target[..., s + 1]``, so the result has shape [..., S - 1]. With ``inference=True`` (NxD's default) no autograd
     graph is kept; pass ``inference=False`` to differentiate through it (policy-gradient or preference losses). It is
-    the negative unsmoothed cross-entropy against the shifted targets, computed without gathering the vocabulary.
+    ``DistributedLogprob`` on the targets rolled by one position, without the last position.
     """
-    group = tensor_parallel_group()
-    _check_inputs(vocab_parallel_logits, target, 0.0, "none", vocab_size, group)
-    next_tokens = target.long().roll(shifts=-1, dims=-1)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
-        logprobs = -_VocabParallelCrossEntropy.apply(vocab_parallel_logits, next_tokens, 0.0, None, vocab_size, group)
+    next_tokens = target.roll(shifts=-1, dims=-1) if isinstance(target, torch.Tensor) else target
+    logprobs = DistributedLogprob.apply(vocab_parallel_logits, next_tokens, inference, vocab_size)
     return logprobs[..., :-1].contiguous()
 
 
-__all__ = ["parallel_cross_entropy", "from_parallel_logits_to_logprobs"]
+__all__ = ["parallel_cross_entropy", "from_parallel_logits_to_logprobs", "DistributedLogprob"]

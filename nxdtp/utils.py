@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import collections.abc
 import os
+import random as _python_random
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .parallel_state import get_tensor_model_parallel_rank
+from .parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_parallel_size,
+                             initialize_model_parallel, model_parallel_is_initialized)
 from .spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
@@ -173,9 +177,92 @@ def get_local_world_size() -> int:
     return int(value)
 
 
+# ---- the running stack --------------------------------------------------------------------------------------------------
+
+def _torch_version(version: Optional[str] = None) -> Tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version if version is not None else torch.__version__)
+    if match is None:
+        raise ValueError(f"cannot read a major.minor version from torch.__version__={torch.__version__!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def is_torch_version_greater_than_2() -> bool:
+    """True from torch 2.0 on (NxD's meaning, despite the name: its test is ``__version__.startswith("2")``)."""
+    return _torch_version() >= (2, 0)
+
+
+def is_pjrt_device() -> bool:
+    """True when ``PJRT_DEVICE`` names an XLA device for torch_xla's PJRT runtime (any device: CPU, CUDA, TPU,
+    NEURON). NxD asks for ``NEURON`` only, the one device it runs on; torch_xla 2.x has no other runtime."""
+    return bool(os.environ.get("PJRT_DEVICE", "").strip())
+
+
+def requires_init_pg_override() -> bool:
+    """True on torch 2.0.x only, where an "xla" process group had to be created with ``init_method="pjrt://"``
+    (``torch_xla.experimental.pjrt_backend``); later versions need no override."""
+    return _torch_version() == (2, 0)
+
+
+def _fallback_backend(device: Optional[torch.device]) -> str:
+    """The torch.distributed backend of a world of 1 for ``device``, with gloo for CPU tensors in every case."""
+    if device is None or device.type in ("cpu", "meta"):
+        return "gloo"
+    if device.type == "xla":
+        return "xla"
+    known = dist.Backend.default_device_backend_map
+    backend = known.get(device.type)
+    if backend is None:
+        raise ValueError(f"initialize_fallback_parallel_state: no torch.distributed backend is known for device "
+                         f"{str(device)!r}; valid device types are {sorted({'xla', 'meta', *known})}, or None (CPU)")
+    return "gloo" if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
+
+
+def initialize_fallback_parallel_state(device: Optional[torch.device] = None) -> None:
+    """Set up a single-process world, so that parallel layers work without torchrun (NxD's name).
+
+    Unless torch.distributed is initialized already, a world of 1 is created in process (a ``HashStore``: no port is
+    opened) with the backend for ``device``: gloo for ``None`` and CPU, torch_xla's "xla" for an XLA device, and for
+    other devices their torch.distributed backend next to gloo for CPU tensors (``"cpu:gloo,cuda:nccl"``). Then
+    ``initialize_model_parallel(tensor_model_parallel_size=1)``: with an existing world of N processes, that makes N
+    data-parallel replicas. On an XLA device it also seeds as NxD does (Python's ``random``, numpy when installed, and
+    ``model_parallel_xla_manual_seed(0)``). Raises ``RuntimeError`` if model parallel is initialized already.
+    """
+    if model_parallel_is_initialized():
+        raise RuntimeError("initialize_fallback_parallel_state: model parallel is already initialized; call "
+                           "nxdtp.parallel_state.destroy_model_parallel() first to replace it")
+    device = torch.device(device) if device is not None else None
+    backend = _fallback_backend(device)
+    if not dist.is_initialized():
+        if backend == "xla":
+            import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    initialize_model_parallel(tensor_model_parallel_size=1)
+    if backend == "xla":
+        from .random import model_parallel_xla_manual_seed
+
+        _python_random.seed(0)
+        try:
+            import numpy
+        except ImportError:
+            pass
+        else:
+            numpy.random.seed(0)
+        model_parallel_xla_manual_seed(0)
+
+
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1,
-                                         num_partitions: int = -1) -> None:
-    """NxD's attribute cache, set by hand (modules built from nxdtp layers set it themselves)."""
+                                         num_partitions: int = -1, rank_ordering: Optional[list] = None) -> None:
+    """NxD's attribute cache, set by hand (modules built from nxdtp layers set it themselves). ``num_partitions=-1``
+    means the TP size, as in NxD. ``rank_ordering`` may be None or the identity ``[0, ..., tp - 1]``: nxdtp's TP rank
+    r always holds shard r."""
+    if rank_ordering is not None:
+        tp = get_tensor_model_parallel_size()
+        if list(rank_ordering) != list(range(tp)):
+            raise ValueError(f"set_tensor_model_parallel_attributes: rank_ordering={list(rank_ordering)!r} is not "
+                             f"supported by nxdtp: tensor-parallel rank r holds shard r; valid are None or "
+                             f"{list(range(tp))}")
+    if num_partitions == -1:
+        num_partitions = get_tensor_model_parallel_size()
     tensor.tensor_model_parallel = bool(is_parallel)
     tensor.partition_dim = dim
     tensor.partition_stride = stride
@@ -254,5 +341,6 @@ __all__ = [
     "cast_if_autocast_enabled", "verify_casted_dtype", "move_all_tensor_to_cpu", "get_local_world_size",
     "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate", "tied_parameter_names",
-    "retie_parameters", "reattach_spec_attributes", "move_model_to_device",
+    "retie_parameters", "reattach_spec_attributes", "move_model_to_device", "is_torch_version_greater_than_2",
+    "is_pjrt_device", "requires_init_pg_override", "initialize_fallback_parallel_state",
 ]

@@ -656,3 +656,186 @@ def test_a_state_dict_without_specs_is_refused_at_tp_above_one():
         split_state_dict({"encoder.weight": torch.zeros(4, 2)}, tp=2)
     tensors, entries = split_state_dict({"encoder.weight": torch.zeros(4, 2)}, tp=1)
     assert not entries["encoder.weight"].spec.is_sharded
+
+
+# ---- 8. NxD's get_sharded_model_dict, load(sharded=False), ensure_directory_exists, save/load's NxD parameters ----------
+
+class _Full(nn.Module):
+    """Every kind of TP tensor: a padded vocab embedding with a tied head, a strided column, a row, grouped KV heads
+    repeated over the ranks, a parameter with hand-set NxD attributes, and a replicated LayerNorm."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        from nxdtp.layers import ParallelEmbedding
+        from nxdtp.modules.qkv_linear import GQAQKVColumnParallelLinear
+        from nxdtp.utils import set_tensor_model_parallel_attributes
+
+        tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+        torch.manual_seed(seed)
+        self.embed = ParallelEmbedding(11, 8, pad=True)          # 11 words: padded to 12 at tp=2
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight                      # tied
+        torch.manual_seed(seed + 1)
+        self.up = ColumnParallelLinear(8, 16, stride=2, gather_output=False)
+        torch.manual_seed(seed + 2)
+        self.down = RowParallelLinear(16, 8, input_is_parallel=True)
+        torch.manual_seed(seed + 3)
+        # 4 query heads and 1 KV head of size 2: at tp=2 each rank holds a copy of the KV head.
+        self.qkv = GQAQKVColumnParallelLinear(8, [8, 2], gather_output=False, kv_size_multiplier=tp)
+        dense = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 4))
+        self.extra = nn.Parameter(dense.chunk(tp, dim=1)[rank].clone())
+        set_tensor_model_parallel_attributes(self.extra, True, 1, 1, tp)
+        self.norm = nn.LayerNorm(8)
+        g = torch.Generator().manual_seed(seed + 5)
+        with torch.no_grad():
+            self.norm.weight.copy_(torch.randn(8, generator=g))
+            self.norm.bias.copy_(torch.randn(8, generator=g))
+
+
+def _state_diff(a: dict, b: dict) -> list:
+    if a.keys() != b.keys():
+        return [f"keys: {sorted(set(a) ^ set(b))}"]
+    return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+
+
+class _Hooked(nn.Module):
+    """NxD's preshard_hook: the full state dict names this layer's weight 'legacy'."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(31)
+        self.proj = ColumnParallelLinear(4, 8, bias=False, gather_output=False)
+        self.proj.preshard_hook = self._rename
+        self.calls = []
+
+    def _rename(self, state_dict, key):
+        self.calls.append(key)
+        state_dict[key] = state_dict.pop(key.replace("weight", "legacy"))
+
+
+def case_sharded_model_dict(root: str):
+    from nxdtp.checkpointing import get_sharded_model_dict
+
+    seed = 40
+    model = _Full(seed)
+    local = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+    # The full state dict: the same model at TP=1 (a TP=1 layer holds the dense tensor; the tests of nxdtp.layers
+    # check that against torch.nn), specs included.
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        full = _Full(seed).state_dict()
+    shapes = {k: tuple(v.shape) for k, v in full.items() if isinstance(v, torch.Tensor)}
+    out = {"dense_shapes": shapes}
+    sharded = get_sharded_model_dict(model, full)
+    out["same_object"] = sharded is full
+    out["diff"] = _state_diff(sharded, local)
+    # A fresh model (another seed) takes the sharded dict with strict=True and ends equal to the original.
+    fresh = _Full(seed + 100)
+    out["fresh_differs"] = len(_state_diff(fresh.state_dict(), local))
+    fresh.load_state_dict(sharded, strict=True)
+    out["fresh_diff"] = _state_diff(fresh.state_dict(), local)
+    # Without specs (a torch.nn model's state dict has none), and with the padded full tensor of the embedding.
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        plain = {k: v for k, v in _Full(seed).state_dict().items() if not k.endswith("_extra_state")}
+    plain["embed.weight"] = torch.cat([plain["embed.weight"], torch.zeros(1, 8)])   # 12 rows: the padded shape
+    plain["head.weight"] = plain["embed.weight"]
+    out["plain_diff"] = _state_diff(get_sharded_model_dict(model, plain),
+                                    {k: v for k, v in local.items() if not k.endswith("_extra_state")})
+    # Wrong shapes name the key and both accepted shapes; a dict that is sharded already says so.
+    out["wrong"] = _error(lambda: get_sharded_model_dict(model, {"up.weight": torch.zeros(5, 8)}))
+    out["twice"] = _error(lambda: get_sharded_model_dict(model, {"up.weight": local["up.weight"].clone()}))
+    hooked = _Hooked()
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        dense_proj = _Hooked().proj.weight.detach().clone()
+    renamed = get_sharded_model_dict(hooked, {"proj.legacy": dense_proj})
+    out["hook"] = (hooked.calls, sorted(renamed), torch.equal(renamed["proj.weight"], hooked.proj.weight.detach()))
+
+    # load(path, model, sharded=False): NxD's full-checkpoint form, every rank reading the one file.
+    path = os.path.join(root, "full", "checkpoint.pt")
+    if dist.get_rank() == 0:
+        with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+            payload = {"model": _Full(seed).state_dict(), "global_step": 7}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(payload, path)
+    comm.barrier()
+    fresh = _Full(seed + 200)
+    out["rest"] = load(path, fresh, sharded=False)
+    out["load_diff"] = _state_diff(fresh.state_dict(), local)
+    fresh = _Full(seed + 300)
+    out["by_keyword"] = load(path, model_or_optimizer=fresh, model_key="model", sharded=False)
+    out["by_keyword_diff"] = _state_diff(fresh.state_dict(), local)
+    out["missing_key"] = _error(lambda: load(path, _Full(seed), model_key="weights", sharded=False))
+    out["tag_on_file"] = _error(lambda: load(path, _Full(seed), sharded=False, tag="step_000001"))
+    return out
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, id="tp2"), pytest.param(4, id="tp2xdp2")])
+def test_get_sharded_model_dict_gives_each_rank_its_own_state(worlds, tmp_path, world):
+    results = worlds(world).run(case_sharded_model_dict, tensor_model_parallel_size=2, root=str(tmp_path))
+    for rank, r in enumerate(results):
+        # The full dict really is full: dense vocab (11 rows), dense KV head (2 rows), whole strided and row weights.
+        assert r["dense_shapes"]["embed.weight"] == (11, 8) and r["dense_shapes"]["qkv.weight_k"] == (2, 8), r
+        assert r["dense_shapes"]["up.weight"] == (16, 8) and r["dense_shapes"]["extra"] == (4, 6), r
+        assert r["same_object"], "NxD's function fills in and returns the dict it was given"
+        assert r["diff"] == [] and r["plain_diff"] == [], (rank, r["diff"], r["plain_diff"])
+        assert r["fresh_differs"] > 0 and r["fresh_diff"] == [], (rank, r["fresh_differs"], r["fresh_diff"])
+        assert r["wrong"] == ("ValueError: get_sharded_model_dict: 'up.weight' has shape [5, 8], but a full tensor of "
+                              "it has the dense shape [16, 8] or the padded shape [16, 8]."), r["wrong"]
+        assert "It has this rank's shard shape: is the state dict sharded already?" in r["twice"], r["twice"]
+        assert r["hook"] == (["proj.weight"], ["proj.weight"], True), r["hook"]
+        assert r["rest"] == {"global_step": 7} and r["load_diff"] == [], (rank, r["rest"], r["load_diff"])
+        assert r["by_keyword"] == {"global_step": 7} and r["by_keyword_diff"] == [], rank
+        assert "no model_key='weights' entry" in r["missing_key"] and "global_step" in r["missing_key"], r
+        assert "tag= applies to nxdtp's sharded checkpoint directories" in r["tag_on_file"], r["tag_on_file"]
+
+
+def test_ensure_directory_exists(tmp_path, monkeypatch):
+    from nxdtp.checkpointing import ensure_directory_exists
+
+    target = tmp_path / "a" / "b" / "checkpoint.pt"
+    ensure_directory_exists(str(target))
+    assert (tmp_path / "a" / "b").is_dir() and not target.exists()
+    ensure_directory_exists(str(target))            # already there: nothing to do
+    monkeypatch.chdir(tmp_path)
+    ensure_directory_exists("checkpoint.pt")         # no directory part (NxD's makedirs("") would raise)
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: save({"model": {}}, "d", True, True), ValueError,
+     "save(): save_xser=True is not supported by nxdtp, only save_xser=False: nxdtp writes its own"),
+    (lambda: save({"model": {}}, "d", master_dp_only=False), ValueError,
+     "save(): master_dp_only=False is not supported by nxdtp, only master_dp_only=True: the DP replicas"),
+    (lambda: save({"model": {}}, "d", "step_1"), TypeError,
+     "save_serially='step_1' must be True or False (it is NxD's third parameter; pass tag= and keep_last= by keyword)"),
+    (lambda: load("d", None, None, "model", True), ValueError,
+     "load(): load_xser=True is not supported by nxdtp, only load_xser=False: nxdtp checkpoints are safetensors"),
+    (lambda: load("d", master_dp_only=False), ValueError,
+     "load(): master_dp_only=False is not supported by nxdtp, only master_dp_only=True"),
+    (lambda: load("d", sharded="no"), TypeError, "sharded='no' must be True or False"),
+    (lambda: load("d", model_key="weights"), ValueError,
+     "model_key='weights' is not supported; nxdtp checkpoints store the model as 'model'"),
+    (lambda: load("d", nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                  optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), ValueError,
+     "load() got two optimizers: model_or_optimizer= and optimizer="),
+    (lambda: load("d", nn.Linear(2, 2), nn.Linear(2, 2)), ValueError, "load() got two models"),
+    (lambda: load("d", "model"), TypeError, "model must be an nn.Module or an optimizer, got str"),
+])
+def test_nxd_parameters_of_save_and_load_are_checked(call, error, message):
+    """NxD's positional parameters: values nxdtp does not implement are refused before anything is read or written."""
+    with pytest.raises(error) as info:
+        call()
+    assert message in str(info.value), str(info.value)
+
+
+def test_signatures_are_nxds():
+    from nxdtp import checkpointing
+    from tests.test_utils import REQUIRED, check_nxd_signature
+
+    check_nxd_signature(checkpointing.ensure_directory_exists, [("filename", REQUIRED)])
+    check_nxd_signature(checkpointing.get_sharded_model_dict, [("model", REQUIRED), ("model_state_dict", REQUIRED)])
+    check_nxd_signature(checkpointing.save, [("checkpoint", REQUIRED), ("output_dir", REQUIRED),
+                                             ("save_serially", True), ("save_xser", False), ("down_cast_bf16", False),
+                                             ("master_dp_only", True)])
+    check_nxd_signature(checkpointing.load, [("chkpt_path", REQUIRED), ("model", None), ("model_or_optimizer", None),
+                                             ("model_key", "model"), ("load_xser", False), ("sharded", True),
+                                             ("strict", True), ("master_dp_only", True), ("weights_only", False)])

@@ -264,6 +264,37 @@ def test_dp_bucketing_and_sequence_parallel_grads(worlds, world, tp):
         [tp] * world
 
 
+def case_context_and_expert_passes(seed):
+    """NxD's passes for parallelism nxdtp does not have, at their size 1: allreduce_context_parallel_gradients and
+    bucket_allreduce_gradients(reduce_over_ep_group=True) leave every gradient as it is, i.e. equal to the dense
+    full-batch gradient after the DP average (given by NxD's positional form)."""
+    tp, dp = ps.get_tensor_model_parallel_size(), ps.get_data_parallel_size()
+    dense = _dense_grads(seed)
+    tp_model = _TPModel(dense)
+    params = tp_model.parameters()
+    x, target = _batch(seed)
+    rows = slice(ps.get_data_parallel_rank() * GLOBAL_BATCH // dp, (ps.get_data_parallel_rank() + 1) * GLOBAL_BATCH // dp)
+    _loss(tp_model.forward(x[rows]), target[rows]).backward()
+    nxg.bucket_allreduce_gradients([p.grad for p in params], False)        # NxD's positional form: the DP average
+    _check_local_grads(tp_model, what=f"after the DP average (tp={tp}, dp={dp})")
+    before = [p.grad.clone() for p in params]
+    optimizer = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 0.5}], lr=0.1)
+    nxg.allreduce_context_parallel_gradients(optimizer)
+    nxg.bucket_allreduce_gradients([p.grad for p in params], True)         # NxD's expert-parallel pass
+    nxg.bucket_allreduce_gradients([p.grad for p in params], reduce_over_ep_group=True, bucket_cap_mb=1e-5)
+    changed = [k for k, (p, b) in enumerate(zip(params, before)) if not torch.equal(p.grad, b)]
+    assert changed == [], f"gradients {changed} changed"
+    _check_local_grads(tp_model, what="after the context- and expert-parallel passes")
+    # Without a topology NxD's functions fail too: they read the parallel state.
+    return tp * dp
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)])
+def test_context_and_expert_parallel_passes_leave_gradients_dense(worlds, world, tp):
+    assert worlds(world).run(case_context_and_expert_passes, tensor_model_parallel_size=tp, seed=71 + world) == \
+        [world] * world
+
+
 # ---- argument checks (before any communication) -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm_type", [0, -1, -2.5, float("nan"), "two"])
@@ -296,3 +327,31 @@ def test_bad_bucket_cap_is_rejected():
     with ps.simulated_topology(world_size=4, rank=0, tensor_model_parallel_size=2):
         with pytest.raises(ValueError, match="bucket_cap_mb=0 must be > 0"):
             nxg.bucket_allreduce_gradients([torch.ones(2)], bucket_cap_mb=0)
+        with pytest.raises(ValueError, match="bucket_cap_mb=0 must be > 0"):
+            nxg.bucket_allreduce_gradients([torch.ones(2)], True, bucket_cap_mb=0)
+        # nxdtp's old second parameter was the bucket cap: a number there now names NxD's parameter.
+        with pytest.raises(TypeError, match=r"reduce_over_ep_group=256 must be True or False \(it is NxD's second "
+                                            r"parameter; pass bucket_cap_mb= by keyword\)"):
+            nxg.bucket_allreduce_gradients([torch.ones(2)], 256)
+
+
+def test_context_and_expert_passes_need_a_topology():
+    with pytest.raises(RuntimeError, match="model parallel is not initialized"):
+        nxg.allreduce_context_parallel_gradients(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0))
+    with pytest.raises(RuntimeError, match="model parallel is not initialized"):
+        nxg.bucket_allreduce_gradients([torch.ones(1)], True)
+
+
+def test_signatures_are_nxds():
+    from tests.test_utils import REQUIRED, check_nxd_signature
+
+    norm = [("norm_type", 2), ("zero1_optimizer", False), ("zero1_optimizer_groups", None), ("force_spmd", True)]
+    for function, parameters in (
+            (nxg.param_is_not_shared, [("param", REQUIRED)]),
+            (nxg.get_grad_norm, [("parameters", REQUIRED)] + norm),
+            (nxg.clip_grad_norm, [("parameters", REQUIRED), ("max_norm", REQUIRED)] + norm),
+            (nxg.clip_grads_with_norm, [("parameters", REQUIRED), ("total_norm", REQUIRED), ("max_norm", REQUIRED)]),
+            (nxg.bucket_allreduce_gradients, [("grads_list", REQUIRED), ("reduce_over_ep_group", False)]),
+            (nxg.allreduce_sequence_parallel_gradients, [("optimizer", REQUIRED)]),
+            (nxg.allreduce_context_parallel_gradients, [("optimizer", REQUIRED)])):
+        check_nxd_signature(function, parameters)

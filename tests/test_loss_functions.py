@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nxdtp import comm
 from nxdtp import parallel_state as ps
-from nxdtp.loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy
+from nxdtp.loss_functions import DistributedLogprob, from_parallel_logits_to_logprobs, parallel_cross_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -162,6 +162,82 @@ def case_logprobs_match_dense(seed):
     return checked
 
 
+def _dense_logprob(logits, target, vocab):
+    """log_softmax over the real columns, gathered at the target; 0 (and no gradient) where the target is no real id."""
+    full = logits.detach().float().requires_grad_(True)
+    valid = (target >= 0) & (target < vocab)
+    log_probs = full[..., :vocab].log_softmax(-1)
+    picked = log_probs.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    return full, torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def case_distributed_logprob_matches_dense(seed):
+    """DistributedLogprob.apply(logits, target, inference): same-position targets (no shift), NxD's 0 for a target no
+    rank holds, forward and backward against log_softmax + gather on the full logits."""
+    tp, tp_rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(seed * 7919 + 101 * ps.get_data_parallel_rank())
+    failures, checked = [], []
+    configs = [("2d", (3, 7), 5, 0, torch.float32), ("1d", (9,), 4, 0, torch.float32),
+               ("3d-padded", (2, 3, 4), 6, tp - 1, torch.float32), ("bf16", (4, 6), 8, 0, torch.bfloat16)]
+    for name, batch, local, pad, dtype in configs:
+        full_vocab = local * tp
+        vocab = full_vocab - pad
+        scale = float(torch.empty(()).uniform_(1.0, 8.0, generator=g))
+        logits = (torch.randn(*batch, full_vocab, generator=g) * scale
+                  + torch.randn((), generator=g) * 10).to(dtype)
+        target = torch.randint(0, vocab, batch, generator=g)
+        # Some targets no rank holds: negative (an ignore id), past the padded vocab, and (padded) a padding column.
+        odd = torch.rand(batch, generator=g) < 0.25
+        outside = torch.tensor([-100, -1, full_vocab, full_vocab + 3, full_vocab - 1 if pad else -7])
+        target = torch.where(odd, outside[torch.randint(0, len(outside), batch, generator=g)], target)
+        upstream = torch.randn(batch, generator=g)
+        shard = logits[..., tp_rank * local:(tp_rank + 1) * local].clone().requires_grad_(True)
+        with _counting_all_reduces() as calls:
+            logprob = DistributedLogprob.apply(shard, target, False, vocab if pad else None)
+            logprob.backward(upstream)
+            inference = DistributedLogprob.apply(shard, target, True, vocab if pad else None)
+        full, dense = _dense_logprob(logits, target, vocab)
+        dense.backward(upstream)
+        try:
+            assert calls == ["max", "sum", "max", "sum"], f"all-reduces: {calls}"
+            assert logprob.shape == target.shape and logprob.dtype == torch.float32, (logprob.shape, logprob.dtype)
+            torch.testing.assert_close(logprob, dense.detach(), **TOL, msg=lambda m: f"logprob\n{m}")
+            assert torch.all(logprob[odd & ((target < 0) | (target >= vocab))] == 0), "unheld targets must give 0"
+            torch.testing.assert_close(shard.grad, full.grad[..., tp_rank * local:(tp_rank + 1) * local].to(dtype),
+                                       **_grad_tolerance(dtype), msg=lambda m: f"logits grad\n{m}")
+            assert shard.grad.abs().sum() > 0 or pad, "zero gradient"
+            assert not inference.requires_grad and torch.equal(inference, logprob.detach()), "inference=True"
+            checked.append(name)
+        except AssertionError as e:
+            failures.append(f"{name} (tp={tp}, tp_rank={tp_rank}): {e}")
+    assert not failures, "\n".join(failures)
+    return checked
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
+def test_distributed_logprob_matches_dense(worlds, world, tp):
+    results = worlds(world).run(case_distributed_logprob_matches_dense, tensor_model_parallel_size=tp, seed=5 + world)
+    assert all(r == ["2d", "1d", "3d-padded", "bf16"] for r in results), results
+
+
+def test_distributed_logprob_single_rank_and_arguments():
+    torch.manual_seed(11)
+    logits = torch.randn(3, 5, 10, requires_grad=True)
+    target = torch.randint(0, 10, (3, 5))
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        logprob = DistributedLogprob.apply(logits, target, False)
+        with pytest.raises(TypeError, match="inference='no' must be True"):
+            DistributedLogprob.apply(logits, target, "no")
+        with pytest.raises(ValueError, match=r"needs a target of shape \(3, 5\)"):
+            DistributedLogprob.apply(logits, target[0], True)
+    full, dense = _dense_logprob(logits, target, 10)
+    torch.testing.assert_close(logprob, dense, **TOL)
+    upstream = torch.randn(3, 5)
+    logprob.backward(upstream)
+    dense.backward(upstream)
+    torch.testing.assert_close(logits.grad, full.grad, **TOL)
+
+
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
 def test_parallel_cross_entropy_matches_dense(worlds, world, tp):
     results = worlds(world).run(case_cross_entropy_matches_dense, tensor_model_parallel_size=tp, seed=7 + tp)
@@ -210,3 +286,15 @@ def test_invalid_arguments_name_the_value(kwargs, error, message):
         with pytest.raises(error) as info:
             parallel_cross_entropy(logits, target, **kwargs)
     assert message in str(info.value)
+
+
+def test_signatures_are_nxds():
+    from tests.test_utils import REQUIRED, check_nxd_signature
+
+    check_nxd_signature(parallel_cross_entropy, [("vocab_parallel_logits", REQUIRED), ("target", REQUIRED),
+                                                 ("label_smoothing", 0.0)])
+    check_nxd_signature(from_parallel_logits_to_logprobs, [("vocab_parallel_logits", REQUIRED), ("target", REQUIRED),
+                                                           ("inference", True)])
+    # DistributedLogprob.apply takes forward's parameters after ctx, by position.
+    check_nxd_signature(DistributedLogprob.forward, [("ctx", REQUIRED), ("vocab_parallel_logits", REQUIRED),
+                                                     ("target", REQUIRED), ("inference", True)])

@@ -127,3 +127,248 @@ def test_clip_grads_with_norm_and_shared_filter():
     shared = torch.nn.Parameter(torch.ones(1))
     shared.shared = True
     assert param_is_not_shared(params[0]) and not param_is_not_shared(shared)
+
+
+# ---- the running stack, and NxD's single-process fallback ---------------------------------------------------------------
+
+@pytest.mark.parametrize("version,greater_than_2,override", [
+    ("2.9.0+cu128", True, False), ("2.0.1", True, True), ("2.0.0a0+git1234", True, True), ("2.10.1", True, False),
+    ("1.13.1", False, False), ("3.1.0", True, False), ("20.0", True, False),
+])
+def test_torch_version_helpers(monkeypatch, version, greater_than_2, override):
+    monkeypatch.setattr(torch, "__version__", version)
+    assert utils.is_torch_version_greater_than_2() is greater_than_2
+    assert utils.requires_init_pg_override() is override
+
+
+def test_torch_version_helpers_on_this_torch():
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert utils.is_torch_version_greater_than_2() is (major >= 2)
+    assert utils.requires_init_pg_override() is ((major, minor) == (2, 0))
+
+
+def test_is_pjrt_device(monkeypatch):
+    for value, expected in (("NEURON", True), ("CPU", True), ("CUDA", True), ("TPU", True), ("", False),
+                            (None, False)):
+        if value is None:
+            monkeypatch.delenv("PJRT_DEVICE", raising=False)
+        else:
+            monkeypatch.setenv("PJRT_DEVICE", value)
+        assert utils.is_pjrt_device() is expected, value
+
+
+def test_fallback_backend_for_each_device():
+    expected = {None: "gloo", "cpu": "gloo", "meta": "gloo", "xla": "xla", "cuda": "cpu:gloo,cuda:nccl",
+                "xpu": "cpu:gloo,xpu:xccl", "mps": "gloo"}
+    for device, backend in expected.items():
+        assert utils._fallback_backend(torch.device(device) if device else None) == backend, device
+    with pytest.raises(ValueError, match=r"no torch.distributed backend is known for device 'hpu'; valid device "
+                                         r"types are \['cpu', 'cuda', 'meta', 'mps', 'xla', 'xpu'\], or None \(CPU\)"):
+        utils._fallback_backend(torch.device("hpu"))
+
+
+def _fallback_script(device_kind: str) -> dict:
+    """Runs in a fresh process (no torch.distributed world yet): the fallback, then a TP layer pair and the
+    vocab-parallel loss against torch.nn, every parameter random."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    from nxdtp import layers
+    from nxdtp.loss_functions import parallel_cross_entropy
+
+    if device_kind == "xla":
+        import torch_xla
+
+        device = torch_xla.device()
+    else:
+        device = None
+    assert not dist.is_initialized()
+    torch.manual_seed(123)
+    utils.initialize_fallback_parallel_state(device)
+    out = dict(backend=str(dist.get_backend()), world=dist.get_world_size(), tp=ps.get_tensor_model_parallel_size(),
+               dp=ps.get_data_parallel_size(), torch_seed=torch.initial_seed(),
+               python_random=random.random(), numpy_random=float(np.random.rand()))
+    random.seed(0)
+    np.random.seed(0)
+    out["seeded_like_zero"] = (out["python_random"] == random.random(), out["numpy_random"] == float(np.random.rand()))
+    from nxdtp.random import get_xla_rng_tracker
+    out["tracker"] = sorted(get_xla_rng_tracker().get_states())
+
+    g = torch.Generator().manual_seed(7)
+    torch.manual_seed(11)
+    column = layers.ColumnParallelLinear(6, 10, gather_output=False)
+    torch.manual_seed(11)
+    dense_column = nn.Linear(6, 10)
+    torch.manual_seed(12)
+    row = layers.RowParallelLinear(10, 5, input_is_parallel=True)
+    torch.manual_seed(12)
+    dense_row = nn.Linear(10, 5)
+    x = torch.randn(4, 6, generator=g)
+    target = torch.randint(0, 10, (4,), generator=g)
+    model = nn.ModuleList([column, row])
+    if device is not None:
+        utils.move_model_to_device(model, device)
+    xd = x.to(device) if device is not None else x
+    hidden = column(xd)
+    loss = parallel_cross_entropy(hidden, target.to(hidden.device), reduction="mean") + row(hidden).square().mean()
+    loss.backward()
+    dense_hidden = dense_column(x)
+    dense_loss = F.cross_entropy(dense_hidden, target) + dense_row(dense_hidden).square().mean()
+    dense_loss.backward()
+    close = lambda a, b: bool(torch.allclose(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-5))
+    out["equal"] = dict(loss=close(loss, dense_loss), column_grad=close(column.weight.grad, dense_column.weight.grad),
+                        row_grad=close(row.weight.grad, dense_row.weight.grad),
+                        row_bias_grad=close(row.bias.grad, dense_row.bias.grad))
+    try:
+        utils.initialize_fallback_parallel_state(device)
+    except RuntimeError as e:
+        out["again"] = str(e)
+    return out
+
+
+def _run_fallback_script(device_kind: str, env: dict) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, sys; from tests.test_utils import _fallback_script; "
+            f"print('RESULT' + json.dumps(_fallback_script({device_kind!r})))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", **env})
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+    assert run.returncode == 0 and lines, run.stdout + run.stderr
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+ALREADY = ("initialize_fallback_parallel_state: model parallel is already initialized; call "
+           "nxdtp.parallel_state.destroy_model_parallel() first to replace it")
+
+
+def test_initialize_fallback_parallel_state_on_cpu():
+    out = _run_fallback_script("cpu", {})
+    assert (out["backend"], out["world"], out["tp"], out["dp"]) == ("gloo", 1, 1, 1), out
+    assert out["torch_seed"] == 123 and out["tracker"] == [], "no seeding off XLA (NxD seeds only there)"
+    assert out["equal"] == dict(loss=True, column_grad=True, row_grad=True, row_bias_grad=True), out["equal"]
+    assert out["again"] == ALREADY, out
+
+
+@pytest.mark.xla
+def test_initialize_fallback_parallel_state_on_xla():
+    pytest.importorskip("torch_xla")
+    out = _run_fallback_script("xla", {"PJRT_DEVICE": "CPU"})
+    assert (out["backend"], out["world"], out["tp"], out["dp"]) == ("xla", 1, 1, 1), out
+    # NxD's set_random_seed(0): Python's and numpy's generators, torch's, and the RNG tracker.
+    assert out["torch_seed"] == 0 and out["seeded_like_zero"] == [True, True], out
+    assert out["tracker"] == ["model-parallel-rng"], out
+    assert out["equal"] == dict(loss=True, column_grad=True, row_grad=True, row_bias_grad=True), out["equal"]
+    assert out["again"] == ALREADY, out
+
+
+def case_fallback_in_an_existing_world():
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    utils.initialize_fallback_parallel_state()          # the pool's gloo world: tp=1, every rank a DP replica
+    return (dist.get_world_size() == world, ps.get_tensor_model_parallel_size(), ps.get_data_parallel_size(),
+            ps.get_data_parallel_rank() == dist.get_rank())
+
+
+def test_initialize_fallback_parallel_state_keeps_an_existing_world(worlds):
+    assert worlds(2).run(case_fallback_in_an_existing_world, tensor_model_parallel_size=None) == [(True, 1, 2, True)] * 2
+
+
+def test_set_tensor_model_parallel_attributes_takes_nxds_parameters():
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=4):
+        utils.set_tensor_model_parallel_attributes(p, True, 1, 1)          # num_partitions=-1: the TP size, as NxD
+        assert (p.tensor_model_parallel, p.partition_dim, p.partition_stride, p.num_partitions) == (True, 1, 1, 4)
+        utils.set_tensor_model_parallel_attributes(p, True, 0, 2, 2, None)
+        assert (p.partition_dim, p.partition_stride, p.num_partitions) == (0, 2, 2)
+        utils.set_tensor_model_parallel_attributes(p, True, 1, 1, 4, [0, 1, 2, 3])    # the identity: as None
+        assert (p.partition_dim, p.num_partitions) == (1, 4)
+        with pytest.raises(ValueError, match=r"rank_ordering=\[1, 0, 2, 3\] is not supported by nxdtp: "
+                                             r"tensor-parallel rank r holds shard r; valid are None or \[0, 1, 2, 3\]"):
+            utils.set_tensor_model_parallel_attributes(p, True, 0, 1, 4, [1, 0, 2, 3])
+
+
+# ---- NxD 2.29's signatures: positional order, names and defaults --------------------------------------------------------
+
+REQUIRED = object()
+
+
+def check_nxd_signature(function, nxd_parameters):
+    """``function`` takes NxD's parameters first, by position and by name, with NxD's defaults; nxdtp may add
+    parameters after them, and may give a default to one NxD requires."""
+    import inspect
+
+    positional = [p for p in inspect.signature(function).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [name for name, _ in nxd_parameters]
+    assert [p.name for p in positional[:len(names)]] == names, (function.__qualname__, positional)
+    for parameter, (name, default) in zip(positional, nxd_parameters):
+        if default is not REQUIRED:
+            assert parameter.default == default, (function.__qualname__, name, parameter.default, default)
+
+
+NXD_UTILS = {
+    "param_is_not_tensor_parallel_duplicate": [("param", REQUIRED)],
+    "set_tensor_model_parallel_attributes": [("tensor", REQUIRED), ("is_parallel", REQUIRED), ("dim", REQUIRED),
+                                             ("stride", REQUIRED), ("num_partitions", -1), ("rank_ordering", None)],
+    "set_defaults_if_not_set_tensor_model_parallel_attributes": [("tensor", REQUIRED)],
+    "copy_tensor_model_parallel_attributes": [("destination_tensor", REQUIRED), ("source_tensor", REQUIRED)],
+    "ensure_divisibility": [("numerator", REQUIRED), ("denominator", REQUIRED)],
+    "divide": [("numerator", REQUIRED), ("denominator", REQUIRED)],
+    "split_tensor_along_dim": [("tensor", REQUIRED), ("dim", REQUIRED), ("num_partitions", REQUIRED),
+                               ("contiguous_split_chunks", False)],
+    "get_padding_length": [("numerator", REQUIRED), ("denominator", REQUIRED)],
+    "split_tensor_along_last_dim": [("tensor", REQUIRED), ("num_partitions", REQUIRED),
+                                    ("contiguous_split_chunks", False)],
+    "split_tensor_along_second_dim": [("tensor", REQUIRED), ("num_partitions", REQUIRED),
+                                      ("contiguous_split_chunks", False)],
+    "is_torch_version_greater_than_2": [], "is_pjrt_device": [], "requires_init_pg_override": [],
+    "cast_tensor": [("tensor", REQUIRED), ("from_dtype", torch.float32), ("to_dtype", torch.bfloat16)],
+    "cast_all": [("state", REQUIRED), ("from_dtype", torch.float32), ("to_dtype", torch.bfloat16)],
+    "cast_if_autocast_enabled": [],
+    "move_all_tensor_to_cpu": [("data", REQUIRED), ("convert", True)],
+    "get_local_world_size": [],
+    "move_model_to_device": [("model", REQUIRED), ("device", REQUIRED)],
+    "verify_casted_dtype": [("value", REQUIRED)],
+    "indices_split_along_dim": [("tensor", REQUIRED), ("dim", REQUIRED), ("rank", REQUIRED),
+                                ("num_partitions", REQUIRED)],
+    "initialize_fallback_parallel_state": [("device", None)],
+    "EmbeddingUtility.range_from_per_partition_vocab_size": [("per_partition_vocab_size", REQUIRED),
+                                                             ("rank", REQUIRED), ("world_size", REQUIRED)],
+    "EmbeddingUtility.range_from_global_vocab_size": [("global_vocab_size", REQUIRED), ("rank", REQUIRED),
+                                                      ("world_size", REQUIRED)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NXD_UTILS))
+def test_utils_signatures_are_nxds(name):
+    function = utils
+    for part in name.split("."):
+        function = getattr(function, part)
+    check_nxd_signature(function, NXD_UTILS[name])
+
+
+def test_move_model_to_device_keeps_hand_set_attributes():
+    """A parameter of a plain module marked by hand keeps its marks across a move that replaces Parameter objects."""
+    model = torch.nn.Linear(4, 3)
+    with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
+        utils.set_tensor_model_parallel_attributes(model.weight, True, 0, 1)
+    original = model.weight
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        utils.move_model_to_device(model, "cpu")
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert model.weight is not original, "the move did not replace the Parameter: nothing was tested"
+    assert (model.weight.tensor_model_parallel, model.weight.partition_dim, model.weight.num_partitions) == (True, 0, 2)
+    assert not hasattr(model.bias, "tensor_model_parallel")

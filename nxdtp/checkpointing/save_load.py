@@ -12,14 +12,17 @@ import base64
 import io
 import json
 import os
+import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import __version__, comm
+from ..layers import shard_of
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
+from ..spec import ParamSpec, ShardedModule
 from . import tags
 from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_state_dict
 from .safetensors_stream import StreamingSafetensorsWriter
@@ -30,17 +33,123 @@ CONFIG_FILE = "config.json"
 LIVE_OR_STATE_KEYS = ("model", "optimizer", "scheduler")
 
 
+# ---- NxD's helpers -------------------------------------------------------------------------------------------------------
+
+def ensure_directory_exists(filename: str) -> None:
+    """Create the directory that will hold ``filename``, with its parents (NxD's name); nothing if it exists. A bare
+    file name (no directory part) needs none."""
+    directory = os.path.dirname(os.fspath(filename))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")
+
+
+def _check_default(function: str, name: str, value: Any, default: Any, why: str) -> None:
+    _check_bool(name, value)
+    if value != default:
+        raise ValueError(f"{function}(): {name}={value!r} is not supported by nxdtp, only {name}={default!r}: {why}")
+
+
+def _invoke_preshard_hooks(module: nn.Module, state_dict: Dict[str, Any], prefix: str = "") -> None:
+    """NxD's convention: a module with a ``preshard_hook(state_dict, prefix + "weight")`` method rewrites its own
+    entries of the full state dict (and its children are left to it); other modules are searched recursively."""
+    if hasattr(module, "preshard_hook"):
+        module.preshard_hook(state_dict, prefix + "weight")
+        return
+    for name, child in module.named_children():
+        _invoke_preshard_hooks(child, state_dict, prefix + name + ".")
+
+
+def _sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
+    """The spec of every TP-sharded tensor of ``model``, by tensor identity (so tied keys share it): from the
+    modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``)."""
+    specs: Dict[int, ParamSpec] = {}
+    for module in model.modules():
+        if isinstance(module, ShardedModule):
+            for name, spec in module.param_specs().items():
+                tensor = getattr(module, name, None)
+                if tensor is not None and spec.is_sharded:
+                    specs[id(tensor)] = spec
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in specs and getattr(tensor, "tensor_model_parallel", False):
+            dim = tensor.partition_dim % tensor.dim()
+            full = list(tensor.shape)
+            full[dim] *= tp
+            specs[id(tensor)] = ParamSpec(full_shape=tuple(full), partition_dim=dim,
+                                          stride=getattr(tensor, "partition_stride", 1), num_partitions=tp)
+    return specs
+
+
+def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """Turn a full (unsharded) state dict of ``model`` into this TP rank's, in place, and return it (NxD's name).
+
+    Each TP-sharded tensor of the model is replaced by this rank's shard, cut as its layer's spec lays it out (strides,
+    padding, repeated KV heads). A full tensor may be given with the dense shape (the unpadded vocabulary, one copy of
+    each KV head) or with the padded full shape. Replicated tensors and keys the model does not have are left as they
+    are, and keys the state dict lacks are skipped. An nxdtp sharding spec in the dict (``<module>._extra_state``, from
+    a TP=1 model's ``state_dict()``) is replaced by the model's own. Modules with NxD's ``preshard_hook`` run it first.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"get_sharded_model_dict needs the model (an nn.Module), got {type(model).__name__}")
+    if not isinstance(model_state_dict, dict):
+        raise TypeError(f"model_state_dict must be a dict of full tensors, got {type(model_state_dict).__name__}")
+    group = tensor_parallel_group()
+    _invoke_preshard_hooks(model, model_state_dict)
+    specs = _sharding_specs(model, group.size)
+    for key, current in model.state_dict(keep_vars=True).items():
+        if key not in model_state_dict:
+            continue
+        if key.endswith("_extra_state"):
+            owner = key[: -len("_extra_state")].rstrip(".")
+            if isinstance(model.get_submodule(owner) if owner else model, ShardedModule):
+                model_state_dict[key] = current
+            continue
+        spec = specs.get(id(current)) if isinstance(current, torch.Tensor) else None
+        if spec is None:
+            continue
+        value = model_state_dict[key]
+        shape = tuple(value.shape)
+        if shape == tuple(spec.full_shape):
+            full = value
+        elif shape == tuple(spec.unpadded_shape):
+            full = spec.full_from_dense(value)
+        else:
+            hint = (" It has this rank's shard shape: is the state dict sharded already?"
+                    if shape == tuple(spec.local_shape()) else "")
+            raise ValueError(f"get_sharded_model_dict: '{key}' has shape {list(shape)}, but a full tensor of it has "
+                             f"the dense shape {list(spec.unpadded_shape)} or the padded shape "
+                             f"{list(spec.full_shape)}.{hint}")
+        model_state_dict[key] = shard_of(full, spec.partition_dim, group.rank, spec.num_partitions, spec.stride)
+    return model_state_dict
+
+
 # ---- save ---------------------------------------------------------------------------------------------------------------
 
-def save(checkpoint: Dict[str, Any], output_dir: str, tag: Optional[str] = None, keep_last: Optional[int] = None,
-         down_cast_bf16: bool = False) -> str:
+def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True, save_xser: bool = False,
+         down_cast_bf16: bool = False, master_dp_only: bool = True, *, tag: Optional[str] = None,
+         keep_last: Optional[int] = None) -> str:
     """Save a training checkpoint; return the tag directory.
 
     ``checkpoint`` is NxD's dict: ``model`` (a module or its ``state_dict()``), ``optimizer`` (an optimizer or its state
     dict), ``scheduler``, ``global_step``, and any other JSON-serialisable values (epoch, data position, ...). The tag
     defaults to ``step_<global_step>``. ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
     floating model tensors as bfloat16 (the optimizer keeps full precision).
+
+    NxD's positional parameters are kept. ``save_serially`` takes either value and changes nothing: every writing rank
+    streams one tensor at a time to its file, so there is no whole-shard host copy for staggering to bound.
+    ``save_xser=True`` and ``master_dp_only=False`` are refused (nxdtp writes its own format, once per DP group).
     """
+    if not isinstance(save_serially, bool):
+        raise TypeError(f"save_serially={save_serially!r} must be True or False (it is NxD's third parameter; pass tag= "
+                        "and keep_last= by keyword)")
+    _check_default("save", "save_xser", save_xser, False, "nxdtp writes its own self-describing safetensors format "
+                   "(docs/checkpoints.md); NxD's xser layout is read only by nxdtp-merge --from-nxd")
+    _check_default("save", "master_dp_only", master_dp_only, True, "the DP replicas of a TP rank hold the same "
+                   "values, and nxdtp writes them once, from DP rank 0")
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise ValueError("save() takes a dict with at least a 'model' entry (a module or its state_dict()), got "
                          f"{type(checkpoint).__name__}" + (f" with keys {sorted(checkpoint)}"
@@ -141,7 +250,7 @@ def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> None:
 
 
 def _write_json(path: str, payload: Any) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ensure_directory_exists(path)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
         f.flush()
@@ -307,25 +416,52 @@ def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int) -> Dict
     return state
 
 
-def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag: Optional[str] = None,
-         strict: bool = True, *, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-         scheduler=None, restore_rng_states: bool = False) -> Dict[str, Any]:
+def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=None, model_key: Optional[str] = "model",
+         load_xser: bool = False, sharded: bool = True, strict: bool = True, master_dp_only: bool = True,
+         weights_only: bool = False, *, tag: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+         scheduler=None, restore_rng_states: bool = False) -> Optional[Dict[str, Any]]:
     """Load a checkpoint saved by ``save`` into live objects; return the trainer state (step, epoch, ...).
 
-    NxD's form ``load(dir, model)`` or ``load(dir, optimizer)`` works; so does ``load(dir, model=..., optimizer=...,
-    scheduler=..., restore_rng_states=True)`` to resume training exactly. ``tag`` defaults to the newest complete one.
-    The TP degree must match the one saved; otherwise the error names both and the reshard command.
+    NxD's positional parameters are kept: ``load(dir, model)``, ``load(dir, optimizer)`` and
+    ``load(dir, model_or_optimizer=...)`` work; so does ``load(dir, model=..., optimizer=..., scheduler=...,
+    restore_rng_states=True)`` to resume training exactly. ``tag`` defaults to the newest complete one. The TP degree
+    must match the one saved; otherwise the error names both and the reshard command.
+
+    ``sharded=False`` is NxD's full-checkpoint form: ``chkpt_path`` is one ``torch.save`` file holding the full state
+    dict (under ``model_key``, or the whole file with ``model_key=None``), which ``get_sharded_model_dict`` cuts to this
+    rank's shards before loading it into the model. It returns the rest of the file's dict (None with
+    ``model_key=None``). Pickles are read with ``weights_only=True`` whatever ``weights_only`` says.
+    ``load_xser=True`` and ``master_dp_only=False`` are refused.
     """
-    if model_or_optimizer is not None:
-        if isinstance(model_or_optimizer, torch.optim.Optimizer):
-            optimizer = optimizer or model_or_optimizer
-        elif isinstance(model_or_optimizer, nn.Module):
-            model = model or model_or_optimizer
+    _check_default("load", "load_xser", load_xser, False, "nxdtp checkpoints are safetensors files; NxD's xser "
+                   "checkpoints are imported with nxdtp-merge --from-nxd")
+    _check_default("load", "master_dp_only", master_dp_only, True, "nxdtp writes each TP shard once, from DP rank 0, "
+                   "and every DP rank reads that file")
+    _check_bool("sharded", sharded)
+    _check_bool("weights_only", weights_only)
+    _check_bool("restore_rng_states", restore_rng_states)
+    candidates, model = (("model", model), ("model_or_optimizer", model_or_optimizer)), None
+    for argument, value in candidates:
+        # NxD's ``model`` is an older name of model_or_optimizer: an optimizer passed there is the optimizer.
+        if value is None:
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            if optimizer is not None and optimizer is not value:
+                raise ValueError(f"load() got two optimizers: {argument}= and optimizer=")
+            optimizer = value
+        elif isinstance(value, nn.Module):
+            if model is not None and model is not value:
+                raise ValueError("load() got two models: model= and model_or_optimizer=")
+            model = value
         else:
-            raise TypeError(f"model_or_optimizer must be an nn.Module or an optimizer, got "
-                            f"{type(model_or_optimizer).__name__}")
+            raise TypeError(f"{argument} must be an nn.Module or an optimizer, got {type(value).__name__}")
+    if not sharded:
+        return _load_full(chkpt_path, model, model_key, strict, tag=tag, optimizer=optimizer, scheduler=scheduler,
+                          restore_rng_states=restore_rng_states)
     if model_key != "model":
-        raise ValueError(f"model_key={model_key!r} is not supported; nxdtp checkpoints store the model as 'model'")
+        raise ValueError(f"model_key={model_key!r} is not supported; nxdtp checkpoints store the model as 'model' "
+                         "(other keys apply to sharded=False files)")
+    output_dir = chkpt_path
     # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
     error: Optional[BaseException] = None
     trainer_state: Dict[str, Any] = {}
@@ -360,6 +496,48 @@ def load(output_dir: str, model_or_optimizer=None, model_key: str = "model", tag
         error = e
     _agree(error, f"loading {output_dir}")
     return trainer_state
+
+
+def _load_full(path: str, model: Optional[nn.Module], model_key: Optional[str], strict: bool, **not_for_full
+               ) -> Optional[Dict[str, Any]]:
+    """``load(path, model, sharded=False)``: one full state dict file, cut to this rank's shards."""
+    for name, value in not_for_full.items():
+        if value not in (None, False):
+            raise ValueError(f"load(): {name}= applies to nxdtp's sharded checkpoint directories, not to a "
+                             "sharded=False file (which holds one full model state dict)")
+    if model_key is not None and not isinstance(model_key, str):
+        raise TypeError(f"model_key={model_key!r} must be a string or None")
+    error: Optional[BaseException] = None
+    rest: Optional[Dict[str, Any]] = None
+    comm.materialize(_live_tensors(model, None))
+    try:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"load(sharded=False) needs the checkpoint file itself; {path} is not a file")
+        checkpoint = _torch_load(path)
+        if model_key is not None and (not isinstance(checkpoint, dict) or model_key not in checkpoint):
+            keys = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+            raise KeyError(f"{path} has no model_key={model_key!r} entry (it has {keys}); pass model_key=None when "
+                           "the file is the state dict itself")
+        rest = checkpoint
+        if model is not None:
+            state = checkpoint.pop(model_key) if model_key is not None else checkpoint
+            model.load_state_dict(get_sharded_model_dict(model, state), strict=strict)
+            rest = checkpoint if model_key is not None else None
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+        error = e
+    _agree(error, f"loading {path}")
+    return rest
+
+
+def _torch_load(path: str) -> Any:
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"{path} holds objects that torch.load(weights_only=True) refuses, and nxdtp "
+                                     f"reads pickles only that way (whatever load(weights_only=) says): {e}") from None
 
 
 def _live_tensors(model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> List[torch.Tensor]:
