@@ -7,7 +7,8 @@
 
 __version__ = "0.1.0"
 
-from . import comm, grads, layers, loss_functions, mappings, optimizers, pad, parallel_state, random, spec, utils  # noqa: E402
+from . import comm, grads, layer_norm, layers, loss_functions, mappings, optimizers, pad, parallel_state, random, \
+    spec, utils  # noqa: E402,F401
 from .checkpointing import load, save  # noqa: E402
 from .grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, clip_grad_norm, get_grad_norm  # noqa: E402
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear  # noqa: E402
@@ -18,11 +19,13 @@ from .plan import Plan, parallelize  # noqa: E402
 from .random import checkpoint, get_xla_rng_tracker, model_parallel_xla_manual_seed  # noqa: E402
 from .mappings import copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region, \
     reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region  # noqa: E402
-from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, set_tensor_model_parallel_attributes, \
+from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, \
+    set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes, \
     split_tensor_along_last_dim  # noqa: E402
 
 __all__ = [
-    "__version__", "comm", "grads", "layers", "loss_functions", "mappings", "optimizers", "pad", "parallel_state", "random",
+    "__version__", "comm", "grads", "layer_norm", "layers", "loss_functions", "mappings", "optimizers", "pad",
+    "parallel_state", "random",
     "spec", "utils", "Lamb",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm",
     "parallel_cross_entropy", "from_parallel_logits_to_logprobs",
@@ -33,4 +36,5 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes", "split_tensor_along_last_dim",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
 ]

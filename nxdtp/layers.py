@@ -11,6 +11,7 @@ value is refused at that value with an error naming it, never silently ignored.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -18,13 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
-from .parallel_state import ParallelGroup, get_topology, group_of, tensor_parallel_group
+from .parallel_state import ParallelGroup, get_topology, group_of, model_parallel_is_initialized, tensor_parallel_group
 from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
                            materialise_shard, reject_unsupported, shard_of, split_size)
 from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
                    OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
 from .spec import ParamSpec, ShardedModule
-from .utils import cast_if_autocast_enabled, get_padding_length
+from .utils import cast_if_autocast_enabled, get_padding_length, initialize_fallback_parallel_state
 
 
 def _check_rank_ordering(layer: str, rank_ordering: Optional[Sequence[int]], tp: int) -> None:
@@ -37,6 +38,9 @@ def _check_rank_ordering(layer: str, rank_ordering: Optional[Sequence[int]], tp:
 class BaseParallelLayer(ShardedModule):
     """NxD's base of the parallel layers: the group a layer is split over.
 
+    Built before ``initialize_model_parallel``, it warns and sets up a world of one process on ``device``'s backend
+    (``nxdtp.utils.initialize_fallback_parallel_state``), as NxD does, so the layer works unsplit.
+
     ``tensor_model_parallel_group=None`` means the tensor-parallel group of the installed topology, looked up at each use;
     any other value is resolved once by ``nxdtp.parallel_state.group_of`` (nxdtp's own groups, or a subgroup made by
     ``dist.new_group``).
@@ -44,6 +48,12 @@ class BaseParallelLayer(ShardedModule):
 
     def __init__(self, device=None, tensor_model_parallel_group=None):
         super().__init__()
+        if not model_parallel_is_initialized():
+            # NxD's behaviour: a layer built before any parallel state works as its non-parallel equivalent.
+            warnings.warn("model parallel is not initialized: falling back to a world of one process "
+                          "(nxdtp.utils.initialize_fallback_parallel_state), so this layer is not split", UserWarning,
+                          stacklevel=3)
+            initialize_fallback_parallel_state(device)
         self._explicit_group: Optional[ParallelGroup] = (
             None if tensor_model_parallel_group is None else group_of(tensor_model_parallel_group))
 

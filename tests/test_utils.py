@@ -230,7 +230,7 @@ def _fallback_script(device_kind: str) -> dict:
     return out
 
 
-def _run_fallback_script(device_kind: str, env: dict) -> dict:
+def _run_fallback_script(device_kind: str, env: dict, script: str = "_fallback_script") -> dict:
     import json
     import os
     import subprocess
@@ -238,13 +238,39 @@ def _run_fallback_script(device_kind: str, env: dict) -> dict:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    code = ("import json, sys; from tests.test_utils import _fallback_script; "
-            f"print('RESULT' + json.dumps(_fallback_script({device_kind!r})))")
+    code = (f"import json, sys; from tests.test_utils import {script}; "
+            f"print('RESULT' + json.dumps({script}({device_kind!r})))")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", **env})
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
     assert run.returncode == 0 and lines, run.stdout + run.stderr
     return json.loads(lines[-1][len("RESULT"):])
+
+
+def _implicit_fallback_script(device_kind: str) -> dict:
+    """Runs in a fresh process: a layer built before any parallel state falls back to a world of one, as NxD's does."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from nxdtp import layers
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(5)
+        column = layers.ColumnParallelLinear(6, 10)
+    torch.manual_seed(5)
+    dense = nn.Linear(6, 10)
+    x = torch.randn(3, 6)
+    return dict(warned=[str(w.message) for w in caught], world=dist.get_world_size(), tp=ps.get_tensor_model_parallel_size(),
+                equal=bool(torch.equal(column(x), dense(x))))
+
+
+def test_a_layer_built_before_initialisation_falls_back_to_one_process():
+    out = _run_fallback_script("cpu", {}, script="_implicit_fallback_script")
+    assert out["world"] == 1 and out["tp"] == 1 and out["equal"], out
+    assert any("model parallel is not initialized: falling back to a world of one process" in w for w in out["warned"])
 
 
 ALREADY = ("initialize_fallback_parallel_state: model parallel is already initialized; call "
