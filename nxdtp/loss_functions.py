@@ -33,6 +33,16 @@ def _real_columns(local_vocab: int, group: ParallelGroup, vocab_size: Optional[i
     return max(0, min(local_vocab, vocab_size - group.rank * local_vocab))
 
 
+def _shard_log_sum_exp(x: torch.Tensor, num_real: int, group: ParallelGroup):
+    """This shard's real columns, their log-sum-exp, and its maximum over the group (the softmax's stabiliser)."""
+    real = x[..., :num_real]
+    if num_real == 0:  # a shard of padding only (XLA cannot lower a reduction over zero columns)
+        local_lse = x.new_full(x.shape[:-1], float("-inf"))
+    else:
+        local_lse = torch.logsumexp(real, dim=-1)
+    return real, local_lse, comm.all_reduce(local_lse, group, op="max")
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss ``(1 - eps) * nll + eps * (logZ - mean logit)``; returns 0 for ignored targets.
 
@@ -47,13 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = x.shape[-1]
         num_real = _real_columns(local_vocab, group, vocab_size)
         num_classes = vocab_size if vocab_size is not None else local_vocab * group.size
-        real = x[..., :num_real]
-
-        if num_real == 0:  # a shard of padding only (XLA cannot lower a reduction over zero columns)
-            local_lse = x.new_full(x.shape[:-1], float("-inf"))
-        else:
-            local_lse = torch.logsumexp(real, dim=-1)
-        global_max = comm.all_reduce(local_lse, group, op="max")
+        real, local_lse, global_max = _shard_log_sum_exp(x, num_real, group)
 
         ignored = target == ignore_index if ignore_index is not None else torch.zeros_like(target, dtype=torch.bool)
         local_target = target - group.rank * local_vocab
@@ -157,12 +161,7 @@ class DistributedLogprob(torch.autograd.Function):
         x = vocab_parallel_logits.float()
         local_vocab = x.shape[-1]
         num_real = _real_columns(local_vocab, group, vocab_size)
-        real = x[..., :num_real]
-        if num_real == 0:  # a shard of padding only (XLA cannot lower a reduction over zero columns)
-            local_lse = x.new_full(x.shape[:-1], float("-inf"))
-        else:
-            local_lse = torch.logsumexp(real, dim=-1)
-        global_max = comm.all_reduce(local_lse, group, op="max")
+        real, local_lse, global_max = _shard_log_sum_exp(x, num_real, group)
 
         # The shard's first vocab id enters as data, not as a Python constant, so every rank traces the same graph
         # (a 1-element host tensor: torch_xla would turn a 0-dim one holding 0 into a graph constant on rank 0).

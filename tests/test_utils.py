@@ -157,7 +157,12 @@ def test_is_pjrt_device(monkeypatch):
         assert utils.is_pjrt_device() is expected, value
 
 
-def test_fallback_backend_for_each_device():
+def test_fallback_backend_for_each_device(monkeypatch):
+    import torch.distributed as dist
+
+    # Imports add entries to torch's global map (transformers registers "hpu", torch_xla "xla"): fix it for the test.
+    monkeypatch.setattr(dist.Backend, "default_device_backend_map",
+                        {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "mps": "gloo"})
     expected = {None: "gloo", "cpu": "gloo", "meta": "gloo", "xla": "xla", "cuda": "cpu:gloo,cuda:nccl",
                 "xpu": "cpu:gloo,xpu:xccl", "mps": "gloo"}
     for device, backend in expected.items():

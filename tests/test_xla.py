@@ -501,3 +501,39 @@ def test_a_resumed_run_compiles_nothing_new(worlds, tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted], (resumed, uninterrupted)
     # Every resumed step runs one graph, and it is the uninterrupted run's (already compiled in this process).
     assert all(r["UncachedCompile"] == 0 and r["ExecuteComputation"] == 1 for r in resumed), resumed
+
+
+def case_reduce_dtype_lowering():
+    """A bf16 Column -> Row pair: the forward all-reduce and the input-gradient all-reduce run on f32 operands with
+    reduce_dtype=torch.float32 (NxD's default) and on bf16 ones with reduce_dtype=torch.bfloat16."""
+    import torch
+    import torch_xla
+
+    from nxdtp import layers
+
+    device = torch_xla.device()
+    operand_types = {}
+    for reduce_dtype in (torch.float32, torch.bfloat16):
+        with _simulated_rank():
+            col = layers.ColumnParallelLinear(16, 32, gather_output=False, dtype=torch.bfloat16,
+                                              reduce_dtype=reduce_dtype).to(device)
+            row = layers.RowParallelLinear(32, 16, input_is_parallel=True, dtype=torch.bfloat16,
+                                           reduce_dtype=reduce_dtype).to(device)
+            x = torch.randn(2, 3, 16, dtype=torch.bfloat16).to(device).requires_grad_()
+            _reset_collective_token()
+            y = row(col(x))
+            forward = _hlo([y])
+            _reset_collective_token()
+            y.backward(torch.ones_like(y))
+            backward = _hlo([x.grad])
+            _reset_collective_token()
+        operand_types[str(reduce_dtype)] = (re.findall(r"all-reduce\((\w+)\[", forward),
+                                            re.findall(r"all-reduce\((\w+)\[", backward), str(y.dtype), str(x.grad.dtype))
+    return operand_types
+
+
+def test_reduce_dtype_sets_the_all_reduce_operand_type(worlds):
+    result = worlds(1, "xla-hlo").run(case_reduce_dtype_lowering, tensor_model_parallel_size=None)[0]
+    assert result["torch.float32"][:2] == (["f32"], ["f32"]), result
+    assert result["torch.bfloat16"][:2] == (["bf16"], ["bf16"]), result
+    assert all(r[2:] == ("torch.bfloat16", "torch.bfloat16") for r in result.values()), result
