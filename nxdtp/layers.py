@@ -60,6 +60,15 @@ class BaseParallelLayer(ShardedModule):
     def _group(self) -> ParallelGroup:
         return self._explicit_group or tensor_parallel_group()
 
+    def get_extra_state(self):
+        state = super().get_extra_state()
+        group = self._group()
+        if group != tensor_parallel_group():
+            # Checkpoints store tensor-parallel shards: saving these as such would file one group's slices under the
+            # other's ranks. The index refuses a state dict that carries this.
+            state["split_over_ranks"] = list(group.ranks)
+        return state
+
 
 class LinearWithAsyncCommunication:
     """NxD's linear autograd function, built from nxdtp's regions: ``apply(input, weight, bias, async_grad_allreduce,

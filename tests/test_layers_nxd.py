@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nxdtp import layers
+from nxdtp.checkpointing.index import split_state_dict
 from nxdtp import parallel_state as ps
 from nxdtp.layers import (ColumnParallelLinear, LinearWithAsyncCommunication, ParallelEmbedding, RowParallelLinear,
                           SPMDRank, create_local_weight, linear_with_async_allreduce, shard_of)
@@ -218,6 +219,15 @@ def case_custom_groups(seed):
         _close(xp.grad, xd.grad, f"{what} input grad (summed over the group)")
         _close(col.weight.grad, shard_of(dense1.weight.grad, 0, position, n), f"{what} column weight grad")
         _close(row.weight.grad, shard_of(dense2.weight.grad, 1, position, n), f"{what} row weight grad")
+        # A checkpoint stores tensor-parallel shards: a layer split over another group is refused by name.
+        state = nn.ModuleDict({"col": col, "row": row}).state_dict()
+        try:
+            split_state_dict(state, topo.tensor_model_parallel_size)
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+        assert (refused is None) == (what == "tp"), (what, refused)
+        assert what == "tp" or f"'col' is split over the process group of ranks {list(members)}" in refused, refused
         results.append(what)
     for g in subgroups:
         if g != dist.GroupMember.NON_GROUP_MEMBER:

@@ -87,6 +87,11 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[s
     for key, value in state_dict.items():
         if key.endswith("_extra_state") and isinstance(value, dict) and "params" in value:
             prefix = key[: -len("_extra_state")]
+            if "split_over_ranks" in value:
+                raise ValueError(f"'{prefix.rstrip('.')}' is split over the process group of ranks "
+                                 f"{value['split_over_ranks']}, not the tensor-parallel group: nxdtp checkpoints store "
+                                 "tensor-parallel shards, so save that module's state yourself (or build it over the "
+                                 "tensor-parallel group)")
             for name, spec in value["params"].items():
                 specs[prefix + name] = ParamSpec.from_dict(spec)
     if tp > 1 and not specs and any(isinstance(v, torch.Tensor) for v in state_dict.values()):
