@@ -166,8 +166,17 @@ def copy_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=Non
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, process_group=None, *,
                                              reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Leave a TP region whose ranks hold partial sums: all-reduce forward (in ``reduce_dtype`` when given, an nxdtp
-    option), identity backward."""
-    return _ReduceFromRegion.apply(input_, _group(process_group), reduce_dtype)
+    option), identity backward.
+
+    A tensor outside autograd (``requires_grad=False``, such as a ``.grad``) is summed in place and returned, as NxD's
+    region does for every tensor: NxD code reduces gradient buffers this way and drops the result (its sequence-parallel
+    guide). A tensor that requires grad gets a new result and is left as it was, so autograd's saved tensors stay valid.
+    """
+    group = _group(process_group)
+    if not input_.requires_grad:
+        reduced = _in_dtype(lambda t: comm.all_reduce(t, group), input_, reduce_dtype)
+        return input_ if reduced is input_ else input_.copy_(reduced)
+    return _ReduceFromRegion.apply(input_, group, reduce_dtype)
 
 
 def reduce_from_context_model_parallel_region(input_: torch.Tensor, process_group=None) -> torch.Tensor:

@@ -80,6 +80,13 @@ def case_regions(seed):
         _close(dx, dys[i].chunk(n, dim=dim)[i], f"gather_from_tp dim {dim} backward")
     done += ["scatter_to_tp", "gather_from_tp"]
 
+    # Outside autograd (a gradient buffer) reduce_from sums in place, as NxD's does, so code that drops the result works.
+    xs = inputs(full_shape)
+    buffer = xs[i].clone()
+    returned = mappings.reduce_from_tensor_model_parallel_region(buffer)
+    assert returned is buffer, "reduce_from on a tensor outside autograd must return it, summed in place"
+    _close(buffer, torch.stack(xs).sum(0), "reduce_from in place")
+
     # The default partition dim is the last one.
     xs = inputs(full_shape)
     _close(mappings.scatter_to_tensor_model_parallel_region(xs[i]), xs[i].chunk(n, dim=-1)[i], "scatter default dim")
@@ -285,8 +292,8 @@ def case_reduce_dtype(seed):
              for _ in range(group.size)]
     exact = torch.stack([p.double() for p in parts]).sum(0)
     mine = parts[group.rank]
-    in_fp32 = mappings.reduce_from_tensor_model_parallel_region(mine, reduce_dtype=torch.float32)
-    in_bf16 = mappings.reduce_from_tensor_model_parallel_region(mine)
+    in_fp32 = mappings.reduce_from_tensor_model_parallel_region(mine.clone(), reduce_dtype=torch.float32)
+    in_bf16 = mappings.reduce_from_tensor_model_parallel_region(mine.clone())
     x = mine.clone().requires_grad_(True)
     mappings.copy_to_tensor_model_parallel_region(x, reduce_dtype=torch.float32).backward(parts[group.rank])
     return (in_fp32.dtype, (in_fp32.double() - exact).abs().sum().item(), (in_bf16.double() - exact).abs().sum().item(),

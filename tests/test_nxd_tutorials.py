@@ -421,10 +421,6 @@ def test_sequence_parallel_block_equals_dense(worlds, world, tp, sequence_parall
     assert all(compared == 2 * 12 + 1 for compared in results)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the guide's allreduce_sequence_parallel_gradients calls reduce_from_tensor_model_parallel_region(grad) and drops "
-    "the result: NxD's all-reduce is in place (comm.all_reduce: dist.all_reduce on CPU, xm.all_reduce of a list on "
-    "XLA), nxdtp's returns a reduced copy and leaves grad as it was, so the norm and row-bias gradients stay partial"))
 @pytest.mark.parametrize("world,tp", WORLDS)
 def test_sequence_parallel_guide_allreduce_function_gives_dense_gradients(worlds, world, tp):
     results = worlds(world).run(case_sequence_parallel, tensor_model_parallel_size=tp, seed=8,
@@ -607,10 +603,6 @@ def case_load_unsharded(seed: int, path: str):
     return None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "nxdtp.load(path, model, sharded=False) raises TypeError (no 'sharded' parameter; nxdtp.load reads only its own "
-    "sharded checkpoint directories). NxD 2.29's load(..., sharded=False) torch.loads the file, takes its 'model' "
-    "entry and gives each rank its slice (get_sharded_model_dict, from the parameters' partition_dim / stride)"))
 @pytest.mark.parametrize("world,tp", WORLDS)
 def test_load_unsharded_checkpoint_into_tp_model(worlds, world, tp, tmp_path):
     results = worlds(world).run(case_load_unsharded, tensor_model_parallel_size=tp, seed=11,

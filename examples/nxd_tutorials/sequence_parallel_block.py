@@ -14,8 +14,7 @@
 # Lines that differ from NxD's code:
 #   - from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
 #       -> from nxdtp.layers import ColumnParallelLinear, RowParallelLinear                        (the import)
-#   - from neuronx_distributed.parallel_layers import layer_norm -> from nxdtp import layers as layer_norm: nxdtp has
-#     no layer_norm module; its LayerNorm is nxdtp.layers.LayerNorm                                 (the import)
+#   - from neuronx_distributed.parallel_layers import layer_norm -> from nxdtp import layer_norm     (the import)
 #   - from neuronx_distributed.parallel_layers.mappings import ... -> from nxdtp.mappings import ... (the imports; the
 #     guide writes "form" for "from" twice)
 #   - from neuronx_distributed.parallel_layers.parallel_state import get_tensor_model_parallel_size
@@ -37,7 +36,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from nxdtp import layers as layer_norm
+from nxdtp import layer_norm
 from nxdtp.layers import ColumnParallelLinear, RowParallelLinear
 from nxdtp.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from nxdtp.parallel_state import get_tensor_model_parallel_size
