@@ -23,6 +23,7 @@ from ..layers import shard_of
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import ParamSpec, ShardedModule
+from ..utils import move_all_tensor_to_cpu
 from . import tags
 from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_state_dict
 from .safetensors_stream import StreamingSafetensorsWriter
@@ -30,6 +31,9 @@ from .safetensors_stream import StreamingSafetensorsWriter
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_STATE_FILE = "optim/state.json"
 CONFIG_FILE = "config.json"
+# Checkpoint entries that are not JSON (NxD's guide saves an optimizer state dict and a loss tensor beside the model):
+# one torch.save file per TP rank, since such values may differ between TP ranks.
+EXTRA_FILE = "extra/tp_rank_{:02d}.pt"
 LIVE_OR_STATE_KEYS = ("model", "optimizer", "scheduler")
 
 
@@ -135,8 +139,10 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     """Save a training checkpoint; return the tag directory.
 
     ``checkpoint`` is NxD's dict: ``model`` (a module or its ``state_dict()``), ``optimizer`` (an optimizer or its state
-    dict), ``scheduler``, ``global_step``, and any other JSON-serialisable values (epoch, data position, ...). The tag
-    defaults to ``step_<global_step>``. ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
+    dict), ``scheduler``, ``global_step``, and any other values: JSON ones (epoch, data position, ...) go to the trainer
+    state, others (an optimizer state dict under another key, a loss tensor) to one ``torch.save`` file per TP rank,
+    which ``load`` reads back with ``weights_only=True``. The tag defaults to ``step_<global_step>``, or without a
+    ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step). ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
     floating model tensors as bfloat16 (the optimizer keeps full precision).
 
     NxD's positional parameters are kept. ``save_serially`` takes either value and changes nothing: every writing rank
@@ -157,9 +163,10 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every tag)")
     if tag is None:
-        if "global_step" not in checkpoint:
-            raise ValueError("save() needs a tag, or a 'global_step' entry to name the tag after")
-        tag = tags.tag_for_step(checkpoint["global_step"])
+        if "global_step" in checkpoint:
+            tag = tags.tag_for_step(checkpoint["global_step"])
+        else:  # rank 0's view of the directory names it for every rank
+            tag = comm.all_gather_object(tags.first_free(output_dir, "checkpoint"))[0]
     tags.check_tag_name(tag)
     tag_dir = os.path.join(output_dir, tag)
 
@@ -172,8 +179,9 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
         # keep_vars: tied parameters stay one object, which is how ties are recognised on XLA (no storage pointers).
         model_state = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
         optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
+        trainer_state, extras = _trainer_payload(checkpoint)
         # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
-        comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
+        comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()) + _tensors_in(extras))
         # HF models list the keys they re-tie when loading (a dict in transformers 5, a list before); the tie's owner
         # is stored under a key the model loads directly, or under the one its plan names (nxdtp_tied_keys_to_store).
         tensors, entries = split_state_dict(model_state, tp_group.size,
@@ -199,6 +207,10 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
             _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)), tensors, entries, tp_group.rank)
             if optimizer_tensors is not None:
                 _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)), optimizer_tensors)
+            if extras:
+                path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(move_all_tensor_to_cpu(extras), path)
         _write_json(os.path.join(tag_dir, "rng", f"rank_{topology.rank:05d}.json"), _rng_payload())
 
         if topology.rank == 0:
@@ -207,7 +219,7 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
             index.write(tag_dir)
             if optimizer_json is not None:
                 _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
-            _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), _trainer_payload(checkpoint))
+            _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), trainer_state)
             config = getattr(model, "config", None)
             if config is not None and hasattr(config, "to_json_string"):
                 payload = json.loads(config.to_json_string())
@@ -257,20 +269,36 @@ def _write_json(path: str, payload: Any) -> None:
         os.fsync(f.fileno())  # on disk before 'done' claims the tag is complete
 
 
-def _trainer_payload(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-    payload = {}
+def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The JSON entries (the trainer state, scheduler included) and the others, which are stored per TP rank."""
+    payload, extras = {}, {}
     scheduler = checkpoint.get("scheduler")
     if scheduler is not None:
         payload["scheduler"] = scheduler.state_dict() if hasattr(scheduler, "state_dict") else scheduler
     for key, value in checkpoint.items():
         if key in LIVE_OR_STATE_KEYS:
             continue
-        payload[key] = value
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            extras[key] = value
+        else:
+            payload[key] = value
     try:
         json.dumps(payload)
     except TypeError as e:
-        raise TypeError(f"checkpoint entries other than model/optimizer must be JSON-serialisable: {e}") from None
-    return payload
+        raise TypeError(f"the scheduler state must be JSON-serialisable: {e}") from None
+    return payload, extras
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 # ---- optimizer ----------------------------------------------------------------------------------------------------------
@@ -420,7 +448,8 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
          load_xser: bool = False, sharded: bool = True, strict: bool = True, master_dp_only: bool = True,
          weights_only: bool = False, *, tag: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
          scheduler=None, restore_rng_states: bool = False) -> Optional[Dict[str, Any]]:
-    """Load a checkpoint saved by ``save`` into live objects; return the trainer state (step, epoch, ...).
+    """Load a checkpoint saved by ``save`` into live objects; return the rest of the saved dict: the trainer state
+    (step, epoch, ...) and this TP rank's other entries (NxD's ``load`` returns the saved dict less the model).
 
     NxD's positional parameters are kept: ``load(dir, model)``, ``load(dir, optimizer)`` and
     ``load(dir, model_or_optimizer=...)`` work; so does ``load(dir, model=..., optimizer=..., scheduler=...,
@@ -488,6 +517,9 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
                                                             model))
         with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
             trainer_state = json.load(f)
+        extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
+        if os.path.isfile(extra_path):
+            trainer_state.update(_torch_load(extra_path))
         if scheduler is not None and "scheduler" in trainer_state:
             scheduler.load_state_dict(trainer_state["scheduler"])
         if restore_rng_states:

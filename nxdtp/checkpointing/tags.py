@@ -32,6 +32,16 @@ def check_tag_name(tag: str) -> None:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name of letters, digits, '_', '.', '-'")
 
 
+def first_free(output_dir: str, stem: str) -> str:
+    """``stem``, or ``stem_1``, ``stem_2``, ...: the first name in ``output_dir`` without a complete tag (a crashed
+    save's partial tag is written over)."""
+    name, n = stem, 0
+    while os.path.exists(os.path.join(output_dir, name)) and is_complete(os.path.join(output_dir, name)):
+        n += 1
+        name = f"{stem}_{n}"
+    return name
+
+
 def is_complete(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, DONE_FILE))
 
