@@ -26,8 +26,9 @@ from . import comm
 from .parallel_state import (ParallelGroup, data_parallel_group, get_context_model_parallel_size,
                              get_expert_model_parallel_size, tensor_parallel_group)
 
-# Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference.
-_CLIP_EPS = 1e-6
+# Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference. The one epsilon of every
+# gradient clip in nxdtp (clip_grad_norm, clip_grads_with_norm, Lamb's max_grad_norm), through clip_coefficient.
+CLIP_EPS = 1e-6
 # Default size of one flattened gradient bucket (as in NxD).
 DEFAULT_BUCKET_CAP_MB = 512
 
@@ -127,9 +128,14 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
         return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
 
     if math.isinf(p):
-        # max is idempotent: replicated gradients may appear on every rank, the TP-wide max is unchanged.
+        # max is idempotent: replicated gradients may appear on every rank, the TP-wide max is unchanged. A NaN must
+        # win as it does in torch, but a MAX all-reduce need not propagate it (gloo's drops it): the NaN travels as a
+        # flag in the same all-reduce, [max of the non-NaN norms, 1 if any NaN], and is put back after.
         local = per_tensor_norms(all_grads).max()
-        return comm.all_reduce(local, group, op="max")
+        is_nan = torch.isnan(local)
+        reduced = comm.all_reduce(torch.stack([torch.where(is_nan, zero, local), is_nan.to(torch.float32)]), group,
+                                  op="max")
+        return torch.where(reduced[1] > 0, torch.full_like(reduced[0], math.nan), reduced[0])
 
     # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. The weight is data, not a Python branch or
     # constant, so every rank traces the same graph. It is moved over as a 1-element tensor: torch_xla turns a 0-dim
@@ -137,7 +143,10 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     replica_weight = torch.tensor([1.0 if group.rank == 0 else 0.0], dtype=torch.float32).to(device).reshape(())
     sharded = (per_tensor_norms(grads_sharded).pow(p) / torch.tensor(copies or [1.0], device=device)).sum()
     replicated = per_tensor_norms(grads_replicated).pow(p).sum()
-    total = comm.all_reduce(sharded + replicated * replica_weight, group, op="sum")
+    # Selected, not multiplied by the weight: inf * 0 would be NaN. A non-finite replicated sum counts on every rank,
+    # so that an inf or NaN in any rank's copy makes the norm non-finite everywhere (inf + inf = inf; NaN wins).
+    replicated = torch.where((replica_weight > 0) | ~torch.isfinite(replicated), replicated, zero)
+    total = comm.all_reduce(sharded + replicated, group, op="sum")
     return total.pow(1.0 / p)
 
 
@@ -171,9 +180,18 @@ def clip_grads_with_norm(parameters: ParamsArg, total_norm: torch.Tensor, max_no
     return total_norm
 
 
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + CLIP_EPS))``, torch.nn.utils.clip_grad_norm_'s coefficient, as a tensor.
+
+    Every gradient clip in nxdtp uses it. A non-finite norm gives what torch gives: 0 for an inf norm (so finite
+    gradients become 0 and an inf element becomes NaN), NaN for a NaN norm. Always a tensor op (no branch on the
+    norm's value), so XLA traces one graph.
+    """
+    return torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+
+
 def _scale_gradients(params: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    # Always a multiply (no branch on the norm's value), so XLA traces one graph.
-    coefficient = torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
+    coefficient = clip_coefficient(total_norm, max_norm)
     for param in params:
         if param.grad is not None:
             param.grad.detach().mul_(coefficient.to(param.grad.device))
@@ -290,5 +308,5 @@ def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAU
 __all__ = [
     "get_grad_norm", "clip_grad_norm", "clip_grads_with_norm", "param_is_not_shared", "bucket_allreduce_gradients",
     "allreduce_sequence_parallel_gradients", "allreduce_context_parallel_gradients",
-    "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB",
+    "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB", "CLIP_EPS", "clip_coefficient",
 ]

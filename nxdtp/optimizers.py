@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import comm
-from .grads import get_grad_norm
+from .grads import clip_coefficient, get_grad_norm
 from .parallel_state import tensor_parallel_group
 
 
@@ -70,10 +70,11 @@ class Lamb(torch.optim.Optimizer):
     ``tensor_model_parallel=True`` the squared norms are summed over the TP group (one all-reduce per step for all
     of them); replicated parameters use their local norms.
 
-    ``max_grad_norm``: when set, every gradient is multiplied by ``min(1, max_grad_norm / global_grad_norm)`` before
-    the moments are updated, where ``global_grad_norm`` is the dense model's L2 norm over all parameters of the
-    optimizer that have a gradient (``nxdtp.grads.get_grad_norm``; one more all-reduce). The ``.grad`` tensors
-    themselves are not modified. It is an optimizer-wide setting (the norm is global), not a per-group one.
+    ``max_grad_norm``: when set, every gradient is multiplied by ``min(1, max_grad_norm / (global_grad_norm + 1e-6))``
+    before the moments are updated: ``nxdtp.grads.clip_coefficient``, the coefficient and epsilon (``CLIP_EPS``) of
+    ``clip_grad_norm`` and of torch's ``clip_grad_norm_``, so the clipped gradient is ``clip_grad_norm``'s to the bit.
+    ``global_grad_norm`` is the dense model's L2 norm over all parameters of the optimizer that have a gradient
+    (``nxdtp.grads.get_grad_norm``; one more all-reduce). The ``.grad`` tensors themselves are not modified. It is an optimizer-wide setting (the norm is global), not a per-group one.
 
     State per parameter: ``step`` (0-dim fp32 tensor on the parameter's device), ``exp_avg``, ``exp_avg_sq`` (the
     parameter's dtype). Norms and trust ratios are computed in fp32.
@@ -159,12 +160,12 @@ class Lamb(torch.optim.Optimizer):
         if not active:
             return loss
 
-        clip_coefficient: Optional[torch.Tensor] = None
+        coefficient: Optional[torch.Tensor] = None
         if self.max_grad_norm is not None:
-            # Dense-model norm over every parameter with a gradient (a tied one counts once); no branch on its value:
-            # max_norm / 0 = inf clamps to 1.
+            # Dense-model norm over every parameter with a gradient (a tied one counts once), and clip_grad_norm's
+            # coefficient (the same epsilon, nxdtp.grads.CLIP_EPS); no branch on its value.
             self.last_grad_norm = get_grad_norm([p for _, p in active])
-            clip_coefficient = torch.clamp(self.max_grad_norm / self.last_grad_norm, max=1.0)
+            coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
 
         # Pass 1: moments, then the squared norms of w and u. u is not kept (it is recomputed in pass 2), so the
         # step needs at most one parameter-sized temporary at a time instead of one per parameter.
@@ -183,8 +184,10 @@ class Lamb(torch.optim.Optimizer):
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
             beta1, beta2 = group["betas"]
             grad = p.grad.detach()
-            if clip_coefficient is not None:
-                grad = grad * clip_coefficient.to(device=grad.device, dtype=grad.dtype)
+            if coefficient is not None:
+                # As clip_grad_norm applies it (an fp32 0-dim factor, the product in the gradient's dtype), so the
+                # clipped gradient is clip_grad_norm's to the bit.
+                grad = grad * coefficient.to(device=grad.device)
             state["step"].add_(1)
             state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
             state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)

@@ -9,6 +9,7 @@ already compare TP with dense modules.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -35,6 +36,30 @@ def _example_module(name: str):
 def case_train(argv):
     script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
     return script.run(script.parse_args(argv))
+
+
+def case_train_with_inf_gradient(argv, bad_step, rank):
+    """The script's run, with an inf put into one gradient element of one rank only, just before the DP all-reduce,
+    at optimizer step ``bad_step`` (the script's ``grads`` is swapped for a copy whose allreduce_gradients does it;
+    restored after). The DP average spreads it to the DP peers, the norm's TP all-reduce to every rank."""
+    import types
+
+    script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
+    real = script.grads
+    calls = []
+
+    def allreduce_gradients(model, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == bad_step and torch.distributed.get_rank() == rank:
+            sharded = next(p for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
+            sharded.grad.view(-1)[0] = float("inf")
+        return real.allreduce_gradients(model, *args, **kwargs)
+
+    script.grads = types.SimpleNamespace(**{**vars(real), "allreduce_gradients": allreduce_gradients})
+    try:
+        return script.run(script.parse_args(argv))
+    finally:
+        script.grads = real
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------------------------
@@ -330,3 +355,24 @@ def test_two_loopback_nodes_match_one_node(data_dir, model_config, tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     curves["two"] = losses(two)
     assert curves["two"] == curves["one"]
+
+
+def test_a_non_finite_grad_norm_is_logged_and_stops_before_saving(worlds, data_dir, model_config, tmp_path, capfd):
+    from nxdtp import checkpointing
+
+    out = str(tmp_path / "inf")
+    argv = training_argv(data_dir, model_config, out, 2, 2, steps=5) + ["--save_every_steps", "1"]
+    argv.remove("--print_grad_norm")  # the bad step's grad-norm is printed anyway
+    with pytest.raises(AssertionError, match=r"NonFiniteStepError.*step 3: non-finite step_loss : [0-9.]+ "
+                                             r"grad-norm : inf; stopping without saving step 3 \(last checkpoint: "
+                                             r"step 2\)"):
+        worlds(4).run(case_train_with_inf_gradient, tensor_model_parallel_size=None, argv=argv, bad_step=3, rank=3)
+    records = step_log(out)
+    assert [r["step"] for r in records] == [1, 2, 3], records
+    assert records[2]["grad_norm"] == float("inf") and all(map(math.isfinite, [records[1]["grad_norm"],
+                                                                             records[2]["loss"]]))
+    assert checkpointing.list_tags(out) == ["step_000001", "step_000002"]
+    printed = capfd.readouterr().out
+    assert re.search(r"LOG .* - \(\d+, 3\) step_loss : [0-9.]+ learning_rate : \S+ throughput : \S+ seq/s "
+                     r"grad-norm : inf", printed), printed[-3000:]
+    assert re.search(r"LOG .* - \(\d+, 3\) ERROR step 3: non-finite", printed), printed[-3000:]

@@ -355,3 +355,70 @@ def test_signatures_are_nxds():
             (nxg.allreduce_sequence_parallel_gradients, [("optimizer", REQUIRED)]),
             (nxg.allreduce_context_parallel_gradients, [("optimizer", REQUIRED)])):
         check_nxd_signature(function, parameters)
+
+
+# ---- non-finite gradients ----------------------------------------------------------------------------------------------
+
+def case_nonfinite_norm_and_clip(seed):
+    """An inf / -inf / NaN in one gradient element, injected before the DP all-reduce on some ranks only: the norm is
+    torch's dense norm (inf, or NaN if any NaN) on every rank, for every norm type, and clipping gives exactly torch's
+    dense clipped gradients (finite ones scaled by max_norm / (inf + eps) = 0, the bad element inf * 0 = NaN; all NaN
+    for a NaN norm)."""
+    tp, dp, world, rank = (ps.get_tensor_model_parallel_size(), ps.get_data_parallel_size(), ps.get_world_size(),
+                           ps.get_rank())
+    dense = _dense_grads(seed)
+    dense_params = list(dense.parameters())
+    tp_model = _TPModel(dense)
+    params = tp_model.parameters()
+    last_tp_rank_cols = FFN // tp * (tp - 1)
+    replica0 = list(range(tp))  # TP groups are contiguous ranks: DP replica 0 is ranks 0 .. tp-1
+    # (name, index into tp_model.pairs, local element, dense element, ranks holding the bad value, dense reference?)
+    scenarios = [
+        ("sharded w1, last rank only", 2, (0, 1), (last_tp_rank_cols, 1), [world - 1], True),
+        ("sharded b1, rank 0 only", 3, (2,), (2,), [0], True),
+        ("replicated b2, every TP rank of one DP replica", 5, (3,), (3,), replica0, True),
+        ("replicated ln_w, last rank only", 0, (4,), (4,), [world - 1], False),
+    ]
+    results = []
+    for name, k, local_at, dense_at, bad_ranks, clip_is_dense in scenarios:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            for p in (2, 1.5, 1, float("inf")):
+                what = f"{name}, grad {bad}, norm_type={p} (tp={tp}, dp={dp}, rank {rank})"
+                for local, full, index in tp_model.pairs:
+                    local.grad = full.grad[index].clone()
+                if rank in bad_ranks:
+                    params[k].grad[local_at] = bad
+                nxg.bucket_allreduce_gradients([q.grad for q in params])  # the DP average spreads the bad value
+                dense_grads = [q.grad.clone() for q in dense_params]
+                dense_grads[k][dense_at] = bad
+                expected = torch.nn.utils.get_total_norm(dense_grads, norm_type=p)
+                assert not math.isfinite(expected.item()), what
+                got = nxg.get_grad_norm(params, norm_type=p)
+                torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0,
+                                           msg=lambda m: f"norm, {what}: {m}")
+                # clip_grad_norm: the same pre-clip norm and torch's dense clipped gradients, element for element.
+                dense_copy = copy.deepcopy(dense)
+                for q, g in zip(dense_copy.parameters(), dense_grads):
+                    q.grad = g.clone()
+                dense_norm = torch.nn.utils.clip_grad_norm_(dense_copy.parameters(), 1.0, norm_type=p)
+                total = nxg.clip_grad_norm(params, 1.0, norm_type=p)
+                torch.testing.assert_close(total, dense_norm, equal_nan=True, rtol=0, atol=0,
+                                           msg=lambda m: f"clip norm, {what}: {m}")
+                if clip_is_dense:
+                    for (local, _, index), full in zip(tp_model.pairs, dense_copy.parameters()):
+                        torch.testing.assert_close(local.grad, full.grad[index], equal_nan=True, rtol=0, atol=0,
+                                                   msg=lambda m: f"clipped grad {tuple(local.shape)}, {what}: {m}")
+                results.append((name, str(bad), str(p), str(got.item())))
+    # Finite gradients are unchanged by this: a finite case right after still equals dense.
+    for local, full, index in tp_model.pairs:
+        local.grad = full.grad[index].clone()
+    torch.testing.assert_close(nxg.get_grad_norm(params), torch.nn.utils.get_total_norm(
+        [q.grad for q in dense_params]), **TOL)
+    return results
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)])
+def test_nonfinite_gradients_give_torchs_norm_and_clip_on_every_rank(worlds, world, tp):
+    results = worlds(world).run(case_nonfinite_norm_and_clip, tensor_model_parallel_size=tp, seed=13 + world)
+    assert all(r == results[0] for r in results), "ranks disagree on a non-finite norm"
+    assert {r[3] for r in results[0]} == {"inf", "nan"}, results[0]

@@ -60,7 +60,7 @@ def _reference_lamb(weights, grads_per_step, groups, lr, betas, eps, bias_correc
         g = [x.double() for x in step_grads]
         if max_grad_norm is not None:
             total = math.sqrt(sum(float((x * x).sum()) for x in g))
-            coefficient = min(1.0, max_grad_norm / total)
+            coefficient = min(1.0, max_grad_norm / (total + 1e-6))  # torch's clip_grad_norm_ epsilon
             g = [x * coefficient for x in g]
         step_ratios = []
         for i in range(len(w)):
@@ -207,6 +207,34 @@ def test_parameters_without_grad_are_skipped(single_rank):
     opt.zero_grad()
     opt.step()  # nothing has a gradient: a no-op
     assert opt.state[a]["step"].item() == 1.0 and opt.last_trust_ratios == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
+def test_lamb_clip_is_clip_grad_norms_to_the_bit(single_rank, dtype, bad):
+    """With beta1 = 0 the first moment after one step is the clipped gradient itself, exactly (0 * 0 + 1 * g): it must
+    equal what clip_grad_norm leaves in .grad, bit for bit (the same epsilon, coefficient and multiply), also for a
+    non-finite norm (torch's 0 or NaN coefficient)."""
+    assert nxg.CLIP_EPS == 1e-6  # torch.nn.utils.clip_grad_norm_'s
+    g = torch.Generator().manual_seed(3)
+    # A norm near 1 and max_norm 0.5: the epsilon moves max_norm / (norm + eps) by ~1e-6 relative, many fp32 ulps.
+    grads = [(torch.randn(s, generator=g) * 0.3).to(dtype) for s in ((3, 4), (5,), (2, 2))]
+    if bad is not None:
+        grads[1][2] = bad
+    params = [nn.Parameter(torch.zeros(x.shape, dtype=dtype)) for x in grads]
+    clipped = [nn.Parameter(torch.zeros(x.shape, dtype=dtype)) for x in grads]
+    for p, q, x in zip(params, clipped, grads):
+        p.grad, q.grad = x.clone(), x.clone()
+    opt = Lamb(params, lr=0.1, betas=(0.0, 0.999), max_grad_norm=0.5)
+    opt.step()
+    norm = nxg.clip_grad_norm(clipped, 0.5)
+    torch.testing.assert_close(opt.last_grad_norm, norm, rtol=0, atol=0, equal_nan=True)
+    if bad is None:
+        assert 0.5 < norm.item() < 2, norm  # the clip is active and the epsilon is visible
+    for p, q in zip(params, clipped):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], q.grad, rtol=0, atol=0, equal_nan=True)
+    for p, x in zip(params, grads):
+        torch.testing.assert_close(p.grad, x, rtol=0, atol=0, equal_nan=True)  # .grad itself is left as it was
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -39,6 +39,11 @@ from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A step's loss or pre-clip gradient norm is inf or NaN. Every rank raises it at the same step (the loss is
+    all-reduced over DP, the norm over TP after the DP all-reduce), before that step's weights are saved."""
 # NxD's --debug model: the smallest BERT that still has every part.
 DEBUG_MODEL = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=64)
 
@@ -447,11 +452,19 @@ def _train(args: argparse.Namespace, rt: runtime_lib.Runtime) -> Dict[str, Any]:
 
     def report(step: int, epoch_now: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         nonlocal final_loss
-        final_loss = loss.item()
-        if not math.isfinite(final_loss):
-            raise FloatingPointError(f"step {step}: the loss is {final_loss}; stopping (lower --lr, or check the data)")
-        if log is not None:
-            log.step(epoch_now, step, final_loss, lr, throughput.tick(), grad_norm.item(), rt.graph_counters())
+        loss_value, norm_value = loss.item(), grad_norm.item()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if finite:
+            final_loss = loss_value
+        if log is not None:  # the LOG line of the bad step too (with its grad-norm), then the reason for stopping
+            log.step(epoch_now, step, loss_value, lr, throughput.tick(), norm_value, rt.graph_counters())
+        if not finite:
+            message = (f"step {step}: non-finite step_loss : {loss_value} grad-norm : {norm_value}; stopping without "
+                       f"saving step {step} (last checkpoint: {'none' if trainer.saved_step is None else f'step {trainer.saved_step}'}); lower --lr, or check the "
+                       "data")
+            if log is not None:
+                print(f"LOG {time.asctime()} - ({epoch_now}, {step}) ERROR {message}", flush=True)
+            raise NonFiniteStepError(message)
 
     while trainer.global_step < args.steps_this_run and trainer.global_step < args.max_steps:
         micro_batches = [next(device_batches) for _ in range(args.grad_accum_usteps)]
@@ -520,7 +533,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         torch_xla.launch(_xla_spawned_main, args=(argv,))  # one process per XLA device
         return
-    run(args)
+    try:
+        run(args)
+    except NonFiniteStepError as error:  # already logged (LOG line): a short message and a non-zero exit
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

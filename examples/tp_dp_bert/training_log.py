@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import time
 from datetime import datetime, timezone
@@ -95,8 +96,9 @@ class TrainingLog:
 
     def step(self, epoch: int, step: int, loss: float, learning_rate: float, throughput: float,
              grad_norm: float, extra: Optional[Dict[str, Any]] = None) -> None:
-        print(log_line(epoch, step, loss, learning_rate, throughput, grad_norm if self.print_grad_norm else None),
-              flush=True)
+        # A non-finite grad norm is always printed: it is why the run stops.
+        show_norm = self.print_grad_norm or not math.isfinite(grad_norm)
+        print(log_line(epoch, step, loss, learning_rate, throughput, grad_norm if show_norm else None), flush=True)
         record = {"epoch": epoch, "step": step, "loss": loss, "learning_rate": learning_rate,
                   "throughput": throughput, "grad_norm": grad_norm, "time": time.time(), **(extra or {})}
         self.records.append(record)
