@@ -60,6 +60,31 @@ class BaseParallelLayer(ShardedModule):
     def _group(self) -> ParallelGroup:
         return self._explicit_group or tensor_parallel_group()
 
+    def __getstate__(self):
+        # A layer holds one TP rank's shard: record which, so that loading it elsewhere is refused (__setstate__).
+        state = dict(super().__getstate__())
+        group = self._group()
+        state["_nxdtp_pickled_shard"] = (group.size, group.rank)
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        pickled = state.pop("_nxdtp_pickled_shard", None)
+        super().__setstate__(state)
+        if pickled is None:
+            return
+        size, rank = pickled
+        if not model_parallel_is_initialized():
+            raise RuntimeError(f"{type(self).__name__} was pickled as the shard of tensor-parallel rank {rank} of "
+                               f"{size}; call initialize_model_parallel(tensor_model_parallel_size={size}) before "
+                               "loading it")
+        group = self._group()
+        if (group.size, group.rank) != (size, rank):
+            raise RuntimeError(f"{type(self).__name__} was pickled as the shard of tensor-parallel rank {rank} of "
+                               f"{size}, but this process is tensor-parallel rank {group.rank} of {group.size}; load "
+                               "it on the rank it was saved from (or save a checkpoint and reshard it: "
+                               "docs/checkpoints.md)")
+
     def get_extra_state(self):
         state = super().get_extra_state()
         group = self._group()

@@ -62,6 +62,27 @@ class ParallelGroup:
         # Immutable, and process groups cannot be copied: a deep copy of a module that holds a group shares it.
         return self
 
+    def __reduce__(self):
+        # Process groups cannot be pickled: a pickled group (on a module saved with torch.save(model)) is looked up
+        # again, by kind and ranks, in the topology installed where it is loaded.
+        return (_installed_group, (self.kind, self.ranks, self.replica_groups, self.global_rank))
+
+
+def _installed_group(kind: str, ranks: tuple, replica_groups: tuple, global_rank: int) -> ParallelGroup:
+    what = f"the {kind} group over ranks {list(ranks)} of rank {global_rank}"
+    if _TOPOLOGY is None:
+        raise RuntimeError(f"unpickling {what} needs the same parallel state: call initialize_model_parallel(...) "
+                           "in a world of the same size before loading")
+    for group in (_TOPOLOGY.tensor_parallel, _TOPOLOGY.data_parallel, _TOPOLOGY.world, _TOPOLOGY.singleton):
+        if group is not None and group.kind == kind and group.ranks == tuple(ranks) \
+                and group.replica_groups == tuple(replica_groups) and group.global_rank == global_rank:
+            return group
+    installed = {g.kind: list(g.ranks) for g in (_TOPOLOGY.tensor_parallel, _TOPOLOGY.data_parallel) if g is not None}
+    raise RuntimeError(f"unpickling {what}: the installed topology (rank {_TOPOLOGY.rank}, world "
+                       f"{_TOPOLOGY.world_size}, tensor_model_parallel_size={_TOPOLOGY.tensor_model_parallel_size}, "
+                       f"groups {installed}) has no such group; load on the rank and topology it was saved from"
+                       + (" (groups made by dist.new_group cannot be restored)" if kind == "custom" else ""))
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:

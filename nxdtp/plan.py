@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
+import pickle
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -254,18 +256,18 @@ def _forward_with_padded_heads_masked(forward, input_, *args, **kwargs):
     return forward(input_ * mask.to(input_.dtype), *args, **kwargs)
 
 
-_KV_REPLICA_FORWARDS: Dict[Tuple[int, int], Callable] = {}
+@functools.lru_cache(maxsize=None)
+def _kv_replica_forward_uncached(replicas: int, block: int) -> Callable:
+    def forward_with_summed_copies(forward, *args, **kwargs):
+        return call_with_parameters_as(
+            forward, lambda p: mappings.sum_gradients_over_replicas(p, replicas, block), *args, **kwargs)
+
+    return forward_with_summed_copies
 
 
 def _kv_replica_forward(replicas: int, block: int) -> Callable:
     # One function per (replicas, block): wrap_forward keys its subclasses by wrapper name.
-    if (replicas, block) not in _KV_REPLICA_FORWARDS:
-        def forward_with_summed_copies(forward, *args, **kwargs):
-            return call_with_parameters_as(
-                forward, lambda p: mappings.sum_gradients_over_replicas(p, replicas, block), *args, **kwargs)
-
-        _KV_REPLICA_FORWARDS[(replicas, block)] = forward_with_summed_copies
-    return _KV_REPLICA_FORWARDS[(replicas, block)]
+    return _made_by(_kv_replica_forward, (replicas, block), _kv_replica_forward_uncached(replicas, block))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,15 +396,37 @@ def broadcast_replicated_state(model: nn.Module) -> None:
 _WRAPPED_CLASSES: Dict[Tuple[type, str], type] = {}
 
 
+def wrapper_factory(factory: Callable) -> Callable:
+    """Decorate a module-level factory of forward wrappers (closures): cached, so equal arguments give the same
+    function (``wrap_forward`` requires one function per wrapper name), and each wrapper remembers the factory and its
+    arguments, so a module wrapped with it can be pickled (``torch.save(model)``) and rebuilt in another process."""
+    cached = functools.lru_cache(maxsize=None)(factory)
+
+    @functools.wraps(factory)
+    def make(*args):
+        return _made_by(make, args, cached(*args))
+
+    return make
+
+
+def _made_by(factory: Callable, args: tuple, wrapper: Callable) -> Callable:
+    wrapper._nxdtp_made_by = (factory, args)
+    return wrapper
+
+
 def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> None:
     """Make ``module`` call ``wrapper(super_forward, *args, **kwargs)`` instead of its forward.
 
     The module's class is swapped for a subclass (cached per class and wrapper), so parameter names, ``state_dict``
-    keys, ``deepcopy`` and ``isinstance`` checks are all unchanged.
+    keys, ``deepcopy`` and ``isinstance`` checks are all unchanged. The module pickles (``torch.save(model)``) when
+    ``wrapper`` is a module-level function or made by a ``wrapper_factory``: the subclass is rebuilt on load.
     """
-    base = type(module)
+    module.__class__ = _wrapped_class(type(module), wrapper_name, wrapper)
+
+
+def _wrapped_class(base: type, wrapper_name: str, wrapper: Callable) -> type:
     if getattr(base, "_nxdtp_wrapper", None) == wrapper_name:
-        return
+        return base
     key = (base, wrapper_name)
     if key in _WRAPPED_CLASSES and _WRAPPED_CLASSES[key]._nxdtp_wrapper_function is not wrapper:
         raise ValueError(f"wrapper name {wrapper_name!r} is already used for {base.__name__} with another function; "
@@ -411,11 +435,82 @@ def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> Non
         def forward(self, *args, **kwargs):
             return wrapper(super(cls, self).forward, *args, **kwargs)
 
-        cls = type(base.__name__, (base,), {"forward": forward, "_nxdtp_wrapper": wrapper_name,
-                                            "_nxdtp_wrapper_function": wrapper,
-                                            "__module__": base.__module__, "__qualname__": base.__qualname__})
+        cls = _dynamic_subclass(base, ("wrap", wrapper_name, wrapper), {
+            "forward": forward, "_nxdtp_wrapper": wrapper_name, "_nxdtp_wrapper_function": wrapper})
         _WRAPPED_CLASSES[key] = cls
-    module.__class__ = _WRAPPED_CLASSES[key]
+    return _WRAPPED_CLASSES[key]
+
+
+# ---- pickling modules whose class nxdtp swapped ------------------------------------------------------------------------
+# The subclasses made by wrap_forward and for sequence-parallel parameters are made at run time, under their base's
+# name, so pickle cannot find them by name. Each records how it was made from an importable class (its recipe); a
+# module of such a class pickles as "rebuild the class from the recipe, then restore the module's state".
+
+def _dynamic_subclass(base: type, step: tuple, namespace: dict) -> type:
+    root, steps = getattr(base, "_nxdtp_recipe", (base, ()))
+    namespace = dict(namespace, _nxdtp_recipe=(root, steps + (step,)), __reduce_ex__=_reduce_dynamic_instance,
+                     __module__=base.__module__, __qualname__=base.__qualname__)
+    return type(base.__name__, (base,) if step[0] == "wrap" else (base, ShardedModule), namespace)
+
+
+def _picklable_step(step: tuple) -> tuple:
+    if step[0] != "wrap":
+        return step
+    _, name, wrapper = step
+    made_by = getattr(wrapper, "_nxdtp_made_by", None)
+    if made_by is not None:
+        return ("wrap_made_by", name) + made_by
+    if "<locals>" in getattr(wrapper, "__qualname__", "<locals>"):
+        return ("wrap", name, _LocalWrapper(name, wrapper))
+    return step
+
+
+class _LocalWrapper:
+    """A local forward wrapper in a class recipe: ``copy.deepcopy`` keeps it, pickling it is refused with a clear
+    message (pickle itself would only say "Can't pickle local object")."""
+
+    def __init__(self, name: str, function: Callable):
+        self.name, self.function = name, function
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise pickle.PicklingError(
+            f"the forward wrapper {wrapper_name_of(self.function)} ({self.name!r}) is a local function, which cannot be "
+            "pickled; make it a module-level function, or make it with a factory decorated by "
+            "nxdtp.plan.wrapper_factory")
+
+
+def wrapper_name_of(wrapper: Callable) -> str:
+    return f"{getattr(wrapper, '__module__', '?')}.{getattr(wrapper, '__qualname__', repr(wrapper))}"
+
+
+def _reduce_dynamic_instance(self, protocol):
+    reduced = object.__reduce_ex__(self, max(protocol, 2))  # (copyreg.__newobj__, (cls,), state, ...)
+    root, steps = type(self)._nxdtp_recipe
+    return (_new_of_recipe, (root, tuple(_picklable_step(s) for s in steps))) + tuple(reduced[2:])
+
+
+def _class_of_recipe(root: type, steps: tuple) -> type:
+    cls = root
+    for step in steps:
+        if step[0] == "wrap":
+            wrapper = step[2].function if isinstance(step[2], _LocalWrapper) else step[2]
+            cls = _wrapped_class(cls, step[1], wrapper)
+        elif step[0] == "wrap_made_by":
+            _, name, factory, args = step
+            cls = _wrapped_class(cls, name, factory(*args))
+        elif step[0] == "spec_owning":
+            cls = _spec_owning_class(cls)
+        else:
+            raise pickle.UnpicklingError(f"unknown nxdtp class recipe step {step!r} (pickled by another nxdtp version?)")
+    return cls
+
+
+def _new_of_recipe(root: type, steps: tuple):
+    cls = _class_of_recipe(root, steps)
+    return cls.__new__(cls)
 
 
 # ---- conversion internals -----------------------------------------------------------------------------------------------
@@ -423,15 +518,18 @@ def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> Non
 _SPEC_OWNING_CLASSES: Dict[type, type] = {}
 
 
+def _spec_owning_class(base: type) -> type:
+    if base not in _SPEC_OWNING_CLASSES:
+        _SPEC_OWNING_CLASSES[base] = _dynamic_subclass(base, ("spec_owning",), {})
+    return _SPEC_OWNING_CLASSES[base]
+
+
 def _with_sequence_parallel_params(module: nn.Module) -> nn.Module:
     """Give ``module`` a subclass of its own class that owns specs (state dicts and device moves keep them), and mark
     its direct parameters replicated and sequence-parallel."""
     base = type(module)
     if not isinstance(module, ShardedModule):
-        if base not in _SPEC_OWNING_CLASSES:
-            _SPEC_OWNING_CLASSES[base] = type(base.__name__, (base, ShardedModule),
-                                              {"__module__": base.__module__, "__qualname__": base.__qualname__})
-        module.__class__ = _SPEC_OWNING_CLASSES[base]
+        module.__class__ = _spec_owning_class(base)
     tp = tensor_parallel_group().size
     for name, param in module.named_parameters(recurse=False):
         module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=tp,

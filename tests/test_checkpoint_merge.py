@@ -127,11 +127,16 @@ def trained(worlds, tmp_path_factory):
 
 
 def _cli(argv, capsys=None):
+    status, _, err = _cli_out(argv, capsys)
+    return status, err
+
+
+def _cli_out(argv, capsys=None):
     from nxdtp.checkpointing.cli import main
 
     status = main([str(a) for a in argv] + ["--no-progress"])
-    err = capsys.readouterr().err if capsys is not None else ""
-    return status, err
+    captured = capsys.readouterr() if capsys is not None else None
+    return status, captured.out if captured else "", captured.err if captured else ""
 
 
 def _assert_close(actual, expected, what):
@@ -504,3 +509,56 @@ def test_tools_script_exit_status(trained, tmp_path):
                          capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr, bad.stderr
     assert "does not exist" in bad.stderr
+
+
+# ---- the tag directory as input, and what the CLI prints ---------------------------------------------------------------
+
+def test_tag_directory_is_accepted_and_runs_report_what_they_wrote(trained, tmp_path, capsys):
+    root, _ = trained
+    checkpoint = os.path.join(root, "live")
+    tag = os.path.join(checkpoint, "step_000002")  # what the training log prints
+
+    status, out, err = _cli_out([tag, tmp_path / "from_tag"], capsys)
+    assert status == 0 and err == "", err
+    written = tmp_path / "from_tag" / "model.safetensors"
+    assert out == f"nxdtp-merge: wrote dense checkpoint {written} ({len(_dense_state(tmp_path / 'from_tag'))} tensors, with config.json) from tag step_000002 " \
+                  f"({tag})\n", out
+    status, out, err = _cli_out([checkpoint, tmp_path / "from_parent"], capsys)
+    assert status == 0 and f"from tag step_000002 ({tag})" in out, (out, err)
+    assert (tmp_path / "from_tag" / "model.safetensors").read_bytes() == \
+        (tmp_path / "from_parent" / "model.safetensors").read_bytes()
+
+    status, out, err = _cli_out([tag, tmp_path / "tp4", "--reshard", 4], capsys)
+    assert status == 0 and err == "", err
+    lines = out.splitlines()
+    files = sum(len(names) for _, _, names in os.walk(tmp_path / "tp4" / "step_000002"))
+    assert lines[0] == (f"nxdtp-merge: wrote checkpoint {tmp_path / 'tp4'}: tag step_000002 at "
+                        f"tensor_model_parallel_size=4 (from 2, {tag}), {len(_index(tmp_path / 'tp4')['tensors'])} "
+                        "model tensors in 4 model files, optimizer state in 4 files, vocabulary padded to a multiple "
+                        f"of 1 * 4; {files} files"), out
+    assert lines[1:] == ["  note: RNG states (rng/) dropped: they belong to tensor_model_parallel_size=2; resume with "
+                         "restore_rng_states=False"], out
+    assert _index(tmp_path / "tp4")["tensor_model_parallel_size"] == 4
+    assert (tmp_path / "tp4" / "newest").read_text().strip() == "step_000002"
+
+
+def test_tag_directory_refusals(trained, tmp_path, capsys):
+    checkpoint, tag = _damaged_copy(trained, tmp_path)
+    out = tmp_path / "out"
+    for extra in ([], ["--reshard", 4]):
+        # --tag applies to a checkpoint directory only.
+        _refused([tag, out, "--tag", "step_000002"] + extra, capsys, tag, "is a tag directory", "--tag step_000002",
+                 f"its checkpoint directory {checkpoint}")
+        # The output must lie outside the checkpoint directory that holds the tag, too.
+        _refused([tag, checkpoint / "merged"] + extra, capsys, "inside the input checkpoint directory", checkpoint)
+    os.remove(tag / "done")
+    for extra in ([], ["--reshard", 4]):
+        _refused([tag, out] + extra, capsys, tag, "incomplete", "no 'done' file")
+    os.remove(tag / "nxdtp_index.json")
+    _refused([tag, out], capsys, tag, "incomplete", "no 'nxdtp_index.json' and no 'done' files")
+    # A directory that is neither says so, and lists the complete tags it holds.
+    (checkpoint / "newest").unlink()
+    shutil.copytree(trained[0] + "/live/step_000002", checkpoint / "step_000003")
+    _refused([checkpoint, out], capsys, checkpoint, "no 'newest' file", "not a tag directory", "['step_000003']")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(checkpoint)) == ["step_000002", "step_000003"]

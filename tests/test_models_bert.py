@@ -908,3 +908,66 @@ def test_checkpoint_layers_under_autocast_train_every_parameter(worlds):
 
 def test_attention_bias_and_checkpoint_layers_change_nothing(worlds):
     assert worlds(2).run(case_attention_bias_and_checkpoint_layers, tensor_model_parallel_size=2) == [True, True]
+
+
+# ---- pickling: torch.save(model) / torch.load and deepcopy, as for a plain HF model ------------------------------------
+
+def case_pickled_model_equals_original():
+    """A parallelized BERT (wrapped forwards, sequence-parallel LayerNorm subclasses, checkpointed layers) survives
+    torch.save(model) / torch.load and deepcopy: same classes, same outputs, same gradients; a pickled shard is
+    refused under another TP layout."""
+    import io
+    import pickle
+
+    from nxdtp.models import parallelize_model
+    from nxdtp.models.bert import checkpoint_layers
+    from nxdtp.plan import wrap_forward
+
+    rank, tp = _tp()
+    config = _config(vocab_size=101)
+    batch = _batch(config, seed=3)
+    for sp in (False, True):
+        model = parallelize_model(_dense(BertForPreTraining, config, seed=4), sequence_parallel=sp)
+        if sp:
+            model = checkpoint_layers(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copies = {"torch.load": torch.load(buffer, weights_only=False), "deepcopy": copy.deepcopy(model)}
+        model.zero_grad()
+        out = model(**batch)
+        out.loss.backward()
+        for how, other in copies.items():
+            what = f"tp={tp} rank {rank} sp={sp} {how}"
+            assert [type(m) for m in other.modules()] == [type(m) for m in model.modules()], what
+            assert other.cls.predictions.decoder.weight is other.bert.embeddings.word_embeddings.weight, what
+            other_out = other(**batch)
+            other_out.loss.backward()
+            _close(other_out.loss, out.loss, f"{what}: loss")
+            _close(other_out.prediction_logits, out.prediction_logits, f"{what}: MLM logits")
+            grads = dict(other.named_parameters())
+            for name, param in model.named_parameters():
+                assert param.grad is not None and grads[name].grad is not None, f"{what}: {name} has no gradient"
+                _close(grads[name].grad, param.grad, f"{what}: grad of {name}")
+
+    # A TP shard loaded under another layout is refused by name, not run with the wrong slice.
+    with ps.simulated_topology(world_size=tp, rank=0, tensor_model_parallel_size=1):
+        buffer.seek(0)
+        with pytest.raises(RuntimeError, match=f"tensor-parallel rank {rank} of {tp}, but this process is "
+                                               f"tensor-parallel rank 0 of 1"):
+            torch.load(buffer, weights_only=False)
+
+    # A local (closure) forward wrapper still deep-copies; pickling it names the wrapper.
+    def local_wrapper(forward, *args, **kwargs):
+        return forward(*args, **kwargs)
+
+    layer = nn.Linear(2, 2)
+    wrap_forward(layer, "test_local_wrapper", local_wrapper)
+    assert type(copy.deepcopy(layer)) is type(layer)
+    with pytest.raises(pickle.PicklingError, match="local_wrapper.*'test_local_wrapper'.*wrapper_factory"):
+        pickle.dumps(layer)
+    return True
+
+
+def test_pickled_model_equals_original(worlds):
+    assert worlds(2).run(case_pickled_model_equals_original, tensor_model_parallel_size=2) == [True, True]

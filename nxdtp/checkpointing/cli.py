@@ -9,8 +9,10 @@
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
         the family (nxdtp.models.nxd)
 
-Bad input (missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and
-one line on stderr; the output directory is then left as it was.
+CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
+the training log prints it; --tag is then an error). A successful run prints what it wrote on stdout. Bad input
+(missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and one line
+on stderr; the output directory is then left as it was.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
+import os
 import sys
 import warnings
 from typing import List, Optional
@@ -38,10 +42,12 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Merge a sharded nxdtp checkpoint into a dense Hugging Face checkpoint, "
                                             "or reshard it to another tensor parallel size.")
-    parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="checkpoint directory (holds 'newest' and tags)")
+    parser.add_argument("checkpoint_dir", metavar="CKPT_DIR",
+                        help="checkpoint directory (holds 'newest' and tags), or one complete tag directory in it")
     parser.add_argument("output_dir", metavar="OUT_DIR", help="output directory (created; must not be inside CKPT_DIR)")
-    parser.add_argument("--tag", default=None, help="tag to read (default: the newest complete one); with --from-nxd, "
-                                                    "a tag in a directory of NxD trainer checkpoint tags")
+    parser.add_argument("--tag", default=None, help="tag to read when CKPT_DIR is a checkpoint directory (default: the "
+                                                    "newest complete one); with --from-nxd, a tag in a directory of "
+                                                    "NxD trainer checkpoint tags")
     parser.add_argument("--reshard", type=int, default=None, metavar="N",
                         help="write a sharded checkpoint at tensor parallel size N instead of a dense one")
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
@@ -89,8 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
             if args.from_nxd:
-                result = _from_nxd(args)
-                what = "dense checkpoint"
+                report = f"wrote dense checkpoint {_from_nxd(args)}"
             elif args.reshard is not None:
                 if args.format != "safetensors":
                     raise _BadUsage("--format applies to dense merges; --reshard writes nxdtp's sharded format")
@@ -98,22 +103,60 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 result = reshard(args.checkpoint_dir, args.output_dir, args.reshard, tag=args.tag, force=args.force,
                                  progress=progress, pad_to_multiple_of=args.pad_to_multiple_of, config=args.config)
-                what = f"checkpoint at tensor_model_parallel_size={args.reshard}"
+                report = _resharded(args.output_dir, result)
             else:
                 if args.pad_to_multiple_of is not None:
                     raise _BadUsage("--pad-to-multiple-of only applies with --reshard")
                 from .merge import merge
 
+                from .tags import resolve_checkpoint
+
+                tag_dir, _ = resolve_checkpoint(args.checkpoint_dir, args.tag)
                 result = merge(args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
                                output_format="pytorch_bin" if args.format == "bin" else "safetensors",
                                progress=progress, config=args.config)
-                what = "dense checkpoint"
+                report = _merged(result, tag_dir)
     except (_BadUsage, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if progress:
-        print(f"{PROG}: wrote {what} {result}", file=sys.stderr)
+    print(f"{PROG}: {report}")
     return 0
+
+
+def _merged(path: str, tag_dir: str) -> str:
+    """What a merge wrote, read back from the output file."""
+    if path.endswith(".safetensors"):
+        from .safetensors_stream import SafetensorsFileReader
+
+        count = len(SafetensorsFileReader(path).keys())
+    else:
+        import torch
+
+        count = len(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    config = os.path.join(os.path.dirname(path), "config.json")
+    return (f"wrote dense checkpoint {path} ({count} tensors{', with config.json' if os.path.isfile(config) else ''}"
+            f") from tag {os.path.basename(os.path.normpath(tag_dir))} ({tag_dir})")
+
+
+def _resharded(output_dir: str, tag_dir: str) -> str:
+    """What a reshard wrote, read back from its index and reshard.json."""
+    from .index import CheckpointIndex
+
+    index = CheckpointIndex.read(tag_dir)
+    with open(os.path.join(tag_dir, "reshard.json")) as f:
+        record = json.load(f)
+    tp = index.tensor_model_parallel_size
+    files = sorted(os.path.relpath(os.path.join(root, name), tag_dir)
+                   for root, _, names in os.walk(tag_dir) for name in names)
+    model_files = sum(1 for f in files if f.startswith("model" + os.sep))
+    optim_files = sum(1 for f in files if f.startswith("optim" + os.sep) and f.endswith(".safetensors"))
+    lines = [f"wrote checkpoint {output_dir}: tag {os.path.basename(tag_dir)} at tensor_model_parallel_size={tp} "
+             f"(from {record['source_tensor_model_parallel_size']}, {record['source']}), {len(index.tensors)} model "
+             f"tensors in {model_files} model files, "
+             + (f"optimizer state in {optim_files} files" if index.optimizer is not None else "no optimizer state")
+             + f", vocabulary padded to a multiple of {record['pad_to_multiple_of']} * {tp}; {len(files)} files"]
+    lines += [f"  note: {note}" for note in record.get("notes", [])]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

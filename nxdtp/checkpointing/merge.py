@@ -8,6 +8,7 @@ Safety rules shared by both:
 * Everything is checked before anything is written: the tag is complete, the index parses, and every rank file the
   index names exists, is a readable safetensors file, and holds every tensor with the shape the index gives.
   Errors name the file.
+* The input is a checkpoint directory (``newest`` names its tag, or ``tag`` does) or one complete tag directory.
 * The output directory must not be (or lie inside, or contain) the input checkpoint directory. An existing non-empty
   output directory is refused unless ``force``.
 * The output is written into a temporary sibling directory and renamed into place at the end: after any error,
@@ -73,15 +74,15 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     full, unpadded tensors under their HF names (each tied tensor once, under its first name), and the tag's
     ``config.json`` if it has one, so ``AutoModel.from_pretrained(output_dir)`` loads it. ``config`` (a config.json
     path) is copied instead: a checkpoint saved from ``model.state_dict()`` (NxD's form) has no config of its own.
-    ``tag`` defaults to the newest complete one. The safetensors form streams one tensor at a time; the bin form
+    ``checkpoint_dir`` is a checkpoint directory, whose tag is ``tag`` or by default the newest complete one, or a
+    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the bin form
     holds the whole model in memory (``torch.save`` needs the full dict).
     """
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
-    tag_dir = tags.resolve_tag(checkpoint_dir, tag)
+    tag_dir = _resolve_source(checkpoint_dir, tag, output_dir, force)
     index = _read_index(tag_dir)
     config_path = _config_source(tag_dir, config)
-    check_output_dir(checkpoint_dir, output_dir, force)
     model_files = _open_model_files(tag_dir, index)  # validates every file before anything is written
     try:
         def write(staging: str) -> str:
@@ -125,18 +126,18 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     Optimizer state keyed by index (NxD's ``optimizer.state_dict()`` form) cannot be matched to parameters and is
     dropped with a warning. RNG states are copied when the degree is unchanged and dropped otherwise (a TP rank's
     tracker state has no counterpart at another degree); ``reshard.json`` in the tag records what was done.
-    ``config`` (a config.json path) replaces or supplies the tag's config.json.
+    ``config`` (a config.json path) replaces or supplies the tag's config.json. ``checkpoint_dir`` and ``tag`` are
+    as for ``merge``.
     """
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
         raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
     if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
-    tag_dir = tags.resolve_tag(checkpoint_dir, tag)
+    tag_dir = _resolve_source(checkpoint_dir, tag, output_dir, force)
     tag_name = os.path.basename(os.path.normpath(tag_dir))
     index = _read_index(tag_dir)
     old_tp = index.tensor_model_parallel_size
     config_path = _config_source(tag_dir, config)
-    check_output_dir(checkpoint_dir, output_dir, force)
 
     notes: List[str] = []
     multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
@@ -204,6 +205,16 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
 
 
 # ---- index and input checks ---------------------------------------------------------------------------------------------
+
+def _resolve_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool) -> str:
+    """The tag directory to read (``checkpoint_dir`` is a checkpoint directory or a complete tag directory), after
+    checking ``output_dir`` lies outside it (and outside the checkpoint directory that holds a given tag)."""
+    tag_dir, holder = tags.resolve_checkpoint(checkpoint_dir, tag)
+    if holder != checkpoint_dir and os.path.isfile(os.path.join(holder, tags.NEWEST_FILE)):
+        check_output_dir(holder, output_dir, force)
+    check_output_dir(checkpoint_dir, output_dir, force)
+    return tag_dir
+
 
 def _read_index(tag_dir: str) -> CheckpointIndex:
     path = os.path.join(tag_dir, INDEX_FILE)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from .index import DONE_FILE
+from .index import DONE_FILE, INDEX_FILE
 
 NEWEST_FILE = "newest"
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -96,6 +96,35 @@ def resolve_tag(output_dir: str, tag: Optional[str]) -> str:
         raise ValueError(f"checkpoint tag {tag_dir} is incomplete (no '{DONE_FILE}' file: the save did not finish); "
                          f"complete tags: {complete_tags(output_dir)}")
     return tag_dir
+
+
+def is_tag_dir(path: str) -> bool:
+    """Whether ``path`` looks like one tag (complete or not) rather than a checkpoint directory: it has no ``newest``
+    file, and it has the index, ``done`` or a ``model/`` directory."""
+    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, NEWEST_FILE))
+            and any(os.path.exists(os.path.join(path, name)) for name in (INDEX_FILE, DONE_FILE, "model")))
+
+
+def resolve_checkpoint(path: str, tag: Optional[str]) -> Tuple[str, str]:
+    """``(tag_dir, checkpoint_dir)`` for ``path``, a checkpoint directory (with ``newest``; ``tag`` picks another tag)
+    or one complete tag directory itself (``tag`` must then be None). A tag directory that is not complete is refused
+    with what it lacks. ``checkpoint_dir`` is the directory that holds the tag."""
+    if not is_tag_dir(path):
+        if not os.path.isdir(path) or tag is not None or newest_tag(path) is not None:
+            return resolve_tag(path, tag), path
+        raise FileNotFoundError(f"{path} has no '{NEWEST_FILE}' file (no complete checkpoint was saved there) and is "
+                                f"not a tag directory (no '{INDEX_FILE}' or '{DONE_FILE}'); pass a checkpoint "
+                                f"directory or one of its tags; complete tags in it: {complete_tags(path)}")
+    if tag is not None:
+        raise ValueError(f"{path} is a tag directory, so --tag {tag} (tag={tag!r}) cannot apply; pass the tag "
+                         f"directory alone, or its checkpoint directory {os.path.dirname(os.path.abspath(path))} "
+                         f"with --tag")
+    missing = [name for name in (INDEX_FILE, DONE_FILE) if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        raise ValueError(f"checkpoint tag {path} is incomplete: it has no {' and no '.join(repr(m) for m in missing)} "
+                         f"file{'s' if len(missing) > 1 else ''} (the save did not finish); pass a complete tag, or "
+                         f"the checkpoint directory to take its newest complete tag")
+    return path, os.path.dirname(os.path.abspath(path))
 
 
 def prune(output_dir: str, keep_last: int, protect: str) -> List[str]:

@@ -6,14 +6,12 @@ They are forward wrappers (``nxdtp.plan.wrap_forward``) and small functions; non
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from .. import mappings
 from ..parallel_state import tensor_parallel_group
-from ..plan import wrap_forward
+from ..plan import wrap_forward, wrapper_factory
 from ..random import checkpoint, get_xla_rng_tracker
 
 
@@ -176,8 +174,9 @@ def maybe_forked(fork: bool, forward, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-# The wrapper factories are cached: wrap_forward keys its subclasses by wrapper name and requires one function per name.
-@functools.lru_cache(maxsize=None)
+# The wrapper factories are cached (wrap_forward keys its subclasses by wrapper name and requires one function per name)
+# and remember their arguments, so wrapped models pickle: nxdtp.plan.wrapper_factory.
+@wrapper_factory
 def tensor_parallel_block(sequence_dimension: int, sequence_parallel: bool, forks_dropout):
     """A forward wrapper for a block whose column-parallel input projections (Q/K/V, or gate/up) all read the same
     ``hidden_states``: one entry region for all of them, so backward sums their input gradients with a single
@@ -195,7 +194,7 @@ def tensor_parallel_block(sequence_dimension: int, sequence_parallel: bool, fork
     return wrapper
 
 
-@functools.lru_cache(maxsize=None)
+@wrapper_factory
 def scatter_sequence_of_input(sequence_dimension: int):
     """A forward wrapper that splits the first argument along the sequence: where a sequence-parallel region starts."""
 
@@ -206,7 +205,7 @@ def scatter_sequence_of_input(sequence_dimension: int):
     return wrapper
 
 
-@functools.lru_cache(maxsize=None)
+@wrapper_factory
 def gather_sequence_of_output(sequence_dimension: int):
     """A forward wrapper that gathers a tensor output along the sequence for replicated consumers (backward splits):
     where a sequence-parallel region ends."""
