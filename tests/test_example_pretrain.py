@@ -8,6 +8,7 @@ already compare TP with dense modules.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,7 +39,7 @@ def case_train(argv):
     return script.run(script.parse_args(argv))
 
 
-def case_train_with_inf_gradient(argv, bad_step, rank):
+def case_train_with_inf_gradient(argv, bad_step, rank, stdout_path):
     """The script's run, with an inf put into one gradient element of one rank only, just before the DP all-reduce,
     at optimizer step ``bad_step`` (the script's ``grads`` is swapped for a copy whose allreduce_gradients does it;
     restored after). The DP average spreads it to the DP peers, the norm's TP all-reduce to every rank."""
@@ -56,10 +57,13 @@ def case_train_with_inf_gradient(argv, bad_step, rank):
         return real.allreduce_gradients(model, *args, **kwargs)
 
     script.grads = types.SimpleNamespace(**{**vars(real), "allreduce_gradients": allreduce_gradients})
-    try:
-        return script.run(script.parse_args(argv))
-    finally:
-        script.grads = real
+    # What the ranks print goes to a file: the pool's processes may predate the test's output capture.
+    with open(f"{stdout_path}.{torch.distributed.get_rank()}", "w") as printed, \
+            contextlib.redirect_stdout(printed):
+        try:
+            return script.run(script.parse_args(argv))
+        finally:
+            script.grads = real
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------------------------
@@ -357,7 +361,7 @@ def test_two_loopback_nodes_match_one_node(data_dir, model_config, tmp_path):
     assert curves["two"] == curves["one"]
 
 
-def test_a_non_finite_grad_norm_is_logged_and_stops_before_saving(worlds, data_dir, model_config, tmp_path, capfd):
+def test_a_non_finite_grad_norm_is_logged_and_stops_before_saving(worlds, data_dir, model_config, tmp_path):
     from nxdtp import checkpointing
 
     out = str(tmp_path / "inf")
@@ -366,13 +370,14 @@ def test_a_non_finite_grad_norm_is_logged_and_stops_before_saving(worlds, data_d
     with pytest.raises(AssertionError, match=r"NonFiniteStepError.*step 3: non-finite step_loss : [0-9.]+ "
                                              r"grad-norm : inf; stopping without saving step 3 \(last checkpoint: "
                                              r"step 2\)"):
-        worlds(4).run(case_train_with_inf_gradient, tensor_model_parallel_size=None, argv=argv, bad_step=3, rank=3)
+        worlds(4).run(case_train_with_inf_gradient, tensor_model_parallel_size=None, argv=argv, bad_step=3, rank=3,
+                      stdout_path=str(tmp_path / "stdout"))
     records = step_log(out)
     assert [r["step"] for r in records] == [1, 2, 3], records
     assert records[2]["grad_norm"] == float("inf") and all(map(math.isfinite, [records[1]["grad_norm"],
                                                                              records[2]["loss"]]))
     assert checkpointing.list_tags(out) == ["step_000001", "step_000002"]
-    printed = capfd.readouterr().out
+    printed = (tmp_path / "stdout.0").read_text()
     assert re.search(r"LOG .* - \(\d+, 3\) step_loss : [0-9.]+ learning_rate : \S+ throughput : \S+ seq/s "
                      r"grad-norm : inf", printed), printed[-3000:]
     assert re.search(r"LOG .* - \(\d+, 3\) ERROR step 3: non-finite", printed), printed[-3000:]
