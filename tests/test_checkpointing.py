@@ -319,6 +319,12 @@ def case_crash(root: str):
     trainer = load(root, fresh)
     loaded_newest = _same_arrays(_params(fresh), step1)
     errors = {tag: _error(lambda: load(root, _tiny(seed=50)[0], tag=tag)) for tag in ("step_000002", "step_000003")}
+    # The tag directory itself (what save returns and the training log prints) loads as its checkpoint directory does;
+    # an incomplete one is refused with what it lacks.
+    by_tag_dir, _ = _tiny(seed=51)
+    load(os.path.join(root, "step_000001"), by_tag_dir)
+    loaded_by_tag_dir = _same_arrays(_params(by_tag_dir), step1)
+    errors["tag directory step_000002"] = _error(lambda: load(os.path.join(root, "step_000002"), _tiny(seed=50)[0]))
     tags_listed = list_tags(root)
 
     # Saving the crashed tag again completes it (the leftovers of the dead save are overwritten).
@@ -326,7 +332,7 @@ def case_crash(root: str):
     fresh, _ = _tiny(seed=50)
     load(root, fresh, tag="step_000002")
     return dict(crash=crash, partial_files=partial_files, newest_after_crash=newest_after_crash, trainer=trainer,
-                loaded_newest=loaded_newest, errors=errors, tags=tags_listed, newest_final=newest_tag(root),
+                loaded_newest=loaded_newest, loaded_by_tag_dir=loaded_by_tag_dir, errors=errors, tags=tags_listed, newest_final=newest_tag(root),
                 retried=_same_arrays(_params(fresh), _params(model)))
 
 
@@ -338,7 +344,9 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(worlds, tmp_path
         assert "model/tp_rank_00.safetensors" in r["partial_files"] and "done" not in r["partial_files"], r
         assert "model/tp_rank_01.safetensors" in r["partial_files"] and "nxdtp_index.json" in r["partial_files"], r
         assert r["newest_after_crash"] == "step_000001", r
-        assert r["trainer"]["global_step"] == 1 and r["loaded_newest"] == [], (rank, r)
+        assert r["trainer"]["global_step"] == 1 and r["loaded_newest"] == [] and r["loaded_by_tag_dir"] == [], (rank, r)
+        tag_dir_error = r["errors"].pop("tag directory step_000002")
+        assert tag_dir_error is not None and "incomplete" in tag_dir_error and "no 'done'" in tag_dir_error, tag_dir_error
         for tag, message in r["errors"].items():
             assert message is not None and "incomplete" in message and tag in message, (rank, tag, message)
             assert "step_000001" in message, message  # it lists what can be loaded instead

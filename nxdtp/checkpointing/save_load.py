@@ -453,7 +453,8 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
 
     NxD's positional parameters are kept: ``load(dir, model)``, ``load(dir, optimizer)`` and
     ``load(dir, model_or_optimizer=...)`` work; so does ``load(dir, model=..., optimizer=..., scheduler=...,
-    restore_rng_states=True)`` to resume training exactly. ``tag`` defaults to the newest complete one. The TP degree
+    restore_rng_states=True)`` to resume training exactly. ``chkpt_path`` is a checkpoint directory (``tag`` defaults
+    to its newest complete tag) or one complete tag directory, as ``save`` returns it. The TP degree
     must match the one saved; otherwise the error names both and the reshard command.
 
     ``sharded=False`` is NxD's full-checkpoint form: ``chkpt_path`` is one ``torch.save`` file holding the full state
@@ -497,7 +498,7 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     # The step's pending graph runs here on every rank, not inside whatever this load does first on one rank only.
     comm.materialize(_live_tensors(model, optimizer))
     try:
-        tag_dir = tags.resolve_tag(output_dir, tag)
+        tag_dir, _ = tags.resolve_checkpoint(output_dir, tag)  # a checkpoint directory, or one of its tags
         index = CheckpointIndex.read(tag_dir)
         tp_group = tensor_parallel_group()
         if index.tensor_model_parallel_size != tp_group.size:
