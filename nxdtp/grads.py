@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import (ParallelGroup, data_parallel_group, get_context_model_parallel_size,
-                             get_expert_model_parallel_size, tensor_parallel_group)
+from .parallel_state import ParallelGroup, data_parallel_group, get_topology, tensor_parallel_group
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference. The one epsilon of every
 # gradient clip in nxdtp (clip_grad_norm, clip_grads_with_norm, Lamb's max_grad_norm), through clip_coefficient.
@@ -265,8 +264,7 @@ def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor], reduce_over_e
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
     if reduce_over_ep_group:
-        if get_expert_model_parallel_size() != 1:  # parallel_state has no expert parallelism; guard a future one
-            raise NotImplementedError("bucket_allreduce_gradients(reduce_over_ep_group=True) with expert parallelism")
+        get_topology()  # the expert group is this rank alone: nothing to reduce, but, as NxD's, it needs the topology
         return
     group = data_parallel_group()
     _bucketed_all_reduce(list(grads_list), group, group.size, bucket_cap_mb)
@@ -292,8 +290,7 @@ def allreduce_context_parallel_gradients(optimizer: Any) -> None:
     nxdtp has no context parallelism: its context-parallel size is 1, and, as in NxD at size 1, there is nothing to
     reduce and the gradients are left as they are. Needs an installed topology, as NxD does.
     """
-    if get_context_model_parallel_size() != 1:  # parallel_state has no context parallelism; guard a future one
-        raise NotImplementedError("allreduce_context_parallel_gradients with a context-parallel size above 1")
+    get_topology()  # raises before initialize_model_parallel, as NxD's does
 
 
 def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:

@@ -74,7 +74,8 @@ class Lamb(torch.optim.Optimizer):
     before the moments are updated: ``nxdtp.grads.clip_coefficient``, the coefficient and epsilon (``CLIP_EPS``) of
     ``clip_grad_norm`` and of torch's ``clip_grad_norm_``, so the clipped gradient is ``clip_grad_norm``'s to the bit.
     ``global_grad_norm`` is the dense model's L2 norm over all parameters of the optimizer that have a gradient
-    (``nxdtp.grads.get_grad_norm``; one more all-reduce). The ``.grad`` tensors themselves are not modified. It is an optimizer-wide setting (the norm is global), not a per-group one.
+    (``nxdtp.grads.get_grad_norm``; one more all-reduce). The ``.grad`` tensors themselves are not modified. It is an
+    optimizer-wide setting (the norm is global), not a per-group one.
 
     State per parameter: ``step`` (0-dim fp32 tensor on the parameter's device), ``exp_avg``, ``exp_avg_sq`` (the
     parameter's dtype). Norms and trust ratios are computed in fp32.

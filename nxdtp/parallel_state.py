@@ -17,6 +17,7 @@ import datetime
 import enum
 from typing import Iterator, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 
@@ -260,6 +261,32 @@ def _group_options(default_backend: str, all_groups: List[List[int]]) -> dict:
     if default_backend == "xla":
         return {"pg_options": {"xla_pg_options": {"mesh": [list(g) for g in all_groups]}}}
     return {}
+
+
+def single_process_backend(device: Optional[torch.device]) -> str:
+    """The torch.distributed backend of a world of 1 for ``device``, with gloo for CPU tensors in every case."""
+    if device is None or device.type in ("cpu", "meta"):
+        return "gloo"
+    if device.type == "xla":
+        return "xla"
+    known = dist.Backend.default_device_backend_map
+    backend = known.get(device.type)
+    if backend is None:
+        raise ValueError(f"initialize_fallback_parallel_state: no torch.distributed backend is known for device "
+                         f"{str(device)!r}; valid device types are {sorted({'xla', 'meta', *known})}, or None (CPU)")
+    return "gloo" if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
+
+
+def initialize_single_process_world(device: Optional[torch.device] = None) -> str:
+    """Unless torch.distributed is initialized already, make a world of 1 in process (a ``HashStore``: no port is
+    opened) on ``single_process_backend(device)``; return that backend. The world behind NxD's
+    ``initialize_fallback_parallel_state`` (nxdtp.utils)."""
+    backend = single_process_backend(torch.device(device) if device is not None else None)
+    if not dist.is_initialized():
+        if backend == "xla":
+            import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return backend
 
 
 def destroy_model_parallel() -> None:

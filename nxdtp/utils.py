@@ -10,12 +10,12 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import comm
 from .parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_parallel_size,
-                             initialize_model_parallel, model_parallel_is_initialized)
+                             initialize_model_parallel, initialize_single_process_world,
+                             model_parallel_is_initialized)
 from .spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
@@ -203,20 +203,6 @@ def requires_init_pg_override() -> bool:
     return _torch_version() == (2, 0)
 
 
-def _fallback_backend(device: Optional[torch.device]) -> str:
-    """The torch.distributed backend of a world of 1 for ``device``, with gloo for CPU tensors in every case."""
-    if device is None or device.type in ("cpu", "meta"):
-        return "gloo"
-    if device.type == "xla":
-        return "xla"
-    known = dist.Backend.default_device_backend_map
-    backend = known.get(device.type)
-    if backend is None:
-        raise ValueError(f"initialize_fallback_parallel_state: no torch.distributed backend is known for device "
-                         f"{str(device)!r}; valid device types are {sorted({'xla', 'meta', *known})}, or None (CPU)")
-    return "gloo" if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
-
-
 def initialize_fallback_parallel_state(device: Optional[torch.device] = None) -> None:
     """Set up a single-process world, so that parallel layers work without torchrun (NxD's name).
 
@@ -230,12 +216,7 @@ def initialize_fallback_parallel_state(device: Optional[torch.device] = None) ->
     if model_parallel_is_initialized():
         raise RuntimeError("initialize_fallback_parallel_state: model parallel is already initialized; call "
                            "nxdtp.parallel_state.destroy_model_parallel() first to replace it")
-    device = torch.device(device) if device is not None else None
-    backend = _fallback_backend(device)
-    if not dist.is_initialized():
-        if backend == "xla":
-            import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    backend = initialize_single_process_world(device)
     initialize_model_parallel(tensor_model_parallel_size=1)
     if backend == "xla":
         from .random import model_parallel_xla_manual_seed

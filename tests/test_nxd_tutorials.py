@@ -370,7 +370,7 @@ def case_sequence_parallel(seed: int, sequence_parallel: bool, allreduce: str = 
     row-parallel biases) are partial sums over each rank's sequence shard: their TP sum must equal dense. With
     ``allreduce="guide"`` the guide's allreduce_sequence_parallel_gradients(optimizer) runs first (``"nxdtp"``:
     nxdtp.grads' function of that name) and each rank's gradient must equal dense; the mismatching names are returned,
-    not raised (the guide's is an xfail case)."""
+    not raised, so the test reports them all."""
     sp = _script("sequence_parallel_block")
     config = sp.BlockConfig(sequence_parallel_enabled=sequence_parallel)
     torch.manual_seed(seed)

@@ -166,10 +166,10 @@ def test_fallback_backend_for_each_device(monkeypatch):
     expected = {None: "gloo", "cpu": "gloo", "meta": "gloo", "xla": "xla", "cuda": "cpu:gloo,cuda:nccl",
                 "xpu": "cpu:gloo,xpu:xccl", "mps": "gloo"}
     for device, backend in expected.items():
-        assert utils._fallback_backend(torch.device(device) if device else None) == backend, device
+        assert ps.single_process_backend(torch.device(device) if device else None) == backend, device
     with pytest.raises(ValueError, match=r"no torch.distributed backend is known for device 'hpu'; valid device "
                                          r"types are \['cpu', 'cuda', 'meta', 'mps', 'xla', 'xpu'\], or None \(CPU\)"):
-        utils._fallback_backend(torch.device("hpu"))
+        ps.single_process_backend(torch.device("hpu"))
 
 
 def _fallback_script(device_kind: str) -> dict:

@@ -181,7 +181,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
         optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
         trainer_state, extras = _trainer_payload(checkpoint)
         # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
-        comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()) + _tensors_in(extras))
+        comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
+        extras = move_all_tensor_to_cpu(extras)  # on every rank: a pending XLA graph must not run on one alone
         # HF models list the keys they re-tie when loading (a dict in transformers 5, a list before); the tie's owner
         # is stored under a key the model loads directly, or under the one its plan names (nxdtp_tied_keys_to_store).
         tensors, entries = split_state_dict(model_state, tp_group.size,
@@ -210,7 +211,7 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
             if extras:
                 path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(move_all_tensor_to_cpu(extras), path)
+                torch.save(extras, path)
         _write_json(os.path.join(tag_dir, "rng", f"rank_{topology.rank:05d}.json"), _rng_payload())
 
         if topology.rank == 0:
@@ -289,16 +290,6 @@ def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[s
     except TypeError as e:
         raise TypeError(f"the scheduler state must be JSON-serialisable: {e}") from None
     return payload, extras
-
-
-def _tensors_in(value: Any) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_in(v)]
-    return []
 
 
 # ---- optimizer ----------------------------------------------------------------------------------------------------------
