@@ -1,6 +1,6 @@
 """Gradient norm and clipping over tensor-parallel shards, and the data- and sequence-parallel gradient all-reduces.
 
-Scale rules (DESIGN.md, principle 7):
+Scale rules (docs/index.md, "Gradient scale is exact"):
 
 * ``get_grad_norm`` / ``clip_grad_norm`` give the norm of the *dense* model's gradient. A TP-sharded parameter holds a
   different slice on every TP rank, so every rank counts its slice; a replicated parameter holds the same gradient on
@@ -249,10 +249,10 @@ def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor], reduce_over_e
                                bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
     """Average gradients over the data-parallel group, in place: sum over the DP ranks, divide by the DP size.
 
-    Never divides by the world size or reduces over TP ranks (DESIGN.md principle 7). Gradients of one dtype are
-    flattened into buckets of at most ``bucket_cap_mb`` MiB, one all-reduce per bucket. ``None`` entries and repeats are
-    skipped. Every rank of a DP group must pass gradients of the same shapes in the same order. No-op when the DP size
-    is 1.
+    Never divides by the world size or reduces over TP ranks (docs/index.md, "Gradient scale is exact"). Gradients of
+    one dtype are flattened into buckets of at most ``bucket_cap_mb`` MiB, one all-reduce per bucket. ``None`` entries
+    and repeats are skipped. Every rank of a DP group must pass gradients of the same shapes in the same order. No-op
+    when the DP size is 1.
 
     ``reduce_over_ep_group=True`` is NxD's second pass for expert-parallel models: a sum over the expert-model-parallel
     group, without division. nxdtp has no expert parallelism (that group is each rank alone), so the pass has nothing

@@ -1,4 +1,4 @@
-"""The XLA path, proven on XLA:CPU (see shared/XLA_TESTING.md for what can and cannot run here).
+"""The XLA path, proven on XLA:CPU (docs/testing.md, "What XLA:CPU can and cannot run", lists what was measured).
 
 (a) Lowering: a rank of a simulated world (8 ranks, tp=4, this is rank 5) is traced to HLO text, which is parsed for the
     collectives, their replica groups and their count. These graphs are never executed; they run in their own worker
