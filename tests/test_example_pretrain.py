@@ -39,31 +39,43 @@ def case_train(argv):
     return script.run(script.parse_args(argv))
 
 
-def case_train_with_inf_gradient(argv, bad_step, rank, stdout_path):
-    """The script's run, with an inf put into one gradient element of one rank only, just before the DP all-reduce,
-    at optimizer step ``bad_step`` (the script's ``grads`` is swapped for a copy whose allreduce_gradients does it;
-    restored after). The DP average spreads it to the DP peers, the norm's TP all-reduce to every rank."""
+def case_train_with_fault(argv, fault, bad_step, rank, accum, stdout_path):
+    """The script's run, with one rank made non-finite at optimizer step ``bad_step``, then restored.
+
+    ``fault="gradient"``: an inf in one gradient element of rank ``rank`` just before the DP all-reduce (the script's
+    ``grads`` is swapped for a copy whose allreduce_gradients does it). The DP average spreads it to the DP peers, the
+    norm's TP all-reduce to every rank. ``fault="loss"``: that rank's attention bias is NaN in every micro-batch of the
+    step (the script's ``attention_bias`` is swapped), so its loss is NaN; the DP loss all-reduce spreads it."""
     import types
 
     script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
-    real = script.grads
-    calls = []
+    real_grads, real_bias = script.grads, script.attention_bias
+    steps, micro_batches = [], []
+    poisoned = torch.distributed.get_rank() == rank
 
     def allreduce_gradients(model, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == bad_step and torch.distributed.get_rank() == rank:
+        steps.append(1)
+        if fault == "gradient" and len(steps) == bad_step and poisoned:
             sharded = next(p for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
             sharded.grad.view(-1)[0] = float("inf")
-        return real.allreduce_gradients(model, *args, **kwargs)
+        return real_grads.allreduce_gradients(model, *args, **kwargs)
 
-    script.grads = types.SimpleNamespace(**{**vars(real), "allreduce_gradients": allreduce_gradients})
+    def attention_bias(*args, **kwargs):
+        micro_batches.append(1)
+        bias = real_bias(*args, **kwargs)
+        if fault == "loss" and (len(micro_batches) - 1) // accum + 1 == bad_step and poisoned:
+            bias = torch.full_like(bias, float("nan"))
+        return bias
+
+    script.grads = types.SimpleNamespace(**{**vars(real_grads), "allreduce_gradients": allreduce_gradients})
+    script.attention_bias = attention_bias
     # What the ranks print goes to a file: the pool's processes may predate the test's output capture.
     with open(f"{stdout_path}.{torch.distributed.get_rank()}", "w") as printed, \
             contextlib.redirect_stdout(printed):
         try:
             return script.run(script.parse_args(argv))
         finally:
-            script.grads = real
+            script.grads, script.attention_bias = real_grads, real_bias
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------------------------
@@ -361,23 +373,42 @@ def test_two_loopback_nodes_match_one_node(data_dir, model_config, tmp_path):
     assert curves["two"] == curves["one"]
 
 
-def test_a_non_finite_grad_norm_is_logged_and_stops_before_saving(worlds, data_dir, model_config, tmp_path):
+@pytest.mark.parametrize("fault, loss_printed, norm_printed", [("gradient", "[0-9.]+", "inf"),
+                                                                    ("loss", "nan", "nan")])
+def test_a_non_finite_step_is_logged_and_stops_before_saving(worlds, data_dir, model_config, tmp_path, fault,
+                                                              loss_printed, norm_printed):
+    """An inf gradient, or a NaN loss on one DP rank, at step 3 of a tp2 x dp2 run: every rank stops at step 3 with the
+    step named, the LOG line of the step is printed, and only steps 1 and 2 are saved."""
     from nxdtp import checkpointing
 
-    out = str(tmp_path / "inf")
-    argv = training_argv(data_dir, model_config, out, 2, 2, steps=5) + ["--save_every_steps", "1"]
+    out = str(tmp_path / fault)
+    accum = 2
+    argv = training_argv(data_dir, model_config, out, 2, 2, 16, accum, steps=5) + ["--save_every_steps", "1"]
     argv.remove("--print_grad_norm")  # the bad step's grad-norm is printed anyway
-    with pytest.raises(AssertionError, match=r"NonFiniteStepError.*step 3: non-finite step_loss : [0-9.]+ "
-                                             r"grad-norm : inf; stopping without saving step 3 \(last checkpoint: "
-                                             r"step 2\)"):
-        worlds(4).run(case_train_with_inf_gradient, tensor_model_parallel_size=None, argv=argv, bad_step=3, rank=3,
-                      stdout_path=str(tmp_path / "stdout"))
+    with pytest.raises(AssertionError) as failure:
+        worlds(4).run(case_train_with_fault, tensor_model_parallel_size=None, argv=argv, fault=fault, bad_step=3,
+                      rank=3, accum=accum, stdout_path=str(tmp_path / "stdout"))
+    # Every rank stops at step 3, not only the one whose numbers went bad.
+    assert "failed on ranks [0, 1, 2, 3]" in str(failure.value), str(failure.value)[-3000:]
+    stops = re.findall(rf"NonFiniteStepError: step 3: non-finite step_loss : {loss_printed} grad-norm : "
+                       rf"{norm_printed}; stopping without saving step 3 \(last checkpoint: step 2\)",
+                       str(failure.value))
+    assert len(stops) == 4, str(failure.value)[-3000:]
     records = step_log(out)
     assert [r["step"] for r in records] == [1, 2, 3], records
-    assert records[2]["grad_norm"] == float("inf") and all(map(math.isfinite, [records[1]["grad_norm"],
-                                                                             records[2]["loss"]]))
+    assert all(math.isfinite(r[key]) for r in records[:2] for key in ("loss", "grad_norm")), records
+    if fault == "gradient":
+        assert records[2]["grad_norm"] == float("inf") and math.isfinite(records[2]["loss"]), records
+    else:
+        assert math.isnan(records[2]["loss"]) and math.isnan(records[2]["grad_norm"]), records
     assert checkpointing.list_tags(out) == ["step_000001", "step_000002"]
     printed = (tmp_path / "stdout.0").read_text()
-    assert re.search(r"LOG .* - \(\d+, 3\) step_loss : [0-9.]+ learning_rate : \S+ throughput : \S+ seq/s "
-                     r"grad-norm : inf", printed), printed[-3000:]
+    assert re.search(rf"LOG .* - \(\d+, 3\) step_loss : {loss_printed} learning_rate : \S+ throughput : \S+ seq/s "
+                     rf"grad-norm : {norm_printed}", printed), printed[-3000:]
     assert re.search(r"LOG .* - \(\d+, 3\) ERROR step 3: non-finite", printed), printed[-3000:]
+    # The newest saved step holds the finite weights of step 2, not the step-3 update.
+    from safetensors.torch import load_file
+
+    for shard in ("tp_rank_00", "tp_rank_01"):
+        weights = load_file(os.path.join(out, "step_000002", "model", f"{shard}.safetensors"))
+        assert all(torch.isfinite(w).all() for w in weights.values()), shard
