@@ -63,6 +63,9 @@ def inject_fault_if_requested(rank: int, step: int) -> None:
     if (int(parts[0]), int(parts[1])) != (rank, step):
         return
     mode = parts[2]
+    # The time lets a test measure how long the job took to end after the fault.
+    print(f"{FAULT_ENV}: rank {rank} injects {mode!r} at step {step}, time {time.time():.3f}", file=sys.stderr,
+          flush=True)
     if mode == "raise":
         raise InjectedFault(f"injected fault ({FAULT_ENV}={spec})")
     if mode == "kill":
@@ -83,11 +86,11 @@ class RankFailures:
     """One rank's failure reporting for a multi-rank run it started. ``stage`` says where the rank is (the example
     sets "step N"); ``exit`` and SIGTERM end the process."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, store=None):
         self.rank, self.world_size = rank, world_size
         self.stage = "start-up"
         self._exiting = False
-        self._store = _default_store()
+        self._store = store if store is not None else _default_store()
         self._store_call("set", KEY_PREFIX + f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -97,13 +100,17 @@ class RankFailures:
 
     def exit(self, error: BaseException) -> NoReturn:
         """Report ``error`` as this rank's failure and end the process with a non-zero status, without teardown."""
+        self.report(error)
+        os._exit(EXIT_CODE)
+
+    def report(self, error: BaseException) -> str:
+        """Print (its traceback when this rank's own code failed, then) the failure line, and return the line."""
         self._exiting = True
         collective = is_collective_failure(error)
         if not collective:
             traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
         line = f"rank {self.rank} failed at {self.stage}: {type(error).__name__}: {_one_line(error)}"
-        self._report(line, own_failure=not collective)
-        os._exit(EXIT_CODE)
+        return self._report(line, own_failure=not collective)
 
     def _on_sigterm(self, signum, frame) -> None:
         if self._exiting:  # already reporting its own failure: let that finish and exit
@@ -113,7 +120,7 @@ class RankFailures:
                      own_failure=False)
         os._exit(SIGTERM_EXIT_CODE)
 
-    def _report(self, line: str, own_failure: bool) -> None:
+    def _report(self, line: str, own_failure: bool) -> str:
         if self._store is not None:
             try:
                 self._store.set_timeout(STORE_TIMEOUT)
@@ -130,6 +137,7 @@ class RankFailures:
             line += f"; first failure in this job: {first}"
         print(line, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        return line
 
     def _first_failure_seen_by_peer(self) -> str:
         """The recorded first failure; else ranks gone without a report (recorded as the first failure); else a note
