@@ -81,7 +81,7 @@ def _dead_pid():
     return child.pid
 
 
-def test_the_rank_that_raised_is_the_first_failure_for_every_peer(failures_module, capsys):
+def test_the_rank_that_raised_is_the_first_failure_for_every_peer(failures_module, capfd):
     store = torch.distributed.HashStore()
     ranks = _reporters(failures_module, 4, store, {r: os.getpid() for r in range(4)})
     ranks[1].stage = "step 3"
@@ -90,12 +90,12 @@ def test_the_rank_that_raised_is_the_first_failure_for_every_peer(failures_modul
     except failures_module.InjectedFault as error:
         own = ranks[1].report(error)
     assert own == "rank 1 failed at step 3: InjectedFault: boom (the first failure in this job)"
-    assert "Traceback (most recent call last)" in capsys.readouterr().err  # its own error: where it happened
+    assert "Traceback (most recent call last)" in capfd.readouterr().err  # its own error: where it happened
     ranks[3].stage = "step 3"
     peer = ranks[3].report(GLOO_CLOSED)
     assert peer.startswith("rank 3 failed at step 3: RuntimeError: [/pytorch/third_party/gloo/")
     assert peer.endswith("; first failure in this job: rank 1 failed at step 3: InjectedFault: boom"), peer
-    assert capsys.readouterr().err == peer + "\n"  # a collective's failure: the line alone
+    assert capfd.readouterr().err == peer + "\n"  # a collective's failure: the line alone
     # A rank failing by itself later is not the first either.
     later = ranks[0].report(ValueError("also bad"))
     assert later.endswith("first failure in this job: rank 1 failed at step 3: InjectedFault: boom"), later
@@ -135,6 +135,23 @@ def test_the_fault_hook_refuses_a_malformed_spec(failures_module, monkeypatch):
     with pytest.raises(ValueError, match=r"NXDTP_INJECT_FAULT='1:three:raise' is not RANK:STEP:MODE with MODE one of "
                                          r"raise, kill, hang"):
         failures_module.inject_fault_if_requested(0, 1)
+
+
+def test_the_nccl_watchdog_teardown_is_switched_on_unless_the_user_chose(monkeypatch, capsys):
+    runtime = _example_module("runtime")
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    runtime._enforce_nccl_timeouts()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and capsys.readouterr().err == ""
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "0")  # torch still reads the old name: respected, and warned of
+    runtime._enforce_nccl_timeouts()
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    assert ("warning: NCCL_ASYNC_ERROR_HANDLING=0 turns off the NCCL watchdog's teardown: a rank that dies can "
+            "leave the others waiting forever; unset it (or set 1 or 3)") in capsys.readouterr().err
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")  # wait() then raises after the timeout: no warning
+    runtime._enforce_nccl_timeouts()
+    assert capsys.readouterr().err == ""
 
 
 # ---- the timeout flag ------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import List, NoReturn, Optional
@@ -92,11 +93,16 @@ class RankFailures:
         self._exiting = False
         self._store = store if store is not None else _default_store()
         self._store_call("set", KEY_PREFIX + f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")
-        self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Python runs signal handlers on the main thread only, and only there can one be installed.
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def close(self) -> None:
         """The run ended normally: give SIGTERM back its previous handler."""
-        signal.signal(signal.SIGTERM, self._previous_sigterm)
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def exit(self, error: BaseException) -> NoReturn:
         """Report ``error`` as this rank's failure and end the process with a non-zero status, without teardown."""
@@ -116,8 +122,8 @@ class RankFailures:
         if self._exiting:  # already reporting its own failure: let that finish and exit
             return
         self._exiting = True
-        self._report(f"rank {self.rank} stopped by SIGTERM at {self.stage} (torchrun stops every rank when one fails)",
-                     own_failure=False)
+        self._report(f"rank {self.rank} stopped by SIGTERM at {self.stage} (torchrun sends it to every rank once one "
+                     "has failed)", own_failure=False)
         os._exit(SIGTERM_EXIT_CODE)
 
     def _report(self, line: str, own_failure: bool) -> str:
@@ -135,8 +141,7 @@ class RankFailures:
             line += " (the first failure in this job)"
         elif first:
             line += f"; first failure in this job: {first}"
-        print(line, file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        _write_stderr(line)
         return line
 
     def _first_failure_seen_by_peer(self) -> str:
@@ -219,6 +224,17 @@ def _process_exists(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _write_stderr(line: str) -> None:
+    """Write a line straight to file descriptor 2: from a signal handler, print() could find the stream's buffer in
+    use by the code it interrupted."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, RuntimeError, ValueError):
+        pass
+    os.write(2, (line + "\n").encode(errors="replace"))
 
 
 def _one_line(error: BaseException) -> str:

@@ -27,6 +27,7 @@ COLLECTIVE_TIMEOUT_ENV = "NXDTP_COLLECTIVE_TIMEOUT_S"
 # ProcessGroupNCCL's values of this variable: only 1 (TearDown) and 3 (SkipCleanUp, torch 2.9's default) make its
 # watchdog end the process when a collective outlives the timeout; with 0 or 2 a rank can wait on the GPU forever.
 NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING_LEGACY_ENV = "NCCL_ASYNC_ERROR_HANDLING"  # still read by torch when the first is unset
 NCCL_TEARDOWN_MODES = ("1", "3")
 
 
@@ -171,13 +172,14 @@ def start(requested_device: str, timeout: datetime.timedelta, spawned_by_xla: bo
 def _enforce_nccl_timeouts() -> None:
     """Make the NCCL watchdog end a rank whose collective outlives the timeout (it then exits, and torchrun stops the
     others), whatever torch's default for the variable is; warn when the user turned that off."""
-    mode = os.environ.get(NCCL_ERROR_HANDLING_ENV, os.environ.get(NCCL_ERROR_HANDLING_ENV.replace("TORCH_", "", 1)))
-    if mode is None:
-        mode = os.environ[NCCL_ERROR_HANDLING_ENV] = "3"
+    name = next((n for n in (NCCL_ERROR_HANDLING_ENV, NCCL_ERROR_HANDLING_LEGACY_ENV) if n in os.environ), None)
+    if name is None:
+        os.environ[NCCL_ERROR_HANDLING_ENV] = "3"
+        return
+    mode = os.environ[name]
     if mode not in NCCL_TEARDOWN_MODES and os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") != "1":
-        print(f"warning: {NCCL_ERROR_HANDLING_ENV}={mode} turns off the NCCL watchdog's teardown: a rank that dies can "
-              f"leave the others waiting forever; unset it (or set {' or '.join(NCCL_TEARDOWN_MODES)})",
-              file=sys.stderr, flush=True)
+        print(f"warning: {name}={mode} turns off the NCCL watchdog's teardown: a rank that dies can leave the others "
+              f"waiting forever; unset it (or set {' or '.join(NCCL_TEARDOWN_MODES)})", file=sys.stderr, flush=True)
 
 
 def stop(rt: Runtime) -> None:
