@@ -19,12 +19,13 @@ import time
 import pytest
 import torch
 
-from tests.test_example_pretrain import REPO, SCRIPT, _example_module, data_dir, model_config, training_argv  # noqa: F401 - fixtures
+from tests.test_example_pretrain import REPO, SCRIPT, _example_module, training_argv
+from tests.test_example_pretrain import data_dir, model_config  # noqa: F401 - fixtures
 
 TEST_TIMEOUT_S = 20
 
 
-# ---- nxdtp's groups honour the timeout ---------------------------------------------------------------------------------
+# ---- nxdtp's groups honour the timeout -------------------------------------------------------------------------------
 
 def case_peer_arrives_after_the_group_timeout(timeout_s, late_s):
     """Rank 1 joins the TP all-reduce ``late_s`` after rank 0, later than the groups' timeout: rank 0 must fail."""
@@ -53,7 +54,7 @@ def test_nxdtp_groups_fail_a_collective_after_their_timeout(worlds):
     assert "Timed out waiting 1000ms" in message, message
 
 
-# ---- the failure report ------------------------------------------------------------------------------------------------
+# ---- the failure report ----------------------------------------------------------------------------------------------
 
 GLOO_CLOSED = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
                            "[127.0.0.1]:40000")
@@ -154,7 +155,7 @@ def test_the_nccl_watchdog_teardown_is_switched_on_unless_the_user_chose(monkeyp
     assert capsys.readouterr().err == ""
 
 
-# ---- the timeout flag ------------------------------------------------------------------------------------------------------
+# ---- the timeout flag ------------------------------------------------------------------------------------------------
 
 def test_the_timeout_flag_its_environment_default_and_bad_values(monkeypatch, capsys):
     script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
@@ -174,7 +175,7 @@ def test_the_timeout_flag_its_environment_default_and_bad_values(monkeypatch, ca
     assert "'soon' (from the flag or $NXDTP_COLLECTIVE_TIMEOUT_S)" in capsys.readouterr().err
 
 
-# ---- torchrun launches -------------------------------------------------------------------------------------------------------
+# ---- torchrun launches -----------------------------------------------------------------------------------------------
 
 FAULT_TIME = re.compile(r"NXDTP_INJECT_FAULT: rank (\d+) injects '(\w+)' at step (\d+), time ([0-9.]+)")
 RANK_LINE = re.compile(r"^rank (\d+) (failed at step 3|stopped by SIGTERM at step 3)(.*)$", re.MULTILINE)
@@ -237,8 +238,10 @@ def test_a_hanging_rank_ends_the_job_after_the_timeout(data_dir, model_config, t
     out = str(tmp_path / "run_hang")
     returncode, seconds, output = _launch_with_fault(data_dir, model_config, out, "3:3:hang")
     assert returncode != 0, output[-4000:]
-    # The peers wait the timeout, report (1 s looking for the cause) and exit; torchrun then stops the hung rank.
-    assert TEST_TIMEOUT_S <= seconds < TEST_TIMEOUT_S + 10, (seconds, output[-4000:])
+    # The peers wait the timeout, report (up to 1 s looking for the cause) and exit; torchrun then stops the hung rank,
+    # which reports too. Measured: 25-26 s after the fault; the margin is for a loaded two-core machine. Without the
+    # flag reaching every group the wait would be 30 minutes.
+    assert TEST_TIMEOUT_S <= seconds < TEST_TIMEOUT_S + 15, (seconds, output[-4000:])
     assert not _leftover_processes(out), output[-4000:]
     assert f"Timed out waiting {TEST_TIMEOUT_S * 1000}ms" in output, output[-4000:]
     lines = {int(rank): (what, rest) for rank, what, rest in RANK_LINE.findall(output)}

@@ -76,7 +76,7 @@ def inject_fault_if_requested(rank: int, step: int) -> None:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` says a collective failed (a peer went away or did not come), rather than this rank's own code."""
+    """Whether ``error`` says a collective failed (a peer went away or never came), not this rank's own code."""
     if isinstance(error, dist.DistError):
         return True
     text = str(error)
