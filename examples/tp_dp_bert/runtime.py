@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -19,6 +20,15 @@ DEVICE_CHOICES = ("auto", "xla", "cuda", "cpu")
 # PJRT device types that are real accelerators. XLA:CPU is one replica per process (see docs/troubleshooting.md), so
 # "auto" never picks it; ask for it with --device xla.
 XLA_ACCELERATORS = ("TPU", "NEURON", "CUDA", "GPU")
+# How long a rank waits in a collective for its peers before it fails (and with it the job): torch's own default for
+# gloo, and longer than the first steps' XLA compilation of BERT-large. NCCL's own default would be 10 minutes.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+COLLECTIVE_TIMEOUT_ENV = "NXDTP_COLLECTIVE_TIMEOUT_S"
+# ProcessGroupNCCL's values of this variable: only 1 (TearDown) and 3 (SkipCleanUp, torch 2.9's default) make its
+# watchdog end the process when a collective outlives the timeout; with 0 or 2 a rank can wait on the GPU forever.
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING_LEGACY_ENV = "NCCL_ASYNC_ERROR_HANDLING"  # still read by torch when the first is unset
+NCCL_TEARDOWN_MODES = ("1", "3")
 
 
 def choose_device_kind(requested: str) -> str:
@@ -150,12 +160,26 @@ def start(requested_device: str, timeout: datetime.timedelta, spawned_by_xla: bo
             raise RuntimeError("--device cuda was requested but torch.cuda.is_available() is False")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
+        _enforce_nccl_timeouts()
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
         device = torch.device("cuda", local_rank)
     else:
         dist.init_process_group("gloo", timeout=timeout)
         device = torch.device("cpu")
     return Runtime(kind=kind, device=device, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def _enforce_nccl_timeouts() -> None:
+    """Make the NCCL watchdog end a rank whose collective outlives the timeout (it then exits, and torchrun stops the
+    others), whatever torch's default for the variable is; warn when the user turned that off."""
+    name = next((n for n in (NCCL_ERROR_HANDLING_ENV, NCCL_ERROR_HANDLING_LEGACY_ENV) if n in os.environ), None)
+    if name is None:
+        os.environ[NCCL_ERROR_HANDLING_ENV] = "3"
+        return
+    mode = os.environ[name]
+    if mode not in NCCL_TEARDOWN_MODES and os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") != "1":
+        print(f"warning: {name}={mode} turns off the NCCL watchdog's teardown: a rank that dies can leave the others "
+              f"waiting forever; unset it (or set {' or '.join(NCCL_TEARDOWN_MODES)})", file=sys.stderr, flush=True)
 
 
 def stop(rt: Runtime) -> None:

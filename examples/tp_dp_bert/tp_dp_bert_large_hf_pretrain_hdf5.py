@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pretraining_data  # noqa: E402
+import rank_failure  # noqa: E402
 import runtime as runtime_lib  # noqa: E402
 from master_weights import MasterWeights  # noqa: E402
 from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
@@ -37,9 +38,6 @@ from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_sta
 from nxdtp.optimizers import Lamb  # noqa: E402
 from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
-
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-
 
 class NonFiniteStepError(FloatingPointError):
     """A step's loss or pre-clip gradient norm is inf or NaN. Every rank raises it at the same step (the loss is
@@ -109,7 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp", action="store_true",
                    help="average gradients with torch DistributedDataParallel over the DP group instead of nxdtp's "
                         "bucketed all-reduce (CPU/CUDA)")
+    p.add_argument("--collective_timeout_s", type=_collective_timeout,
+                   default=os.environ.get(runtime_lib.COLLECTIVE_TIMEOUT_ENV,
+                                          str(runtime_lib.DEFAULT_COLLECTIVE_TIMEOUT_S)),
+                   help="seconds a rank waits in a collective for its peers before it fails, and with it the job; "
+                        f"the default comes from ${runtime_lib.COLLECTIVE_TIMEOUT_ENV} when set "
+                        "(see docs/troubleshooting.md)")
     return p
+
+
+def _collective_timeout(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} (from the flag or ${runtime_lib.COLLECTIVE_TIMEOUT_ENV}) is not a "
+                                         "positive, finite number of seconds")
+    return seconds
 
 
 def _optimizer_name(value: str) -> str:
@@ -402,19 +417,33 @@ def _batches_to_skip(trainer: Trainer) -> int:
 
 
 def run(args: argparse.Namespace, spawned_by_xla: bool = False) -> Dict[str, Any]:
-    rt = runtime_lib.start(args.device, COLLECTIVE_TIMEOUT, spawned_by_xla=spawned_by_xla)
+    timeout = datetime.timedelta(seconds=args.collective_timeout_s)
+    rt = runtime_lib.start(args.device, timeout, spawned_by_xla=spawned_by_xla)
+    # A multi-rank run that started the world ends its process when this rank fails, so no peer waits for it (see
+    # rank_failure.py); inside a caller's world (a test pool, a notebook) the error is the caller's to handle.
+    failures = rank_failure.RankFailures(rt.rank, rt.world_size) if rt.owns_world and rt.world_size > 1 else None
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_parallel_size,
-                                                 timeout=COLLECTIVE_TIMEOUT)
-        try:
-            return _train(args, rt)
-        finally:
-            parallel_state.destroy_model_parallel()
-    finally:
-        runtime_lib.stop(rt)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_parallel_size, timeout=timeout)
+        summary = _train(args, rt, failures)
+    except BaseException as error:
+        # A non-finite step stops every rank at the same step: an orderly end, the groups can be released.
+        if failures is not None and not isinstance(error, NonFiniteStepError):
+            failures.exit(error)
+        _leave_world(rt, failures)
+        raise
+    _leave_world(rt, failures)
+    return summary
 
 
-def _train(args: argparse.Namespace, rt: runtime_lib.Runtime) -> Dict[str, Any]:
+def _leave_world(rt: runtime_lib.Runtime, failures: Optional[rank_failure.RankFailures]) -> None:
+    parallel_state.destroy_model_parallel()
+    runtime_lib.stop(rt)
+    if failures is not None:
+        failures.close()
+
+
+def _train(args: argparse.Namespace, rt: runtime_lib.Runtime,
+           failures: Optional[rank_failure.RankFailures] = None) -> Dict[str, Any]:
     dp_group = parallel_state.data_parallel_group()
     files = pretraining_data.list_training_shards(args.data_dir, dp_group.size)
     trainer = Trainer(args, rt)
@@ -467,6 +496,9 @@ def _train(args: argparse.Namespace, rt: runtime_lib.Runtime) -> Dict[str, Any]:
             raise NonFiniteStepError(message)
 
     while trainer.global_step < args.steps_this_run and trainer.global_step < args.max_steps:
+        if failures is not None:
+            failures.stage = f"step {trainer.global_step + 1}"
+        rank_failure.inject_fault_if_requested(rt.rank, trainer.global_step + 1)
         micro_batches = [next(device_batches) for _ in range(args.grad_accum_usteps)]
         lr = trainer.optimizer.param_groups[0]["lr"]
         loss, grad_norm = trainer.train_step(micro_batches)
@@ -484,6 +516,8 @@ def _train(args: argparse.Namespace, rt: runtime_lib.Runtime) -> Dict[str, Any]:
             if args.shards_per_ckpt and shards_done % args.shards_per_ckpt == 0:
                 trainer.save(epoch)
 
+    if failures is not None:
+        failures.stage = f"the final save after step {trainer.global_step}"
     tag_dir = trainer.save(epoch)
     if args.test_checkpointing:
         trainer.verify_checkpoint(tag_dir)
