@@ -132,9 +132,33 @@ def replace_atomically(path: str, data: bytes) -> None:
     fsync_directory(directory)
 
 
-def fsync_tree(root: str) -> List[str]:
-    """``fsync`` every directory under ``root`` (deepest first) and ``root`` itself; return them in that order."""
-    directories = [dirpath for dirpath, _, _ in os.walk(root)]
-    for directory in reversed(directories):
+def fsync_tree(root: str, files: bool = False) -> List[str]:
+    """``fsync`` every directory under ``root`` (deepest first) and ``root`` itself, and with ``files`` every file in
+    them first (cheap for files already ``fsync``ed); return the directories in that order."""
+    walked = list(os.walk(root))
+    if files:
+        for dirpath, _, names in walked:
+            for name in names:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    directories = [dirpath for dirpath, _, _ in reversed(walked)]
+    for directory in directories:
         fsync_directory(directory)
-    return list(reversed(directories))
+    return directories
+
+
+def copy_durably(source: str, destination: str) -> dict:
+    """Copy a file, ``fsync`` the copy, and return the copy's record (size, CRC-32)."""
+    buffer = bytearray(READ_CHUNK_BYTES)
+    view = memoryview(buffer)
+    make_directories(os.path.dirname(os.path.abspath(destination)))
+    with open(source, "rb", buffering=0) as f, ChecksummedWriter(destination) as out:
+        while True:
+            n = f.readinto(view)
+            if not n:
+                break
+            out.write(view[:n])
+    return out.record()
