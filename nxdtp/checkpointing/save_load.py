@@ -269,6 +269,9 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
                 tags.prune(output_dir, keep_last, protect=tag)
     except Exception as e:  # noqa: BLE001
         error = e
+    finally:
+        if lock is not None:
+            lock.release()  # before the agreement: when save returns on any rank, the tag is unlocked
     _agree(error, f"saving {tag_dir}")
 
 
