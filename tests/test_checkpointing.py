@@ -33,6 +33,7 @@ from nxdtp import comm
 from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import FORMAT_VERSION, list_tags, load, newest_tag, save, save_load
 from nxdtp.checkpointing import tags as checkpoint_tags
+from nxdtp.checkpointing.durable import write_bytes_durably
 from nxdtp.grads import bucket_allreduce_gradients
 from nxdtp.layers import ColumnParallelLinear, RowParallelLinear
 from nxdtp.random import MODEL_PARALLEL_RNG, get_xla_rng_tracker, model_parallel_xla_manual_seed
@@ -296,7 +297,7 @@ def case_crash(root: str):
     # The save of step 2 dies after every data file is written, just before 'done' (rank 0 writes it).
     original = checkpoint_tags.mark_done
 
-    def killed(tag_dir):
+    def killed(tag_dir, *_):
         raise _Killed(f"simulated kill before marking {tag_dir} done")
 
     checkpoint_tags.mark_done = killed
@@ -409,8 +410,8 @@ def _damage(tag_dir: str, scenario: str) -> None:
         with open(path("nxdtp_index.json")) as f:
             index = json.load(f)
         index["format_version"] = FORMAT_VERSION + 98
-        with open(path("nxdtp_index.json"), "w") as f:
-            json.dump(index, f)
+        # A checkpoint of a future nxdtp: its 'done' records this index, so the index passes its checksum.
+        checkpoint_tags.mark_done(tag_dir, write_bytes_durably(path("nxdtp_index.json"), json.dumps(index).encode()))
     elif scenario == "no newest":
         os.remove(os.path.join(os.path.dirname(tag_dir), "newest"))
     elif scenario == "missing optimizer file":

@@ -1,16 +1,18 @@
 """``nxdtp-merge`` / ``python tools/merge_checkpoints.py``: merge or reshard a sharded nxdtp checkpoint.
 
     nxdtp-merge CKPT_DIR OUT_DIR [--tag T] [--format safetensors|bin] [--config CONFIG_JSON] [--force] [--no-progress]
+                [--no-verify]
         dense Hugging Face checkpoint (model.safetensors or pytorch_model.bin, plus config.json) in OUT_DIR;
         --config supplies the config of checkpoints saved from model.state_dict(), which record none
-    nxdtp-merge CKPT_DIR OUT_DIR --reshard N [--pad-to-multiple-of M] [--tag T] [--force] [--no-progress]
+    nxdtp-merge CKPT_DIR OUT_DIR --reshard N [--pad-to-multiple-of M] [--tag T] [--force] [--no-progress] [--no-verify]
         sharded nxdtp checkpoint at tensor parallel size N in OUT_DIR
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
         the family (nxdtp.models.nxd)
 
 CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
-the training log prints it; --tag is then an error). A successful run prints what it wrote on stdout. Bad input
+the training log prints it; --tag is then an error). Without --tag, the newest intact tag is read (a damaged one is
+skipped with a warning). Every file read is checked against its recorded size and CRC-32 unless --no-verify. A successful run prints what it wrote on stdout. Bad input
 (missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and one line
 on stderr; the output directory is then left as it was.
 """
@@ -58,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                              "whole model in memory)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not check the files read against the sizes and CRC-32 checksums the checkpoint "
+                             "records (faster; a damaged file is then not detected)")
     parser.add_argument("--from-nxd", action="store_true",
                         help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_00/checkpoint.pt, or an NxD trainer "
                              "checkpoint with model/dp_rank_00_tp_rank_XX_pp_rank_00.pt); needs --config")
@@ -102,19 +107,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 from .merge import reshard
 
                 result = reshard(args.checkpoint_dir, args.output_dir, args.reshard, tag=args.tag, force=args.force,
-                                 progress=progress, pad_to_multiple_of=args.pad_to_multiple_of, config=args.config)
+                                 progress=progress, pad_to_multiple_of=args.pad_to_multiple_of, config=args.config,
+                                 verify=not args.no_verify)
                 report = _resharded(args.output_dir, result)
             else:
                 if args.pad_to_multiple_of is not None:
                     raise _BadUsage("--pad-to-multiple-of only applies with --reshard")
-                from .merge import merge
+                from .merge import merge_and_name_source
 
-                from .tags import resolve_checkpoint
-
-                tag_dir, _ = resolve_checkpoint(args.checkpoint_dir, args.tag)
-                result = merge(args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
-                               output_format="pytorch_bin" if args.format == "bin" else "safetensors",
-                               progress=progress, config=args.config)
+                result, tag_dir = merge_and_name_source(
+                    args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
+                    output_format="pytorch_bin" if args.format == "bin" else "safetensors", progress=progress,
+                    config=args.config, verify=not args.no_verify)
                 report = _merged(result, tag_dir)
     except (_BadUsage, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Iterable, Any, Dict, List, Optional, Tuple
 import torch
 
 from ..spec import ParamSpec
+from .durable import write_bytes_durably
 
 FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
@@ -132,16 +133,20 @@ class CheckpointIndex:
     optimizer: Optional[Dict[str, Any]] = None  # param name -> {"state": [fields], "spec": ...}; None if not saved
     nxdtp_version: str = ""
     format_version: int = FORMAT_VERSION
+    # Relative path -> {"size": bytes, "crc32": 8 hex digits} of every other file of the tag; None in checkpoints
+    # written before checksums were recorded (their files cannot be verified).
+    files: Optional[Dict[str, Dict[str, Any]]] = None
 
     def to_json(self) -> Dict[str, Any]:
         return {"format_version": self.format_version, "nxdtp_version": self.nxdtp_version,
                 "tensor_model_parallel_size": self.tensor_model_parallel_size,
                 "data_parallel_size": self.data_parallel_size,
-                "tensors": {k: e.to_json() for k, e in self.tensors.items()}, "optimizer": self.optimizer}
+                "tensors": {k: e.to_json() for k, e in self.tensors.items()}, "optimizer": self.optimizer,
+                **({"files": self.files} if self.files is not None else {})}
 
-    def write(self, tag_dir: str) -> None:
-        with open(os.path.join(tag_dir, INDEX_FILE), "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+    def write(self, tag_dir: str) -> Dict[str, Any]:
+        """Write the index file and ``fsync`` it; return its record (size, CRC-32), which ``done`` holds."""
+        return write_bytes_durably(os.path.join(tag_dir, INDEX_FILE), json.dumps(self.to_json(), indent=1).encode())
 
     @classmethod
     def read(cls, tag_dir: str) -> "CheckpointIndex":
@@ -149,10 +154,12 @@ class CheckpointIndex:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: {tag_dir} is not an nxdtp checkpoint tag")
         try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
+            with open(path, "rb") as f:
+                d = json.loads(f.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is damaged: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} is damaged: not a JSON object")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(f"{path} has format_version={version!r}; this nxdtp reads format version {FORMAT_VERSION}")
@@ -160,6 +167,20 @@ class CheckpointIndex:
             return cls(tensor_model_parallel_size=int(d["tensor_model_parallel_size"]),
                        data_parallel_size=int(d["data_parallel_size"]),
                        tensors={k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
-                       optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version)
+                       optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version,
+                       files=_file_records(d.get("files")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
+
+
+def _file_records(value: Any) -> Optional[Dict[str, Dict[str, Any]]]:
+    if value is None:
+        return None
+    records = {}
+    for name, record in dict(value).items():
+        size, crc = record["size"], record["crc32"]
+        if not isinstance(size, int) or size < 0 or not isinstance(crc, str) or len(crc) != 8:
+            raise ValueError(f"'files' entry {name!r}")
+        int(crc, 16)
+        records[str(name)] = {"size": size, "crc32": crc}
+    return records

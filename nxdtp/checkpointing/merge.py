@@ -5,9 +5,10 @@ nothing about the model family. ``tools/merge_checkpoints.py`` and the ``nxdtp-m
 
 Safety rules shared by both:
 
-* Everything is checked before anything is written: the tag is complete, the index parses, and every rank file the
-  index names exists, is a readable safetensors file, and holds every tensor with the shape the index gives.
-  Errors name the file.
+* Everything is checked before anything is written: the tag is complete, the index parses, every file read passes
+  its recorded size and CRC-32 (unless ``verify=False``), and every rank file the index names exists, is a readable
+  safetensors file, and holds every tensor with the shape the index gives. Errors name the file.
+* Without a named tag, the newest intact tag is read; a damaged one is skipped with a warning naming it.
 * The input is a checkpoint directory (``newest`` names its tag, or ``tag`` does) or one complete tag directory.
 * The output directory must not be (or lie inside, or contain) the input checkpoint directory. An existing non-empty
   output directory is refused unless ``force``.
@@ -36,7 +37,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -48,7 +48,8 @@ from ..heads import kv_replicas, padded_rows
 from ..layers import shard_of
 from ..plan import padded_size
 from ..spec import ParamSpec
-from . import tags
+from . import integrity, tags
+from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
 from .output_dir import check_output_dir, write_atomically
 from .index import INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
@@ -67,7 +68,7 @@ __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 # ---- public entry points ------------------------------------------------------------------------------------------------
 
 def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
-          force: bool = False, progress: bool = True, config: Optional[str] = None) -> str:
+          force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True) -> str:
     """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout; return the file path.
 
     ``output_dir`` gets ``model.safetensors`` (or ``pytorch_model.bin`` for ``output_format="pytorch_bin"``) with the
@@ -77,13 +78,29 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     ``checkpoint_dir`` is a checkpoint directory, whose tag is ``tag`` or by default the newest complete one, or a
     complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the bin form
     holds the whole model in memory (``torch.save`` needs the full dict).
+
+    Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
+    the CRC-32 of every file read (the model files, the tag's config.json) before anything is written; a mismatch
+    raises ``CheckpointIntegrityError`` naming the file, or for an unnamed tag skips to the next older one.
     """
+    return merge_and_name_source(checkpoint_dir, output_dir, tag, output_format, force, progress, config,
+                                 verify=verify)[0]
+
+
+def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None,
+                          output_format: str = "safetensors", force: bool = False, progress: bool = True,
+                          config: Optional[str] = None, *, verify: bool = True) -> Tuple[str, str]:
+    """``merge``, returning ``(file written, tag directory it was merged from)``: the tag is only known once a damaged
+    newest tag has been skipped."""
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
-    tag_dir = _resolve_source(checkpoint_dir, tag, output_dir, force)
-    index = _read_index(tag_dir)
+    def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
+        own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
+        return _model_file_names(index) + own_config
+
+    # Validates every file before anything is written.
+    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
     config_path = _config_source(tag_dir, config)
-    model_files = _open_model_files(tag_dir, index)  # validates every file before anything is written
     try:
         def write(staging: str) -> str:
             name = SAFETENSORS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
@@ -102,7 +119,8 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
                     for key, entry in entries:
                         state[key] = _dense(model_files, key, entry, index).clone()  # a view would save the padding
                         bar.update(1)
-                    torch.save(state, os.path.join(staging, name))
+                    with ChecksummedWriter(os.path.join(staging, name)) as f:
+                        torch.save(state, f)
             finally:
                 bar.close()
             _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
@@ -111,11 +129,12 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
         name = write_atomically(output_dir, write)
     finally:
         model_files.clear()
-    return os.path.join(output_dir, name)
+    return os.path.join(output_dir, name), tag_dir
 
 
 def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str] = None, force: bool = False,
-            progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None) -> str:
+            progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None, *,
+            verify: bool = True) -> str:
     """Write a complete sharded checkpoint at tensor parallel degree ``new_tp``; return its tag directory.
 
     The output is a checkpoint directory in the same format (``newest`` and one tag of the same name, with index,
@@ -126,16 +145,17 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     Optimizer state keyed by index (NxD's ``optimizer.state_dict()`` form) cannot be matched to parameters and is
     dropped with a warning. RNG states are copied when the degree is unchanged and dropped otherwise (a TP rank's
     tracker state has no counterpart at another degree); ``reshard.json`` in the tag records what was done.
-    ``config`` (a config.json path) replaces or supplies the tag's config.json. ``checkpoint_dir`` and ``tag`` are
-    as for ``merge``.
+    ``config`` (a config.json path) replaces or supplies the tag's config.json. ``checkpoint_dir``, ``tag`` and
+    ``verify`` are as for ``merge`` (every file of the source tag is verified). The new tag records the size and
+    CRC-32 of each of its files, as ``save`` does.
     """
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
         raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
     if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
-    tag_dir = _resolve_source(checkpoint_dir, tag, output_dir, force)
+    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify,
+                                                 lambda tag_dir, index: sorted(index.files or {}))
     tag_name = os.path.basename(os.path.normpath(tag_dir))
-    index = _read_index(tag_dir)
     old_tp = index.tensor_model_parallel_size
     config_path = _config_source(tag_dir, config)
 
@@ -146,7 +166,6 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
                                     aliases=list(e.aliases))
                    for key, e in index.tensors.items()}
 
-    model_files = _open_model_files(tag_dir, index)
     optimizer_plan = None
     optim_files: Dict[str, Any] = {}
     try:
@@ -171,29 +190,30 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
             os.makedirs(new_tag_dir)
             total = len(new_entries) + sum(len(fields) for _, (_, fields) in optimizer_plan or [])
             bar = _progress(total, f"reshard {tag_name} tp {old_tp}->{new_tp}", progress)
+            files: Dict[str, dict] = {}  # the new tag's file records
             try:
-                _reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar)
+                files.update(_reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar))
                 if optimizer_plan is not None:
-                    _reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files, new_tp, bar)
+                    files.update(_reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files,
+                                                    new_tp, bar))
             finally:
                 bar.close()
-            if optimizer_plan is not None:
-                os.makedirs(os.path.join(new_tag_dir, "optim"), exist_ok=True)
-                shutil.copy2(os.path.join(tag_dir, OPTIMIZER_STATE_FILE),
-                             os.path.join(new_tag_dir, OPTIMIZER_STATE_FILE))
+            copies = [TRAINER_STATE_FILE] + ([OPTIMIZER_STATE_FILE] if optimizer_plan is not None else [])
+            if copy_rng:
+                copies += sorted(os.path.relpath(os.path.join(rng_dir, name), tag_dir) for name in os.listdir(rng_dir))
+            for relative in copies:
+                if os.path.isfile(os.path.join(tag_dir, relative)):
+                    files[relative] = copy_durably(os.path.join(tag_dir, relative), os.path.join(new_tag_dir, relative))
+            if config_path is not None:
+                files[CONFIG_FILE] = copy_durably(config_path, os.path.join(new_tag_dir, CONFIG_FILE))
+            files[RESHARD_FILE] = write_bytes_durably(os.path.join(new_tag_dir, RESHARD_FILE), json.dumps(
+                {"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size": old_tp,
+                 "tensor_model_parallel_size": new_tp, "pad_to_multiple_of": multiple,
+                 "pad_to_multiple_of_source": multiple_source, "notes": notes}, indent=1).encode())
             new_index = CheckpointIndex(tensor_model_parallel_size=new_tp, data_parallel_size=index.data_parallel_size,
                                         tensors=new_entries, optimizer=index.optimizer if optimizer_plan else None,
-                                        nxdtp_version=__version__)
-            new_index.write(new_tag_dir)
-            _copy_if_present(os.path.join(tag_dir, TRAINER_STATE_FILE), os.path.join(new_tag_dir, TRAINER_STATE_FILE))
-            _copy_if_present(config_path, os.path.join(new_tag_dir, CONFIG_FILE))
-            if copy_rng:
-                shutil.copytree(rng_dir, os.path.join(new_tag_dir, "rng"))
-            with open(os.path.join(new_tag_dir, RESHARD_FILE), "w") as f:
-                json.dump({"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size": old_tp,
-                           "tensor_model_parallel_size": new_tp, "pad_to_multiple_of": multiple,
-                           "pad_to_multiple_of_source": multiple_source, "notes": notes}, f, indent=1)
-            tags.mark_done(new_tag_dir)
+                                        nxdtp_version=__version__, files=dict(sorted(files.items())))
+            tags.mark_done(new_tag_dir, new_index.write(new_tag_dir))
             tags.set_newest(staging, tag_name)
             return tag_name
 
@@ -206,14 +226,33 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
 
 # ---- index and input checks ---------------------------------------------------------------------------------------------
 
-def _resolve_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool) -> str:
-    """The tag directory to read (``checkpoint_dir`` is a checkpoint directory or a complete tag directory), after
-    checking ``output_dir`` lies outside it (and outside the checkpoint directory that holds a given tag)."""
-    tag_dir, holder = tags.resolve_checkpoint(checkpoint_dir, tag)
-    if holder != checkpoint_dir and os.path.isfile(os.path.join(holder, tags.NEWEST_FILE)):
-        check_output_dir(holder, output_dir, force)
-    check_output_dir(checkpoint_dir, output_dir, force)
-    return tag_dir
+def _choose_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool, verify: bool,
+                   reads: Callable[[str, CheckpointIndex], List[str]]) -> Tuple[str, CheckpointIndex, Dict[str, Any]]:
+    """The tag directory to read, its checked index and its open model files. ``checkpoint_dir`` is a checkpoint
+    directory (the newest intact tag, or ``tag``) or a complete tag directory. ``output_dir`` must lie outside it (and
+    outside the checkpoint directory that holds a given tag). With ``verify``, the files ``reads(tag_dir, index)``
+    names pass their checksums. A named tag that fails any check raises; an unnamed one is skipped with a warning."""
+    problems: List[str] = []
+    for tag_dir, _, named in integrity.intact_candidates(checkpoint_dir, tag, problems, verify_index=verify):
+        holder = os.path.dirname(os.path.abspath(tag_dir))
+        if os.path.abspath(holder) != os.path.abspath(checkpoint_dir) \
+                and os.path.isfile(os.path.join(holder, tags.NEWEST_FILE)):
+            check_output_dir(holder, output_dir, force)
+        check_output_dir(checkpoint_dir, output_dir, force)
+        try:
+            index = _read_index(tag_dir)
+            if verify:
+                integrity.verify_files(tag_dir, index, reads(tag_dir, index))
+            return tag_dir, index, _open_model_files(tag_dir, index)
+        except (OSError, ValueError) as e:
+            if named:
+                raise
+            integrity.skip(problems, tag_dir, f"{type(e).__name__}: {e}")
+    raise AssertionError("unreachable: intact_candidates raises when it runs out")
+
+
+def _model_file_names(index: CheckpointIndex) -> List[str]:
+    return sorted({f for e in index.tensors.values() for f in e.files(index.tensor_model_parallel_size)})
 
 
 def _read_index(tag_dir: str) -> CheckpointIndex:
@@ -264,7 +303,7 @@ def _check_piece(handle, path: str, key: str, expected: Tuple[int, ...]) -> None
 def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
     """Open every model file the index names, checking each tensor's piece is there with the indexed shape."""
     handles: Dict[str, Any] = {}
-    for relative in sorted({f for e in index.tensors.values() for f in e.files(index.tensor_model_parallel_size)}):
+    for relative in _model_file_names(index):
         handles[relative] = _open_safetensors(os.path.join(tag_dir, relative))
     for key, entry in index.tensors.items():
         for relative in entry.files(index.tensor_model_parallel_size):
@@ -276,8 +315,7 @@ def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
 
 def _copy_if_present(source: Optional[str], destination: str) -> None:
     if source is not None and os.path.isfile(source):
-        os.makedirs(os.path.dirname(destination), exist_ok=True)
-        shutil.copy2(source, destination)
+        copy_durably(source, destination)
 
 
 def _progress(total: int, description: str, enabled: bool):
@@ -419,7 +457,7 @@ def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size:
 
 
 def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
-                   model_files: Dict[str, Any], new_tp: int, bar) -> None:
+                   model_files: Dict[str, Any], new_tp: int, bar) -> Dict[str, dict]:
     layouts: List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]] = [[] for _ in range(new_tp)]
     for key, entry in new_entries.items():
         for rank in range(new_tp):
@@ -432,6 +470,7 @@ def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[s
                 writers[rank].write(key, piece)
             del full
             bar.update(1)
+    return {model_file(r): writer.record() for r, writer in enumerate(writers)}
 
 
 @contextlib.contextmanager
@@ -492,7 +531,7 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
 
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
-                       handles: Dict[str, Any], new_tp: int, bar) -> None:
+                       handles: Dict[str, Any], new_tp: int, bar) -> Dict[str, dict]:
     tp = index.tensor_model_parallel_size
     rank0 = handles[optim_file(0)]
     layouts: List[list] = [[] for _ in range(new_tp)]
@@ -520,6 +559,7 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
                     for rank in range(new_tp):
                         writers[rank].write(tensor_key, value)
                 bar.update(1)
+    return {optim_file(r): writer.record() for r, writer in enumerate(writers)}
 
 
 _DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

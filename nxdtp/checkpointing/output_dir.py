@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from typing import Any, Callable, List
 
+from .durable import fsync_directory, fsync_tree
+
 
 def check_output_dir(checkpoint_dir: str, output_dir: str, force: bool) -> None:
     source, target = os.path.realpath(checkpoint_dir), os.path.realpath(output_dir)
@@ -29,7 +31,9 @@ def write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
     """Run ``write(staging_dir)`` in a temporary sibling of ``output_dir``, then put the result in its place.
 
     A previous ``output_dir`` is moved aside and deleted only after the new one is in place; on any error the staging
-    directory, and any parent directories this call created, are removed.
+    directory, and any parent directories this call created, are removed. Every file and directory written is
+    ``fsync``ed before the rename, and the parent directory after it, so a power loss leaves the old output or the
+    complete new one.
     """
     target = os.path.abspath(output_dir)
     parent, base = os.path.dirname(target), os.path.basename(target)
@@ -38,6 +42,7 @@ def write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
     try:
         result = write(staging)
         os.chmod(staging, 0o755 & ~_umask())  # mkdtemp makes it private; give it a normal directory's mode
+        fsync_tree(staging, files=True)
         aside = None
         if os.path.lexists(target):
             aside = tempfile.mkdtemp(prefix=f".{base}.nxdtp-old-", dir=parent)
@@ -49,6 +54,7 @@ def write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
             if aside is not None:
                 os.rename(aside, target)
             raise
+        fsync_directory(parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for directory in created:

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .durable import ChecksummedWriter
+
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -22,7 +24,9 @@ _SAFETENSORS_DTYPES = {
 
 
 class StreamingSafetensorsWriter:
-    """``layout`` is the ordered list of (name, dtype, shape); ``write(name, tensor)`` must follow that order."""
+    """``layout`` is the ordered list of (name, dtype, shape); ``write(name, tensor)`` must follow that order.
+
+    ``close`` ``fsync``s the file; ``record()`` then gives its size and CRC-32, computed while it was written."""
 
     def __init__(self, path: str, layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
                  metadata: Optional[Dict[str, str]] = None):
@@ -43,7 +47,7 @@ class StreamingSafetensorsWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned, as safetensors does
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._file = open(path, "wb")
+        self._file = ChecksummedWriter(path)
         self._file.write(struct.pack("<Q", len(encoded)))
         self._file.write(encoded)
 
@@ -61,11 +65,13 @@ class StreamingSafetensorsWriter:
     def close(self) -> None:
         if self._position != len(self._expected):
             missing = [n for n, _, _ in self._expected[self._position:]]
-            self._file.close()
+            self._file.abandon()
             raise ValueError(f"{self.path}: {len(missing)} tensors were never written, first {missing[:3]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
+
+    def record(self) -> dict:
+        """The index record (size, CRC-32) of the completed file."""
+        return self._file.record()
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self
@@ -74,7 +80,7 @@ class StreamingSafetensorsWriter:
         if kind is None:
             self.close()
         else:
-            self._file.close()
+            self._file.abandon()
 
 
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}

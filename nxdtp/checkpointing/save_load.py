@@ -9,6 +9,7 @@ same values); every rank writes its own RNG states; global rank 0 writes the ind
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -24,8 +25,10 @@ from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import ParamSpec, ShardedModule
 from ..utils import move_all_tensor_to_cpu
-from . import tags
+from . import integrity, tags
+from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
 from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_state_dict
+from .lock import TagLock
 from .safetensors_stream import StreamingSafetensorsWriter
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -171,6 +174,19 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     tag_dir = os.path.join(output_dir, tag)
 
     topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
+    lock = TagLock(output_dir, tag) if topology.rank == 0 else None
+    try:
+        _save_phases(checkpoint, output_dir, tag, tag_dir, lock, down_cast_bf16, keep_last)
+    finally:
+        if lock is not None:
+            lock.release()  # only if rank 0 took it; after 'newest', or after any failure
+    return tag_dir
+
+
+def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir: str, lock: Optional[TagLock],
+                 down_cast_bf16: bool, keep_last: Optional[int]) -> None:
+    """The three phases of ``save`` and the durability protocol of docs/checkpoints.md ("Crash consistency")."""
+    topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
     model = checkpoint["model"]
     # Each phase ends with every rank learning whether any rank failed (_agree), never with a bare barrier: a rank that
     # raised alone would leave its peers waiting in the next collective, or writing into a tag that rank 0 refused.
@@ -194,80 +210,99 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
             for key, entry in entries.items():
                 if tensors[key].is_floating_point():
                     entry.dtype = "bfloat16"
-        if topology.rank == 0:
+        if lock is not None:
+            make_directories(output_dir)
+            # The lock first: a save that completes this tag meanwhile has released it, and is then seen as complete.
+            lock.acquire()
             if os.path.isdir(tag_dir) and tags.is_complete(tag_dir):
                 raise FileExistsError(f"checkpoint tag {tag_dir} already exists and is complete; choose another tag")
             # A previous crashed save of this tag may have left files; its missing 'done' kept it from being loaded.
-            os.makedirs(tag_dir, exist_ok=True)
+            make_directories(tag_dir)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
     _agree(error, f"saving {tag_dir}")
 
+    written: Dict[str, dict] = {}  # relative path -> record (size, CRC-32) of every file this rank wrote
     try:
         if dp_group.rank == 0:
-            _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)), tensors, entries, tp_group.rank)
+            written[model_file(tp_group.rank)] = _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)),
+                                                                tensors, entries, tp_group.rank)
             if optimizer_tensors is not None:
-                _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)), optimizer_tensors)
+                written[optim_file(tp_group.rank)] = _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)),
+                                                                  optimizer_tensors)
             if extras:
-                path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(extras, path)
-        _write_json(os.path.join(tag_dir, "rng", f"rank_{topology.rank:05d}.json"), _rng_payload())
-
+                relative = EXTRA_FILE.format(tp_group.rank)
+                make_directories(os.path.dirname(os.path.join(tag_dir, relative)))
+                with ChecksummedWriter(os.path.join(tag_dir, relative)) as f:
+                    torch.save(extras, f)
+                written[relative] = f.record()
+        relative = rng_file(topology.rank)
+        written[relative] = _write_json(os.path.join(tag_dir, relative), _rng_payload())
         if topology.rank == 0:
-            index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
-                                    tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__)
-            index.write(tag_dir)
             if optimizer_json is not None:
-                _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
-            _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), trainer_state)
+                written[OPTIMIZER_STATE_FILE] = _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
+            written[TRAINER_STATE_FILE] = _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), trainer_state)
             config = getattr(model, "config", None)
             if config is not None and hasattr(config, "to_json_string"):
                 payload = json.loads(config.to_json_string())
                 # As HF's save_pretrained records it, so the merged model loads by its class name.
                 payload["architectures"] = payload.get("architectures") or [type(model).__name__]
-                _write_json(os.path.join(tag_dir, CONFIG_FILE), payload)
+                written[CONFIG_FILE] = _write_json(os.path.join(tag_dir, CONFIG_FILE), payload)
     except Exception as e:  # noqa: BLE001
         error = e
-    _agree(error, f"saving {tag_dir}")  # every rank's files are on disk before 'done' says so
+    _agree(error, f"saving {tag_dir}")  # every rank's files are written and fsynced before 'done' says so
+    # The records reach rank 0, which writes the index (the agreement above gathers error reports only).
+    records = comm.all_gather_object(written)
 
     try:
         if topology.rank == 0:
-            tags.mark_done(tag_dir)
+            files = {relative: record for per_rank in records for relative, record in per_rank.items()}
+            index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
+                                    tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__,
+                                    files=dict(sorted(files.items())))
+            index_record = index.write(tag_dir)
+            # Every directory of the tag (model/, optim/, rng/, extra/, the tag itself), whoever created its entries.
+            fsync_tree(tag_dir)
+            tags.mark_done(tag_dir, index_record)
             tags.set_newest(output_dir, tag)
             if keep_last is not None:
                 tags.prune(output_dir, keep_last, protect=tag)
     except Exception as e:  # noqa: BLE001
         error = e
+    finally:
+        if lock is not None:
+            lock.release()  # before the agreement: when save returns on any rank, the tag is unlocked
     _agree(error, f"saving {tag_dir}")
-    return tag_dir
 
 
 # Raise on every rank if any rank failed; also a barrier when none did.
 _agree = comm.raise_on_every_rank_if_any_failed
 
 
-def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> None:
-    """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor."""
+def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> dict:
+    """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor. Returns the
+    file's record."""
     mine = [(k, t, dtype_from_name(entries[k].dtype)) for k, t in tensors.items()
             if entries[k].spec.is_sharded or tp_rank == 0]
+    make_directories(os.path.dirname(path))
     with StreamingSafetensorsWriter(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine]) as writer:
         for key, tensor, dtype in mine:
             writer.write(key, tensor.detach().to("cpu").to(dtype))
+    return writer.record()
 
 
-def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> None:
+def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> dict:
+    make_directories(os.path.dirname(path))
     with StreamingSafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]) as writer:
         for key, tensor in tensors.items():
             writer.write(key, tensor)
+    return writer.record()
 
 
-def _write_json(path: str, payload: Any) -> None:
-    ensure_directory_exists(path)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before 'done' claims the tag is complete
+def _write_json(path: str, payload: Any) -> dict:
+    """Write and ``fsync`` a JSON file (on disk before 'done' claims the tag is complete); return its record."""
+    make_directories(os.path.dirname(path))
+    return write_bytes_durably(path, json.dumps(payload, indent=1).encode())
 
 
 def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -385,8 +420,12 @@ def _rng_payload() -> Dict[str, Any]:
                         for name, state in get_xla_rng_tracker().get_states().items()}}
 
 
+def rng_file(rank: int) -> str:
+    return f"rng/rank_{rank:05d}.json"
+
+
 def restore_rng(tag_dir: str, rank: int) -> None:
-    path = os.path.join(tag_dir, "rng", f"rank_{rank:05d}.json")
+    path = os.path.join(tag_dir, rng_file(rank))
     _require_file(path)
     with open(path) as f:
         payload = json.load(f)
@@ -438,7 +477,7 @@ def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int) -> Dict
 def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=None, model_key: Optional[str] = "model",
          load_xser: bool = False, sharded: bool = True, strict: bool = True, master_dp_only: bool = True,
          weights_only: bool = False, *, tag: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-         scheduler=None, restore_rng_states: bool = False) -> Optional[Dict[str, Any]]:
+         scheduler=None, restore_rng_states: bool = False, verify: bool = True) -> Optional[Dict[str, Any]]:
     """Load a checkpoint saved by ``save`` into live objects; return the rest of the saved dict: the trainer state
     (step, epoch, ...) and this TP rank's other entries (NxD's ``load`` returns the saved dict less the model).
 
@@ -447,6 +486,12 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     restore_rng_states=True)`` to resume training exactly. ``chkpt_path`` is a checkpoint directory (``tag`` defaults
     to its newest complete tag) or one complete tag directory, as ``save`` returns it. The TP degree
     must match the one saved; otherwise the error names both and the reshard command.
+
+    Without a named tag, the newest *intact* tag is loaded: a damaged one is skipped with a warning naming it and what
+    is wrong (all ranks take rank 0's decision). ``verify=True`` checks the size and CRC-32 of every file this rank
+    reads against the index (and the index against ``done``) before anything is loaded; a mismatch raises
+    ``CheckpointIntegrityError`` naming the file (or, for an unnamed tag, skips to the next older one). A tag named
+    explicitly is never replaced by another.
 
     ``sharded=False`` is NxD's full-checkpoint form: ``chkpt_path`` is one ``torch.save`` file holding the full state
     dict (under ``model_key``, or the whole file with ``model_key=None``), which ``get_sharded_model_dict`` cuts to this
@@ -461,6 +506,7 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     _check_bool("sharded", sharded)
     _check_bool("weights_only", weights_only)
     _check_bool("restore_rng_states", restore_rng_states)
+    _check_bool("verify", verify)
     candidates, model = (("model", model), ("model_or_optimizer", model_or_optimizer)), None
     for argument, value in candidates:
         # NxD's ``model`` is an older name of model_or_optimizer: an optimizer passed there is the optimizer.
@@ -488,9 +534,9 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     trainer_state: Dict[str, Any] = {}
     # The step's pending graph runs here on every rank, not inside whatever this load does first on one rank only.
     comm.materialize(_live_tensors(model, optimizer))
+    wants = _Reads(model is not None, optimizer is not None, restore_rng_states)
+    tag_dir, index = _agreed_tag(output_dir, tag, verify, wants)
     try:
-        tag_dir, _ = tags.resolve_checkpoint(output_dir, tag)  # a checkpoint directory, or one of its tags
-        index = CheckpointIndex.read(tag_dir)
         tp_group = tensor_parallel_group()
         if index.tensor_model_parallel_size != tp_group.size:
             raise ValueError(
@@ -520,6 +566,61 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
         error = e
     _agree(error, f"loading {output_dir}")
     return trainer_state
+
+
+@dataclasses.dataclass
+class _Reads:
+    model: bool
+    optimizer: bool
+    rng: bool
+
+    def files(self, tag_dir: str, index: CheckpointIndex) -> List[str]:
+        """The files of ``tag_dir`` this rank reads (those that exist or are recorded; a missing one that is not
+        recorded is refused later by the reader that needs it)."""
+        topology, tp_rank = get_topology(), tensor_parallel_group().rank
+        wanted = [TRAINER_STATE_FILE, EXTRA_FILE.format(tp_rank)]
+        if self.model:
+            wanted += sorted({model_file(tp_rank), model_file(0)})
+        if self.optimizer and index.optimizer is not None:
+            wanted += [optim_file(tp_rank), OPTIMIZER_STATE_FILE]
+        if self.rng:
+            wanted.append(rng_file(topology.rank))
+        recorded = index.files or {}
+        return [f for f in wanted if f in recorded or os.path.exists(os.path.join(tag_dir, f))]
+
+
+def _agreed_tag(path: str, tag: Optional[str], verify: bool, reads: _Reads) -> Tuple[str, CheckpointIndex]:
+    """Collective: the tag every rank loads, and its index. Rank 0 picks the newest intact candidate (or the named
+    tag); every rank then verifies the files it will read. If any rank finds damage in an unnamed tag, rank 0 warns and
+    all move on to the next candidate together; a named tag raises on every rank."""
+    root = get_topology().rank == 0
+    problems: List[str] = []
+    candidates = integrity.intact_candidates(path, tag, problems, verify_index=verify) if root else None
+    while True:
+        choice, error = None, None
+        if root:
+            try:
+                tag_dir, _, named = next(candidates)
+                choice = (tag_dir, named)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+                error = e
+        _agree(error, f"loading {path}")
+        tag_dir, named = comm.all_gather_object(choice)[0]
+        index = None
+        try:
+            index = integrity.read_index(tag_dir, verify)
+            if verify:
+                integrity.verify_files(tag_dir, index, reads.files(tag_dir, index))
+        except Exception as e:  # noqa: BLE001
+            error = e
+        reports = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        failed = {rank: report for rank, report in enumerate(reports) if report is not None}
+        if not failed:
+            return tag_dir, index
+        if named:
+            _agree(error, f"loading {path}")
+        if root:
+            integrity.skip(problems, tag_dir, "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
 
 
 def _load_full(path: str, model: Optional[nn.Module], model_key: Optional[str], strict: bool, **not_for_full

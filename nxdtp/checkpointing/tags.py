@@ -1,16 +1,19 @@
 """Checkpoint tags: one directory per save, complete only once ``done`` exists, and an atomic ``newest`` pointer.
 
 A crash at any point of a save leaves ``newest`` naming the previous complete tag, and the half-written tag has no
-``done`` file, so it is never loaded (it is named in the error if asked for explicitly).
+``done`` file, so it is never loaded (it is named in the error if asked for explicitly). ``done`` holds the size and
+CRC-32 of the index, so a damaged index is detected too. Both are written with ``durable.replace_atomically``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from typing import List, Optional, Tuple
 
+from .durable import file_record, replace_atomically
 from .index import DONE_FILE, INDEX_FILE
 
 NEWEST_FILE = "newest"
@@ -46,21 +49,39 @@ def is_complete(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, DONE_FILE))
 
 
-def write_atomically(path: str, text: str) -> None:
-    temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+LEGACY_DONE_TEXT = "complete"
 
 
-def mark_done(tag_dir: str) -> None:
-    write_atomically(os.path.join(tag_dir, DONE_FILE), "complete\n")
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint file is not what its record says: another size or another CRC-32 (flipped bytes, truncation), or
+    a damaged ``done``."""
+
+
+def mark_done(tag_dir: str, index_record: dict) -> None:
+    """Mark ``tag_dir`` complete (durably, all at once); ``done`` records the index's size and CRC-32."""
+    payload = json.dumps({"complete": True, INDEX_FILE: index_record}) + "\n"
+    replace_atomically(os.path.join(tag_dir, DONE_FILE), payload.encode())
+
+
+def read_done(tag_dir: str) -> Optional[dict]:
+    """The index record that ``tag_dir``'s ``done`` holds, or None for a ``done`` without one (older nxdtp, or
+    written by hand as docs/checkpoints.md's multi-node steps do)."""
+    path = os.path.join(tag_dir, DONE_FILE)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode()
+        if text.strip() == LEGACY_DONE_TEXT:
+            return None
+        record = json.loads(text)[INDEX_FILE]
+        return file_record(record["size"], int(record["crc32"], 16))
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointIntegrityError(f"{path} is damaged: it is neither 'complete' nor the record of "
+                                       f"{INDEX_FILE} ({type(e).__name__}: {e})") from None
 
 
 def set_newest(output_dir: str, tag: str) -> None:
-    write_atomically(os.path.join(output_dir, NEWEST_FILE), tag + "\n")
+    replace_atomically(os.path.join(output_dir, NEWEST_FILE), (tag + "\n").encode())
 
 
 def newest_tag(output_dir: str) -> Optional[str]:
@@ -96,6 +117,25 @@ def resolve_tag(output_dir: str, tag: Optional[str]) -> str:
         raise ValueError(f"checkpoint tag {tag_dir} is incomplete (no '{DONE_FILE}' file: the save did not finish); "
                          f"complete tags: {complete_tags(output_dir)}")
     return tag_dir
+
+
+def candidates(path: str, tag: Optional[str]) -> Tuple[List[str], bool]:
+    """``(tag directories to try, named)``. Named (``tag`` given, or ``path`` is a tag directory): that one tag,
+    resolved as ``resolve_checkpoint`` does. Otherwise the tag ``newest`` names, then every other complete tag of
+    ``path``, newest ``done`` first; a ``newest`` that names no tag directory is still listed, so the caller can say
+    what is wrong with it."""
+    if tag is not None or is_tag_dir(path):
+        return [resolve_checkpoint(path, tag)[0]], True
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    newest = newest_tag(path)
+    if newest is None:
+        raise FileNotFoundError(f"{path} has no '{NEWEST_FILE}' file (no complete checkpoint was saved there) and is "
+                                f"not a tag directory (no '{INDEX_FILE}' or '{DONE_FILE}'); pass a checkpoint "
+                                f"directory or one of its tags; complete tags in it: {complete_tags(path)}")
+    first = os.path.join(path, newest) if _TAG_PATTERN.match(newest) and newest not in (".", "..") \
+        else os.path.join(path, f"<'{NEWEST_FILE}' holds {newest[:40]!r}, not a tag name>")
+    return [first] + [os.path.join(path, t) for t in reversed(complete_tags(path)) if t != newest], False
 
 
 def is_tag_dir(path: str) -> bool:

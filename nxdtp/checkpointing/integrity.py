@@ -1,0 +1,111 @@
+"""Is a tag intact, and are its bytes the ones that were saved?
+
+Two levels of checking (docs/checkpoints.md, "Integrity"):
+
+* ``check_intact``: cheap, used to pick the newest intact tag when none is named. ``done`` is present and readable,
+  the index matches the size and CRC-32 that ``done`` records for it and parses, and every file the index lists is
+  present with its recorded size.
+* ``verify_files``: the CRC-32 of each file a reader is about to read, against the index's record.
+
+``done`` holds the index's record, so a damaged index is detected as well; the index holds every other file's.
+Checkpoints written before records existed (``done`` says just ``complete``, the index has no ``files``) still load;
+a warning says their files cannot be verified.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+from . import tags
+from .durable import READ_CHUNK_BYTES, checksum_file, file_record
+from .index import DONE_FILE, INDEX_FILE, CheckpointIndex
+from .tags import CheckpointIntegrityError, read_done
+
+
+def verify_file(path: str, record: dict, buffer: Optional[bytearray] = None) -> None:
+    """Raise ``CheckpointIntegrityError`` (or ``FileNotFoundError``) unless the file at ``path`` has the recorded size
+    and CRC-32."""
+    _check_size(path, record)
+    size, crc = checksum_file(path, buffer)
+    actual = file_record(size, crc)
+    if actual != record:
+        raise CheckpointIntegrityError(f"checkpoint file {path} fails its checksum: the index records size "
+                                       f"{record['size']} crc32 {record['crc32']}, the file has size {actual['size']} "
+                                       f"crc32 {actual['crc32']} (flipped bytes or an overwritten file)")
+
+
+def _check_size(path: str, record: dict) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    size = os.path.getsize(path)
+    if size != record["size"]:
+        raise CheckpointIntegrityError(f"checkpoint file {path} has {size} bytes, the index records {record['size']}: "
+                                       f"it is {'truncated' if size < record['size'] else 'longer than written'}")
+
+
+def read_index(tag_dir: str, verify: bool = True) -> CheckpointIndex:
+    """The tag's index, checked first against the record in ``done`` when ``verify``."""
+    if verify:
+        record = read_done(tag_dir)
+        if record is not None:
+            verify_file(os.path.join(tag_dir, INDEX_FILE), record)
+    return CheckpointIndex.read(tag_dir)
+
+
+def check_intact(tag_dir: str, verify_index: bool = True) -> CheckpointIndex:
+    """Raise naming what is wrong unless ``tag_dir`` is complete and intact as far as a cheap check can tell (every
+    byte of the index when ``verify_index``, the size of every other file); return its index."""
+    if not tags.is_complete(tag_dir):
+        raise ValueError(f"checkpoint tag {tag_dir} is incomplete (no '{DONE_FILE}' file: the save did not finish)")
+    index = read_index(tag_dir, verify_index)
+    for relative, record in (index.files or {}).items():
+        _check_size(os.path.join(tag_dir, relative), record)
+    return index
+
+
+def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str]) -> None:
+    """Verify the size and CRC-32 of each listed file (relative to ``tag_dir``). A file the index's records do not
+    list is refused; a checkpoint without records is let through with a warning that its files cannot be verified."""
+    relatives = list(relatives)
+    if index.files is None:
+        warnings.warn(f"{tag_dir} records no checksums (saved by an nxdtp without them): its files cannot be "
+                      f"verified", stacklevel=3)
+        return
+    buffer = bytearray(READ_CHUNK_BYTES)
+    for relative in relatives:
+        record = index.files.get(relative)
+        path = os.path.join(tag_dir, relative)
+        if record is None:
+            raise CheckpointIntegrityError(f"checkpoint file {path} is not listed in {INDEX_FILE}'s file records, so "
+                                           f"it was not written by the save that wrote the index")
+        verify_file(path, record, buffer)
+
+
+def intact_candidates(path: str, tag: Optional[str], problems: List[str], verify_index: bool = True
+                      ) -> Iterator[Tuple[str, CheckpointIndex, bool]]:
+    """``(tag_dir, index, named)`` for each tag to try, in order. A tag named explicitly (``tag``, or ``path`` is a
+    tag directory) is the only candidate, and anything wrong with it raises. Otherwise the tag ``newest`` names comes
+    first, then the other complete tags, newest first; each that fails ``check_intact`` is skipped with a warning
+    naming it and what is wrong (``skip``, which callers use too for damage they find later). When none is left, the
+    error lists every skipped tag and its problem."""
+    tag_dirs, named = tags.candidates(path, tag)
+    if named:
+        yield tag_dirs[0], check_intact(tag_dirs[0], verify_index), True
+        return
+    for tag_dir in tag_dirs:
+        try:
+            index = check_intact(tag_dir, verify_index)
+        except (OSError, ValueError) as e:
+            skip(problems, tag_dir, f"{type(e).__name__}: {e}")
+            continue
+        yield tag_dir, index, False
+    raise ValueError(f"{path} has no intact checkpoint tag: " + ("; ".join(problems) or "no complete tag"))
+
+
+def skip(problems: List[str], tag_dir: str, what: str) -> None:
+    """Warn that the unnamed candidate ``tag_dir`` is skipped, and why; remember it for the final error."""
+    message = f"checkpoint tag {tag_dir} is damaged, skipped: {what}"
+    warnings.warn(message, stacklevel=3)
+    problems.append(message)
