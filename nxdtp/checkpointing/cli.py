@@ -12,7 +12,7 @@
 
 CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
 the training log prints it; --tag is then an error). Without --tag, the newest intact tag is read (a damaged one is
-skipped with a warning). Every file read is checked against its recorded size and CRC-32 unless --no-verify. A successful run prints what it wrote on stdout. Bad input
+skipped with a warning). Every file read is checked against its recorded size and checksum unless --no-verify. A successful run prints what it wrote on stdout. Bad input
 (missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and one line
 on stderr; the output directory is then left as it was.
 """
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-verify", action="store_true",
-                        help="do not check the files read against the sizes and CRC-32 checksums the checkpoint "
+                        help="do not check the files read against the sizes and checksums the checkpoint "
                              "records (faster; a damaged file is then not detected)")
     parser.add_argument("--from-nxd", action="store_true",
                         help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_00/checkpoint.pt, or an NxD trainer "

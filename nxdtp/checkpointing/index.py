@@ -16,7 +16,7 @@ from typing import Iterable, Any, Dict, List, Optional, Tuple
 import torch
 
 from ..spec import ParamSpec
-from .durable import write_bytes_durably
+from .durable import checked_record, write_bytes_durably
 
 FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
@@ -133,7 +133,7 @@ class CheckpointIndex:
     optimizer: Optional[Dict[str, Any]] = None  # param name -> {"state": [fields], "spec": ...}; None if not saved
     nxdtp_version: str = ""
     format_version: int = FORMAT_VERSION
-    # Relative path -> {"size": bytes, "crc32": 8 hex digits} of every other file of the tag; None in checkpoints
+    # Relative path -> {"size": bytes, "xxh3_64": 16 hex digits} of every other file of the tag; None in checkpoints
     # written before checksums were recorded (their files cannot be verified).
     files: Optional[Dict[str, Dict[str, Any]]] = None
 
@@ -145,7 +145,7 @@ class CheckpointIndex:
                 **({"files": self.files} if self.files is not None else {})}
 
     def write(self, tag_dir: str) -> Dict[str, Any]:
-        """Write the index file and ``fsync`` it; return its record (size, CRC-32), which ``done`` holds."""
+        """Write the index file and ``fsync`` it; return its record (size, checksum), which ``done`` holds."""
         return write_bytes_durably(os.path.join(tag_dir, INDEX_FILE), json.dumps(self.to_json(), indent=1).encode())
 
     @classmethod
@@ -178,9 +178,8 @@ def _file_records(value: Any) -> Optional[Dict[str, Dict[str, Any]]]:
         return None
     records = {}
     for name, record in dict(value).items():
-        size, crc = record["size"], record["crc32"]
-        if not isinstance(size, int) or size < 0 or not isinstance(crc, str) or len(crc) != 8:
-            raise ValueError(f"'files' entry {name!r}")
-        int(crc, 16)
-        records[str(name)] = {"size": size, "crc32": crc}
+        try:
+            records[str(name)] = checked_record(record)
+        except ValueError as e:
+            raise ValueError(f"'files' entry {name!r}: {e}") from None
     return records

@@ -3,9 +3,9 @@
 Two levels of checking (docs/checkpoints.md, "Integrity"):
 
 * ``check_intact``: cheap, used to pick the newest intact tag when none is named. ``done`` is present and readable,
-  the index matches the size and CRC-32 that ``done`` records for it and parses, and every file the index lists is
+  the index matches the size and checksum that ``done`` records for it and parses, and every file the index lists is
   present with its recorded size.
-* ``verify_files``: the CRC-32 of each file a reader is about to read, against the index's record.
+* ``verify_files``: the checksum of each file a reader is about to read, against the index's record.
 
 ``done`` holds the index's record, so a damaged index is detected as well; the index holds every other file's.
 Checkpoints written before records existed (``done`` says just ``complete``, the index has no ``files``) still load;
@@ -14,26 +14,27 @@ a warning says their files cannot be verified.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import warnings
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 from . import tags
-from .durable import READ_CHUNK_BYTES, checksum_file, file_record
+from .durable import CHECKSUM, checksum_file, file_record
 from .index import DONE_FILE, INDEX_FILE, CheckpointIndex
 from .tags import CheckpointIntegrityError, read_done
 
 
-def verify_file(path: str, record: dict, buffer: Optional[bytearray] = None) -> None:
+def verify_file(path: str, record: dict) -> None:
     """Raise ``CheckpointIntegrityError`` (or ``FileNotFoundError``) unless the file at ``path`` has the recorded size
-    and CRC-32."""
+    and checksum."""
     _check_size(path, record)
-    size, crc = checksum_file(path, buffer)
-    actual = file_record(size, crc)
+    actual = file_record(*checksum_file(path))
     if actual != record:
         raise CheckpointIntegrityError(f"checkpoint file {path} fails its checksum: the index records size "
-                                       f"{record['size']} crc32 {record['crc32']}, the file has size {actual['size']} "
-                                       f"crc32 {actual['crc32']} (flipped bytes or an overwritten file)")
+                                       f"{record['size']} {CHECKSUM} {record[CHECKSUM]}, the file has size "
+                                       f"{actual['size']} {CHECKSUM} {actual[CHECKSUM]} (flipped bytes or an "
+                                       f"overwritten file)")
 
 
 def _check_size(path: str, record: dict) -> None:
@@ -66,21 +67,41 @@ def check_intact(tag_dir: str, verify_index: bool = True) -> CheckpointIndex:
 
 
 def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str]) -> None:
-    """Verify the size and CRC-32 of each listed file (relative to ``tag_dir``). A file the index's records do not
+    """Verify the size and checksum of each listed file (relative to ``tag_dir``). A file the index's records do not
     list is refused; a checkpoint without records is let through with a warning that its files cannot be verified."""
     relatives = list(relatives)
     if index.files is None:
         warnings.warn(f"{tag_dir} records no checksums (saved by an nxdtp without them): its files cannot be "
                       f"verified", stacklevel=3)
         return
-    buffer = bytearray(READ_CHUNK_BYTES)
     for relative in relatives:
         record = index.files.get(relative)
         path = os.path.join(tag_dir, relative)
         if record is None:
             raise CheckpointIntegrityError(f"checkpoint file {path} is not listed in {INDEX_FILE}'s file records, so "
                                            f"it was not written by the save that wrote the index")
-        verify_file(path, record, buffer)
+        verify_file(path, record)
+
+
+def read_while_verifying(tag_dir: str, index: CheckpointIndex, relatives: Optional[Iterable[str]],
+                         read: Callable[[], Any]) -> Tuple[Any, Optional[BaseException]]:
+    """``(read(), None)``, or ``(None, the error read raised)``, with ``verify_files`` of ``relatives`` running in a
+    thread meanwhile (None: no verification). The hash runs without the GIL, so verifying costs little more than the
+    reading does; damage it finds raises here, before whatever ``read`` raised, since it explains it."""
+    if relatives is None:
+        try:
+            return read(), None
+        except Exception as e:  # noqa: BLE001 - the caller's to raise
+            return None, e
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        checked = pool.submit(verify_files, tag_dir, index, list(relatives))
+        result, error = None, None
+        try:
+            result = read()
+        except Exception as e:  # noqa: BLE001 - reported unless verification explains it
+            error = e
+        checked.result()
+    return result, error
 
 
 def intact_candidates(path: str, tag: Optional[str], problems: List[str], verify_index: bool = True

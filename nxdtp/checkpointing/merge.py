@@ -6,7 +6,7 @@ nothing about the model family. ``tools/merge_checkpoints.py`` and the ``nxdtp-m
 Safety rules shared by both:
 
 * Everything is checked before anything is written: the tag is complete, the index parses, every file read passes
-  its recorded size and CRC-32 (unless ``verify=False``), and every rank file the index names exists, is a readable
+  its recorded size and checksum (unless ``verify=False``), and every rank file the index names exists, is a readable
   safetensors file, and holds every tensor with the shape the index gives. Errors name the file.
 * Without a named tag, the newest intact tag is read; a damaged one is skipped with a warning naming it.
 * The input is a checkpoint directory (``newest`` names its tag, or ``tag`` does) or one complete tag directory.
@@ -80,7 +80,7 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     holds the whole model in memory (``torch.save`` needs the full dict).
 
     Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
-    the CRC-32 of every file read (the model files, the tag's config.json) before anything is written; a mismatch
+    the checksum of every file read (the model files, the tag's config.json) before anything is written; a mismatch
     raises ``CheckpointIntegrityError`` naming the file, or for an unnamed tag skips to the next older one.
     """
     return merge_and_name_source(checkpoint_dir, output_dir, tag, output_format, force, progress, config,
@@ -147,7 +147,7 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     tracker state has no counterpart at another degree); ``reshard.json`` in the tag records what was done.
     ``config`` (a config.json path) replaces or supplies the tag's config.json. ``checkpoint_dir``, ``tag`` and
     ``verify`` are as for ``merge`` (every file of the source tag is verified). The new tag records the size and
-    CRC-32 of each of its files, as ``save`` does.
+    checksum of each of its files, as ``save`` does.
     """
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
         raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")

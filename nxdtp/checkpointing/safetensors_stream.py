@@ -26,7 +26,7 @@ _SAFETENSORS_DTYPES = {
 class StreamingSafetensorsWriter:
     """``layout`` is the ordered list of (name, dtype, shape); ``write(name, tensor)`` must follow that order.
 
-    ``close`` ``fsync``s the file; ``record()`` then gives its size and CRC-32, computed while it was written."""
+    ``close`` ``fsync``s the file; ``record()`` then gives its size and checksum, computed while it was written."""
 
     def __init__(self, path: str, layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
                  metadata: Optional[Dict[str, str]] = None):
@@ -70,7 +70,7 @@ class StreamingSafetensorsWriter:
         self._file.close()
 
     def record(self) -> dict:
-        """The index record (size, CRC-32) of the completed file."""
+        """The index record (size, checksum) of the completed file."""
         return self._file.record()
 
     def __enter__(self) -> "StreamingSafetensorsWriter":

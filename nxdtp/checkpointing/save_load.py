@@ -222,7 +222,7 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
         error = e
     _agree(error, f"saving {tag_dir}")
 
-    written: Dict[str, dict] = {}  # relative path -> record (size, CRC-32) of every file this rank wrote
+    written: Dict[str, dict] = {}  # relative path -> record (size, checksum) of every file this rank wrote
     try:
         if dp_group.rank == 0:
             written[model_file(tp_group.rank)] = _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)),
@@ -488,7 +488,7 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     must match the one saved; otherwise the error names both and the reshard command.
 
     Without a named tag, the newest *intact* tag is loaded: a damaged one is skipped with a warning naming it and what
-    is wrong (all ranks take rank 0's decision). ``verify=True`` checks the size and CRC-32 of every file this rank
+    is wrong (all ranks take rank 0's decision). ``verify=True`` checks the size and checksum of every file this rank
     reads against the index (and the index against ``done``) before anything is loaded; a mismatch raises
     ``CheckpointIntegrityError`` naming the file (or, for an unnamed tag, skips to the next older one). A tag named
     explicitly is never replaced by another.
@@ -529,49 +529,35 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
         raise ValueError(f"model_key={model_key!r} is not supported; nxdtp checkpoints store the model as 'model' "
                          "(other keys apply to sharded=False files)")
     output_dir = chkpt_path
-    # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
-    error: Optional[BaseException] = None
-    trainer_state: Dict[str, Any] = {}
     # The step's pending graph runs here on every rank, not inside whatever this load does first on one rank only.
     comm.materialize(_live_tensors(model, optimizer))
-    wants = _Reads(model is not None, optimizer is not None, restore_rng_states)
-    tag_dir, index = _agreed_tag(output_dir, tag, verify, wants)
-    try:
-        tp_group = tensor_parallel_group()
-        if index.tensor_model_parallel_size != tp_group.size:
-            raise ValueError(
-                f"{tag_dir} was saved with tensor_model_parallel_size={index.tensor_model_parallel_size}, but this run "
-                f"has tensor_model_parallel_size={tp_group.size}. Reshard it first: python tools/merge_checkpoints.py "
-                f"{output_dir} OUT_DIR --reshard {tp_group.size}")
-        if model is not None:
-            state = read_model_shard(tag_dir, index, tp_group.rank)
-            state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
-                     for k, v in state.items()}
-            model.load_state_dict(state, strict=strict)
-        if optimizer is not None:
-            if index.optimizer is None:
-                raise ValueError(f"{tag_dir} holds no optimizer state")
-            optimizer.load_state_dict(_optimizer_state_dict(tag_dir, index.optimizer, tp_group.rank, optimizer,
-                                                            model))
-        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-            trainer_state = json.load(f)
-        extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
-        if os.path.isfile(extra_path):
-            trainer_state.update(_torch_load(extra_path))
-        if scheduler is not None and "scheduler" in trainer_state:
-            scheduler.load_state_dict(trainer_state["scheduler"])
-        if restore_rng_states:
-            restore_rng(tag_dir, get_topology().rank)
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
-        error = e
+    reads = _Reads(model, optimizer, restore_rng_states)
+    # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
+    tag_dir, read, error = _agreed_read(output_dir, tag, verify, reads)
+    trainer_state: Dict[str, Any] = {}
+    if error is None:
+        try:
+            if model is not None:
+                model.load_state_dict(read.model_state, strict=strict)
+            if optimizer is not None:
+                optimizer.load_state_dict(read.optimizer_state)
+            trainer_state = read.trainer_state
+            if scheduler is not None and "scheduler" in trainer_state:
+                scheduler.load_state_dict(trainer_state["scheduler"])
+            if restore_rng_states:
+                restore_rng(tag_dir, get_topology().rank)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+            error = e
     _agree(error, f"loading {output_dir}")
     return trainer_state
 
 
 @dataclasses.dataclass
 class _Reads:
-    model: bool
-    optimizer: bool
+    """What ``load`` reads on this rank: the files, and their contents in memory before anything live changes."""
+
+    model: Optional[nn.Module]
+    optimizer: Optional[torch.optim.Optimizer]
     rng: bool
 
     def files(self, tag_dir: str, index: CheckpointIndex) -> List[str]:
@@ -579,20 +565,55 @@ class _Reads:
         recorded is refused later by the reader that needs it)."""
         topology, tp_rank = get_topology(), tensor_parallel_group().rank
         wanted = [TRAINER_STATE_FILE, EXTRA_FILE.format(tp_rank)]
-        if self.model:
+        if self.model is not None:
             wanted += sorted({model_file(tp_rank), model_file(0)})
-        if self.optimizer and index.optimizer is not None:
+        if self.optimizer is not None and index.optimizer is not None:
             wanted += [optim_file(tp_rank), OPTIMIZER_STATE_FILE]
         if self.rng:
             wanted.append(rng_file(topology.rank))
         recorded = index.files or {}
         return [f for f in wanted if f in recorded or os.path.exists(os.path.join(tag_dir, f))]
 
+    def read(self, tag_dir: str, index: CheckpointIndex) -> "_Read":
+        tp_group = tensor_parallel_group()
+        if index.tensor_model_parallel_size != tp_group.size:
+            raise ValueError(
+                f"{tag_dir} was saved with tensor_model_parallel_size={index.tensor_model_parallel_size}, but this run "
+                f"has tensor_model_parallel_size={tp_group.size}. Reshard it first: python tools/merge_checkpoints.py "
+                f"{os.path.dirname(tag_dir)} OUT_DIR --reshard {tp_group.size}")
+        read = _Read()
+        if self.model is not None:
+            state = read_model_shard(tag_dir, index, tp_group.rank)
+            read.model_state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
+                                for k, v in state.items()}
+        if self.optimizer is not None:
+            if index.optimizer is None:
+                raise ValueError(f"{tag_dir} holds no optimizer state")
+            read.optimizer_state = _optimizer_state_dict(tag_dir, index.optimizer, tp_group.rank, self.optimizer,
+                                                         self.model)
+        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
+            read.trainer_state = json.load(f)
+        extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
+        if os.path.isfile(extra_path):
+            read.trainer_state.update(_torch_load(extra_path))
+        return read
 
-def _agreed_tag(path: str, tag: Optional[str], verify: bool, reads: _Reads) -> Tuple[str, CheckpointIndex]:
-    """Collective: the tag every rank loads, and its index. Rank 0 picks the newest intact candidate (or the named
-    tag); every rank then verifies the files it will read. If any rank finds damage in an unnamed tag, rank 0 warns and
-    all move on to the next candidate together; a named tag raises on every rank."""
+
+@dataclasses.dataclass
+class _Read:
+    model_state: Optional[Dict[str, torch.Tensor]] = None
+    optimizer_state: Optional[Dict[str, Any]] = None
+    trainer_state: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _agreed_read(path: str, tag: Optional[str], verify: bool, reads: _Reads
+                 ) -> Tuple[str, Optional[_Read], Optional[BaseException]]:
+    """Collective: the tag every rank loads, and this rank's reading of it (or the error that reading raised, which
+    the caller raises on every rank). Rank 0 picks the newest intact candidate (or the named tag); every rank then
+    reads its files while a thread verifies their checksums (the hash runs without the GIL, so verification overlaps
+    the reading instead of adding a pass). If any rank finds damage in an unnamed tag, rank 0 warns and all move on to
+    the next candidate together, discarding what they read; a named tag raises on every rank. Nothing live changes
+    before this returns."""
     root = get_topology().rank == 0
     problems: List[str] = []
     candidates = integrity.intact_candidates(path, tag, problems, verify_index=verify) if root else None
@@ -606,19 +627,19 @@ def _agreed_tag(path: str, tag: Optional[str], verify: bool, reads: _Reads) -> T
                 error = e
         _agree(error, f"loading {path}")
         tag_dir, named = comm.all_gather_object(choice)[0]
-        index = None
+        damage, read, read_error = None, None, None
         try:
             index = integrity.read_index(tag_dir, verify)
-            if verify:
-                integrity.verify_files(tag_dir, index, reads.files(tag_dir, index))
-        except Exception as e:  # noqa: BLE001
-            error = e
-        reports = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+            files = reads.files(tag_dir, index) if verify else None
+            read, read_error = integrity.read_while_verifying(tag_dir, index, files, lambda: reads.read(tag_dir, index))
+        except Exception as e:  # noqa: BLE001 - damage: the index, or a file's size or checksum
+            damage = e
+        reports = comm.all_gather_object(None if damage is None else f"{type(damage).__name__}: {damage}")
         failed = {rank: report for rank, report in enumerate(reports) if report is not None}
         if not failed:
-            return tag_dir, index
+            return tag_dir, read, read_error
         if named:
-            _agree(error, f"loading {path}")
+            _agree(damage, f"loading {path}")
         if root:
             integrity.skip(problems, tag_dir, "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
 

@@ -2,7 +2,7 @@
 
 A crash at any point of a save leaves ``newest`` naming the previous complete tag, and the half-written tag has no
 ``done`` file, so it is never loaded (it is named in the error if asked for explicitly). ``done`` holds the size and
-CRC-32 of the index, so a damaged index is detected too. Both are written with ``durable.replace_atomically``.
+checksum of the index, so a damaged index is detected too. Both are written with ``durable.replace_atomically``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
-from .durable import file_record, replace_atomically
+from .durable import checked_record, replace_atomically
 from .index import DONE_FILE, INDEX_FILE
 
 NEWEST_FILE = "newest"
@@ -53,12 +53,12 @@ LEGACY_DONE_TEXT = "complete"
 
 
 class CheckpointIntegrityError(ValueError):
-    """A checkpoint file is not what its record says: another size or another CRC-32 (flipped bytes, truncation), or
+    """A checkpoint file is not what its record says: another size or another checksum (flipped bytes, truncation), or
     a damaged ``done``."""
 
 
 def mark_done(tag_dir: str, index_record: dict) -> None:
-    """Mark ``tag_dir`` complete (durably, all at once); ``done`` records the index's size and CRC-32."""
+    """Mark ``tag_dir`` complete (durably, all at once); ``done`` records the index's size and checksum."""
     payload = json.dumps({"complete": True, INDEX_FILE: index_record}) + "\n"
     replace_atomically(os.path.join(tag_dir, DONE_FILE), payload.encode())
 
@@ -74,7 +74,7 @@ def read_done(tag_dir: str) -> Optional[dict]:
         if text.strip() == LEGACY_DONE_TEXT:
             return None
         record = json.loads(text)[INDEX_FILE]
-        return file_record(record["size"], int(record["crc32"], 16))
+        return checked_record(record)
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise CheckpointIntegrityError(f"{path} is damaged: it is neither 'complete' nor the record of "
                                        f"{INDEX_FILE} ({type(e).__name__}: {e})") from None
