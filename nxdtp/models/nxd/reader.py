@@ -21,7 +21,13 @@ Layouts found in ``checkpoint_dir`` (pipeline rank 0 only; ``XX`` is the TP rank
 
 Every pickle is loaded with ``torch.load(weights_only=True)``. The only global allowed beyond torch's defaults is
 torch_xla's ``TensorReference``, rebuilt as a local stand-in holding one integer, so torch_xla need not be installed and
-no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped).
+no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped) by ``torch.load``.
+
+Before a file is unpickled, the CRC-32 of each of its zip entries is recomputed (``verify_checksums``, on by default):
+``torch.save`` records one per entry, but ``torch.load`` does not check it, so flipped bytes in tensor data would load
+as wrong values. This reads each file once more, optimizer state included; NxD checkpoints are imported once, so the
+cost is acceptable (docs/troubleshooting.md, "Damaged input"). Files in torch's legacy (pre-1.6, non-zip) format carry
+no checksum and load unchecked.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import json
 import os
 import pickle
 import re
+import struct
 import sys
+import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -222,8 +231,45 @@ def missing_last_ranks(files: RankFiles, saved_tp: int, evidence: str) -> FileNo
 
 # ---- reading the rank files ------------------------------------------------------------------------------------------
 
-def _torch_load(path: str) -> Any:
-    """``torch.load(weights_only=True)``, memory-mapped where the file allows it; refusals name the file."""
+# Read size for the CRC check: large enough that the per-read overhead is negligible, small enough to bound memory.
+_CRC_CHUNK_BYTES = 16 * 2**20
+
+
+def verify_zip_checksums(path: str) -> None:
+    """Recompute the CRC-32 of every entry of a ``torch.save`` zip archive; a mismatch, a truncated or malformed
+    archive is an :class:`NxdCheckpointError` naming the file and the entry. A file that is not a zip archive (torch's
+    legacy format) is left to ``torch.load``."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                crc = 0
+                # ZipFile.open checks the local header against the central directory; the CRC is compared here, not
+                # by zipfile, so that the error can say which entry is damaged.
+                with archive.open(entry) as data:
+                    while True:
+                        chunk = data.read(_CRC_CHUNK_BYTES)
+                        if not chunk:
+                            break
+                        crc = zlib.crc32(chunk, crc)
+                if crc != entry.CRC:
+                    raise NxdCheckpointError(f"{path}: entry '{entry.filename}' fails its CRC-32 check (stored "
+                                             f"{entry.CRC:08x}, computed {crc:08x}): the file is damaged")
+    except NxdCheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, struct.error,
+            NotImplementedError, zlib.error) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise NxdCheckpointError(f"{path}: damaged zip archive (torch.save format): {error}") from error
+
+
+def _torch_load(path: str, verify_checksums: bool = True) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped where the file allows it, after checking the archive's CRCs
+    (``verify_checksums``); refusals and damage name the file."""
+    if verify_checksums:
+        verify_zip_checksums(path)
 
     def load(mmap: bool):
         with torch.serialization.safe_globals([(_XlaTensorReference, XLA_TENSOR_REFERENCE)]):
@@ -238,22 +284,24 @@ def _torch_load(path: str) -> Any:
             return load(mmap=False)  # the legacy (pre-zipfile) torch.save format cannot be memory-mapped
     except NxdCheckpointError as error:  # a malformed TensorReference
         raise NxdCheckpointError(f"{path}: {error}") from error
-    except pickle.UnpicklingError as error:
-        raise NxdCheckpointError(f"{path}: refused to load with torch.load(weights_only=True); it holds Python objects "
-                                 f"beyond tensors and plain containers. Only load it unrestricted if you trust "
-                                 f"where it came from. Detail: {error}") from error
-    except (RuntimeError, EOFError, OSError) as error:
-        if isinstance(error, FileNotFoundError):
-            raise
-        raise NxdCheckpointError(f"{path}: cannot be read as a torch checkpoint: {error}") from error
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever torch.load trips over in a damaged file, name the file
+        if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
+            raise NxdCheckpointError(f"{path}: refused to load with torch.load(weights_only=True); it holds Python "
+                                     f"objects beyond tensors and plain containers. Only load it unrestricted if you "
+                                     f"trust where it came from. Detail: {error}") from error
+        raise NxdCheckpointError(f"{path}: cannot be read as a torch checkpoint (truncated or damaged?): "
+                                 f"{type(error).__name__}: {error}") from error
 
 
 class RankShard:
     """One TP rank's model state dict; xser references are resolved (memory-mapped) on first use."""
 
-    def __init__(self, path: str, model_key: Optional[str]):
+    def __init__(self, path: str, model_key: Optional[str], verify_checksums: bool = True):
         self.path = path
-        checkpoint = _torch_load(path)
+        self.verify_checksums = verify_checksums
+        checkpoint = _torch_load(path, verify_checksums)
         if model_key is None:
             state = checkpoint
         else:
@@ -294,7 +342,7 @@ class RankShard:
             file = self.tensor_file(key)
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"{file} is missing: {self.path} needs it for '{key}'")
-            tensor = _torch_load(file)
+            tensor = _torch_load(file, self.verify_checksums)
             if not isinstance(tensor, torch.Tensor):
                 raise NxdCheckpointError(f"{file} (for '{key}' of {self.path}) holds a {type(tensor).__name__}, "
                                          "not a tensor")
@@ -302,13 +350,15 @@ class RankShard:
         return self._resolved[value.tid]
 
 
-def open_shards(files: RankFiles, model_key: Optional[str], progress: bool) -> List[RankShard]:
-    """Every rank's state dict (``model_key`` AUTO: the layout's), after checking that all ranks hold the same keys."""
+def open_shards(files: RankFiles, model_key: Optional[str], progress: bool,
+                verify_checksums: bool = True) -> List[RankShard]:
+    """Every rank's state dict (``model_key`` AUTO: the layout's), after checking that all ranks hold the same keys;
+    ``verify_checksums`` checks each file's zip CRCs as it is read."""
     key = files.model_key if model_key == AUTO else model_key
     shards = []
     for rank, path in enumerate(files.paths):
         say(progress, f"reading TP rank {rank + 1}/{len(files.paths)}: {path}")
-        shards.append(RankShard(path, key))
+        shards.append(RankShard(path, key, verify_checksums))
     reference = shards[0]
     for shard in shards[1:]:
         extra = sorted(set(shard.state) - set(reference.state))
@@ -391,13 +441,14 @@ class DenseTensor:
 
 def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
                       plan: Callable[[List[RankShard], RankFiles], List[DenseTensor]], *, force: bool, progress: bool,
-                      model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype]) -> str:
+                      model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype],
+                      verify_checksums: bool = True) -> str:
     """The steps every family shares: check the output, find and open the rank files, let ``plan`` check everything
     and say how to build each dense tensor, then write ``model.safetensors`` and ``config.json`` atomically."""
     checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
     check_output_dir(checkpoint_dir, output_dir, force)
     files = locate_rank_files(checkpoint_dir, tag)
-    shards = open_shards(files, model_key, progress)
+    shards = open_shards(files, model_key, progress, verify_checksums)
     tensors = plan(shards, files)
     tp = len(shards)
 
