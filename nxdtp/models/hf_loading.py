@@ -16,6 +16,7 @@ records no checksum, so flipped bytes in a tensor's data cannot be detected (the
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import logging
 import os
@@ -71,8 +72,8 @@ def _fits(value: Any, default: Any) -> bool:
 def read_config(model_dir: str, config_class=None):
     """The ``config.json`` of ``model_dir`` (a directory or the file itself) as ``config_class`` (default: the class
     its ``model_type`` names). Bad JSON, a non-object, an unknown model_type, a value whose type differs from the
-    config class's default for that key, or a config transformers refuses is a :class:`PretrainedDirectoryError`
-    naming the file."""
+    config class's default for that key, an unknown key that looks like a misspelling of a known one, or a config
+    transformers refuses is a :class:`PretrainedDirectoryError` naming the file."""
     import transformers
 
     path = os.fspath(model_dir)
@@ -100,7 +101,15 @@ def read_config(model_dir: str, config_class=None):
             raise PretrainedDirectoryError(f"{path}: 'architectures' names {unknown}, which transformers "
                                            f"{transformers.__version__} does not have")
     defaults = config_class()
+    known = set(vars(defaults))
     for key, value in raw.items():
+        if key not in known:
+            # The config class keeps keys it does not know as plain attributes, so a misspelt (or damaged) key would
+            # silently leave the default in its place.
+            close = difflib.get_close_matches(key, known, n=1, cutoff=MISSPELLING_CUTOFF)
+            if close:
+                raise PretrainedDirectoryError(f"{path}: '{key}' is not a {config_class.__name__} key; did you mean "
+                                               f"'{close[0]}'?")
         default = getattr(defaults, key, None)
         if not _fits(value, default):
             raise PretrainedDirectoryError(f"{path}: '{key}' is {_json_kind(value)} ({value!r}); "
@@ -114,6 +123,9 @@ def read_config(model_dir: str, config_class=None):
                                        f"{error}") from error
 
 
+# How alike (difflib's ratio) an unknown config key and a known one must be to call the unknown one a misspelling: one
+# character changed in a key of 7 or more characters.
+MISSPELLING_CUTOFF = 0.85
 # Integer config keys that are sizes or counts: zero or negative would build an empty or broken model.
 _SIZE_KEYS = ("_size", "_layers", "_heads", "_embeddings", "_positions")
 
