@@ -101,7 +101,7 @@ def read_config(model_dir: str, config_class=None):
             raise PretrainedDirectoryError(f"{path}: 'architectures' names {unknown}, which transformers "
                                            f"{transformers.__version__} does not have")
     defaults = config_class()
-    known = set(vars(defaults))
+    known = set(vars(defaults)) | set(defaults.to_dict())  # to_dict adds class attributes such as model_type
     for key, value in raw.items():
         if key not in known:
             # The config class keeps keys it does not know as plain attributes, so a misspelt (or damaged) key would
@@ -116,6 +116,12 @@ def read_config(model_dir: str, config_class=None):
                                            f"{config_class.__name__} needs {_json_kind(default)} there")
         if isinstance(default, int) and not isinstance(default, bool) and key.endswith(_SIZE_KEYS) and value < 1:
             raise PretrainedDirectoryError(f"{path}: '{key}' is {value}; it must be at least 1")
+        if key.endswith(_ACTIVATION_KEYS) and isinstance(value, str):
+            from transformers.activations import ACT2FN
+
+            if value not in ACT2FN:
+                raise PretrainedDirectoryError(f"{path}: '{key}' is {value!r}, which is not an activation transformers "
+                                               f"knows (e.g. 'gelu', 'relu', 'silu')")
     try:
         return config_class.from_dict(raw)
     except Exception as error:  # noqa: BLE001 - transformers' own checks (e.g. heads dividing the hidden size)
@@ -126,6 +132,8 @@ def read_config(model_dir: str, config_class=None):
 # How alike (difflib's ratio) an unknown config key and a known one must be to call the unknown one a misspelling: one
 # character changed in a key of 7 or more characters.
 MISSPELLING_CUTOFF = 0.85
+# String config keys that name an activation function (looked up in transformers' ACT2FN when the model is built).
+_ACTIVATION_KEYS = ("_act", "_activation")
 # Integer config keys that are sizes or counts: zero or negative would build an empty or broken model.
 _SIZE_KEYS = ("_size", "_layers", "_heads", "_embeddings", "_positions")
 

@@ -238,9 +238,9 @@ def verify_zip_checksums(path: str) -> None:
     the one recorded; a mismatch, a truncated or malformed archive is an :class:`NxdCheckpointError` naming the file
     (and zipfile's message names the entry). A file that is not a zip archive (torch's legacy format) is left to
     ``torch.load``."""
-    if not zipfile.is_zipfile(path):
-        return
     try:
+        if not zipfile.is_zipfile(path):
+            return
         with zipfile.ZipFile(path) as archive:
             for entry in archive.infolist():
                 with archive.open(entry) as data:
