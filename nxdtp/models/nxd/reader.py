@@ -23,21 +23,23 @@ Every pickle is loaded with ``torch.load(weights_only=True)``. The only global a
 torch_xla's ``TensorReference``, rebuilt as a local stand-in holding one integer, so torch_xla need not be installed and
 no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped) by ``torch.load``.
 
-Before a file is unpickled, the CRC-32 of each of its zip entries is recomputed (``verify_checksums``, on by default):
+Before a file is unpickled, the CRC-32 of each of its zip entries is checked (``verify_checksums``, on by default):
 ``torch.save`` records one per entry, but ``torch.load`` does not check it, so flipped bytes in tensor data would load
-as wrong values. This reads each file once more, optimizer state included; NxD checkpoints are imported once, so the
-cost is acceptable (docs/troubleshooting.md, "Damaged input"). Files in torch's legacy (pre-1.6, non-zip) format carry
-no checksum and load unchecked.
+as wrong values. The pickle and small entries are read through ``zipfile``; tensor storages are checked once it is
+known which hold the model, so optimizer state the import skips is not read. Files in torch's legacy (pre-1.6,
+non-zip) format carry no checksum and load unchecked. The cost is in docs/troubleshooting.md ("Damaged input").
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pickle
 import re
 import sys
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -231,18 +233,24 @@ def missing_last_ranks(files: RankFiles, saved_tp: int, evidence: str) -> FileNo
 
 # Read size for the CRC check: large enough that the per-read overhead is negligible, small enough to bound memory.
 _CRC_CHUNK_BYTES = 16 * 2**20
+_CRC_THREADS = min(8, os.cpu_count() or 1)
 
 
-def verify_zip_checksums(path: str) -> None:
-    """Read every entry of a ``torch.save`` zip archive through ``zipfile``, which compares each entry's CRC-32 with
+def verify_zip_checksums(path: str, data_entries: bool = True) -> Dict[int, set]:
+    """Read the entries of a ``torch.save`` zip archive through ``zipfile``, which compares each entry's CRC-32 with
     the one recorded; a mismatch, a truncated or malformed archive is an :class:`NxdCheckpointError` naming the file
-    (and zipfile's message names the entry). A file that is not a zip archive (torch's legacy format) is left to
-    ``torch.load``."""
+    (zipfile's message names the entry). ``data_entries=False`` skips the tensor storages (``.../data/N``), whose
+    recorded CRCs are returned by size for :func:`verify_storages` to check only the ones that are used. A file that
+    is not a zip archive (torch's legacy format) is left to ``torch.load``."""
+    recorded: Dict[int, set] = {}
     try:
         if not zipfile.is_zipfile(path):
-            return
+            return recorded
         with zipfile.ZipFile(path) as archive:
             for entry in archive.infolist():
+                if not data_entries and "/data/" in entry.filename:
+                    recorded.setdefault(entry.file_size, set()).add(entry.CRC)
+                    continue
                 with archive.open(entry) as data:
                     while data.read(_CRC_CHUNK_BYTES):
                         pass
@@ -251,13 +259,33 @@ def verify_zip_checksums(path: str) -> None:
     except Exception as error:  # noqa: BLE001 - BadZipFile, EOFError, struct.error, ... depending on the damage
         raise NxdCheckpointError(f"{path}: damaged zip archive (torch.save format): {type(error).__name__}: "
                                  f"{error}") from error
+    return recorded
 
 
-def _torch_load(path: str, verify_checksums: bool = True) -> Any:
+def verify_storages(path: str, tensors: Sequence[torch.Tensor], recorded: Dict[int, set]) -> None:
+    """Each tensor's storage, as memory-mapped from ``path``, must have the CRC-32 the archive records for an entry of
+    its size: a flipped byte in it cannot (bar a 1-in-2**32 chance). Only the storages used are read, so the optimizer
+    state a model import skips is not."""
+    if not recorded:
+        return  # legacy format: no checksums
+    storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
+
+    def crc(storage) -> int:
+        return zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+
+    # zlib.crc32 releases the GIL on large buffers, so threads checksum storages in parallel.
+    with concurrent.futures.ThreadPoolExecutor(min(_CRC_THREADS, len(storages) or 1)) as pool:
+        for storage, value in zip(storages, pool.map(crc, storages)):
+            if value not in recorded.get(storage.nbytes(), ()):
+                raise NxdCheckpointError(f"{path}: a tensor storage of {storage.nbytes()} bytes fails its CRC-32 "
+                                         "check (no entry of the archive records its checksum): the file is damaged")
+
+
+def _torch_load(path: str, verify: bool = True, data_entries: bool = True) -> Tuple[Any, Dict[int, set]]:
     """``torch.load(weights_only=True)``, memory-mapped where the file allows it, after checking the archive's CRCs
-    (``verify_checksums``); refusals and damage name the file."""
-    if verify_checksums:
-        verify_zip_checksums(path)
+    (``verify``; tensor storages only with ``data_entries``); refusals and damage name the file. Returns the object
+    and the recorded CRCs of the storages not checked (see :func:`verify_zip_checksums`)."""
+    recorded = verify_zip_checksums(path, data_entries) if verify else {}
 
     def load(mmap: bool):
         with torch.serialization.safe_globals([(_XlaTensorReference, XLA_TENSOR_REFERENCE)]):
@@ -265,11 +293,11 @@ def _torch_load(path: str, verify_checksums: bool = True) -> Any:
 
     try:
         try:
-            return load(mmap=True)
+            return load(mmap=True), recorded
         except RuntimeError as error:
             if "mmap" not in str(error):
                 raise
-            return load(mmap=False)  # the legacy (pre-zipfile) torch.save format cannot be memory-mapped
+            return load(mmap=False), recorded  # the legacy (pre-zipfile) torch.save format cannot be memory-mapped
     except NxdCheckpointError as error:  # a malformed TensorReference
         raise NxdCheckpointError(f"{path}: {error}") from error
     except FileNotFoundError:
@@ -289,7 +317,8 @@ class RankShard:
     def __init__(self, path: str, model_key: Optional[str], verify_checksums: bool = True):
         self.path = path
         self.verify_checksums = verify_checksums
-        checkpoint = _torch_load(path, verify_checksums)
+        # The storages are checked below, once it is known which of them hold the model.
+        checkpoint, recorded = _torch_load(path, verify_checksums, data_entries=False)
         if model_key is None:
             state = checkpoint
         else:
@@ -309,6 +338,7 @@ class RankShard:
             if not isinstance(value, (torch.Tensor, _XlaTensorReference)):
                 raise NxdCheckpointError(f"{path}: '{key}' is a {type(value).__name__}, not a tensor")
             self.state[key] = value
+        verify_storages(path, [v for v in self.state.values() if isinstance(v, torch.Tensor)], recorded)
         self._tensors_dir = path + XSER_TENSORS_SUFFIX
         refs = [v for v in self.state.values() if isinstance(v, _XlaTensorReference)]
         if refs and not os.path.isdir(self._tensors_dir):
@@ -330,7 +360,7 @@ class RankShard:
             file = self.tensor_file(key)
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"{file} is missing: {self.path} needs it for '{key}'")
-            tensor = _torch_load(file, self.verify_checksums)
+            tensor, _ = _torch_load(file, self.verify_checksums)  # the file holds this tensor only: check it all
             if not isinstance(tensor, torch.Tensor):
                 raise NxdCheckpointError(f"{file} (for '{key}' of {self.path}) holds a {type(tensor).__name__}, "
                                          "not a tensor")
