@@ -53,7 +53,10 @@ def _json_kind(value: Any) -> str:
 
 
 def _fits(value: Any, default: Any) -> bool:
-    """Whether a config.json value has the type the config class's default for that key has."""
+    """Whether a config.json value has the type the config class's default for that key has (null is always
+    allowed: configs set optional features to null, e.g. Qwen2's sliding_window)."""
+    if value is None:
+        return True
     if isinstance(default, bool):
         return isinstance(value, bool)
     if isinstance(default, int):
@@ -360,13 +363,13 @@ def _spec_of(model: nn.Module, name: str) -> Optional[ParamSpec]:
     return owner.param_specs().get(attribute) if isinstance(owner, ShardedModule) else None
 
 
-def _refuse_damaged_names(reader: CheckpointReader, wanted: Dict[str, List[str]]) -> None:
+def _refuse_damaged_names(reader: CheckpointReader, wanted: Dict[str, List[str]], unused: Iterable[str]) -> None:
     """A parameter the checkpoint lacks is normally new (a fresh head) and is initialised; but if the checkpoint holds
-    a key that differs from one of its names in a byte or two, the header was damaged and loading would silently
-    replace a trained tensor with a fresh one."""
+    a key nothing loads that differs from one of its names in a byte or two, the header was damaged and loading would
+    silently replace a trained tensor with a fresh one."""
     if not wanted:
         return
-    for key in reader.keys():
+    for key in sorted(unused):
         for name, candidates in wanted.items():
             for candidate in candidates:
                 if len(candidate) == len(key) and 0 < sum(a != b for a, b in zip(candidate, key)) <= 2:
@@ -388,11 +391,14 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
     tie_groups = {id(p): names for names in tied_parameter_names(model) for p in [model.get_parameter(names[0])]}
     missing: List[str] = []
     wanted: Dict[str, List[str]] = {}  # missing parameter -> the keys it could have been stored under
+    used = set()
     for name, param in model.named_parameters():
         names = tie_groups.get(id(param), [name])
-        if not any(k in available for n in names for k in candidate_keys(n)):
+        key = next((k for n in names for k in candidate_keys(n) if k in available), None)
+        if key is None:
             wanted[name] = [k for n in names for k in candidate_keys(n)]
-    _refuse_damaged_names(reader, wanted)
+        used.add(key)
+    _refuse_damaged_names(reader, wanted, available - used)
     with torch.no_grad():
         for name, param in model.named_parameters():
             names = tie_groups.get(id(param), [name])
