@@ -13,6 +13,7 @@ batches of all ranks together are the k-th batch of a dp=1 run with a dp times l
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import glob
 import os
 import random
@@ -65,14 +66,11 @@ def _describe_contents(directory: str, shown: int = 5) -> str:
 
 def count_rows(path: str) -> int:
     """Number of sequences in a shard, from the dataset shape only (no data is read)."""
-    try:
-        with h5py.File(path, "r") as f:
-            if "input_ids" not in f:
-                raise DataError(f"{path}: missing dataset 'input_ids'; found keys {sorted(f.keys())}; "
-                                f"a shard needs {list(KEYS)}")
-            shape = f["input_ids"].shape
-    except OSError as e:
-        raise DataError(f"{path}: cannot read as HDF5 ({e})") from e
+    with _opened(path) as f:
+        if "input_ids" not in f:
+            raise DataError(f"{path}: missing dataset 'input_ids'; found keys {sorted(f.keys())}; "
+                            f"a shard needs {list(KEYS)}")
+        shape = f["input_ids"].shape
     if len(shape) != 2:
         raise DataError(f"{path}: 'input_ids' has shape {shape}; expected 2-D [sequences, seq_len]")
     return int(shape[0])
@@ -129,17 +127,30 @@ def _count_masked(positions: np.ndarray) -> np.ndarray:
     return np.where(is_padding.any(axis=1), first_zero, positions.shape[1])
 
 
-def _read_arrays(path: str) -> dict[str, np.ndarray]:
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[h5py.File]:
+    """The shard opened for reading; whatever h5py raises on a truncated or damaged file (OSError, KeyError,
+    ValueError, RuntimeError, ... depending on which structure the damage hit) becomes one DataError naming it."""
     try:
         with h5py.File(path, "r") as f:
-            missing = [k for k in KEYS if k not in f]
-            if missing:
-                raise DataError(f"{path}: missing dataset '{missing[0]}'"
-                                + (f" (and {missing[1:]})" if len(missing) > 1 else "")
-                                + f"; found keys {sorted(f.keys())}; a shard needs {list(KEYS)}")
-            return {k: f[k][()] for k in KEYS}
-    except OSError as e:
-        raise DataError(f"{path}: cannot read as HDF5 ({e})") from e
+            yield f
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - h5py's error type depends on where the file is damaged
+        raise DataError(f"{path}: cannot read as HDF5, truncated or damaged? ({type(e).__name__}: {e})") from e
+
+
+def _read_arrays(path: str) -> dict[str, np.ndarray]:
+    with _opened(path) as f:
+        missing = [k for k in KEYS if k not in f]
+        if missing:
+            raise DataError(f"{path}: missing dataset '{missing[0]}'"
+                            + (f" (and {missing[1:]})" if len(missing) > 1 else "")
+                            + f"; found keys {sorted(f.keys())}; a shard needs {list(KEYS)}")
+        not_datasets = [k for k in KEYS if not isinstance(f[k], h5py.Dataset)]
+        if not_datasets:
+            raise DataError(f"{path}: '{not_datasets[0]}' is a {type(f[not_datasets[0]]).__name__}, not a dataset")
+        return {k: np.asarray(f[k][()]) for k in KEYS}
 
 
 def _validate(path: str, a: dict[str, np.ndarray], max_pred_len: int, seq_len: int | None,

@@ -160,30 +160,43 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.ddp and args.bf16:
         parser.error("--ddp averages the model's own gradients; with --bf16 they are reduced on the fp32 master "
                      "copy instead, so use one or the other")
+    world_size = os.environ.get("WORLD_SIZE", "")  # set by torchrun; an XLA launch counts its devices later
+    if world_size.isdigit() and int(world_size) % args.tensor_parallel_size:
+        parser.error(f"--tensor_parallel_size {args.tensor_parallel_size} does not divide the world size "
+                     f"{world_size} (torchrun's WORLD_SIZE)")
+    try:
+        load_config(args)  # a damaged or mistyped config is a usage error, before any process group starts
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     return args
 
 
 # ---- model and optimizer -------------------------------------------------------------------------------------------------
 
 def load_config(args: argparse.Namespace):
+    """The model's BertConfig: --model_config (a directory or a JSON file), else --init_from's, else BERT-large.
+    Damage is a PretrainedDirectoryError naming the file (nxdtp.models.hf_loading.read_config: bad JSON, a value of
+    the wrong type, a key BertConfig does not know that looks like a misspelling of one it does)."""
     from transformers import BertConfig
+
+    from nxdtp.models.hf_loading import read_config
 
     if args.model_config is None and args.init_from is not None:
         if not os.path.isfile(os.path.join(args.init_from, "config.json")):
             raise FileNotFoundError(f"--init_from {args.init_from}: no config.json there (give a Hugging Face model "
                                     "directory)")
-        config = BertConfig.from_pretrained(args.init_from)
+        config = read_config(args.init_from, BertConfig)
     elif args.model_config is None:
         # BERT-large uncased, written out so that no hub access is needed.
         config = BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                             intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
     else:
         path = args.model_config
-        directory = os.path.dirname(path) if path.endswith(".json") else path
-        if not os.path.isfile(os.path.join(directory, "config.json")):
+        file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+        if not os.path.isfile(file):
             raise FileNotFoundError(f"--model_config {path}: no config.json there (give a Hugging Face config "
-                                    "directory or its config.json)")
-        config = BertConfig.from_pretrained(directory)
+                                    "directory or a config JSON file)")
+        config = read_config(file, BertConfig)
     if args.debug:
         for key, value in DEBUG_MODEL.items():
             setattr(config, key, value)

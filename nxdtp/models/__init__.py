@@ -70,10 +70,11 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
     """
     import transformers
 
+    from .hf_loading import read_config
     from .pretrained import build_from_pretrained
 
     if config is None:
-        config = transformers.AutoConfig.from_pretrained(model_dir)
+        config = read_config(model_dir)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or []
         if not architectures or not hasattr(transformers, architectures[0]):

@@ -266,9 +266,10 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
     import transformers
 
     from . import from_pretrained_sharded as build  # the package imports this module first
+    from .hf_loading import read_config
 
     if config is None:
-        config = transformers.BertConfig.from_pretrained(model_dir)
+        config = read_config(model_dir, transformers.BertConfig)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
         model_class = getattr(transformers, architectures[0])

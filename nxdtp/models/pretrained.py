@@ -11,7 +11,8 @@ from torch import nn
 
 from .. import comm
 from ..plan import broadcast_replicated_state
-from .hf_loading import CheckpointReader, load_sharded_weights, materialize_meta_model, parameters_on_meta
+from .hf_loading import (CheckpointReader, PretrainedDirectoryError, load_sharded_weights, materialize_meta_model,
+                         parameters_on_meta)
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,8 @@ def build_from_pretrained(model_dir: str, model_class, config, shard: Callable[[
 
     Replicated parameters the checkpoint lacks (e.g. a new classification head) are initialised as HF would, then made
     equal across TP ranks; a missing tensor-parallel bias starts at zero as in HF, a missing tensor-parallel weight is
-    an error. The model is returned in eval mode, as HF does.
+    an error. The model is returned in eval mode, as HF does. Damaged files are a ``PretrainedDirectoryError`` naming
+    the file (``hf_loading``), raised on every rank.
     """
     reader = CheckpointReader(model_dir)  # fail on a missing checkpoint before building anything
     with parameters_on_meta():
@@ -68,5 +70,5 @@ def _initialise_missing_shards(model: nn.Module, model_dir: str, missing) -> Non
                 else:
                     sharded_missing.append(name)
     if sharded_missing:
-        raise ValueError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
+        raise PretrainedDirectoryError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
                          "the checkpoint")

@@ -142,7 +142,8 @@ def _check_ties(shards: Sequence[RankShard], tied: Dict[str, str], plan: Mapping
 def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
                          progress: bool = True, model_class=None, model_key: Optional[str] = AUTO,
                          plan: Mapping[str, int] = NXD_ATTENTION_ONLY_PLAN,
-                         dtype: Optional[torch.dtype] = None, tag: Optional[str] = None) -> str:
+                         dtype: Optional[torch.dtype] = None, tag: Optional[str] = None,
+                         verify_checksums: bool = True) -> str:
     """Merge an NxD BERT checkpoint (one file per TP rank, no spec) into a dense HF directory; return ``output_dir``.
 
     ``checkpoint_dir`` holds ``tp_rank_XX_pp_rank_00/checkpoint.pt`` or another layout ``reader.py`` finds; tp is the
@@ -152,7 +153,8 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
     BertForPreTraining) sets which keys are expected; ``model_key`` is where the state dict sits in each rank's dict
     (None: the file is the state dict; default: as the layout stores it); ``plan`` maps key patterns to their TP split
     dim (default: NxD's BERT example); ``dtype`` casts floating tensors; ``tag`` picks a tag in a directory of NxD
-    trainer tags.
+    trainer tags; ``verify_checksums`` (default on) checks the CRC-32 of every entry of every rank file, so flipped
+    bytes are an error, not wrong weights.
 
     Everything is checked before anything is written: every rank file present (ranks 0..tp-1, pp 0), keys equal on all
     ranks, every shape consistent with the config. The result is written to a temporary sibling and renamed into
@@ -172,4 +174,5 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
                 for key, source in sources.items()]
 
     return import_checkpoint(checkpoint_dir, output_dir, config, cls.__name__, layout, force=force, progress=progress,
-                             model_key=model_key, tag=tag, dtype=dtype)
+                             model_key=model_key, tag=tag, dtype=dtype,
+                             verify_checksums=verify_checksums)

@@ -421,7 +421,7 @@ class _Planner:
 
 def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
                          progress: bool = True, model_key: Optional[str] = AUTO, dtype: Optional[torch.dtype] = None,
-                         tag: Optional[str] = None) -> str:
+                         tag: Optional[str] = None, verify_checksums: bool = True) -> str:
     """Merge an NxD Llama (or Mistral) checkpoint into a dense HF ``*ForCausalLM`` directory; return ``output_dir``.
 
     ``checkpoint_dir`` is any layout ``reader.py`` finds (NxD trainer checkpoints with their ``model/`` directory, or
@@ -430,7 +430,8 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
     ``MistralConfig``); NxD's extra config entries are kept as they are. The result loads with
     ``LlamaForCausalLM.from_pretrained(output_dir)``. ``model_key`` is where the state dict sits in each rank's file
     (None: the file is the state dict; default: as the layout stores it); ``dtype`` casts floating tensors; ``tag``
-    picks a tag in a directory of NxD trainer tags (default: the newest complete one).
+    picks a tag in a directory of NxD trainer tags (default: the newest complete one); ``verify_checksums`` (default
+    on) checks the CRC-32 of every entry of every rank file, so flipped bytes are an error, not wrong weights.
 
     Everything is checked before anything is written: every rank file present (ranks 0..tp-1, pp 0), keys equal on all
     ranks, every shape consistent with the config and one NxD attention form, the copies of each replicated KV head
@@ -443,4 +444,5 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
         return _Planner(config, model_class, shards, files, progress).plan()
 
     return import_checkpoint(checkpoint_dir, output_dir, config, model_class.__name__, layout, force=force,
-                             progress=progress, model_key=model_key, tag=tag, dtype=dtype)
+                             progress=progress, model_key=model_key, tag=tag, dtype=dtype,
+                             verify_checksums=verify_checksums)

@@ -21,16 +21,25 @@ Layouts found in ``checkpoint_dir`` (pipeline rank 0 only; ``XX`` is the TP rank
 
 Every pickle is loaded with ``torch.load(weights_only=True)``. The only global allowed beyond torch's defaults is
 torch_xla's ``TensorReference``, rebuilt as a local stand-in holding one integer, so torch_xla need not be installed and
-no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped).
+no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped) by ``torch.load``.
+
+Before a file is unpickled, the CRC-32 of each of its zip entries is checked (``verify_checksums``, on by default):
+``torch.save`` records one per entry, but ``torch.load`` does not check it, so flipped bytes in tensor data would load
+as wrong values. The pickle and small entries are read through ``zipfile``; tensor storages are checked once it is
+known which hold the model, so optimizer state the import skips is not read. Files in torch's legacy (pre-1.6,
+non-zip) format carry no checksum and load unchecked. The cost is in docs/troubleshooting.md ("Damaged input").
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pickle
 import re
 import sys
+import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -222,8 +231,61 @@ def missing_last_ranks(files: RankFiles, saved_tp: int, evidence: str) -> FileNo
 
 # ---- reading the rank files ------------------------------------------------------------------------------------------
 
-def _torch_load(path: str) -> Any:
-    """``torch.load(weights_only=True)``, memory-mapped where the file allows it; refusals name the file."""
+# Read size for the CRC check: large enough that the per-read overhead is negligible, small enough to bound memory.
+_CRC_CHUNK_BYTES = 16 * 2**20
+_CRC_THREADS = min(8, os.cpu_count() or 1)
+
+
+def verify_zip_checksums(path: str, data_entries: bool = True) -> Dict[int, set]:
+    """Read the entries of a ``torch.save`` zip archive through ``zipfile``, which compares each entry's CRC-32 with
+    the one recorded; a mismatch, a truncated or malformed archive is an :class:`NxdCheckpointError` naming the file
+    (zipfile's message names the entry). ``data_entries=False`` skips the tensor storages (``.../data/N``), whose
+    recorded CRCs are returned by size for :func:`verify_storages` to check only the ones that are used. A file that
+    is not a zip archive (torch's legacy format) is left to ``torch.load``."""
+    recorded: Dict[int, set] = {}
+    try:
+        if not zipfile.is_zipfile(path):
+            return recorded
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                if not data_entries and "/data/" in entry.filename:
+                    recorded.setdefault(entry.file_size, set()).add(entry.CRC)
+                    continue
+                with archive.open(entry) as data:
+                    while data.read(_CRC_CHUNK_BYTES):
+                        pass
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - BadZipFile, EOFError, struct.error, ... depending on the damage
+        raise NxdCheckpointError(f"{path}: damaged zip archive (torch.save format): {type(error).__name__}: "
+                                 f"{error}") from error
+    return recorded
+
+
+def verify_storages(path: str, tensors: Sequence[torch.Tensor], recorded: Dict[int, set]) -> None:
+    """Each tensor's storage, as memory-mapped from ``path``, must have the CRC-32 the archive records for an entry of
+    its size: a flipped byte in it cannot (bar a 1-in-2**32 chance). Only the storages used are read, so the optimizer
+    state a model import skips is not."""
+    if not recorded:
+        return  # legacy format: no checksums
+    storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
+
+    def crc(storage) -> int:
+        return zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+
+    # zlib.crc32 releases the GIL on large buffers, so threads checksum storages in parallel.
+    with concurrent.futures.ThreadPoolExecutor(min(_CRC_THREADS, len(storages) or 1)) as pool:
+        for storage, value in zip(storages, pool.map(crc, storages)):
+            if value not in recorded.get(storage.nbytes(), ()):
+                raise NxdCheckpointError(f"{path}: a tensor storage of {storage.nbytes()} bytes fails its CRC-32 "
+                                         "check (no entry of the archive records its checksum): the file is damaged")
+
+
+def _torch_load(path: str, verify: bool = True, data_entries: bool = True) -> Tuple[Any, Dict[int, set]]:
+    """``torch.load(weights_only=True)``, memory-mapped where the file allows it, after checking the archive's CRCs
+    (``verify``; tensor storages only with ``data_entries``); refusals and damage name the file. Returns the object
+    and the recorded CRCs of the storages not checked (see :func:`verify_zip_checksums`)."""
+    recorded = verify_zip_checksums(path, data_entries) if verify else {}
 
     def load(mmap: bool):
         with torch.serialization.safe_globals([(_XlaTensorReference, XLA_TENSOR_REFERENCE)]):
@@ -231,29 +293,32 @@ def _torch_load(path: str) -> Any:
 
     try:
         try:
-            return load(mmap=True)
+            return load(mmap=True), recorded
         except RuntimeError as error:
             if "mmap" not in str(error):
                 raise
-            return load(mmap=False)  # the legacy (pre-zipfile) torch.save format cannot be memory-mapped
+            return load(mmap=False), recorded  # the legacy (pre-zipfile) torch.save format cannot be memory-mapped
     except NxdCheckpointError as error:  # a malformed TensorReference
         raise NxdCheckpointError(f"{path}: {error}") from error
-    except pickle.UnpicklingError as error:
-        raise NxdCheckpointError(f"{path}: refused to load with torch.load(weights_only=True); it holds Python objects "
-                                 f"beyond tensors and plain containers. Only load it unrestricted if you trust "
-                                 f"where it came from. Detail: {error}") from error
-    except (RuntimeError, EOFError, OSError) as error:
-        if isinstance(error, FileNotFoundError):
-            raise
-        raise NxdCheckpointError(f"{path}: cannot be read as a torch checkpoint: {error}") from error
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever torch.load trips over in a damaged file, name the file
+        if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
+            raise NxdCheckpointError(f"{path}: refused to load with torch.load(weights_only=True); it holds Python "
+                                     f"objects beyond tensors and plain containers. Only load it unrestricted if you "
+                                     f"trust where it came from. Detail: {error}") from error
+        raise NxdCheckpointError(f"{path}: cannot be read as a torch checkpoint (truncated or damaged?): "
+                                 f"{type(error).__name__}: {error}") from error
 
 
 class RankShard:
     """One TP rank's model state dict; xser references are resolved (memory-mapped) on first use."""
 
-    def __init__(self, path: str, model_key: Optional[str]):
+    def __init__(self, path: str, model_key: Optional[str], verify_checksums: bool = True):
         self.path = path
-        checkpoint = _torch_load(path)
+        self.verify_checksums = verify_checksums
+        # The storages are checked below, once it is known which of them hold the model.
+        checkpoint, recorded = _torch_load(path, verify_checksums, data_entries=False)
         if model_key is None:
             state = checkpoint
         else:
@@ -273,6 +338,7 @@ class RankShard:
             if not isinstance(value, (torch.Tensor, _XlaTensorReference)):
                 raise NxdCheckpointError(f"{path}: '{key}' is a {type(value).__name__}, not a tensor")
             self.state[key] = value
+        verify_storages(path, [v for v in self.state.values() if isinstance(v, torch.Tensor)], recorded)
         self._tensors_dir = path + XSER_TENSORS_SUFFIX
         refs = [v for v in self.state.values() if isinstance(v, _XlaTensorReference)]
         if refs and not os.path.isdir(self._tensors_dir):
@@ -294,7 +360,7 @@ class RankShard:
             file = self.tensor_file(key)
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"{file} is missing: {self.path} needs it for '{key}'")
-            tensor = _torch_load(file)
+            tensor, _ = _torch_load(file, self.verify_checksums)  # the file holds this tensor only: check it all
             if not isinstance(tensor, torch.Tensor):
                 raise NxdCheckpointError(f"{file} (for '{key}' of {self.path}) holds a {type(tensor).__name__}, "
                                          "not a tensor")
@@ -302,13 +368,15 @@ class RankShard:
         return self._resolved[value.tid]
 
 
-def open_shards(files: RankFiles, model_key: Optional[str], progress: bool) -> List[RankShard]:
-    """Every rank's state dict (``model_key`` AUTO: the layout's), after checking that all ranks hold the same keys."""
+def open_shards(files: RankFiles, model_key: Optional[str], progress: bool,
+                verify_checksums: bool = True) -> List[RankShard]:
+    """Every rank's state dict (``model_key`` AUTO: the layout's), after checking that all ranks hold the same keys;
+    ``verify_checksums`` checks each file's zip CRCs as it is read."""
     key = files.model_key if model_key == AUTO else model_key
     shards = []
     for rank, path in enumerate(files.paths):
         say(progress, f"reading TP rank {rank + 1}/{len(files.paths)}: {path}")
-        shards.append(RankShard(path, key))
+        shards.append(RankShard(path, key, verify_checksums))
     reference = shards[0]
     for shard in shards[1:]:
         extra = sorted(set(shard.state) - set(reference.state))
@@ -320,10 +388,12 @@ def open_shards(files: RankFiles, model_key: Optional[str], progress: bool) -> L
 
 
 def one_dtype(shards: Sequence[RankShard], key: str) -> torch.dtype:
-    dtypes = {shard.get(key).dtype for shard in shards}
-    if len(dtypes) > 1:
-        raise NxdCheckpointError(f"'{key}' has different dtypes across ranks: {sorted(map(str, dtypes))}")
-    return dtypes.pop()
+    dtype = shards[0].get(key).dtype
+    for shard in shards[1:]:
+        if shard.get(key).dtype != dtype:
+            raise NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' is {shard.get(key).dtype}, but "
+                                     f"{shards[0].tensor_file(key)} holds it as {dtype}; the ranks must agree")
+    return dtype
 
 
 def replicated(shards: Sequence[RankShard], key: str) -> torch.Tensor:
@@ -391,13 +461,14 @@ class DenseTensor:
 
 def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
                       plan: Callable[[List[RankShard], RankFiles], List[DenseTensor]], *, force: bool, progress: bool,
-                      model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype]) -> str:
+                      model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype],
+                      verify_checksums: bool = True) -> str:
     """The steps every family shares: check the output, find and open the rank files, let ``plan`` check everything
     and say how to build each dense tensor, then write ``model.safetensors`` and ``config.json`` atomically."""
     checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
     check_output_dir(checkpoint_dir, output_dir, force)
     files = locate_rank_files(checkpoint_dir, tag)
-    shards = open_shards(files, model_key, progress)
+    shards = open_shards(files, model_key, progress, verify_checksums)
     tensors = plan(shards, files)
     tp = len(shards)
 
