@@ -68,6 +68,7 @@ class Target:
     # structured damage: name -> (edit the built directory in place; return the file the error must name)
     mutations: Dict[str, Callable[[str], str]] = field(default_factory=dict)
     flips: bool = True  # False: the format can detect no flipped byte anywhere, so flips are not tried
+    build_needs_worlds: bool = False  # build(directory, worlds): the input is written by ranks of a world
 
 
 TARGETS: Dict[str, Target] = {}
@@ -457,6 +458,88 @@ def _write(directory: str, text: str) -> str:
     return path
 
 
+# ---- nxdtp's own checkpoints (index, rank files, done): reshard reads and verifies every file of a tag -----------------
+
+NXDTP_TAG = "step_000007"
+
+
+def case_save_nxdtp_checkpoint(directory: str):
+    """tp=2: a randomised BERT with AdamW state, saved as the training loop saves it."""
+    from nxdtp.checkpointing import save
+    from nxdtp.models import parallelize_model
+    from tests.model_helpers import randomised
+
+    from nxdtp.random import model_parallel_xla_manual_seed
+
+    model_parallel_xla_manual_seed(5)  # dropout draws from the tracker's states, which the save stores too
+    model = parallelize_model(randomised(_dense_bert(), 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(input_ids=ids, labels=ids, next_sentence_label=torch.tensor([1])).loss.backward()
+    optimizer.step()
+    save({"model": model, "optimizer": optimizer, "global_step": 7}, os.path.join(directory, "ckpt"))
+    return True
+
+
+def _build_nxdtp(directory: str, worlds) -> None:
+    assert worlds(2).run(case_save_nxdtp_checkpoint, tensor_model_parallel_size=2, directory=directory) == [True] * 2
+
+
+def _nxdtp_sites(directory: str) -> List[Site]:
+    tag = os.path.join(directory, "ckpt", NXDTP_TAG)
+    sites = []
+    for root, _, names in os.walk(tag):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            hot = _safetensors_header(path) if name.endswith(".safetensors") else ((0, os.path.getsize(path)),)
+            sites.append(Site(os.path.relpath(path, directory), hot))  # every byte is checksummed
+    return sites
+
+
+def _read_nxdtp(directory: str, worlds=None) -> Dict[str, Any]:
+    """Reshard the named tag to tp=1 (it verifies every file of the tag first) and read what it wrote."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.merge import reshard
+
+    out = os.path.join(directory, "merged")
+    tag_dir = reshard(os.path.join(directory, "ckpt"), out, 1, tag=NXDTP_TAG, progress=False)
+    return {name: load_file(os.path.join(tag_dir, name))
+            for name in ("model/tp_rank_00.safetensors", "optim/tp_rank_00.safetensors")}
+
+
+def _rewrite_nxdtp_model_file(directory: str, edit: Callable[[Dict[str, torch.Tensor]], None]) -> str:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "ckpt", NXDTP_TAG, "model", "tp_rank_01.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    return path
+
+
+def _edit_nxdtp_index(directory: str, edit) -> str:
+    path = os.path.join(directory, "ckpt", NXDTP_TAG, "nxdtp_index.json")
+    with open(path) as f:
+        raw = json.load(f)
+    edit(raw)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    return path
+
+
+register(Target(
+    "nxdtp-checkpoint", _build_nxdtp, _nxdtp_sites, _read_nxdtp, "CheckpointIntegrityError",
+    {"drop a tensor from a rank file": lambda d: _rewrite_nxdtp_model_file(d, lambda t: t.pop(QUERY)),
+     "a rank file's tensor in another dtype": lambda d: _rewrite_nxdtp_model_file(
+         d, lambda t: t.update({QUERY: t[QUERY].double()})),
+     "a rank file's tensor in another shape": lambda d: _rewrite_nxdtp_model_file(
+         d, lambda t: t.update({QUERY: t[QUERY][:-1]})),
+     "index dtype changed": lambda d: _edit_nxdtp_index(d, lambda i: i["tensors"][QUERY].update(dtype="float16")),
+     "index loses a tensor": lambda d: _edit_nxdtp_index(d, lambda i: i["tensors"].pop(QUERY))},
+    build_needs_worlds=True))
+
+
 # ---- the damage ------------------------------------------------------------------------------------------------------
 
 def _flip(path: str, offsets: List[int], masks: List[int]) -> None:
@@ -513,7 +596,7 @@ def valid_inputs(tmp_path_factory, worlds):
     built = {}
     for name, target in TARGETS.items():
         directory = str(tmp_path_factory.mktemp(name))
-        target.build(directory)
+        target.build(directory, worlds) if target.build_needs_worlds else target.build(directory)
         built[name] = (directory, target.sites(directory), target.read(directory, worlds))
         shutil.rmtree(os.path.join(directory, "merged"), ignore_errors=True)
     return built
