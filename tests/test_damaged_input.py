@@ -10,8 +10,9 @@ returns exactly what it returns for the undamaged input (a flip in a byte nothin
 a reader (e.g. nxdtp's own index and rank files, once they carry checksums), write a ``Target`` and ``register`` it.
 
 Formats without checksums cannot show that their data bytes were flipped; those targets aim flips at their headers
-only (``Site.data_checked=False``): safetensors data, uncompressed HDF5 data, config values (docs/troubleshooting.md,
-"Damaged input").
+and structure only (``Site.data_checked=False``: safetensors, config files, whose values may change to other valid
+values), or are not flipped at all (``Target.flips=False``: uncompressed HDF5, which has no checksum even on its
+metadata). See docs/troubleshooting.md, "Damaged input".
 
 ``FAST_CASES`` cases in all run by default, ``SLOW_CASES`` under the slow marker; ``NXDTP_FUZZ_CASES`` overrides the
 slow count (``NXDTP_FUZZ_CASES=5000 pytest -m slow tests/test_damaged_input.py``).
