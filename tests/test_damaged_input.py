@@ -376,15 +376,7 @@ def _rewrite_safetensors(directory: str, edit: Callable[[Dict[str, torch.Tensor]
 
 def _hf_mutations() -> Dict[str, Callable[[str], str]]:
     def config(edit):
-        def apply(directory: str) -> str:
-            path = os.path.join(directory, "config.json")
-            with open(path) as f:
-                raw = json.load(f)
-            edit(raw)
-            with open(path, "w") as f:
-                json.dump(raw, f)
-            return path
-        return apply
+        return lambda directory: _edit_json_file(os.path.join(directory, "config.json"), edit)
 
     return {
         "drop a weight": lambda d: _rewrite_safetensors(d, lambda t: t.pop(QUERY)),
@@ -445,11 +437,17 @@ register(Target(
 
 
 def _edit_json(directory: str, edit) -> str:
-    path = os.path.join(directory, "config.json")
+    return _edit_json_file(os.path.join(directory, "config.json"), edit)
+
+
+def _edit_json_file(path: str, edit) -> str:
+    """Load the JSON file, let ``edit`` change the object in place, write it back; return the path."""
     with open(path) as f:
         raw = json.load(f)
     edit(raw)
-    return _write(directory, json.dumps(raw))
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    return path
 
 
 def _write(directory: str, text: str) -> str:
@@ -520,13 +518,7 @@ def _rewrite_nxdtp_model_file(directory: str, edit: Callable[[Dict[str, torch.Te
 
 
 def _edit_nxdtp_index(directory: str, edit) -> str:
-    path = os.path.join(directory, "ckpt", NXDTP_TAG, "nxdtp_index.json")
-    with open(path) as f:
-        raw = json.load(f)
-    edit(raw)
-    with open(path, "w") as f:
-        json.dump(raw, f)
-    return path
+    return _edit_json_file(os.path.join(directory, "ckpt", NXDTP_TAG, "nxdtp_index.json"), edit)
 
 
 register(Target(
