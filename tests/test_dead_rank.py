@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -249,3 +250,25 @@ def test_a_hanging_rank_ends_the_job_after_the_timeout(data_dir, model_config, t
     assert lines[3][0] == "stopped by SIGTERM at step 3", output[-4000:]
     assert any("rank(s) [3] on this host still run without reporting an error (hung?)" in rest
                for rank, (_, rest) in lines.items() if rank != 3), output[-4000:]
+
+
+def test_a_damaged_data_shard_ends_the_job_with_one_line_naming_it(data_dir, model_config, tmp_path):
+    """Bad input is not a crash: the rank that reads a truncated shard says which file and what is wrong in one line,
+    without a traceback from the script, its peer is stopped, and torchrun exits non-zero (torchrun prints its own
+    traceback of the launcher; that one is not the script's)."""
+    damaged = tmp_path / "data"
+    shutil.copytree(data_dir, damaged)
+    shard = sorted(damaged.glob("*.hdf5"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    out = str(tmp_path / "run")
+    argv = training_argv(str(damaged), model_config, out, 1, 2, steps=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT] + argv
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert re.search(rf"^rank \d failed at [^:]+: DataError: [^\n]*{re.escape(str(shard))}", output, re.MULTILINE), \
+        output[-4000:]
+    assert not re.search(r'File "[^"]*(tp_dp_bert|nxdtp|h5py)', output), output[-4000:]
+    assert not _leftover_processes(out), output[-4000:]

@@ -104,16 +104,17 @@ class RankFailures:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
 
-    def exit(self, error: BaseException) -> NoReturn:
+    def exit(self, error: BaseException, with_traceback: bool = True) -> NoReturn:
         """Report ``error`` as this rank's failure and end the process with a non-zero status, without teardown."""
-        self.report(error)
+        self.report(error, with_traceback)
         os._exit(EXIT_CODE)
 
-    def report(self, error: BaseException) -> str:
-        """Print (its traceback when this rank's own code failed, then) the failure line, and return the line."""
+    def report(self, error: BaseException, with_traceback: bool = True) -> str:
+        """Print (its traceback when this rank's own code failed and ``with_traceback``, then) the failure line, and
+        return the line. ``with_traceback=False`` is for errors whose message is the whole story (bad input)."""
         self._exiting = True
         collective = is_collective_failure(error)
-        if not collective:
+        if not collective and with_traceback:
             traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
         line = f"rank {self.rank} failed at {self.stage}: {type(error).__name__}: {_one_line(error)}"
         return self._report(line, own_failure=not collective)

@@ -35,6 +35,8 @@ from master_weights import MasterWeights  # noqa: E402
 from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_state  # noqa: E402
+from nxdtp.checkpointing.lock import CheckpointLockedError  # noqa: E402
+from nxdtp.checkpointing.tags import CheckpointIntegrityError  # noqa: E402
 from nxdtp.optimizers import Lamb  # noqa: E402
 from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
@@ -42,6 +44,11 @@ from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
 class NonFiniteStepError(FloatingPointError):
     """A step's loss or pre-clip gradient norm is inf or NaN. Every rank raises it at the same step (the loss is
     all-reduced over DP, the norm over TP after the DP all-reduce), before that step's weights are saved."""
+
+# Errors whose message names the file or value and what is wrong: the user gets that line and a non-zero exit, not a
+# traceback from inside the script.
+INPUT_ERRORS = (pretraining_data.DataError, CheckpointIntegrityError, CheckpointLockedError, NonFiniteStepError)
+
 # NxD's --debug model: the smallest BERT that still has every part.
 DEBUG_MODEL = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=64)
 
@@ -441,7 +448,7 @@ def run(args: argparse.Namespace, spawned_by_xla: bool = False) -> Dict[str, Any
     except BaseException as error:
         # A non-finite step stops every rank at the same step: an orderly end, the groups can be released.
         if failures is not None and not isinstance(error, NonFiniteStepError):
-            failures.exit(error)
+            failures.exit(error, with_traceback=not isinstance(error, INPUT_ERRORS))
         _leave_world(rt, failures)
         raise
     _leave_world(rt, failures)
@@ -582,8 +589,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     try:
         run(args)
-    except NonFiniteStepError as error:  # already logged (LOG line): a short message and a non-zero exit
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except INPUT_ERRORS as error:
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
