@@ -272,3 +272,16 @@ def test_a_damaged_data_shard_ends_the_job_with_one_line_naming_it(data_dir, mod
         output[-4000:]
     assert not re.search(r'File "[^"]*(tp_dp_bert|nxdtp|h5py)', output), output[-4000:]
     assert not _leftover_processes(out), output[-4000:]
+
+
+def test_a_tensor_parallel_size_the_world_cannot_hold_is_one_line(data_dir, model_config, tmp_path):
+    """Run without torchrun (a world of 1) at the default --tensor_parallel_size 2: one line names the flag and the
+    valid sizes, exit status 1."""
+    argv = training_argv(data_dir, model_config, str(tmp_path / "run"), 2, 1, steps=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, SCRIPT] + argv, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert ("error: WorldSizeError: --tensor_parallel_size 2: tensor_model_parallel_size=2 does not divide world size 1; "
+            "valid sizes are [1]") in done.stderr, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]

@@ -45,9 +45,13 @@ class NonFiniteStepError(FloatingPointError):
     """A step's loss or pre-clip gradient norm is inf or NaN. Every rank raises it at the same step (the loss is
     all-reduced over DP, the norm over TP after the DP all-reduce), before that step's weights are saved."""
 
+class WorldSizeError(ValueError):
+    """--tensor_parallel_size does not fit the world torchrun started."""
+
+
 # Errors whose message names the file or value and what is wrong: the user gets that line and a non-zero exit, not a
 # traceback from inside the script.
-INPUT_ERRORS = (pretraining_data.DataError, CheckpointIntegrityError, CheckpointLockedError, NonFiniteStepError)
+INPUT_ERRORS = (WorldSizeError, pretraining_data.DataError, CheckpointIntegrityError, CheckpointLockedError, NonFiniteStepError)
 
 # NxD's --debug model: the smallest BERT that still has every part.
 DEBUG_MODEL = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=64)
@@ -443,7 +447,11 @@ def run(args: argparse.Namespace, spawned_by_xla: bool = False) -> Dict[str, Any
     # rank_failure.py); inside a caller's world (a test pool, a notebook) the error is the caller's to handle.
     failures = rank_failure.RankFailures(rt.rank, rt.world_size) if rt.owns_world and rt.world_size > 1 else None
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_parallel_size, timeout=timeout)
+        try:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_parallel_size,
+                                                     timeout=timeout)
+        except ValueError as error:
+            raise WorldSizeError(f"--tensor_parallel_size {args.tensor_parallel_size}: {error}") from None
         summary = _train(args, rt, failures)
     except BaseException as error:
         # A non-finite step stops every rank at the same step: an orderly end, the groups can be released.
