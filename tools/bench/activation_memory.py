@@ -70,7 +70,8 @@ TERM_ORDER = (T_INPUT, T_Q, T_K, T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V, T_PROJ,
 
 
 def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, checkpoint: bool,
-                   heads_seq_over_hidden: float) -> Dict[str, float]:
+                   heads_seq_over_hidden: float, mask_bytes: int = MASK_BYTES,
+                   attention_bytes: Optional[int] = None) -> Dict[str, float]:
     """Megatron's per-layer activation bytes, term by term, in units of s*b*h (full sequence, batch, hidden).
 
     Korthikanti et al. count 2-byte activations and 1-byte dropout masks: 34 sbh + 5 a s^2 b per layer. Of the 34,
@@ -81,15 +82,20 @@ def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, chec
     Tensor parallelism divides Q, K, V, the output-dense input, the GELU and second-linear inputs and the attention
     terms by t (sbh(4e + 2 + 12e/t) + a s^2 b (2e + 1)/t; e = 2: sbh(10 + 24/t + 5as/(ht))); sequence parallelism
     divides the rest too. Full recomputation keeps only the layer input: e sbh, / t with sequence parallelism.
+
+    ``mask_bytes`` and ``attention_bytes`` (Q, K, V, the softmax and dropout outputs and the attention dropout mask;
+    default: as the other activations) describe kernels that store other sizes than the paper assumes (see
+    ``cpu_kernel_terms``).
     """
     e, t, r = activation_bytes, tp, heads_seq_over_hidden
+    m, a = mask_bytes, activation_bytes if attention_bytes is None else attention_bytes
+    attention_mask = m if attention_bytes is None else a
     if checkpoint:
         return {T_CKPT: e / (t if sequence_parallel else 1)}
     rest = t if sequence_parallel else 1  # what TP alone leaves replicated
-    return {T_INPUT: e / rest, T_Q: e / t, T_K: e / t, T_SOFTMAX: e * r / t, T_ATT_MASK: MASK_BYTES * r / t,
-            T_ATT_DROP: e * r / t, T_V: e / t, T_PROJ: e / t, T_ATT_OUT_MASK: MASK_BYTES / rest, T_LN1: e / rest,
-            T_MLP_IN: e / rest, T_GELU: 4 * e / t, T_MLP2: 4 * e / t, T_MLP_MASK: MASK_BYTES / rest,
-            T_LN2: e / rest}
+    return {T_INPUT: e / rest, T_Q: a / t, T_K: a / t, T_SOFTMAX: a * r / t, T_ATT_MASK: attention_mask * r / t,
+            T_ATT_DROP: a * r / t, T_V: a / t, T_PROJ: e / t, T_ATT_OUT_MASK: m / rest, T_LN1: e / rest,
+            T_MLP_IN: e / rest, T_GELU: 4 * e / t, T_MLP2: 4 * e / t, T_MLP_MASK: m / rest, T_LN2: e / rest}
 
 
 def megatron_closed_form(tp: int, mode: str, heads_seq_over_hidden: float) -> float:
@@ -103,6 +109,22 @@ def formula_terms(mode: str, tp: int, dtype: str, shape: Dict[str, int]) -> Dict
     r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
     return megatron_terms(ACTIVATION_BYTES[dtype], 1 if mode == "dense" else tp, mode.startswith("tp_sp"),
                           mode == "tp_sp_ckpt", r)
+
+
+def cpu_kernel_terms(mode: str, tp: int, dtype: str, attention: str, shape: Dict[str, int]) -> Dict[str, float]:
+    """The formula with the sizes PyTorch's CPU kernels store (torch 2.9), so that what remains between it and the
+    measurement is the library's own:
+
+    * dropout on CPU is ``input * mask`` with a mask of the input's dtype (the fused ``native_dropout``, whose mask is
+      1-byte bool as the paper assumes, runs on CUDA only): masks take e bytes;
+    * ``scaled_dot_product_attention`` with dropout in training has no fused CPU kernel and runs its math fallback,
+      which computes in fp32 for bf16/fp16 inputs unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``:
+      with sdpa, Q, K, V, the softmax and dropout outputs and the attention mask take 4 bytes.
+    """
+    e = ACTIVATION_BYTES[dtype]
+    r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
+    return megatron_terms(e, 1 if mode == "dense" else tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", r,
+                          mask_bytes=e, attention_bytes=4 if attention == "sdpa" else e)
 
 
 # ---- what a saved tensor is ----------------------------------------------------------------------------------------
@@ -363,6 +385,8 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
     measured = sum(per_layer) / layers
     formula = formula_terms(mode, tp, dtype, shape)
     formula_bytes = sum(formula.values()) * sbh
+    kernel_formula = cpu_kernel_terms(mode, tp, dtype, attention, shape)
+    kernel_bytes = sum(kernel_formula.values()) * sbh
     present = {t for r in ranks for t in r["terms_bytes_per_layer"]} | set(formula)
     terms = [t for t in TERM_ORDER if t in present] + sorted(present - set(TERM_ORDER))
     peaks = [r["peak_rss_increase_kib"] for r in ranks]
@@ -374,10 +398,13 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
         "saved_sbh_per_layer": measured / sbh,
         "formula_bytes_per_layer": formula_bytes, "formula_sbh_per_layer": formula_bytes / sbh,
         "measured_over_formula": measured / formula_bytes,
+        "cpu_kernel_formula_bytes_per_layer": kernel_bytes, "cpu_kernel_formula_sbh_per_layer": kernel_bytes / sbh,
+        "measured_over_cpu_kernel_formula": measured / kernel_bytes,
         "saved_bytes_shared_by_layers": max(r["saved_bytes_shared_by_layers"] for r in ranks),
         "saved_bytes_outside_layers": max(r["saved_bytes_outside_layers"] for r in ranks),
         "terms_sbh_per_layer": {t: {"measured": max(r["terms_bytes_per_layer"].get(t, 0) for r in ranks) / sbh,
-                                    "formula": formula.get(t, 0.0)} for t in terms},
+                                    "formula": formula.get(t, 0.0), "cpu_kernel_formula": kernel_formula.get(t, 0.0)}
+                                for t in terms},
         "peak_rss_increase_bytes_max_rank": None if None in peaks else max(peaks) * 1024,
         "rss_held_after_forward_bytes_max_rank": max(r["rss_held_after_forward_kib"] for r in ranks) * 1024,
         "last_layer_detail_rank0": ranks[0]["last_layer_detail"],
@@ -431,14 +458,20 @@ def _result(spec: Dict[str, Any], rows: List[Dict[str, Any]]) -> Dict[str, Any]:
                      "sp_over_tp_formula": sp["formula_bytes_per_layer"] / tp_row["formula_bytes_per_layer"],
                      "ckpt_over_sp": ckpt["saved_bytes_per_layer"] / sp["saved_bytes_per_layer"],
                      "ckpt_over_sp_formula": ckpt["formula_bytes_per_layer"] / sp["formula_bytes_per_layer"]}
+            for name, (a, b) in {"tp_over_dense": (tp_row, dense), "sp_over_tp": (sp, tp_row),
+                                 "ckpt_over_sp": (ckpt, sp)}.items():
+                entry[f"{name}_cpu_kernel_formula"] = (a["cpu_kernel_formula_bytes_per_layer"]
+                                                       / b["cpu_kernel_formula_bytes_per_layer"])
             ratios.append(entry)
-            for key in ("tp_over_dense", "tp_over_dense_formula", "sp_over_tp", "sp_over_tp_formula",
-                        "ckpt_over_sp", "ckpt_over_sp_formula"):
+            for key in ("tp_over_dense", "tp_over_dense_formula", "tp_over_dense_cpu_kernel_formula", "sp_over_tp",
+                        "sp_over_tp_formula", "sp_over_tp_cpu_kernel_formula", "ckpt_over_sp",
+                        "ckpt_over_sp_formula"):
                 numbers[f"{dtype}_tp{tp}_{key}"] = entry[key]
             for row in (tp_row, sp, ckpt):
                 prefix = f"{dtype}_tp{tp}_{row['mode']}"
                 numbers[f"{prefix}_saved_bytes_per_layer"] = row["saved_bytes_per_layer"]
                 numbers[f"{prefix}_measured_over_formula"] = row["measured_over_formula"]
+                numbers[f"{prefix}_measured_over_cpu_kernel_formula"] = row["measured_over_cpu_kernel_formula"]
                 if row["peak_rss_increase_bytes_max_rank"] is not None:
                     numbers[f"{prefix}_peak_rss_increase_bytes"] = row["peak_rss_increase_bytes_max_rank"]
     return {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.items()},
@@ -463,43 +496,52 @@ def tables(result: Dict[str, Any]) -> str:
              f"see, each storage once, parameters excluded, per layer (mean over the layers) and per rank (the "
              f"largest rank). Units: s*b*h = {sbh:,} elements; as/h = {fmt(r, 1)}. Formula: Korthikanti et al. "
              f"2022, e-byte activations, 1-byte masks: dense sbh(16e+2) + as^2b(2e+1); TP sbh(4e+2+12e/t) + "
-             f"as^2b(2e+1)/t; TP+SP everything / t; full recomputation e*sbh (/t with SP). e=2 gives the paper's "
-             f"34 + 5as/h.", ""]
+             f"as^2b(2e+1)/t; TP+SP everything / t; full recomputation e*sbh (/t with SP); e=2 gives the paper's "
+             f"34 + 5as/h. CPU-kernel formula: the same terms at the sizes PyTorch's CPU kernels store (dropout masks "
+             f"in the activation dtype; sdpa's math fallback in fp32).", ""]
     for dtype in spec["dtypes"]:
         body = []
         for row in rows:
             if row["dtype"] != dtype:
                 continue
             label = LABELS[row["mode"]] + (f" ({row['attention']})" if row["attention"] != ATTENTION else "")
-            peak = row["peak_rss_increase_bytes_max_rank"]
             body.append([label, row["tp"], fmt_bytes(row["saved_bytes_per_layer"]), fmt(row["saved_sbh_per_layer"], 2),
                          fmt(row["formula_sbh_per_layer"], 2), fmt(row["measured_over_formula"], 3),
-                         fmt_bytes(row["saved_bytes_shared_by_layers"]), fmt_bytes(peak),
+                         fmt(row["cpu_kernel_formula_sbh_per_layer"], 2),
+                         fmt(row["measured_over_cpu_kernel_formula"], 3),
+                         fmt_bytes(row["saved_bytes_shared_by_layers"]),
+                         fmt_bytes(row["peak_rss_increase_bytes_max_rank"]),
                          fmt_bytes(row["rss_held_after_forward_bytes_max_rank"])])
         lines += [f"**{dtype}**", "", markdown_table(
-            ["configuration", "tp", "saved / layer / rank", "saved, sbh units", "formula, sbh units",
-             "measured / formula", "saved once for all layers (shared)",
+            ["configuration", "tp", "saved / layer / rank", "saved, sbh", "formula, sbh", "measured / formula",
+             "CPU-kernel formula, sbh", "measured / CPU-kernel formula", "saved once for all layers",
              f"peak RSS increase in the forward ({spec['layers']} layers + embeddings)", "RSS held after the forward"],
             body), ""]
     ratio_rows = [[x["dtype"], x["tp"], fmt(x["tp_over_dense"], 3), fmt(x["tp_over_dense_formula"], 3),
-                   _pct(x["tp_over_dense"] / x["tp_over_dense_formula"] - 1), fmt(x["sp_over_tp"], 3),
+                   _pct(x["tp_over_dense"] / x["tp_over_dense_formula"] - 1),
+                   fmt(x["tp_over_dense_cpu_kernel_formula"], 3), fmt(x["sp_over_tp"], 3),
                    fmt(x["sp_over_tp_formula"], 3), _pct(x["sp_over_tp"] / x["sp_over_tp_formula"] - 1),
-                   fmt(x["ckpt_over_sp"], 4), fmt(x["ckpt_over_sp_formula"], 4)] for x in result["ratios"]]
-    lines += ["Ratios of saved bytes per layer per rank, measured next to the formula's:", "", markdown_table(
-        ["dtype", "tp", "TP / dense", "formula", "gap", "TP+SP / TP", "formula", "gap", "TP+SP+checkpoint / TP+SP",
-         "formula"], ratio_rows), ""]
+                   fmt(x["sp_over_tp_cpu_kernel_formula"], 3), fmt(x["ckpt_over_sp"], 4),
+                   fmt(x["ckpt_over_sp_formula"], 4)] for x in result["ratios"]]
+    lines += ["Ratios of saved bytes per layer per rank, measured next to the formula's (gap = measured / formula - 1) "
+              "and the CPU-kernel formula's:", "", markdown_table(
+                  ["dtype", "tp", "TP / dense", "formula", "gap", "CPU-kernel formula", "TP+SP / TP", "formula", "gap",
+                   "CPU-kernel formula", "TP+SP+checkpoint / TP+SP", "formula"], ratio_rows), ""]
     tp = max(spec["tps"])
     for dtype in spec["dtypes"]:
         chosen = [_find(rows, "dense", dtype)] + [_find(rows, m, dtype, tp) for m in MODES[1:]]
         terms = []
         for row in chosen:
             terms += [t for t in row["terms_sbh_per_layer"] if t not in terms]
-        body = [[term] + [f"{fmt(row['terms_sbh_per_layer'].get(term, {}).get('measured', 0), 3)} / "
-                          f"{fmt(row['terms_sbh_per_layer'].get(term, {}).get('formula', 0), 3)}" for row in chosen]
-                for term in terms]
-        body.append(["total"] + [f"{fmt(row['saved_sbh_per_layer'], 3)} / {fmt(row['formula_sbh_per_layer'], 3)}"
-                                 for row in chosen])
-        lines += [f"Breakdown, {dtype}, tp={tp}: measured / formula per term, sbh units per layer per rank "
-                  "(module that saved it + autograd node holding it):", "", markdown_table(
-                      ["term"] + [f"{LABELS[row['mode']]}" for row in chosen], body), ""]
+
+        def cell(row, term):
+            values = row["terms_sbh_per_layer"].get(term, {})
+            return " / ".join(fmt(values.get(k, 0), 3) for k in ("measured", "formula", "cpu_kernel_formula"))
+
+        body = [[term] + [cell(row, term) for row in chosen] for term in terms]
+        body.append(["total"] + [f"{fmt(row['saved_sbh_per_layer'], 3)} / {fmt(row['formula_sbh_per_layer'], 3)} / "
+                                 f"{fmt(row['cpu_kernel_formula_sbh_per_layer'], 3)}" for row in chosen])
+        lines += [f"Breakdown, {dtype}, tp={tp}, per layer per rank in sbh units: measured / formula / CPU-kernel "
+                  "formula, per term (the module that saved a tensor and the autograd node holding it decide its "
+                  "term):", "", markdown_table(["term"] + [LABELS[row["mode"]] for row in chosen], body), ""]
     return "\n".join(lines).rstrip()
