@@ -120,3 +120,35 @@ def test_activation_memory_formula_is_megatrons(tp):
     if tp == 1:
         fp32 = am.megatron_terms(4, 1, False, False, ratio)
         assert sum(fp32.values()) == pytest.approx(66 + 9 * ratio, rel=1e-12)
+
+
+def test_activation_memory_classifies_bert_layer_tensors():
+    """The terms of the tensors an HF BERT layer saves (sdpa's math path on CPU, eager, fused kernels), including a
+    layer input kept by the attention block's entry region itself, as a sequence-parallel region that saves its shard
+    does; anything unknown is reported as "other", never silently put into a term."""
+    from bench import activation_memory as am
+
+    s, h, d = 512, 1024, 64
+    cases = [
+        ("attention.self.query", ["AddmmBackward0.mat1"], (2048, h), am.T_INPUT),
+        ("attention.self", ["_GatherInBackward.saved_tensors"], (4, s // 8, h), am.T_INPUT),
+        ("attention.self", ["BmmBackward0.self"], (64, s, d), am.T_Q),
+        ("attention.self", ["BmmBackward0.mat2"], (64, d, s), am.T_K),
+        ("attention.self", ["BmmBackward0.mat2"], (64, s, d), am.T_V),
+        ("attention.self", ["BmmBackward0.self"], (64, s, s), am.T_ATT_DROP),
+        ("attention.self", ["SafeSoftmaxBackward0.result"], (4, 16, s, s), am.T_SOFTMAX),
+        ("attention.self", ["MulBackward0.other"], (4, 16, s, s), am.T_ATT_MASK),
+        ("attention.self", ["NativeDropoutBackward0.result1"], (4, 16, s, s), am.T_ATT_MASK),
+        ("attention.self", ["ScaledDotProductFlashAttentionForCpuBackward0.key"], (4, 16, s, d), am.T_K),
+        ("attention.output.dropout", ["MulBackward0.other"], (4, s, h), am.T_ATT_OUT_MASK),
+        ("attention.output.LayerNorm", ["NativeLayerNormBackward0.input"], (4, s, h), am.T_LN1),
+        ("output.LayerNorm", ["NativeLayerNormBackward0.input"], (4, s, h), am.T_LN2),
+        ("output.LayerNorm", ["NativeLayerNormBackward0.result1"], (4, s, 1), am.T_LN_STATS),
+        ("intermediate.intermediate_act_fn", ["GeluBackward0.self"], (4, s, 4 * h), am.T_GELU),
+        ("", ["_CheckpointFunctionBackward.saved_tensors"], (4, s, h), am.T_CKPT),
+    ]
+    for module, holders, shape, term in cases:
+        assert am.classify(module, holders, shape, s, h) == term, (module, holders, shape)
+    unknown = am.classify("attention.self", ["ScaledDotProductFlashAttentionForCpuBackward0.logsumexp"], (4, 16, s),
+                          s, h)
+    assert unknown.startswith("other: attention.self"), unknown

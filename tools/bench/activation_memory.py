@@ -132,7 +132,7 @@ def cpu_kernel_terms(mode: str, tp: int, dtype: str, attention: str, shape: Dict
 _LAYER_PATH = re.compile(r"(?:^|\.)layer\.(\d+)(?:\.(.*))?$")
 
 
-def classify(relative_module: str, holders: List[str], shape: tuple, seq: int) -> str:
+def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, hidden: int) -> str:
     """The formula term a tensor saved inside an HF BERT layer stands for. ``relative_module`` is the path of the
     module that packed it, below ``encoder.layer.N`` ('' for the layer itself); ``holders`` are 'Node.attribute'
     names of the autograd nodes holding it."""
@@ -154,6 +154,8 @@ def classify(relative_module: str, holders: List[str], shape: tuple, seq: int) -
             return T_ATT_DROP if last == seq else T_Q
         if "BmmBackward0.mat2" in joined:
             return T_K if last == seq else T_V
+        if last == hidden:  # kept by the attention block's entry (a region saving the sequence shard for Q/K/V)
+            return T_INPUT
     if relative_module.endswith("LayerNorm"):
         if any(h.endswith(".input") for h in holders):
             return T_LN1 if relative_module.startswith("attention") else T_LN2
@@ -312,7 +314,7 @@ def h_measure(state, spec: Dict[str, Any], mode: str, dtype: str, attention: str
             continue
         index, relative = found[0]
         per_layer[index] += entry["bytes"]
-        term = classify(relative, holders.get(key, []), entry["shape"], spec["seq"])
+        term = classify(relative, holders.get(key, []), entry["shape"], spec["seq"], spec["layer"]["hidden_size"])
         terms[term] = terms.get(term, 0) + entry["bytes"] / layers
         if index == layers - 1:
             detail.append({"module": relative, "holders": sorted(set(holders.get(key, []))), "dtype": entry["dtype"],
