@@ -507,7 +507,10 @@ def tables(result: Dict[str, Any]) -> str:
             if row["dtype"] != dtype:
                 continue
             label = LABELS[row["mode"]] + (f" ({row['attention']})" if row["attention"] != ATTENTION else "")
-            body.append([label, row["tp"], fmt_bytes(row["saved_bytes_per_layer"]), fmt(row["saved_sbh_per_layer"], 2),
+            by_layer = row["saved_bytes_per_layer_by_layer"]
+            saved = fmt_bytes(row["saved_bytes_per_layer"]) + (
+                "" if len(set(by_layer)) == 1 else f" (by layer: {', '.join(fmt_bytes(b) for b in by_layer)})")
+            body.append([label, row["tp"], saved, fmt(row["saved_sbh_per_layer"], 2),
                          fmt(row["formula_sbh_per_layer"], 2), fmt(row["measured_over_formula"], 3),
                          fmt(row["cpu_kernel_formula_sbh_per_layer"], 2),
                          fmt(row["measured_over_cpu_kernel_formula"], 3),
