@@ -118,8 +118,9 @@ def cpu_kernel_terms(mode: str, tp: int, dtype: str, attention: str, shape: Dict
     * dropout on CPU is ``input * mask`` with a mask of the input's dtype (the fused ``native_dropout``, whose mask is
       1-byte bool as the paper assumes, runs on CUDA only): masks take e bytes;
     * ``scaled_dot_product_attention`` with dropout in training has no fused CPU kernel and runs its math fallback,
-      which computes in fp32 for bf16/fp16 inputs unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``:
-      with sdpa, Q, K, V, the softmax and dropout outputs and the attention mask take 4 bytes.
+      which computes bf16/fp16 inputs in fp32 (unless
+      ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``): with sdpa, Q, K, V, the softmax and dropout
+      outputs and the attention dropout mask take 4 bytes.
     """
     e = ACTIVATION_BYTES[dtype]
     r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
