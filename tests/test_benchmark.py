@@ -1,5 +1,7 @@
 """``tools/benchmark.py --quick`` runs end to end: every section reports its numbers (present and finite), and the
-three train-step competitors (dense, nxdtp TP=2, DTensor TP=2) end at the same loss.
+three train-step competitors (dense, nxdtp TP=2, DTensor TP=2) end at the same loss. The activation-memory section's
+instrument is checked too: it counts each saved storage once and attributes every byte to a term, and its formula is
+Megatron's.
 
 No timing is asserted: --quick uses tiny models and shares the machine with the rest of the suite. The benchmark runs
 once per session, as a subprocess, like a user would run it.
@@ -20,9 +22,11 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SECTIONS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-            "merge": "checkpoint_merge"}
+            "merge": "checkpoint_merge", "actmem": "activation_memory"}
 # Without torch_xla, the two XLA parts cannot run: the HLO count of section 3 and section 4.
 RUN = [s for s in SECTIONS if HAS_XLA or s not in ("comm", "xla")]
 
@@ -69,7 +73,82 @@ def test_train_step_losses_agree(quick):
 def test_report_has_a_table_per_section(quick):
     _, stdout = quick
     titles = {"train": "## 1. Train step, CPU", "memory": "## 2. Memory per rank", "comm": "## 3. Communication",
-              "xla": "## 4. XLA graphs", "merge": "## 5. Checkpoint merge"}
+              "xla": "## 4. XLA graphs", "merge": "## 5. Checkpoint merge",
+              "actmem": "## 6. Activation memory per rank"}
     for section in RUN:
         assert titles[section] in stdout, section
     assert stdout.count("|---|") >= len(RUN)
+
+
+def test_activation_memory_counts_each_saved_storage_once(quick):
+    """Terms whose size PyTorch's CPU kernels and Megatron agree on (fp32, dense and TP: no kernel upcasts, no float
+    dropout masks, no sequence parallelism) must come out exactly as the formula says. Q, K and V read one input and
+    save it three times: counting saves instead of storages would triple that term; a lost or misattributed tensor
+    would change a term or leave bytes outside the terms."""
+    from bench import activation_memory as am
+
+    report, _ = quick
+    section = report["sections"]["activation_memory"]
+    exact = (am.T_INPUT, am.T_Q, am.T_K, am.T_V, am.T_PROJ, am.T_LN1, am.T_MLP_IN, am.T_GELU, am.T_MLP2, am.T_LN2)
+    checked = 0
+    for row in section["rows"]:
+        terms = row["terms_sbh_per_layer"]
+        # Every saved byte of a layer lands in exactly one term.
+        assert sum(t["measured"] for t in terms.values()) == pytest.approx(row["saved_sbh_per_layer"], rel=1e-12)
+        assert row["ranks_measured"] == row["tp"] and row["saved_bytes_per_layer_ranks_equal"], row["mode"]
+        if row["dtype"] == "float32" and row["mode"] in ("dense", "tp"):
+            for term in exact:
+                assert terms[term]["measured"] == pytest.approx(terms[term]["formula"], rel=1e-12), (row["mode"], term)
+            checked += 1
+        if row["mode"] == "tp_sp_ckpt":  # a checkpointed layer keeps only its input (a sequence shard)
+            assert set(t for t, v in terms.items() if v["measured"]) == {am.T_CKPT}
+            assert terms[am.T_CKPT]["measured"] == pytest.approx(terms[am.T_CKPT]["formula"], rel=1e-12)
+    assert checked == 3  # dense sdpa, dense eager, TP
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_activation_memory_formula_is_megatrons(tp):
+    """``megatron_terms`` with 2-byte activations sums to Korthikanti et al.'s closed forms; fp32 doubles every
+    activation term and keeps the 1-byte masks."""
+    from bench import activation_memory as am
+
+    ratio = 16 * 512 / 1024  # BERT-large: a s / h
+    modes = ("dense",) if tp == 1 else ("tp", "tp_sp", "tp_sp_ckpt")
+    for mode in modes:
+        terms = am.megatron_terms(2, tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", ratio)
+        assert sum(terms.values()) == pytest.approx(am.megatron_closed_form(tp, mode, ratio), rel=1e-12), mode
+    if tp == 1:
+        fp32 = am.megatron_terms(4, 1, False, False, ratio)
+        assert sum(fp32.values()) == pytest.approx(66 + 9 * ratio, rel=1e-12)
+
+
+def test_activation_memory_classifies_bert_layer_tensors():
+    """The terms of the tensors an HF BERT layer saves (sdpa's math path on CPU, eager, fused kernels), including a
+    layer input kept by the attention block's entry region itself, as a sequence-parallel region that saves its shard
+    does; anything unknown is reported as "other", never silently put into a term."""
+    from bench import activation_memory as am
+
+    s, h, d = 512, 1024, 64
+    cases = [
+        ("attention.self.query", ["AddmmBackward0.mat1"], (2048, h), am.T_INPUT),
+        ("attention.self", ["_GatherInBackward.saved_tensors"], (4, s // 8, h), am.T_INPUT),
+        ("attention.self", ["BmmBackward0.self"], (64, s, d), am.T_Q),
+        ("attention.self", ["BmmBackward0.mat2"], (64, d, s), am.T_K),
+        ("attention.self", ["BmmBackward0.mat2"], (64, s, d), am.T_V),
+        ("attention.self", ["BmmBackward0.self"], (64, s, s), am.T_ATT_DROP),
+        ("attention.self", ["SafeSoftmaxBackward0.result"], (4, 16, s, s), am.T_SOFTMAX),
+        ("attention.self", ["MulBackward0.other"], (4, 16, s, s), am.T_ATT_MASK),
+        ("attention.self", ["NativeDropoutBackward0.result1"], (4, 16, s, s), am.T_ATT_MASK),
+        ("attention.self", ["ScaledDotProductFlashAttentionForCpuBackward0.key"], (4, 16, s, d), am.T_K),
+        ("attention.output.dropout", ["MulBackward0.other"], (4, s, h), am.T_ATT_OUT_MASK),
+        ("attention.output.LayerNorm", ["NativeLayerNormBackward0.input"], (4, s, h), am.T_LN1),
+        ("output.LayerNorm", ["NativeLayerNormBackward0.input"], (4, s, h), am.T_LN2),
+        ("output.LayerNorm", ["NativeLayerNormBackward0.result1"], (4, s, 1), am.T_LN_STATS),
+        ("intermediate.intermediate_act_fn", ["GeluBackward0.self"], (4, s, 4 * h), am.T_GELU),
+        ("", ["_CheckpointFunctionBackward.saved_tensors"], (4, s, h), am.T_CKPT),
+    ]
+    for module, holders, shape, term in cases:
+        assert am.classify(module, holders, shape, s, h) == term, (module, holders, shape)
+    unknown = am.classify("attention.self", ["ScaledDotProductFlashAttentionForCpuBackward0.logsumexp"], (4, 16, s),
+                          s, h)
+    assert unknown.startswith("other: attention.self"), unknown

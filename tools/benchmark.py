@@ -11,11 +11,13 @@ Sections (docs/performance.md explains how each is measured):
            rank and from a counting 2-rank gloo run, with and without sequence parallelism, next to Megatron's.
 4. xla     Compiled and executed XLA graphs per train step on XLA:CPU (tp=1, 10 steps).
 5. merge   Checkpoint merge time and memory, from tools/bench_merge.py.
+6. actmem  Activation memory per rank of BERT-large layers (bytes autograd saves, peak RSS): dense, TP, TP+SP,
+           TP+SP+checkpointing at tp = 2, 4, 8 (gloo worlds), fp32 and bf16, next to Megatron's formula.
    gpu     Only with --gpu: section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL.
 
 Usage::
 
-    python tools/benchmark.py [--quick] [--json OUT] [--sections train,memory,comm,xla,merge] [--rounds N]
+    python tools/benchmark.py [--quick] [--json OUT] [--sections train,memory,comm,xla,merge,actmem] [--rounds N]
                               [--warmup N] [--profile] [--nxdtp-vocab-multiple N] [--gpu] [--merge-rounds N]
                               [--merge-workdir DIR]
 
@@ -39,13 +41,14 @@ if _TOOLS not in sys.path:
 
 from bench import common  # noqa: E402
 
-SECTIONS = ("train", "memory", "comm", "xla", "merge")
+SECTIONS = ("train", "memory", "comm", "xla", "merge", "actmem")
 OPTIONAL = ("gpu",)  # only when asked for: --gpu or --sections ...,gpu
 KEYS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-        "merge": "checkpoint_merge", "gpu": "gpu_train_step"}
+        "merge": "checkpoint_merge", "actmem": "activation_memory", "gpu": "gpu_train_step"}
 TITLES = {"train": "1. Train step, CPU", "memory": "2. Memory per rank, BERT-large",
           "comm": "3. Communication per BERT layer", "xla": "4. XLA graphs per step",
-          "merge": "5. Checkpoint merge", "gpu": "GPU: train step, dense vs nxdtp tp=1"}
+          "merge": "5. Checkpoint merge", "actmem": "6. Activation memory per rank, BERT-large layers",
+          "gpu": "GPU: train step, dense vs nxdtp tp=1"}
 
 
 def _run_worker(name: str, worker_args: str, out_path: str) -> int:
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS + OPTIONAL)}")
     common.ensure_import_paths()
-    from bench import communication, memory, merge, train_step, xla_graphs
+    from bench import activation_memory, communication, memory, merge, train_step, xla_graphs
 
     started = time.perf_counter()
     machine = common.machine()
@@ -157,6 +160,8 @@ def main(argv=None) -> int:
                 timed("memory", lambda: competitors.get("dense").call("call", target="bench.memory:run")[0])
         finally:
             competitors.close()
+        if "actmem" in sections:  # gloo worlds of its own, after section 1's workers are gone
+            timed("actmem", lambda: activation_memory.run(args.quick))
         if "xla" in sections:
             timed("xla", xla)
         if "merge" in sections:
@@ -170,7 +175,8 @@ def main(argv=None) -> int:
     machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
     renderers = {"train": train_step.tables, "memory": memory.tables, "comm": communication.tables,
-                 "xla": xla_graphs.tables, "merge": merge.tables, "gpu": train_step.gpu_tables}
+                 "xla": xla_graphs.tables, "merge": merge.tables,
+                 "actmem": activation_memory.tables, "gpu": train_step.gpu_tables}
     command = "python tools/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}")
     print()
