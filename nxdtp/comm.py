@@ -11,7 +11,8 @@ A group of size 1 needs no communication and returns the input unchanged (as a r
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+import contextlib
+from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,35 @@ def materialize(tensors: Iterable[Any]) -> None:
 
         torch_xla.sync()
         _xla_model().wait_device_ops()
+
+
+@contextlib.contextmanager
+def simulated_xla_runtime(world_size: int, rank: int) -> Iterator[None]:
+    """Make torch_xla's runtime report a world of ``world_size`` with this process as ``rank``, for tracing one rank
+    of a world this process is not part of (with ``parallel_state.simulated_topology``). Graphs traced inside must
+    never execute: their collectives name ranks that do not exist.
+
+    The collective token chains each XLA collective to the previous one; it is cleared on entry and exit so a traced
+    graph holds only this rank's collectives, not those of a rank traced before it.
+    """
+    from unittest import mock
+
+    import torch_xla.runtime as xr
+
+    clear_xla_collective_token()
+    try:
+        with mock.patch.object(xr, "world_size", lambda: world_size), \
+                mock.patch.object(xr, "global_ordinal", lambda: rank):
+            yield
+    finally:
+        clear_xla_collective_token()
+
+
+def clear_xla_collective_token() -> None:
+    """Forget the pending collective token of the XLA device, so the next traced collective starts a fresh chain."""
+    import torch_xla
+
+    torch_xla._XLAC._set_all_reduce_token(_xla_model()._get_device_context().device, None)
 
 
 # ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------
