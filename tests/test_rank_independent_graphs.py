@@ -164,32 +164,116 @@ def case_llama_step_graphs(world_size: int, tp: int, sequence_parallel: bool, op
 
 
 def _assert_one_graph(result):
-    assert all(n == 1 for n in result["distinct"].values()), result
+    distinct = result["distinct"]
+    assert all(n == 1 for n in distinct.values()), f"distinct graphs per phase {distinct}, ranks per graph " \
+                                                    f"{result['classes']['step']}"
 
 
 # ---- (a) one graph for every rank --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
-@pytest.mark.parametrize("world_size,tp", [(4, 2), (4, 4)], ids=["tp2xdp2", "tp4"])
-def test_bert_example_step_is_one_graph_for_every_rank(worlds, world_size, tp, sequence_parallel):
+@pytest.mark.parametrize("world_size,tp,optimizer", [(4, 2, "adamw"), (4, 4, "lamb"), (8, 8, "adamw")],
+                         ids=["tp2xdp2", "tp4", "tp8"])
+def test_bert_example_step_is_one_graph_for_every_rank(worlds, world_size, tp, optimizer, sequence_parallel):
     result, = worlds(1, "xla-hlo").run(case_bert_step_graphs, tensor_model_parallel_size=None, world_size=world_size,
-                                       tp=tp, sequence_parallel=sequence_parallel)
+                                       tp=tp, sequence_parallel=sequence_parallel, optimizer=optimizer)
     _assert_one_graph(result)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
-def test_llama_plan_step_is_one_graph_for_every_rank(worlds, sequence_parallel):
-    result, = worlds(1, "xla-hlo").run(case_llama_step_graphs, tensor_model_parallel_size=None, world_size=4, tp=2,
-                                       sequence_parallel=sequence_parallel)
+@pytest.mark.parametrize("world_size,tp,optimizer", [(4, 2, "lamb"), (4, 4, "adamw"), (8, 8, "lamb")],
+                         ids=["tp2xdp2", "tp4", "tp8"])
+def test_llama_plan_step_is_one_graph_for_every_rank(worlds, world_size, tp, optimizer, sequence_parallel):
+    result, = worlds(1, "xla-hlo").run(case_llama_step_graphs, tensor_model_parallel_size=None, world_size=world_size,
+                                       tp=tp, sequence_parallel=sequence_parallel, optimizer=optimizer)
     _assert_one_graph(result)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
-@pytest.mark.parametrize("family,world_size,tp,optimizer", [
-    ("bert", 8, 8, "lamb"), ("bert", 8, 4, "adamw"), ("llama", 4, 4, "adamw"), ("llama", 8, 8, "lamb")])
-def test_larger_worlds_are_one_graph_for_every_rank(worlds, family, world_size, tp, optimizer, sequence_parallel):
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_tp8_dp4_world_is_one_graph_for_every_rank(worlds, family, sequence_parallel):
     case = case_bert_step_graphs if family == "bert" else case_llama_step_graphs
-    result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=world_size, tp=tp,
-                                       sequence_parallel=sequence_parallel, optimizer=optimizer)
+    result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=32, tp=8,
+                                       sequence_parallel=sequence_parallel)
     _assert_one_graph(result)
+
+
+# ---- (b) the data-rank primitives equal the old slicing, eagerly on gloo -----------------------------------------------
+
+def case_split_by_rank_tensor_equals_narrow(seed: int):
+    import torch
+
+    from nxdtp import mappings, parallel_state
+
+    group = parallel_state.tensor_parallel_group()
+    rank_t = parallel_state.rank_tensor(group, "cpu")
+    assert rank_t.tolist() == [group.rank] and rank_t.dtype == torch.long
+    assert parallel_state.rank_tensor(group, "cpu") is rank_t, "the rank tensor must be made once per group and device"
+    torch.manual_seed(seed)  # the same tensors on every rank
+    checked = 0
+    for shape in ((8, 3, 4), (2, 8, 5), (3, 2, 16)):
+        for dim in range(-3, 3):
+            if shape[dim] % group.size:
+                continue
+            x = torch.randn(shape).transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous input too
+            x.requires_grad_()
+            chunk = shape[dim] // group.size
+            expected = x.detach().narrow(dim, group.rank * chunk, chunk)
+            got = mappings.split_along_dim(x.detach(), group, dim)
+            assert torch.equal(got, expected) and got.is_contiguous(), (shape, dim)
+            # Through the autograd region: forward keeps the slice, backward all-gathers every rank's gradient.
+            weight = torch.randn(shape)
+            out = mappings.scatter_to_tensor_model_parallel_region(x, partition_dim=dim)
+            assert torch.equal(out, expected)
+            (out * weight.narrow(dim, group.rank * chunk, chunk)).sum().backward()
+            torch.testing.assert_close(x.grad, weight, rtol=0, atol=0)
+            # The gather region's backward keeps this rank's slice of a replicated gradient.
+            shard = expected.clone().requires_grad_()
+            gathered = mappings.gather_from_tensor_model_parallel_region(shard, partition_dim=dim)
+            (gathered * weight).sum().backward()
+            assert torch.equal(shard.grad, weight.narrow(dim, group.rank * chunk, chunk))
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "tp2xdp2"])
+def test_split_by_rank_tensor_equals_narrow(worlds, world, tp):
+    checked = worlds(world).run(case_split_by_rank_tensor_equals_narrow, tensor_model_parallel_size=tp, seed=3)
+    assert checked[0] >= 8 and len(set(checked)) == 1
+
+
+def case_embedding_padding_row_on_any_shard(seed: int, padding_idx: int):
+    """The vocab-parallel embedding with padding_idx on a shard other than rank 0's: equal to nn.Embedding, the padding
+    row gets no gradient, in output and in every weight-gradient slice."""
+    import torch
+
+    from nxdtp import layers, parallel_state
+
+    group = parallel_state.tensor_parallel_group()
+    torch.manual_seed(seed)
+    dense = torch.nn.Embedding(16, 6, padding_idx=padding_idx)
+    with torch.no_grad():
+        dense.weight.add_(torch.randn_like(dense.weight))  # the padding row too: its value is looked up, unchanged
+    ids = torch.randint(0, 16, (3, 7))
+    ids[0, :4] = padding_idx
+    upstream = torch.randn(3, 7, 6)
+    embedding = layers.ParallelEmbedding(16, 6, padding_idx=padding_idx)
+    rows = 16 // group.size
+    with torch.no_grad():
+        embedding.weight.copy_(dense.weight[group.rank * rows:(group.rank + 1) * rows])
+    out = embedding(ids)
+    out.backward(upstream)
+    ref = dense(ids)
+    ref.backward(upstream)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(embedding.weight.grad, dense.weight.grad[group.rank * rows:(group.rank + 1) * rows],
+                               rtol=1e-5, atol=1e-5)
+    return float(dense.weight.grad[padding_idx].abs().sum())
+
+
+@pytest.mark.parametrize("world,tp,padding_idx", [(2, 2, 11), (4, 4, 6), (4, 4, 0)])
+def test_embedding_padding_row_on_any_shard(worlds, world, tp, padding_idx):
+    pad_grads = worlds(world).run(case_embedding_padding_row_on_any_shard, tensor_model_parallel_size=tp, seed=5,
+                                  padding_idx=padding_idx)
+    assert pad_grads == [0.0] * world
