@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from .parallel_state import ParallelGroup, get_topology
+from .parallel_state import ParallelGroup, get_topology, rank_tensor
 
 _REDUCE_OPS = ("sum", "max", "min")
 
@@ -149,10 +149,9 @@ def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 
     if group.size == 1:
         return tensor
     if _is_xla(tensor):
-        # Only the source contributes to the sum. The choice is data (a 1-element mask: torch_xla folds 0-dim host
-        # scalars into constants), so every rank traces the same graph; `where`, not a product, so NaNs elsewhere
-        # cannot leak in.
-        is_src = torch.tensor([group.rank == src_group_rank]).to(tensor.device).reshape(())
+        # Only the source contributes to the sum. The choice is data (the rank tensor), so every rank traces the same
+        # graph; `where`, not a product, so NaNs elsewhere cannot leak in.
+        is_src = (rank_tensor(group, tensor.device) == src_group_rank).reshape(())
         return all_reduce(torch.where(is_src, tensor, torch.zeros_like(tensor)), group)
     out = tensor.contiguous().clone()
     dist.broadcast(out, src=group.ranks[src_group_rank], group=_process_group(group, out))
