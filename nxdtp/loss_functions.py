@@ -43,9 +43,23 @@ def _real_mask(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int]
 def _shard_log_sum_exp(x: torch.Tensor, real_mask: Optional[torch.Tensor], group: ParallelGroup):
     """This shard's log-sum-exp over its real columns (-inf on a shard of padding only), and its maximum over the group
     (the softmax's stabiliser)."""
-    real = x if real_mask is None else x.masked_fill(~real_mask, float("-inf"))
-    local_lse = torch.logsumexp(real, dim=-1)
+    if real_mask is None:
+        local_lse = torch.logsumexp(x, dim=-1)
+    else:
+        # logsumexp over the real columns in one shard-sized buffer: the masked copy lives only for the max, and the
+        # exponentials are masked in place (a masked copy kept alongside logsumexp's own buffers would add a shard).
+        top = x.masked_fill(~real_mask, float("-inf")).amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        exps = torch.sub(x, top).exp_().masked_fill_(~real_mask, 0.0)
+        local_lse = exps.sum(dim=-1).log_() + top.squeeze(-1)
     return local_lse, comm.all_reduce(local_lse, group, op="max")
+
+
+def _real_sum(x: torch.Tensor, real_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The sum of each row's real columns, as a product with the mask (no masked copy of the shard)."""
+    if real_mask is None:
+        return x.sum(dim=-1)
+    return torch.matmul(x, real_mask.to(x.dtype))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -72,7 +86,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = x.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
         parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), (local_lse - global_max).exp()]
         if label_smoothing > 0:
-            parts.append((x if real_mask is None else x.masked_fill(~real_mask, 0.0)).sum(dim=-1))
+            parts.append(_real_sum(x, real_mask))
         totals = comm.all_reduce(torch.stack(parts, dim=-1), group, op="sum")
 
         log_normaliser = global_max + totals[..., 1].log()
