@@ -11,12 +11,13 @@ A group of size 1 needs no communication and returns the input unchanged (as a r
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+import contextlib
+from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .parallel_state import ParallelGroup, get_topology
+from .parallel_state import ParallelGroup, get_topology, rank_tensor
 
 _REDUCE_OPS = ("sum", "max", "min")
 
@@ -148,10 +149,9 @@ def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 
     if group.size == 1:
         return tensor
     if _is_xla(tensor):
-        # Only the source contributes to the sum. The choice is data (a 1-element mask: torch_xla folds 0-dim host
-        # scalars into constants), so every rank traces the same graph; `where`, not a product, so NaNs elsewhere
-        # cannot leak in.
-        is_src = torch.tensor([group.rank == src_group_rank]).to(tensor.device).reshape(())
+        # Only the source contributes to the sum. The choice is data (the rank tensor), so every rank traces the same
+        # graph; `where`, not a product, so NaNs elsewhere cannot leak in.
+        is_src = (rank_tensor(group, tensor.device) == src_group_rank).reshape(())
         return all_reduce(torch.where(is_src, tensor, torch.zeros_like(tensor)), group)
     out = tensor.contiguous().clone()
     dist.broadcast(out, src=group.ranks[src_group_rank], group=_process_group(group, out))
@@ -171,6 +171,35 @@ def materialize(tensors: Iterable[Any]) -> None:
 
         torch_xla.sync()
         _xla_model().wait_device_ops()
+
+
+@contextlib.contextmanager
+def simulated_xla_runtime(world_size: int, rank: int) -> Iterator[None]:
+    """Make torch_xla's runtime report a world of ``world_size`` with this process as ``rank``, for tracing one rank
+    of a world this process is not part of (with ``parallel_state.simulated_topology``). Graphs traced inside must
+    never execute: their collectives name ranks that do not exist.
+
+    The collective token chains each XLA collective to the previous one; it is cleared on entry and exit so a traced
+    graph holds only this rank's collectives, not those of a rank traced before it.
+    """
+    from unittest import mock
+
+    import torch_xla.runtime as xr
+
+    clear_xla_collective_token()
+    try:
+        with mock.patch.object(xr, "world_size", lambda: world_size), \
+                mock.patch.object(xr, "global_ordinal", lambda: rank):
+            yield
+    finally:
+        clear_xla_collective_token()
+
+
+def clear_xla_collective_token() -> None:
+    """Forget the pending collective token of the XLA device, so the next traced collective starts a fresh chain."""
+    import torch_xla
+
+    torch_xla._XLAC._set_all_reduce_token(_xla_model()._get_device_context().device, None)
 
 
 # ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import ParallelGroup, data_parallel_group, get_topology, tensor_parallel_group
+from .parallel_state import ParallelGroup, data_parallel_group, get_topology, rank_tensor, tensor_parallel_group
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference. The one epsilon of every
 # gradient clip in nxdtp (clip_grad_norm, clip_grads_with_norm, Lamb's max_grad_norm), through clip_coefficient.
@@ -136,15 +136,14 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
                                   op="max")
         return torch.where(reduced[1] > 0, torch.full_like(reduced[0], math.nan), reduced[0])
 
-    # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. The weight is data, not a Python branch or
-    # constant, so every rank traces the same graph. It is moved over as a 1-element tensor: torch_xla turns a 0-dim
-    # host tensor holding 0 or 1 into a graph constant, which would give TP rank 0 a different graph.
-    replica_weight = torch.tensor([1.0 if group.rank == 0 else 0.0], dtype=torch.float32).to(device).reshape(())
+    # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. Which rank this is comes from the rank as
+    # data (rank_tensor), not a Python branch or constant, so every rank traces the same graph.
+    counts_replicas = (rank_tensor(group, device) == 0).reshape(())
     sharded = (per_tensor_norms(grads_sharded).pow(p) / torch.tensor(copies or [1.0], device=device)).sum()
     replicated = per_tensor_norms(grads_replicated).pow(p).sum()
     # Selected, not multiplied by the weight: inf * 0 would be NaN. A non-finite replicated sum counts on every rank,
     # so that an inf or NaN in any rank's copy makes the norm non-finite everywhere (inf + inf = inf; NaN wins).
-    replicated = torch.where((replica_weight > 0) | ~torch.isfinite(replicated), replicated, zero)
+    replicated = torch.where(counts_replicas | ~torch.isfinite(replicated), replicated, zero)
     total = comm.all_reduce(sharded + replicated, group, op="sum")
     return total.pow(1.0 / p)
 

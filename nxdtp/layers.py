@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
-from .parallel_state import ParallelGroup, get_topology, group_of, model_parallel_is_initialized, tensor_parallel_group
+from .parallel_state import (ParallelGroup, get_topology, group_of, model_parallel_is_initialized, rank_tensor,
+                             tensor_parallel_group)
 from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
                            materialise_shard, reject_unsupported, shard_of, split_size)
 from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
@@ -512,13 +513,6 @@ class ParallelEmbedding(BaseParallelLayer):
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
                                                      real_shape=(num_embeddings, embedding_dim)))
 
-    def _local_padding_idx(self) -> Optional[int]:
-        if self.padding_idx is None or self.shard_across_embedding:
-            return self.padding_idx
-        if self.vocab_start_index <= self.padding_idx < self.vocab_end_index:
-            return self.padding_idx - self.vocab_start_index
-        return None
-
     def _to_sequence_shard(self, output: torch.Tensor, collective: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Apply ``collective(tensor, dim)`` along the sequence: NxD's layout for batch-first ids by default."""
         if self.sequence_dimension is not None:
@@ -545,12 +539,18 @@ class ParallelEmbedding(BaseParallelLayer):
         if group.size == 1 and self.rank_util is None:
             output = F.embedding(input_, self.weight, self.padding_idx)
         else:
+            # The shard's first id is data (the rank tensor), not the Python vocab_start_index, so every rank traces
+            # one graph; for the same reason padding_idx, which lies on one rank's shard only, is not passed to
+            # F.embedding: its row is looked up detached instead, which gives it no gradient on any rank.
             rows = self.num_embeddings_per_partition
-            start = (self.vocab_start_index if self.rank_util is None
-                     else self.rank_util.get_rank().to(input_.device).long() * rows)
+            rank = rank_tensor(group, input_.device) if self.rank_util is None else \
+                self.rank_util.get_rank().to(input_.device).long()
+            start = (rank * rows).reshape(())
             outside = (input_ < start) | (input_ >= start + rows)
             local_ids = (input_ - start).masked_fill(outside, 0)
-            output = F.embedding(local_ids, self.weight, self._local_padding_idx())
+            output = F.embedding(local_ids, self.weight)
+            if self.padding_idx is not None:
+                output = torch.where((input_ == self.padding_idx).unsqueeze(-1), output.detach(), output)
             output = output.masked_fill(outside.unsqueeze(-1), 0.0)
         if not self.collect_output:
             return output

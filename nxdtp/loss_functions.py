@@ -19,28 +19,47 @@ from typing import Optional
 import torch
 
 from . import comm
-from .parallel_state import ParallelGroup, tensor_parallel_group
+from .parallel_state import ParallelGroup, rank_tensor, tensor_parallel_group
 
 _REDUCTIONS = ("none", "mean", "sum")
 _INTEGRAL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _real_columns(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int]) -> int:
-    """How many of this shard's columns are real vocabulary. Padding sits at the end of the full vocabulary, so the
-    real columns of every shard are a prefix of it: slicing a view replaces masking a copy."""
-    if vocab_size is None:
-        return local_vocab
-    return max(0, min(local_vocab, vocab_size - group.rank * local_vocab))
+def _first_id(group: ParallelGroup, local_vocab: int, device) -> torch.Tensor:
+    """The global id of this shard's first column, as data (0-dim), so every rank traces one graph."""
+    return (rank_tensor(group, device) * local_vocab).reshape(())
 
 
-def _shard_log_sum_exp(x: torch.Tensor, num_real: int, group: ParallelGroup):
-    """This shard's real columns, their log-sum-exp, and its maximum over the group (the softmax's stabiliser)."""
-    real = x[..., :num_real]
-    if num_real == 0:  # a shard of padding only (XLA cannot lower a reduction over zero columns)
-        local_lse = x.new_full(x.shape[:-1], float("-inf"))
+def _real_mask(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int],
+               first_id: torch.Tensor) -> Optional[torch.Tensor]:
+    """Which of this shard's columns are real vocabulary (a bool tensor computed from the rank as data), or None when
+    the vocabulary has no padding: then every column of every shard is real. Padding sits at the end of the full
+    vocabulary, so how many real columns a shard has depends on its rank; a mask keeps that out of the graph's shapes."""
+    if vocab_size is None or vocab_size == local_vocab * group.size:
+        return None
+    return torch.arange(local_vocab, device=first_id.device) + first_id < vocab_size
+
+
+def _shard_log_sum_exp(x: torch.Tensor, real_mask: Optional[torch.Tensor], group: ParallelGroup):
+    """This shard's log-sum-exp over its real columns (-inf on a shard of padding only), and its maximum over the group
+    (the softmax's stabiliser)."""
+    if real_mask is None:
+        local_lse = torch.logsumexp(x, dim=-1)
     else:
-        local_lse = torch.logsumexp(real, dim=-1)
-    return real, local_lse, comm.all_reduce(local_lse, group, op="max")
+        # logsumexp over the real columns in one shard-sized buffer: the masked copy lives only for the max, and the
+        # exponentials are masked in place (a masked copy kept alongside logsumexp's own buffers would add a shard).
+        top = x.masked_fill(~real_mask, float("-inf")).amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        exps = torch.sub(x, top).exp_().masked_fill_(~real_mask, 0.0)
+        local_lse = exps.sum(dim=-1).log_() + top.squeeze(-1)
+    return local_lse, comm.all_reduce(local_lse, group, op="max")
+
+
+def _real_sum(x: torch.Tensor, real_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The sum of each row's real columns, as a product with the mask (no masked copy of the shard)."""
+    if real_mask is None:
+        return x.sum(dim=-1)
+    return torch.matmul(x, real_mask.to(x.dtype))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -55,18 +74,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing, ignore_index, vocab_size, group):
         x = logits.float()
         local_vocab = x.shape[-1]
-        num_real = _real_columns(local_vocab, group, vocab_size)
+        first_id = _first_id(group, local_vocab, x.device)
+        real_mask = _real_mask(local_vocab, group, vocab_size, first_id)
         num_classes = vocab_size if vocab_size is not None else local_vocab * group.size
-        real, local_lse, global_max = _shard_log_sum_exp(x, num_real, group)
+        local_lse, global_max = _shard_log_sum_exp(x, real_mask, group)
 
         ignored = target == ignore_index if ignore_index is not None else torch.zeros_like(target, dtype=torch.bool)
-        local_target = target - group.rank * local_vocab
+        local_target = target - first_id
         in_shard = (local_target >= 0) & (local_target < local_vocab) & ~ignored
         safe_index = torch.where(in_shard, local_target, torch.zeros_like(local_target))
         picked = x.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
         parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), (local_lse - global_max).exp()]
         if label_smoothing > 0:
-            parts.append(real.sum(dim=-1))
+            parts.append(_real_sum(x, real_mask))
         totals = comm.all_reduce(torch.stack(parts, dim=-1), group, op="sum")
 
         log_normaliser = global_max + totals[..., 1].log()
@@ -76,21 +96,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_normaliser - mean_logit)
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
-        ctx.save_for_backward(logits, log_normaliser, safe_index, in_shard, ignored)
-        ctx.label_smoothing, ctx.num_classes, ctx.num_real = label_smoothing, num_classes, num_real
+        ctx.save_for_backward(logits, log_normaliser, safe_index, in_shard, ignored, real_mask)
+        ctx.label_smoothing, ctx.num_classes = label_smoothing, num_classes
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, log_normaliser, safe_index, in_shard, ignored = ctx.saved_tensors
+        logits, log_normaliser, safe_index, in_shard, ignored, real_mask = ctx.saved_tensors
         eps = ctx.label_smoothing
         # The fp32 normaliser promotes bf16 logits: one fp32 buffer, reused in place below.
         grad = torch.sub(logits, log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax
-        grad[..., ctx.num_real:] = 0.0  # padded columns have probability 0
         hit = in_shard.to(grad.dtype) * (1.0 - eps)
         grad.scatter_add_(-1, safe_index.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps > 0:
-            grad[..., :ctx.num_real].sub_(eps / ctx.num_classes)
+            grad.sub_(eps / ctx.num_classes)
+        if real_mask is not None:
+            grad.masked_fill_(~real_mask, 0.0)  # padded columns have probability 0 (targets are never padded columns)
         scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss.float())
         grad.mul_(scale.unsqueeze(-1))
         return grad.to(logits.dtype), None, None, None, None, None
@@ -160,14 +181,14 @@ class DistributedLogprob(torch.autograd.Function):
             raise TypeError(f"inference={inference!r} must be True (no graph kept) or False (differentiable)")
         x = vocab_parallel_logits.float()
         local_vocab = x.shape[-1]
-        num_real = _real_columns(local_vocab, group, vocab_size)
-        real, local_lse, global_max = _shard_log_sum_exp(x, num_real, group)
+        first_id = _first_id(group, local_vocab, x.device)
+        real_mask = _real_mask(local_vocab, group, vocab_size, first_id)
+        local_lse, global_max = _shard_log_sum_exp(x, real_mask, group)
 
-        # The shard's first vocab id enters as data, not as a Python constant, so every rank traces the same graph
-        # (a 1-element host tensor: torch_xla would turn a 0-dim one holding 0 into a graph constant on rank 0).
-        first_id = torch.tensor([group.rank * local_vocab], dtype=torch.long).to(target.device).reshape(())
         local_target = target.long() - first_id
-        in_shard = (local_target >= 0) & (local_target < num_real)
+        in_shard = (local_target >= 0) & (local_target < local_vocab)
+        if vocab_size is not None:
+            in_shard = in_shard & (target < vocab_size)
         safe_index = torch.where(in_shard, local_target, torch.zeros_like(local_target))
         picked = x.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
         parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), (local_lse - global_max).exp(),
@@ -179,16 +200,16 @@ class DistributedLogprob(torch.autograd.Function):
         if inference:
             ctx.mark_non_differentiable(logprob)
         else:
-            ctx.save_for_backward(vocab_parallel_logits, log_normaliser, safe_index, in_shard, held)
-            ctx.num_real = num_real
+            ctx.save_for_backward(vocab_parallel_logits, log_normaliser, safe_index, in_shard, held, real_mask)
         return logprob
 
     @staticmethod
     def backward(ctx, grad_logprob):
-        logits, log_normaliser, safe_index, in_shard, held = ctx.saved_tensors
+        logits, log_normaliser, safe_index, in_shard, held, real_mask = ctx.saved_tensors
         # d logprob / d logit_j = [j == target] - softmax_j, for positions whose target some rank holds.
         grad = torch.sub(logits, log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax (fp32)
-        grad[..., ctx.num_real:] = 0.0
+        if real_mask is not None:
+            grad.masked_fill_(~real_mask, 0.0)
         grad.scatter_add_(-1, safe_index.unsqueeze(-1), -in_shard.to(grad.dtype).unsqueeze(-1))
         scale = torch.where(held, -grad_logprob.float(), torch.zeros_like(grad_logprob, dtype=torch.float32))
         grad.mul_(scale.unsqueeze(-1))

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from . import comm
-from .parallel_state import ParallelGroup, group_of, tensor_parallel_group
+from .parallel_state import ParallelGroup, group_of, rank_tensor, tensor_parallel_group
 
 
 def _group(process_group) -> ParallelGroup:
@@ -51,17 +51,21 @@ def _in_dtype(collective, tensor: torch.Tensor, reduce_dtype):
 
 
 def split_along_dim(tensor: torch.Tensor, group: ParallelGroup, dim: int) -> torch.Tensor:
-    """This rank's 1/size slice of ``tensor`` along ``dim`` (contiguous, so collectives and views downstream are safe)."""
+    """This rank's 1/size slice of ``tensor`` along ``dim`` (contiguous, so collectives and views downstream are safe).
+
+    The slice is picked by the rank as data (``rank_tensor``), not by Python bounds, so every rank traces one graph.
+    """
     if group.size == 1:
         return tensor
+    dim = dim % tensor.dim() if tensor.dim() else dim
     size = tensor.shape[dim]
     if size % group.size != 0:
         raise ValueError(
             f"cannot split dimension {dim} of shape {tuple(tensor.shape)} (size {size}) evenly over the "
             f"{group.kind}-parallel group of size {group.size}"
         )
-    chunk = size // group.size
-    return tensor.narrow(dim, group.rank * chunk, chunk).contiguous()
+    blocks = tensor.unflatten(dim, (group.size, size // group.size))
+    return blocks.index_select(dim, rank_tensor(group, tensor.device)).squeeze(dim)
 
 
 class _CopyToRegion(torch.autograd.Function):

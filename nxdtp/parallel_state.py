@@ -332,6 +332,26 @@ def data_parallel_group() -> ParallelGroup:
     return get_topology().data_parallel
 
 
+_RANK_TENSORS: dict = {}
+
+
+def rank_tensor(group: ParallelGroup, device) -> torch.Tensor:
+    """This rank's position in ``group`` as data: a 1-element int64 tensor on ``device``, made once per (group, device).
+
+    Traced code that computes offsets or picks slices from it, instead of from the Python int ``group.rank``, traces
+    the same graph on every rank: torch_xla turns Python scalars into graph constants (0 and 1) or inputs, and slice
+    bounds into static shapes. One element, not 0-dim: torch_xla folds a 0-dim host tensor holding 0 or 1 into a
+    constant when it is moved. Reshape it to ``()`` on the device where a scalar is needed.
+    """
+    device = torch.device(device)
+    key = (group, device)
+    cached = _RANK_TENSORS.get(key)
+    if cached is None:
+        cached = torch.tensor([group.rank], dtype=torch.long).to(device)
+        _RANK_TENSORS[key] = cached
+    return cached
+
+
 def group_of(process_group=None) -> ParallelGroup:
     """The ParallelGroup behind an NxD ``process_group=`` / ``tensor_model_parallel_group=`` argument.
 
@@ -920,7 +940,7 @@ def get_rank() -> int:
 __all__: Sequence[str] = [
     "ParallelGroup", "Topology", "build_topology", "simulated_topology", "get_topology",
     "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized",
-    "tensor_parallel_group", "data_parallel_group",
+    "tensor_parallel_group", "data_parallel_group", "rank_tensor",
     "get_tensor_model_parallel_group", "get_tensor_model_parallel_size", "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_src_rank", "get_tensor_model_parallel_replica_groups",
     "get_data_parallel_group", "get_data_parallel_size", "get_data_parallel_rank", "get_data_parallel_src_rank",

@@ -28,24 +28,17 @@ def _simulated_rank(world_size=8, rank=5, tp=4):
 
     The patch stays active for backward(), because collectives inside autograd Functions are traced then.
     """
-    from unittest import mock
+    from nxdtp import comm, parallel_state
 
-    import torch_xla.runtime as xr
-
-    from nxdtp import parallel_state
-
-    with parallel_state.simulated_topology(world_size, rank, tp), \
-            mock.patch.object(xr, "world_size", lambda: world_size), \
-            mock.patch.object(xr, "global_ordinal", lambda: rank):
+    with parallel_state.simulated_topology(world_size, rank, tp), comm.simulated_xla_runtime(world_size, rank):
         yield
 
 
 def _reset_collective_token():
     # The all-reduce token chains collectives across graphs; reset it so each HLO holds only the region asked for.
-    import torch_xla
-    import torch_xla.core.xla_model as xm
+    from nxdtp import comm
 
-    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
+    comm.clear_xla_collective_token()
 
 
 def _hlo(tensors) -> str:
