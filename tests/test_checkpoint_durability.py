@@ -401,6 +401,7 @@ def test_damage_in_a_replicated_tensor_of_tp_rank_0s_file_is_caught_by_tp_rank_1
         for damage in REPLICATED_DAMAGE:
             outcome = r[damage]
             # Each rank's own error (the agreement makes a rank that found nothing raise a RuntimeError instead).
+            assert outcome["named"] is not None, (rank, damage, "loaded without an error", outcome)
             kind, message = outcome["named"]
             assert kind == "CheckpointIntegrityError", (rank, damage, outcome)
             assert "model/tp_rank_00.safetensors" in message and "fails its checksum" in message, (rank, message)
