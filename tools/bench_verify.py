@@ -12,8 +12,12 @@ benchmark, not a test.
   ``load`` makes before reading (``integrity.verify_files(..., tensors_as_read=True)``: sizes, and whole-file
   checksums of files without per-tensor records), then ``read_model_shard`` for TP rank ``--load-rank`` (its own file
   and TP rank 0's replicated tensors, memory-mapped; verified, each tensor is hashed right after it is read, and each
-  file's header before it is parsed), and last every tensor copied once, as ``load_state_dict`` does after the ranks
-  agree that nothing is damaged.
+  file's header before it is parsed), and last every tensor copied once (``clone``) after the ranks would agree that
+  nothing is damaged.
+* load-live: the same, but the copy goes into tensors allocated and written before the clock starts (``copy_``), as
+  ``load_state_dict`` copies into a live model's parameters. ``clone`` also pays for fresh memory (page faults and
+  zeroing, most of its time here), so "load" understates what verification adds to a real load and "load-live"
+  shows it.
 
 "time in verification" is the time spent inside ``verify_files`` and ``TensorChecks`` (the hashing, measured in the
 run), which is free of the run-to-run noise of the machine. The CPU time of each measurement (the process's, so it
@@ -24,7 +28,8 @@ same way when absent (``torch.distributed.run --nproc_per_node=8 tools/bench_mer
 
 Usage::
 
-    python tools/bench_verify.py --workdir DIR [--rounds 5] [--operations merge,load] [--load-rank 1] [--json OUT]
+    python tools/bench_verify.py --workdir DIR [--rounds 5] [--operations merge,load,load-live] [--load-rank 1]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKPOINT_NAME = "bert-large-tp8"
-KINDS = ("merge", "merge-unverified", "load", "load-unverified")
+OPERATIONS = ("merge", "load", "load-live")
+KINDS = tuple(kind for op in OPERATIONS for kind in (op, f"{op}-unverified"))
 TARGET_OVERHEAD = 0.10
 
 
@@ -86,6 +92,13 @@ def worker(args) -> None:
     integrity.verify_files = timed(integrity.verify_files)
     integrity.TensorChecks.check = timed(integrity.TensorChecks.check)
     integrity.TensorChecks.check_header = timed(integrity.TensorChecks.check_header)
+    live = None
+    if args.worker.startswith("load-live"):  # the model's parameters, allocated and written before the clock starts
+        from nxdtp.checkpointing.index import dtype_from_name
+
+        shapes = integrity.read_index(tag_dir, False)
+        live = {key: torch.ones(entry.spec.local_shape(), dtype=dtype_from_name(entry.dtype))
+                for key, entry in shapes.tensors.items()}
     start, start_cpu = time.perf_counter(), time.process_time()
     if args.worker.startswith("merge"):
         merge(args.checkpoint_dir, args.output_dir, progress=False, verify=verify)
@@ -95,8 +108,13 @@ def worker(args) -> None:
             integrity.verify_files(tag_dir, index, sorted({model_file(args.load_rank), model_file(0)}),
                                    tensors_as_read=True)
         state = read_model_shard(tag_dir, index, args.load_rank, verify)
-        copies = [tensor.clone() for tensor in state.values()]  # the copy load_state_dict makes
-        del copies
+        if live is None:
+            copies = [tensor.clone() for tensor in state.values()]
+            del copies
+        else:
+            with torch.no_grad():
+                for key, tensor in live.items():  # tied aliases are one parameter: copied once
+                    tensor.copy_(state[key])
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     with open(args.result, "w") as f:
         json.dump({"kind": args.worker, "seconds": seconds, "cpu_seconds": cpu_seconds,
@@ -107,8 +125,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", help="holds (or gets) the bert-large-tp8 checkpoint (required)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--operations", default="merge,load",
-                        help="comma-separated: merge, load (default both)")
+    parser.add_argument("--operations", default=",".join(OPERATIONS),
+                        help=f"comma-separated, of {', '.join(OPERATIONS)} (default all)")
     parser.add_argument("--load-rank", type=int, default=1, help="the TP rank whose load is timed (default 1)")
     parser.add_argument("--json", default=None, metavar="OUT")
     parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
@@ -123,10 +141,10 @@ def main(argv=None) -> int:
         return 0
     if args.workdir is None:
         parser.error("--workdir is required")
-    operations = [op for op in ("merge", "load") if op in args.operations.split(",")]
-    if not operations or set(args.operations.split(",")) - {"merge", "load"}:
-        parser.error(f"--operations {args.operations!r}: give merge, load or merge,load")
-    kinds = [kind for kind in KINDS if kind.split("-")[0] in operations]
+    operations = [op for op in OPERATIONS if op in args.operations.split(",")]
+    if not operations or set(args.operations.split(",")) - set(OPERATIONS):
+        parser.error(f"--operations {args.operations!r}: give some of {', '.join(OPERATIONS)}, comma-separated")
+    kinds = [kind for op in operations for kind in (op, f"{op}-unverified")]
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     checkpoint_dir = os.path.join(os.path.abspath(args.workdir), CHECKPOINT_NAME)
@@ -171,7 +189,9 @@ def main(argv=None) -> int:
         figures[op] = {"verified": times[op], "unverified": times[f"{op}-unverified"], "overhead": overhead,
                        "cpu_verified": cpu_times[op], "cpu_unverified": cpu_times[f"{op}-unverified"],
                        "verify_seconds": verify_times[op]}
-        label = "merge (all 8 files)" if op == "merge" else f"load, TP rank {args.load_rank} (its file + rank 0's)"
+        label = {"merge": "merge (all 8 files)",
+                 "load": f"load, TP rank {args.load_rank} (its file + rank 0's), copied with clone",
+                 "load-live": f"load, TP rank {args.load_rank}, copied into live tensors"}[op]
         print(f"| {label} | {on:.3f} ({min(times[op]):.3f}-{max(times[op]):.3f}) | {off:.3f} "
               f"({min(times[op + '-unverified']):.3f}-{max(times[op + '-unverified']):.3f}) | {100 * overhead:+.1f} % "
               f"| {cpu_on:.3f} / {cpu_off:.3f} ({100 * (cpu_on / cpu_off - 1):+.1f} %) "
