@@ -445,6 +445,65 @@ def test_index_records_every_tensor_and_header_of_each_rank_file(tmp_path, world
             assert digest == xxhash.xxh3_64_hexdigest(data[8 + length + begin:8 + length + end]), (relative, key)
 
 
+def _read_as_load_does(tag_dir: str, tp_rank: int) -> dict:
+    """What ``load`` reads of the model on ``tp_rank``, with its checks, in their order (no world needed)."""
+    from nxdtp.checkpointing import integrity
+    from nxdtp.checkpointing.index import model_file
+    from nxdtp.checkpointing.save_load import read_model_shard
+
+    index = integrity.read_index(tag_dir)
+    integrity.verify_files(tag_dir, index, sorted({model_file(tp_rank), model_file(0)}), tensors_as_read=True)
+    return {k: v.clone().numpy() for k, v in read_model_shard(tag_dir, index, tp_rank, verify=True).items()}
+
+
+def test_any_flipped_byte_a_rank_reads_is_caught_and_no_other_changes_what_it_loads(tmp_path, worlds):
+    """Seeded single-byte damage anywhere in either model file (headers included): each TP rank's read either raises
+    CheckpointIntegrityError naming the damaged file, or, when the byte is one it does not read (TP rank 1 reads only
+    the replicated tensors of TP rank 0's file), gives exactly the pristine tensors."""
+    from nxdtp.checkpointing import CheckpointIndex
+
+    worlds(2).run(case_save, tensor_model_parallel_size=2, root=str(tmp_path))
+    tag_dir = str(tmp_path / "step_000001")
+    pristine = {r: _read_as_load_does(tag_dir, r) for r in (0, 1)}
+    index = CheckpointIndex.read(tag_dir)
+    replicated = {key for key, entry in index.tensors.items() if not entry.spec.is_sharded}
+    first = "model/tp_rank_00.safetensors"
+    rng = random.Random(13)
+    caught_unread = {0: 0, 1: 0}
+    for case in range(120):
+        relative = rng.choice(["model/tp_rank_00.safetensors", "model/tp_rank_01.safetensors"])
+        path = os.path.join(tag_dir, relative)
+        data = open(path, "rb").read()
+        length = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + length])
+        # Half the cases in the header (where the offsets, dtypes and shapes are), half in the tensor data.
+        offset = rng.randrange(8 + length) if case % 2 else rng.randrange(8 + length, len(data))
+        damaged = bytearray(data)
+        damaged[offset] ^= rng.randrange(1, 256)
+        with open(path, "wb") as f:
+            f.write(damaged)
+        try:
+            for tp_rank in (0, 1):
+                in_tensor = [k for k, v in header.items() if k != "__metadata__"
+                             and 8 + length + v["data_offsets"][0] <= offset < 8 + length + v["data_offsets"][1]]
+                read = relative == first or tp_rank == 1  # TP rank 0 never opens TP rank 1's file
+                reads_byte = read and (relative != first or tp_rank == 0 or offset < 8 + length
+                                       or any(k in replicated for k in in_tensor))
+                try:
+                    loaded = _read_as_load_does(tag_dir, tp_rank)
+                except CheckpointIntegrityError as e:
+                    assert relative in str(e), (case, offset, tp_rank, str(e))
+                    assert read, (case, offset, tp_rank, "an error for a file this rank does not read", str(e))
+                    caught_unread[tp_rank] += not reads_byte
+                    continue
+                assert not reads_byte, (case, relative, offset, tp_rank, in_tensor, "loaded without an error")
+                assert _same_arrays(loaded, pristine[tp_rank]) == [], (case, relative, offset, tp_rank)
+        finally:
+            with open(path, "wb") as f:
+                f.write(data)
+    assert caught_unread == {0: 0, 1: 0}, caught_unread  # nothing a rank does not read stops it
+
+
 def test_nxdtp_merge_no_verify_flag(tmp_path, worlds, capsys):
     from nxdtp.checkpointing.cli import main
 
