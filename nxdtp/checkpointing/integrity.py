@@ -1,6 +1,6 @@
 """Is a tag intact, and are its bytes the ones that were saved?
 
-Two levels of checking (docs/checkpoints.md, "Integrity"):
+Three kinds of checking (docs/checkpoints.md, "Integrity"):
 
 * ``check_intact``: cheap, used to pick the newest intact tag when none is named. ``done`` is present and readable,
   the index matches the size and checksum that ``done`` records for it and parses, and every file the index lists is
@@ -101,7 +101,7 @@ class TensorChecks:
 
     ``check_header`` reads and verifies the header before a parser trusts it (its byte ranges then say truly where
     each tensor lies); ``check`` verifies a tensor's bytes as read from the file, so a reader hashes exactly the
-    tensors it loads, right after the read brought them into memory."""
+    tensors it loads, as it reads them."""
 
     def __init__(self, path: str, record: Dict[str, dict]):
         self.path = path

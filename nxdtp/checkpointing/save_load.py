@@ -445,15 +445,14 @@ def _require_file(path: str) -> None:
 
 class _RankFile:
     """A safetensors file of the tag, opened for ``load``. With ``verify`` and the index's records of its header and
-    tensors, the header is verified before it is parsed, and each tensor right after it is read (the bytes a rank
-    loads, and only those, are hashed, while they are in the cache); files without such records were verified whole
-    before reading (``integrity.verify_files``)."""
+    tensors, the header is verified before it is parsed, and each tensor right after it is read: the bytes a rank
+    loads, and only those, are hashed, and the hash is the pass that brings them into memory from the mapped file.
+    Files without such records were verified whole before reading (``integrity.verify_files``)."""
 
     def __init__(self, tag_dir: str, index: CheckpointIndex, relative: str, verify: bool):
         from safetensors import safe_open
 
         self.path = os.path.join(tag_dir, relative)
-        self.relative = relative
         _require_file(self.path)
         self._checks = integrity.TensorChecks.of(tag_dir, index, relative) if verify else None
         if self._checks is not None:
