@@ -19,6 +19,7 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -292,6 +293,215 @@ def test_flipped_bytes_are_named_and_an_unnamed_damaged_tag_is_skipped(worlds, t
     _flip(str(tmp_path / "tp1" / "step_000002" / "model" / "tp_rank_00.safetensors"))
     with pytest.raises(CheckpointIntegrityError, match="tp_rank_00.safetensors fails its checksum"):
         merge(tmp_path / "tp1", str(tmp_path / "out"), tag="step_000002", progress=False)
+
+
+# ---- 2b. per-tensor checksums: what a rank loads, and only that, is verified as it is read -------------------------------
+
+def _tensor_range(path: str, key: str):
+    """(first byte, end) of tensor ``key``'s data in the safetensors file at ``path``, and the header's length."""
+    with open(path, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(length))
+    begin, end = header[key]["data_offsets"]
+    return 8 + length + begin, 8 + length + end, length
+
+
+def _flip_at(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _retype_in_header(path: str, key: str) -> None:
+    """Rewrite ``key``'s dtype F32 as I32 in the file's header: same length, same element size, still valid JSON, so
+    only a checksum of the header tells the tensor would be read as the wrong type."""
+    data = bytearray(open(path, "rb").read())
+    length = struct.unpack("<Q", data[:8])[0]
+    entry = data.index(f'"{key}":'.encode(), 8, 8 + length)
+    dtype = data.index(b'"F32"', entry, 8 + length)
+    data[dtype + 1] = ord("I")
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _strip_tensor_checksums(tag_dir: str) -> None:
+    """Make the tag look saved by an nxdtp that recorded whole-file checksums only (the index re-recorded in done)."""
+    from nxdtp.checkpointing import CheckpointIndex, tags
+
+    index = CheckpointIndex.read(tag_dir)
+    index.tensor_checksums = None
+    tags.mark_done(tag_dir, index.write(tag_dir))
+
+
+REPLICATED_DAMAGE = ("replicated tensor data", "replicated tensor dtype in the header",
+                     "replicated tensor data, old index")
+
+
+def case_replicated_tensor_damage(root: str):
+    """TP rank 0's file holds every replicated tensor; TP rank 1 reads those (and only those) from it. Damage there
+    must be caught by rank 1's own read."""
+    rank = dist.get_rank()
+    pristine = os.path.join(root, "pristine")
+    step1, step2 = _model_and_optimizer(seed=1), _model_and_optimizer(seed=2)
+    save({"model": step1[0], "optimizer": step1[1], "global_step": 1}, pristine)
+    save({"model": step2[0], "optimizer": step2[1], "global_step": 2}, pristine)
+    candidates = {"step1": (1, 16, 1), "step2": (2, 16, 2)}
+    out = {}
+    for damage in REPLICATED_DAMAGE:
+        directory = os.path.join(root, damage.replace(" ", "_").replace(",", ""))
+        rank0_file = os.path.join(directory, "step_000002", "model", "tp_rank_00.safetensors")
+        if rank == 0:
+            shutil.copytree(pristine, directory)
+            if damage.endswith("old index"):
+                _strip_tensor_checksums(os.path.join(directory, "step_000002"))
+            if "header" in damage:
+                _retype_in_header(rank0_file, "down.bias")
+            else:
+                begin, end, _ = _tensor_range(rank0_file, "norm.weight")
+                _flip_at(rank0_file, (begin + end) // 2)
+        comm.barrier()
+        model, opt = _model_and_optimizer(seed=50)
+        try:
+            load(directory, model=model, optimizer=opt, tag="step_000002")
+            named = None
+        except Exception as e:  # noqa: BLE001 - a failed rank raises its own error (the others a RuntimeError)
+            named = (type(e).__name__, str(e))
+        model, opt = _model_and_optimizer(seed=50)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = load(directory, model=model, optimizer=opt)
+        unnamed = _which(model, opt, state["global_step"], candidates)
+        # Unverified, the damaged bytes reach this rank's model: the damage lies in what rank 1 loads.
+        model, opt = _model_and_optimizer(seed=50)
+        try:
+            load(directory, model=model, optimizer=opt, tag="step_000002", verify=False)
+            unverified = _same_arrays(_params(model), _params(step2[0]))
+        except Exception as e:  # noqa: BLE001
+            unverified = f"{type(e).__name__}: {e}"
+        out[damage] = dict(named=named, unnamed=unnamed, unverified=unverified,
+                           warnings=[str(w.message) for w in caught])
+        comm.barrier()
+    # The pristine tag, its per-tensor records stripped, still loads bit-exactly (whole files verified instead).
+    old = os.path.join(root, "old")
+    if rank == 0:
+        shutil.copytree(pristine, old)
+        _strip_tensor_checksums(os.path.join(old, "step_000002"))
+    comm.barrier()
+    model, opt = _model_and_optimizer(seed=50)
+    state = load(old, model=model, optimizer=opt, tag="step_000002")
+    out["old index loads"] = _which(model, opt, state["global_step"], candidates)
+    return out
+
+
+def test_damage_in_a_replicated_tensor_of_tp_rank_0s_file_is_caught_by_tp_rank_1(worlds, tmp_path):
+    results = worlds(2).run(case_replicated_tensor_damage, tensor_model_parallel_size=2, root=str(tmp_path))
+    for rank, r in enumerate(results):
+        for damage in REPLICATED_DAMAGE:
+            outcome = r[damage]
+            # Each rank's own error (the agreement makes a rank that found nothing raise a RuntimeError instead).
+            assert outcome["named"] is not None, (rank, damage, "loaded without an error", outcome)
+            kind, message = outcome["named"]
+            assert kind == "CheckpointIntegrityError", (rank, damage, outcome)
+            assert "model/tp_rank_00.safetensors" in message and "fails its checksum" in message, (rank, message)
+            if damage == "replicated tensor data":
+                assert "tensor 'norm.weight'" in message, message
+            elif "header" in damage:
+                assert "safetensors header" in message, message
+            assert outcome["unnamed"] == "step1", (rank, damage, outcome)
+            if rank == 0:
+                assert any("step_000002 is damaged, skipped" in w and "tp_rank_00.safetensors" in w
+                           for w in outcome["warnings"]), (damage, outcome["warnings"])
+        assert r["replicated tensor data"]["unverified"] == ["norm.weight"], r["replicated tensor data"]
+        assert r["replicated tensor dtype in the header"]["unverified"] == ["down.bias"], r
+        assert r["old index loads"] == "step2", r
+
+
+def case_save(root: str):
+    model, opt = _model_and_optimizer(seed=1)
+    save({"model": model, "optimizer": opt, "global_step": 1}, root)
+
+
+def test_index_records_every_tensor_and_header_of_each_rank_file(tmp_path, worlds):
+    """The records load checks against are those of the bytes on disk: recomputed from the files, they agree."""
+    import xxhash
+
+    from nxdtp.checkpointing import CheckpointIndex
+
+    worlds(2).run(case_save, tensor_model_parallel_size=2, root=str(tmp_path))
+    tag_dir = str(tmp_path / "step_000001")
+    index = CheckpointIndex.read(tag_dir)
+    assert sorted(index.tensor_checksums) == ["model/tp_rank_00.safetensors", "model/tp_rank_01.safetensors",
+                                              "optim/tp_rank_00.safetensors", "optim/tp_rank_01.safetensors"]
+    for relative, record in index.tensor_checksums.items():
+        data = open(os.path.join(tag_dir, relative), "rb").read()
+        length = struct.unpack("<Q", data[:8])[0]
+        assert record["header"] == {"size": 8 + length, "xxh3_64": xxhash.xxh3_64_hexdigest(data[:8 + length])}
+        header = json.loads(data[8:8 + length])
+        assert sorted(record["tensors"]) == sorted(header)
+        for key, digest in record["tensors"].items():
+            begin, end = header[key]["data_offsets"]
+            assert digest == xxhash.xxh3_64_hexdigest(data[8 + length + begin:8 + length + end]), (relative, key)
+
+
+def _read_as_load_does(tag_dir: str, tp_rank: int) -> dict:
+    """What ``load`` reads of the model on ``tp_rank``, with its checks, in their order (no world needed)."""
+    from nxdtp.checkpointing import integrity
+    from nxdtp.checkpointing.index import model_file
+    from nxdtp.checkpointing.save_load import read_model_shard
+
+    index = integrity.read_index(tag_dir)
+    integrity.verify_files(tag_dir, index, sorted({model_file(tp_rank), model_file(0)}), tensors_as_read=True)
+    return {k: v.clone().numpy() for k, v in read_model_shard(tag_dir, index, tp_rank, verify=True).items()}
+
+
+def test_any_flipped_byte_a_rank_reads_is_caught_and_no_other_changes_what_it_loads(tmp_path, worlds):
+    """Seeded single-byte damage anywhere in either model file (headers included): each TP rank's read either raises
+    CheckpointIntegrityError naming the damaged file, or, when the byte is one it does not read (TP rank 1 reads only
+    the replicated tensors of TP rank 0's file), gives exactly the pristine tensors."""
+    from nxdtp.checkpointing import CheckpointIndex
+
+    worlds(2).run(case_save, tensor_model_parallel_size=2, root=str(tmp_path))
+    tag_dir = str(tmp_path / "step_000001")
+    pristine = {r: _read_as_load_does(tag_dir, r) for r in (0, 1)}
+    index = CheckpointIndex.read(tag_dir)
+    replicated = {key for key, entry in index.tensors.items() if not entry.spec.is_sharded}
+    first = "model/tp_rank_00.safetensors"
+    rng = random.Random(13)
+    caught_unread = {0: 0, 1: 0}
+    for case in range(120):
+        relative = rng.choice(["model/tp_rank_00.safetensors", "model/tp_rank_01.safetensors"])
+        path = os.path.join(tag_dir, relative)
+        data = open(path, "rb").read()
+        length = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + length])
+        # Half the cases in the header (where the offsets, dtypes and shapes are), half in the tensor data.
+        offset = rng.randrange(8 + length) if case % 2 else rng.randrange(8 + length, len(data))
+        damaged = bytearray(data)
+        damaged[offset] ^= rng.randrange(1, 256)
+        with open(path, "wb") as f:
+            f.write(damaged)
+        try:
+            for tp_rank in (0, 1):
+                in_tensor = [k for k, v in header.items() if k != "__metadata__"
+                             and 8 + length + v["data_offsets"][0] <= offset < 8 + length + v["data_offsets"][1]]
+                read = relative == first or tp_rank == 1  # TP rank 0 never opens TP rank 1's file
+                reads_byte = read and (relative != first or tp_rank == 0 or offset < 8 + length
+                                       or any(k in replicated for k in in_tensor))
+                try:
+                    loaded = _read_as_load_does(tag_dir, tp_rank)
+                except CheckpointIntegrityError as e:
+                    assert relative in str(e), (case, offset, tp_rank, str(e))
+                    assert read, (case, offset, tp_rank, "an error for a file this rank does not read", str(e))
+                    caught_unread[tp_rank] += not reads_byte
+                    continue
+                assert not reads_byte, (case, relative, offset, tp_rank, in_tensor, "loaded without an error")
+                assert _same_arrays(loaded, pristine[tp_rank]) == [], (case, relative, offset, tp_rank)
+        finally:
+            with open(path, "wb") as f:
+                f.write(data)
+    assert caught_unread == {0: 0, 1: 0}, caught_unread  # nothing a rank does not read stops it
 
 
 def test_nxdtp_merge_no_verify_flag(tmp_path, worlds, capsys):

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from typing import List, Tuple
 
+import torch
 import xxhash
 
 READ_CHUNK_BYTES = 16 << 20
 # The name of the checksum in every record (the index's ``files``, ``done``): a record under another name is refused.
 CHECKSUM = "xxh3_64"
+_DIGEST = re.compile("[0-9a-f]{16}")
 
 
 def fsync_directory(path: str) -> None:
@@ -109,9 +112,30 @@ def checked_record(record) -> dict:
     size, digest = record["size"], record[CHECKSUM]
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ValueError(f"a file record's size must be a non-negative integer, got {size!r}")
-    if not isinstance(digest, str) or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError(f"a file record's {CHECKSUM} must be 16 lower-case hex digits, got {digest!r}")
-    return file_record(size, digest)
+    return file_record(size, checked_digest(digest))
+
+
+def checked_digest(digest) -> str:
+    """``digest`` as read from JSON, if it is a well-formed checksum; ``ValueError`` if not."""
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ValueError(f"a {CHECKSUM} checksum must be 16 lower-case hex digits, got {digest!r}")
+    return digest
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, as safetensors stores them (little-endian), without a copy; a byte
+    view works for bfloat16, which numpy lacks."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """The checksum of a CPU tensor's bytes as safetensors stores them, hashed in place (no copy)."""
+    tensor = tensor.contiguous()
+    try:
+        array = tensor.numpy()  # cheaper than the byte view below, which matters at hundreds of tensors per load
+    except TypeError:  # bfloat16 and other dtypes numpy lacks
+        array = tensor.reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_hexdigest(array)
 
 
 def write_bytes_durably(path: str, data: bytes) -> dict:

@@ -16,7 +16,7 @@ from typing import Iterable, Any, Dict, List, Optional, Tuple
 import torch
 
 from ..spec import ParamSpec
-from .durable import checked_record, write_bytes_durably
+from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durably
 
 FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
@@ -136,13 +136,17 @@ class CheckpointIndex:
     # Relative path -> {"size": bytes, "xxh3_64": 16 hex digits} of every other file of the tag; None in checkpoints
     # written before checksums were recorded (their files cannot be verified).
     files: Optional[Dict[str, Dict[str, Any]]] = None
+    # Relative path of a safetensors file -> {"header": a file record of its header, "tensors": {name: xxh3_64}}, so
+    # a reader verifies just the tensors it reads; None in checkpoints written before (whole files are verified).
+    tensor_checksums: Optional[Dict[str, Dict[str, Any]]] = None
 
     def to_json(self) -> Dict[str, Any]:
         return {"format_version": self.format_version, "nxdtp_version": self.nxdtp_version,
                 "tensor_model_parallel_size": self.tensor_model_parallel_size,
                 "data_parallel_size": self.data_parallel_size,
                 "tensors": {k: e.to_json() for k, e in self.tensors.items()}, "optimizer": self.optimizer,
-                **({"files": self.files} if self.files is not None else {})}
+                **({"files": self.files} if self.files is not None else {}),
+                **({"tensor_checksums": self.tensor_checksums} if self.tensor_checksums is not None else {})}
 
     def write(self, tag_dir: str) -> Dict[str, Any]:
         """Write the index file and ``fsync`` it; return its record (size, checksum), which ``done`` holds."""
@@ -168,7 +172,8 @@ class CheckpointIndex:
                        data_parallel_size=int(d["data_parallel_size"]),
                        tensors={k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
                        optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version,
-                       files=_file_records(d.get("files")))
+                       files=_file_records(d.get("files")),
+                       tensor_checksums=_contents_records(d.get("tensor_checksums")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
 
@@ -182,4 +187,22 @@ def _file_records(value: Any) -> Optional[Dict[str, Dict[str, Any]]]:
             records[str(name)] = checked_record(record)
         except ValueError as e:
             raise ValueError(f"'files' entry {name!r}: {e}") from None
+    return records
+
+
+def _contents_records(value: Any) -> Optional[Dict[str, Dict[str, Any]]]:
+    if value is None:
+        return None
+    records = {}
+    for name, record in dict(value).items():
+        if not isinstance(record, dict) or set(record) != {"header", "tensors"} or not isinstance(record["tensors"],
+                                                                                                   dict):
+            raise ValueError(f"'tensor_checksums' entry {name!r} is {{'header': a file record, 'tensors': {{name: "
+                             f"{CHECKSUM}}}}}, got {record!r}"[:300])
+        try:
+            header = checked_record(record["header"])
+            tensors = {str(key): checked_digest(digest) for key, digest in record["tensors"].items()}
+        except ValueError as e:
+            raise ValueError(f"'tensor_checksums' entry {name!r}: {e}") from None
+        records[str(name)] = {"header": header, "tensors": tensors}
     return records

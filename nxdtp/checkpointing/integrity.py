@@ -1,11 +1,15 @@
 """Is a tag intact, and are its bytes the ones that were saved?
 
-Two levels of checking (docs/checkpoints.md, "Integrity"):
+Three kinds of checking (docs/checkpoints.md, "Integrity"):
 
 * ``check_intact``: cheap, used to pick the newest intact tag when none is named. ``done`` is present and readable,
   the index matches the size and checksum that ``done`` records for it and parses, and every file the index lists is
   present with its recorded size.
 * ``verify_files``: the checksum of each file a reader is about to read, against the index's record.
+* ``TensorChecks``: for a safetensors file whose header and tensors have records of their own (``tensor_checksums``
+  in the index), the header's checksum before it is parsed and each tensor's as it is read, so a reader that needs
+  only some tensors of a file (``load`` on TP rank r > 0 reads only the replicated tensors of TP rank 0's file) hashes
+  just those, in the same pass that brings them into memory.
 
 ``done`` holds the index's record, so a damaged index is detected as well; the index holds every other file's.
 Checkpoints written before records existed (``done`` says just ``complete``, the index has no ``files``) still load;
@@ -14,13 +18,16 @@ a warning says their files cannot be verified.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
+import struct
 import warnings
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import xxhash
 
 from . import tags
-from .durable import CHECKSUM, checksum_file, file_record
+from .durable import CHECKSUM, checksum_file, file_record, tensor_checksum
 from .index import DONE_FILE, INDEX_FILE, CheckpointIndex
 from .tags import CheckpointIntegrityError, read_done
 
@@ -66,9 +73,12 @@ def check_intact(tag_dir: str, verify_index: bool = True) -> CheckpointIndex:
     return index
 
 
-def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str]) -> None:
+def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str], tensors_as_read: bool = False
+                 ) -> None:
     """Verify the size and checksum of each listed file (relative to ``tag_dir``). A file the index's records do not
-    list is refused; a checkpoint without records is let through with a warning that its files cannot be verified."""
+    list is refused; a checkpoint without records is let through with a warning that its files cannot be verified.
+    With ``tensors_as_read``, a file whose header and tensors have records of their own gets its size checked only:
+    the caller reads it through ``TensorChecks``, which verifies what it reads."""
     relatives = list(relatives)
     if index.files is None:
         warnings.warn(f"{tag_dir} records no checksums (saved by an nxdtp without them): its files cannot be "
@@ -80,28 +90,59 @@ def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str])
         if record is None:
             raise CheckpointIntegrityError(f"checkpoint file {path} is not listed in {INDEX_FILE}'s file records, so "
                                            f"it was not written by the save that wrote the index")
-        verify_file(path, record)
+        if tensors_as_read and relative in (index.tensor_checksums or {}):
+            _check_size(path, record)
+        else:
+            verify_file(path, record)
 
 
-def read_while_verifying(tag_dir: str, index: CheckpointIndex, relatives: Optional[Iterable[str]],
-                         read: Callable[[], Any]) -> Tuple[Any, Optional[BaseException]]:
-    """``(read(), None)``, or ``(None, the error read raised)``, with ``verify_files`` of ``relatives`` running in a
-    thread meanwhile (None: no verification). The hash runs without the GIL, so verifying costs little more than the
-    reading does; damage it finds raises here, before whatever ``read`` raised, since it explains it."""
-    if relatives is None:
-        try:
-            return read(), None
-        except Exception as e:  # noqa: BLE001 - the caller's to raise
-            return None, e
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        checked = pool.submit(verify_files, tag_dir, index, list(relatives))
-        result, error = None, None
-        try:
-            result = read()
-        except Exception as e:  # noqa: BLE001 - reported unless verification explains it
-            error = e
-        checked.result()
-    return result, error
+class TensorChecks:
+    """The recorded checksums of one safetensors file's header and tensors (``tensor_checksums`` in the index).
+
+    ``check_header`` reads and verifies the header before a parser trusts it (its byte ranges then say truly where
+    each tensor lies); ``check`` verifies a tensor's bytes as read from the file, so a reader hashes exactly the
+    tensors it loads, as it reads them."""
+
+    def __init__(self, path: str, record: Dict[str, dict]):
+        self.path = path
+        self._header = record["header"]
+        self._tensors = record["tensors"]
+
+    @classmethod
+    def of(cls, tag_dir: str, index: CheckpointIndex, relative: str) -> Optional["TensorChecks"]:
+        """The checks for file ``relative``, or None when the index records none for it (the whole file is then
+        verified by ``verify_files``)."""
+        record = (index.tensor_checksums or {}).get(relative)
+        return None if record is None else cls(os.path.join(tag_dir, relative), record)
+
+    def check_header(self) -> None:
+        expected = self._header["size"]
+        with open(self.path, "rb") as f:
+            prefix = f.read(min(expected, 8))
+            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+            if length != expected - 8:
+                raise CheckpointIntegrityError(
+                    f"checkpoint file {self.path} has a damaged safetensors header: its length field says "
+                    f"{length} bytes, the index records {expected - 8}")
+            data = prefix + f.read(length)
+        actual = file_record(len(data), xxhash.xxh3_64_hexdigest(data))
+        if actual != self._header:
+            raise CheckpointIntegrityError(
+                f"checkpoint file {self.path} fails its checksum in its safetensors header (the first "
+                f"{expected} bytes): the index records {CHECKSUM} {self._header[CHECKSUM]}, the file has "
+                f"{actual[CHECKSUM]} (flipped bytes or an overwritten file)")
+
+    def check(self, key: str, tensor: torch.Tensor) -> None:
+        """Raise unless ``tensor``, read from the file as ``key``, has the checksum recorded for it."""
+        expected = self._tensors.get(key)
+        if expected is None:
+            raise CheckpointIntegrityError(f"checkpoint file {self.path} holds '{key}', for which {INDEX_FILE} "
+                                           f"records no checksum: it was not written by the save that wrote the index")
+        actual = tensor_checksum(tensor)
+        if actual != expected:
+            raise CheckpointIntegrityError(
+                f"checkpoint file {self.path} fails its checksum in tensor '{key}': the index records {CHECKSUM} "
+                f"{expected}, the bytes read have {actual} (flipped bytes or an overwritten file)")
 
 
 def intact_candidates(path: str, tag: Optional[str], problems: List[str], verify_index: bool = True

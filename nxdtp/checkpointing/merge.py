@@ -191,13 +191,17 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
             total = len(new_entries) + sum(len(fields) for _, (_, fields) in optimizer_plan or [])
             bar = _progress(total, f"reshard {tag_name} tp {old_tp}->{new_tp}", progress)
             files: Dict[str, dict] = {}  # the new tag's file records
+            contents: Dict[str, dict] = {}  # and its rank files' header and tensor records
             try:
-                files.update(_reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar))
+                writers = _reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar)
                 if optimizer_plan is not None:
-                    files.update(_reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files,
-                                                    new_tp, bar))
+                    writers += _reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files,
+                                                  new_tp, bar)
             finally:
                 bar.close()
+            for writer in writers:
+                relative = os.path.relpath(writer.path, new_tag_dir)
+                files[relative], contents[relative] = writer.record(), writer.contents_record()
             copies = [TRAINER_STATE_FILE] + ([OPTIMIZER_STATE_FILE] if optimizer_plan is not None else [])
             if copy_rng:
                 copies += sorted(os.path.relpath(os.path.join(rng_dir, name), tag_dir) for name in os.listdir(rng_dir))
@@ -212,7 +216,8 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
                  "pad_to_multiple_of_source": multiple_source, "notes": notes}, indent=1).encode())
             new_index = CheckpointIndex(tensor_model_parallel_size=new_tp, data_parallel_size=index.data_parallel_size,
                                         tensors=new_entries, optimizer=index.optimizer if optimizer_plan else None,
-                                        nxdtp_version=__version__, files=dict(sorted(files.items())))
+                                        nxdtp_version=__version__, files=dict(sorted(files.items())),
+                                        tensor_checksums=dict(sorted(contents.items())))
             tags.mark_done(new_tag_dir, new_index.write(new_tag_dir))
             tags.set_newest(staging, tag_name)
             return tag_name
@@ -457,7 +462,7 @@ def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size:
 
 
 def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
-                   model_files: Dict[str, Any], new_tp: int, bar) -> Dict[str, dict]:
+                   model_files: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
     layouts: List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]] = [[] for _ in range(new_tp)]
     for key, entry in new_entries.items():
         for rank in range(new_tp):
@@ -470,7 +475,7 @@ def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[s
                 writers[rank].write(key, piece)
             del full
             bar.update(1)
-    return {model_file(r): writer.record() for r, writer in enumerate(writers)}
+    return writers  # completed: their records are ready
 
 
 @contextlib.contextmanager
@@ -531,7 +536,7 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
 
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
-                       handles: Dict[str, Any], new_tp: int, bar) -> Dict[str, dict]:
+                       handles: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
     tp = index.tensor_model_parallel_size
     rank0 = handles[optim_file(0)]
     layouts: List[list] = [[] for _ in range(new_tp)]
@@ -559,7 +564,7 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
                     for rank in range(new_tp):
                         writers[rank].write(tensor_key, value)
                 bar.update(1)
-    return {optim_file(r): writer.record() for r, writer in enumerate(writers)}
+    return writers  # completed: their records are ready
 
 
 _DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

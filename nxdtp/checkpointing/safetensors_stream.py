@@ -3,6 +3,10 @@
 ``safetensors.torch.save_file`` needs the whole dict at once. The format itself is simple (an 8-byte little-endian
 header length, a JSON header with each tensor's dtype, shape and byte range, then the raw bytes in order), so when
 every tensor's dtype and shape are known up front the header can be written first and the data streamed after it.
+
+Besides the whole file's checksum, the writer records one for the header and one for each tensor's bytes, computed on
+the same chunks as they are written (``contents_record``): a reader that needs only some tensors of a file verifies
+just those (docs/checkpoints.md, "Integrity").
 """
 
 from __future__ import annotations
@@ -13,8 +17,13 @@ import struct
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import xxhash
 
-from .durable import ChecksummedWriter
+from .durable import ChecksummedWriter, file_record, tensor_bytes
+
+# Tensors are written (and hashed twice: for the file and for the tensor) in chunks of this size, so the second hash
+# reads bytes the first has just brought into the CPU cache.
+_WRITE_CHUNK_BYTES = 1 << 20
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -26,7 +35,8 @@ _SAFETENSORS_DTYPES = {
 class StreamingSafetensorsWriter:
     """``layout`` is the ordered list of (name, dtype, shape); ``write(name, tensor)`` must follow that order.
 
-    ``close`` ``fsync``s the file; ``record()`` then gives its size and checksum, computed while it was written."""
+    ``close`` ``fsync``s the file; ``record()`` then gives its size and checksum, and ``contents_record()`` the
+    checksums of its header and of each tensor, all computed while it was written."""
 
     def __init__(self, path: str, layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
                  metadata: Optional[Dict[str, str]] = None):
@@ -48,8 +58,10 @@ class StreamingSafetensorsWriter:
         encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned, as safetensors does
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._file = ChecksummedWriter(path)
-        self._file.write(struct.pack("<Q", len(encoded)))
-        self._file.write(encoded)
+        prefix = struct.pack("<Q", len(encoded)) + encoded
+        self._file.write(prefix)
+        self._header_record = file_record(len(prefix), xxhash.xxh3_64_hexdigest(prefix))
+        self._tensor_digests: Dict[str, str] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected_name, dtype, shape = self._expected[self._position]
@@ -57,9 +69,14 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path}: expected '{expected_name}' {dtype} {list(shape)} next, got '{name}' "
                              f"{tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().to("cpu").contiguous()
-        # Raw little-endian bytes of the tensor, via a byte view (works for bfloat16, which numpy lacks).
+        digest = xxhash.xxh3_64()
         if data.numel():
-            self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            view = tensor_bytes(data)
+            for start in range(0, view.nbytes, _WRITE_CHUNK_BYTES):
+                chunk = view[start:start + _WRITE_CHUNK_BYTES]
+                digest.update(chunk)
+                self._file.write(chunk)
+        self._tensor_digests[name] = digest.hexdigest()
         self._position += 1
 
     def close(self) -> None:
@@ -72,6 +89,11 @@ class StreamingSafetensorsWriter:
     def record(self) -> dict:
         """The index record (size, checksum) of the completed file."""
         return self._file.record()
+
+    def contents_record(self) -> dict:
+        """The index record of the completed file's parts: ``{"header": {"size": bytes, "xxh3_64": ...}, "tensors":
+        {name: xxh3_64}}``, where the header is the length prefix and the JSON header with its padding."""
+        return {"header": self._header_record, "tensors": dict(self._tensor_digests)}
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self

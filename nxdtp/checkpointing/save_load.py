@@ -223,13 +223,16 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
     _agree(error, f"saving {tag_dir}")
 
     written: Dict[str, dict] = {}  # relative path -> record (size, checksum) of every file this rank wrote
+    contents: Dict[str, dict] = {}  # relative path -> records of a safetensors file's header and tensors
     try:
         if dp_group.rank == 0:
-            written[model_file(tp_group.rank)] = _write_tensors(os.path.join(tag_dir, model_file(tp_group.rank)),
-                                                                tensors, entries, tp_group.rank)
+            relative = model_file(tp_group.rank)
+            written[relative], contents[relative] = _write_tensors(os.path.join(tag_dir, relative), tensors, entries,
+                                                                   tp_group.rank)
             if optimizer_tensors is not None:
-                written[optim_file(tp_group.rank)] = _write_plain(os.path.join(tag_dir, optim_file(tp_group.rank)),
-                                                                  optimizer_tensors)
+                relative = optim_file(tp_group.rank)
+                written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative),
+                                                                     optimizer_tensors)
             if extras:
                 relative = EXTRA_FILE.format(tp_group.rank)
                 make_directories(os.path.dirname(os.path.join(tag_dir, relative)))
@@ -252,14 +255,15 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
         error = e
     _agree(error, f"saving {tag_dir}")  # every rank's files are written and fsynced before 'done' says so
     # The records reach rank 0, which writes the index (the agreement above gathers error reports only).
-    records = comm.all_gather_object(written)
+    records = comm.all_gather_object((written, contents))
 
     try:
         if topology.rank == 0:
-            files = {relative: record for per_rank in records for relative, record in per_rank.items()}
+            files = {relative: record for per_rank, _ in records for relative, record in per_rank.items()}
+            parts = {relative: record for _, per_rank in records for relative, record in per_rank.items()}
             index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
                                     tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__,
-                                    files=dict(sorted(files.items())))
+                                    files=dict(sorted(files.items())), tensor_checksums=dict(sorted(parts.items())))
             index_record = index.write(tag_dir)
             # Every directory of the tag (model/, optim/, rng/, extra/, the tag itself), whoever created its entries.
             fsync_tree(tag_dir)
@@ -279,24 +283,25 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
 _agree = comm.raise_on_every_rank_if_any_failed
 
 
-def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int) -> dict:
+def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int
+                   ) -> Tuple[dict, dict]:
     """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor. Returns the
-    file's record."""
+    file's record and its contents record (header and tensors)."""
     mine = [(k, t, dtype_from_name(entries[k].dtype)) for k, t in tensors.items()
             if entries[k].spec.is_sharded or tp_rank == 0]
     make_directories(os.path.dirname(path))
     with StreamingSafetensorsWriter(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine]) as writer:
         for key, tensor, dtype in mine:
             writer.write(key, tensor.detach().to("cpu").to(dtype))
-    return writer.record()
+    return writer.record(), writer.contents_record()
 
 
-def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> dict:
+def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, dict]:
     make_directories(os.path.dirname(path))
     with StreamingSafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]) as writer:
         for key, tensor in tensors.items():
             writer.write(key, tensor)
-    return writer.record()
+    return writer.record(), writer.contents_record()
 
 
 def _write_json(path: str, payload: Any) -> dict:
@@ -362,14 +367,11 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
                                                                                   "scalars": scalars}
 
 
-def _optimizer_state_dict(tag_dir: str, index: Dict, tp_rank: int, optimizer: torch.optim.Optimizer,
-                          model: Optional[nn.Module]) -> Dict[str, Any]:
-    from safetensors import safe_open
-
+def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_rank: int,
+                          optimizer: torch.optim.Optimizer, model: Optional[nn.Module], verify: bool) -> Dict[str, Any]:
+    index = checkpoint_index.optimizer
     with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
         saved = json.load(f)
-    path = os.path.join(tag_dir, optim_file(tp_rank))
-    _require_file(path)
     position: Dict[str, int] = {}
     if index["keyed_by"] == "name":
         if model is None:
@@ -378,14 +380,14 @@ def _optimizer_state_dict(tag_dir: str, index: Dict, tp_rank: int, optimizer: to
         flat = [p for group in optimizer.param_groups for p in group["params"]]
         position = {by_identity[id(p)]: i for i, p in enumerate(flat) if id(p) in by_identity}
     state: Dict[int, Dict[str, Any]] = {}
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for name, info in index["params"].items():
-            if index["keyed_by"] == "name" and name not in position:
-                raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter '{name}', which the "
-                                 "model passed to load() does not have (or the optimizer does not hold)")
-            slot = position.get(name, info["param_index"])
-            state[slot] = {field: f.get_tensor(f"{name}/{field}") for field in info["tensors"]}
-            state[slot].update(saved["scalars"].get(name, {}))
+    f = _RankFile(tag_dir, checkpoint_index, optim_file(tp_rank), verify)
+    for name, info in index["params"].items():
+        if index["keyed_by"] == "name" and name not in position:
+            raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter '{name}', which the "
+                             "model passed to load() does not have (or the optimizer does not hold)")
+        slot = position.get(name, info["param_index"])
+        state[slot] = {field: f.get_tensor(f"{name}/{field}") for field in info["tensors"]}
+        state[slot].update(saved["scalars"].get(name, {}))
     if len(optimizer.param_groups) != len(saved["param_groups"]):
         raise ValueError(f"{tag_dir}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
                          f"{len(saved['param_groups'])}")
@@ -441,36 +443,52 @@ def _require_file(path: str) -> None:
         raise FileNotFoundError(f"checkpoint file {path} is missing")
 
 
-def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int) -> Dict[str, torch.Tensor]:
-    """This TP rank's model state dict (tied aliases included) from its own file and TP rank 0's replicated tensors."""
-    from safetensors import safe_open
+class _RankFile:
+    """A safetensors file of the tag, opened for ``load``. With ``verify`` and the index's records of its header and
+    tensors, the header is verified before it is parsed, and each tensor right after it is read: the bytes a rank
+    loads, and only those, are hashed, and the hash is the pass that brings them into memory from the mapped file.
+    Files without such records were verified whole before reading (``integrity.verify_files``)."""
 
+    def __init__(self, tag_dir: str, index: CheckpointIndex, relative: str, verify: bool):
+        from safetensors import safe_open
+
+        self.path = os.path.join(tag_dir, relative)
+        _require_file(self.path)
+        self._checks = integrity.TensorChecks.of(tag_dir, index, relative) if verify else None
+        if self._checks is not None:
+            self._checks.check_header()
+        try:
+            self._handle = safe_open(self.path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for damaged headers
+            raise ValueError(f"checkpoint file {self.path} is damaged or truncated: {e}") from None
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        try:
+            tensor = self._handle.get_tensor(key)
+        except Exception as e:
+            raise ValueError(f"checkpoint file {self.path} cannot give '{key}': {e}") from None
+        if self._checks is not None:
+            self._checks.check(key, tensor)
+        return tensor
+
+
+def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int, verify: bool = False
+                     ) -> Dict[str, torch.Tensor]:
+    """This TP rank's model state dict (tied aliases included) from its own file and TP rank 0's replicated tensors.
+    ``verify``: check every tensor read (and each file's header) against the checksums the index records for them
+    (see ``_RankFile``)."""
     state: Dict[str, torch.Tensor] = {}
-    sources = {model_file(tp_rank)} | {model_file(0)}
-    handles = {}
-    try:
-        for relative in sorted(sources):
-            path = os.path.join(tag_dir, relative)
-            _require_file(path)
-            try:
-                handles[relative] = safe_open(path, framework="pt", device="cpu")
-            except Exception as e:  # safetensors raises its own error types for damaged headers
-                raise ValueError(f"checkpoint file {path} is damaged or truncated: {e}") from None
-        for key, entry in index.tensors.items():
-            relative = model_file(tp_rank) if entry.spec.is_sharded else model_file(0)
-            try:
-                tensor = handles[relative].get_tensor(key)
-            except Exception as e:
-                raise ValueError(f"checkpoint file {os.path.join(tag_dir, relative)} cannot give '{key}': {e}") \
-                    from None
-            if tuple(tensor.shape) != entry.spec.local_shape():
-                raise ValueError(f"'{key}' in {relative} has shape {list(tensor.shape)}, the index says "
-                                 f"{list(entry.spec.local_shape())}")
-            state[key] = tensor
-            for alias in entry.aliases:
-                state[alias] = tensor
-    finally:
-        handles.clear()
+    files = {relative: _RankFile(tag_dir, index, relative, verify)
+             for relative in sorted({model_file(tp_rank), model_file(0)})}
+    for key, entry in index.tensors.items():
+        relative = model_file(tp_rank) if entry.spec.is_sharded else model_file(0)
+        tensor = files[relative].get_tensor(key)
+        if tuple(tensor.shape) != entry.spec.local_shape():
+            raise ValueError(f"'{key}' in {relative} has shape {list(tensor.shape)}, the index says "
+                             f"{list(entry.spec.local_shape())}")
+        state[key] = tensor
+        for alias in entry.aliases:
+            state[alias] = tensor
     return state
 
 
@@ -574,7 +592,7 @@ class _Reads:
         recorded = index.files or {}
         return [f for f in wanted if f in recorded or os.path.exists(os.path.join(tag_dir, f))]
 
-    def read(self, tag_dir: str, index: CheckpointIndex) -> "_Read":
+    def read(self, tag_dir: str, index: CheckpointIndex, verify: bool) -> "_Read":
         tp_group = tensor_parallel_group()
         if index.tensor_model_parallel_size != tp_group.size:
             raise ValueError(
@@ -583,14 +601,14 @@ class _Reads:
                 f"{os.path.dirname(tag_dir)} OUT_DIR --reshard {tp_group.size}")
         read = _Read()
         if self.model is not None:
-            state = read_model_shard(tag_dir, index, tp_group.rank)
+            state = read_model_shard(tag_dir, index, tp_group.rank, verify)
             read.model_state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
                                 for k, v in state.items()}
         if self.optimizer is not None:
             if index.optimizer is None:
                 raise ValueError(f"{tag_dir} holds no optimizer state")
-            read.optimizer_state = _optimizer_state_dict(tag_dir, index.optimizer, tp_group.rank, self.optimizer,
-                                                         self.model)
+            read.optimizer_state = _optimizer_state_dict(tag_dir, index, tp_group.rank, self.optimizer, self.model,
+                                                         verify)
         with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
             read.trainer_state = json.load(f)
         extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
@@ -610,8 +628,8 @@ def _agreed_read(path: str, tag: Optional[str], verify: bool, reads: _Reads
                  ) -> Tuple[str, Optional[_Read], Optional[BaseException]]:
     """Collective: the tag every rank loads, and this rank's reading of it (or the error that reading raised, which
     the caller raises on every rank). Rank 0 picks the newest intact candidate (or the named tag); every rank then
-    reads its files while a thread verifies their checksums (the hash runs without the GIL, so verification overlaps
-    the reading instead of adding a pass). If any rank finds damage in an unnamed tag, rank 0 warns and all move on to
+    checks the sizes of the files it reads and verifies those without per-tensor records whole, then reads, verifying
+    each tensor it reads (``_RankFile``). If any rank finds damage in an unnamed tag, rank 0 warns and all move on to
     the next candidate together, discarding what they read; a named tag raises on every rank. Nothing live changes
     before this returns."""
     root = get_topology().rank == 0
@@ -630,10 +648,17 @@ def _agreed_read(path: str, tag: Optional[str], verify: bool, reads: _Reads
         damage, read, read_error = None, None, None
         try:
             index = integrity.read_index(tag_dir, verify)
-            files = reads.files(tag_dir, index) if verify else None
-            read, read_error = integrity.read_while_verifying(tag_dir, index, files, lambda: reads.read(tag_dir, index))
+            if verify:
+                integrity.verify_files(tag_dir, index, reads.files(tag_dir, index), tensors_as_read=True)
         except Exception as e:  # noqa: BLE001 - damage: the index, or a file's size or checksum
             damage = e
+        if damage is None:
+            try:
+                read = reads.read(tag_dir, index, verify)
+            except tags.CheckpointIntegrityError as e:  # a header or tensor failed its checksum as it was read
+                damage = e
+            except Exception as e:  # noqa: BLE001 - the caller's to raise
+                read_error = e
         reports = comm.all_gather_object(None if damage is None else f"{type(damage).__name__}: {damage}")
         failed = {rank: report for rank, report in enumerate(reports) if report is not None}
         if not failed:
