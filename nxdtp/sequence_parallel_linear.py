@@ -69,6 +69,16 @@ class _ShardNote:
         return self._shards[dtype]
 
 
+def remember_shard(full: torch.Tensor, shard: torch.Tensor, sequence_dimension: int = 0,
+                   process_group=None) -> torch.Tensor:
+    """Note on ``full``, the all-gather of ``shard`` along ``sequence_dimension`` over the group, that ``linear`` may
+    keep ``shard`` for backward instead of it. Returns ``full``."""
+    group = group_of(process_group)
+    if group.size > 1:
+        setattr(full, _NOTE, _ShardNote(shard, _Regather(group, sequence_dimension)))
+    return full
+
+
 def gather_keeping_shard(shard: torch.Tensor, sequence_dimension: int = 0, process_group=None,
                          reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """All-gather the sequence shards for column-parallel consumers (their input gradients are reduce-scattered in
@@ -76,14 +86,24 @@ def gather_keeping_shard(shard: torch.Tensor, sequence_dimension: int = 0, proce
     group = group_of(process_group)
     full = mappings.gather_from_sequence_parallel_region(shard, sequence_dimension, True, group,
                                                          reduce_dtype=reduce_dtype)
-    if group.size > 1:
-        setattr(full, _NOTE, _ShardNote(shard, _Regather(group, sequence_dimension)))
-    return full
+    return remember_shard(full, shard, sequence_dimension, group)
+
+
+def _note_of(tensor: torch.Tensor) -> Optional[_ShardNote]:
+    note = getattr(tensor, _NOTE, None)
+    base = tensor._base
+    if note is None and base is not None:
+        # A view that covers its whole base the same way (HF's ``hidden_states[:, slice(0, None), :]`` before an LM
+        # head) has the base's value.
+        same = (tensor.shape == base.shape and tensor.stride() == base.stride()
+                and tensor.storage_offset() == base.storage_offset() and tensor.dtype == base.dtype)
+        note = getattr(base, _NOTE, None) if same else None
+    return note
 
 
 def carry_note(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     """Let ``result``, which has the value of ``source`` (possibly cast), keep ``source``'s shard note."""
-    note = getattr(source, _NOTE, None)
+    note = _note_of(source)
     if note is not None and result is not source:
         if result.shape != source.shape:
             raise ValueError(f"carry_note: result of shape {tuple(result.shape)} cannot stand for a gathered tensor of "
@@ -93,7 +113,7 @@ def carry_note(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
 
 
 def has_shard_note(tensor: torch.Tensor) -> bool:
-    return getattr(tensor, _NOTE, None) is not None
+    return _note_of(tensor) is not None
 
 
 class _LinearSavingShard(torch.autograd.Function):
@@ -125,7 +145,7 @@ class _LinearSavingShard(torch.autograd.Function):
 
 def linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear``; on a tensor from ``gather_keeping_shard`` only its sequence shard is kept for backward."""
-    note = getattr(input_, _NOTE, None)
+    note = _note_of(input_)
     if note is None:
         return F.linear(input_, weight, bias)
     if input_.dtype != weight.dtype:
@@ -137,4 +157,4 @@ def linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return _LinearSavingShard.apply(input_, note.shard(input_.dtype), weight, bias, note.regather)
 
 
-__all__ = ["gather_keeping_shard", "carry_note", "has_shard_note", "linear"]
+__all__ = ["gather_keeping_shard", "remember_shard", "carry_note", "has_shard_note", "linear"]

@@ -328,3 +328,45 @@ def test_carry_note_refuses_a_tensor_of_another_shape():
     full._nxdtp_sequence_shard = object()
     with pytest.raises(ValueError, match=r"result of shape \(2, 2\) cannot stand for a gathered tensor of shape \(4, 2\)"):
         sequence_parallel_linear.carry_note(full, torch.zeros(2, 2))
+
+
+# ---- 4. a decoder with sequence parallelism: the layers and the vocab-parallel LM head ---------------------------------------
+
+def case_decoder():
+    from tests.test_models_decoders import BATCH, SEQ, _batch, _config, _dense
+    from tests.test_models_bert import _check_grads, _close as close
+    from nxdtp.models import parallelize_model
+
+    rank, tp = _tp()
+    what = f"LlamaForCausalLM(SP, tp={tp})"
+    config = _config("llama", tp)
+    dense = _dense("llama", config, seed=3)
+    model = parallelize_model(copy.deepcopy(dense), sequence_parallel=True)
+    batch = _batch(seed=4)
+    with _Saved() as saved:
+        out = model(**batch)
+    dense_out = dense(**batch)
+    close(out.loss, dense_out.loss, f"{what} loss")
+    dense_out.loss.backward()
+    out.loss.backward()
+    allreduce_sequence_parallel_gradients(model.parameters())
+    _check_grads(model, dense, what)
+
+    # The same model as nxdtp kept it before: plain all-gathers into the layers and (no note) into the LM head.
+    with mock.patch.object(sequence_parallel_linear, "gather_keeping_shard", _plain_gather), \
+            mock.patch.object(sequence_parallel_linear, "remember_shard", lambda full, *a, **k: full), _Saved() as before:
+        model(**batch)
+    element = 4
+    gathered = BATCH * SEQ * config.hidden_size * element
+    shard = gathered // tp
+    # Per layer the attention's and the MLP's gathered inputs, and once the LM head's input, are kept as shards.
+    expected = (2 * config.num_hidden_layers + 1) * (gathered - shard)
+    assert before.nbytes() - saved.nbytes() == expected, (
+        f"{what}: saved {saved.nbytes()} bytes, {before.nbytes()} with plain gathers; expected {expected} less")
+    return before.nbytes(), saved.nbytes()
+
+
+@pytest.mark.parametrize("world,tp", WORLDS)
+def test_decoder_with_sequence_parallelism_saves_shards_and_equals_dense(worlds, world, tp):
+    before, after = worlds(world).run(case_decoder, tensor_model_parallel_size=tp)[0]
+    assert after < before

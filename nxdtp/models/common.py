@@ -208,10 +208,14 @@ def scatter_sequence_of_input(sequence_dimension: int):
 @wrapper_factory
 def gather_sequence_of_output(sequence_dimension: int):
     """A forward wrapper that gathers a tensor output along the sequence for replicated consumers (backward splits):
-    where a sequence-parallel region ends."""
+    where a sequence-parallel region ends. A column-parallel LM head after it keeps only the shard for backward and
+    re-gathers it there (``nxdtp.sequence_parallel_linear``)."""
 
     def wrapper(forward, *args, **kwargs):
-        return mappings.gather_from_sequence_parallel_region(forward(*args, **kwargs), to_model_parallel=False,
+        shard = forward(*args, **kwargs)
+        full = mappings.gather_from_sequence_parallel_region(shard, to_model_parallel=False,
                                                              sequence_dimension=sequence_dimension)
+        # A column-parallel LM head reading it keeps only the shard for backward.
+        return sequence_parallel_linear.remember_shard(full, shard, sequence_dimension)
 
     return wrapper
