@@ -194,8 +194,9 @@ class ColumnParallelLinear(BaseParallelLinear):
     The input is replicated (or, with ``sequence_parallel_enabled``, sequence-sharded and all-gathered here; then only
     the shard is kept for backward, which all-gathers it again for the weight gradient, and a frozen weight keeps
     nothing). With ``input_in_tensor_parallel_region``, an input that a block's entry region gathered with
-    ``nxdtp.sequence_parallel_linear.gather_keeping_shard`` is likewise kept as its shard. The output stays sharded along
-    the last dimension unless ``gather_output=True``. The input gradient is summed over the group in ``reduce_dtype``. ``pad=True`` pads the output dimension with zero rows to a multiple of
+    ``nxdtp.sequence_parallel_linear.gather_keeping_shard`` is likewise kept as its shard. The output stays sharded
+    along the last dimension unless ``gather_output=True``. The input gradient is summed over the group in
+    ``reduce_dtype``. ``pad=True`` pads the output dimension with zero rows to a multiple of
     ``pad_alignment_size_per_rank`` times the group size; a gathered output is cut back to ``output_size`` unless
     ``keep_padded_output``.
     """
