@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mappings
+from . import mappings, sequence_parallel_linear
 from .parallel_state import (ParallelGroup, get_topology, group_of, model_parallel_is_initialized, rank_tensor,
                              tensor_parallel_group)
 from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
@@ -102,9 +102,11 @@ class LinearWithAsyncCommunication:
     reduce_dtype=torch.float32)``.
 
     With ``sequence_parallel_enabled`` the sequence-sharded input is all-gathered and its gradient reduce-scattered;
-    otherwise with ``async_grad_allreduce`` the input gradient is all-reduced over the group (both sums in
-    ``reduce_dtype``). Not a ``torch.autograd.Function`` subclass: its gradients are those of the regions it is made of,
-    so there is one implementation of each collective path.
+    only the shard is kept for backward, where it is all-gathered again for the weight gradient
+    (``nxdtp.sequence_parallel_linear``, as Megatron-LM does). Otherwise with ``async_grad_allreduce`` the input
+    gradient is all-reduced over the group (both sums in ``reduce_dtype``). Not a ``torch.autograd.Function``
+    subclass: its gradients are those of the regions it is made of, so there is one implementation of each collective
+    path.
     """
 
     @staticmethod
@@ -118,11 +120,13 @@ class LinearWithAsyncCommunication:
             if sequence_dimension is None:
                 raise ValueError("LinearWithAsyncCommunication: sequence_parallel_enabled=True needs a "
                                  "sequence_dimension (0 for [seq, batch, hidden] inputs), got None")
-            input = mappings.gather_from_sequence_parallel_region(input, sequence_dimension, True, process_group,
+            input = sequence_parallel_linear.gather_keeping_shard(input, sequence_dimension, process_group,
                                                                   reduce_dtype=reduce_dtype)
         elif async_grad_allreduce:
-            input = mappings.copy_to_tensor_model_parallel_region(input, process_group, reduce_dtype=reduce_dtype)
-        return F.linear(input, weight, bias)
+            input = sequence_parallel_linear.carry_note(
+                input, mappings.copy_to_tensor_model_parallel_region(input, process_group, reduce_dtype=reduce_dtype))
+        # An input gathered along the sequence (here, or once for several layers by the caller) keeps only its shard.
+        return sequence_parallel_linear.linear(input, weight, bias)
 
 
 def linear_with_async_allreduce(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -133,6 +137,7 @@ def linear_with_async_allreduce(input: torch.Tensor, weight: torch.Tensor, bias:
     """NxD's linear entry point: under autocast the operands are cast to the autocast dtype first (as NxD does), then
     ``autograd_func_class.apply`` runs with autocast off."""
     args = cast_if_autocast_enabled(input, weight, bias)
+    sequence_parallel_linear.carry_note(input, args[0])
     with torch.autocast(device_type=input.device.type, enabled=False):
         return autograd_func_class.apply(*args, async_grad_allreduce, sequence_parallel_enabled, sequence_dimension,
                                          save_for_backward, process_group, reduce_dtype)
@@ -187,8 +192,11 @@ def _check_pad_arguments(layer: str, pad: bool, stride: int, pad_alignment_size_
 class ColumnParallelLinear(BaseParallelLinear):
     """``Y = X A^T + b`` with A split along its output dimension: each TP rank computes its columns of Y.
 
-    The input is replicated (or, with ``sequence_parallel_enabled``, sequence-sharded and all-gathered here). The output
-    stays sharded along the last dimension unless ``gather_output=True``. The input gradient is summed over the group in
+    The input is replicated (or, with ``sequence_parallel_enabled``, sequence-sharded and all-gathered here; then only
+    the shard is kept for backward, which all-gathers it again for the weight gradient, and a frozen weight keeps
+    nothing). With ``input_in_tensor_parallel_region``, an input that a block's entry region gathered with
+    ``nxdtp.sequence_parallel_linear.gather_keeping_shard`` is likewise kept as its shard. The output stays sharded
+    along the last dimension unless ``gather_output=True``. The input gradient is summed over the group in
     ``reduce_dtype``. ``pad=True`` pads the output dimension with zero rows to a multiple of
     ``pad_alignment_size_per_rank`` times the group size; a gathered output is cut back to ``output_size`` unless
     ``keep_padded_output``.

@@ -83,7 +83,7 @@ def case_mlp_lowering(sequence_parallel: bool):
         _reset_collective_token()
         y.backward(torch.randn(y.shape).to(device))
         input_grad = _hlo([x.grad])
-        # The whole step: a weight gradient reuses the forward's gathered input, so its graph holds that collective too.
+        # The whole step: the weight gradients' graph holds the forward's collectives and the column layer's re-gather.
         step = _hlo(_grads(mlp, [y, x.grad]))
         _reset_collective_token()
     return {"forward": _collective_counts(forward), "input_grad": _collective_counts(input_grad),
@@ -102,9 +102,10 @@ def test_sequence_parallel_mlp_lowers_to_native_gather_and_reduce_scatter(worlds
     result, = worlds(1, "xla-hlo").run(case_mlp_lowering, tensor_model_parallel_size=None, sequence_parallel=True)
     # Forward: all-gather the sequence into the column layer, reduce-scatter out of the row layer; backward mirrors it.
     assert result["forward"] == {"all-reduce": 0, "all-gather": 1, "reduce-scatter": 1}
-    # Whole step: forward all-gather + reduce-scatter, and their mirrors in backward (the input-gradient graph alone
-    # also holds the forward all-gather, because GELU's backward reads the column output).
-    assert result["step"] == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 2}
+    # Whole step: forward all-gather + reduce-scatter, their mirrors in backward, and one all-gather more in backward:
+    # the column layer keeps only its sequence shard and re-gathers it for the weight gradient (as Megatron-LM). The
+    # input-gradient graph alone also holds the forward all-gather, because GELU's backward reads the column output.
+    assert result["step"] == {"all-reduce": 0, "all-gather": 3, "reduce-scatter": 2}
     assert result["groups"] == ["{{0,1,2,3},{4,5,6,7}}"]
     assert result["out_shape"] == (2, 3, 16)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import mappings
+from .. import mappings, sequence_parallel_linear
 from ..parallel_state import tensor_parallel_group
 from ..plan import wrap_forward, wrapper_factory
 from ..random import checkpoint, get_xla_rng_tracker
@@ -180,13 +180,13 @@ def maybe_forked(fork: bool, forward, *args, **kwargs):
 def tensor_parallel_block(sequence_dimension: int, sequence_parallel: bool, forks_dropout):
     """A forward wrapper for a block whose column-parallel input projections (Q/K/V, or gate/up) all read the same
     ``hidden_states``: one entry region for all of them, so backward sums their input gradients with a single
-    all-reduce (or, with sequence parallelism, gathers the sequence once and reduce-scatters once).
+    all-reduce (or, with sequence parallelism, gathers the sequence once and reduce-scatters once; the projections
+    keep only the sequence shard for backward and share one re-gather there).
     ``forks_dropout(module)`` says whether the block's dropout draws per-rank masks."""
 
     def wrapper(forward, hidden_states, *args, **kwargs):
         if sequence_parallel:
-            hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, to_model_parallel=True,
-                                                                          sequence_dimension=sequence_dimension)
+            hidden_states = sequence_parallel_linear.gather_keeping_shard(hidden_states, sequence_dimension)
         else:
             hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
         return maybe_forked(forks_dropout(forward.__self__), forward, hidden_states, *args, **kwargs)
@@ -208,10 +208,14 @@ def scatter_sequence_of_input(sequence_dimension: int):
 @wrapper_factory
 def gather_sequence_of_output(sequence_dimension: int):
     """A forward wrapper that gathers a tensor output along the sequence for replicated consumers (backward splits):
-    where a sequence-parallel region ends."""
+    where a sequence-parallel region ends. A column-parallel LM head after it keeps only the shard for backward and
+    re-gathers it there (``nxdtp.sequence_parallel_linear``)."""
 
     def wrapper(forward, *args, **kwargs):
-        return mappings.gather_from_sequence_parallel_region(forward(*args, **kwargs), to_model_parallel=False,
+        shard = forward(*args, **kwargs)
+        full = mappings.gather_from_sequence_parallel_region(shard, to_model_parallel=False,
                                                              sequence_dimension=sequence_dimension)
+        # A column-parallel LM head reading it keeps only the shard for backward.
+        return sequence_parallel_linear.remember_shard(full, shard, sequence_dimension)
 
     return wrapper

@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .. import mappings
+from .. import mappings, sequence_parallel_linear
 from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported, shard_of
 from ..parallel_state import tensor_parallel_group
 from ..spec import ParamSpec, ShardedModule
@@ -35,7 +34,8 @@ class GQAQKVColumnParallelLinear(ShardedModule):
     gradients are summed in backward, so they stay equal. ``head_dim`` (nxdtp only) is needed when m > 1 and a rank
     holds more than one KV head copy; by default a rank holds exactly one, as with NxD's usual
     ``kv_size_multiplier = tp / num_kv_heads``. The input is replicated, or with ``sequence_parallel_enabled`` split
-    along ``sequence_dimension`` (0 by default, NxD's ``[seq, batch, hidden]``) and gathered here.
+    along ``sequence_dimension`` (0 by default, NxD's ``[seq, batch, hidden]``) and gathered here; then only the shard
+    is kept for backward, and one all-gather in backward rebuilds it for the three weight gradients.
     """
 
     def __init__(self, input_size: int, output_sizes, bias: bool = True, gather_output: bool = True,
@@ -100,8 +100,8 @@ class GQAQKVColumnParallelLinear(ShardedModule):
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.sequence_parallel_enabled:
-            input_parallel = mappings.gather_from_sequence_parallel_region(
-                input_, to_model_parallel=True, sequence_dimension=self.sequence_dimension)
+            # Q, K and V keep only the sequence shard for backward and share one re-gather there.
+            input_parallel = sequence_parallel_linear.gather_keeping_shard(input_, self.sequence_dimension)
         else:
             input_parallel = mappings.copy_to_tensor_model_parallel_region(input_)
         outputs = []
@@ -112,7 +112,7 @@ class GQAQKVColumnParallelLinear(ShardedModule):
                 weight = mappings.sum_gradients_over_replicas(weight, self.kv_size_multiplier, self.head_dim)
                 bias = mappings.sum_gradients_over_replicas(bias, self.kv_size_multiplier, self.head_dim) \
                     if bias is not None else None
-            output = F.linear(input_parallel, weight, bias)
+            output = sequence_parallel_linear.linear(input_parallel, weight, bias)
             outputs.append(mappings.gather_from_tensor_model_parallel_region(output) if self.gather_output else output)
         return tuple(outputs)
 

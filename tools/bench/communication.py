@@ -24,9 +24,13 @@ Per layer = (model with L+1 layers) - (model with L layers); the rest (embedding
 L-layer count minus L x per layer. For context, the DTensor workers count their functional collectives the same way
 (TP without sequence parallelism).
 
-Megatron's minimum without sequence parallelism: per layer, 2 all-reduces forward (attention output, MLP output) and
-2 backward (the inputs of the QKV and MLP column layers), each of batch x seq x hidden. With sequence parallelism:
-2 all-gathers + 2 reduce-scatters forward, the same backward, each of the same full size.
+Megatron-LM's counts per layer, derived from its design (docs/performance.md, section 3). Without sequence
+parallelism: 2 all-reduces forward (attention output, MLP output) and 2 backward (the input gradients of the fused QKV
+and of the MLP's first column layer), each of batch x seq x hidden. With sequence parallelism: forward 2 all-gathers
+(into QKV and into the MLP) + 2 reduce-scatters (out of the attention and MLP row layers); backward 2 reduce-scatters
+(the column layers' input gradients), 2 all-gathers (the row layers' output gradients) and 2 all-gathers more: its
+column layers save only their sequence shard and all-gather it again for the weight gradient. nxdtp does the same (its
+Q, K and V share one re-gather), so the sequence-parallel backward has 4 all-gathers + 2 reduce-scatters.
 """
 
 from __future__ import annotations
@@ -160,12 +164,13 @@ def _per_layer(by_layers: Dict[int, Dict[str, Dict[str, List[int]]]]) -> Tuple[D
 
 
 def megatron_minimum(model_cfg, seq, batch, sequence_parallel: bool) -> Dict[str, Dict[str, List[int]]]:
+    """Megatron-LM's collectives per transformer layer (module docstring), each of the full batch x seq x hidden."""
     full = batch * seq * model_cfg["hidden_size"] * 4
-    if sequence_parallel:
-        phase = {"all-gather": [2, 2 * full], "reduce-scatter": [2, 2 * full]}
-    else:
-        phase = {"all-reduce": [2, 2 * full]}
-    return {"forward": dict(phase), "backward": dict(phase)}
+    if not sequence_parallel:
+        return {"forward": {"all-reduce": [2, 2 * full]}, "backward": {"all-reduce": [2, 2 * full]}}
+    # Backward: the two mirrors of forward's pair, plus one re-gather of the sequence shard per column layer (QKV, MLP).
+    return {"forward": {"all-gather": [2, 2 * full], "reduce-scatter": [2, 2 * full]},
+            "backward": {"all-gather": [4, 4 * full], "reduce-scatter": [2, 2 * full]}}
 
 
 def trace_hlo(spec: Dict[str, Any], seed: int) -> Dict[str, Any]:
@@ -254,7 +259,7 @@ def tables(result: Dict[str, Any]) -> str:
                 counts = result["sources"][key]["per_layer"][phase]
                 rows.append([f"per layer, {phase}", "on" if sp else "off", label]
                             + [_cell(counts, op) for op in OPS[:3]] + ["yes" if counts == mega else "no"])
-            rows.append([f"per layer, {phase}", "on" if sp else "off", "Megatron minimum"]
+            rows.append([f"per layer, {phase}", "on" if sp else "off", "Megatron-LM"]
                         + [_cell(mega, op) for op in OPS[:3]] + [""])
     for sp in (False, True):
         for src, label in sources:
@@ -277,7 +282,7 @@ def tables(result: Dict[str, Any]) -> str:
                     rows.append([f"not in layers, {phase}", "on" if sp else "off", label]
                                 + [_cell(rest[phase], op) for op in OPS[:3]] + [""])
     lines.append(markdown_table(["what", "SP", "source", "all-reduce", "all-gather", "reduce-scatter",
-                                 "= Megatron minimum"], rows))
+                                 "= Megatron-LM"], rows))
     agree = result["agreement"]
     lines += ["", "HLO and gloo counts per layer agree: " + ", ".join(
         f"SP {'on' if sp == 'sp=True' else 'off'} {phase}: {'yes' if ok else 'NO'}"
