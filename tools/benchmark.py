@@ -9,7 +9,9 @@ Sections (docs/performance.md explains how each is measured):
            topology), next to dense/tp and NxD's attention-only recipe.
 3. comm    All-reduce / all-gather / reduce-scatter per BERT layer per train step, from the XLA HLO of a simulated
            rank and from a counting 2-rank gloo run, with and without sequence parallelism, next to Megatron's.
-4. xla     Compiled and executed XLA graphs per train step on XLA:CPU (tp=1, 10 steps).
+4. xla     Compiled and executed XLA graphs per train step on XLA:CPU (tp=1, 10 steps); distinct graphs over every
+           rank of simulated tp=8 x dp=4 worlds (BERT-large-shaped and Llama-shaped layers, SP off and on); the
+           compile time of one graph.
 5. merge   Checkpoint merge time and memory, from tools/bench_merge.py.
 6. actmem  Activation memory per rank of BERT-large layers (bytes autograd saves, peak RSS): dense, TP, TP+SP,
            TP+SP+checkpointing at tp = 2, 4, 8 (gloo worlds), fp32 and bf16, next to Megatron's formula.
