@@ -30,36 +30,50 @@ def _first_id(group: ParallelGroup, local_vocab: int, device) -> torch.Tensor:
     return (rank_tensor(group, device) * local_vocab).reshape(())
 
 
-def _real_mask(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int],
-               first_id: torch.Tensor) -> Optional[torch.Tensor]:
-    """Which of this shard's columns are real vocabulary (a bool tensor computed from the rank as data), or None when
-    the vocabulary has no padding: then every column of every shard is real. Padding sits at the end of the full
-    vocabulary, so how many real columns a shard has depends on its rank; a mask keeps that out of the graph's shapes."""
-    if vocab_size is None or vocab_size == local_vocab * group.size:
+def _padding_mask(local_vocab: int, group: ParallelGroup, vocab_size: Optional[int],
+                  first_id: torch.Tensor) -> Optional[torch.Tensor]:
+    """Which columns of this shard's tail are padding, or None when the vocabulary has no padding.
+
+    Padding sits at the end of the full vocabulary, so only the last ``local_vocab * size - vocab_size`` columns of
+    the last shard(s) can be padding. Every rank looks at the same static tail of its shard (as wide as the padding,
+    at most the shard), and which of those columns are padding on this rank is a bool mask computed from the rank as
+    data: the graph's shapes do not depend on the rank, and only the tail, not the whole shard, is masked."""
+    padding = local_vocab * group.size - (local_vocab * group.size if vocab_size is None else vocab_size)
+    if padding <= 0:
         return None
-    return torch.arange(local_vocab, device=first_id.device) + first_id < vocab_size
+    tail = min(padding, local_vocab)
+    return torch.arange(local_vocab - tail, local_vocab, device=first_id.device) + first_id >= vocab_size
 
 
-def _shard_log_sum_exp(x: torch.Tensor, real_mask: Optional[torch.Tensor], group: ParallelGroup):
+def _tail(x: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """The view of ``x``'s last columns that ``padding_mask`` describes."""
+    return x[..., x.shape[-1] - padding_mask.shape[0]:]
+
+
+def _shard_log_sum_exp(x: torch.Tensor, padding_mask: Optional[torch.Tensor], group: ParallelGroup):
     """This shard's log-sum-exp over its real columns (-inf on a shard of padding only), and its maximum over the group
     (the softmax's stabiliser)."""
-    if real_mask is None:
+    if padding_mask is None:
         local_lse = torch.logsumexp(x, dim=-1)
     else:
-        # logsumexp over the real columns in one shard-sized buffer: the masked copy lives only for the max, and the
-        # exponentials are masked in place (a masked copy kept alongside logsumexp's own buffers would add a shard).
-        top = x.masked_fill(~real_mask, float("-inf")).amax(dim=-1, keepdim=True)
+        # The maximum over the real columns: the head of the shard as it is, the tail with its padding at -inf.
+        top = _tail(x, padding_mask).masked_fill(padding_mask, float("-inf")).amax(dim=-1, keepdim=True)
+        head = x.shape[-1] - padding_mask.shape[0]
+        if head > 0:
+            top = torch.maximum(top, x[..., :head].amax(dim=-1, keepdim=True))
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        exps = torch.sub(x, top).exp_().masked_fill_(~real_mask, 0.0)
+        # One shard-sized buffer, as logsumexp's own; the padding's exponentials are zeroed in place in the tail.
+        exps = torch.sub(x, top).exp_()
+        _tail(exps, padding_mask).masked_fill_(padding_mask, 0.0)
         local_lse = exps.sum(dim=-1).log_() + top.squeeze(-1)
     return local_lse, comm.all_reduce(local_lse, group, op="max")
 
 
-def _real_sum(x: torch.Tensor, real_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The sum of each row's real columns, as a product with the mask (no masked copy of the shard)."""
-    if real_mask is None:
+def _real_sum(x: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The sum of each row's real columns: the whole row less the padding in the tail."""
+    if padding_mask is None:
         return x.sum(dim=-1)
-    return torch.matmul(x, real_mask.to(x.dtype))
+    return x.sum(dim=-1) - (_tail(x, padding_mask) * padding_mask.to(x.dtype)).sum(dim=-1)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -75,9 +89,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits.float()
         local_vocab = x.shape[-1]
         first_id = _first_id(group, local_vocab, x.device)
-        real_mask = _real_mask(local_vocab, group, vocab_size, first_id)
+        padding_mask = _padding_mask(local_vocab, group, vocab_size, first_id)
         num_classes = vocab_size if vocab_size is not None else local_vocab * group.size
-        local_lse, global_max = _shard_log_sum_exp(x, real_mask, group)
+        local_lse, global_max = _shard_log_sum_exp(x, padding_mask, group)
 
         ignored = target == ignore_index if ignore_index is not None else torch.zeros_like(target, dtype=torch.bool)
         local_target = target - first_id
@@ -86,7 +100,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = x.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
         parts = [torch.where(in_shard, picked, torch.zeros_like(picked)), (local_lse - global_max).exp()]
         if label_smoothing > 0:
-            parts.append(_real_sum(x, real_mask))
+            parts.append(_real_sum(x, padding_mask))
         totals = comm.all_reduce(torch.stack(parts, dim=-1), group, op="sum")
 
         log_normaliser = global_max + totals[..., 1].log()
@@ -96,13 +110,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_normaliser - mean_logit)
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
-        ctx.save_for_backward(logits, log_normaliser, safe_index, in_shard, ignored, real_mask)
+        ctx.save_for_backward(logits, log_normaliser, safe_index, in_shard, ignored, padding_mask)
         ctx.label_smoothing, ctx.num_classes = label_smoothing, num_classes
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, log_normaliser, safe_index, in_shard, ignored, real_mask = ctx.saved_tensors
+        logits, log_normaliser, safe_index, in_shard, ignored, padding_mask = ctx.saved_tensors
         eps = ctx.label_smoothing
         # The fp32 normaliser promotes bf16 logits: one fp32 buffer, reused in place below.
         grad = torch.sub(logits, log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax
@@ -110,8 +124,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, safe_index.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps > 0:
             grad.sub_(eps / ctx.num_classes)
-        if real_mask is not None:
-            grad.masked_fill_(~real_mask, 0.0)  # padded columns have probability 0 (targets are never padded columns)
+        if padding_mask is not None:  # padded columns have probability 0 (targets are never padded columns)
+            _tail(grad, padding_mask).masked_fill_(padding_mask, 0.0)
         scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss.float())
         grad.mul_(scale.unsqueeze(-1))
         return grad.to(logits.dtype), None, None, None, None, None
@@ -182,8 +196,8 @@ class DistributedLogprob(torch.autograd.Function):
         x = vocab_parallel_logits.float()
         local_vocab = x.shape[-1]
         first_id = _first_id(group, local_vocab, x.device)
-        real_mask = _real_mask(local_vocab, group, vocab_size, first_id)
-        local_lse, global_max = _shard_log_sum_exp(x, real_mask, group)
+        padding_mask = _padding_mask(local_vocab, group, vocab_size, first_id)
+        local_lse, global_max = _shard_log_sum_exp(x, padding_mask, group)
 
         local_target = target.long() - first_id
         in_shard = (local_target >= 0) & (local_target < local_vocab)
@@ -200,16 +214,16 @@ class DistributedLogprob(torch.autograd.Function):
         if inference:
             ctx.mark_non_differentiable(logprob)
         else:
-            ctx.save_for_backward(vocab_parallel_logits, log_normaliser, safe_index, in_shard, held, real_mask)
+            ctx.save_for_backward(vocab_parallel_logits, log_normaliser, safe_index, in_shard, held, padding_mask)
         return logprob
 
     @staticmethod
     def backward(ctx, grad_logprob):
-        logits, log_normaliser, safe_index, in_shard, held, real_mask = ctx.saved_tensors
+        logits, log_normaliser, safe_index, in_shard, held, padding_mask = ctx.saved_tensors
         # d logprob / d logit_j = [j == target] - softmax_j, for positions whose target some rank holds.
         grad = torch.sub(logits, log_normaliser.unsqueeze(-1)).exp_()  # this shard's softmax (fp32)
-        if real_mask is not None:
-            grad.masked_fill_(~real_mask, 0.0)
+        if padding_mask is not None:
+            _tail(grad, padding_mask).masked_fill_(padding_mask, 0.0)
         grad.scatter_add_(-1, safe_index.unsqueeze(-1), -in_shard.to(grad.dtype).unsqueeze(-1))
         scale = torch.where(held, -grad_logprob.float(), torch.zeros_like(grad_logprob, dtype=torch.float32))
         grad.mul_(scale.unsqueeze(-1))
