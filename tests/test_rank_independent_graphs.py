@@ -1,7 +1,7 @@
 """One compiled graph for every rank (issue 14, item 1).
 
 (a) The BERT example's train step (its model, loss with global DP denominators, SP gradient all-reduce, DP all-reduce,
-    clipping and optimizer) and the Llama plan's step are traced for every rank of simulated worlds with
+    clipping and optimizer) and the Llama and GPT-2 plans' steps are traced for every rank of simulated worlds with
     ``nxdtp.xla_graphs.trace_every_rank``, SP on and off, dropout on; every phase must hash to one graph. They run in the
     "xla-hlo" worker (graphs never executed).
 (b) The data-rank primitives (a rank tensor and an index_select in place of narrow with Python bounds) equal the old
@@ -131,8 +131,22 @@ def _llama(tp: int):
     return _randomised(transformers.LlamaForCausalLM(config))
 
 
-def case_llama_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "lamb",
-                           keep_hlo: bool = False):
+def _gpt2(tp: int):
+    import torch
+    import transformers
+
+    heads = 2 * tp
+    config = transformers.GPT2Config(vocab_size=8 * tp * 3 + 5, n_embd=8 * heads, n_head=heads, n_layer=2,
+                                     n_positions=64, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+    torch.manual_seed(SEED)
+    return _randomised(transformers.GPT2LMHeadModel(config))
+
+
+DECODERS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def case_decoder_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "lamb",
+                           keep_hlo: bool = False, family: str = "llama"):
     import torch
     import torch_xla
 
@@ -143,7 +157,7 @@ def case_llama_step_graphs(world_size: int, tp: int, sequence_parallel: bool, op
     from nxdtp.xla_graphs import trace_every_rank
 
     device = torch_xla.device()
-    dense = _llama(tp)
+    dense = DECODERS[family](tp)
     g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, dense.config.vocab_size, (2, 4 * tp), generator=g)
     labels = ids.clone()
@@ -184,8 +198,17 @@ def test_bert_example_step_is_one_graph_for_every_rank(worlds, world_size, tp, o
 @pytest.mark.parametrize("world_size,tp,optimizer", [(4, 2, "lamb"), (4, 4, "adamw"), (8, 8, "lamb")],
                          ids=["tp2xdp2", "tp4", "tp8"])
 def test_llama_plan_step_is_one_graph_for_every_rank(worlds, world_size, tp, optimizer, sequence_parallel):
-    result, = worlds(1, "xla-hlo").run(case_llama_step_graphs, tensor_model_parallel_size=None, world_size=world_size,
+    result, = worlds(1, "xla-hlo").run(case_decoder_step_graphs, tensor_model_parallel_size=None, world_size=world_size,
                                        tp=tp, sequence_parallel=sequence_parallel, optimizer=optimizer)
+    _assert_one_graph(result)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
+@pytest.mark.parametrize("world_size,tp", [(4, 2), (4, 4)], ids=["tp2xdp2", "tp4"])
+def test_gpt2_plan_step_is_one_graph_for_every_rank(worlds, world_size, tp, sequence_parallel):
+    """The second decoder plan (GPT-2: Conv1D weights, fused c_attn, tied LM head) through the same tool."""
+    result, = worlds(1, "xla-hlo").run(case_decoder_step_graphs, tensor_model_parallel_size=None, world_size=world_size,
+                                       tp=tp, sequence_parallel=sequence_parallel, optimizer="adamw", family="gpt2")
     _assert_one_graph(result)
 
 
@@ -193,7 +216,7 @@ def test_llama_plan_step_is_one_graph_for_every_rank(worlds, world_size, tp, opt
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_tp8_dp4_world_is_one_graph_for_every_rank(worlds, family, sequence_parallel):
-    case = case_bert_step_graphs if family == "bert" else case_llama_step_graphs
+    case = case_bert_step_graphs if family == "bert" else case_decoder_step_graphs
     result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=32, tp=8,
                                        sequence_parallel=sequence_parallel)
     _assert_one_graph(result)
