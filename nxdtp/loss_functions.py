@@ -38,9 +38,9 @@ def _padding_mask(local_vocab: int, group: ParallelGroup, vocab_size: Optional[i
     the last shard(s) can be padding. Every rank looks at the same static tail of its shard (as wide as the padding,
     at most the shard), and which of those columns are padding on this rank is a bool mask computed from the rank as
     data: the graph's shapes do not depend on the rank, and only the tail, not the whole shard, is masked."""
-    padding = local_vocab * group.size - (local_vocab * group.size if vocab_size is None else vocab_size)
-    if padding <= 0:
+    if vocab_size is None or vocab_size == local_vocab * group.size:
         return None
+    padding = local_vocab * group.size - vocab_size
     tail = min(padding, local_vocab)
     return torch.arange(local_vocab - tail, local_vocab, device=first_id.device) + first_id >= vocab_size
 

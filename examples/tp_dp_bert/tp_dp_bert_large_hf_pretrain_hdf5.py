@@ -35,8 +35,6 @@ from master_weights import MasterWeights  # noqa: E402
 from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_state  # noqa: E402
-from nxdtp.checkpointing.lock import CheckpointLockedError  # noqa: E402
-from nxdtp.checkpointing.tags import CheckpointIntegrityError  # noqa: E402
 from nxdtp.optimizers import Lamb  # noqa: E402
 from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
@@ -51,7 +49,8 @@ class WorldSizeError(ValueError):
 
 # Errors whose message names the file or value and what is wrong: the user gets that line and a non-zero exit, not a
 # traceback from inside the script.
-INPUT_ERRORS = (WorldSizeError, pretraining_data.DataError, CheckpointIntegrityError, CheckpointLockedError, NonFiniteStepError)
+INPUT_ERRORS = (WorldSizeError, pretraining_data.DataError, checkpointing.CheckpointIntegrityError,
+                checkpointing.CheckpointLockedError, NonFiniteStepError)
 
 # NxD's --debug model: the smallest BERT that still has every part.
 DEBUG_MODEL = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=64)
