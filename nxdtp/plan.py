@@ -441,6 +441,24 @@ def _wrapped_class(base: type, wrapper_name: str, wrapper: Callable) -> type:
     return _WRAPPED_CLASSES[key]
 
 
+_MIXED_CLASSES: Dict[Tuple[type, type], type] = {}
+
+
+def add_mixin(module: nn.Module, mixin: type) -> None:
+    """Put ``mixin`` (a module-level class) first in ``module``'s class, for what a forward wrapper cannot change:
+    attributes and properties other code reads and writes on the module. Like ``wrap_forward``, the class is swapped
+    for a cached subclass, so names, ``state_dict`` keys, ``deepcopy``, pickling and ``isinstance`` are unchanged."""
+    module.__class__ = _mixed_class(type(module), mixin)
+
+
+def _mixed_class(base: type, mixin: type) -> type:
+    if issubclass(base, mixin):
+        return base
+    if (base, mixin) not in _MIXED_CLASSES:
+        _MIXED_CLASSES[(base, mixin)] = _dynamic_subclass(base, ("mixin", mixin), {})
+    return _MIXED_CLASSES[(base, mixin)]
+
+
 # ---- pickling modules whose class nxdtp swapped ------------------------------------------------------------------------
 # The subclasses made by wrap_forward and for sequence-parallel parameters are made at run time, under their base's
 # name, so pickle cannot find them by name. Each records how it was made from an importable class (its recipe); a
@@ -450,7 +468,8 @@ def _dynamic_subclass(base: type, step: tuple, namespace: dict) -> type:
     root, steps = getattr(base, "_nxdtp_recipe", (base, ()))
     namespace = dict(namespace, _nxdtp_recipe=(root, steps + (step,)), __reduce_ex__=_reduce_dynamic_instance,
                      __module__=base.__module__, __qualname__=base.__qualname__)
-    return type(base.__name__, (base,) if step[0] == "wrap" else (base, ShardedModule), namespace)
+    bases = (base,) if step[0] == "wrap" else (step[1], base) if step[0] == "mixin" else (base, ShardedModule)
+    return type(base.__name__, bases, namespace)
 
 
 def _picklable_step(step: tuple) -> tuple:
@@ -503,6 +522,8 @@ def _class_of_recipe(root: type, steps: tuple) -> type:
             cls = _wrapped_class(cls, name, factory(*args))
         elif step[0] == "spec_owning":
             cls = _spec_owning_class(cls)
+        elif step[0] == "mixin":
+            cls = _mixed_class(cls, step[1])
         else:
             raise pickle.UnpicklingError(f"unknown nxdtp class recipe step {step!r} (pickled by another nxdtp version?)")
     return cls

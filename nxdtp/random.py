@@ -201,15 +201,9 @@ class _CheckpointFunction(torch.autograd.Function):
             # Without the barrier XLA sees the recompute as a copy of the forward and may CSE it away.
             _xla_model().optimization_barrier_(on_xla)
 
-        now, tracker_now = get_rng_state(), _TRACKER.get_states()
-        set_rng_state(ctx.rng_state)
-        _TRACKER.set_states(ctx.tracker_states)
-        try:
-            with torch.enable_grad(), _autocast_as(ctx.autocast_states):
-                outputs = _call(ctx.function, ctx.keyword_names, args)
-        finally:
-            set_rng_state(now)
-            _TRACKER.set_states(tracker_now)
+        with _rng_states_as(ctx.rng_state, ctx.tracker_states), torch.enable_grad(), \
+                _autocast_as(ctx.autocast_states):
+            outputs = _call(ctx.function, ctx.keyword_names, args)
 
         outputs = outputs if ctx.returned_tuple else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads)
@@ -218,6 +212,42 @@ class _CheckpointFunction(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
         return (None, None, None) + input_grads
+
+
+@contextlib.contextmanager
+def _rng_states_as(rng_state: RngState, tracker_states: Dict[str, RngState]) -> Iterator[None]:
+    """Run the block under the given default-generator and tracker states, then put back the states of now."""
+    now, tracker_now = get_rng_state(), _TRACKER.get_states()
+    set_rng_state(rng_state)
+    _TRACKER.set_states(tracker_states)
+    try:
+        yield
+    finally:
+        set_rng_state(now)
+        _TRACKER.set_states(tracker_now)
+
+
+class ReplayedOnRecompute:
+    """``function``, whose first call runs as it is and whose later calls (the recomputes of an activation checkpoint)
+    run under the default generators' and the RNG tracker's states of the moment this object was made.
+
+    For checkpoint implementations other than ``checkpoint`` below (``torch.utils.checkpoint``, which Hugging Face's
+    ``gradient_checkpointing_enable`` installs): they restore the default generators before recomputing but know
+    nothing of the tracker, so dropout inside ``fork()`` would draw new masks and the gradient would belong to other
+    masks than the loss. Make one per checkpointed call, just before handing it to the checkpoint function.
+    """
+
+    def __init__(self, function):
+        self.function = function
+        self.rng_state, self.tracker_states = get_rng_state(), _TRACKER.get_states()
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            return self.function(*args, **kwargs)
+        with _rng_states_as(self.rng_state, self.tracker_states):
+            return self.function(*args, **kwargs)
 
 
 def _autocast_states(args) -> list:
@@ -249,6 +279,8 @@ def checkpoint(function, *args, **kwargs):
     (positional or keyword) receive gradients;
     other arguments are passed through. ``function`` returns a tensor or a tuple of tensors.
     """
+    if torch.is_grad_enabled():
+        _refuse_nested_tensors_requiring_grad(args, kwargs)
     keyword_names = tuple(kwargs)
     # Parameters used inside `function` are not inputs of the autograd Function; if no input required grad either,
     # the output would not require grad and the parameters would silently get none. This input makes it always do.
@@ -256,7 +288,19 @@ def checkpoint(function, *args, **kwargs):
     return _CheckpointFunction.apply(function, keyword_names, anchor, *args, *kwargs.values())
 
 
+def _refuse_nested_tensors_requiring_grad(args, kwargs) -> None:
+    """Only tensors passed directly are inputs of the checkpoint; one inside a tuple, list or dict is passed through as
+    an object, and a gradient it should receive would be lost without a word. Refuse that instead."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", a) for k, a in kwargs.items()]
+    for where, value in named:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+        if any(isinstance(item, torch.Tensor) and item.requires_grad for item in items):
+            raise TypeError(f"checkpoint: {where} is a {type(value).__name__} holding a tensor that requires grad; "
+                            "checkpoint passes containers through without their gradients, so pass each such tensor "
+                            "as an argument of its own")
+
+
 __all__ = [
     "XLARNGStatesTracker", "get_xla_rng_tracker", "model_parallel_xla_manual_seed", "checkpoint",
-    "get_rng_state", "set_rng_state", "MODEL_PARALLEL_RNG",
+    "get_rng_state", "set_rng_state", "MODEL_PARALLEL_RNG", "ReplayedOnRecompute",
 ]

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..plan import parallelize
 from . import bert, gpt2, hf_tp_plan, llama, roberta
+from .activation_checkpointing import checkpoint_layers
 from .common import attention_bias, gather_vocab_logits, require_supported_transformers
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
@@ -89,4 +90,4 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
 
 
 __all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "attention_bias",
-           "supported_models"]
+           "checkpoint_layers", "supported_models"]

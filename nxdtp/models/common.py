@@ -11,8 +11,8 @@ from torch import nn
 
 from .. import mappings, sequence_parallel_linear
 from ..parallel_state import tensor_parallel_group
-from ..plan import wrap_forward, wrapper_factory
-from ..random import checkpoint, get_xla_rng_tracker
+from ..plan import wrapper_factory
+from ..random import get_xla_rng_tracker
 
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
@@ -104,55 +104,6 @@ def _builds_extended_attention_masks() -> bool:
     from transformers import PreTrainedModel
 
     return hasattr(PreTrainedModel, "get_extended_attention_mask")
-
-
-def transformer_layers(model: nn.Module) -> list:
-    """The layers HF's own gradient checkpointing recomputes one at a time (BERT's encoder layers, GPT-2's and Llama's
-    decoder blocks), in module order.
-
-    Newer transformers releases make every such layer a ``GradientCheckpointingLayer``. Older ones (4.x before that
-    class) put HF's ``gradient_checkpointing`` switch on the module that runs the layers (``BertEncoder``,
-    ``GPT2Model``, ``LlamaModel``), which checkpoints each entry of its layer list: those entries are the layers.
-    """
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        GradientCheckpointingLayer = None
-    if GradientCheckpointingLayer is not None:
-        return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return [layer for module in model.modules() if "gradient_checkpointing" in vars(module)
-            for child in module.children() if isinstance(child, nn.ModuleList) for layer in child]
-
-
-def checkpoint_layers(model: nn.Module) -> nn.Module:
-    """Recompute each transformer layer (those HF's gradient checkpointing recomputes: ``transformer_layers``) in
-    backward instead of storing its activations.
-
-    Uses ``nxdtp.random.checkpoint``, which replays the RNG tracker's states as well as the default generators, so
-    dropout inside TP regions draws the forward's masks again (HF's ``gradient_checkpointing_enable`` restores only
-    the default generator). On XLA the recompute is fenced by an optimization barrier so the compiler cannot merge it
-    with the forward. Returns the model.
-    """
-    layers = transformer_layers(model)
-    if not layers:
-        raise ValueError(f"checkpoint_layers() found no transformer layer (the layers transformers' gradient "
-                         f"checkpointing recomputes) in {type(model).__name__}")
-    for layer in layers:
-        wrap_forward(layer, "nxdtp_activation_checkpoint", _checkpointed_layer)
-    return model
-
-
-def _checkpointed_layer(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    # A KV cache would be appended to again when backward recomputes the layer (HF turns caching off under its own
-    # checkpointing for the same reason). transformers 4.x names it past_key_value in its decoder layers.
-    for cache in ("past_key_values", "past_key_value", "layer_past"):
-        if kwargs.get(cache) is not None:
-            kwargs[cache] = None
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    return checkpoint(forward, *args, **kwargs)
 
 
 def dropping(module: nn.Module) -> bool:
