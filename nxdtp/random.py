@@ -196,11 +196,7 @@ class _CheckpointFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         for i, tensor in zip(ctx.tensor_positions, saved):
             args[i] = tensor.detach().requires_grad_(tensor.requires_grad)
-        on_xla = [args[i] for i in ctx.tensor_positions if args[i].device.type == "xla"]
-        if on_xla:
-            # Without the barrier XLA sees the recompute as a copy of the forward and may CSE it away.
-            _xla_model().optimization_barrier_(on_xla)
-
+        _fence_on_xla(args)
         with _rng_states_as(ctx.rng_state, ctx.tracker_states), torch.enable_grad(), \
                 _autocast_as(ctx.autocast_states):
             outputs = _call(ctx.function, ctx.keyword_names, args)
@@ -212,6 +208,14 @@ class _CheckpointFunction(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
         return (None, None, None) + input_grads
+
+
+def _fence_on_xla(values) -> None:
+    """Put an optimization barrier on the XLA tensors among ``values`` (a recompute's inputs): without it XLA sees the
+    recompute as a copy of the forward, merges the two, and keeps the activations alive after all."""
+    on_xla = [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    if on_xla:
+        _xla_model().optimization_barrier_(on_xla)
 
 
 @contextlib.contextmanager

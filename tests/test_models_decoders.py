@@ -315,7 +315,7 @@ def test_an_unsupported_transformers_release_is_refused(monkeypatch):
 # ---- activation checkpointing of decoder layers -----------------------------------------------------------------------
 
 def case_checkpointed_decoder_layers(family: str, sequence_parallel: bool):
-    from nxdtp.models.common import checkpoint_layers
+    from nxdtp.models import checkpoint_layers
 
     dense = _dense(family, _config(family, 2), seed=9)
     plain = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel)

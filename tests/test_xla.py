@@ -439,6 +439,44 @@ def test_tp1_bert_on_xla_cpu_equals_eager(worlds):
     assert compared > 20
 
 
+def case_checkpointed_bert_on_xla_equals_eager_and_fences_the_recompute():
+    """Both ways of checkpointing a parallelized model (checkpoint_layers, HF's switch with torch.utils.checkpoint): on
+    XLA:CPU the loss and gradients equal eager CPU's plain model, and the backward graph holds an optimization barrier
+    (without it XLA merges the recompute with the forward and keeps the activations)."""
+    import torch
+    import torch_xla
+
+    from nxdtp.models import checkpoint_layers
+    from nxdtp.models.bert import parallelize_bert
+    from nxdtp.utils import move_model_to_device
+
+    ids = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(2))
+    switches = {"plain": lambda m: m, "checkpoint_layers": checkpoint_layers,
+                "gradient_checkpointing_enable": lambda m: m.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}) or m}
+    results, barriers = {}, {}
+    for name, switch in switches.items():
+        for device in ("cpu", torch_xla.device()):
+            model = switch(move_model_to_device(parallelize_bert(_small_bert("BertForMaskedLM", heads=2)), device))
+            out = model(ids.to(device), labels=ids.to(device))
+            out.loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            if device != "cpu":
+                barriers[name] = "opt-barrier" in _hlo(grads)
+                torch_xla.sync()
+            results[name, str(device)] = [out.loss.detach().cpu()] + [g.cpu() for g in grads]
+    for key, values in results.items():
+        for a, b in zip(results["plain", "cpu"], values):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    return barriers
+
+
+def test_checkpointed_bert_on_xla_cpu_equals_eager_and_fences_the_recompute(worlds):
+    barriers, = worlds(1, "xla-exec").run(case_checkpointed_bert_on_xla_equals_eager_and_fences_the_recompute,
+                                          tensor_model_parallel_size=1)
+    assert barriers == {"plain": False, "checkpoint_layers": True, "gradient_checkpointing_enable": True}
+
+
 # ---- checkpoints on XLA: a resumed run traces the uninterrupted run's graph ------------------------------------------
 
 def case_resumed_run_compiles_nothing_new(root: str):

@@ -116,8 +116,9 @@ def _without_kv_caches_in_partial(function, layer: str):
 class TensorParallelCheckpoint:
     """What a parallelized model's modules hold as HF's ``_gradient_checkpointing_func``: HF's checkpoint function
     (``torch.utils.checkpoint.checkpoint`` with the user's keyword arguments), called with KV caches kept out and the
-    checkpointed function wrapped in ``nxdtp.random.ReplayedOnRecompute``. A module-level class, so a model with
-    checkpointing on still pickles and deep-copies."""
+    checkpointed function wrapped in ``nxdtp.random.ReplayedOnRecompute``; on XLA, where torch.utils.checkpoint does
+    not run, ``nxdtp.random.checkpoint`` instead. A module-level class, so a model with checkpointing on deep-copies
+    and pickles as HF's own function does."""
 
     def __init__(self, hf_checkpoint_function):
         self.hf_checkpoint_function = hf_checkpoint_function
@@ -127,6 +128,13 @@ class TensorParallelCheckpoint:
             layer = _layer_name(function)
             function = _without_kv_caches_in_partial(function, layer)
             args, kwargs = without_kv_caches(args, kwargs, layer)
+        if any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in args):
+            # torch.utils.checkpoint cannot run on XLA (it looks for a torch.xla device module); nxdtp's checkpoint
+            # replays the same states and fences the recompute so XLA does not merge it with the forward. The
+            # partial's keywords become the checkpoint's inputs, so tensors among them get their gradients.
+            if isinstance(function, functools.partial):
+                return checkpoint(function.func, *function.args, *args, **function.keywords, **kwargs)
+            return checkpoint(function, *args, **kwargs)
         return self.hf_checkpoint_function(ReplayedOnRecompute(function), *args, **kwargs)
 
 
