@@ -22,6 +22,7 @@ import torch
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import checkpoint_layers, parallelize_model
+from nxdtp.models.common import DEFAULT_OLDEST_TRANSFORMERS, OLDEST_TRANSFORMERS
 from nxdtp.random import model_parallel_xla_manual_seed
 from tests.model_helpers import randomised
 from tests.test_models_bert import _close
@@ -49,10 +50,17 @@ FAMILIES = {
 }
 
 
+def _release() -> tuple:
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+
 def _unavailable(family) -> str:
     model_class, config_class, _ = FAMILIES[family]
     if not hasattr(transformers, model_class):
         return f"transformers {transformers.__version__} has no {model_class}"
+    oldest = OLDEST_TRANSFORMERS.get(family.upper(), DEFAULT_OLDEST_TRANSFORMERS)
+    if _release() < oldest:
+        return f"nxdtp's {family} plan needs transformers>={'.'.join(map(str, oldest))}"
     if family.endswith("(HF tp_plan)") and not getattr(getattr(transformers, config_class), "base_model_tp_plan", None):
         return f"transformers {transformers.__version__}'s {config_class} has no base_model_tp_plan"
     return ""
@@ -145,9 +153,10 @@ def case_checkpointing_equals_plain(family: str, sequence_parallel: bool, switch
         what = f"{family} tp={ps.get_tensor_model_parallel_size()} sp={sequence_parallel} {switch}"
         model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
         if switch != "checkpoint_layers" and _hf_switch_is_old_format(model):
+            # The old format's gradient_checkpointing_enable takes no arguments; each HF switch is refused there.
             with pytest.raises(NotImplementedError, match=r"call torch\.utils\.checkpoint themselves.*"
                                                           r"nxdtp\.models\.checkpoint_layers"):
-                SWITCHES[switch](model)
+                model.gradient_checkpointing_enable()
             checked.append(f"{what}: refused")
             continue
         if switch.startswith("activation_checkpointing") and not hasattr(model, "activation_checkpointing_enable"):
@@ -263,23 +272,27 @@ def test_hf_switch_survives_deepcopy(worlds):
 
 
 def case_switch_turned_on_before_parallelizing():
-    dense = _dense("gpt2", seed=8)
+    dense = _dense("bert", seed=8)
     batch = _batch(seed=9)
     plain = _step(parallelize_model(copy.deepcopy(dense)), batch)
     early = copy.deepcopy(dense)
-    if _hf_switch_is_old_format(early):
-        return "old format"
     early.gradient_checkpointing_enable()
+    if _hf_switch_is_old_format(early):
+        with pytest.raises(NotImplementedError, match=r"nxdtp\.models\.checkpoint_layers"):
+            parallelize_model(early)
+        return "refused"
     run = _step(parallelize_model(early), batch)
     _close(run["loss"], plain["loss"], "switched on before parallelize_model: loss")
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(run["grads"][name], grad, **TOL)
     assert run["saved"] < plain["saved"]
-    return True
+    return "replayed"
 
 
 def test_hf_switch_turned_on_before_parallelizing_replays_too(worlds):
-    assert worlds(2).run(case_switch_turned_on_before_parallelizing, tensor_model_parallel_size=2) == [True, True]
+    # Under HF's old checkpointing format (before 4.35) parallelizing a model whose switch is on is refused instead.
+    expected = "refused" if _release() < (4, 35) else "replayed"
+    assert worlds(2).run(case_switch_turned_on_before_parallelizing, tensor_model_parallel_size=2) == [expected] * 2
 
 
 def test_checkpoint_refuses_a_container_holding_a_tensor_that_needs_grad():

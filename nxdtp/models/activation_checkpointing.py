@@ -172,9 +172,10 @@ class _RefusesOldHFCheckpointing:
     modules call ``torch.utils.checkpoint`` themselves: nothing can replay the tracker there, so turning the switch on
     is refused."""
 
+    # The value stays in the instance dictionary, where transformer_layers looks for the switch.
     @property
     def gradient_checkpointing(self) -> bool:
-        return self.__dict__.get("_nxdtp_old_format_switch", False)
+        return self.__dict__.get("gradient_checkpointing", False)
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, value: bool) -> None:
@@ -186,7 +187,7 @@ class _RefusesOldHFCheckpointing:
                 f"{transformers.__version__}: this release's models call torch.utils.checkpoint themselves, which "
                 "cannot replay nxdtp's RNG tracker, so dropout in the recompute would differ from the forward. Use "
                 "nxdtp.models.checkpoint_layers(model), or transformers>=4.35")
-        self.__dict__["_nxdtp_old_format_switch"] = False
+        self.__dict__["gradient_checkpointing"] = False
 
 
 def support_hf_checkpointing(model: nn.Module) -> None:
@@ -202,8 +203,6 @@ def support_hf_checkpointing(model: nn.Module) -> None:
             continue
         switched_on = bool(module.gradient_checkpointing)
         installed = module.__dict__.pop("_gradient_checkpointing_func", None)
-        if old_format:
-            module.__dict__.pop("gradient_checkpointing", None)
         add_mixin(module, mixin)
         if old_format:
             module.gradient_checkpointing = switched_on  # refused if it was turned on before parallelization
