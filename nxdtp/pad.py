@@ -118,9 +118,9 @@ def generate_padding_mask(num_heads: int, num_heads_with_pad: int, num_kv_heads:
     outside the degree) raise ``ValueError``, where NxD returns an arbitrary mask.
     """
     kind = _hardware_kind(hardware_type)
-    for name, value in (("num_heads", num_heads), ("num_heads_with_pad", num_heads_with_pad),
-                        ("num_kv_heads", num_kv_heads), ("tp_degree", tp_degree)):
-        _require_positive("generate_padding_mask", name, value)
+    for name, value, nxd_divides in (("num_heads", num_heads, False), ("num_heads_with_pad", num_heads_with_pad, False),
+                                     ("num_kv_heads", num_kv_heads, True), ("tp_degree", tp_degree, True)):
+        _require_positive("generate_padding_mask", name, value, nxd_divides)
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"generate_padding_mask: num_heads={num_heads} is not a multiple of "
                          f"num_kv_heads={num_kv_heads}")
@@ -163,14 +163,16 @@ class _ZeroDivisorError(ValueError, ZeroDivisionError):
     """A zero where NxD divides (so its callers catch ``ZeroDivisionError``), reported with the argument's name."""
 
 
-def _require_positive(function: str, name: str, value) -> None:
+def _require_positive(function: str, name: str, value, nxd_divides: bool = True) -> None:
+    """Refuse ``value`` unless it is an int >= 1; a zero that NxD divides by raises what NxD's division raises too."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        error = _ZeroDivisorError if value == 0 and not isinstance(value, bool) else ValueError
+        zero_divisor = nxd_divides and value == 0 and not isinstance(value, bool)
+        error = _ZeroDivisorError if zero_divisor else ValueError
         raise error(f"{function}: {name}={value!r} must be a positive int")
 
 
 def _hardware_kind(hardware_type) -> str:
-    """"trn1" or "trn2": the layout rule for ``hardware_type`` (a ``hardware`` member, NxD's, a platform name or None)."""
+    """"trn1" or "trn2": the rule for ``hardware_type`` (a ``hardware`` member, NxD's, a platform name or None)."""
     if hardware_type is None:
         return "trn2"
     name = hardware_type.value if isinstance(hardware_type, enum.Enum) else hardware_type

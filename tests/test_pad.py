@@ -2,8 +2,8 @@
 
 generate_padding_mask is checked against masks cut from the whole model's padded heads as NxD lays them out (NxD's
 documented cases, a user's, and random ones, on Trainium1 and Trainium2), for NxD's masks outside its layouts, its
-error types, and against the mask the Llama plan actually installs; pad_model against the unpadded module's outputs and gradients, and its specs against the
-dense weights merging must give back.
+error types, and against the mask the Llama plan actually installs; pad_model against the unpadded module's outputs
+and gradients, and its specs against the dense weights merging must give back.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def _dense_masks(heads, heads_with_pad, kv_heads, tp, hardware_type):
     Each KV head's query heads come in HF order with the real ones first. On Trainium2 the copies of a KV head sit on
     adjacent ranks: a block of max(tp / kv, 1) ranks shares the block's KV heads, its query heads are the block's real
     ones then zeros, and the blocks follow one another, so rank r's mask is chunk r of the concatenation. On Trainium1
-    the copies are tiled (K0..Kn, K0..Kn, ...): rank r holds copy r // kv of KV head r % kv, that is slice r // kv of the
-    head's padded query group. NxD's Trainium1 rule gives each rank one KV head (rank r's head is r % kv, copy r // kv
-    of max(tp / kv, 1)), also when tp < kv."""
+    the copies are tiled (K0..Kn, K0..Kn, ...): rank r holds copy r // kv of KV head r % kv, that is slice r // kv of
+    the head's padded query group. NxD's Trainium1 rule gives each rank one KV head (rank r's head is r % kv, copy
+    r // kv of max(tp / kv, 1)), also when tp < kv."""
     per_rank, group = heads_with_pad // tp, heads // kv_heads
     if hardware_type == "trn1":
         copies = max(tp // kv_heads, 1)
@@ -164,9 +164,11 @@ def test_arguments_that_describe_no_model_are_named():
                           ((6, 4, 6, 4, 0), r"num_heads_with_pad=4 is fewer than num_heads=6"),
                           ((6, 8, 4, 4, 0), r"num_heads=6 is not a multiple of num_kv_heads=4"),
                           ((-6, 8, 6, 4, 0), r"num_heads=-6 must be a positive int"),
-                          ((6, 8, 6, -4, 0), r"tp_degree=-4 must be a positive int")]:
-        with pytest.raises(ValueError, match=message):
+                          ((6, 8, 6, -4, 0), r"tp_degree=-4 must be a positive int"),
+                          ((0, 8, 6, 4, 0), r"num_heads=0 must be a positive int")]:
+        with pytest.raises(ValueError, match=message) as raised:
             generate_padding_mask(*args)
+        assert not isinstance(raised.value, ZeroDivisionError), args   # NxD divides by neither
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
