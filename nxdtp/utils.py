@@ -347,5 +347,5 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate", "tied_parameter_names",
     "retie_parameters", "reattach_spec_attributes", "move_model_to_device", "is_torch_version_greater_than_2",
-    "is_pjrt_device", "requires_init_pg_override", "initialize_fallback_parallel_state",
+    "is_pjrt_device", "requires_init_pg_override", "initialize_fallback_parallel_state", "hardware",
 ]
