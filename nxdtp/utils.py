@@ -4,6 +4,7 @@ without losing its specs or weight ties."""
 from __future__ import annotations
 
 import collections.abc
+import enum
 import os
 import random as _python_random
 import re
@@ -25,6 +26,29 @@ _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride"
 # NxD's defaults for the attribute cache of a parameter that no parallel layer made.
 _NXD_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1,
                            "num_partitions": 1}
+
+
+class hardware(enum.Enum):
+    """NxD's Neuron hardware kinds (``neuronx_distributed.utils.utils.hardware``), so that code passing
+    ``hardware_type=hardware.TRN2`` (``pad.generate_padding_mask``, ``parallel_state.arrange_kv_groups``) changes only
+    its import. ``hardware(name)`` takes a platform target name as NxD's does: "trn1", "trn2", "trn3", and "trn1n" or
+    "inf2" (which share Trainium1's layout) as ``TRN1``; the name in ``NEURON_PLATFORM_TARGET_OVERRIDE`` gives
+    ``CUSTOM``. Other names raise ``ValueError``, as any enum lookup does."""
+
+    TRN1 = "trn1"
+    TRN2 = "trn2"
+    TRN3 = "trn3"
+    CUSTOM = "custom"
+
+    @classmethod
+    def _missing_(cls, value):
+        # Called only for names that are not a member's value: the platform aliases and a user-declared platform.
+        aliases = {"trn1n": cls.TRN1, "inf2": cls.TRN1}
+        if value in aliases:
+            return aliases[value]
+        if value is not None and value == os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE"):
+            return cls.CUSTOM
+        return None
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -323,5 +347,5 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate", "tied_parameter_names",
     "retie_parameters", "reattach_spec_attributes", "move_model_to_device", "is_torch_version_greater_than_2",
-    "is_pjrt_device", "requires_init_pg_override", "initialize_fallback_parallel_state",
+    "is_pjrt_device", "requires_init_pg_override", "initialize_fallback_parallel_state", "hardware",
 ]

@@ -1,13 +1,16 @@
 """NxD's head-padding helpers (nxdtp.pad) and the head layout they share with the plans (nxdtp.heads).
 
-generate_padding_mask is checked against the examples NxD's documentation works through and against the mask the
-Llama plan actually installs; pad_model against the unpadded module's outputs and gradients, and its specs against the
-dense weights merging must give back.
+generate_padding_mask is checked against masks cut from the whole model's padded heads as NxD lays them out (NxD's
+documented cases, a user's, and random ones, on Trainium1 and Trainium2), for NxD's masks outside its layouts, its
+error types, and against the mask the Llama plan actually installs; pad_model against the unpadded module's outputs
+and gradients, and its specs against the dense weights merging must give back.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
+import re
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from nxdtp import parallel_state as ps
 from nxdtp.layers import ColumnParallelLinear, RowParallelLinear
 from nxdtp.models import parallelize_model
 from nxdtp.pad import generate_padding_mask, get_number_of_extra_heads, pad_model
+from nxdtp.utils import hardware
 from tests.model_helpers import randomised
 
 
@@ -27,40 +31,150 @@ def test_extra_heads(heads, tp):
     assert 0 <= extra < tp and (heads + extra) % tp == 0
 
 
-def test_mask_for_nxds_trn2_example():
-    # NxD's example: 48 query heads, 8 KV heads at TP 32: padded to 64 heads, each KV head on 4 adjacent ranks with 2
-    # query heads each; the group of 6 real heads per KV head fills the first 3 copies, the 4th copy holds 2 zero heads.
-    for rank in range(32):
-        mask = generate_padding_mask(48, 64, 8, 32, rank)
-        expected = [False, False] if rank % 4 == 3 else [True, True]
-        assert mask.dtype == torch.bool and mask.tolist() == expected, (rank, mask)
+def _dense_masks(heads, heads_with_pad, kv_heads, tp, hardware_type):
+    """Every rank's mask, cut from the whole model's padded query heads as NxD lays them out.
+
+    Each KV head's query heads come in HF order with the real ones first. On Trainium2 the copies of a KV head sit on
+    adjacent ranks: a block of max(tp / kv, 1) ranks shares the block's KV heads, its query heads are the block's real
+    ones then zeros, and the blocks follow one another, so rank r's mask is chunk r of the concatenation. On Trainium1
+    the copies are tiled (K0..Kn, K0..Kn, ...): rank r holds copy r // kv of KV head r % kv, that is slice r // kv of
+    the head's padded query group. NxD's Trainium1 rule gives each rank one KV head (rank r's head is r % kv, copy
+    r // kv of max(tp / kv, 1)), also when tp < kv."""
+    per_rank, group = heads_with_pad // tp, heads // kv_heads
+    if hardware_type == "trn1":
+        copies = max(tp // kv_heads, 1)
+        padded_groups = [torch.arange(per_rank * copies) < group for _ in range(kv_heads)]
+        return [padded_groups[rank % kv_heads].chunk(copies)[rank // kv_heads] for rank in range(tp)]
+    block_ranks = max(tp // kv_heads, 1)
+    block_kv_heads = kv_heads * block_ranks // tp
+    block = torch.arange(per_rank * block_ranks) < group * block_kv_heads
+    return list(block.repeat(tp // block_ranks).chunk(tp))
 
 
-def test_mask_for_nxds_trn1_example():
-    # NxD's example: 56 query heads, 8 KV heads at TP 32, copies tiled (K0..K7, K0..K7, ...): the last round of copies
-    # (ranks 24-31) holds one real and one zero head each.
-    for rank in range(32):
-        mask = generate_padding_mask(56, 64, 8, 32, rank, hardware_type="trn1")
-        assert mask.tolist() == ([True, False] if rank >= 24 else [True, True]), (rank, mask)
+def _masks(heads, heads_with_pad, kv_heads, tp, hardware_type):
+    return [generate_padding_mask(heads, heads_with_pad, kv_heads, tp, rank, hardware_type=hardware_type)
+            for rank in range(tp)]
 
 
-def test_mask_without_grouped_heads_marks_the_last_heads():
-    masks = [generate_padding_mask(6, 8, 6, 4, rank).tolist() for rank in range(4)]
-    assert masks == [[True, True], [True, True], [True, True], [False, False]]
+def _assert_masks(actual, expected, what):
+    assert len(actual) == len(expected), what
+    for rank, (mask, want) in enumerate(zip(actual, expected)):
+        assert mask.dtype == torch.bool and not mask.requires_grad, (what, rank)
+        assert torch.equal(mask, want), (what, rank, mask, want)
 
 
-def test_mask_refuses_bad_arguments():
-    with pytest.raises(ValueError, match=r"num_heads_with_pad=7 is not the padding nxdtp uses .*: 8"):
-        generate_padding_mask(6, 7, 6, 4, 0)
-    with pytest.raises(ValueError, match=r"tp_rank=4 is outside tensor parallel degree 4"):
-        generate_padding_mask(6, 8, 6, 4, 4)
-    with pytest.raises(ValueError, match=r"hardware_type='trn9' is not supported"):
-        generate_padding_mask(6, 8, 6, 4, 0, hardware_type="trn9")
+# NxD's documented cases (its docstring, the comments of its Trainium1 / Trainium2 branches and its unit tests), and the
+# case a user reported: 24 query heads padded to 32 at TP 4 with 8 KV heads (two KV heads on each rank).
+NXD_CASES = [(48, 64, 8, 32, "trn1"), (48, 64, 8, 32, "trn2"), (56, 64, 8, 32, "trn1"), (200, 224, 8, 32, "trn1"),
+             (200, 224, 8, 32, "trn2"), (24, 32, 8, 4, "trn2")]
 
 
-@pytest.mark.parametrize("kv_heads", [2, 6])
+@pytest.mark.parametrize("heads,heads_with_pad,kv_heads,tp,hardware_type", NXD_CASES, ids=str)
+def test_masks_of_nxds_cases(heads, heads_with_pad, kv_heads, tp, hardware_type):
+    what = (heads, heads_with_pad, kv_heads, tp, hardware_type)
+    expected = _dense_masks(heads, heads_with_pad, kv_heads, tp, hardware_type)
+    _assert_masks(_masks(heads, heads_with_pad, kv_heads, tp, hardware_type), expected, what)
+    # NxD's enum members and nxdtp's copy of them give the same masks as the names.
+    enum_member = hardware(hardware_type)
+    _assert_masks(_masks(heads, heads_with_pad, kv_heads, tp, enum_member), expected, what)
+    assert sum(int(m.sum()) for m in expected) == heads, what   # the layouts keep every real head
+
+
+def test_users_case_pads_heads_6_and_7_of_every_rank():
+    for rank, mask in enumerate(_masks(24, 32, 8, 4, hardware.TRN2)):
+        assert (~mask).nonzero().flatten().tolist() == [6, 7], rank
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_masks_of_random_layouts(seed):
+    # Random layouts NxD's rules describe: tp a multiple of the KV heads (both hardware types) or, on Trainium2, the KV
+    # heads a multiple of tp; any group size, and any padding that keeps a whole number of heads per rank.
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))  # noqa: E731
+    for _ in range(20):
+        small, factor = draw(1, 4), draw(1, 4)
+        hardware_type = ("trn1", "trn2")[draw(0, 1)]
+        kv_heads, tp = (small, small * factor) if hardware_type == "trn1" or draw(0, 1) else (small * factor, small)
+        heads = kv_heads * draw(1, 7)
+        heads_with_pad = tp * (-(-heads // tp) + draw(0, 2))
+        what = (heads, heads_with_pad, kv_heads, tp, hardware_type)
+        expected = _dense_masks(heads, heads_with_pad, kv_heads, tp, hardware_type)
+        assert sum(int(m.sum()) for m in expected) == heads, what
+        _assert_masks(_masks(heads, heads_with_pad, kv_heads, tp, hardware_type), expected, what)
+
+
+def test_none_and_names_mean_what_nxd_means():
+    # NxD's None asks torch_neuronx for the platform; nxdtp has none to ask and uses Trainium2's rule (its layers'
+    # layout). Platform names work as NxD's hardware(...) reads them; an enum from elsewhere (NxD's own) by its value.
+    class OtherHardware(enum.Enum):
+        TRN1 = "trn1"
+        TRN2 = "trn2"
+
+    trn1, trn2 = _dense_masks(48, 64, 8, 32, "trn1"), _dense_masks(48, 64, 8, 32, "trn2")
+    assert not all(torch.equal(a, b) for a, b in zip(trn1, trn2))
+    for hardware_type, expected in [(None, trn2), (OtherHardware.TRN2, trn2), (OtherHardware.TRN1, trn1),
+                                    ("trn1n", trn1), ("inf2", trn1)]:
+        _assert_masks(_masks(48, 64, 8, 32, hardware_type), expected, hardware_type)
+
+
+@pytest.mark.parametrize("heads,heads_with_pad,kv_heads,tp,hardware_type", [
+    (6, 8, 6, 4, "trn2"),      # heads without grouping, not divisible by tp: NxD gives each rank one real head
+    (8, 12, 4, 6, "trn2"),     # neither tp nor the KV heads divide the other: NxD's rule marks every head padding
+    (24, 32, 8, 4, "trn1"),    # Trainium1's rule assumes one KV head per rank
+])
+def test_nxds_masks_outside_its_layouts_are_kept_with_a_warning(heads, heads_with_pad, kv_heads, tp, hardware_type):
+    # NxD returns these masks though they do not mark num_heads real heads; nxdtp returns the same (a model trained
+    # with NxD's mask keeps its behaviour) and says so.
+    what = (heads, heads_with_pad, kv_heads, tp, hardware_type)
+    with pytest.warns(UserWarning, match=rf"num_kv_heads={kv_heads} .* tp_degree={tp}"):
+        masks = _masks(heads, heads_with_pad, kv_heads, tp, hardware_type)
+    expected = _dense_masks(heads, heads_with_pad, kv_heads, tp, hardware_type)
+    assert sum(int(m.sum()) for m in expected) != heads, what
+    _assert_masks(masks, expected, what)
+
+
+@pytest.mark.parametrize("hardware_type", ["trn999", "trn3", hardware.TRN3, hardware.CUSTOM, 2])
+def test_unknown_hardware_type_raises_what_nxd_and_nxdtp_callers_catch(hardware_type):
+    # NxD raises RuntimeError("Unexpected hardware_type ..."); nxdtp raised ValueError before: both are caught.
+    for caught in (RuntimeError, ValueError):
+        with pytest.raises(caught, match=rf"Unexpected hardware_type {re.escape(repr(hardware_type))}.*"
+                                         r"hardware\.TRN1 or 'trn1'.*hardware\.TRN2, 'trn2' or None"):
+            generate_padding_mask(48, 64, 8, 32, 0, hardware_type=hardware_type)
+
+
+def test_zero_divisors_raise_what_nxd_raises():
+    # NxD divides by tp_degree and num_kv_heads (and pad_model by n_heads): zero raises ZeroDivisionError there.
+    for caught in (ZeroDivisionError, ValueError):
+        with pytest.raises(caught, match=r"tp_degree=0 must be a positive int"):
+            generate_padding_mask(6, 8, 2, 0, 0)
+        with pytest.raises(caught, match=r"num_kv_heads=0 must be a positive int"):
+            generate_padding_mask(6, 8, 0, 4, 0)
+        with pytest.raises(caught, match=r"tp_degree=0 must be a positive int"):
+            get_number_of_extra_heads(6, 0)
+        with pytest.raises(caught, match=r"n_heads=0 must be a positive int"):
+            pad_model(nn.Linear(2, 2), tp_degree=4, n_heads=0)
+        with pytest.raises(caught, match=r"tp_degree=0 must be a positive int"):
+            pad_model(nn.Linear(2, 2), tp_degree=0, n_heads=4)
+
+
+def test_arguments_that_describe_no_model_are_named():
+    for args, message in [((6, 8, 6, 4, 4), r"tp_rank=4 is outside tensor parallel degree 4: use 0 to 3"),
+                          ((6, 8, 6, 4, -1), r"tp_rank=-1 is outside tensor parallel degree 4"),
+                          ((6, 7, 6, 4, 0), r"num_heads_with_pad=7 is not a multiple of tp_degree=4"),
+                          ((6, 4, 6, 4, 0), r"num_heads_with_pad=4 is fewer than num_heads=6"),
+                          ((6, 8, 4, 4, 0), r"num_heads=6 is not a multiple of num_kv_heads=4"),
+                          ((-6, 8, 6, 4, 0), r"num_heads=-6 must be a positive int"),
+                          ((6, 8, 6, -4, 0), r"tp_degree=-4 must be a positive int"),
+                          ((0, 8, 6, 4, 0), r"num_heads=0 must be a positive int")]:
+        with pytest.raises(ValueError, match=message) as raised:
+            generate_padding_mask(*args)
+        assert not isinstance(raised.value, ZeroDivisionError), args   # NxD divides by neither
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
 def test_mask_matches_the_plans_masked_columns(kv_heads):
-    # The Llama plan masks the output projection's input columns of zero heads; per head, that is the NxD mask.
+    # The Llama plan masks the output projection's input columns of zero heads; per head, that is the NxD mask where
+    # tp is a multiple of the KV heads (for 3 or 6 KV heads at tp 4 NxD's rule describes no layout, see above).
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=6, num_key_value_heads=kv_heads)
     dense = transformers.LlamaForCausalLM(config)
@@ -153,5 +267,5 @@ def test_pad_model_with_divisible_heads_changes_nothing_and_refuses_fused_layers
         fused = ColumnParallelLinear(8, 24, stride=3, gather_output=False)
         with pytest.raises(ValueError, match=r"pad_model cannot pad ColumnParallelLinear with stride=3"):
             pad_model(fused, tp_degree=4, n_heads=6)
-        with pytest.raises(ValueError, match=r"positive n_heads and tp_degree, got n_heads=0"):
+        with pytest.raises(ValueError, match=r"pad_model: n_heads=0 must be a positive int"):
             pad_model(fused, tp_degree=4, n_heads=0)

@@ -4,7 +4,8 @@ A grouped-query attention block built from the layer and a RowParallelLinear out
 builds it, computes the dense block's output; every gradient (K and V summed over their copies), the input gradient and
 the TP-aware grad norm equal dense. The test states the layout itself: rank r holds query rows
 ``[r * q_local, (r + 1) * q_local)`` and, for each of its KV slots, a whole copy of dense KV head
-``(r * slots + slot) // kv_size_multiplier``.
+``(r * slots + slot) // kv_size_multiplier``. With ``keep_master_weight`` the layer keeps, under NxD's names, the dense
+weights the test drew and the shards were cut from.
 """
 
 from __future__ import annotations
@@ -154,6 +155,77 @@ def case_initialised_copies_are_equal_and_dense():
 
 def test_initialised_copies_are_equal(worlds):
     assert worlds(4).run(case_initialised_copies_are_equal_and_dense, tensor_model_parallel_size=4) == [True] * 4
+
+
+def case_master_weights_are_the_dense_weights(heads, kv_heads, head_dim, multiplier, fuse_qkv, dtype, seed):
+    """NxD's names for the dense weights a layer was cut from: ``master_weight_q/_k/_v`` and ``master_bias_q/_k/_v``,
+    or with ``fuse_qkv`` their concatenations ``master_weight_qkv`` / ``master_bias_qkv`` (NxD's tests split these to
+    build dense references). The KV masters hold each KV head once, however many copies the ranks hold."""
+    rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_size()
+    torch.manual_seed(seed)   # the biases are drawn from the default generator: one seed gives every rank the same
+    g = torch.Generator().manual_seed(seed)
+    sizes = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
+    dense = {p: torch.randn(sizes[p], HIDDEN, generator=g) for p in "qkv"}
+    drawn = iter(dense[p] for p in "qkv")
+
+    def init_method(master):   # called with each dense weight in turn, Q then K then V, as NxD calls it
+        with torch.no_grad():
+            master.copy_(next(drawn))
+
+    layer = GQAQKVColumnParallelLinear(HIDDEN, [sizes["q"], sizes["k"]], bias=True, gather_output=False, dtype=dtype,
+                                       init_method=init_method, keep_master_weight=True,
+                                       kv_size_multiplier=multiplier, fuse_qkv=fuse_qkv)
+    masters = {p: getattr(layer, "master_weight_" + p) for p in "qkv"}
+    if fuse_qkv:
+        fused = layer.master_weight_qkv
+        assert tuple(fused.shape) == (sizes["q"] + 2 * sizes["k"], HIDDEN) and fused.dtype == torch.float32
+        assert torch.equal(fused, torch.cat([dense[p] for p in "qkv"]))
+    master_biases = {p: getattr(layer, "master_bias_" + p) for p in "qkv"}
+    if fuse_qkv:
+        fused_bias = layer.master_bias_qkv
+        # NxD's tests take the parts back by splitting at the dense sizes.
+        for p, part, bias_part in zip("qkv", fused.split(list(sizes.values())), fused_bias.split(list(sizes.values()))):
+            assert torch.equal(part, masters[p]) and torch.equal(bias_part, master_biases[p]), p
+    else:
+        assert not hasattr(layer, "master_weight_qkv") and not hasattr(layer, "master_bias_qkv")
+    kv_rows = lambda t: torch.cat([t[h * head_dim:(h + 1) * head_dim]  # noqa: E731
+                                   for h in _kv_heads_of_rank(rank, tp, kv_heads, multiplier)])
+    q_local = sizes["q"] // tp
+    for p in "qkv":
+        # NxD keeps the master weights in fp32 and the master biases in the layer's dtype.
+        assert masters[p].dtype == torch.float32 and master_biases[p].dtype == dtype, p
+        assert torch.equal(masters[p], dense[p]), p
+        assert tuple(master_biases[p].shape) == (sizes[p],), p
+        cut = (lambda t: t[rank * q_local:(rank + 1) * q_local]) if p == "q" else kv_rows  # noqa: E731
+        assert torch.equal(getattr(layer, "weight_" + p).detach(), cut(dense[p]).to(dtype)), p
+        assert torch.equal(getattr(layer, "bias_" + p).detach(), cut(master_biases[p])), p
+    return {p: master_biases[p] for p in "qkv"}
+
+
+@pytest.mark.parametrize("multiplier,fuse,dtype", [pytest.param(2, True, torch.float32, id="m2-fused"),
+                                                   pytest.param(2, False, torch.bfloat16, id="m2-separate-bf16"),
+                                                   pytest.param(1, True, torch.bfloat16, id="m1-fused-bf16"),
+                                                   pytest.param(1, False, torch.float32, id="m1-separate")])
+def test_master_weights_are_the_dense_weights(worlds, multiplier, fuse, dtype):
+    # m=2: 2 KV heads, each on two of the 4 ranks; m=1: 4 KV heads, one per rank. Every rank keeps the same masters.
+    kv_heads = 2 if multiplier == 2 else 4
+    seed = int(torch.randint(0, 2 ** 31, (1,)))
+    biases = worlds(4).run(case_master_weights_are_the_dense_weights, tensor_model_parallel_size=4, heads=8,
+                           kv_heads=kv_heads, head_dim=4, multiplier=multiplier, fuse_qkv=fuse, dtype=dtype, seed=seed)
+    for rank_biases in biases[1:]:
+        for p in "qkv":
+            assert torch.equal(rank_biases[p], biases[0][p]), p
+
+
+def test_master_weights_on_meta_and_without_keep_master_weight():
+    # On the meta device nothing is drawn, so the masters are None, as NxD's are; without keep_master_weight nxdtp's
+    # layers keep no master attributes at all (docs/nxd_migration.md).
+    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=4):
+        meta = GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False, device="meta", keep_master_weight=True)
+        assert meta.master_weight_qkv is None and meta.master_bias_qkv is None
+        assert all(getattr(meta, f"master_{kind}_{p}") is None for kind in ("weight", "bias") for p in "qkv")
+        plain = GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False, bias=False, fuse_qkv=False)
+        assert not [name for name in vars(plain) if name.startswith("master_")]
 
 
 class _Block(nn.Module):

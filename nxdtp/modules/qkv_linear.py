@@ -8,7 +8,8 @@ each rank's query heads find their KV heads on the same rank, and the layer equa
 Unlike NxD, Q, K and V are three parameters even with ``fuse_qkv=True`` (``weight_q``, ``weight_k``, ``weight_v``,
 and biases); ``weight_qkv`` reads their concatenation, and a state dict holding NxD's fused ``weight_qkv`` /
 ``bias_qkv`` loads into them. Separate parameters let the specs describe K and V's copies exactly, so checkpoints merge
-to dense projections and reshard to other degrees, and the gradient norm counts each copy once.
+to dense projections and reshard to other degrees, and the gradient norm counts each copy once. ``keep_master_weight``
+keeps the dense weights and biases under NxD's names, the fused ``master_weight_qkv`` / ``master_bias_qkv`` included.
 """
 
 from __future__ import annotations
@@ -74,24 +75,45 @@ class GQAQKVColumnParallelLinear(ShardedModule):
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
         self.q_output_size_per_partition, self.kv_output_size_per_partition = q_size // tp, kv_local
         self.head_dim = block
+        masters = {"weight": {}, "bias": {}}
         for part in PROJECTIONS:
             rows, copies = (q_size, {}) if part == "q" else (kv_size, dict(replicas=m, replica_block=block))
             spec = ParamSpec(full_shape=(rows * copies.get("replicas", 1), input_size), partition_dim=0,
                              num_partitions=tp, real_shape=(rows, input_size), **copies)
-            weight, master = _local_of_dense(spec, dtype, device, init_method or linear_weight_init)
+            weight, masters["weight"][part] = _local_of_dense(spec, dtype, device, init_method or linear_weight_init)
             setattr(self, "weight_" + part, nn.Parameter(weight))
             self.register_param_spec("weight_" + part, spec)
-            if keep_master_weight:
-                setattr(self, "master_weight_" + part, master)
             if bias:
                 bias_spec = ParamSpec(full_shape=spec.full_shape[:1], partition_dim=0, num_partitions=tp,
                                       real_shape=spec.unpadded_shape[:1], replicas=spec.replicas,
                                       replica_block=spec.replica_block)
-                value, _ = _local_of_dense(bias_spec, dtype, device, lambda t: linear_bias_init(t, input_size))
+                value, dense_bias = _local_of_dense(bias_spec, dtype, device, lambda t: linear_bias_init(t, input_size))
+                # NxD keeps the master biases in the layer's dtype (its master weights in fp32).
+                masters["bias"][part] = dense_bias.to(dtype) if dense_bias is not None else None
                 setattr(self, "bias_" + part, nn.Parameter(value))
                 self.register_param_spec("bias_" + part, bias_spec)
             else:
                 self.register_parameter("bias_" + part, None)
+        if keep_master_weight:
+            self._keep_masters(masters)
+
+    def _keep_masters(self, masters) -> None:
+        """NxD's names for the dense tensors the shards were cut from: ``master_weight_q/_k/_v`` and
+        ``master_bias_q/_k/_v`` (plain tensors on CPU, not parameters, so they stay out of state dicts and optimizers),
+        and with ``fuse_qkv`` also NxD's ``master_weight_qkv`` / ``master_bias_qkv``: Q, K, V concatenated, each KV head
+        once however many copies the ranks hold. NxD sets the separate names to None when fused; nxdtp keeps them, as
+        views of the concatenation, so the fused masters cost no second copy. None on the meta device (nothing drawn).
+        """
+        for kind, dense in masters.items():
+            if not dense:   # no bias: NxD keeps no master biases either
+                continue
+            fused = None if any(t is None for t in dense.values()) else torch.cat([dense[p] for p in PROJECTIONS])
+            if fused is not None and self.fuse_qkv:
+                dense = dict(zip(PROJECTIONS, fused.split([dense[p].shape[0] for p in PROJECTIONS])))
+            for part in PROJECTIONS:
+                setattr(self, f"master_{kind}_{part}", dense[part])
+            if self.fuse_qkv:
+                setattr(self, f"master_{kind}_qkv", fused)
 
     @property
     def weight_qkv(self) -> torch.Tensor:
@@ -147,12 +169,13 @@ def _two_sizes(name: str, output_sizes) -> Tuple[int, int]:
 
 
 def _local_of_dense(spec: ParamSpec, dtype, device, init) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Initialise the dense tensor on CPU (the same on every rank under one seed), repeat its blocks as the spec says,
-    and keep this rank's part; on the meta device only the shape."""
+    """Initialise the dense tensor in fp32 on CPU (the same on every rank under one seed), repeat its blocks as the spec
+    says, and keep this rank's part in ``dtype``; return it and the fp32 dense tensor. On the meta device only the
+    shape, and no dense tensor."""
     group = tensor_parallel_group()
     if torch.device(device if device is not None else "cpu").type == "meta":
         return torch.empty(spec.local_shape(), dtype=dtype, device="meta"), None
     dense = torch.empty(spec.unpadded_shape, dtype=torch.float32)
     init(dense)
     local = shard_of(spec.full_from_dense(dense), 0, group.rank, group.size)
-    return local.to(dtype=dtype, device=device), dense.to(dtype)
+    return local.to(dtype=dtype, device=device), dense
