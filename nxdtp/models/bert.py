@@ -40,7 +40,8 @@ from ..parallel_state import data_parallel_group, tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
     parallelize, wrap_forward
 from .attention_heads import attention_projection_styles
-from .activation_checkpointing import checkpoint_layers, support_hf_checkpointing  # noqa: F401 - re-exported
+from .activation_checkpointing import checkpoint_layers  # noqa: F401 - re-exported
+from .hf_integration import finish_hf_model
 from .common import attention_bias, dropping, gather_vocab_logits, maybe_forked, \
     require_supported_transformers, tensor_parallel_block, with_and_without_prefix  # noqa: F401 - re-exports
 
@@ -113,7 +114,7 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
 
     def finalize(model: nn.Module) -> None:
         _wire(family, model, sequence_parallel)
-        support_hf_checkpointing(model)
+        finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 

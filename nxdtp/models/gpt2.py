@@ -32,7 +32,7 @@ from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEm
     call_with_parameters_as, wrap_forward
 from .. import mappings
 from .attention_heads import attention_projection_styles
-from .activation_checkpointing import support_hf_checkpointing
+from .hf_integration import finish_hf_model
 from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, \
     require_supported_transformers, scatter_sequence_of_input, tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
@@ -111,7 +111,7 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
 
     def finalize(model: nn.Module) -> None:
         _wire(model, sequence_parallel)
-        support_hf_checkpointing(model)
+        finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 

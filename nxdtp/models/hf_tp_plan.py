@@ -35,7 +35,7 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, has_own_forward
 from .attention_heads import attention_projection_styles, local_kv_groups
-from .activation_checkpointing import support_hf_checkpointing
+from .hf_integration import finish_hf_model
 from .common import check_model, require_supported_transformers
 from .losses import use_vocab_parallel_causal_lm_loss
 
@@ -113,7 +113,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
         for module_name, module in model.named_modules():
             if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in attention_patterns):
                 module.num_key_value_groups = groups
-        support_hf_checkpointing(model)
+        finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 

@@ -30,7 +30,7 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
     VocabParallelLMHead, wrap_forward
 from .attention_heads import attention_projection_styles, local_kv_groups
-from .activation_checkpointing import support_hf_checkpointing
+from .hf_integration import finish_hf_model
 from .common import check_model, gather_sequence_of_output, never_drops, require_supported_transformers, \
     scatter_sequence_of_input, tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
@@ -75,7 +75,7 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
 
     def finalize(model: nn.Module) -> None:
         _wire(model, sequence_parallel)
-        support_hf_checkpointing(model)
+        finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
