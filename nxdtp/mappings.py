@@ -222,7 +222,16 @@ def reduce_scatter_to_tensor_model_parallel_region_with_dim(input_: torch.Tensor
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor, sequence_dimension: int = 0,
                                         process_group=None) -> torch.Tensor:
-    return _Split.apply(input_, _group(process_group), sequence_dimension)
+    group = _group(process_group)
+    length = input_.shape[sequence_dimension]
+    if length % group.size != 0:
+        # The generic split error would not say what to change: here it is the batch's sequence length.
+        raise ValueError(f"sequence parallelism splits the sequence over the {group.size} tensor-parallel ranks, but "
+                         f"this batch's sequence length is {length} (dimension {sequence_dimension} of shape "
+                         f"{tuple(input_.shape)}): pad sequences to a multiple of {group.size} (a tokenizer's or "
+                         f"collator's pad_to_multiple_of={group.size}, with an attention mask) or turn "
+                         "sequence_parallel off")
+    return _Split.apply(input_, group, sequence_dimension)
 
 
 def gather_from_sequence_parallel_region(input_: torch.Tensor, sequence_dimension: int = 0,

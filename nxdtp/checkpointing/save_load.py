@@ -428,7 +428,10 @@ def rng_file(rank: int) -> str:
 
 def restore_rng(tag_dir: str, rank: int) -> None:
     path = os.path.join(tag_dir, rng_file(rank))
-    _require_file(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing: the tag has no RNG states for rank {rank} (a "
+                                "resharded checkpoint has none: they belong to the old layout); load it with "
+                                "restore_rng_states=False")
     with open(path) as f:
         payload = json.load(f)
     set_rng_state({k: _decode(v) for k, v in payload["default"].items()})
