@@ -3,11 +3,37 @@ on it as on the dense model (or refuse loudly): one call from each plan's ``fina
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
+from ..parallel_state import tensor_parallel_group
 from .activation_checkpointing import support_hf_checkpointing
 
 
 def finish_hf_model(model: nn.Module) -> None:
-    """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states."""
+    """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states; a
+    multi-process accelerate (plain ``transformers.Trainer``) driving it is refused at its first training forward."""
     support_hf_checkpointing(model)
+    if tensor_parallel_group().size > 1:
+        model.register_forward_pre_hook(refuse_foreign_multiprocess_trainers)
+
+
+TRAINED_BY = "_nxdtp_trained_by"   # set on the model by trainers that handle TP (nxdtp.models.trainer)
+
+
+def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
+    """A forward pre-hook: refuse a training forward while a multi-process accelerate state is live (plain
+    ``transformers.Trainer``, or ``accelerate.Accelerator.prepare``) unless a TP-aware trainer marked the model. Such a
+    trainer wraps the model in DDP over the whole world, which broadcasts TP rank 0's shards over the others, and feeds
+    each TP rank a different batch: the run would finish and the model be wrong. Costs a dictionary lookup."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not model.training or getattr(model, TRAINED_BY, None):
+        return
+    if state.GradientState._shared_state and state.PartialState._shared_state.get("num_processes", 1) > 1:
+        raise RuntimeError(
+            f"{type(model).__name__} is tensor-parallel (nxdtp) and is being trained by a multi-process accelerate "
+            "setup (transformers.Trainer or Accelerator.prepare), which wraps it in DDP over the tensor-parallel "
+            "ranks (overwriting their shards with rank 0's) and gives each of them a different batch. Use "
+            "nxdtp.models.trainer.TensorParallelTrainer in place of transformers.Trainer, or nxdtp's own training "
+            "loop (docs/wrapping_hf_models.md)")

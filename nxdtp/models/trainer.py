@@ -1,0 +1,171 @@
+"""``TensorParallelTrainer``: Hugging Face's ``Trainer`` for a model ``nxdtp.models`` parallelized.
+
+Plain ``transformers.Trainer`` cannot train a Megatron-style TP model correctly: it wraps the model in DDP over the
+whole world (whose start-up broadcast copies TP rank 0's shards over the others), gives each TP rank a different batch,
+clips with a norm of the local shards, and saves rank 0's shards only. transformers 5 has a path for models that report
+a tensor-parallel size (it builds accelerate's ``ParallelismConfig``: data split by DP rank only, no DDP), and this
+subclass takes it, then supplies what no model attribute can reach:
+
+* the DP gradient average (``nxdtp.grads.allreduce_gradients`` over the DP group, at the end of each accumulation
+  window) and the sequence-parallel gradient sum;
+* the TP-aware gradient norm and clipping (``nxdtp.grads.clip_grad_norm``), which Trainer logs as ``grad_norm``;
+* checkpoints through ``nxdtp.checkpointing``: every rank writes its shards (model, optimizer, scheduler, the RNG
+  tracker), and ``resume_from_checkpoint`` reads them back, beside Trainer's own trainer state and RNG files;
+* on CPU (gloo) worlds, the ``ParallelismConfig`` accelerate refuses for them is installed after the accelerator is
+  built, so a laptop runs the same path as a GPU machine.
+
+What it cannot do yet is refused when the trainer is built, with the reason: transformers 4.x, DeepSpeed, FSDP, XLA
+devices, label smoothing and ``compute_loss_func`` (they act on the vocab-parallel logits), metrics on logits, and
+``load_best_model_at_end``.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import transformers
+
+from .. import checkpointing, grads, parallel_state
+from .hf_integration import TRAINED_BY
+
+# The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
+# saved by save_model() alone (save_only_model, or a user's trainer.save_model(dir)) go to MODEL_TAG.
+TRAINING_TAG = "nxdtp_training"
+MODEL_TAG = "nxdtp_model"
+OLDEST_TRAINER = (5, 0)
+
+
+def _inner_optimizer(optimizer):
+    """accelerate wraps the optimizer; nxdtp's checkpointing saves the torch optimizer it wraps."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _refusals(model, args) -> list:
+    """What this trainer cannot do with ``args``, each as a sentence naming the setting."""
+    reasons = []
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < OLDEST_TRAINER:
+        reasons.append(f"transformers {transformers.__version__}: TensorParallelTrainer uses transformers 5's "
+                       "tensor-parallel Trainer path; upgrade to transformers>=5")
+    if getattr(args, "deepspeed", None):
+        reasons.append("deepspeed: DeepSpeed would shard or replicate the already sharded parameters")
+    if getattr(args, "fsdp", None):
+        reasons.append(f"fsdp={args.fsdp!r}: FSDP over a TP-sharded model is not supported")
+    if getattr(args, "label_smoothing_factor", 0):
+        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer smooths the model's logits, which "
+                       "are vocab-parallel shards here; pass label smoothing to the model's loss instead")
+    if getattr(args, "load_best_model_at_end", False):
+        reasons.append("load_best_model_at_end=True: not supported yet; reload a checkpoint-N with "
+                       "resume_from_checkpoint instead")
+    world, tp = parallel_state.get_world_size(), parallel_state.get_tensor_model_parallel_size()
+    if world % tp != 0:
+        reasons.append(f"world size {world} is not a multiple of tensor_model_parallel_size={tp}")
+    return reasons
+
+
+class TensorParallelTrainer(transformers.Trainer):
+    """``transformers.Trainer`` for an nxdtp-parallelized model: the same arguments, equal to the dense model trained by
+    ``Trainer`` on the global batch (DP size × per-device batch × accumulation steps)."""
+
+    def __init__(self, model=None, args=None, *positional, compute_loss_func=None, compute_metrics=None,
+                 preprocess_logits_for_metrics=None, **keywords):
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("TensorParallelTrainer needs nxdtp's parallel state: call "
+                               "nxdtp.parallel_state.initialize_model_parallel(tensor_model_parallel_size=...) and "
+                               "nxdtp.models.parallelize_model(model) first")
+        if model is None or not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
+            raise TypeError(f"TensorParallelTrainer trains a model sharded by nxdtp.models.parallelize_model; "
+                            f"{type(model).__name__} has no tensor-parallel parameter (use transformers.Trainer for a "
+                            "dense model)")
+        reasons = _refusals(model, args)
+        if compute_loss_func is not None:
+            reasons.append("compute_loss_func: it would receive vocab-parallel logits; the model's own loss "
+                           "(nxdtp's vocab-parallel loss) is used")
+        if compute_metrics is not None or preprocess_logits_for_metrics is not None:
+            reasons.append("compute_metrics / preprocess_logits_for_metrics: evaluation logits are vocab-parallel "
+                           "shards here; evaluate the loss (prediction_loss_only) or gather logits with "
+                           "nxdtp.models.gather_vocab_logits in your own loop")
+        if reasons:
+            raise ValueError("TensorParallelTrainer cannot run this configuration: " + "; ".join(reasons))
+        tp = parallel_state.get_tensor_model_parallel_size()
+        # transformers 5 reads these to build accelerate's ParallelismConfig(tp_size, dp_shard_size): the data is
+        # then split by DP rank only and the model is not wrapped in DDP. Set here, not by parallelize_model, so that
+        # plain Trainer never takes this path without the gradient averaging and clipping below.
+        model._tp_size = tp
+        setattr(model, TRAINED_BY, type(self).__name__)   # the forward's guard against plain Trainer lets it through
+        model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
+        super().__init__(model, args, *positional, **keywords)
+        if self.accelerator.distributed_type.name == "XLA":
+            raise ValueError("TensorParallelTrainer on an XLA device: accelerate all-reduces gradients over the whole "
+                             "world there; train with nxdtp's own loop on XLA (docs/wrapping_hf_models.md)")
+
+    # ---- accelerate's ParallelismConfig on CPU worlds ----------------------------------------------------------------
+
+    def _build_accelerator_args(self, **kwargs):
+        arguments = super()._build_accelerator_args(**kwargs)
+        self._nxdtp_parallelism_config = None
+        if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not _has_accelerator_device():
+            # accelerate 1.x refuses a ParallelismConfig for MULTI_CPU (gloo) worlds, though nothing in its
+            # tensor-parallel path needs a GPU: install it after the accelerator is built (below).
+            self._nxdtp_parallelism_config = arguments.pop("parallelism_config", None)
+        return arguments
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        config = getattr(self, "_nxdtp_parallelism_config", None)
+        if config is not None:
+            state = self.accelerator.state
+            state.parallelism_config = config
+            state.device_mesh = config.get_device_mesh(self.accelerator.device.type)
+
+    # ---- gradients ---------------------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:   # the last micro-batch of the accumulation window
+            grads.allreduce_sequence_parallel_gradients(self.model)
+            grads.allreduce_gradients(self.model)
+        return loss
+
+    def _clip_grad_norm(self, model):
+        return grads.clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grads.get_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm
+
+    # ---- checkpoints: every rank its shards ----------------------------------------------------------------------------
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if _internal_call and not self.args.save_only_model:
+            return   # _save_optimizer_and_scheduler writes the weights with the optimizer, in one tag
+        checkpointing.save({"model": self.model}, output_dir or self.args.output_dir, tag=MODEL_TAG)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        checkpointing.save({"model": self.model, "optimizer": _inner_optimizer(self.optimizer),
+                            "scheduler": self.lr_scheduler}, output_dir, tag=TRAINING_TAG)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        checkpointing.load(resume_from_checkpoint, model=self.model, tag=_tag_in(resume_from_checkpoint))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or _tag_in(checkpoint) != TRAINING_TAG:
+            return
+        checkpointing.load(checkpoint, model=self.model, optimizer=_inner_optimizer(self.optimizer),
+                           scheduler=self.lr_scheduler, tag=TRAINING_TAG, restore_rng_states=True)
+
+
+def _tag_in(checkpoint_dir: str) -> str:
+    for tag in (TRAINING_TAG, MODEL_TAG):
+        if os.path.isdir(os.path.join(checkpoint_dir, tag)):
+            return tag
+    raise FileNotFoundError(f"{checkpoint_dir} holds no nxdtp checkpoint ({TRAINING_TAG}/ or {MODEL_TAG}/): was it "
+                            "written by TensorParallelTrainer?")
+
+
+def _has_accelerator_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
