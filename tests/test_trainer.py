@@ -95,7 +95,8 @@ def test_tp2_dp2_equals_dense_trainer(dense):
 def test_save_and_resume_equal_the_uninterrupted_run(dense):
     tmp = dense[0]
     whole = _run(tmp, "saved", "--save_steps", "2", ranks=2)
-    assert (whole / "checkpoint-2" / "nxdtp_training").is_dir() and (whole / "checkpoint-2" / "trainer_state.json").is_file()
+    checkpoint = whole / "checkpoint-2"
+    assert (checkpoint / "nxdtp_training").is_dir() and (checkpoint / "trainer_state.json").is_file()
     resumed = _run(tmp, "resumed", "--resume", str(whole / "checkpoint-2"), ranks=2)
     assert _log(resumed) == _log(whole)
     final, resumed_final = _merged_weights(whole / "final", tmp), _merged_weights(resumed / "final", tmp)

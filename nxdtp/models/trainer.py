@@ -55,8 +55,8 @@ def _refusals(model, args) -> list:
     if getattr(args, "fsdp", None):
         reasons.append(f"fsdp={args.fsdp!r}: FSDP over a TP-sharded model is not supported")
     if getattr(args, "label_smoothing_factor", 0):
-        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer smooths the model's logits, which "
-                       "are vocab-parallel shards here; pass label smoothing to the model's loss instead")
+        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer smooths the model's logits, "
+                       "which are vocab-parallel shards here; pass label smoothing to the model's loss instead")
     if getattr(args, "load_best_model_at_end", False):
         reasons.append("load_best_model_at_end=True: not supported yet; reload a checkpoint-N with "
                        "resume_from_checkpoint instead")
@@ -136,7 +136,7 @@ class TensorParallelTrainer(transformers.Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return grads.get_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm
 
-    # ---- checkpoints: every rank its shards ----------------------------------------------------------------------------
+    # ---- checkpoints: every rank its shards --------------------------------------------------------------------------
 
     def save_model(self, output_dir=None, _internal_call=False):
         if _internal_call and not self.args.save_only_model:
