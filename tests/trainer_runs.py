@@ -1,7 +1,8 @@
 """One Hugging Face Trainer run for tests/test_trainer.py, in a process of its own: ``python tests/trainer_runs.py
 dense OUT`` trains the dense model on the global batch; under torchrun, ``tp OUT --tp 2`` trains the nxdtp-parallelized
 copy with TensorParallelTrainer (``plain OUT``: with transformers.Trainer, which must refuse). Both write their
-per-step log (loss, grad norm) to OUT/log.json and their final weights (the dense model's ``model.safetensors``; the TP run's nxdtp tag, which the test merges).
+per-step log (loss, grad norm) to OUT/log.json and their final weights (the dense model's ``model.safetensors``; the
+TP run's nxdtp tag, which the test merges).
 
 Trainer picks an XLA device whenever torch_xla is installed unless USE_TORCH_XLA=0, so the test sets it; it must be
 set before transformers is imported.
