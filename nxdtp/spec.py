@@ -13,7 +13,7 @@ The module is the source of truth. The NxD attributes on Parameter objects (``te
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -88,6 +88,28 @@ class ParamSpec:
             grouped.copy_(dense.unflatten(dim, (self.pad_groups, -1)))
         else:
             _leading_block(full, dense.shape).copy_(dense)
+        return full
+
+    def place_piece(self, full: torch.Tensor, piece: torch.Tensor, rank: int) -> None:
+        """Copy TP rank ``rank``'s piece into its places in ``full`` (the full tensor, padded and with its copies):
+        the inverse of ``shard_of`` with this spec's partition dim and stride. The piece holds ``stride`` chunks, and
+        chunk j is block ``j * num_partitions + rank`` of the full dimension."""
+        dim, stride, parts = self.partition_dim, self.stride, self.num_partitions
+        block = self.full_shape[dim] // (parts * stride)
+        for chunk in range(stride):
+            full.narrow(dim, (chunk * parts + rank) * block, block).copy_(piece.narrow(dim, chunk * block, block))
+
+    def full_from_pieces(self, read_piece: Callable[[int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The full (padded, copies kept) tensor from its TP pieces. ``read_piece(rank)`` is called once per rank, in
+        rank order 0, 1, ..., and each piece is copied in and dropped before the next is read, so the peak is the full
+        tensor plus one piece. A replicated tensor is rank 0's piece."""
+        if not self.is_sharded:
+            return read_piece(0).to(dtype)
+        full = torch.empty(self.full_shape, dtype=dtype)
+        for rank in range(self.num_partitions):
+            piece = read_piece(rank)
+            self.place_piece(full, piece, rank)
+            del piece
         return full
 
     def _real_per_group(self) -> int:

@@ -291,3 +291,40 @@ def test_grouped_query_zero_heads_and_gqa_layer_equal_dense(worlds, backend):
     four = lambda world_size: worlds(world_size, backend)  # noqa: E731
     test_models_decoders.test_grouped_query_heads_tp_does_not_divide_are_padded(four, sp=False)
     test_qkv_linear.test_gqa_block_equals_dense_at_tp4(four, multiplier=2, fuse=True, sp=False)
+
+
+# ---- save_pretrained on device worlds --------------------------------------------------------------------------------
+
+def test_save_pretrained_equals_merge_and_loads_in_transformers(device_worlds, tmp_path):
+    # The gathers are CPU broadcasts: on these worlds they must take the gloo twins of the TP groups.
+    from tests import test_save_pretrained
+
+    test_save_pretrained.test_save_pretrained_equals_merge_and_loads_in_transformers(device_worlds, tmp_path, "gpt2",
+                                                                                     2, 2)
+
+
+def case_save_pretrained_from_an_xla_device(root: str):
+    """A parallelized GPT-2 moved to the XLA device, with an update left pending, saves what the same update gives on
+    CPU: the pending graph runs on every rank before any rank reads a tensor to the host."""
+    import torch_xla
+
+    from nxdtp.utils import move_model_to_device
+    from tests.test_save_pretrained import _parallel
+
+    on_cpu, on_xla = _parallel("gpt2"), _parallel("gpt2")
+    move_model_to_device(on_xla, torch_xla.device())
+    torch_xla.sync()
+    with torch.no_grad():
+        for model in (on_cpu, on_xla):
+            for param in model.parameters():
+                param.mul_(1.5)   # pending on XLA until the save runs it
+    on_cpu.save_pretrained(os.path.join(root, "cpu"))
+    on_xla.save_pretrained(os.path.join(root, "xla"))
+    return True
+
+
+def test_save_pretrained_from_an_xla_device(worlds, tmp_path):
+    worlds(2, "xla").run(case_save_pretrained_from_an_xla_device, tensor_model_parallel_size=2, root=str(tmp_path))
+    with open(tmp_path / "cpu" / "model.safetensors", "rb") as a, open(tmp_path / "xla" / "model.safetensors",
+                                                                       "rb") as b:
+        assert a.read() == b.read()

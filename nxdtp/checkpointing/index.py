@@ -125,6 +125,17 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[s
     return tensors, entries
 
 
+def split_model_state(model: Any, state_dict: Dict[str, Any], tp: int
+                      ) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
+    """``split_state_dict`` with the tied keys named as ``model`` names them (``model`` may be the module or, as in
+    NxD's ``save({"model": model.state_dict()})``, the state dict itself, which names none): HF models list the keys
+    they re-tie when loading (``_tied_weights_keys``, a dict in transformers 5, a list before), and a plan may name
+    the key a tie's owner must be stored under (``nxdtp_tied_keys_to_store``). ``save`` and ``save_pretrained`` both
+    store ties this way, so a merged checkpoint and a saved-pretrained directory name every tensor alike."""
+    return split_state_dict(state_dict, tp, alias_keys=getattr(model, "_tied_weights_keys", None) or (),
+                            preferred_keys=getattr(model, "nxdtp_tied_keys_to_store", ()))
+
+
 @dataclasses.dataclass
 class CheckpointIndex:
     tensor_model_parallel_size: int

@@ -15,7 +15,7 @@ Safety rules shared by both:
 * The output is written into a temporary sibling directory and renamed into place at the end: after any error,
   ``output_dir`` is exactly as it was before (absent, or the old contents when ``force`` was given).
 
-Memory: tensors are reassembled and written one at a time with ``StreamingSafetensorsWriter``, so the peak is about one
+Memory: tensors are reassembled and written one at a time (``dense.DenseWeightsWriter``), so the peak is about one
 full tensor (plus one rank's piece), not the model. ``output_format="pytorch_bin"`` is the exception: ``torch.save``
 needs the whole state dict, so it holds the full dense model in memory.
 
@@ -49,6 +49,7 @@ from ..layers import shard_of
 from ..plan import padded_size
 from ..spec import ParamSpec
 from . import integrity, tags
+from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
 from .output_dir import check_output_dir, write_atomically
 from .index import INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file
@@ -58,7 +59,6 @@ CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
-SAFETENSORS_NAME = "model.safetensors"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
 
@@ -103,14 +103,13 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
     config_path = _config_source(tag_dir, config)
     try:
         def write(staging: str) -> str:
-            name = SAFETENSORS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
+            name = WEIGHTS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
             entries = list(index.tensors.items())
             bar = _progress(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
             try:
                 if output_format == "safetensors":
-                    layout = [(key, dtype_from_name(e.dtype), e.spec.unpadded_shape) for key, e in entries]
-                    with StreamingSafetensorsWriter(os.path.join(staging, name), layout,
-                                                    metadata={"format": "pt"}) as writer:
+                    # The writer save_pretrained uses too, so both write the same directory for the same weights.
+                    with DenseWeightsWriter(staging, dense_layout(index.tensors), metadata={"format": "pt"}) as writer:
                         for key, entry in entries:
                             writer.write(key, _dense(model_files, key, entry, index))
                             bar.update(1)
@@ -331,30 +330,12 @@ def _progress(total: int, description: str, enabled: bool):
 
 # ---- reassembling and splitting -----------------------------------------------------------------------------------------
 
-def _assemble_from(read_piece: Callable[[int], torch.Tensor], spec: ParamSpec, tp: int, dtype: torch.dtype
-                   ) -> torch.Tensor:
-    """The full (padded) tensor from the TP pieces: the inverse of ``shard_of`` with the spec's stride.
-
-    Rank r's piece holds ``stride`` chunks; chunk j is block ``j * tp + r`` of the full dimension. Pieces are read and
-    copied in one at a time, so the peak is the full tensor plus one piece.
-    """
-    if not spec.is_sharded:
-        return read_piece(0).to(dtype)
-    dim, stride = spec.partition_dim, spec.stride
-    full = torch.empty(spec.full_shape, dtype=dtype)
-    block = spec.full_shape[dim] // (tp * stride)
-    for rank in range(tp):
-        piece = read_piece(rank)
-        for chunk in range(stride):
-            full.narrow(dim, (chunk * tp + rank) * block, block).copy_(piece.narrow(dim, chunk * block, block))
-        del piece
-    return full
-
-
 def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
+    """The full (padded) tensor from the rank files' pieces, one piece in memory at a time (the index was checked:
+    the spec's partition count is the checkpoint's TP degree)."""
     files = entry.files(index.tensor_model_parallel_size)
-    return _assemble_from(lambda rank: model_files[files[rank]].get_tensor(key), entry.spec,
-                          index.tensor_model_parallel_size, dtype_from_name(entry.dtype))
+    return entry.spec.full_from_pieces(lambda rank: model_files[files[rank]].get_tensor(key),
+                                       dtype_from_name(entry.dtype))
 
 
 def _dense(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
@@ -537,7 +518,6 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
                        handles: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
-    tp = index.tensor_model_parallel_size
     rank0 = handles[optim_file(0)]
     layouts: List[list] = [[] for _ in range(new_tp)]
     for name, (key, fields) in plan:
@@ -553,8 +533,8 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
             for field, kind, _ in fields:
                 tensor_key = f"{name}/{field}"
                 if kind == "shard":
-                    full = _assemble_from(lambda r: handles[optim_file(r)].get_tensor(tensor_key), old_spec, tp,
-                                          _safetensors_dtype(rank0, tensor_key))
+                    full = old_spec.full_from_pieces(lambda r: handles[optim_file(r)].get_tensor(tensor_key),
+                                                     _safetensors_dtype(rank0, tensor_key))
                     full = _repad(full, old_spec, new_spec)
                     for rank in range(new_tp):
                         writers[rank].write(tensor_key, shard_of(full, new_spec.partition_dim, rank, new_tp,

@@ -86,6 +86,10 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path}: {len(missing)} tensors were never written, first {missing[:3]}")
         self._file.close()
 
+    def abandon(self) -> None:
+        """Close the file without completing it (an error happened while writing it)."""
+        self._file.abandon()
+
     def record(self) -> dict:
         """The index record (size, checksum) of the completed file."""
         return self._file.record()
@@ -102,7 +106,7 @@ class StreamingSafetensorsWriter:
         if kind is None:
             self.close()
         else:
-            self._file.abandon()
+            self.abandon()
 
 
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}

@@ -27,7 +27,7 @@ from ..spec import ParamSpec, ShardedModule
 from ..utils import move_all_tensor_to_cpu
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
-from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_state_dict
+from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_model_state
 from .lock import TagLock
 from .safetensors_stream import StreamingSafetensorsWriter
 
@@ -199,11 +199,8 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
         # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
         comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
         extras = move_all_tensor_to_cpu(extras)  # on every rank: a pending XLA graph must not run on one alone
-        # HF models list the keys they re-tie when loading (a dict in transformers 5, a list before); the tie's owner
-        # is stored under a key the model loads directly, or under the one its plan names (nxdtp_tied_keys_to_store).
-        tensors, entries = split_state_dict(model_state, tp_group.size,
-                                            alias_keys=getattr(model, "_tied_weights_keys", None) or (),
-                                            preferred_keys=getattr(model, "nxdtp_tied_keys_to_store", ()))
+        # A tie's owner is stored under a key the model loads directly, or under the one its plan names.
+        tensors, entries = split_model_state(model, model_state, tp_group.size)
         if down_cast_bf16:
             # The cast happens on the host while writing: on XLA a device-side cast would be a graph that only the
             # writing ranks run.

@@ -45,12 +45,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ...checkpointing.dense import DenseWeightsWriter
 from ...checkpointing.output_dir import check_output_dir, write_atomically
-from ...checkpointing.safetensors_stream import StreamingSafetensorsWriter
 
 CHECKPOINT_FILE = "checkpoint.pt"
 XSER_TENSORS_SUFFIX = ".tensors"
-SAFETENSORS_FILE = "model.safetensors"
 XLA_TENSOR_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 V2_MODEL_DIR = "model"
 
@@ -480,7 +479,8 @@ def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
     def write(staging: str) -> None:
         say(progress, f"writing {len(layout)} tensors (tp={tp} merged) to {output_dir}")
         metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(tp)}
-        with StreamingSafetensorsWriter(os.path.join(staging, SAFETENSORS_FILE), layout, metadata) as writer:
+        # The writer of nxdtp-merge and save_pretrained: one way to write a dense HF directory's weights.
+        with DenseWeightsWriter(staging, layout, metadata=metadata) as writer:
             for tensor, (key, dtype_, _) in zip(tensors, layout):
                 writer.write(key, tensor.build().to(dtype_))
         config.architectures = [architecture]

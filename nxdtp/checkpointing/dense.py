@@ -1,0 +1,277 @@
+"""The dense Hugging Face weights of a sharded model, written one tensor at a time: one writer for ``nxdtp-merge``
+(pieces read from a checkpoint's rank files) and for ``save_pretrained`` (pieces gathered from the live model's ranks).
+
+Both produce the same directory for the same weights: every tensor reassembled by its spec
+(``ParamSpec.full_from_pieces``), stripped of vocabulary padding, zero heads and repeated KV heads
+(``ParamSpec.dense_from_full``), under the keys ``split_model_state`` chooses (each tied tensor once), in
+``model.safetensors`` or, split by a shard plan, in ``model-0000i-of-0000n.safetensors`` files with HF's
+``model.safetensors.index.json``.
+
+Memory: a tensor is gathered, written and dropped before the next one is gathered, so the writing rank holds at most
+one full tensor, one rank's piece of it, and the dense tensor where dropping copies or zero heads makes a new one;
+the other ranks hold their own shards and one piece at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..parallel_state import get_topology, tensor_parallel_group
+from .durable import fsync_directory, make_directories, replace_atomically
+from .index import TensorEntry, dtype_from_name, split_model_state
+from .safetensors_stream import StreamingSafetensorsWriter
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# HF's names for the files of a sharded save (huggingface_hub's pattern "model{suffix}.safetensors").
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+Layout = List[Tuple[str, torch.dtype, Tuple[int, ...]]]
+
+
+def dense_layout(entries: Dict[str, TensorEntry]) -> Layout:
+    """(key, dtype, dense shape) of every stored tensor, in the entries' order."""
+    return [(key, dtype_from_name(entry.dtype), tuple(entry.spec.unpadded_shape)) for key, entry in entries.items()]
+
+
+def single_file(layout: Layout) -> Dict[str, List[str]]:
+    """The shard plan of an unsharded save: every tensor in ``model.safetensors``."""
+    return {WEIGHTS_NAME: [key for key, _, _ in layout]}
+
+
+def write_order(files: Dict[str, List[str]]) -> List[str]:
+    """The order in which the tensors of a shard plan are written: file by file, so one file is open at a time."""
+    return [key for keys in files.values() for key in keys]
+
+
+class DenseWeightsWriter:
+    """Write the weight files of a dense HF directory, one tensor at a time, in ``write_order(files)``.
+
+    ``files`` is a shard plan (file name -> its keys; default ``single_file``); with more than one file,
+    ``model.safetensors.index.json`` is written too, as HF writes it. Each file is written under a temporary name and
+    renamed into place only when every file is complete, so an interrupted write leaves the directory's earlier
+    weights. After the rename, the weight files of an earlier save that this one does not replace
+    (``model.safetensors`` when the model is now sharded, shards of another count, a stale index) are removed, so
+    ``from_pretrained`` cannot read them. Other files in ``directory`` (a tokenizer, a README) are left alone.
+    """
+
+    def __init__(self, directory: str, layout: Layout, files: Optional[Dict[str, List[str]]] = None,
+                 metadata: Optional[Dict[str, str]] = None, index_metadata: Optional[Dict[str, Any]] = None):
+        self.directory = directory
+        self.files = files if files is not None else single_file(layout)
+        shapes = {key: (dtype, shape) for key, dtype, shape in layout}
+        order = write_order(self.files)
+        if sorted(order) != sorted(shapes):
+            raise ValueError(f"the shard plan names tensors {sorted(set(order) ^ set(shapes))[:5]} that are not in the "
+                             "layout once each")
+        self._layouts = {name: [(key,) + shapes[key] for key in keys] for name, keys in self.files.items()}
+        self._order = iter([(name, key) for name, keys in self.files.items() for key in keys])
+        self._metadata = metadata
+        self._index_metadata = dict(index_metadata or {})
+        self._index_metadata["total_size"] = sum(
+            torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in layout)
+        self._temporary = {name: os.path.join(directory, f".{name}.nxdtp-tmp-{os.getpid()}") for name in self.files}
+        self._writer: Optional[StreamingSafetensorsWriter] = None
+        self._file: Optional[str] = None
+        self._closed = False
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        name, expected = next(self._order, (None, None))
+        if key != expected:
+            raise ValueError(f"{self.directory}: expected '{expected}' next, got '{key}'")
+        if name != self._file:
+            self._finish_file()
+            self._writer = StreamingSafetensorsWriter(self._temporary[name], self._layouts[name], self._metadata)
+            self._file = name
+        self._writer.write(key, tensor)
+
+    def _finish_file(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # checks that every tensor of the file was written; fsyncs it
+            self._writer = None
+
+    def close(self) -> List[str]:
+        """Complete the save: every tensor written, the files renamed into place, the index written, stale weight
+        files removed. Returns the weight files written, by name."""
+        missing = next(self._order, None)
+        if missing is not None:
+            raise ValueError(f"{self.directory}: '{missing[1]}' and the tensors after it were never written")
+        self._finish_file()
+        for name, keys in self.files.items():
+            if not keys:  # a model without tensors: an empty file, as HF writes one
+                StreamingSafetensorsWriter(self._temporary[name], [], self._metadata).close()
+        for name, temporary in self._temporary.items():
+            os.replace(temporary, os.path.join(self.directory, name))
+        written = list(self.files)
+        if len(self.files) > 1:
+            index = {"metadata": self._index_metadata,
+                     "weight_map": {key: name for name, keys in self.files.items() for key in keys}}
+            replace_atomically(os.path.join(self.directory, WEIGHTS_INDEX_NAME),
+                               (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            written.append(WEIGHTS_INDEX_NAME)
+        for name in os.listdir(self.directory):
+            stale = name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or _SHARD_FILE.fullmatch(name)
+            if stale and name not in written and os.path.isfile(os.path.join(self.directory, name)):
+                os.remove(os.path.join(self.directory, name))
+        fsync_directory(self.directory)
+        self._closed = True
+        return written
+
+    def abandon(self) -> None:
+        """Leave the directory's weights as they were: close and remove the temporary files."""
+        if self._writer is not None:
+            self._writer.abandon()
+            self._writer = None
+        for temporary in self._temporary.values():
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    def __enter__(self) -> "DenseWeightsWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None and not self._closed:
+            self.close()
+        elif kind is not None:
+            self.abandon()
+
+
+# ---- from a live model -----------------------------------------------------------------------------------------------
+
+def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[str, Any]] = None,
+               is_writer: bool = True, plan_files: Optional[Callable[[Layout], Dict[str, List[str]]]] = None,
+               index_metadata: Optional[Callable[[Layout], Dict[str, Any]]] = None,
+               write_beside: Optional[Callable[[str], None]] = None, check: Optional[Callable[[], None]] = None,
+               what: str = "save_dense") -> None:
+    """Collective (every rank calls it): write the dense weights of the parallelized ``model`` to ``directory``.
+
+    Every tensor is gathered over the tensor-parallel group (its pieces broadcast from their ranks, in rank order) and
+    reassembled by its spec as ``nxdtp-merge`` reassembles it from a checkpoint, then written by one rank: the lowest
+    global rank whose ``is_writer`` is true. Tensors are gathered one after the other, each dropped once written, so
+    no rank holds more than one full tensor (module docstring). Every tensor-parallel group gathers, not only the
+    writer's: on XLA every rank must run the same collectives, and any rank may be the writer.
+
+    ``state_dict`` replaces the model's weights: this rank's shards, keyed as ``model.state_dict()`` keys them; the
+    model's own sharding specs are used for them. ``plan_files(layout)`` gives the shard plan (default: one file),
+    ``index_metadata(layout)`` extra metadata for its index, ``write_beside(directory)`` writes other files once the
+    weights are in place (on the writer). ``check()`` runs first on every rank (argument checks).
+
+    Any error on any rank raises on every rank (``what`` names the operation), after the last gather: no rank is left
+    waiting. Every rank returns once the writer has finished, so the files are complete when any rank reads them.
+    """
+    group = tensor_parallel_group()
+    error: Optional[BaseException] = None
+    tensors: Dict[str, torch.Tensor] = {}
+    entries: Dict[str, TensorEntry] = {}
+    order: List[str] = []
+    files: Dict[str, List[str]] = {}
+    layout: Layout = []
+    try:
+        if check is not None:
+            check()
+        live = model.state_dict(keep_vars=True)
+        if state_dict is None:
+            state = live
+        else:
+            # The user's tensors with the model's specs, so a dict that lost its '_extra_state' entries still splits
+            # as the model does (or is refused by shape), never written as if each rank's piece were a full tensor.
+            state = {key: value for key, value in state_dict.items() if not key.endswith("_extra_state")}
+            state.update({key: value for key, value in live.items() if key.endswith("_extra_state")})
+        # Before only the writer reads tensors to the host: on XLA a read of a pending tensor would run the step's
+        # graph on the writer alone.
+        comm.materialize(list(state.values()))
+        try:
+            tensors, entries = split_model_state(model, state, group.size)
+        except (ValueError, TypeError) as e:
+            if state_dict is None:
+                raise
+            raise type(e)(f"{what}: the state_dict passed is not this rank's shards of the model ({e}); pass "
+                          "model.state_dict(), or None to save the model's own weights") from None
+        for key, entry in entries.items():
+            if entry.spec.is_sharded and entry.spec.num_partitions != group.size:
+                raise ValueError(f"'{key}' is split into {entry.spec.num_partitions} pieces, but the tensor-parallel "
+                                 f"group has {group.size} ranks")
+        layout = dense_layout(entries)
+        files = plan_files(layout) if plan_files is not None else single_file(layout)
+        order = write_order(files)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = e
+    comm.raise_on_every_rank_if_any_failed(error, what)
+    writers = comm.all_gather_object(bool(is_writer))
+    if not any(writers):
+        raise ValueError(f"{what}: no rank is the main process (is_main_process=False on all {len(writers)} ranks); "
+                         "pass True on the rank that should write (by default every rank passes True, and global "
+                         "rank 0 writes)")
+    writing = writers.index(True) == get_topology().rank
+
+    writer: Optional[DenseWeightsWriter] = None
+    try:
+        if writing:
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise NotADirectoryError(f"{what}: {directory} exists and is not a directory; pass a directory path")
+            make_directories(directory)
+            writer = DenseWeightsWriter(directory, layout, files, metadata={"format": "pt"},
+                                        index_metadata=index_metadata(layout) if index_metadata else None)
+    except Exception as e:  # noqa: BLE001
+        error, writer = e, None
+    for key in order:
+        # Every rank runs every gather, whatever failed on the writer, so no rank waits alone in a collective.
+        dense, gather_error = _gather_dense(tensors[key], entries[key], group, keep=writer is not None)
+        if writer is None:
+            continue
+        try:
+            if gather_error is not None:
+                raise gather_error
+            writer.write(key, dense)
+        except Exception as e:  # noqa: BLE001
+            error = e
+            writer.abandon()
+            writer = None
+        del dense
+    try:
+        if writer is not None:
+            writer.close()
+            if write_beside is not None:
+                write_beside(directory)
+    except Exception as e:  # noqa: BLE001
+        error = e
+        if writer is not None:
+            writer.abandon()
+    comm.raise_on_every_rank_if_any_failed(error, what)
+
+
+def _gather_dense(local: torch.Tensor, entry: TensorEntry, group, keep: bool
+                  ) -> Tuple[Optional[torch.Tensor], Optional[BaseException]]:
+    """Collective over the tensor-parallel group: the dense tensor of ``entry`` on the ranks that ``keep`` it (None
+    on the others), from the ranks' ``local`` pieces, each broadcast from its owner in rank order. A replicated tensor
+    needs no collective: the keeping rank's copy is it. An error while keeping (the writer's) is returned, after the
+    remaining broadcasts, not raised."""
+    spec, dtype = entry.spec, dtype_from_name(entry.dtype)
+    if not spec.is_sharded:
+        return (spec.dense_from_full(local.detach().to("cpu")) if keep else None), None
+    # On the host: the checkpoint path's gloo groups carry CPU tensors on every backend, and only one piece is
+    # in flight at a time, whatever the device holds.
+    piece = local.detach().to("cpu")
+    received = 0
+
+    def receive(rank: int) -> torch.Tensor:
+        nonlocal received
+        received += 1
+        return comm.broadcast(piece, group, src_group_rank=rank)
+
+    dense, error = None, None
+    if keep:
+        try:
+            dense = spec.dense_from_full(spec.full_from_pieces(receive, dtype))
+        except Exception as e:  # noqa: BLE001
+            dense, error = None, e
+    for rank in range(received, spec.num_partitions):
+        receive(rank)
+    return dense, error
