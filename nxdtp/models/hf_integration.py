@@ -6,8 +6,11 @@ from __future__ import annotations
 from torch import nn
 
 from .activation_checkpointing import support_hf_checkpointing
+from .generation import support_hf_generation
 
 
 def finish_hf_model(model: nn.Module) -> None:
-    """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states."""
+    """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states;
+    ``generate`` decodes from full-vocabulary logits, on the whole sequence (``nxdtp.models.generation``)."""
     support_hf_checkpointing(model)
+    support_hf_generation(model)
