@@ -210,10 +210,15 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None, None) + input_grads
 
 
+def xla_tensors(values) -> list:
+    """The tensors among ``values`` that live on an XLA device (where checkpointing must fence its recompute)."""
+    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+
+
 def _fence_on_xla(values) -> None:
     """Put an optimization barrier on the XLA tensors among ``values`` (a recompute's inputs): without it XLA sees the
     recompute as a copy of the forward, merges the two, and keeps the activations alive after all."""
-    on_xla = [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    on_xla = xla_tensors(values)
     if on_xla:
         _xla_model().optimization_barrier_(on_xla)
 

@@ -225,6 +225,7 @@ def test_a_filled_cache_is_refused_naming_it():
 
 
 def case_a_filled_cache_in_a_checkpointed_training_step_is_refused(family: str):
+    model_parallel_xla_manual_seed(5)   # training mode with dropout: the tracker must be seeded in this worker
     model = checkpoint_layers(parallelize_model(_dense(family, seed=5)))
     batch = _batch(seed=6)
     with torch.no_grad():   # no backward, so nothing recomputes: the cache fills as usual

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..plan import add_mixin, wrap_forward
-from ..random import ReplayedOnRecompute, checkpoint
+from ..random import ReplayedOnRecompute, checkpoint, xla_tensors
 
 
 def transformer_layers(model: nn.Module) -> list:
@@ -128,7 +128,7 @@ class TensorParallelCheckpoint:
             layer = _layer_name(function)
             function = _without_kv_caches_in_partial(function, layer)
             args, kwargs = without_kv_caches(args, kwargs, layer)
-        if any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in args):
+        if xla_tensors(args):
             # torch.utils.checkpoint cannot run on XLA (it looks for a torch.xla device module); nxdtp's checkpoint
             # replays the same states and fences the recompute so XLA does not merge it with the forward. The
             # partial's keywords become the checkpoint's inputs, so tensors among them get their gradients.
