@@ -192,9 +192,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               timeout: Optional[datetime.timedelta] = None) -> None:
     """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
 
-    Every rank must call this (group creation is collective). Each TP/DP group gets a process group of the world's
-    default backend (on an "xla" world with the full mesh, as NxD's) and, when that backend is not gloo, a gloo group
-    over the same ranks for CPU tensors; nxdtp.comm picks one from the tensor's device (XLA tensors use replica groups).
+    Every rank must call this (group creation is collective), and it returns on a rank only once every rank has made
+    every group, so a rank that goes on to destroy its groups or to exit cannot break a peer still connecting them.
+    Each TP/DP group gets a process group of the world's default backend (on an "xla" world with the full mesh, as
+    NxD's) and, when that backend is not gloo, a gloo group over the same ranks for CPU tensors; nxdtp.comm picks one
+    from the tensor's device (XLA tensors use replica groups).
     So does each rank alone (the singleton groups): NxD's pipeline, context and expert model-parallel groups of size 1.
     ``timeout`` bounds every collective on these groups (torch.distributed's default otherwise: 30 minutes for gloo), so
     a rank that died is reported instead of waited for. NxD's other options take NxD's positions and are accepted at
@@ -228,6 +230,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     # A world whose default already maps CPU tensors to gloo ("cpu:gloo,cuda:nccl") needs none.
     separate_cpu_groups = "cpu:gloo" not in dist.get_backend_config().split(",")
     process_groups, cpu_process_groups = {}, {}
+
+    def new_group(*args, **kwargs):
+        group = dist.new_group(*args, **kwargs)
+        # Owned from the moment it exists, so destroy_model_parallel releases it even if a later group fails to form.
+        _OWNED_PROCESS_GROUPS.append(group)
+        return group
+
     # The singleton groups (one per rank) stand for NxD's pipeline, context and expert model-parallel groups of size 1.
     # Every rank creates all of them, like the other kinds; a non-member's call only advances the group count (no
     # backend is built and, unless TORCH_DIST_INIT_BARRIER=1, no barrier), so this costs world_size cheap calls.
@@ -237,20 +246,23 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         for ranks in lists:
             key = (kind, tuple(ranks))
             # new_group is collective over the whole world: every rank creates every group, in the same order.
-            process_groups[key] = dist.new_group(ranks, timeout=timeout, **_group_options(default_backend, lists))
-            cpu_process_groups[key] = (dist.new_group(ranks, backend="gloo", timeout=timeout) if separate_cpu_groups
+            process_groups[key] = new_group(ranks, timeout=timeout, **_group_options(default_backend, lists))
+            cpu_process_groups[key] = (new_group(ranks, backend="gloo", timeout=timeout) if separate_cpu_groups
                                        else process_groups[key])
     # Barriers and object exchange (checkpoint coordination) go over the whole world on the host.
-    host_group = dist.new_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
-    _OWNED_PROCESS_GROUPS.extend(list(process_groups.values()) + [host_group]
-                                 + (list(cpu_process_groups.values()) if separate_cpu_groups else []))
+    host_group = new_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
     # NxD's world group: a copy of the default group (on an "xla" world with the mesh [[0, ..., world - 1]]), whose gloo
     # twin is the host group.
     everyone = list(range(world_size))
     world_key = ("world", tuple(everyone))
-    process_groups[world_key] = dist.new_group(everyone, timeout=timeout, **_group_options(default_backend, [everyone]))
+    process_groups[world_key] = new_group(everyone, timeout=timeout, **_group_options(default_backend, [everyone]))
     cpu_process_groups[world_key] = host_group if separate_cpu_groups else process_groups[world_key]
-    _OWNED_PROCESS_GROUPS.append(process_groups[world_key])
+    # new_group is not a barrier: with gloo, a rank's call returns once its own connections are up, while a peer may
+    # still be connecting to it. A rank that returned and then destroyed its groups (destroy_model_parallel, or its
+    # process ending) closed those connections under the peer, whose new_group then failed ("Connection closed by
+    # peer"), which a loaded machine made likely. So no rank leaves before every rank has made every group. A CPU tensor
+    # over the world's gloo group: the backend for CPU tensors in every world, whatever its default backend.
+    dist.all_reduce(torch.zeros(1), group=cpu_process_groups[world_key])
     _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group,
                                simulated=False, cpu_process_groups=cpu_process_groups)
 

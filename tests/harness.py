@@ -7,6 +7,12 @@ comes back as a list indexed by rank; an exception on any rank fails the test wi
 
 A case that hangs (one rank failed before a collective the others wait in) is caught by gloo's timeout; the pool is then
 torn down and the next case starts a fresh one.
+
+The pool's rendezvous store is a TCPStore that this process opens on a port the kernel picks, before any worker starts,
+and keeps until the pool closes; the workers join it as clients, as torchrun's workers join the store of their agent.
+No port is chosen first and bound later: a port that is merely free when chosen can be taken in the seconds a worker
+needs to start (by another test session's pool, which then shares the store and cross-wires the two worlds' groups, or
+by any socket, which leaves rank 0 unable to start).
 """
 
 from __future__ import annotations
@@ -16,19 +22,12 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 COLLECTIVE_TIMEOUT_S = 90
 CASE_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The worlds a pool can be: the default torch.distributed backend its processes start with.
@@ -49,11 +48,16 @@ def _init_world(backend: str, rank: int, world_size: int, port: int) -> None:
         from tests import cpu_refusing_backend
 
         cpu_refusing_backend.register()
-    # env:// as torchrun gives it, which is also how an "xla" world starts on a CPU machine.
+    # env:// as torchrun gives it, which is also how an "xla" world starts on a CPU machine. The store is the pool's
+    # (WorkerGroup._start), already listening: every rank joins it as a client, rank 0 included, which is what
+    # TORCHELASTIC_USE_AGENT_STORE tells env:// (torchrun sets it when its agent hosts the store).
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "TORCHELASTIC_USE_AGENT_STORE": "True"})
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    # Only this rendezvous is the pool's: a process a case starts (a torchrun launch, a world of its own) must host or
+    # find its store as it would anywhere else.
+    del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str], env: Dict[str, str],
@@ -93,10 +97,23 @@ class WorkerGroup:
         self.backend = backend
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._processes: List[mp.Process] = []
+        self._store = None
+
+    @property
+    def store_port(self) -> Optional[int]:
+        """The port of the running pool's store (None when no pool is running)."""
+        return None if self._store is None else self._store.port
 
     def _start(self) -> None:
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # Port 0: the kernel binds a free port and the store listens on it from now on, so no other process can take it
+        # before the workers arrive, and no other pool can be handed it. (A port chosen free here and bound by rank 0
+        # seconds later could be handed to another session's pool too; two worlds on one store fail in dist.new_group.)
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size=self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._processes = [
@@ -117,6 +134,8 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
         self._processes = []
+        # After the workers: a rank still running must not see its store vanish before it is stopped.
+        self._store = None
 
     def run(self, case: Callable, tensor_model_parallel_size: Optional[int] = 1, **kwargs) -> List[Any]:
         """Run ``case(**kwargs)`` on every rank; return the per-rank results, or raise with the failing ranks' tracebacks."""

@@ -131,6 +131,82 @@ def test_tp_not_dividing_real_world(worlds):
     worlds(4).run(case_world_not_divisible, tensor_model_parallel_size=None)
 
 
+def case_a_rank_still_making_groups_holds_the_others(late_s):
+    """Rank 1 is ``late_s`` slower than rank 0 inside each new_group it shares with rank 0 (a loaded machine that
+    deschedules it while it connects). Returns when this rank left initialize_model_parallel and, on rank 1, when it
+    had made its last group."""
+    import time
+
+    import torch.distributed as dist
+
+    real_new_group, made = dist.new_group, []
+
+    def slow_new_group(*args, **kwargs):
+        group = real_new_group(*args, **kwargs)
+        ranks = args[0] if args else kwargs.get("ranks")
+        if ranks is not None and set(ranks) == {0, 1}:
+            time.sleep(late_s)
+        made.append(time.time())
+        return group
+
+    if dist.get_rank() == 1:
+        dist.new_group = slow_new_group
+    try:
+        ps.initialize_model_parallel(2)
+    finally:
+        dist.new_group = real_new_group
+    return time.time(), max(made, default=None)
+
+
+def test_no_rank_leaves_initialize_model_parallel_while_another_is_making_groups(worlds):
+    # Issue 22, item 5: gloo's new_group returns on a rank once its own connections are up. A case without collectives
+    # (test_layers' same-seed construction) then let a fast rank destroy its groups while a slow one was still inside
+    # new_group, which failed with "Connection closed by peer". Without the barrier rank 0 leaves about late_s early.
+    results = worlds(2).run(case_a_rank_still_making_groups_holds_the_others, tensor_model_parallel_size=None,
+                            late_s=2.0)
+    (left_0, _), (left_1, last_group_1) = results
+    assert left_0 >= last_group_1, (f"rank 0 left initialize_model_parallel {last_group_1 - left_0:.2f} s before rank 1 "
+                                    "had made its last group")
+    assert left_1 >= last_group_1
+
+
+def case_groups_of_a_failed_initialization_are_released(fail_at_call):
+    """Every rank's ``fail_at_call``-th new_group raises (as a rendezvous failure would); destroy_model_parallel must
+    then release the groups made before it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    real_new_group, calls = dist.new_group, []
+
+    def failing_new_group(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == fail_at_call:
+            raise RuntimeError("injected: new_group failed")
+        return real_new_group(*args, **kwargs)
+
+    before = len(c10d._world.pg_map)
+    dist.new_group = failing_new_group
+    try:
+        ps.initialize_model_parallel(2)
+    except RuntimeError as e:
+        assert "injected" in str(e), e
+    else:
+        raise AssertionError("the injected failure did not surface")
+    finally:
+        dist.new_group = real_new_group
+    made = len(c10d._world.pg_map) - before
+    assert not ps.model_parallel_is_initialized()
+    ps.destroy_model_parallel()
+    return made, len(c10d._world.pg_map) - before
+
+
+def test_groups_of_a_failed_initialization_are_released(worlds):
+    results = worlds(2).run(case_groups_of_a_failed_initialization_are_released, tensor_model_parallel_size=None,
+                            fail_at_call=4)
+    for rank, (made, left) in enumerate(results):
+        assert made > 0 and left == 0, f"rank {rank}: {made} groups made before the failure, {left} left after destroy"
+
+
 def case_nxd_options_at_defaults():
     try:
         ps.initialize_model_parallel(2, context_parallel_size=2)
