@@ -21,6 +21,11 @@ from nxdtp import parallel_state as ps
 from nxdtp.spec import ParamSpec, attach_spec_attributes
 from nxdtp.utils import set_tensor_model_parallel_attributes
 
+# torch's own clip_grad_norm_. Importing torch_xla (transformers does when it is installed) replaces
+# torch.nn.utils.clip_grad_norm_ with torch_xla's version, which leaves gradients unscaled when the norm is NaN
+# (its ``where(coef < 1, coef, 1)`` picks 1), so a worker that imported transformers earlier had another reference.
+torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
+
 HIDDEN, FFN, GLOBAL_BATCH = 8, 16, 8
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -169,7 +174,7 @@ def case_grads(seed):
             dense_copy = copy.deepcopy(dense)
             for q, q_copy in zip(dense_params, dense_copy.parameters()):
                 q_copy.grad = q.grad.clone()
-            dense_norm = torch.nn.utils.clip_grad_norm_(dense_copy.parameters(), max_norm, norm_type=p)
+            dense_norm = torch_clip_grad_norm_(dense_copy.parameters(), max_norm, norm_type=p)
             # The tied parameter is passed twice and must be scaled once.
             total = nxg.clip_grad_norm(params + [tp_model.w1], max_norm, norm_type=p)
             torch.testing.assert_close(total, dense_norm, **TOL)
@@ -400,7 +405,7 @@ def case_nonfinite_norm_and_clip(seed):
                 dense_copy = copy.deepcopy(dense)
                 for q, g in zip(dense_copy.parameters(), dense_grads):
                     q.grad = g.clone()
-                dense_norm = torch.nn.utils.clip_grad_norm_(dense_copy.parameters(), 1.0, norm_type=p)
+                dense_norm = torch_clip_grad_norm_(dense_copy.parameters(), 1.0, norm_type=p)
                 total = nxg.clip_grad_norm(params, 1.0, norm_type=p)
                 torch.testing.assert_close(total, dense_norm, equal_nan=True, rtol=0, atol=0,
                                            msg=lambda m: f"clip norm, {what}: {m}")
