@@ -3,8 +3,10 @@
 ``parallelize_model(model)`` shards an HF model in place with its family's plan; ``from_pretrained_sharded(model_dir)``
 builds one from a local HF directory, each rank reading only its slices; ``save_pretrained(model, dir)`` (also the
 parallelized model's own ``save_pretrained``) writes the dense HF directory back; ``gather_vocab_logits`` gives the
-full logits of a vocab-parallel head. One file per family holds its plan (``bert.py``, ``roberta.py``, ``gpt2.py``,
-``llama.py``); this module only maps model classes to families. Importing it does not import transformers.
+full logits of a vocab-parallel head; ``generation_mode(model)`` runs a parallelized causal LM as ``model.generate``
+does (full-vocabulary logits, the sequence not split). One file per family holds its plan (``bert.py``,
+``roberta.py``, ``gpt2.py``, ``llama.py``); this module only maps model classes to families. Importing it does not
+import transformers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from . import bert, gpt2, hf_tp_plan, llama, roberta
 from .activation_checkpointing import checkpoint_layers
 from .common import attention_bias, gather_vocab_logits, require_supported_transformers
 from .hf_saving import save_pretrained
+from .generation import generation_mode
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
 # (checkpoint_keys); _PLANS gives each family's plan(sequence_parallel, make_vocab_size_divisible_by).
@@ -104,5 +107,5 @@ def _refuse_nxdtp_checkpoint(model_dir: str) -> None:
                          f"(nxdtp-merge {model_dir} OUT_DIR) and call from_pretrained_sharded(OUT_DIR)")
 
 
-__all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "attention_bias",
+__all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "generation_mode", "attention_bias",
            "checkpoint_layers", "save_pretrained", "supported_models"]

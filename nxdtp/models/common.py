@@ -106,6 +106,17 @@ def _builds_extended_attention_masks() -> bool:
     return hasattr(PreTrainedModel, "get_extended_attention_mask")
 
 
+# Set on every module of a model by ``nxdtp.models.generation.generation_mode``, which runs a sequence-parallel model
+# without splitting the sequence (a decode step has one token, which no split divides): the sequence-parallel
+# wrappers below then act as their plain TP counterparts.
+WHOLE_SEQUENCE = "_nxdtp_whole_sequence"
+
+
+def splits_sequence(module: nn.Module) -> bool:
+    """Whether ``module``'s sequence-parallel wrapper splits the sequence now (always, except in generation_mode)."""
+    return not module.__dict__.get(WHOLE_SEQUENCE, False)
+
+
 def dropping(module: nn.Module) -> bool:
     """Whether ``module`` would draw a dropout mask in this forward."""
     return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
@@ -132,11 +143,12 @@ def tensor_parallel_block(sequence_dimension: int, sequence_parallel: bool, fork
     """A forward wrapper for a block whose column-parallel input projections (Q/K/V, or gate/up) all read the same
     ``hidden_states``: one entry region for all of them, so backward sums their input gradients with a single
     all-reduce (or, with sequence parallelism, gathers the sequence once and reduce-scatters once; the projections
-    keep only the sequence shard for backward and share one re-gather there).
-    ``forks_dropout(module)`` says whether the block's dropout draws per-rank masks."""
+    keep only the sequence shard for backward and share one re-gather there; in generation_mode, where the sequence
+    stays whole, the plain entry region). ``forks_dropout(module)`` says whether the block's dropout draws per-rank
+    masks."""
 
     def wrapper(forward, hidden_states, *args, **kwargs):
-        if sequence_parallel:
+        if sequence_parallel and splits_sequence(forward.__self__):
             hidden_states = sequence_parallel_linear.gather_keeping_shard(hidden_states, sequence_dimension)
         else:
             hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
@@ -147,9 +159,12 @@ def tensor_parallel_block(sequence_dimension: int, sequence_parallel: bool, fork
 
 @wrapper_factory
 def scatter_sequence_of_input(sequence_dimension: int):
-    """A forward wrapper that splits the first argument along the sequence: where a sequence-parallel region starts."""
+    """A forward wrapper that splits the first argument along the sequence: where a sequence-parallel region starts
+    (except in generation_mode)."""
 
     def wrapper(forward, hidden_states, *args, **kwargs):
+        if not splits_sequence(forward.__self__):
+            return forward(hidden_states, *args, **kwargs)
         return forward(mappings.scatter_to_sequence_parallel_region(hidden_states, sequence_dimension=sequence_dimension),
                        *args, **kwargs)
 
@@ -159,10 +174,13 @@ def scatter_sequence_of_input(sequence_dimension: int):
 @wrapper_factory
 def gather_sequence_of_output(sequence_dimension: int):
     """A forward wrapper that gathers a tensor output along the sequence for replicated consumers (backward splits):
-    where a sequence-parallel region ends. A column-parallel LM head after it keeps only the shard for backward and
-    re-gathers it there (``nxdtp.sequence_parallel_linear``)."""
+    where a sequence-parallel region ends (except in generation_mode, where the output is whole already). A
+    column-parallel LM head after it keeps only the shard for backward and re-gathers it there
+    (``nxdtp.sequence_parallel_linear``)."""
 
     def wrapper(forward, *args, **kwargs):
+        if not splits_sequence(forward.__self__):
+            return forward(*args, **kwargs)
         shard = forward(*args, **kwargs)
         full = mappings.gather_from_sequence_parallel_region(shard, to_model_parallel=False,
                                                              sequence_dimension=sequence_dimension)

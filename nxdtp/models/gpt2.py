@@ -34,7 +34,8 @@ from .. import mappings
 from .attention_heads import attention_projection_styles
 from .hf_integration import finish_hf_model
 from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, \
-    require_supported_transformers, scatter_sequence_of_input, tensor_parallel_block, with_and_without_prefix
+    require_supported_transformers, scatter_sequence_of_input, splits_sequence, tensor_parallel_block, \
+    with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
 SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")
@@ -143,6 +144,27 @@ def _tensor_parallel_attention(forward, hidden_states, *args, **kwargs):
     return residual_dropout(output), weights
 
 
+_MLP = tensor_parallel_block(SEQUENCE_DIM, False, never_drops)
+# With sequence parallelism every dropout in a block acts on this rank's heads or this rank's tokens: per-rank masks.
+_SEQUENCE_PARALLEL_BLOCK = tensor_parallel_block(SEQUENCE_DIM, True, dropping)
+
+
+def _sequence_parallel_attention(forward, *args, **kwargs):
+    """The attention block of a sequence-parallel model; run on the whole sequence (generation_mode), exactly the
+    block of a model without sequence parallelism, whose residual dropout acts on replicated activations and so must
+    draw the same mask on every rank."""
+    if splits_sequence(forward.__self__):
+        return _SEQUENCE_PARALLEL_BLOCK(forward, *args, **kwargs)
+    return _tensor_parallel_attention(forward, *args, **kwargs)
+
+
+def _sequence_parallel_mlp(forward, *args, **kwargs):
+    """The MLP block of a sequence-parallel model; on the whole sequence, the one without (its dropout replicated)."""
+    if splits_sequence(forward.__self__):
+        return _SEQUENCE_PARALLEL_BLOCK(forward, *args, **kwargs)
+    return _MLP(forward, *args, **kwargs)
+
+
 def _wire(model: nn.Module, sequence_parallel: bool) -> None:
     tp = tensor_parallel_group().size
     heads = padded_head_count(model.config.n_head, model.config.n_head, tp) // tp
@@ -152,12 +174,11 @@ def _wire(model: nn.Module, sequence_parallel: bool) -> None:
         block.attn.num_heads = heads
         block.attn.split_size = heads * block.attn.head_dim
         if sequence_parallel:
-            # Every dropout in these blocks now acts on this rank's heads or this rank's tokens: per-rank masks.
-            wrap_forward(block.attn, "nxdtp_tp_attention_sp", tensor_parallel_block(SEQUENCE_DIM, True, dropping))
-            wrap_forward(block.mlp, "nxdtp_tp_mlp_sp", tensor_parallel_block(SEQUENCE_DIM, True, dropping))
+            wrap_forward(block.attn, "nxdtp_tp_attention_sp", _sequence_parallel_attention)
+            wrap_forward(block.mlp, "nxdtp_tp_mlp_sp", _sequence_parallel_mlp)
         else:
             wrap_forward(block.attn, "nxdtp_tp_attention", _tensor_parallel_attention)
-            wrap_forward(block.mlp, "nxdtp_tp_mlp", tensor_parallel_block(SEQUENCE_DIM, False, never_drops))
+            wrap_forward(block.mlp, "nxdtp_tp_mlp", _MLP)
     if sequence_parallel:
         wrap_forward(transformer.h[0], "nxdtp_sequence_parallel_entry", scatter_sequence_of_input(SEQUENCE_DIM))
         wrap_forward(transformer.ln_f, "nxdtp_sequence_parallel_exit", gather_sequence_of_output(SEQUENCE_DIM))

@@ -9,14 +9,17 @@ from torch import nn
 
 from ..parallel_state import tensor_parallel_group
 from .activation_checkpointing import support_hf_checkpointing
+from .generation import support_hf_generation
 from .hf_saving import support_save_pretrained
 
 
 def finish_hf_model(model: nn.Module) -> None:
-    """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states,
-    ``save_pretrained`` writes the dense HF directory gathered from the shards, and a multi-process accelerate (plain
+    """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states;
+    ``generate`` decodes from full-vocabulary logits, on the whole sequence (``nxdtp.models.generation``);
+    ``save_pretrained`` writes the dense HF directory gathered from the shards; and a multi-process accelerate (plain
     ``transformers.Trainer``) driving it is refused at its first training forward."""
     support_hf_checkpointing(model)
+    support_hf_generation(model)
     support_save_pretrained(model)
     if tensor_parallel_group().size > 1:
         model.register_forward_pre_hook(refuse_foreign_multiprocess_trainers)

@@ -1,0 +1,186 @@
+"""Text generation (transformers' ``model.generate``) on parallelized causal LMs, and the mode it runs in.
+
+Training keeps the Megatron layout: the LM head's logits stay vocab-parallel (the loss runs on the shards, nothing
+gathers ``[tokens, vocab]``), and sequence parallelism splits the hidden states along the sequence. Decoding needs the
+opposite on both counts:
+
+* **Full logits.** HF's greedy search, sampling and beam search take ``argmax`` / top-k / ``multinomial`` over the last
+  dimension of ``outputs.logits``. On a vocab-parallel head that is this rank's shard: the ids are local, and every rank
+  would pick a different token. So in generation the model's output logits are all-gathered over TP and the padded
+  vocabulary columns dropped. The gathered tensor holds the same bytes on every rank, so logits processors compute the
+  same scores everywhere and equal seeds draw equal samples: every rank generates the same tokens. With
+  ``logits_to_keep`` / ``num_logits_to_keep`` (which HF's ``generate`` passes) only the last position's logits are
+  computed and gathered: ``batch x vocab`` values per step.
+* **The whole sequence.** Each step after the prompt feeds one token, which no sequence split divides over TP, and a
+  prompt may have any length. So generation runs a sequence-parallel model without the split: every rank holds the
+  whole sequence, and each sequence-parallel region becomes the plain TP region (the block entries copy instead of
+  all-gathering, the row-parallel layers all-reduce instead of reduce-scattering, nothing is scattered or gathered
+  around the layers). That is exactly the model sharded without sequence parallelism, dropout included. The KV cache
+  is the same either way: attention always sees the whole sequence, so it caches the same keys and values.
+
+``generation_mode(model)`` is that mode. A parallelized causal LM's ``generate`` runs entirely inside it, so HF's own
+decoding loops (and whatever calls ``generate``: pipelines, Trainer's ``predict_with_generate``) work unchanged. Use it
+directly for a decoding loop of your own. Outside it nothing changes: the training and evaluation forwards keep
+vocab-parallel logits, so the evaluation loss stays cheap (no gather); ``gather_vocab_logits`` gives full logits for
+metrics that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..layers import ColumnParallelLinear
+from ..plan import add_mixin
+from .common import WHOLE_SEQUENCE, gather_vocab_logits
+
+# Kept in the model's instance dictionary: how many generation_mode contexts are open on it, and whether it splits the
+# sequence outside them (it has sequence-parallel parameters).
+_DEPTH = "_nxdtp_generation_depth"
+_SEQUENCE_PARALLEL = "_nxdtp_generation_suspends_sequence_parallelism"
+
+
+def in_generation_mode(model: nn.Module) -> bool:
+    return model.__dict__.get(_DEPTH, 0) > 0
+
+
+@contextlib.contextmanager
+def generation_mode(model: nn.Module):
+    """Run ``model`` (a causal LM parallelized by nxdtp) as for decoding: its outputs' ``logits`` are the
+    full-vocabulary logits, ``[..., config.vocab_size]``, the same on every TP rank (the loss, given labels, is still
+    computed on the vocab-parallel shards), and a sequence-parallel model runs without splitting the sequence, so any
+    length runs, one token included. ``model.generate`` enters it by itself. Under sequence parallelism the forward
+    must run under ``torch.no_grad()``: without the split the norms compute complete gradients, which
+    ``allreduce_sequence_parallel_gradients`` would then multiply by TP. Re-entrant."""
+    if not isinstance(model, _GeneratesFromFullLogits):
+        raise TypeError(f"generation_mode() needs a causal language model parallelized by nxdtp (parallelize_model or "
+                        f"from_pretrained_sharded of a class with transformers' generate); {type(model).__name__} is "
+                        "not one")
+    depth = model.__dict__.get(_DEPTH, 0)
+    switched_off = _run_whole_sequence(model) if depth == 0 else None
+    model.__dict__[_DEPTH] = depth + 1
+    try:
+        yield model
+    finally:
+        if depth == 0:
+            model.__dict__.pop(_DEPTH, None)
+            _split_sequence_again(model, switched_off)
+        else:
+            model.__dict__[_DEPTH] = depth
+
+
+def _run_whole_sequence(model: nn.Module) -> list:
+    """Make every sequence-parallel region of ``model`` the plain TP region: the plans' forward wrappers read
+    ``WHOLE_SEQUENCE`` on their module (``nxdtp.models.common``), nxdtp's layers their ``sequence_parallel_enabled``.
+    Returns the layers switched off."""
+    model.__dict__[_SEQUENCE_PARALLEL] = any(getattr(p, "sequence_parallel_enabled", False)
+                                             for p in model.parameters())
+    switched_off = []
+    for module in model.modules():
+        module.__dict__[WHOLE_SEQUENCE] = True
+        if module.__dict__.get("sequence_parallel_enabled") is True:
+            module.sequence_parallel_enabled = False
+            switched_off.append(module)
+    return switched_off
+
+
+def _split_sequence_again(model: nn.Module, switched_off: list) -> None:
+    for module in model.modules():
+        module.__dict__.pop(WHOLE_SEQUENCE, None)
+    for module in switched_off:
+        module.sequence_parallel_enabled = True
+    model.__dict__.pop(_SEQUENCE_PARALLEL, None)
+
+
+def _vocab_parallel_head(model: nn.Module):
+    """The model's LM head if its logits are vocab-parallel (a column-parallel layer that does not gather), else None
+    (a head HF's tp_plan left replicated gives full logits already)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if isinstance(head, ColumnParallelLinear) and not head.gather_output:
+        return head
+    return None
+
+
+class _GeneratesFromFullLogits:
+    """Mixed into a parallelized causal LM (``support_hf_generation``): ``generate`` runs in ``generation_mode``, and
+    in that mode a call of the model gathers its output logits over TP. The gather happens after ``forward``, around
+    ``__call__``, so that the forward's signature, which transformers inspects (``logits_to_keep``, ``position_ids``,
+    which keyword arguments are valid), stays the HF class's, and so that a loss computed by the forward still sees the
+    vocab-parallel logits it is written for."""
+
+    def generate(self, *args, **kwargs):
+        _refuse_unsupported(self, kwargs)
+        with generation_mode(self):
+            return super().generate(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not in_generation_mode(self):
+            return super().__call__(*args, **kwargs)
+        if self.__dict__.get(_SEQUENCE_PARALLEL) and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(self).__name__} was parallelized with sequence_parallel=True and is in generation_mode, which "
+                "runs it without splitting the sequence: its forward must run under torch.no_grad() (with gradients, "
+                "the norms' gradients would be complete, and allreduce_sequence_parallel_gradients would multiply "
+                "them by the TP size). Train outside generation_mode")
+        # The full logits are put into HF's output object; a caller that asked for a tuple gets one made from it.
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        outputs = super().__call__(*args, return_dict=True, **kwargs)
+        head = _vocab_parallel_head(self)
+        logits = outputs.get("logits") if hasattr(outputs, "get") else None
+        if head is not None and logits is not None:
+            outputs["logits"] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))
+        return outputs if return_dict else outputs.to_tuple()
+
+
+def _refuse_unsupported(model: nn.Module, kwargs: dict) -> None:
+    """Refuse, before transformers starts, what would decode wrongly or fail obscurely on a parallelized model."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    # DoLa applies the LM head to intermediate hidden states itself: vocab-parallel logits nxdtp never sees.
+    dola_layers = kwargs.get("dola_layers", getattr(config, "dola_layers", None))
+    if dola_layers is not None:
+        raise NotImplementedError(
+            f"generate(dola_layers={dola_layers!r}) on a parallelized {type(model).__name__}: DoLa applies the LM head "
+            "to intermediate hidden states itself, which gives vocab-parallel logits. Use greedy search, sampling or "
+            "beam search (dola_layers=None)")
+    # Caches that generate builds by name (static, sliding_window, hybrid, ...) are allocated for the config's KV head
+    # count, not this rank's, unless the installed transformers sizes their layers from the first keys they store.
+    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+    if implementation not in (None, "dynamic") and not _caches_sized_from_keys():
+        import transformers
+
+        raise NotImplementedError(
+            f"generate(cache_implementation={implementation!r}) on a parallelized {type(model).__name__} under "
+            f"transformers {transformers.__version__}: this release allocates such caches for the config's "
+            f"{getattr(model.config, 'num_key_value_heads', None)} KV heads, while each rank holds only its own. Leave "
+            "cache_implementation unset (the dynamic cache), or use a transformers release whose static cache layers "
+            "size themselves from the keys (StaticLayer.lazy_initialization, transformers 5)")
+
+
+def _caches_sized_from_keys() -> bool:
+    """Whether the installed transformers sizes a static cache's layers from the first keys stored (its layered caches
+    do), rather than from the config's head count."""
+    from transformers import cache_utils
+
+    return hasattr(getattr(cache_utils, "StaticLayer", None), "lazy_initialization")
+
+
+def _is_generative(model: nn.Module) -> bool:
+    """Whether ``model``'s class generates: one of its classes inherits transformers' ``GenerationMixin`` directly
+    (transformers 4.x's ``PreTrainedModel`` does for every model, encoders included, so it does not count)."""
+    try:
+        from transformers import GenerationMixin, PreTrainedModel
+    except ImportError:
+        return False
+    return any(GenerationMixin in cls.__bases__ for cls in type(model).__mro__ if cls is not PreTrainedModel)
+
+
+def support_hf_generation(model: nn.Module) -> None:
+    """Make ``generate`` on the parallelized ``model`` give the dense model's tokens on every rank (module docstring);
+    models that do not generate are left as they are."""
+    if _is_generative(model):
+        add_mixin(model, _GeneratesFromFullLogits)
