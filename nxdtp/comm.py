@@ -215,11 +215,15 @@ def barrier() -> None:
     dist.barrier(group=_host_process_group())
 
 
-def all_gather_object(obj: Any) -> List[Any]:
-    """Gather one picklable object from every rank of the world, on the host."""
-    group = _host_process_group()
-    out: List[Any] = [None] * get_topology().world_size
-    dist.all_gather_object(out, obj, group=group)
+def all_gather_object(obj: Any, group: Optional[ParallelGroup] = None) -> List[Any]:
+    """Gather one picklable object from every rank of the world (or of ``group``, in its rank order), on the host."""
+    if group is None:
+        process_group, size = _host_process_group(), get_topology().world_size
+    else:
+        _host_process_group()  # refuses a simulated topology, as for the world
+        process_group, size = group.process_group_for("cpu"), group.size
+    out: List[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=process_group)
     return out
 
 

@@ -8,7 +8,8 @@ Scale rules (docs/index.md, "Gradient scale is exact"):
 * ``bucket_allreduce_gradients`` averages over the data-parallel group only: sum over the DP ranks, divide by the DP
   size. Never by the world size, and never over TP ranks (their gradients are different shards, or already equal).
 * ``allreduce_sequence_parallel_gradients`` sums, over the TP group, the gradients of replicated parameters used inside a
-  sequence-parallel region (each TP rank saw only its part of the sequence).
+  sequence-parallel region (each TP rank saw only its part of the sequence), except those a plan's model already sums
+  inside backward (``nxdtp.plan.sum_sequence_parallel_gradients_in_backward``).
 
 Everything is written to trace one graph on every rank under XLA: no branch depends on tensor values or on the rank;
 per-rank differences enter as data (a weight tensor), not as graph structure.
@@ -276,10 +277,15 @@ def allreduce_sequence_parallel_gradients(optimizer: Any,
     Those are replicated parameters (LayerNorm weights, biases) applied to sequence-parallel activations: each TP rank's
     gradient covers only its part of the sequence. Takes an optimizer (its ``param_groups``), a module, or parameters.
     Call it after backward and before the DP all-reduce, clipping and the optimizer step. No-op at TP size 1.
+
+    Models sharded by a plan (``nxdtp.models.parallelize_model``, ``nxdtp.parallelize``) sum these gradients inside
+    backward already; their parameters are marked ``grad_allreduced_in_backward`` and skipped here, so the call NxD
+    training scripts make is harmless on them. It is needed for sequence-parallel layers a model builds itself.
     """
     source = optimizer.param_groups if hasattr(optimizer, "param_groups") else optimizer
     grads = [p.grad for p in _unique_params(source)
-             if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]
+             if getattr(p, "sequence_parallel_enabled", False) and not getattr(p, "grad_allreduced_in_backward", False)
+             and p.grad is not None]
     _bucketed_all_reduce(grads, tensor_parallel_group(), 1, bucket_cap_mb)
 
 

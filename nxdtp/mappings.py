@@ -160,6 +160,39 @@ def sum_gradients_over_replicas(input_: torch.Tensor, replicas: int, block: int)
     return _SumOverReplicas.apply(input_, tensor_parallel_group(), replicas, block)
 
 
+class _SumGradientsOverTensorParallel(torch.autograd.Function):
+    """Forward: identity on several tensors. Backward: their gradients summed over the group with one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return (None,) + grads
+        if len({g.dtype for g in present}) == 1:
+            # One collective for all of them: its latency, not its few bytes, is the cost (norm weights and biases).
+            flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in present]), ctx.group)
+            summed = iter(flat.split([g.numel() for g in present]))
+            present = [next(summed).view_as(g) for g in present]
+        else:
+            present = [comm.all_reduce(g, ctx.group) for g in present]
+        reduced = iter(present)
+        return (None,) + tuple(None if g is None else next(reduced) for g in grads)
+
+
+def sum_gradients_over_tensor_parallel(*tensors: torch.Tensor):
+    """Identity on ``tensors`` (a tuple of views); in backward their gradients are summed over the TP group, all with
+    one all-reduce. For replicated parameters applied to this rank's share of the data (sequence-parallel norms and
+    row-parallel biases): each rank's gradient is a partial sum, and the sum inside backward makes it whole before it
+    is accumulated into ``.grad``."""
+    return _SumGradientsOverTensorParallel.apply(tensor_parallel_group(), *tensors)
+
+
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, process_group=None, *,
                                          reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, gradient summed over TP ranks in backward (in
@@ -351,5 +384,5 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "enter_expert_parallel_region", "exit_expert_parallel_region",
     "scatter_to_process_group_spmd", "round_robin_scatter_to_process_group_spmd", "nonzero_partition_dim_swap",
-    "split_along_dim", "sum_gradients_over_replicas",
+    "split_along_dim", "sum_gradients_over_replicas", "sum_gradients_over_tensor_parallel",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import inspect
 import pickle
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -295,15 +296,72 @@ def call_with_parameters_as(forward, transform: Callable[[torch.Tensor], torch.T
     The module's code is unchanged; parameter names and state dicts are too. The swap lives on the module for the
     duration of the call, so one module must not run this forward from two threads at once."""
     module = forward.__self__
+    return _call_with_parameters(forward, {name: transform(param) for name, param in module._parameters.items()
+                                           if param is not None}, *args, **kwargs)
+
+
+def _call_with_parameters(forward, replacements: Dict[str, torch.Tensor], *args, **kwargs):
+    """``forward(*args, **kwargs)`` with the module's parameters named in ``replacements`` read as the given tensors."""
+    module = forward.__self__
     originals = dict(module._parameters)
     try:
         # Direct dict access: the transformed tensor is not a leaf, so it cannot be registered as a Parameter.
-        for name, param in originals.items():
-            if param is not None:
-                module._parameters[name] = transform(param)
+        module._parameters.update(replacements)
         return forward(*args, **kwargs)
     finally:
         module._parameters.update(originals)
+
+
+# ---- sequence-parallel gradients, summed inside backward -------------------------------------------------------------
+# A replicated parameter applied to this rank's share of the sequence (a norm between SP regions, a row-parallel bias
+# added after the reduce-scatter) gets only part of its gradient on each TP rank. Left to a call after backward
+# (allreduce_sequence_parallel_gradients), a forgotten call lets the copies drift apart while the loss looks right.
+# So the module's parameters enter its forward through an autograd region whose backward all-reduces their gradients
+# over TP (one collective per module: a LayerNorm's weight and bias go together), before autograd accumulates them:
+#
+# * gradient accumulation: each micro-batch's contribution is summed before it is added to ``.grad``, and the sum is
+#   linear, so any number of micro-batches gives the dense sum (an all-reduce of ``.grad`` after accumulation would
+#   count earlier micro-batches tp times);
+# * DDP and its ``no_sync``: DDP reads a gradient in its post-accumulate hook, when it is already whole. A sum queued
+#   for the end of backward instead (``register_post_accumulate_grad_hook`` plus ``queue_callback``, which would bucket
+#   all of them into one collective) would have to run after DDP's own end-of-backward callback writes the DP averages
+#   back into ``.grad``, or be overwritten by it: two callbacks whose order nothing fixes. It would also miss
+#   ``torch.autograd.grad``, which accumulates nothing;
+# * activation checkpointing: the recompute runs this forward again, so its backward sums too;
+# * XLA: the all-reduce is part of the backward graph, the same on every rank, and independent all-reduces may be
+#   combined by the compiler; no host work.
+# The cost is one small all-reduce per such module per backward (docs/performance.md measures it). The parameters'
+# specs record it (``grad_allreduced_in_backward``), so allreduce_sequence_parallel_gradients, still called by NxD
+# training scripts, leaves them alone instead of summing twice.
+
+def sum_sequence_parallel_gradients_in_backward(module: nn.Module) -> bool:
+    """Make ``module`` sum the gradients of its sequence-parallel parameters over TP inside backward (see above), and
+    mark them so that ``allreduce_sequence_parallel_gradients`` skips them. Returns whether it had any. ``parallelize``
+    does this for every module its plan converted."""
+    if not isinstance(module, ShardedModule):
+        return False
+    specs = {name: spec for name, spec in module.param_specs().items() if spec.sequence_parallel}
+    if not specs:
+        return False
+    for name, spec in specs.items():
+        if not spec.grad_allreduced_in_backward:
+            module.register_param_spec(name, dataclasses.replace(spec, grad_allreduced_in_backward=True))
+    wrap_forward(module, "nxdtp_sequence_parallel_grads_in_backward", _forward_summing_sequence_parallel_grads)
+    return True
+
+
+def _forward_summing_sequence_parallel_grads(forward, *args, **kwargs):
+    module = forward.__self__
+    # Without autograd (eval, or the no-grad first pass of reentrant checkpointing) there is nothing to sum; at TP 1
+    # nothing to sum with.
+    if not torch.is_grad_enabled() or tensor_parallel_group().size == 1:
+        return forward(*args, **kwargs)
+    names = [name for name, spec in module.param_specs().items() if spec.grad_allreduced_in_backward
+             and module._parameters.get(name) is not None and module._parameters[name].requires_grad]
+    if not names:
+        return forward(*args, **kwargs)
+    summed = mappings.sum_gradients_over_tensor_parallel(*(module._parameters[name] for name in names))
+    return _call_with_parameters(forward, dict(zip(names, summed)), *args, **kwargs)
 
 
 Style = object  # anything with convert(module, name) -> module
@@ -328,19 +386,26 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
 
     Weight ties that held before (e.g. MLM decoder and word embedding) hold after. With ``broadcast_replicated`` every
     replicated parameter and buffer is broadcast from TP rank 0, so TP ranks start identical even if they initialised
-    the dense model differently.
+    the dense model differently. Sequence-parallel parameters of the converted modules have their gradients summed
+    over TP inside backward (``sum_sequence_parallel_gradients_in_backward``): no call after backward is needed.
     """
     styles = dict(plan.styles)
     if plan.prepare is not None:
         styles.update(plan.prepare(model) or {})
     tie_groups = tied_parameter_names(model)
     matched = _match(model, styles)
+    converted_modules = []
     for name, style in matched:
         converted = style.convert(model.get_submodule(name), name)
         _set_submodule(model, name, converted)
+        converted_modules.append(converted)
     _retie_after_conversion(model, tie_groups)
     if plan.finalize is not None:
         plan.finalize(model)
+    # Only the modules this plan converted: sequence-parallel layers a model built itself keep NxD's contract (the
+    # user's call after backward), which a second sum would break.
+    for module in converted_modules:
+        sum_sequence_parallel_gradients_in_backward(module)
     if broadcast_replicated:
         broadcast_replicated_state(model)
     return model
@@ -435,6 +500,13 @@ def _wrapped_class(base: type, wrapper_name: str, wrapper: Callable) -> type:
         def forward(self, *args, **kwargs):
             return wrapper(super(cls, self).forward, *args, **kwargs)
 
+        # The wrapped forward shows the base forward's parameters: HF reads them from ``inspect.signature(model.forward)``
+        # (generate computes ``position_ids`` from a left-padded attention mask only if forward names them, Trainer keeps
+        # only the dataset columns forward names). Without this they would see ``(*args, **kwargs)``.
+        try:
+            forward.__signature__ = inspect.signature(base.forward)
+        except (TypeError, ValueError):
+            pass
         cls = _dynamic_subclass(base, ("wrap", wrapper_name, wrapper), {
             "forward": forward, "_nxdtp_wrapper": wrapper_name, "_nxdtp_wrapper_function": wrapper})
         _WRAPPED_CLASSES[key] = cls

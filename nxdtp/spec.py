@@ -6,8 +6,10 @@ tensor-parallel group (parameters replicated inside sequence-parallel regions).
 
 The module is the source of truth. The NxD attributes on Parameter objects (``tensor_model_parallel``, ``partition_dim``,
 ``partition_stride``, ``num_partitions``, ``sequence_parallel_enabled``) are a cache for code that only sees parameters
-(grad clipping, optimizers); ``.to(xla)``, ``to_empty()`` and ``copy.deepcopy`` can drop them, and
-``nxdtp.utils.move_model_to_device`` puts them back from the module.
+(grad clipping, optimizers). ``.to(xla)`` and ``to_empty()`` replace Parameter objects and drop them, and
+``nxdtp.utils.move_model_to_device`` puts them back from the module; ``copy.deepcopy`` (torch's
+``Parameter.__deepcopy__`` copies the data, not the attributes) and unpickling rebuild a module through
+``__setstate__``, where ``ShardedModule`` puts them back itself.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class ParamSpec:
     # group: the zero heads come after all real rows; grouped-query attention: a group per KV head).
     pad_block: int = 1
     pad_groups: int = 1
+    # A sequence-parallel parameter whose module sums its gradient over TP inside backward (the plans install this,
+    # nxdtp.plan.parallelize): allreduce_sequence_parallel_gradients then leaves it alone, so calling it as well cannot
+    # double the gradient. How the model is wired, not how the tensor is laid out: checkpoints do not record it.
+    grad_allreduced_in_backward: bool = False
 
     @property
     def is_sharded(self) -> bool:
@@ -144,6 +150,7 @@ class ParamSpec:
         d = dataclasses.asdict(self)
         d["full_shape"] = list(self.full_shape)
         d["real_shape"] = list(self.unpadded_shape)
+        del d["grad_allreduced_in_backward"]
         # Written only where they say something, so specs without repeated blocks read as before.
         for name in ("replicas", "replica_block", "pad_block", "pad_groups"):
             if d[name] == 1:
@@ -175,6 +182,7 @@ def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:
     param.num_partitions = spec.num_partitions
     param.sequence_parallel_enabled = spec.sequence_parallel
     param.num_replicas = spec.replicas
+    param.grad_allreduced_in_backward = spec.grad_allreduced_in_backward
 
 
 class ShardedModule(nn.Module):
@@ -203,6 +211,13 @@ class ShardedModule(nn.Module):
             param = getattr(self, name, None)
             if param is not None:
                 attach_spec_attributes(param, spec)
+
+    def __setstate__(self, state) -> None:
+        # copy.deepcopy and unpickling end here with new Parameter objects; torch's Parameter.__deepcopy__ keeps only
+        # the data, so without this a copied model's sharded parameters would read as replicated (clip_grad_norm
+        # would count them on TP rank 0 only).
+        super().__setstate__(state)
+        self.reattach_spec_attributes()
 
     def get_extra_state(self) -> Dict[str, Any]:
         return {"nxdtp_spec_version": SPEC_FORMAT_VERSION,

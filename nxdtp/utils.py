@@ -20,7 +20,7 @@ from .parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_pa
 from .spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
-                    "sequence_parallel_enabled", "num_replicas")
+                    "sequence_parallel_enabled", "num_replicas", "grad_allreduced_in_backward")
 
 
 # NxD's defaults for the attribute cache of a parameter that no parallel layer made.

@@ -44,14 +44,23 @@ def case_train_with_fault(argv, fault, bad_step, rank, accum, stdout_path):
 
     ``fault="gradient"``: an inf in one gradient element of rank ``rank`` just before the DP all-reduce (the script's
     ``grads`` is swapped for a copy whose allreduce_gradients does it). The DP average spreads it to the DP peers, the
-    norm's TP all-reduce to every rank. ``fault="loss"``: that rank's attention bias is NaN in every micro-batch of the
-    step (the script's ``attention_bias`` is swapped), so its loss is NaN; the DP loss all-reduce spreads it."""
+    norm's TP all-reduce to every rank. ``fault="loss"``: the attention bias of that rank's TP group (every TP rank of
+    its DP replica, since the ranks of a TP group must get the same inputs, which the model checks) is NaN in every
+    micro-batch of the step (the script's ``attention_bias`` is swapped), so its loss is NaN; the DP loss all-reduce
+    spreads it."""
     import types
+
+    from nxdtp import parallel_state
 
     script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
     real_grads, real_bias = script.grads, script.attention_bias
     steps, micro_batches = [], []
     poisoned = torch.distributed.get_rank() == rank
+
+    def in_poisoned_tp_group() -> bool:
+        # The script installs the topology; TP groups are contiguous ranks.
+        tp = parallel_state.get_tensor_model_parallel_size()
+        return torch.distributed.get_rank() // tp == rank // tp
 
     def allreduce_gradients(model, *args, **kwargs):
         steps.append(1)
@@ -63,7 +72,7 @@ def case_train_with_fault(argv, fault, bad_step, rank, accum, stdout_path):
     def attention_bias(*args, **kwargs):
         micro_batches.append(1)
         bias = real_bias(*args, **kwargs)
-        if fault == "loss" and (len(micro_batches) - 1) // accum + 1 == bad_step and poisoned:
+        if fault == "loss" and (len(micro_batches) - 1) // accum + 1 == bad_step and in_poisoned_tp_group():
             bias = torch.full_like(bias, float("nan"))
         return bias
 

@@ -1,9 +1,9 @@
 """One compiled graph for every rank (issue 14, item 1).
 
-(a) The BERT example's train step (its model, loss with global DP denominators, SP gradient all-reduce, DP all-reduce,
-    clipping and optimizer) and the Llama and GPT-2 plans' steps are traced for every rank of simulated worlds with
-    ``nxdtp.xla_graphs.trace_every_rank``, SP on and off, dropout on; every phase must hash to one graph. They run in the
-    "xla-hlo" worker (graphs never executed).
+(a) The BERT example's train step (its model, the forward's input check, loss with global DP denominators, SP gradient
+    all-reduces, DP all-reduce, clipping and optimizer) and the Llama and GPT-2 plans' steps are traced for every rank
+    of simulated worlds with ``nxdtp.xla_graphs.trace_every_rank``, SP on and off, dropout on; every phase must hash to
+    one graph. They run in the "xla-hlo" worker (graphs never executed).
 (b) The data-rank primitives (a rank tensor and an index_select in place of narrow with Python bounds) equal the old
     slicing on the eager gloo path, values and gradients, at tp=2 and 4.
 """
@@ -57,8 +57,11 @@ def _bert_batch(config, seq: int, batch: int):
 
 
 def _finish_step(model, loss, optimizer, sequence_parallel: bool):
-    """The example's step after backward: SP and DP gradient all-reduces, clipping, the optimizer step."""
+    """The example's step after backward: SP and DP gradient all-reduces, clipping, the optimizer step. The forward's
+    input check (its all-gather of the inputs' fingerprints, read after the step) is part of the forward's and the
+    step's graphs, as a real step materialises it."""
     from nxdtp import grads
+    from nxdtp.agreement import pending_input_checks
 
     if sequence_parallel:
         grads.allreduce_sequence_parallel_gradients(model)
@@ -68,7 +71,10 @@ def _finish_step(model, loss, optimizer, sequence_parallel: bool):
     state = [t for s in optimizer.state.values() for t in s.values() if hasattr(t, "device")
              and t.device.type == "xla"]
     params = list(model.parameters())
-    return {"forward": [loss], "backward": [p.grad for p in params], "step": [loss, norm] + params + state}
+    checks = pending_input_checks(model)
+    assert len(checks) == 1, f"the forward left {len(checks)} input checks to read, not 1"
+    return {"forward": [loss] + checks, "backward": [p.grad for p in params],
+            "step": [loss, norm] + checks + params + state}
 
 
 def case_bert_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "adamw",

@@ -24,7 +24,8 @@ class MasterWeights:
         if next(model.parameters()).dtype != torch.float32:
             raise ValueError(f"MasterWeights needs the fp32 model, got {next(model.parameters()).dtype}")
         self.master = copy.deepcopy(model)
-        # deepcopy drops the TP attributes on parameters and may untie shared weights: restore both.
+        # nxdtp's layers keep their TP attributes through deepcopy; attributes set by hand on other parameters, and
+        # ties on XLA (no shared storage), are restored here.
         move_model_to_device(self.master, next(model.parameters()).device)
         self.model = model.to(torch.bfloat16)
         self.pairs: List[Tuple[nn.Parameter, nn.Parameter]] = self._pair(model, self.master)

@@ -343,6 +343,8 @@ class Trainer:
                 self.master.gradients_to_master()  # accumulate in fp32, micro-batch by micro-batch
             step_loss = step_loss + loss.detach()
         if self.args.sequence_parallel:
+            # NxD's call, kept: parallelize_bert's model sums these gradients inside backward already, and the call
+            # skips parameters marked so (grad_allreduced_in_backward).
             grads.allreduce_sequence_parallel_gradients(self.weights)
         if self.ddp is None:
             grads.allreduce_gradients(self.weights)

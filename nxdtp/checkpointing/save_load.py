@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import __version__, comm
+from ..agreement import check_replicated_agree
 from ..layers import shard_of
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
@@ -138,7 +139,7 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
 
 def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True, save_xser: bool = False,
          down_cast_bf16: bool = False, master_dp_only: bool = True, *, tag: Optional[str] = None,
-         keep_last: Optional[int] = None) -> str:
+         keep_last: Optional[int] = None, check_replicated: bool = True) -> str:
     """Save a training checkpoint; return the tag directory.
 
     ``checkpoint`` is NxD's dict: ``model`` (a module or its ``state_dict()``), ``optimizer`` (an optimizer or its state
@@ -147,6 +148,12 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     which ``load`` reads back with ``weights_only=True``. The tag defaults to ``step_<global_step>``, or without a
     ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step). ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
     floating model tensors as bfloat16 (the optimizer keeps full precision).
+
+    Replicated tensors are written once, from TP rank 0. So that no other rank's copy is silently dropped, ``save``
+    first checks that every replicated tensor of the model is the same on every rank of the TP group (a fingerprint
+    per tensor, compared on the host group: ``nxdtp.agreement.check_replicated_agree``) and otherwise raises
+    ``nxdtp.agreement.DivergenceError`` on every rank, naming the tensors and the TP ranks that differ, before anything
+    is written. ``check_replicated=False`` skips the check (and keeps TP rank 0's copies).
 
     NxD's positional parameters are kept. ``save_serially`` takes either value and changes nothing: every writing rank
     streams one tensor at a time to its file, so there is no whole-shard host copy for staggering to bound.
@@ -165,6 +172,7 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
                                                            if isinstance(checkpoint, dict) else ""))
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every tag)")
+    _check_bool("check_replicated", check_replicated)
     if tag is None:
         if "global_step" in checkpoint:
             tag = tags.tag_for_step(checkpoint["global_step"])
@@ -176,7 +184,7 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
     lock = TagLock(output_dir, tag) if topology.rank == 0 else None
     try:
-        _save_phases(checkpoint, output_dir, tag, tag_dir, lock, down_cast_bf16, keep_last)
+        _save_phases(checkpoint, output_dir, tag, tag_dir, lock, down_cast_bf16, keep_last, check_replicated)
     finally:
         if lock is not None:
             lock.release()  # only if rank 0 took it; after 'newest', or after any failure
@@ -184,7 +192,7 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
 
 
 def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir: str, lock: Optional[TagLock],
-                 down_cast_bf16: bool, keep_last: Optional[int]) -> None:
+                 down_cast_bf16: bool, keep_last: Optional[int], check_replicated: bool = True) -> None:
     """The three phases of ``save`` and the durability protocol of docs/checkpoints.md ("Crash consistency")."""
     topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
     model = checkpoint["model"]
@@ -207,6 +215,16 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
             for key, entry in entries.items():
                 if tensors[key].is_floating_point():
                     entry.dtype = "bfloat16"
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+        error = e
+    # Every rank must reach the replicated check (a collective), so the failures above are agreed on first.
+    _agree(error, f"saving {tag_dir}")
+    try:
+        if check_replicated:
+            # Before anything is written: replicated tensors are stored from TP rank 0 only. The check raises the
+            # same error on every rank of a TP group whose copies differ.
+            check_replicated_agree({k: t for k, t in tensors.items() if not entries[k].spec.is_sharded}, tp_group,
+                                   what=f"saving {tag_dir}")
         if lock is not None:
             make_directories(output_dir)
             # The lock first: a save that completes this tag meanwhile has released it, and is then seen as complete.

@@ -7,6 +7,7 @@ import sys
 
 from torch import nn
 
+from ..agreement import install_input_check
 from ..parallel_state import tensor_parallel_group
 from .activation_checkpointing import support_hf_checkpointing
 from .generation import support_hf_generation
@@ -16,13 +17,17 @@ from .hf_saving import support_save_pretrained
 def finish_hf_model(model: nn.Module) -> None:
     """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states;
     ``generate`` decodes from full-vocabulary logits, on the whole sequence (``nxdtp.models.generation``);
-    ``save_pretrained`` writes the dense HF directory gathered from the shards; and a multi-process accelerate (plain
-    ``transformers.Trainer``) driving it is refused at its first training forward."""
+    ``save_pretrained`` writes the dense HF directory gathered from the shards; a multi-process accelerate (plain
+    ``transformers.Trainer``) driving it is refused at its first training forward; and every forward checks that the
+    ranks of the TP group received the same inputs (``nxdtp.agreement``; HF's training loops feed each process its own
+    batch unless told otherwise)."""
     support_hf_checkpointing(model)
     support_hf_generation(model)
     support_save_pretrained(model)
     if tensor_parallel_group().size > 1:
         model.register_forward_pre_hook(refuse_foreign_multiprocess_trainers)
+    # Last, so the check is the outermost wrapper and sees the call as the user made it.
+    install_input_check(model)
 
 
 TRAINED_BY = "_nxdtp_trained_by"   # set on the model by trainers that handle TP (nxdtp.models.trainer)
