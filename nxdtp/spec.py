@@ -111,6 +111,15 @@ class ParamSpec:
                 yield position, length, None
             position += length
 
+    def full_from_shards(self, shards) -> torch.Tensor:
+        """The full tensor from every rank's shard, given in rank order: the inverse of cutting it along
+        partition_dim with this spec's stride (rank r's j-th chunk is block ``j * ranks + r`` of the full dimension)."""
+        if not self.is_sharded:
+            return shards[0]
+        dim, ranks = self.partition_dim, len(shards)
+        chunks = [shard.chunk(self.stride, dim=dim) for shard in shards]
+        return torch.cat([chunks[rank][j] for j in range(self.stride) for rank in range(ranks)], dim=dim)
+
     def local_shape(self) -> Tuple[int, ...]:
         if not self.is_sharded:
             return self.full_shape
