@@ -23,6 +23,7 @@ from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import gather_vocab_logits, parallelize_model
 from tests.model_helpers import randomised
 from tests.test_models_bert import TOL, _expected_local, _specs
+from tests.test_random import rank1_of_tp2  # noqa: F401 - a fixture
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -250,3 +251,108 @@ def test_other_peft_methods_are_refused_by_name(method):
         with pytest.raises(ValueError, match=rf"PEFT method {name} is not supported on an nxdtp tensor-parallel "
                                              r"model: nxdtp supports LoRA"):
             peft.get_peft_model(model, config[method]())
+
+
+# ---- nxdtp checkpoints of a LoRA model ---------------------------------------------------------------------------------
+
+def case_checkpoint_save(directory: str):
+    """nxdtp.checkpointing.save of the TP PEFT model (frozen base and adapters); the dense adapters and the logits."""
+    from nxdtp import checkpointing
+
+    dense, tp_peft, batch, vocab = _pair("llama", 2, sequence_parallel=False)
+    checkpointing.save({"model": tp_peft, "global_step": 1}, directory)
+    with torch.no_grad():
+        logits = _logits(tp_peft, batch, vocab)[1]
+    return dict(adapters={n: p.detach().clone() for n, p in _trainable(dense)}, logits=logits)
+
+
+def case_checkpoint_load(directory: str):
+    """A TP PEFT model from other seeds loads the (resharded) checkpoint: the saved model's logits."""
+    from nxdtp import checkpointing
+
+    _, tp_peft, batch, vocab = _pair("llama", 2, sequence_parallel=False, seed=11)
+    checkpointing.load(directory, model=tp_peft)
+    with torch.no_grad():
+        return _logits(tp_peft, batch, vocab)[1]
+
+
+def test_nxdtp_checkpoint_merges_to_dense_adapters_and_reshards(worlds, tmp_path):
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.merge import merge, reshard
+
+    saved_dir, merged, resharded = (str(tmp_path / name) for name in ("tp2", "merged", "tp4"))
+    saved = worlds(2).run(case_checkpoint_save, tensor_model_parallel_size=2, directory=saved_dir)[0]
+    merge(saved_dir, merged, progress=False)
+    tensors = load_file(os.path.join(merged, "model.safetensors"))
+    for name, dense in saved["adapters"].items():
+        torch.testing.assert_close(tensors[name], dense, **TOL, msg=lambda m: f"merged {name}: {m}")
+    reshard(saved_dir, resharded, 4, progress=False)
+    for logits in worlds(4).run(case_checkpoint_load, tensor_model_parallel_size=4, directory=resharded):
+        torch.testing.assert_close(logits, saved["logits"], **TOL)
+
+
+# ---- dropout on the adapters' inputs -------------------------------------------------------------------------------------
+
+class _RecordingDropout(torch.nn.Dropout):
+    def forward(self, x):
+        out = super().forward(x)
+        self.kept = (out != 0).flatten().to(torch.uint8)
+        return out
+
+
+def case_lora_dropout_masks():
+    """Training with lora_dropout and attention dropout (so attention runs inside the RNG fork): the mask on a column
+    layer's input (replicated) is the same on every rank, the mask on a row layer's input (this rank's columns) its own."""
+    import torch.distributed as dist
+
+    from nxdtp.random import model_parallel_xla_manual_seed
+
+    model_parallel_xla_manual_seed(1234)
+    torch.manual_seed(5)
+    model, targets = _llama(2)
+    model.config.attention_dropout = 0.2
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.2
+    tp_peft = peft.get_peft_model(parallelize_model(model), _lora_config(targets, lora_dropout=0.3))
+    layers = {name: m for name, m in tp_peft.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    for m in layers.values():
+        m.lora_dropout["default"] = _RecordingDropout(0.3)
+    tp_peft.train()
+    tp_peft(**_batch(101)).loss.backward()
+    same = {}
+    for name, m in layers.items():
+        kept = m.lora_dropout["default"].kept
+        gathered = [torch.empty_like(kept) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, kept)
+        assert 0 < kept.float().mean() < 1, name
+        same[name] = all(torch.equal(g, gathered[0]) for g in gathered)
+    return same
+
+
+def test_lora_dropout_masks_follow_the_input_layout(worlds):
+    same = worlds(2).run(case_lora_dropout_masks, tensor_model_parallel_size=2)[0]
+    for name, equal in same.items():
+        row = name.endswith(("o_proj", "down_proj"))
+        assert equal != row, f"{name}: masks {'equal' if equal else 'differ'} across TP ranks"
+
+
+def test_nested_fork_continues_and_replicated_draws_outside(rank1_of_tp2):
+    from nxdtp.random import get_rng_state, get_xla_rng_tracker, model_parallel_xla_manual_seed, set_rng_state
+
+    tracker = get_xla_rng_tracker()
+    model_parallel_xla_manual_seed(7)
+    outside = get_rng_state()
+    with tracker.fork():
+        expected_sharded = torch.rand(6)
+    expected_replicated = torch.rand(3)
+    set_rng_state(outside)
+    model_parallel_xla_manual_seed(7)
+    with tracker.fork():
+        first = torch.rand(3)
+        with tracker.fork():               # a sharded dropout inside forked attention: the same stream goes on
+            second = torch.rand(3)
+        with tracker.replicated():         # a replicated input's dropout inside the fork: the default generators
+            replicated = torch.rand(3)
+    torch.testing.assert_close(torch.cat([first, second]), expected_sharded, rtol=0, atol=0)
+    torch.testing.assert_close(replicated, expected_replicated, rtol=0, atol=0)
