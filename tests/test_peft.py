@@ -356,3 +356,20 @@ def test_nested_fork_continues_and_replicated_draws_outside(rank1_of_tp2):
             replicated = torch.rand(3)
     torch.testing.assert_close(torch.cat([first, second]), expected_sharded, rtol=0, atol=0)
     torch.testing.assert_close(replicated, expected_replicated, rtol=0, atol=0)
+
+
+def test_a_peft_release_outside_the_range_is_refused_by_name(monkeypatch):
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        model, targets = _simulated_tp_llama()
+        monkeypatch.setattr(peft, "__version__", "0.20.0")
+        with pytest.raises(ImportError, match=r"peft 0.20.0 is not supported by nxdtp's LoRA on tensor-parallel models: "
+                                              r"supported versions are >=0.21.2,<0.22; pip install 'peft>=0.21.2,<0.22'"):
+            peft.get_peft_model(model, _lora_config(targets))
+
+
+def test_all_linear_targets_the_parallel_projections():
+    from nxdtp.models.peft_lora import _all_linear_names
+
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        model, targets = _simulated_tp_llama()
+        assert _all_linear_names(model) == set(targets)   # lm_head, the output layer, is left out as PEFT does

@@ -66,6 +66,18 @@ from ..spec import ParamSpec, ShardedModule
 # initialised from the base weight (a dense SVD, a quantisation error, ...), which a rank holding a shard cannot do
 # alone; refusing names the option instead of training something else than dense LoRA would.
 SUPPORTED_INIT = (True, False, "gaussian")
+# The PEFT releases this module is written and tested against: it wraps PEFT entry points whose signatures PEFT does not
+# promise to keep (setup.cfg's extras say the same). Outside the range, LoRA on a TP model is refused by name.
+SUPPORTED_PEFT = ((0, 21, 2), (0, 22))
+SUPPORTED_PEFT_PIP = "peft>=0.21.2,<0.22"
+
+
+def peft_version_supported(version: str) -> bool:
+    try:
+        parts = tuple(int(part) for part in version.split("+")[0].split(".")[:3])
+    except ValueError:
+        return False
+    return SUPPORTED_PEFT[0] <= parts and parts[:2] < SUPPORTED_PEFT[1]
 
 
 # ---- the factors -------------------------------------------------------------------------------------------------------
@@ -436,6 +448,11 @@ def _all_linear_names(model: nn.Module) -> set:
 def prepare_injection(tuner: BaseTuner, model: nn.Module, config) -> None:
     """Before PEFT injects ``config``'s adapter into ``model`` (a model with nxdtp parallel layers): refuse what is not
     supported, and route nxdtp's layers to ``LoraParallelLinear`` through PEFT's custom-module dispatch."""
+    import peft
+
+    if not peft_version_supported(peft.__version__):
+        raise ImportError(f"peft {peft.__version__} is not supported by nxdtp's LoRA on tensor-parallel models: supported "
+                          f"versions are {SUPPORTED_PEFT_PIP[4:]}; pip install '{SUPPORTED_PEFT_PIP}'")
     check_config(tuner, model, config)
     if config.target_modules == "all-linear":
         # PEFT's own expansion looks for nn.Linear and Conv1D only, and would miss every parallel layer.
@@ -497,6 +514,10 @@ def install() -> None:
         setattr(inject_adapter, _MARK, original_inject)
         BaseTuner.inject_adapter = inject_adapter
 
+    import peft
+
+    if not peft_version_supported(peft.__version__):
+        return   # only the injection wrapper, which refuses this release on TP models by name
     current = LoraModel.__dict__["_get_adapter_state_dict"]
     if not hasattr(current.__func__, _MARK):
         original_state = current.__func__
