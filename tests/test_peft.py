@@ -161,14 +161,25 @@ def case_save_adapter(directory: str, family: str, kv_heads: int):
     optimizer.step()
     tp_peft.save_pretrained(directory, is_main_process=dist.get_rank() == 0)
     dist.barrier()
+    # The dense adapter loads into another TP model too (the same base, fresh adapters), each rank keeping its part.
+    torch.manual_seed(5)
+    base, _ = FAMILIES[family](kv_heads)
+    randomised(base, 6)
+    loaded = peft.PeftModel.from_pretrained(parallelize_model(base), directory)
     with torch.no_grad():
-        return _logits(tp_peft, batch, vocab)[1]
+        return dict(logits=_logits(tp_peft, batch, vocab)[1], loaded=_logits(loaded, batch, vocab)[1])
 
 
 def case_merge_and_unload(family: str, kv_heads: int):
     dense, tp_peft, batch, vocab = _pair(family, kv_heads, sequence_parallel=False)
     with torch.no_grad():
         adapted = _logits(tp_peft, batch, vocab)[1]
+        with tp_peft.disable_adapter(), dense.disable_adapter():
+            torch.testing.assert_close(_logits(tp_peft, batch, vocab)[1], dense(**batch).logits, **TOL)
+        tp_peft.merge_adapter()
+        torch.testing.assert_close(_logits(tp_peft, batch, vocab)[1], adapted, **TOL)
+        tp_peft.unmerge_adapter()
+        torch.testing.assert_close(_logits(tp_peft, batch, vocab)[1], adapted, **TOL)
         merged_dense = dense.merge_and_unload()
         merged = tp_peft.merge_and_unload()
         assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in merged.modules())
@@ -186,7 +197,8 @@ def case_merge_and_unload(family: str, kv_heads: int):
     pytest.param("llama", 4, False, 2, id="llama-tp4-kv-repeated"),
     pytest.param("llama", 4, True, 2, id="llama-tp4-kv-repeated-sp"),
     pytest.param("gpt2", 2, False, 0, id="gpt2-tp2"),
-    pytest.param("bert", 2, True, 0, id="bert-tp2-sp"),
+    pytest.param("bert", 2, False, 0, id="bert-tp2"),      # intermediate.dense opens its own region
+    pytest.param("bert", 2, True, 0, id="bert-tp2-sp"),   # ... and gathers the sequence itself
 ])
 def test_lora_trains_equal_to_dense(worlds, family, world, sp, kv_heads):
     results = worlds(world).run(case_lora_equals_dense, tensor_model_parallel_size=world, family=family,
@@ -200,8 +212,11 @@ def test_lora_trains_equal_to_dense(worlds, family, world, sp, kv_heads):
                                                    pytest.param("gpt2", 2, 0, id="gpt2-tp2")])
 def test_saved_adapter_loads_on_the_dense_model(worlds, tmp_path, family, world, kv_heads):
     directory = str(tmp_path / "adapter")
-    logits = worlds(world).run(case_save_adapter, tensor_model_parallel_size=world, directory=directory,
-                               family=family, kv_heads=kv_heads)[0]
+    results = worlds(world).run(case_save_adapter, tensor_model_parallel_size=world, directory=directory,
+                                family=family, kv_heads=kv_heads)
+    logits = results[0]["logits"]
+    for result in results:
+        torch.testing.assert_close(result["loaded"], logits, **TOL, msg=lambda m: f"loaded into a TP model: {m}")
     assert sorted(os.listdir(directory)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     torch.manual_seed(5)
     dense, _ = FAMILIES[family](kv_heads)
