@@ -488,7 +488,10 @@ def dense_adapter_state_dict(model: nn.Module, state_dict: Dict[str, Any]) -> Di
         if spec is None or not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.local_shape():
             dense[key] = value   # not a sharded local tensor (a state dict passed in already dense)
             continue
-        group = owner.group() if isinstance(owner, LoraFactor) else owner._group()
+        if spec.is_sharded:
+            group = owner.group() if isinstance(owner, LoraFactor) else owner._group()
+        else:
+            group = tensor_parallel_group()   # not used: a replicated tensor is already whole
         dense[key] = gather_dense(value, spec, group)
     return dense
 
