@@ -354,18 +354,23 @@ class RowParallelLinear(BaseParallelLinear):
         else:
             self.register_parameter("bias", None)
 
+    def parallel_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """The input as this rank's weight columns read it: as given with ``input_is_parallel``, else this rank's
+        columns of the full input (padded, strided), with the gradient all-gathered in backward. A LoRA adapter on this
+        layer reads its input the same way (``nxdtp.models.peft_lora``)."""
+        if self.input_is_parallel:
+            return input_
+        group = self._group()
+        if self.pad_size:
+            input_ = F.pad(input_, (0, self.pad_size))
+        # With stride > 1 the weight holds the rank's slice of each of the `stride` blocks of the input dimension
+        # (shard_of); reorder the full input so that a contiguous split hands every rank the matching columns.
+        return mappings.scatter_to_tensor_model_parallel_region(_stride_last_dim(input_, self.stride, group.size), group)
+
     def forward(self, input_: torch.Tensor):
         self._check_pad_false_for_training()
         group = self._group()
-        if self.input_is_parallel:
-            input_parallel = input_
-        else:
-            if self.pad_size:
-                input_ = F.pad(input_, (0, self.pad_size))
-            # With stride > 1 the weight holds the rank's slice of each of the `stride` blocks of the input dimension
-            # (shard_of); reorder the full input so that a contiguous split hands every rank the matching columns.
-            input_parallel = mappings.scatter_to_tensor_model_parallel_region(
-                _stride_last_dim(input_, self.stride, group.size), group)
+        input_parallel = self.parallel_input(input_)
         output_parallel = linear_with_async_allreduce(
             input_parallel, self.weight, None, async_grad_allreduce=False, sequence_parallel_enabled=False,
             sequence_dimension=self.sequence_dimension, autograd_func_class=self.autograd_func_class,

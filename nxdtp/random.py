@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -107,6 +107,9 @@ class XLARNGStatesTracker:
     def reset(self) -> None:
         self._states: Dict[str, RngState] = {}
         self._seeds: Dict[str, int] = {}
+        # The forks now open, innermost last: (name, the generators' state outside it). Not part of get_states(): it
+        # only exists while a forward runs inside fork(), and a recompute rebuilds it by running the same code.
+        self._open: List[Tuple[str, RngState]] = []
 
     def get_states(self) -> Dict[str, RngState]:
         """A snapshot (copied, so later forks do not change it) to save in a checkpoint or replay a recompute."""
@@ -127,7 +130,14 @@ class XLARNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Draw from the named state inside the block; keep its advanced state for the next fork."""
+        """Draw from the named state inside the block; keep its advanced state for the next fork.
+
+        Inside a fork of the same name (a sharded layer's dropout inside attention that already forked) the block goes
+        on drawing from the open fork: swapping the named state in again would replay the draws the open fork made
+        since it began, and the two dropouts would share their masks."""
+        if self._open and self._open[-1][0] == name:
+            yield
+            return
         if name not in self._states:
             raise ValueError(f"RNG state {name!r} is not registered; registered names are {sorted(self._states)}. "
                              "Call model_parallel_xla_manual_seed(seed) or get_xla_rng_tracker().add(name, seed) first")
@@ -138,13 +148,32 @@ class XLARNGStatesTracker:
             if name not in self._seeds:
                 raise RuntimeError(f"RNG state {name!r} has no state for {missing} and no seed to make one; re-add it")
             state = {**state, **_seeded_state(self._seeds[name], missing)}
-        outside = get_rng_state()
+        self._open.append((name, get_rng_state()))
         set_rng_state(state)
         try:
             yield
         finally:
             self._states[name] = {backend: _get_state(backend) for backend in state}
-            set_rng_state(outside)
+            # The state outside, as replicated() may have advanced it meanwhile.
+            set_rng_state(self._open.pop()[1])
+
+    @contextlib.contextmanager
+    def replicated(self) -> Iterator[None]:
+        """Draw from the default generators (seeded alike on every TP rank) inside the block, even inside ``fork()``:
+        for dropout on a replicated activation that a sharded region's code applies (a LoRA adapter's dropout on the
+        input of a column-parallel layer inside attention that forked). The draws advance the state outside the fork,
+        as if they had been made there."""
+        if not self._open:
+            yield
+            return
+        name, outside = self._open[-1]
+        inside = get_rng_state()
+        set_rng_state(outside)
+        try:
+            yield
+        finally:
+            self._open[-1] = (name, get_rng_state())
+            set_rng_state(inside)
 
 
 _TRACKER = XLARNGStatesTracker()

@@ -108,12 +108,14 @@ class ParamSpec:
     def full_from_pieces(self, read_piece: Callable[[int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The full (padded, copies kept) tensor from its TP pieces. ``read_piece(rank)`` is called once per rank, in
         rank order 0, 1, ..., and each piece is copied in and dropped before the next is read, so the peak is the full
-        tensor plus one piece. A replicated tensor is rank 0's piece."""
+        tensor plus one piece. A replicated tensor is rank 0's piece. The full tensor is made on the pieces' device."""
         if not self.is_sharded:
             return read_piece(0).to(dtype)
-        full = torch.empty(self.full_shape, dtype=dtype)
+        full = None
         for rank in range(self.num_partitions):
             piece = read_piece(rank)
+            if full is None:
+                full = torch.empty(self.full_shape, dtype=dtype, device=piece.device)
             self.place_piece(full, piece, rank)
             del piece
         return full
