@@ -200,9 +200,11 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family)
                                 FAMILIES[family][1])
 
 
-# ---- the docs' fine-tuning example -----------------------------------------------------------------------------------
+# ---- the guide's quick-start examples ---------------------------------------------------------------------------------
 
-def test_the_fine_tuning_example_runs(tmp_path):
+def _run_guide_example(name, tmp_path):
+    """Run the python block of docs/wrapping_hf_models.md that starts with ``# <name>: run with ...`` under torchrun
+    at 2 ranks, as its comment says; returns its stdout."""
     import os
     import re
     import subprocess
@@ -211,21 +213,36 @@ def test_the_fine_tuning_example_runs(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "docs" / "wrapping_hf_models.md").read_text()
-    section = text[text.index("## Decoder LMs"):]
-    script = tmp_path / "finetune_llama.py"
-    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(f"# {name}: run with")]
+    assert len(blocks) == 1, f"{len(blocks)} blocks of the guide start with '# {name}: run with'"
+    script = tmp_path / name
+    script.write_text(blocks[0])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
-    differences = re.findall(r"rank (\d): \|TP - dense\| loss = ([0-9.e+-]+)", run.stdout)
-    assert sorted(r for r, _ in differences) == ["0", "1"] and all(float(d) < 1e-5 for _, d in differences), \
-        run.stdout
+    return run.stdout
+
+
+def test_the_fine_tuning_example_runs(tmp_path):
+    import re
+
+    stdout = _run_guide_example("finetune_llama.py", tmp_path)
+    differences = re.findall(r"rank (\d): \|TP - dense\| loss = ([0-9.e+-]+)", stdout)
+    assert sorted(r for r, _ in differences) == ["0", "1"] and all(float(d) < 1e-5 for _, d in differences), stdout
     for rank in "01":
-        losses = [float(x) for x in re.findall(rf"rank {rank}: step \d loss ([0-9.]+)", run.stdout)]
-        assert len(losses) == 5 and losses[-1] < losses[0], run.stdout
-    steps = re.findall(r"rank \d: (step \d loss [0-9.]+ grad norm [0-9.]+)", run.stdout)
-    assert len(set(steps)) == 5, run.stdout   # both ranks print the same loss and norm at every step
+        losses = [float(x) for x in re.findall(rf"rank {rank}: step \d loss ([0-9.]+)", stdout)]
+        assert len(losses) == 5 and losses[-1] < losses[0], stdout
+    steps = re.findall(r"rank \d: (step \d loss [0-9.]+ grad norm [0-9.]+)", stdout)
+    assert len(set(steps)) == 5, stdout   # both ranks print the same loss and norm at every step
+
+
+def test_the_load_pretrained_example_runs_and_equals_dense(tmp_path):
+    import re
+
+    stdout = _run_guide_example("load_pretrained.py", tmp_path)
+    differences = re.findall(r"rank (\d): max \|TP - dense\| = ([0-9.e+-]+)", stdout)
+    assert sorted(r for r, _ in differences) == ["0", "1"] and all(float(d) < 1e-5 for _, d in differences), stdout
 
 
 # ---- memory: a Llama 1B-shaped model at tp=8, on meta --------------------------------------------------------------------
