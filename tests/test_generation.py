@@ -22,7 +22,7 @@ from nxdtp.models import parallelize_model
 from tests import test_models_decoders as decoders
 from tests import test_models_gpt2 as gpt2
 from tests import test_models_hf_tp_plan as hf_tp_plan
-from tests.test_models_bert import TOL, _close
+from tests.test_models_bert import _close
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ from nxdtp.checkpointing.index import split_state_dict
 from nxdtp import parallel_state as ps
 from nxdtp.layers import (ColumnParallelLinear, LinearWithAsyncCommunication, ParallelEmbedding, RowParallelLinear,
                           SPMDRank, create_local_weight, linear_with_async_allreduce, shard_of)
-from tests.test_layers import _close, _data_seed, _ids, _load_, _randn, _randomise_, _slice, _tp, _tp_gather, _tp_sum
+from tests.test_layers import _close, _data_seed, _ids, _load_, _randn, _randomise_, _slice, _tp, _tp_sum
 
 WORLDS = [pytest.param(2, 2, id="tp2"), pytest.param(4, 4, id="tp4"), pytest.param(4, 2, id="tp2xdp2")]
 

@@ -32,7 +32,7 @@ import torch
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm, get_grad_norm
 from nxdtp.models import parallelize_model
-from tests.test_models_bert import TOL, _check_grads, _close, _dense_grad_norm
+from tests.test_models_bert import _check_grads, _close, _dense_grad_norm
 
 transformers = pytest.importorskip("transformers")
 
