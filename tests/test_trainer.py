@@ -4,9 +4,11 @@ Each run is a process of its own (tests/trainer_runs.py; TP runs under torchrun 
 parameter randomised, biases included), 4 optimizer steps of SGD with gradient clipping (max_grad_norm 0.5, which
 clips every step, so a norm that ignored sharding would change the update), gradient accumulation 2, and a global
 batch of 4 (dense: 2 per step x 2; tp2 x dp1: the same; tp2 x dp2: 1 per DP rank x 2 ranks x 2). Trainer's logged loss
-and grad norm of every step, and every final weight (the TP run's checkpoint merged with nxdtp-merge), equal the dense
-run's within 1e-5. A run saved at step 2 and resumed from its checkpoint-2 ends bit-exactly where the uninterrupted run
-ends.
+and grad norm of every step, and every final weight (from the HF directory trainer.save_model writes), equal the dense
+run's within 1e-5. The same runs then evaluate and predict (compute_metrics, preprocess_logits_for_metrics): eval loss,
+metrics and full-vocabulary predictions equal dense's, and from_pretrained of save_model's directory reproduces the
+predictions. bf16 runs are compared at bf16's precision. A run saved at step 2 and resumed from its checkpoint-2 ends
+bit-exactly where the uninterrupted run ends.
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ def case_refusals():
     for what, args, extra in (
             ("deepspeed", dict(deepspeed="ds.json"), {}),
             ("fp16=True", dict(fp16=True), {}),
+            ("push_to_hub=True", dict(push_to_hub=True), {}),
             ("fsdp", dict(fsdp="full_shard"), {}),
             ("label_smoothing_factor=0.1", dict(label_smoothing_factor=0.1), {}),
             ("load_best_model_at_end=True", dict(load_best_model_at_end=True), {}),
@@ -221,4 +224,4 @@ def case_refusals():
 
 def test_unsupported_modes_are_refused_at_construction(worlds):
     refused = worlds(2).run(case_refusals, tensor_model_parallel_size=2)
-    assert refused[0] == refused[1] and len(refused[0]) == 6
+    assert refused[0] == refused[1] and len(refused[0]) == 7

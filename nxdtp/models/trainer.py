@@ -11,12 +11,16 @@ subclass takes it, then supplies what no model attribute can reach:
 * the TP-aware gradient norm and clipping (``nxdtp.grads.clip_grad_norm``), which Trainer logs as ``grad_norm``;
 * checkpoints through ``nxdtp.checkpointing``: every rank writes its shards (model, optimizer, scheduler, the RNG
   tracker), and ``resume_from_checkpoint`` reads them back, beside Trainer's own trainer state and RNG files;
+  ``save_model(dir)`` writes the dense HF directory (``model.save_pretrained``), which ``from_pretrained`` loads;
+* evaluation and prediction with full-vocabulary logits (gathered over TP after the forward, whose loss still runs on
+  the shards), gathered across processes over the DP group only, so ``compute_metrics`` and
+  ``preprocess_logits_for_metrics`` see each sample once, as on the dense model;
 * on CPU (gloo) worlds, the ``ParallelismConfig`` accelerate refuses for them is installed after the accelerator is
   built, so a laptop runs the same path as a GPU machine.
 
-What it cannot do yet is refused when the trainer is built, with the reason: transformers 4.x, DeepSpeed, FSDP, XLA
-devices, label smoothing and ``compute_loss_func`` (they act on the vocab-parallel logits), metrics on logits, and
-``load_best_model_at_end``.
+bf16 (accelerate's autocast) needs nothing more. What it cannot do is refused when the trainer is built, with the
+reason: transformers 4.x, DeepSpeed, FSDP, XLA devices, fp16 (the GradScaler is not TP-aware), push_to_hub, label
+smoothing and ``compute_loss_func`` (they act on the vocab-parallel logits), and ``load_best_model_at_end``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from .hf_integration import TRAINED_BY
 TRAINING_TAG = "nxdtp_training"
 MODEL_TAG = "nxdtp_model"
 OLDEST_TRAINER = (5, 0)
+PUSH_TO_HUB = ("TensorParallelTrainer uploads nothing (Trainer's upload would take output_dir without the dense "
+               "model); call trainer.save_model(dir) on every rank, then upload dir from one rank with "
+               "huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir)")
 
 
 def _inner_optimizer(optimizer):
@@ -63,6 +70,8 @@ def _refusals(model, args) -> list:
         reasons.append("fp16=True: the fp16 GradScaler unscales and checks for overflow rank by rank (one TP rank "
                        "could skip a step the others take, and clipping would see scaled gradients); use bf16=True "
                        "(on CPU accelerate ignores fp16 anyway and trains in fp32)")
+    if getattr(args, "push_to_hub", False):
+        reasons.append("push_to_hub=True: " + PUSH_TO_HUB)
     if getattr(args, "label_smoothing_factor", 0):
         reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer smooths the model's logits, "
                        "which are vocab-parallel shards here; pass label smoothing to the model's loss instead")
@@ -199,8 +208,9 @@ class TensorParallelTrainer(transformers.Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if self.args.push_to_hub:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, *args, **kwargs):
+        raise NotImplementedError(PUSH_TO_HUB)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         checkpointing.save({"model": self.model, "optimizer": _inner_optimizer(self.optimizer),
