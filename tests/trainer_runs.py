@@ -1,8 +1,12 @@
 """One Hugging Face Trainer run for tests/test_trainer.py, in a process of its own: ``python tests/trainer_runs.py
 dense OUT`` trains the dense model on the global batch; under torchrun, ``tp OUT --tp 2`` trains the nxdtp-parallelized
 copy with TensorParallelTrainer (``plain OUT``: with transformers.Trainer, which must refuse). Both write their
-per-step log (loss, grad norm) to OUT/log.json and their final weights (the dense model's ``model.safetensors``; the
-TP run's nxdtp tag, which the test merges).
+per-step log (loss, grad norm) to OUT/log.json and their final weights with ``trainer.save_model`` (an HF directory:
+OUT itself for the dense run, OUT/final for the TP run). ``--precision bf16|fp16`` sets TrainingArguments' switch.
+With ``--eval`` the trained model is then evaluated (``trainer.evaluate`` with a token-accuracy ``compute_metrics``
+and an argmax ``preprocess_logits_for_metrics``) and asked for predictions (``trainer.predict``, full logits) on an
+eval set of EVAL_SAMPLES and a prediction set of PREDICT_SAMPLES (not a multiple of the global eval batch):
+OUT/eval.json holds both metric dictionaries, OUT/predictions.npy and OUT/label_ids.npy what ``predict`` returned.
 
 Trainer picks an XLA device whenever torch_xla is installed unless USE_TORCH_XLA=0, so the test sets it; it must be
 set before transformers is imported.
@@ -18,6 +22,7 @@ import os
 import torch
 
 VOCAB, SEQ, SAMPLES = 67, 8, 16
+EVAL_SAMPLES, PREDICT_SAMPLES = 8, 9
 
 
 def dense_model():
@@ -38,17 +43,55 @@ def dense_model():
 class Samples(torch.utils.data.Dataset):
     """Token ids with labels; some label positions ignored, so the token count differs per sample."""
 
-    def __init__(self):
-        g = torch.Generator().manual_seed(2)
-        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    def __init__(self, count: int = SAMPLES, seed: int = 2):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (count, SEQ), generator=g)
         self.labels = self.ids.clone()
-        self.labels[torch.rand(SAMPLES, SEQ, generator=g) < 0.25] = -100
+        self.labels[torch.rand(count, SEQ, generator=g) < 0.25] = -100
 
     def __len__(self):
-        return SAMPLES
+        return len(self.ids)
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def token_accuracy(prediction) -> dict:
+    """compute_metrics: next-token accuracy by argmax (predictions are logits, or ids from argmax_ids)."""
+    import numpy as np
+
+    predicted, labels = np.asarray(prediction.predictions), np.asarray(prediction.label_ids)
+    if predicted.ndim == 3:
+        predicted = predicted.argmax(-1)
+    predicted, labels = predicted[:, :-1], labels[:, 1:]
+    counted = labels != -100
+    # The id sum tells apart argmaxes over the wrong vocabulary (a TP rank's shard holds local ids) even where an
+    # untrained model's accuracy is near 0 either way.
+    return {"accuracy": float((predicted[counted] == labels[counted]).mean()), "counted": int(counted.sum()),
+            "argmax_id_sum": int(predicted[counted].sum())}
+
+
+def argmax_ids(logits, labels):
+    """preprocess_logits_for_metrics: keep the argmax ids instead of the logits."""
+    return logits.argmax(-1)
+
+
+def evaluate_and_predict(trainer, out: str, write: bool) -> None:
+    import numpy as np
+
+    trainer.args.dataloader_drop_last = False   # predict's last batch is incomplete (padded and cut back at dp2)
+    evaluated = trainer.evaluate(eval_dataset=Samples(EVAL_SAMPLES, seed=5))
+    trainer.preprocess_logits_for_metrics = None   # predict: the full logits
+    predicted = trainer.predict(Samples(PREDICT_SAMPLES, seed=6))
+    if write:
+        with open(os.path.join(out, "eval.json"), "w") as f:
+            json.dump({"evaluate": evaluated, "predict": predicted.metrics}, f)
+        np.save(os.path.join(out, "predictions.npy"), predicted.predictions)
+        np.save(os.path.join(out, "label_ids.npy"), predicted.label_ids)
+
+
+def precision_arguments(precision: str) -> dict:
+    return {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True)}[precision]
 
 
 def training_arguments(out: str, per_device: int, accumulation: int, **extra):
@@ -58,7 +101,8 @@ def training_arguments(out: str, per_device: int, accumulation: int, **extra):
     import transformers
 
     return transformers.TrainingArguments(
-        output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
         learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], optim="sgd", seed=3, data_seed=4,
         dataloader_drop_last=True, use_cpu=True, disable_tqdm=True, **{"max_steps": 4, "save_strategy": "no", **extra})
 
@@ -68,19 +112,26 @@ def _log(trainer):
             for e in trainer.state.log_history if "loss" in e]
 
 
-def run_dense(out: str, per_device: int, accumulation: int) -> None:
+def metric_arguments(evaluate: bool) -> dict:
+    return dict(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_ids) if evaluate else {}
+
+
+def run_dense(out: str, per_device: int, accumulation: int, precision: str, evaluate: bool) -> None:
     import transformers
 
-    trainer = transformers.Trainer(model=dense_model(), args=training_arguments(out, per_device, accumulation),
-                                   train_dataset=Samples())
+    trainer = transformers.Trainer(model=dense_model(), train_dataset=Samples(), **metric_arguments(evaluate),
+                                   args=training_arguments(out, per_device, accumulation,
+                                                           **precision_arguments(precision)))
     trainer.train()
     trainer.save_model(out)
     with open(os.path.join(out, "log.json"), "w") as f:
         json.dump(_log(trainer), f)
+    if evaluate:
+        evaluate_and_predict(trainer, out, write=True)
 
 
 def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: int, resume: str, max_steps: int,
-           plain: bool = False):
+           precision: str, evaluate: bool, plain: bool = False):
     import torch.distributed as dist
     import transformers
 
@@ -93,14 +144,16 @@ def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: in
     model = parallelize_model(copy.deepcopy(dense_model()))
     saving = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
     trainer_class = transformers.Trainer if plain else TensorParallelTrainer   # plain: what an HF user tries first
-    trainer = trainer_class(model=model, args=training_arguments(out, per_device, accumulation,
-                                                                         max_steps=max_steps, **saving),
-                                    train_dataset=Samples())
+    trainer = trainer_class(model=model, train_dataset=Samples(), **metric_arguments(evaluate),
+                            args=training_arguments(out, per_device, accumulation, max_steps=max_steps, **saving,
+                                                    **precision_arguments(precision)))
     trainer.train(resume_from_checkpoint=resume or None)
     trainer.save_model(os.path.join(out, "final"))
     if dist.get_rank() == 0:
         with open(os.path.join(out, "log.json"), "w") as f:
             json.dump(_log(trainer), f)
+    if evaluate:
+        evaluate_and_predict(trainer, out, write=dist.get_rank() == 0)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -115,8 +168,11 @@ if __name__ == "__main__":
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--resume", default="")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--eval", action="store_true")
     a = parser.parse_args()
     if a.kind == "dense":
-        run_dense(a.out, a.per_device, a.accumulation)
+        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval)
     else:
-        run_tp(a.out, a.tp, a.per_device, a.accumulation, a.save_steps, a.resume, a.max_steps, a.kind == "plain")
+        run_tp(a.out, a.tp, a.per_device, a.accumulation, a.save_steps, a.resume, a.max_steps, a.precision, a.eval,
+               a.kind == "plain")

@@ -11,22 +11,31 @@ subclass takes it, then supplies what no model attribute can reach:
 * the TP-aware gradient norm and clipping (``nxdtp.grads.clip_grad_norm``), which Trainer logs as ``grad_norm``;
 * checkpoints through ``nxdtp.checkpointing``: every rank writes its shards (model, optimizer, scheduler, the RNG
   tracker), and ``resume_from_checkpoint`` reads them back, beside Trainer's own trainer state and RNG files;
+  ``save_model(dir)`` writes the dense HF directory (``model.save_pretrained``), which ``from_pretrained`` loads;
+* evaluation and prediction with full-vocabulary logits (gathered over TP after the forward, whose loss still runs on
+  the shards), gathered across processes over the DP group only, so ``compute_metrics`` and
+  ``preprocess_logits_for_metrics`` see each sample once, as on the dense model;
 * on CPU (gloo) worlds, the ``ParallelismConfig`` accelerate refuses for them is installed after the accelerator is
   built, so a laptop runs the same path as a GPU machine.
 
-What it cannot do yet is refused when the trainer is built, with the reason: transformers 4.x, DeepSpeed, FSDP, XLA
-devices, label smoothing and ``compute_loss_func`` (they act on the vocab-parallel logits), metrics on logits, and
-``load_best_model_at_end``.
+bf16 (accelerate's autocast) needs nothing more. What it cannot do is refused when the trainer is built, with the
+reason: transformers 4.x, DeepSpeed, FSDP, XLA devices, fp16 (the GradScaler is not TP-aware), push_to_hub, label
+smoothing and ``compute_loss_func`` (they act on the vocab-parallel logits), and ``load_best_model_at_end``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
+import torch
 import transformers
+from transformers.trainer import TRAINING_ARGS_NAME
 
-from .. import checkpointing, grads, parallel_state
+from .. import checkpointing, comm, grads, parallel_state
+from .common import gather_vocab_logits
+from .generation import _vocab_parallel_head
 from .hf_integration import TRAINED_BY
 
 # The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
@@ -34,6 +43,9 @@ from .hf_integration import TRAINED_BY
 TRAINING_TAG = "nxdtp_training"
 MODEL_TAG = "nxdtp_model"
 OLDEST_TRAINER = (5, 0)
+PUSH_TO_HUB = ("TensorParallelTrainer uploads nothing (Trainer's upload would take output_dir without the dense "
+               "model); call trainer.save_model(dir) on every rank, then upload dir from one rank with "
+               "huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir)")
 
 
 def _inner_optimizer(optimizer):
@@ -54,6 +66,12 @@ def _refusals(model, args) -> list:
         reasons.append("deepspeed: DeepSpeed would shard or replicate the already sharded parameters")
     if getattr(args, "fsdp", None):
         reasons.append(f"fsdp={args.fsdp!r}: FSDP over a TP-sharded model is not supported")
+    if getattr(args, "fp16", False):
+        reasons.append("fp16=True: the fp16 GradScaler unscales and checks for overflow rank by rank (one TP rank "
+                       "could skip a step the others take, and clipping would see scaled gradients); use bf16=True "
+                       "(on CPU accelerate ignores fp16 anyway and trains in fp32)")
+    if getattr(args, "push_to_hub", False):
+        reasons.append("push_to_hub=True: " + PUSH_TO_HUB)
     if getattr(args, "label_smoothing_factor", 0):
         reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer smooths the model's logits, "
                        "which are vocab-parallel shards here; pass label smoothing to the model's loss instead")
@@ -84,10 +102,6 @@ class TensorParallelTrainer(transformers.Trainer):
         if compute_loss_func is not None:
             reasons.append("compute_loss_func: it would receive vocab-parallel logits; the model's own loss "
                            "(nxdtp's vocab-parallel loss) is used")
-        if compute_metrics is not None or preprocess_logits_for_metrics is not None:
-            reasons.append("compute_metrics / preprocess_logits_for_metrics: evaluation logits are vocab-parallel "
-                           "shards here; evaluate the loss (prediction_loss_only) or gather logits with "
-                           "nxdtp.models.gather_vocab_logits in your own loop")
         if reasons:
             raise ValueError("TensorParallelTrainer cannot run this configuration: " + "; ".join(reasons))
         tp = parallel_state.get_tensor_model_parallel_size()
@@ -97,7 +111,8 @@ class TensorParallelTrainer(transformers.Trainer):
         model._tp_size = tp
         setattr(model, TRAINED_BY, type(self).__name__)   # the forward's guard against plain Trainer lets it through
         model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
-        super().__init__(model, args, *positional, **keywords)
+        super().__init__(model, args, *positional, compute_metrics=compute_metrics,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **keywords)
         if self.accelerator.distributed_type.name == "XLA":
             raise ValueError("TensorParallelTrainer on an XLA device: accelerate all-reduces gradients over the whole "
                              "world there; train with nxdtp's own loop on XLA (docs/wrapping_hf_models.md)")
@@ -136,12 +151,66 @@ class TensorParallelTrainer(transformers.Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return grads.get_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm
 
-    # ---- checkpoints: every rank its shards --------------------------------------------------------------------------
+    # ---- evaluation and prediction: full-vocabulary logits, gathered over DP only ------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        # The loss inside the forward still runs on the vocab-parallel shards; the logits it returns are gathered.
+        hook = self.model.register_forward_hook(_full_vocabulary_logits)
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            hook.remove()
+
+    def evaluation_loop(self, *args, **kwargs):
+        # Trainer resets gather_function to accelerate's gather_for_metrics at the end of every loop: set it each time.
+        self.gather_function = functools.partial(self._gather_for_metrics,
+                                                 use_gather_object=self.args.eval_use_gather_object)
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_for_metrics(self, data, use_gather_object=False):
+        """accelerate's ``gather_for_metrics`` over the DP group only: the ranks of a TP group hold the same batch, and
+        a gather over the world would count each of its samples TP times (and cut the last batch's padding at the
+        wrong place). The remainder of the last batch is cut as accelerate cuts it, its count being of DP ranks."""
+        from accelerate.utils import recursively_apply
+
+        group = parallel_state.data_parallel_group()
+        if not use_gather_object:
+            try:
+                recursively_apply(lambda x: x, data, error_on_other_type=True)
+            except TypeError:
+                use_gather_object = True
+        if use_gather_object:
+            data = [item for piece in comm.all_gather_object(data, group) for item in piece]
+        else:
+            data = recursively_apply(lambda t: comm.all_gather(t.reshape(1) if t.dim() == 0 else t, group, dim=0),
+                                     data)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if use_gather_object:
+                return data[:state.remainder]
+            return recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
+    # ---- saving: the dense HF directory for save_model, every rank's shards for checkpoints --------------------------
 
     def save_model(self, output_dir=None, _internal_call=False):
-        if _internal_call and not self.args.save_only_model:
-            return   # _save_optimizer_and_scheduler writes the weights with the optimizer, in one tag
-        checkpointing.save({"model": self.model}, output_dir or self.args.output_dir, tag=MODEL_TAG)
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            if self.args.save_only_model:   # else _save_optimizer_and_scheduler writes the weights in its own tag
+                checkpointing.save({"model": self.model}, output_dir, tag=MODEL_TAG)
+            return
+        # What HF's save_model writes: the model's dense HF directory (every rank takes part in its gathers; one
+        # writes), the processing class and the training arguments.
+        self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def push_to_hub(self, *args, **kwargs):
+        raise NotImplementedError(PUSH_TO_HUB)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         checkpointing.save({"model": self.model, "optimizer": _inner_optimizer(self.optimizer),
@@ -157,6 +226,19 @@ class TensorParallelTrainer(transformers.Trainer):
                            scheduler=self.lr_scheduler, tag=TRAINING_TAG, restore_rng_states=True)
 
 
+def _full_vocabulary_logits(model, args, outputs):
+    """Forward hook for prediction: the model's vocab-parallel ``logits`` (or BERT's ``prediction_logits``) become the
+    full-vocabulary logits, the same on every TP rank (``gather_vocab_logits``; padded vocabulary columns dropped)."""
+    head = _vocab_parallel_head(model)
+    if head is None or not hasattr(outputs, "keys"):
+        return outputs
+    for key in ("logits", "prediction_logits"):
+        logits = outputs.get(key)
+        if torch.is_tensor(logits) and logits.shape[-1] == head.output_size_per_partition:
+            outputs[key] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))
+    return outputs
+
+
 def _tag_in(checkpoint_dir: str) -> str:
     for tag in (TRAINING_TAG, MODEL_TAG):
         if os.path.isdir(os.path.join(checkpoint_dir, tag)):
@@ -166,6 +248,4 @@ def _tag_in(checkpoint_dir: str) -> str:
 
 
 def _has_accelerator_device() -> bool:
-    import torch
-
     return torch.cuda.is_available()
