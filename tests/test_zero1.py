@@ -65,7 +65,7 @@ def _apply_lr_scale(groups, lr):
     return groups
 
 
-# ---- models and batches -------------------------------------------------------------------------------------------------
+# ---- models and batches ----------------------------------------------------------------------------------------------
 
 def _llama():
     from tests.test_models_decoders import _config, _dense
@@ -120,7 +120,7 @@ def _parallelize(kind, dense):
     return parallelize_model(copy.deepcopy(dense))
 
 
-# ---- ZeRO-1 equals dense ------------------------------------------------------------------------------------------------
+# ---- ZeRO-1 equals dense ---------------------------------------------------------------------------------------------
 
 def case_zero1_equals_dense(model: str, inner: str, norm_type: float, accumulate: str, max_norm: float):
     from tests.test_models_bert import _check_weights
@@ -214,7 +214,7 @@ def test_bf16_parameters_keep_sub_resolution_updates_in_fp32_master_shards(world
         assert values == [1.0], values
 
 
-# ---- memory -------------------------------------------------------------------------------------------------------------
+# ---- memory ----------------------------------------------------------------------------------------------------------
 
 def case_state_bytes():
     dp = ps.get_data_parallel_size()
@@ -254,7 +254,7 @@ def test_optimizer_state_is_one_dp_th_of_plain_adamw(worlds, tp):
         assert r["master"] == 4 * (r["numel"] + r["padding"]) // dp, r
 
 
-# ---- state dict ---------------------------------------------------------------------------------------------------------
+# ---- state dict ------------------------------------------------------------------------------------------------------
 
 def case_state_dict_round_trip():
     dp = ps.get_data_parallel_size()
@@ -304,7 +304,7 @@ def test_state_dict_round_trip_does_not_depend_on_load_order(worlds):
     assert worlds(4).run(case_state_dict_round_trip, tensor_model_parallel_size=2) == [0.0] * 4
 
 
-# ---- arguments ----------------------------------------------------------------------------------------------------------
+# ---- arguments -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(optimizer_class=dict), TypeError, r"optimizer_class=<class 'dict'> must be a torch.optim.Optimizer subclass"),
