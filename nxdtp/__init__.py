@@ -7,8 +7,8 @@
 
 __version__ = "0.1.0"
 
-from . import comm, grads, layer_norm, layers, loss_functions, mappings, optimizers, pad, parallel_state, random, \
-    spec, utils  # noqa: E402,F401
+from . import comm, grads, layer_norm, layers, loss_functions, mappings, optimizer, optimizers, pad, parallel_state, \
+    random, spec, utils  # noqa: E402,F401
 from .checkpointing import load, save  # noqa: E402
 from .grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, clip_grad_norm, get_grad_norm  # noqa: E402
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear  # noqa: E402

@@ -76,11 +76,34 @@ def _is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def _check_nxd_defaults(zero1_optimizer: bool, zero1_optimizer_groups: Any) -> None:
-    if zero1_optimizer:
-        raise ValueError("zero1_optimizer=True is not supported: nxdtp has no ZeRO-1 optimizer; use zero1_optimizer=False")
-    if zero1_optimizer_groups is not None:
-        raise ValueError(f"zero1_optimizer_groups={zero1_optimizer_groups!r} is not supported; pass None")
+def zero1_sharding_group(sharding_groups: Any = None) -> ParallelGroup:
+    """The ParallelGroup of NxD's ZeRO-1 ``sharding_groups`` / ``zero1_optimizer_groups`` argument.
+
+    None, a ParallelGroup of the data-parallel kind, or the list of data-parallel rank lists
+    (``get_data_parallel_group(as_list=True)``, ``get_zero1_sharding_groups()``) all mean the data-parallel group,
+    which is what NxD shards over (its data x context group, with context parallelism of size 1).
+    """
+    dp = data_parallel_group()
+    if sharding_groups is None or sharding_groups == dp:
+        return dp
+    try:
+        as_lists = [sorted(int(r) for r in g) for g in sharding_groups]
+    except TypeError:
+        as_lists = None
+    if as_lists is not None and sorted(as_lists) == sorted(dp.replica_groups_as_lists()):
+        return dp
+    raise ValueError(f"ZeRO-1 sharding groups {sharding_groups!r} are not supported; nxdtp shards over the "
+                     f"data-parallel groups {dp.replica_groups_as_lists()} (pass None, or exactly those groups)")
+
+
+def _check_nxd_defaults(zero1_optimizer: bool, zero1_optimizer_groups: Any) -> Any:
+    """None without ZeRO-1; with it, the sharding group the norm is also summed over."""
+    if not zero1_optimizer:
+        if zero1_optimizer_groups is not None:
+            raise ValueError(f"zero1_optimizer_groups={zero1_optimizer_groups!r} is given but zero1_optimizer=False; "
+                             "pass zero1_optimizer=True with the groups, or no groups")
+        return None
+    return zero1_sharding_group(zero1_optimizer_groups)
 
 
 def _check_norm_type(norm_type: Union[float, int, str]) -> float:
@@ -105,15 +128,23 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
 
     Every rank of the TP group must call this (it all-reduces over the group), with the same parameter structure.
     ``force_spmd`` is accepted for NxD compatibility: nxdtp always uses the SPMD form (the same graph on every rank).
+    Parameters marked ``shared`` (NxD's attribute for a parameter another pipeline stage also holds) are skipped, as
+    NxD skips them.
+
+    ``zero1_optimizer=True`` (NxD's ZeRO-1 form): ``parameters`` are this rank's ZeRO-1 shards (their ``.grad`` the
+    shards of the averaged gradients), which carry their full parameter's TP attributes. The TP rule applies to each
+    shard as to its parameter, and the result is also summed (max for inf) over the sharding group
+    ``zero1_optimizer_groups`` (None: the data-parallel group; see ``zero1_sharding_group``): the dense model's norm
+    over TP x DP. Every rank of the world must then call it.
     """
-    _check_nxd_defaults(zero1_optimizer, zero1_optimizer_groups)
+    extra_group = _check_nxd_defaults(zero1_optimizer, zero1_optimizer_groups)
     p = _check_norm_type(norm_type)
     grads_sharded: List[torch.Tensor] = []
     grads_replicated: List[torch.Tensor] = []
     # A shard of a tensor whose blocks the full tensor holds several times (replicated KV heads) counts once per copy.
     copies: List[float] = []
     for param in _unique_params(parameters):
-        if param.grad is not None:
+        if param.grad is not None and param_is_not_shared(param):
             (grads_sharded if _is_tp_sharded(param) else grads_replicated).append(param.grad.detach())
             if _is_tp_sharded(param):
                 copies.append(float(getattr(param, "num_replicas", 1)))
@@ -135,6 +166,8 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
         is_nan = torch.isnan(local)
         reduced = comm.all_reduce(torch.stack([torch.where(is_nan, zero, local), is_nan.to(torch.float32)]), group,
                                   op="max")
+        if extra_group is not None:
+            reduced = comm.all_reduce(reduced, extra_group, op="max")
         return torch.where(reduced[1] > 0, torch.full_like(reduced[0], math.nan), reduced[0])
 
     # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. Which rank this is comes from the rank as
@@ -146,6 +179,8 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     # so that an inf or NaN in any rank's copy makes the norm non-finite everywhere (inf + inf = inf; NaN wins).
     replicated = torch.where(counts_replicas | ~torch.isfinite(replicated), replicated, zero)
     total = comm.all_reduce(sharded + replicated, group, op="sum")
+    if extra_group is not None:
+        total = comm.all_reduce(total, extra_group, op="sum")
     return total.pow(1.0 / p)
 
 
@@ -310,5 +345,5 @@ def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAU
 __all__ = [
     "get_grad_norm", "clip_grad_norm", "clip_grads_with_norm", "param_is_not_shared", "bucket_allreduce_gradients",
     "allreduce_sequence_parallel_gradients", "allreduce_context_parallel_gradients",
-    "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB", "CLIP_EPS", "clip_coefficient",
+    "allreduce_gradients", "DEFAULT_BUCKET_CAP_MB", "CLIP_EPS", "clip_coefficient", "zero1_sharding_group",
 ]

@@ -168,6 +168,82 @@ class ParamSpec:
                    pad_groups=d.get("pad_groups", 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class FlatShardLayout:
+    """How one (TP-local) tensor is cut over a ZeRO-1 sharding group: flattened, zero-padded at its end to a multiple
+    of the group size, and cut into ``group_size`` equal contiguous chunks; group rank ``r`` holds chunk ``r``.
+
+    The padding is at most ``group_size - 1`` elements per tensor, whatever the tensor's shape (a dim-0 cut pads a
+    ``(1, hidden)`` tensor to ``(group_size, hidden)``). The padded tensor seen as ``rows`` (``group_size`` rows of
+    ``shard_numel``) is what the collectives move: row ``r`` is rank ``r``'s shard, so a reduce-scatter / all-gather
+    along dim 0 of several tensors' rows concatenated along dim 1 moves them all at once, and every rank slices the
+    result at the same (rank-independent) offsets.
+    """
+
+    shape: Tuple[int, ...]
+    group_size: int
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError(f"FlatShardLayout: group_size={self.group_size} must be >= 1")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def shard_numel(self) -> int:
+        return max(1, -(-self.numel // self.group_size))
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.group_size
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (of ``shape``) as the ``[group_size, shard_numel]`` rows of its padded flat form."""
+        if tuple(tensor.shape) != tuple(self.shape):
+            raise ValueError(f"FlatShardLayout: tensor of shape {tuple(tensor.shape)} does not have the layout's shape "
+                             f"{tuple(self.shape)}")
+        flat = tensor.reshape(-1)
+        if self.padding:
+            flat = torch.cat([flat, flat.new_zeros(self.padding)])
+        return flat.reshape(self.group_size, self.shard_numel)
+
+    def full_from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The tensor (of ``shape``) from its ``[group_size, shard_numel]`` rows: the padding dropped."""
+        if tuple(rows.shape) != (self.group_size, self.shard_numel):
+            raise ValueError(f"FlatShardLayout: rows of shape {tuple(rows.shape)}, expected "
+                             f"{(self.group_size, self.shard_numel)}")
+        return rows.reshape(-1)[:self.numel].reshape(self.shape)
+
+    def full_from_shards(self, shards) -> torch.Tensor:
+        """The tensor from every rank's shard, in group-rank order (host side: checkpoints, tests)."""
+        return self.full_from_rows(torch.stack([s.reshape(-1) for s in shards]))
+
+    def shard_of(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Group rank ``rank``'s shard (a 1-D tensor of ``shard_numel``) of ``tensor`` (host side: checkpoints,
+        tests; traced code selects with a rank tensor instead, so every rank traces one graph)."""
+        if not 0 <= rank < self.group_size:
+            raise ValueError(f"FlatShardLayout: rank={rank} is outside a sharding group of size {self.group_size}")
+        return self.rows(tensor)[rank].clone()
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"layout": "flat", "shape": list(self.shape), "group_size": self.group_size}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "FlatShardLayout":
+        if d.get("layout") != "flat":
+            raise ValueError(f"unknown ZeRO-1 shard layout {d.get('layout')!r}; this nxdtp knows 'flat'")
+        return cls(shape=tuple(d["shape"]), group_size=int(d["group_size"]))
+
+
 def _leading_block(tensor: torch.Tensor, shape) -> torch.Tensor:
     """The leading ``shape`` block of ``tensor`` (a view): the tensor without padding at the end of its dims."""
     for dim, size in enumerate(shape):

@@ -321,11 +321,26 @@ def test_bad_max_norm_is_rejected(max_norm):
     assert torch.equal(p.grad, torch.ones(2))
 
 
-def test_unsupported_nxd_options_are_rejected():
-    with pytest.raises(ValueError, match="zero1_optimizer=True is not supported"):
-        nxg.get_grad_norm([], zero1_optimizer=True)
-    with pytest.raises(ValueError, match="zero1_optimizer=True is not supported"):
-        nxg.clip_grad_norm([], 1.0, zero1_optimizer=True)
+def test_bad_zero1_options_are_rejected():
+    """ZeRO-1's form of the norm (tests/test_zero1.py) sums over the data-parallel groups only; other groups, and
+    groups without zero1_optimizer=True (NxD's error too), are refused with the valid value named."""
+    with ps.simulated_topology(world_size=4, rank=0, tensor_model_parallel_size=2):
+        with pytest.raises(ValueError, match=r"zero1_optimizer_groups=\[\[0, 2\], \[1, 3\]\] is given but "
+                                             "zero1_optimizer=False"):
+            nxg.get_grad_norm([], zero1_optimizer_groups=[[0, 2], [1, 3]])
+        with pytest.raises(ValueError, match=r"sharding groups \[\[0, 1\], \[2, 3\]\] are not supported; .* "
+                                             r"data-parallel groups \[\[0, 2\], \[1, 3\]\]"):
+            nxg.clip_grad_norm([], 1.0, zero1_optimizer=True, zero1_optimizer_groups=[[0, 1], [2, 3]])
+        assert nxg.zero1_sharding_group([[2, 0], [1, 3]]) is ps.data_parallel_group()
+        assert nxg.zero1_sharding_group(None) is ps.data_parallel_group()
+
+
+def test_shared_parameters_are_skipped_as_nxd_does():
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+        a.grad, b.grad = torch.full((2,), 3.0), torch.full((3,), 4.0)
+        b.shared = True
+        torch.testing.assert_close(nxg.get_grad_norm([a, b]), torch.tensor(18.0).sqrt())
 
 
 def test_bad_bucket_cap_is_rejected():

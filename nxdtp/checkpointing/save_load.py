@@ -173,6 +173,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every tag)")
     _check_bool("check_replicated", check_replicated)
+    for key, value in checkpoint.items():
+        _refuse_zero1(value, f"save(): checkpoint[{key!r}]")
     if tag is None:
         if "global_step" in checkpoint:
             tag = tags.tag_for_step(checkpoint["global_step"])
@@ -348,6 +350,19 @@ def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[s
 
 
 # ---- optimizer ----------------------------------------------------------------------------------------------------------
+
+def _refuse_zero1(value: Any, what: str) -> None:
+    """ZeRO-1 state is sharded over DP, and this format writes optimizer state once per TP rank (from DP rank 0): saving
+    it would silently drop the other DP ranks' shards. Refused on every rank alike (every rank has the same kind)."""
+    from ..optimizer import NeuronZero1Optimizer
+
+    if isinstance(value, NeuronZero1Optimizer) or (isinstance(value, dict) and "base_state" in value):
+        raise NotImplementedError(
+            f"{what} is a ZeRO-1 optimizer (NeuronZero1Optimizer) or its state dict, whose state is sharded over data "
+            "parallelism; nxdtp.checkpointing does not write or read ZeRO-1 state yet (it writes one optimizer file "
+            "per TP rank, a plain optimizer's). Save each rank's optimizer.state_dict() with torch.save meanwhile "
+            "(it holds the master shards and reloads at the same tp x dp layout)")
+
 
 def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict]]:
     """Optimizer tensors keyed ``<param>/<field>``, the per-param index, and the JSON part (groups, scalars).
@@ -558,6 +573,7 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
             model = value
         else:
             raise TypeError(f"{argument} must be an nn.Module or an optimizer, got {type(value).__name__}")
+    _refuse_zero1(optimizer, "load(): the optimizer")
     if not sharded:
         return _load_full(chkpt_path, model, model_key, strict, tag=tag, optimizer=optimizer, scheduler=scheduler,
                           restore_rng_states=restore_rng_states)
