@@ -18,7 +18,7 @@ per-rank differences enter as data (a weight tensor), not as graph structure.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Union
 
 import torch
 from torch import nn
@@ -239,21 +239,27 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
 
 # ---- bucketed all-reduce -----------------------------------------------------------------------------------------------
 
-def _buckets(grads: List[torch.Tensor], cap_bytes: int) -> List[List[torch.Tensor]]:
-    """Group gradients of one dtype and device, in order, into buckets of at most ``cap_bytes`` (a larger tensor is
-    a bucket by itself)."""
-    by_kind: Dict[Tuple[torch.dtype, torch.device], List[List[torch.Tensor]]] = {}
-    sizes: Dict[Tuple[torch.dtype, torch.device], int] = {}
-    for g in grads:
-        key = (g.dtype, g.device)
-        nbytes = g.numel() * g.element_size()
-        buckets = by_kind.setdefault(key, [[]])
-        if buckets[-1] and sizes[key] + nbytes > cap_bytes:
+def buckets_by(items: List[Any], nbytes: Callable[[Any], int], key: Callable[[Any], Any],
+               cap_bytes: float) -> List[List[Any]]:
+    """Consecutive items of one ``key`` (dtype and device, say) in buckets of at most ``cap_bytes`` (a larger item is
+    a bucket by itself), in order: the bucketing of every coalesced collective (this all-reduce, ZeRO-1's
+    reduce-scatter and all-gather)."""
+    by_key: Dict[Any, List[List[Any]]] = {}
+    sizes: Dict[Any, int] = {}
+    for item in items:
+        k, n = key(item), nbytes(item)
+        buckets = by_key.setdefault(k, [[]])
+        if buckets[-1] and sizes[k] + n > cap_bytes:
             buckets.append([])
-            sizes[key] = 0
-        buckets[-1].append(g)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    return [bucket for buckets in by_kind.values() for bucket in buckets if bucket]
+            sizes[k] = 0
+        buckets[-1].append(item)
+        sizes[k] = sizes.get(k, 0) + n
+    return [bucket for buckets in by_key.values() for bucket in buckets if bucket]
+
+
+def _buckets(grads: List[torch.Tensor], cap_bytes: int) -> List[List[torch.Tensor]]:
+    """Gradients of one dtype and device, in order, in buckets of at most ``cap_bytes``."""
+    return buckets_by(grads, lambda g: g.numel() * g.element_size(), lambda g: (g.dtype, g.device), cap_bytes)
 
 
 def _bucketed_all_reduce(grads: List[torch.Tensor], group: ParallelGroup, divisor: int, bucket_cap_mb: float) -> None:

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import comm
-from ..grads import clip_grads_with_norm, get_grad_norm, zero1_sharding_group, _check_norm_type
+from ..grads import buckets_by, clip_grads_with_norm, get_grad_norm, zero1_sharding_group, _check_norm_type
 from ..parallel_state import ParallelGroup, model_parallel_is_initialized, rank_tensor, tensor_parallel_group
 from ..spec import FlatShardLayout
 
@@ -65,21 +65,6 @@ def _check_cap(name: str, value: Any) -> float:
         raise ValueError(f"NeuronZero1Optimizer: {name}={value!r} must be a number of MiB >= 0 (0: nxdtp's default "
                          f"bucket of {DEFAULT_BUCKET_CAP_MB} MiB)")
     return float(value) if value > 0 else float(DEFAULT_BUCKET_CAP_MB)
-
-
-def _buckets(items: List[Any], nbytes, key, cap_bytes: float) -> List[List[Any]]:
-    """Consecutive items of one ``key`` in buckets of at most ``cap_bytes`` (a larger item is a bucket by itself)."""
-    by_key: Dict[Any, List[List[Any]]] = {}
-    sizes: Dict[Any, int] = {}
-    for item in items:
-        k, n = key(item), nbytes(item)
-        buckets = by_key.setdefault(k, [[]])
-        if buckets[-1] and sizes[k] + n > cap_bytes:
-            buckets.append([])
-            sizes[k] = 0
-        buckets[-1].append(item)
-        sizes[k] = sizes.get(k, 0) + n
-    return [b for bs in by_key.values() for b in bs if b]
 
 
 class NeuronZero1Optimizer(torch.optim.Optimizer):
@@ -259,7 +244,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             return self._layouts[id(pair[0])].padded_numel * torch.empty((), dtype=cc_dtype(pair)).element_size()
 
         cap = self.bucket_cap_mb_reduce_scatter * 1024 * 1024
-        for bucket in _buckets(pairs, nbytes, lambda pair: (self._gradient(pair[0]).device, cc_dtype(pair)), cap):
+        for bucket in buckets_by(pairs, nbytes, lambda pair: (self._gradient(pair[0]).device, cc_dtype(pair)), cap):
             dtype = cc_dtype(bucket[0])
             rows = torch.cat([self._layouts[id(p)].rows(self._gradient(p).detach().to(dtype)) for p, _ in bucket],
                              dim=1)
@@ -282,7 +267,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             return self._layouts[id(pair[0])].padded_numel * torch.empty((), dtype=ag_dtype(pair)).element_size()
 
         cap = self.bucket_cap_mb_all_gather * 1024 * 1024
-        for bucket in _buckets(pairs, nbytes, lambda pair: (pair[0].device, ag_dtype(pair)), cap):
+        for bucket in buckets_by(pairs, nbytes, lambda pair: (pair[0].device, ag_dtype(pair)), cap):
             dtype = ag_dtype(bucket[0])
             packed = torch.cat([s.detach().to(dtype).reshape(1, -1) for _, s in bucket], dim=1)
             gathered = comm.all_gather(packed, self._group, dim=0)
