@@ -28,7 +28,7 @@ LR = 1e-3
 LLAMA_VOCAB, BERT_VOCAB, SEQ, BATCH = 101, 53, 8, 2
 
 
-# ---- the layout algebra's chunks ----------------------------------------------------------------------------------------
+# ---- the layout algebra's chunks -------------------------------------------------------------------------------------
 
 def _specs():
     from nxdtp.spec import ParamSpec
@@ -67,3 +67,70 @@ def test_dense_runs_cover_every_dense_row_once(name):
             seen[dense_start:dense_start + length] += 1
     assert torch.equal(seen, torch.ones_like(seen)), (name, seen)
     assert torch.equal(rebuilt, dense), name
+
+
+# ---- a hand-made checkpoint: fused, strided, padded, tied, bf16 and int64 tensors ------------------------------------
+
+def _cli(argv, capsys):
+    from nxdtp.checkpointing.cli import main
+
+    status = main([str(a) for a in argv] + ["--no-progress"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _load_dcp(directory, state_dict):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, checkpoint_id=str(directory), no_dist=True)
+    return state_dict
+
+
+def _metadata(directory):
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+
+
+def test_export_of_strided_padded_tied_tensors_loads_dense(tmp_path, capsys):
+    from tests.test_checkpoint_merge import _synthetic
+
+    dense = _synthetic(str(tmp_path / "tp2"), tp=2)
+    status, out, err = _cli([tmp_path / "tp2", tmp_path / "dcp", "--to", "dcp"], capsys)
+    assert status == 0, err
+    assert "wrote DCP checkpoint" in out and "no optimizer state" in out, out
+    metadata = _metadata(tmp_path / "dcp")
+    # Every name once, the tied alias too, with the dense (unpadded) shape and the saved dtype.
+    assert set(metadata) == set(dense) | {"head.weight"}
+    for key, value in list(dense.items()) + [("head.weight", dense["vocab.weight"])]:
+        assert tuple(metadata[key].size) == tuple(value.shape) and metadata[key].properties.dtype == value.dtype, key
+    # The fused (stride 3) weight is 6 chunks: no rank's piece is contiguous in the dense tensor.
+    assert len(metadata["fused.weight"].chunks) == 6 and len(metadata["norm.weight"].chunks) == 1
+    loaded = _load_dcp(tmp_path / "dcp", {key: torch.zeros_like(value) for key, value in dense.items()}
+                       | {"head.weight": torch.zeros_like(dense["vocab.weight"])})
+    for key, value in dense.items():
+        assert torch.equal(loaded[key], value), key
+    assert torch.equal(loaded["head.weight"], dense["vocab.weight"])
+
+
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    from tests.test_checkpoint_merge import _synthetic
+
+    _synthetic(str(tmp_path / "tp2"), tp=2)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("old")
+    status, out, err = _cli([tmp_path / "tp2", busy, "--to", "dcp"], capsys)
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1 and "not empty" in err, err
+    assert os.listdir(busy) == ["keep.txt"]
+
+    not_nxdtp = tmp_path / "not_nxdtp"
+    not_nxdtp.mkdir()
+    (not_nxdtp / "model.safetensors").write_bytes(b"\0" * 16)
+    for source in (not_nxdtp, tmp_path / "missing"):
+        status, out, err = _cli([source, tmp_path / "out", "--to", "dcp"], capsys)
+        assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()
+    status, out, err = _cli([tmp_path / "tp2", tmp_path / "out", "--to", "dcp", "--reshard", "2"], capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "--reshard" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["busy", "not_nxdtp", "tp2"]
