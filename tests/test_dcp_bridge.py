@@ -13,7 +13,6 @@ without a model; bad input exits with status 2, one line, nothing written.
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -134,3 +133,168 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     status, out, err = _cli([tmp_path / "tp2", tmp_path / "out", "--to", "dcp", "--reshard", "2"], capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1 and "--reshard" in err, err
     assert sorted(os.listdir(tmp_path)) == ["busy", "not_nxdtp", "tp2"]
+
+
+# ---- a trained tp=2 Llama and BERT, exported and loaded by a dense model and AdamW ----------------------------------
+
+def _llama(seed):
+    from tests.model_helpers import randomised
+
+    config = transformers.LlamaConfig(
+        vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0,
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return randomised(transformers.LlamaForCausalLM(config), seed + 1)
+
+
+def _llama_batch():
+    g = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, LLAMA_VOCAB, (BATCH, SEQ), generator=g)
+    input_ids[0, 3] = LLAMA_VOCAB - 1  # next to the vocabulary padding
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -2:] = 0
+    return dict(input_ids=input_ids, attention_mask=attention_mask,
+                labels=input_ids.masked_fill(attention_mask == 0, -100))
+
+
+def _bert(seed):
+    from tests.test_checkpoint_merge import _dense_randomised
+
+    return _dense_randomised(seed)
+
+
+def _bert_batch():
+    from tests.test_checkpoint_merge import _batch
+
+    return _batch()
+
+
+FAMILIES = {
+    # make_vocab_size_divisible_by=4: 101 rows padded to 104 at tp=2; one KV head, repeated on both ranks.
+    "llama": (_llama, _llama_batch, 4),
+    # 53 rows padded to 54; the MLM decoder weight and bias are tied to the word embeddings and cls.predictions.bias.
+    "bert": (_bert, _bert_batch, 1),
+}
+
+
+def _logits(model, batch, tp_vocab=None):
+    from nxdtp.models import gather_vocab_logits
+
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "next_sentence_label")}
+    with torch.no_grad():
+        out = model(**inputs)
+    if hasattr(out, "prediction_logits"):
+        mlm = out.prediction_logits
+        mlm = gather_vocab_logits(mlm, tp_vocab) if tp_vocab else mlm
+        return [mlm.clone(), out.seq_relationship_logits.clone()]
+    logits = gather_vocab_logits(out.logits, tp_vocab) if tp_vocab else out.logits
+    return [logits.clone()]
+
+
+def _step(model, optimizer, batch):
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _vocab(family):
+    return LLAMA_VOCAB if family == "llama" else BERT_VOCAB
+
+
+def case_train_save(family: str, root: str):
+    """One AdamW step at tp=2, save; the gathered logits then, and after nxdtp's own next step."""
+    import copy
+
+    from nxdtp import checkpointing
+    from nxdtp.models import parallelize_model
+
+    make, batch_of, multiple = FAMILIES[family]
+    model = parallelize_model(copy.deepcopy(make(seed=0)), make_vocab_size_divisible_by=multiple)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    batch = batch_of()
+    _step(model, optimizer, batch)
+    checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 1}, root)
+    saved = _logits(model, batch, _vocab(family))
+    _step(model, optimizer, batch)
+    return {"saved": saved, "after_step": _logits(model, batch, _vocab(family))}
+
+
+@pytest.fixture(scope="module")
+def trained(worlds, tmp_path_factory):
+    results = {}
+    for family in FAMILIES:
+        root = str(tmp_path_factory.mktemp(f"{family}_tp2"))
+        results[family] = (root, worlds(2).run(case_train_save, tensor_model_parallel_size=2, family=family,
+                                               root=root)[0])
+    return results
+
+
+def _flat_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _native_state(model, optimizer):
+    """What a native job hands to dcp.save / dcp.load: the model's keys at the top level, the flattened optimizer
+    state under 'optimizer' (TorchTitan's layout)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return {**model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options())}
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_loads_into_dense_model_and_adamw(trained, tmp_path, capsys, family):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    root, expected = trained[family]
+    make, batch_of, _ = FAMILIES[family]
+    batch = batch_of()
+    out = tmp_path / "dcp"
+    status, stdout, err = _cli([root, out, "--to", "dcp"], capsys)
+    assert status == 0, err
+    assert "optimizer entries under 'optimizer'" in stdout, stdout
+
+    # The dense reference: the same weights, one dense AdamW step on the same batch.
+    reference = make(seed=0)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    _step(reference, reference_optimizer, batch)
+    # The export holds exactly the keys, global shapes and dtypes torch's own dcp.save writes for the dense model and
+    # its optimizer.
+    dcp.save(_native_state(reference, reference_optimizer), checkpoint_id=str(tmp_path / "native"), no_dist=True)
+    ours, native = _metadata(out), _metadata(tmp_path / "native")
+    assert sorted(ours) == sorted(native)
+    for key, meta in native.items():
+        assert type(ours[key]) is type(meta), key
+        if isinstance(meta, TensorStorageMetadata):
+            assert ours[key].size == meta.size and ours[key].properties.dtype == meta.properties.dtype, key
+
+    # Another model and optimizer (other weights, other hyperparameters) load it: the checkpoint's values win.
+    model = make(seed=99)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
+    state = _native_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    model.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_flat_options())
+    for index, actual in enumerate(_logits(model, batch)):
+        _close(actual, expected["saved"][index], f"{family} output {index} after dcp.load")
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        mine, theirs = optimizer.state[param], reference_optimizer.state[reference_params[name]]
+        assert sorted(mine) == sorted(theirs), name
+        for field in theirs:
+            _close(mine[field], theirs[field], f"{family} {name} {field}")
+    for group in optimizer.param_groups:
+        assert group["lr"] == LR and group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.999), group
+
+    # One more dense step equals nxdtp's own next step.
+    _step(model, optimizer, batch)
+    for index, actual in enumerate(_logits(model, batch)):
+        _close(actual, expected["after_step"][index], f"{family} output {index} after a dense step")
