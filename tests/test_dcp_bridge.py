@@ -135,7 +135,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["busy", "not_nxdtp", "tp2"]
 
 
-# ---- a trained tp=2 Llama and BERT, exported and loaded by a dense model and AdamW ----------------------------------
+# ---- a trained tp=2 Llama and BERT, exported and loaded by a dense model and AdamW -----------------------------------
 
 def _llama(seed):
     from tests.model_helpers import randomised
@@ -244,6 +244,13 @@ def _native_state(model, optimizer):
     return {**model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options())}
 
 
+def _index(root):
+    import json
+
+    with open(os.path.join(root, "step_000001", "nxdtp_index.json")) as f:
+        return json.load(f)
+
+
 def _close(actual, expected, what):
     torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
 
@@ -257,6 +264,12 @@ def test_export_loads_into_dense_model_and_adamw(trained, tmp_path, capsys, fami
     root, expected = trained[family]
     make, batch_of, _ = FAMILIES[family]
     batch = batch_of()
+    # The traps are really there: padded vocabulary rows, and (Llama) the KV head repeated on both ranks.
+    tensors = _index(root)["tensors"]
+    embedding = "model.embed_tokens.weight" if family == "llama" else "bert.embeddings.word_embeddings.weight"
+    assert tensors[embedding]["spec"]["full_shape"][0] > _vocab(family), tensors[embedding]
+    if family == "llama":
+        assert tensors["model.layers.0.self_attn.k_proj.weight"]["spec"]["replicas"] == 2
     out = tmp_path / "dcp"
     status, stdout, err = _cli([root, out, "--to", "dcp"], capsys)
     assert status == 0, err
@@ -298,3 +311,44 @@ def test_export_loads_into_dense_model_and_adamw(trained, tmp_path, capsys, fami
     _step(model, optimizer, batch)
     for index, actual in enumerate(_logits(model, batch)):
         _close(actual, expected["after_step"][index], f"{family} output {index} after a dense step")
+
+
+# ---- DTensor tensor parallelism at another TP size -------------------------------------------------------------------
+
+def case_dtensor_tp_load(checkpoint: str):
+    """A dense Llama parallelized with DTensor TP over this gloo world (embedding row-wise, MLP column/row-wise, the LM
+    head column-wise; attention stays replicated, as one KV head cannot be split) loads the export with dcp.load."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _llama(seed=99)
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for layer in range(len(model.model.layers)):
+        plan.update({f"model.layers.{layer}.mlp.gate_proj": ColwiseParallel(),
+                     f"model.layers.{layer}.mlp.up_proj": ColwiseParallel(),
+                     f"model.layers.{layer}.mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+    state = model.state_dict()
+    sharded = sorted(k for k, v in state.items() if isinstance(v, DTensor))
+    dcp.load(state, checkpoint_id=checkpoint)
+    return {"sharded": sharded, "local_vocab_rows": model.lm_head.weight.to_local().shape[0],
+            "logits": _logits(model, _llama_batch())}
+
+
+@pytest.mark.slow  # two gloo pools (the tp=2 training and the DTensor world of 4): about 70 s on 2 cores
+def test_export_loads_into_dtensor_tp_at_another_size(worlds, trained, tmp_path, capsys):
+    root, expected = trained["llama"]
+    out = tmp_path / "dcp"
+    status, _, err = _cli([root, out, "--to", "dcp"], capsys)
+    assert status == 0, err
+    results = worlds(4).run(case_dtensor_tp_load, tensor_model_parallel_size=None, checkpoint=str(out))
+    assert "lm_head.weight" in results[0]["sharded"] and len(results[0]["sharded"]) >= 14, results[0]["sharded"]
+    # 101 rows over 4 ranks, unpadded, cut as torch.chunk cuts them.
+    assert [r["local_vocab_rows"] for r in results] == [26, 26, 26, 23]
+    for rank, result in enumerate(results):
+        _close(result["logits"][0], expected["saved"][0], f"DTensor TP=4 rank {rank} logits")
