@@ -141,6 +141,63 @@ class ParamSpec:
                 yield position, length, None
             position += length
 
+    def dense_runs_of_piece(self, rank: int):
+        """Where TP rank ``rank``'s piece lies in the dense tensor: ``(piece_start, length, dense_start)`` runs along
+        partition_dim, in piece order, so that rows ``[piece_start, piece_start + length)`` of the piece are rows
+        ``[dense_start, dense_start + length)`` of ``dense_from_full(full)``. Rows that are no dense row (vocabulary or
+        head padding, every copy of a repeated block but the first) are in no run, so the runs of all ranks cover each
+        dense row exactly once: the chunks a chunked format (torch.distributed.checkpoint) writes without a full
+        tensor. A replicated tensor is one run of rank 0 (none for other ranks)."""
+        if not self.is_sharded:
+            return [(0, self.unpadded_shape[0], 0)] if rank == 0 and self.unpadded_shape else []
+        if not 0 <= rank < self.num_partitions:
+            raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
+        dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
+        block = self.full_shape[dim] // (parts * stride)
+        runs = []
+        for chunk in range(stride):
+            first = (chunk * parts + rank) * block
+            for start, length, dense_start in self._dense_runs_of_full(first, first + block):
+                piece_start = chunk * block + start - first
+                last = runs[-1] if runs else None
+                if last is not None and last[0] + last[1] == piece_start and last[2] + last[1] == dense_start:
+                    runs[-1] = (last[0], last[1] + length, last[2])
+                else:
+                    runs.append((piece_start, length, dense_start))
+        return runs
+
+    def _dense_runs_of_full(self, start: int, stop: int):
+        """``(full_start, length, dense_start)`` for the rows of ``[start, stop)`` of the full tensor that are dense
+        rows: the first copy of each repeated block, then its real (not padding) rows."""
+        copy = self.replica_block * self.replicas
+        position = start
+        while position < stop:
+            head, offset = divmod(position, copy)
+            which, inside = divmod(offset, self.replica_block)
+            end = min(stop, head * copy + (which + 1) * self.replica_block)
+            if which == 0:  # the kept copy: its rows in the replica-free tensor, then past its padding
+                collapsed = head * self.replica_block + inside
+                for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
+                    if dense_start is not None:
+                        yield position + run_start - collapsed, length, dense_start
+            position = end
+
+    def _padding_runs(self, start: int, stop: int):
+        """``dense_segments`` over the rows of the replica-free tensor (``full_shape[dim] / replicas`` rows)."""
+        full = self.full_shape[self.partition_dim] // self.replicas
+        real = self.unpadded_shape[self.partition_dim]
+        group_full, group_real = full // self.pad_groups, real // self.pad_groups
+        position = start
+        while position < stop:
+            group, offset = divmod(position, group_full)
+            if offset < group_real:
+                length = min(stop, group * group_full + group_real) - position
+                yield position, length, group * group_real + offset
+            else:
+                length = min(stop, (group + 1) * group_full) - position
+                yield position, length, None
+            position += length
+
     def local_shape(self) -> Tuple[int, ...]:
         if not self.is_sharded:
             return self.full_shape

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Merge a sharded nxdtp checkpoint into a dense Hugging Face checkpoint, or reshard it to another TP degree.
+"""Merge a sharded nxdtp checkpoint into a dense Hugging Face checkpoint, reshard it to another TP degree, or export
+it to torch.distributed.checkpoint (DCP).
 
     python tools/merge_checkpoints.py CKPT_DIR OUT_DIR [--tag T] [--reshard N] [--format safetensors|bin] [--force]
                                       [--no-progress]
+    python tools/merge_checkpoints.py CKPT_DIR OUT_DIR --to dcp [--tag T] [--force] [--no-progress]
     python tools/merge_checkpoints.py NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
 
 The same command is installed as the console script ``nxdtp-merge``; the logic lives in nxdtp/checkpointing/cli.py

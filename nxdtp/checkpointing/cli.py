@@ -6,6 +6,10 @@
         --config supplies the config of checkpoints saved from model.state_dict(), which record none
     nxdtp-merge CKPT_DIR OUT_DIR --reshard N [--pad-to-multiple-of M] [--tag T] [--force] [--no-progress] [--no-verify]
         sharded nxdtp checkpoint at tensor parallel size N in OUT_DIR
+    nxdtp-merge CKPT_DIR OUT_DIR --to dcp [--tag T] [--config CONFIG_JSON] [--force] [--no-progress] [--no-verify]
+        torch.distributed.checkpoint directory: the dense model's tensors at the top level under its HF state_dict
+        names, the optimizer state under 'optimizer' as torch's flattened optimizer state dict names it
+        (nxdtp.checkpointing.dcp_export)
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
         the family (nxdtp.models.nxd)
@@ -55,7 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
                         help="with --reshard: pad the vocabulary to a multiple of M * N (the model's "
                              "make_vocab_size_divisible_by; default: as recorded or inferred from the source)")
-    parser.add_argument("--format", choices=("safetensors", "bin"), default="safetensors",
+    parser.add_argument("--to", choices=("hf", "dcp"), default="hf",
+                        help="what to write: a dense Hugging Face directory (default), or a torch.distributed."
+                             "checkpoint (DCP) directory that dcp.load reads into a dense, DTensor or FSDP2 model "
+                             "and its optimizer")
+    parser.add_argument("--format", choices=("safetensors", "bin"), default=None,
                         help="dense output format: model.safetensors (streamed) or pytorch_model.bin (holds the "
                              "whole model in memory)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
@@ -79,7 +87,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def _from_nxd(args) -> str:
     if args.config is None:
         raise _BadUsage("--from-nxd needs --config CONFIG_JSON (NxD checkpoints carry no config)")
-    if args.reshard is not None or args.format != "safetensors":
+    if args.reshard is not None or args.format not in (None, "safetensors"):
         raise _BadUsage("--from-nxd writes a dense safetensors checkpoint; it takes no --reshard or --format")
     # By module name: nxdtp.checkpointing sits below nxdtp.models and must not import it.
     module_name = "nxdtp.models.nxd"
@@ -99,10 +107,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress = not args.no_progress
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            if args.from_nxd:
+            if args.to == "dcp":
+                report = _to_dcp(args)
+            elif args.from_nxd:
                 report = f"wrote dense checkpoint {_from_nxd(args)}"
             elif args.reshard is not None:
-                if args.format != "safetensors":
+                if args.format not in (None, "safetensors"):
                     raise _BadUsage("--format applies to dense merges; --reshard writes nxdtp's sharded format")
                 from .merge import reshard
 
@@ -125,6 +135,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_INPUT
     print(f"{PROG}: {report}")
     return 0
+
+
+def _to_dcp(args) -> str:
+    clashes = [flag for flag, used in (("--reshard", args.reshard is not None), ("--from-nxd", args.from_nxd),
+                                       ("--pad-to-multiple-of", args.pad_to_multiple_of is not None),
+                                       ("--format", args.format is not None)) if used]
+    if clashes:
+        raise _BadUsage(f"--to dcp takes no {', '.join(clashes)}: it writes one DCP directory of the dense model")
+    from .dcp_export import export_dcp
+
+    result = export_dcp(args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
+                        progress=not args.no_progress, config=args.config, verify=not args.no_verify)
+    lines = [f"wrote DCP checkpoint {result.output_dir}: {result.model_keys} model tensors"
+             + (f", {result.optimizer_keys} optimizer entries under 'optimizer'" if result.optimizer_keys
+                else ", no optimizer state")
+             + f", {result.files} data files, from tag {os.path.basename(os.path.normpath(result.tag_dir))} "
+               f"({result.tag_dir})"]
+    lines += [f"  note: {note}" for note in result.notes]
+    return "\n".join(lines)
 
 
 def _merged(path: str, tag_dir: str) -> str:

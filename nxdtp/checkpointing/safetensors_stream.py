@@ -170,10 +170,25 @@ class SafetensorsFileReader:
         return _TensorInfo(dtype, shape)
 
     def get_tensor(self, key: str) -> torch.Tensor:
+        _, shape, _, _ = self._entries[key]
+        return self.get_rows(key, 0, shape[0] if shape else 1) if shape else self._read(key, 0, None)
+
+    def get_rows(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Rows ``[start, start + length)`` (along dim 0) of tensor ``key``, reading only their bytes."""
         dtype, shape, begin, end = self._entries[key]
+        if not shape or not 0 <= start <= start + length <= shape[0]:
+            raise ValueError(f"{self.path}: rows [{start}, {start + length}) of '{key}' (shape {shape}) do not exist")
+        return self._read(key, start, length)
+
+    def _read(self, key: str, start: int, length: Optional[int]) -> torch.Tensor:
+        dtype, shape, begin, end = self._entries[key]
+        row_bytes = (end - begin) // shape[0] if shape and shape[0] else 0
+        if length is not None:
+            begin, end = begin + start * row_bytes, begin + (start + length) * row_bytes
         buffer = torch.empty(end - begin, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self._data_start + begin)
             if f.readinto(memoryview(buffer.numpy())) != end - begin:
                 raise ValueError(f"{self.path} is truncated: '{key}' could not be read whole")
-        return buffer.view(_DTYPES_BY_NAME[dtype]).reshape(shape)
+        out_shape = shape if length is None else [length] + list(shape[1:])
+        return buffer.view(_DTYPES_BY_NAME[dtype]).reshape(out_shape)

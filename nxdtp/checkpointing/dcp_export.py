@@ -1,0 +1,300 @@
+"""Export a sharded nxdtp checkpoint to a torch.distributed.checkpoint (DCP) directory, offline, in one process.
+
+``export_dcp(checkpoint_dir, output_dir)`` (``nxdtp-merge CKPT OUT --to dcp``) writes what a native PyTorch job
+(DTensor TP, FSDP2, TorchTitan, transformers) loads with ``torch.distributed.checkpoint.load``:
+
+* the model's tensors at the top level under the dense Hugging Face ``state_dict`` names (no ``model.`` prefix), with
+  the real shapes (vocabulary padding, zero heads and repeated KV heads dropped), each tied name as the dense model's
+  ``state_dict`` has it (every name, the same values);
+* the optimizer state under ``optimizer``, keyed as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(
+  model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))`` keys it for the dense model:
+  ``optimizer.state.<param>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<param>.<hyperparameter>``, so
+  ``dcp.load`` then ``set_optimizer_state_dict`` restore it. Only state saved from a live optimizer and model (keyed
+  by parameter name) can be named so; NxD's ``optimizer.state_dict()`` form (keyed by index) is left out with a
+  warning.
+
+The files are written by torch's own ``FileSystemWriter`` through ``dcp.save(..., no_dist=True)``; only the save
+planner is nxdtp's: instead of whole tensors it plans one chunk per run of rows a TP rank's piece contributes to the
+dense tensor (``ParamSpec.dense_runs_of_piece``, so fused/strided weights, padding and repeated heads are the layout
+algebra's business, not this module's), at its offset in the dense tensor, and reads that run from the rank file only
+when the writer asks for it. No full tensor is ever assembled. DCP's global plan check (chunks inside the tensor,
+no overlap, full coverage) runs on the result.
+
+Memory: ``FileSystemWriter`` keeps every tensor it wrote to a file until that file is closed, so with its default of
+one file per rank the whole checkpoint would sit in memory. The export therefore writes one file per chunk
+(``single_file_per_rank=False``): the peak is one chunk (at most one rank's piece of one tensor) plus the reader's
+buffers, at the cost of many small files (``__0_<n>.distcp``; every DCP reader handles them).
+
+Safety is ``nxdtp-merge``'s: the source is checked (and its files verified) before anything is written, the output is
+written into a temporary sibling and renamed into place, a non-empty ``output_dir`` is refused unless ``force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import __version__
+from ..spec import ParamSpec
+from .index import CheckpointIndex, dtype_from_name, optim_file
+from .merge import (CONFIG_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE, _choose_source, _config_source,
+                    _copy_if_present, _model_file_names, _plan_optimizer, _progress, _safetensors_dtype)
+from .durable import write_bytes_durably
+from .output_dir import write_atomically
+
+OPTIMIZER_KEY = "optimizer"
+EXPORT_RECORD_FILE = "nxdtp_dcp_export.json"
+
+__all__ = ["export_dcp", "OPTIMIZER_KEY"]
+
+
+@dataclasses.dataclass
+class _Chunk:
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
+@dataclasses.dataclass
+class _Tensor:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    chunks: List[_Chunk]
+
+
+@dataclasses.dataclass
+class ExportResult:
+    output_dir: str
+    tag_dir: str
+    model_keys: int
+    optimizer_keys: int
+    files: int
+    notes: List[str]
+
+
+def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, force: bool = False,
+               progress: bool = True, config: Optional[str] = None, *, verify: bool = True) -> ExportResult:
+    """Write the DCP form of a sharded nxdtp checkpoint to ``output_dir`` (module docstring); return what was written.
+
+    ``checkpoint_dir``, ``tag``, ``force``, ``config`` and ``verify`` are as for ``merge``: a checkpoint directory
+    (its newest intact tag, or ``tag``) or a complete tag directory; the tag's ``config.json`` (or ``config``) is
+    copied beside the DCP files, where an import finds it."""
+    def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
+        names = _model_file_names(index)
+        if index.optimizer is not None:
+            names += [optim_file(r) for r in range(index.tensor_model_parallel_size)] + [OPTIMIZER_STATE_FILE]
+        if config is None and CONFIG_FILE in (index.files or {}):
+            names.append(CONFIG_FILE)
+        return [name for name in names if index.files is None or name in index.files]
+
+    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
+    config_path = _config_source(tag_dir, config)
+    optim_files: Dict[str, Any] = {}
+    notes: List[str] = []
+    try:
+        tensors = _model_tensors(index, model_files)
+        optimizer_state: Dict[str, Any] = {}
+        if index.optimizer is not None:
+            try:
+                plan, optim_files, why_not = _plan_optimizer(tag_dir, index, index.tensors)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{os.path.join(tag_dir, 'nxdtp_index.json')} is damaged: malformed optimizer entry "
+                                 f"{e}") from None
+            if plan is None:
+                message = f"{tag_dir}: optimizer state left out of the DCP export: {why_not}"
+                warnings.warn(message, stacklevel=2)
+                notes.append(message)
+            else:
+                optimizer_state = _optimizer_state(tag_dir, index, plan, optim_files)
+        else:
+            notes.append("the checkpoint holds no optimizer state")
+
+        def write(staging: str) -> int:
+            bar = _progress(sum(len(t.chunks) for t in optimizer_state.values() if isinstance(t, _Tensor))
+                            + sum(len(t.chunks) for t in tensors.values()), f"dcp {os.path.basename(tag_dir)}",
+                            progress)
+            try:
+                _save(staging, tensors, optimizer_state, bar)
+            finally:
+                bar.close()
+            _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
+            record = {"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size":
+                      index.tensor_model_parallel_size, "nxdtp_version": __version__, "notes": notes}
+            trainer_state = os.path.join(tag_dir, TRAINER_STATE_FILE)
+            if os.path.isfile(trainer_state):
+                with open(trainer_state) as f:
+                    record["trainer_state"] = json.load(f)
+            write_bytes_durably(os.path.join(staging, EXPORT_RECORD_FILE), json.dumps(record, indent=1).encode())
+            return sum(1 for name in os.listdir(staging) if name.endswith(".distcp"))
+
+        files = write_atomically(output_dir, write)
+    finally:
+        model_files.clear()
+        optim_files.clear()
+    return ExportResult(output_dir=output_dir, tag_dir=tag_dir, model_keys=len(tensors),
+                        optimizer_keys=len(optimizer_state), files=files, notes=notes)
+
+
+# ---- what to write ---------------------------------------------------------------------------------------------------
+
+def _chunks(spec: ParamSpec, dtype: torch.dtype, read_piece_rows: Callable[[int, int, int, int], torch.Tensor]
+            ) -> List[_Chunk]:
+    """The chunks of the dense tensor of ``spec``: one per run of a rank's piece (``dense_runs_of_piece``), read by
+    ``read_piece_rows(rank, dim, start, length)``; a replicated tensor is one chunk, TP rank 0's copy."""
+    shape = tuple(spec.unpadded_shape)
+    if not spec.is_sharded:
+        def read_whole() -> torch.Tensor:
+            return spec.dense_from_full(read_piece_rows(0, -1, 0, 0)).to(dtype).contiguous()
+
+        return [_Chunk(offsets=(0,) * len(shape), sizes=shape, read=read_whole)]
+    dim = spec.partition_dim
+    chunks = []
+    for rank in range(spec.num_partitions):
+        for start, length, dense_start in spec.dense_runs_of_piece(rank):
+            offsets, sizes = [0] * len(shape), list(shape)
+            offsets[dim], sizes[dim] = dense_start, length
+
+            def read(rank=rank, start=start, length=length) -> torch.Tensor:
+                return read_piece_rows(rank, dim, start, length).to(dtype).contiguous()
+
+            chunks.append(_Chunk(offsets=tuple(offsets), sizes=tuple(sizes), read=read))
+    return chunks
+
+
+def _rows_reader(handles: Dict[str, Any], files: List[str], key: str):
+    def read(rank: int, dim: int, start: int, length: int) -> torch.Tensor:
+        handle = handles[files[rank]]
+        if dim < 0:
+            return handle.get_tensor(key)
+        if dim == 0:
+            return handle.get_rows(key, start, length)
+        return handle.get_tensor(key).narrow(dim, start, length)
+
+    return read
+
+
+def _model_tensors(index: CheckpointIndex, model_files: Dict[str, Any]) -> Dict[str, _Tensor]:
+    """Every name of the dense model's state_dict (tied names too) -> its dense shape, dtype and chunks."""
+    tensors: Dict[str, _Tensor] = {}
+    tp = index.tensor_model_parallel_size
+    for key, entry in index.tensors.items():
+        dtype = dtype_from_name(entry.dtype)
+        chunks = _chunks(entry.spec, dtype, _rows_reader(model_files, entry.files(tp), key))
+        for name in [key] + list(entry.aliases):
+            tensors[name] = _Tensor(shape=tuple(entry.spec.unpadded_shape), dtype=dtype, chunks=chunks)
+    return tensors
+
+
+def _optimizer_state(tag_dir: str, index: CheckpointIndex, plan, handles: Dict[str, Any]) -> Dict[str, Any]:
+    """The flattened optimizer state of the dense model (``state.<param>.<field>`` and
+    ``param_groups.<param>.<hyperparameter>``, as torch's ``_flatten_optim_state_dict`` names them)."""
+    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
+        saved = json.load(f)
+    tp = index.tensor_model_parallel_size
+    rank_files = [optim_file(r) for r in range(tp)]
+    state: Dict[str, Any] = {}
+    for name, (key, fields) in plan:
+        spec = index.tensors[key].spec
+        for field, kind, shape in fields:
+            tensor_key = f"{name}/{field}"
+            dtype = _safetensors_dtype(handles[rank_files[0]], tensor_key)
+            read = _rows_reader(handles, rank_files, tensor_key)
+            if kind in ("shard", "replicate"):  # shaped like the parameter's piece: laid out like the parameter
+                chunks = _chunks(spec, dtype, read)
+                dense_shape = tuple(spec.unpadded_shape)
+            else:  # 'step' and other tensors not shaped like the parameter: TP rank 0's value
+                chunks = _chunks(ParamSpec(full_shape=tuple(shape)), dtype, read)
+                dense_shape = tuple(shape)
+            state[f"state.{name}.{field}"] = _Tensor(shape=dense_shape, dtype=dtype, chunks=chunks)
+        for field, value in saved.get("scalars", {}).get(name, {}).items():
+            state[f"state.{name}.{field}"] = value
+    for group in saved["param_groups"]:
+        for name in group["params"]:
+            for field, value in group.items():
+                if field != "params":
+                    # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
+                    state[f"param_groups.{name}.{field}"] = tuple(value) if isinstance(value, list) else value
+    return state
+
+
+# ---- writing through torch.distributed.checkpoint --------------------------------------------------------------------
+
+def _save(directory: str, tensors: Dict[str, _Tensor], optimizer_state: Dict[str, Any], bar) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def placeholder(value: Any) -> Any:
+        return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, _Tensor) else value
+
+    state_dict: Dict[str, Any] = {name: placeholder(t) for name, t in tensors.items()}
+    if optimizer_state:
+        if OPTIMIZER_KEY in state_dict:
+            raise ValueError(f"the model has a tensor named '{OPTIMIZER_KEY}', the key the optimizer state goes under")
+        state_dict[OPTIMIZER_KEY] = {key: placeholder(value) for key, value in optimizer_state.items()}
+    chunked = dict(tensors)
+    chunked.update({f"{OPTIMIZER_KEY}.{key}": value for key, value in optimizer_state.items()
+                    if isinstance(value, _Tensor)})
+    writer = dcp.FileSystemWriter(directory, single_file_per_rank=False, sync_files=True, overwrite=False)
+    with warnings.catch_warnings():
+        # dcp.save warns that it runs without a process group: that is the point here.
+        warnings.filterwarnings("ignore", message=".*(process group|no_dist|torch.distributed).*")
+        dcp.save(state_dict, storage_writer=writer, planner=_ChunkedSavePlanner(chunked, bar), no_dist=True)
+
+
+def _chunked_save_planner_class():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class ChunkedSavePlanner(DefaultSavePlanner):
+        """DCP's default save planner, except that the tensors in ``chunked`` (flattened key -> _Tensor) are planned
+        as their chunks at their offsets in the dense tensor, and each chunk is read only when the writer resolves
+        it. Everything else (non-tensor values, flattening, the global plan and its validation) is DCP's own."""
+
+        def __init__(self, chunked: Dict[str, _Tensor], bar):
+            super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
+            self._chunked = chunked
+            self._reads: Dict[Tuple[str, Tuple[int, ...]], _Chunk] = {}
+            self._bar = bar
+
+        def create_local_plan(self):
+            missing = sorted(set(self._chunked) - set(self.state_dict))
+            if missing:
+                raise AssertionError(f"chunked tensors {missing[:3]} are not in the flattened state dict")
+            others = {key: value for key, value in self.state_dict.items() if key not in self._chunked}
+            plan = create_default_local_save_plan(others, self.is_coordinator)
+            items = []
+            for key, tensor in self._chunked.items():
+                properties = TensorProperties(dtype=tensor.dtype)
+                for chunk in tensor.chunks:
+                    offsets = torch.Size(chunk.offsets)
+                    items.append(WriteItem(
+                        index=MetadataIndex(fqn=key, offset=offsets), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets,
+                                                                               sizes=torch.Size(chunk.sizes)),
+                                                    properties=properties, size=torch.Size(tensor.shape))))
+                    self._reads[(key, tuple(chunk.offsets))] = chunk
+            plan = dataclasses.replace(plan, items=items + list(plan.items), planner_data=self.mappings)
+            self.plan = plan
+            return plan
+
+        def resolve_data(self, write_item):
+            chunk = self._reads.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+            if chunk is None:
+                return super().resolve_data(write_item)
+            data = chunk.read()
+            if tuple(data.shape) != tuple(chunk.sizes):
+                raise ValueError(f"'{write_item.index.fqn}': a chunk read {list(data.shape)} rows, the plan says "
+                                 f"{list(chunk.sizes)}")
+            self._bar.update(1)
+            return data
+
+    return ChunkedSavePlanner
+
+
+def _ChunkedSavePlanner(chunked: Dict[str, _Tensor], bar):
+    return _chunked_save_planner_class()(chunked, bar)
