@@ -127,9 +127,12 @@ class ParamSpec:
         """``(start, length, dense_start)`` runs covering rows ``[start, stop)`` of the full tensor along
         partition_dim: ``dense_start`` is where the run's rows lie in the dense tensor, or None for padding rows.
         Copies of replicated blocks are not described here (see collapse_replicas)."""
-        dim = self.partition_dim
-        full, real = self.full_shape[dim], self.unpadded_shape[dim]
-        group_full, group_real = full // self.pad_groups, real // self.pad_groups
+        return self._runs_past_padding(self.full_shape[self.partition_dim], start, stop)
+
+    def _runs_past_padding(self, rows: int, start: int, stop: int):
+        """``dense_segments`` over a tensor of ``rows`` rows along partition_dim, padded in ``pad_groups`` groups."""
+        real = self.unpadded_shape[self.partition_dim]
+        group_full, group_real = rows // self.pad_groups, real // self.pad_groups
         position = start
         while position < stop:
             group, offset = divmod(position, group_full)
@@ -184,19 +187,7 @@ class ParamSpec:
 
     def _padding_runs(self, start: int, stop: int):
         """``dense_segments`` over the rows of the replica-free tensor (``full_shape[dim] / replicas`` rows)."""
-        full = self.full_shape[self.partition_dim] // self.replicas
-        real = self.unpadded_shape[self.partition_dim]
-        group_full, group_real = full // self.pad_groups, real // self.pad_groups
-        position = start
-        while position < stop:
-            group, offset = divmod(position, group_full)
-            if offset < group_real:
-                length = min(stop, group * group_full + group_real) - position
-                yield position, length, group * group_real + offset
-            else:
-                length = min(stop, (group + 1) * group_full) - position
-                yield position, length, None
-            position += length
+        return self._runs_past_padding(self.full_shape[self.partition_dim] // self.replicas, start, stop)
 
     def local_shape(self) -> Tuple[int, ...]:
         if not self.is_sharded:
