@@ -239,3 +239,83 @@ def test_plain_checkpoint_into_zero1(worlds, tmp_path):
     assert "kind" not in _index(directory)["optimizer"]
     worlds(4).run(case_resume, tensor_model_parallel_size=2, directory=directory, kind="zero1")
     worlds(2).run(case_resume, tensor_model_parallel_size=2, directory=directory, kind="zero1")
+
+
+# ---- crash during a ZeRO-1 save --------------------------------------------------------------------------------------
+
+def test_kill_9_during_a_zero1_save_leaves_the_previous_or_the_new_tag(worlds, tmp_path):
+    from tests.test_checkpoint_durability import _kill_run
+
+    _, _, outcomes = _kill_run(worlds, tmp_path, world=2, moments=2, seed=31, hidden=256, calibrations=1, zero1=True)
+    assert all(o in ("A", "B") for o in outcomes), outcomes
+
+
+@pytest.mark.slow
+def test_kill_9_at_20_random_moments_of_a_zero1_save(worlds, tmp_path):
+    from tests.test_checkpoint_durability import _kill_run
+
+    duration, delays, outcomes = _kill_run(worlds, tmp_path, world=2, moments=20, seed=2025, hidden=512,
+                                           calibrations=2, zero1=True)
+    print(f"save {duration:.3f} s; kills at {[round(d, 3) for d in delays]}; outcomes {outcomes}")
+    assert "A" in outcomes and "B" in outcomes, (duration, delays, outcomes)
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------------
+
+def case_index_keyed_plain_into_zero1(directory: str):
+    """NxD's form (state dicts: state keyed by parameter index) cannot give a ZeRO-1 optimizer its master weights."""
+    from nxdtp.checkpointing import load, save
+
+    model, opt, sched = _build("plain")
+    _train(model, opt, sched, [0], "plain")
+    save({"model": model.state_dict(), "optimizer": opt.state_dict(), "global_step": 1}, directory)
+    zmodel, zopt, _ = _build("zero1")
+    try:
+        load(directory, model=zmodel, optimizer=zopt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_plain_state_keyed_by_index_into_zero1_is_refused_naming_both_kinds(worlds, tmp_path):
+    messages = worlds(2).run(case_index_keyed_plain_into_zero1, tensor_model_parallel_size=1,
+                             directory=str(tmp_path / "nxd_form"))
+    for message in messages:
+        assert message is not None and "a non-ZeRO optimizer keyed by parameter index" in message, message
+        assert "a ZeRO-1 optimizer (NeuronZero1Optimizer)" in message, message
+
+
+def case_load_at_another_tp(directory: str):
+    from nxdtp.checkpointing import load
+
+    model, opt, _ = _build("zero1")
+    try:
+        load(directory, model=model, optimizer=opt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_zero1_checkpoint_at_another_tp_names_the_reshard(saved, worlds):
+    directory, _ = saved
+    for message in worlds(4).run(case_load_at_another_tp, tensor_model_parallel_size=1, directory=directory):
+        assert "tensor_model_parallel_size=2" in message and "--reshard 1" in message, message
+
+
+def test_flat_shard_recut_between_group_sizes():
+    from nxdtp.spec import FlatShardLayout
+
+    for shape in [(7, 3), (1,), (5,), ()]:
+        full = torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 1
+        for old in (1, 2, 3, 4, 8):
+            source = FlatShardLayout(shape, old)
+            shards = [source.shard_of(full, k) for k in range(old)]
+            for new in (1, 2, 3, 4, 8):
+                target = FlatShardLayout(shape, new)
+                for rank in range(new):
+                    read = []
+                    got = target.shard_from(source, lambda k: read.append(k) or shards[k], rank, torch.float32)
+                    assert torch.equal(got, target.shard_of(full, rank)), (shape, old, new, rank)
+                    assert read == list(target.source_ranks(source, rank)), (shape, old, new, rank, read)
+    with pytest.raises(ValueError, match=r"cannot re-cut a tensor of shape \(7, 3\) into the layout of shape \(3, 7\)"):
+        FlatShardLayout((3, 7), 2).shard_from(FlatShardLayout((7, 3), 2), lambda k: None, 0, torch.float32)

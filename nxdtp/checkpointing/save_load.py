@@ -359,16 +359,14 @@ def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[s
 # ---- optimizer ----------------------------------------------------------------------------------------------------------
 
 def _refuse_zero1(value: Any, what: str) -> None:
-    """ZeRO-1 state is sharded over DP, and this format writes optimizer state once per TP rank (from DP rank 0): saving
-    it would silently drop the other DP ranks' shards. Refused on every rank alike (every rank has the same kind)."""
-    from ..optimizer import NeuronZero1Optimizer
-
-    if isinstance(value, NeuronZero1Optimizer) or (isinstance(value, dict) and "base_state" in value):
-        raise NotImplementedError(
+    """ZeRO-1 state is sharded over DP. Under ``checkpoint['optimizer']`` every rank writes its shards; any other
+    entry is written once per TP rank (from DP rank 0), which would silently drop the other DP ranks' shards."""
+    if _is_zero1(value):
+        raise ValueError(
             f"{what} is a ZeRO-1 optimizer (NeuronZero1Optimizer) or its state dict, whose state is sharded over data "
-            "parallelism; nxdtp.checkpointing does not write or read ZeRO-1 state yet (it writes one optimizer file "
-            "per TP rank, a plain optimizer's). Save each rank's optimizer.state_dict() with torch.save meanwhile "
-            "(it holds the master shards and reloads at the same tp x dp layout)")
+            "parallelism; other entries than 'optimizer' are written once per TP rank, which would keep one DP rank's "
+            "shards only. Pass it as checkpoint['optimizer'] (the optimizer itself, with the model: save({'model': "
+            "model, 'optimizer': optimizer})), where every DP rank writes its own shards")
 
 
 # The key under which a ZeRO-1 parameter's fp32 master shard is stored beside its state fields.
