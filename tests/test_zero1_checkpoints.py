@@ -31,7 +31,7 @@ from nxdtp.optimizer import NeuronZero1Optimizer
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_zero1 import (TOL, _apply_lr_scale, _groups, _llama, _llama_batches,  # noqa: E402
+from tests.test_zero1 import (_apply_lr_scale, _groups, _llama, _llama_batches,  # noqa: E402
                               _parallelize, torch_clip_grad_norm_)
 
 MAX_NORM = 0.5
@@ -317,11 +317,12 @@ def test_flat_shard_recut_between_group_sizes():
                     got = target.shard_from(source, lambda k: read.append(k) or shards[k], rank, torch.float32)
                     assert torch.equal(got, target.shard_of(full, rank)), (shape, old, new, rank)
                     assert read == list(target.source_ranks(source, rank)), (shape, old, new, rank, read)
-    with pytest.raises(ValueError, match=r"cannot re-cut a tensor of shape \(7, 3\) into the layout of shape \(3, 7\)"):
+    with pytest.raises(ValueError, match=r"cannot re-cut a tensor of shape \(7, 3\) into the layout of shape "
+                                         r"\(3, 7\)"):
         FlatShardLayout((3, 7), 2).shard_from(FlatShardLayout((7, 3), 2), lambda k: None, 0, torch.float32)
 
 
-# ---- bf16 parameters: the fp32 master shards are what resumes ---------------------------------------------------------
+# ---- bf16 parameters: the fp32 master shards are what resumes --------------------------------------------------------
 
 def _bf16_model_and_optimizer(seed: int):
     from tests.test_checkpoint_durability import _Model
