@@ -282,6 +282,40 @@ class FlatShardLayout:
             raise ValueError(f"FlatShardLayout: rank={rank} is outside a sharding group of size {self.group_size}")
         return self.rows(tensor)[rank].clone()
 
+    def shard_from(self, source: "FlatShardLayout", read_shard: Callable[[int], torch.Tensor], rank: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """Group rank ``rank``'s shard of this layout from the shards of the same tensor cut by ``source`` (another
+        group size): ``read_shard(k)`` gives ``source``'s shard ``k`` and is called only for the shards that overlap
+        this one (``source_ranks``), in order. The padding is zeros. Host side: checkpoints."""
+        if tuple(source.shape) != tuple(self.shape):
+            raise ValueError(f"FlatShardLayout: cannot re-cut a tensor of shape {tuple(source.shape)} into the layout "
+                             f"of shape {tuple(self.shape)}")
+        if not 0 <= rank < self.group_size:
+            raise ValueError(f"FlatShardLayout: rank={rank} is outside a sharding group of size {self.group_size}")
+        start = rank * self.shard_numel
+        stop = min(start + self.shard_numel, self.numel)
+        pieces = []
+        for k in self.source_ranks(source, rank):
+            shard = read_shard(k).reshape(-1)
+            if shard.numel() != source.shard_numel:
+                raise ValueError(f"FlatShardLayout: shard {k} has {shard.numel()} elements, the layout of shape "
+                                 f"{tuple(self.shape)} over {source.group_size} ranks has {source.shard_numel}")
+            lo, hi = max(start, k * source.shard_numel), min(stop, (k + 1) * source.shard_numel)
+            pieces.append(shard[lo - k * source.shard_numel:hi - k * source.shard_numel].to(dtype))
+        real = max(0, stop - start)
+        out = torch.zeros(self.shard_numel, dtype=dtype)
+        if real:
+            out[:real] = torch.cat(pieces)
+        return out
+
+    def source_ranks(self, source: "FlatShardLayout", rank: int) -> range:
+        """The ranks of ``source`` whose shards hold real elements of this layout's shard ``rank``."""
+        start = rank * self.shard_numel
+        stop = min(start + self.shard_numel, self.numel)
+        if stop <= start:
+            return range(0)
+        return range(start // source.shard_numel, -(-stop // source.shard_numel))
+
     def to_dict(self) -> Dict[str, Any]:
         return {"layout": "flat", "shape": list(self.shape), "group_size": self.group_size}
 

@@ -66,6 +66,12 @@ def _same_arrays(a: dict, b: dict) -> list:
 
 
 def _optimizer_arrays(model, opt) -> dict:
+    if hasattr(opt, "base_optimizer"):  # ZeRO-1: this rank's shards of the inner state, and its master shards
+        state = opt.state_dict()
+        arrays = {f"{i}/{k}": v.detach().numpy().copy() for i, fields in state["base_state"].items()
+                  for k, v in fields.items()}
+        arrays.update({f"{i}/master": v.detach().numpy().copy() for i, v in state["sharded_master_weights"].items()})
+        return arrays
     names = {id(p): n for n, p in model.named_parameters()}
     return {f"{names[id(p)]}/{k}": v.detach().numpy().copy() for p, fields in opt.state.items()
             for k, v in fields.items()}
@@ -88,10 +94,16 @@ class _Model(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
-def _model_and_optimizer(seed: int, hidden: int = 16):
-    """A model and an AdamW after one step on seeded gradients (no collective: any process can build it alone)."""
+def _model_and_optimizer(seed: int, hidden: int = 16, zero1: bool = False):
+    """A model and an AdamW after one step on seeded gradients (no collective: any process can build it alone), or
+    with ``zero1`` a ``NeuronZero1Optimizer`` over AdamW (its step is collective over DP: every rank builds it)."""
     model = _Model(seed, hidden)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if zero1:
+        from nxdtp.optimizer import NeuronZero1Optimizer
+
+        opt = NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tp_rank = ps.get_tensor_model_parallel_rank()
     for i, p in enumerate(model.parameters()):
         # Replicated parameters get the same gradient on every TP rank, so they stay equal (the checkpoint holds
@@ -103,10 +115,10 @@ def _model_and_optimizer(seed: int, hidden: int = 16):
     return model, opt
 
 
-def _which(model, opt, step, candidates) -> str:
+def _which(model, opt, step, candidates, zero1: bool = False) -> str:
     """The candidate (seed by name) whose model and optimizer state the loaded ones equal bitwise, or 'mix'."""
     for name, (seed, hidden, saved_step) in candidates.items():
-        ref_model, ref_opt = _model_and_optimizer(seed, hidden)
+        ref_model, ref_opt = _model_and_optimizer(seed, hidden, zero1)
         if (step == saved_step and _same_arrays(_params(model), _params(ref_model)) == []
                 and _same_arrays(_optimizer_arrays(model, opt), _optimizer_arrays(ref_model, ref_opt)) == []):
             return name
@@ -615,10 +627,10 @@ with open(os.path.join(gate, f"result_{{job}}.json"), "w") as f:
 """
 
 
-def case_load_which(directory: str, candidates: dict, tag=None):
-    model, opt = _model_and_optimizer(seed=50, hidden=next(iter(candidates.values()))[1])
+def case_load_which(directory: str, candidates: dict, tag=None, zero1: bool = False):
+    model, opt = _model_and_optimizer(seed=50, hidden=next(iter(candidates.values()))[1], zero1=zero1)
     state = load(directory, model=model, optimizer=opt, tag=tag)
-    return _which(model, opt, state["global_step"], candidates)
+    return _which(model, opt, state["global_step"], candidates, zero1)
 
 
 def test_two_jobs_saving_one_tag_at_once_one_wins_the_other_names_it(worlds, tmp_path):
@@ -663,14 +675,15 @@ sys.path.insert(0, {repo!r})
 torch.set_num_threads(1)
 from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import save
-root, gate, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root, gate, hidden, zero1 = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "zero1"
 if int(os.environ["WORLD_SIZE"]) == 1:
     ps.initialize_single_process_world()
 else:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+# ZeRO-1 shards over DP: its ranks are DP ranks (tp=1); the plain case puts them all in TP.
+ps.initialize_model_parallel(tensor_model_parallel_size=1 if zero1 else dist.get_world_size())
 from tests.test_checkpoint_durability import _model_and_optimizer
-model, opt = _model_and_optimizer(seed=2, hidden=hidden)
+model, opt = _model_and_optimizer(seed=2, hidden=hidden, zero1=zero1)
 rank = dist.get_rank()
 open(os.path.join(gate, f"ready_{{rank}}"), "w").close()
 while not os.path.exists(os.path.join(gate, "go")):
@@ -682,24 +695,26 @@ with open(os.path.join(gate, f"finished_{{rank}}"), "w") as f:
 """
 
 
-def _pristine(worlds, directory: str, world: int, hidden: int) -> None:
+def _pristine(worlds, directory: str, world: int, hidden: int, zero1: bool = False) -> None:
     """A checkpoint directory holding tag A (step 1, seed 1), saved by the pool at the kill test's degree."""
-    worlds(2).run(case_save_a, tensor_model_parallel_size=world, directory=directory, hidden=hidden)
+    worlds(2).run(case_save_a, tensor_model_parallel_size=1 if zero1 else world, directory=directory, hidden=hidden,
+                  zero1=zero1)
 
 
-def case_save_a(directory: str, hidden: int):
-    model, opt = _model_and_optimizer(seed=1, hidden=hidden)
+def case_save_a(directory: str, hidden: int, zero1: bool = False):
+    model, opt = _model_and_optimizer(seed=1, hidden=hidden, zero1=zero1)
     save({"model": model, "optimizer": opt, "global_step": 1}, directory)
 
 
-def _save_b_killed(directory: str, gate: str, world: int, hidden: int, delay) -> float:
+def _save_b_killed(directory: str, gate: str, world: int, hidden: int, delay, zero1: bool = False) -> float:
     """Start ``world`` processes saving tag B into ``directory``; SIGKILL them all ``delay`` seconds after the go
     (None: let them finish). Returns the save's duration as rank 0 measured it, or -1 when killed."""
     os.makedirs(gate)
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     script = KILL_WORKER.format(repo=REPO_ROOT)
-    processes = [subprocess.Popen([sys.executable, "-c", script, directory, gate, str(hidden)], cwd=REPO_ROOT,
+    processes = [subprocess.Popen([sys.executable, "-c", script, directory, gate, str(hidden),
+                                   "zero1" if zero1 else "plain"], cwd=REPO_ROOT,
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
                  for r in range(world)]
     try:
@@ -731,26 +746,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def case_load_each(directories: list, candidates: dict):
+def case_load_each(directories: list, candidates: dict, zero1: bool = False):
     """Which tag each directory loads (every rank raises together if one fails: the error is the outcome)."""
     out = []
     for directory in directories:
         try:
-            out.append(case_load_which(directory, candidates))
+            out.append(case_load_which(directory, candidates, zero1=zero1))
         except Exception as e:  # noqa: BLE001 - the test reports it
             out.append(f"{type(e).__name__}: {e}")
     return out
 
 
-def _kill_run(worlds, tmp_path, world: int, moments: int, seed: int, hidden: int, calibrations: int):
+def _kill_run(worlds, tmp_path, world: int, moments: int, seed: int, hidden: int, calibrations: int,
+              zero1: bool = False):
+    """kill -9 at ``moments`` seeded moments of saving tag B over tag A. ``zero1``: a NeuronZero1Optimizer at tp=1 x
+    dp=``world``, so every rank writes its own optimizer shards."""
     pristine = str(tmp_path / "pristine")
-    _pristine(worlds, pristine, world, hidden)
+    _pristine(worlds, pristine, world, hidden, zero1)
     # The duration of an undisturbed save sets the range of the kill moments (the longest of ``calibrations``).
     durations = []
     for attempt in range(calibrations):
         directory = str(tmp_path / f"calibrate{attempt}")
         shutil.copytree(pristine, directory)
-        durations.append(_save_b_killed(directory, str(tmp_path / f"gate_c{attempt}"), world, hidden, None))
+        durations.append(_save_b_killed(directory, str(tmp_path / f"gate_c{attempt}"), world, hidden, None, zero1))
     duration = max(durations)
     rng = random.Random(seed)
     delays = sorted(rng.uniform(0.0, 1.2 * duration) for _ in range(moments))
@@ -758,11 +776,11 @@ def _kill_run(worlds, tmp_path, world: int, moments: int, seed: int, hidden: int
     for i, delay in enumerate(delays):
         directory = str(tmp_path / f"killed{i}")
         shutil.copytree(pristine, directory)
-        _save_b_killed(directory, str(tmp_path / f"gate{i}"), world, hidden, delay)
+        _save_b_killed(directory, str(tmp_path / f"gate{i}"), world, hidden, delay, zero1)
         directories.append(directory)
     candidates = {"A": (1, hidden, 1), "B": (2, hidden, 2)}
-    results = worlds(2).run(case_load_each, tensor_model_parallel_size=world, directories=directories,
-                            candidates=candidates)
+    results = worlds(2).run(case_load_each, tensor_model_parallel_size=1 if zero1 else world,
+                            directories=directories, candidates=candidates, zero1=zero1)
     outcomes = results[0]
     assert results[1] == outcomes, results
     for delay, directory, outcome in zip(delays, directories, outcomes):

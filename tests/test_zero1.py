@@ -353,15 +353,14 @@ def test_flat_shard_layout():
         layout.shard_of(full, 4)
 
 
-def test_checkpointing_refuses_zero1_state_instead_of_dropping_shards(tmp_path):
+def test_checkpointing_refuses_zero1_state_under_another_key_instead_of_dropping_shards(tmp_path):
     from nxdtp import checkpointing
 
     with ps.simulated_topology(world_size=4, rank=0, tensor_model_parallel_size=2):
         model = torch.nn.Linear(3, 2)
         zero = NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
         for optimizer in (zero, zero.state_dict()):
-            with pytest.raises(NotImplementedError, match=r"checkpoint\['optimizer'\] is a ZeRO-1 optimizer"):
-                checkpointing.save({"model": model, "optimizer": optimizer}, str(tmp_path), tag="t")
-        with pytest.raises(NotImplementedError, match=r"load\(\): the optimizer is a ZeRO-1 optimizer"):
-            checkpointing.load(str(tmp_path), model=model, optimizer=zero)
+            with pytest.raises(ValueError, match=r"checkpoint\['optimizer_state_dict'\] is a ZeRO-1 optimizer .*"
+                                                 r"Pass it as checkpoint\['optimizer'\]"):
+                checkpointing.save({"model": model, "optimizer_state_dict": optimizer}, str(tmp_path), tag="t")
         assert not any(tmp_path.iterdir())

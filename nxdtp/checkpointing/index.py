@@ -28,8 +28,17 @@ def model_file(tp_rank: int) -> str:
     return f"model/tp_rank_{tp_rank:02d}.safetensors"
 
 
-def optim_file(tp_rank: int) -> str:
-    return f"optim/tp_rank_{tp_rank:02d}.safetensors"
+def optim_file(tp_rank: int, dp_rank: Optional[int] = None) -> str:
+    """A plain optimizer's file of a TP rank, or (``dp_rank`` given) a ZeRO-1 optimizer's file of one shard: the
+    state of TP rank ``tp_rank`` cut over the data-parallel group, as DP rank ``dp_rank`` holds it."""
+    if dp_rank is None:
+        return f"optim/tp_rank_{tp_rank:02d}.safetensors"
+    return f"optim/tp_rank_{tp_rank:02d}_dp_rank_{dp_rank:02d}.safetensors"
+
+
+def is_zero1_optimizer_index(optimizer: Any) -> bool:
+    """Whether an index's ``optimizer`` part describes ZeRO-1 state (flat shards over DP, one file per TP x DP rank)."""
+    return isinstance(optimizer, dict) and optimizer.get("kind") == "zero1"
 
 
 @dataclasses.dataclass

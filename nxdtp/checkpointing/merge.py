@@ -47,12 +47,13 @@ from .. import __version__
 from ..heads import kv_replicas, padded_rows
 from ..layers import shard_of
 from ..plan import padded_size
-from ..spec import ParamSpec
+from ..spec import FlatShardLayout, ParamSpec
 from . import integrity, tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
 from .output_dir import check_output_dir, write_atomically
-from .index import INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file
+from .index import (INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
+                    optim_file)
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
 CONFIG_FILE = "config.json"
@@ -168,9 +169,11 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     optimizer_plan = None
     optim_files: Dict[str, Any] = {}
     try:
+        zero1 = is_zero1_optimizer_index(index.optimizer)
         if index.optimizer is not None:
             try:
-                optimizer_plan, optim_files, why_not = _plan_optimizer(tag_dir, index, new_entries)
+                planner = _plan_zero1_optimizer if zero1 else _plan_optimizer
+                optimizer_plan, optim_files, why_not = planner(tag_dir, index, new_entries)
             except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
                 raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") \
                     from None
@@ -194,8 +197,9 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
             try:
                 writers = _reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar)
                 if optimizer_plan is not None:
-                    writers += _reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files,
-                                                  new_tp, bar)
+                    reshard_optimizer = _reshard_zero1_optimizer if zero1 else _reshard_optimizer
+                    writers += reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files,
+                                                 new_tp, bar)
             finally:
                 bar.close()
             for writer in writers:
@@ -214,7 +218,9 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
                  "tensor_model_parallel_size": new_tp, "pad_to_multiple_of": multiple,
                  "pad_to_multiple_of_source": multiple_source, "notes": notes}, indent=1).encode())
             new_index = CheckpointIndex(tensor_model_parallel_size=new_tp, data_parallel_size=index.data_parallel_size,
-                                        tensors=new_entries, optimizer=index.optimizer if optimizer_plan else None,
+                                        tensors=new_entries,
+                                        optimizer=(_new_optimizer_index(index.optimizer, new_entries, optimizer_plan)
+                                                   if optimizer_plan else None),
                                         nxdtp_version=__version__, files=dict(sorted(files.items())),
                                         tensor_checksums=dict(sorted(contents.items())))
             tags.mark_done(new_tag_dir, new_index.write(new_tag_dir))
@@ -545,6 +551,126 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
                         writers[rank].write(tensor_key, value)
                 bar.update(1)
     return writers  # completed: their records are ready
+
+
+def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry]):
+    """How ZeRO-1 state reshards: [(param name, (model key, [(field, kind, dtype)]))], the open files (every TP x DP
+    rank's), or why not. kind is "flat" (a flat shard of the TP-local tensor: the DP shards are gathered into the
+    TP-local tensor, which is resharded like the parameter and cut again over the same DP size) or "copy" ('step':
+    DP rank 0 of TP rank 0's value in every file)."""
+    info = index.optimizer
+    tp = index.tensor_model_parallel_size
+    if info.get("keyed_by") != "name":
+        return None, {}, ("it is ZeRO-1 state keyed by parameter index (saved from optimizer.state_dict() rather than "
+                          "a live optimizer and model), so it cannot be matched to the parameters it belongs to")
+    primary = {}
+    for key, entry in index.tensors.items():
+        primary[key] = key
+        for alias in entry.aliases:
+            primary[alias] = key
+    params = info.get("params", {})
+    unknown = [name for name in params if name not in primary]
+    if unknown:
+        return None, {}, f"its parameters {unknown[:3]} are not tensors of the model index"
+    state_path = os.path.join(tag_dir, OPTIMIZER_STATE_FILE)
+    if not os.path.isfile(state_path):
+        raise FileNotFoundError(f"checkpoint file {state_path} is missing")
+    dp = int(info["zero1"]["sharding_group_size"])
+    handles: Dict[str, Any] = {}
+    for rank in range(tp):
+        for k in range(dp):
+            handles[optim_file(rank, k)] = _open_safetensors(os.path.join(tag_dir, optim_file(rank, k)))
+    plan = []
+    for name, fields in params.items():
+        entry = index.tensors[primary[name]]
+        layout = FlatShardLayout.from_dict(fields["layout"])
+        if tuple(layout.shape) != tuple(entry.spec.local_shape()) or layout.group_size != dp:
+            raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)}: the ZeRO-1 state of '{name}' is cut as "
+                             f"{fields['layout']}, but its model tensor's local shape is "
+                             f"{list(entry.spec.local_shape())} and the sharding group size {dp}")
+        per_field = []
+        for field in list(fields["tensors"]) + [fields["master"]]:
+            flat = field == fields["master"] or field in fields["flat"]
+            key = f"{name}/{field}"
+            for rank in range(tp) if flat else [0]:
+                for k in range(dp) if flat else [0]:
+                    relative = optim_file(rank, k)
+                    handle = handles[relative]
+                    if key not in handle.keys():
+                        raise ValueError(f"checkpoint file {os.path.join(tag_dir, relative)} lacks '{key}', which the "
+                                         "index lists")
+                    if flat:
+                        _check_piece(handle, os.path.join(tag_dir, relative), key, (layout.shard_numel,))
+            per_field.append((field, "flat" if flat else "copy",
+                              _safetensors_dtype(handles[optim_file(0, 0)], key)))
+        plan.append((name, (primary[name], per_field)))
+    return plan, handles, None
+
+
+def _reshard_zero1_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
+                             handles: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
+    """Write ZeRO-1 state at TP degree ``new_tp`` and the same DP size: per parameter and flat field, each old TP
+    rank's DP shards are gathered into its TP-local tensor, those are resharded like the parameter (its padding
+    redone), and each new TP-local tensor is cut over DP again; one tensor in memory at a time."""
+    info = index.optimizer
+    dp = int(info["zero1"]["sharding_group_size"])
+    files = [(rank, k) for rank in range(new_tp) for k in range(dp)]
+    layouts: Dict[Tuple[int, int], list] = {f: [] for f in files}
+    for name, (key, fields) in plan:
+        new_layout = FlatShardLayout(new_entries[key].spec.local_shape(), dp)
+        for field, kind, dtype in fields:
+            shape = (new_layout.shard_numel,) if kind == "flat" else tuple(
+                handles[optim_file(0, 0)].get_slice(f"{name}/{field}").get_shape())
+            for f in files:
+                layouts[f].append((f"{name}/{field}", dtype, shape))
+    paths = [os.path.join(new_tag_dir, optim_file(rank, k)) for rank, k in files]
+    with _open_writers(paths, [layouts[f] for f in files]) as writer_list:
+        writers = dict(zip(files, writer_list))
+        for name, (key, fields) in plan:
+            old_spec, new_spec = index.tensors[key].spec, new_entries[key].spec
+            old_layout = FlatShardLayout.from_dict(info["params"][name]["layout"])
+            new_layout = FlatShardLayout(new_spec.local_shape(), dp)
+            for field, kind, dtype in fields:
+                tensor_key = f"{name}/{field}"
+                if kind == "copy":
+                    value = handles[optim_file(0, 0)].get_tensor(tensor_key)
+                    for f in files:
+                        writers[f].write(tensor_key, value)
+                    bar.update(1)
+                    continue
+
+                def local(rank: int, tensor_key=tensor_key) -> torch.Tensor:
+                    return old_layout.full_from_shards([handles[optim_file(rank, k)].get_tensor(tensor_key)
+                                                        for k in range(dp)])
+
+                if old_spec.is_sharded:
+                    full = _repad(old_spec.full_from_pieces(local, dtype), old_spec, new_spec)
+                    pieces = {rank: shard_of(full, new_spec.partition_dim, rank, new_tp, new_spec.stride)
+                              for rank in range(new_tp)}
+                else:
+                    whole = local(0)
+                    pieces = {rank: whole for rank in range(new_tp)}
+                for rank in range(new_tp):
+                    for k in range(dp):
+                        writers[(rank, k)].write(tensor_key, new_layout.shard_of(pieces[rank], k))
+                del pieces
+                bar.update(1)
+    return writer_list  # completed: their records are ready
+
+
+def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, TensorEntry], plan) -> Dict[str, Any]:
+    """The optimizer part of a resharded tag's index: ZeRO-1 entries get their new TP-local shape, flat layout and TP
+    spec; plain state's index is unchanged."""
+    if not is_zero1_optimizer_index(optimizer):
+        return optimizer
+    keys = dict((name, key) for name, (key, _) in plan)
+    dp = int(optimizer["zero1"]["sharding_group_size"])
+    params = {}
+    for name, info in optimizer["params"].items():
+        spec = new_entries[keys[name]].spec
+        layout = FlatShardLayout(spec.local_shape(), dp)
+        params[name] = {**info, "shape": list(layout.shape), "layout": layout.to_dict(), "spec": spec.to_dict()}
+    return {**optimizer, "params": params}
 
 
 _DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -24,11 +24,12 @@ from ..agreement import check_replicated_agree
 from ..layers import shard_of
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
-from ..spec import ParamSpec, ShardedModule
+from ..spec import FlatShardLayout, ParamSpec, ShardedModule
 from ..utils import move_all_tensor_to_cpu
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
-from .index import CheckpointIndex, TensorEntry, dtype_from_name, model_file, optim_file, split_model_state
+from .index import (CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
+                    optim_file, split_model_state)
 from .lock import TagLock
 from .safetensors_stream import StreamingSafetensorsWriter
 
@@ -174,7 +175,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
         raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every tag)")
     _check_bool("check_replicated", check_replicated)
     for key, value in checkpoint.items():
-        _refuse_zero1(value, f"save(): checkpoint[{key!r}]")
+        if key != "optimizer":
+            _refuse_zero1(value, f"save(): checkpoint[{key!r}]")
     if tag is None:
         if "global_step" in checkpoint:
             tag = tags.tag_for_step(checkpoint["global_step"])
@@ -211,6 +213,7 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
         extras = move_all_tensor_to_cpu(extras)  # on every rank: a pending XLA graph must not run on one alone
         # A tie's owner is stored under a key the model loads directly, or under the one its plan names.
         tensors, entries = split_model_state(model, model_state, tp_group.size)
+        _describe_zero1_specs(optimizer_index, entries)
         if down_cast_bf16:
             # The cast happens on the host while writing: on XLA a device-side cast would be a graph that only the
             # writing ranks run.
@@ -246,7 +249,7 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
             relative = model_file(tp_group.rank)
             written[relative], contents[relative] = _write_tensors(os.path.join(tag_dir, relative), tensors, entries,
                                                                    tp_group.rank)
-            if optimizer_tensors is not None:
+            if optimizer_tensors is not None and not is_zero1_optimizer_index(optimizer_index):
                 relative = optim_file(tp_group.rank)
                 written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative),
                                                                      optimizer_tensors)
@@ -256,6 +259,10 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
                 with ChecksummedWriter(os.path.join(tag_dir, relative)) as f:
                     torch.save(extras, f)
                 written[relative] = f.record()
+        if optimizer_tensors is not None and is_zero1_optimizer_index(optimizer_index):
+            # ZeRO-1: every DP rank holds its own shard of the TP rank's optimizer state, and writes it.
+            relative = optim_file(tp_group.rank, dp_group.rank)
+            written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative), optimizer_tensors)
         relative = rng_file(topology.rank)
         written[relative] = _write_json(os.path.join(tag_dir, relative), _rng_payload())
         if topology.rank == 0:
@@ -352,16 +359,87 @@ def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[s
 # ---- optimizer ----------------------------------------------------------------------------------------------------------
 
 def _refuse_zero1(value: Any, what: str) -> None:
-    """ZeRO-1 state is sharded over DP, and this format writes optimizer state once per TP rank (from DP rank 0): saving
-    it would silently drop the other DP ranks' shards. Refused on every rank alike (every rank has the same kind)."""
+    """ZeRO-1 state is sharded over DP. Under ``checkpoint['optimizer']`` every rank writes its shards; any other
+    entry is written once per TP rank (from DP rank 0), which would silently drop the other DP ranks' shards."""
+    if _is_zero1(value):
+        raise ValueError(
+            f"{what} is a ZeRO-1 optimizer (NeuronZero1Optimizer) or its state dict, whose state is sharded over data "
+            "parallelism; other entries than 'optimizer' are written once per TP rank, which would keep one DP rank's "
+            "shards only. Pass it as checkpoint['optimizer'] (the optimizer itself, with the model: save({'model': "
+            "model, 'optimizer': optimizer})), where every DP rank writes its own shards")
+
+
+# The key under which a ZeRO-1 parameter's fp32 master shard is stored beside its state fields.
+ZERO1_MASTER_FIELD = "zero1_master"
+
+
+def _is_zero1(optimizer: Any) -> bool:
     from ..optimizer import NeuronZero1Optimizer
 
-    if isinstance(value, NeuronZero1Optimizer) or (isinstance(value, dict) and "base_state" in value):
-        raise NotImplementedError(
-            f"{what} is a ZeRO-1 optimizer (NeuronZero1Optimizer) or its state dict, whose state is sharded over data "
-            "parallelism; nxdtp.checkpointing does not write or read ZeRO-1 state yet (it writes one optimizer file "
-            "per TP rank, a plain optimizer's). Save each rank's optimizer.state_dict() with torch.save meanwhile "
-            "(it holds the master shards and reloads at the same tp x dp layout)")
+    return isinstance(optimizer, NeuronZero1Optimizer) or (isinstance(optimizer, dict) and "base_state" in optimizer)
+
+
+def _kind(optimizer: Any) -> str:
+    return (f"a ZeRO-1 optimizer ({type(optimizer).__name__})" if _is_zero1(optimizer)
+            else f"a non-ZeRO optimizer ({type(optimizer).__name__})")
+
+
+def _zero1_payload(optimizer, names: Dict[int, str]):
+    """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (the inner optimizer's state and the master
+    weights, keyed ``<param>/<field>``), the index (per parameter its TP-local shape and ``FlatShardLayout``, and which
+    fields are flat shards), and the JSON part (groups, scalars). Every rank writes its own shards."""
+    state_dict = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    info = state_dict.get("zero1")
+    masters = state_dict.get("sharded_master_weights")
+    if not isinstance(info, dict) or masters is None:
+        raise ValueError("save(): checkpoint['optimizer'] is a ZeRO-1 state dict without its layout ('zero1') or "
+                         "master weights ('sharded_master_weights'); pass the NeuronZero1Optimizer itself, or its "
+                         "state_dict() as nxdtp makes it")
+    layouts = [FlatShardLayout.from_dict(d) for d in info["layouts"]]
+    tensors: Dict[str, torch.Tensor] = {}
+    index: Dict[str, Dict[str, Any]] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    base_state = state_dict["base_state"]
+    for i, layout in enumerate(layouts):
+        name = names.get(i, str(i))
+        fields = base_state.get(i, base_state.get(str(i), {}))
+        if ZERO1_MASTER_FIELD in fields:
+            raise ValueError(f"save(): the inner optimizer's state of '{name}' has a field {ZERO1_MASTER_FIELD!r}, "
+                             "the name nxdtp stores ZeRO-1 master weights under")
+        entry = {"param_index": i, "shape": list(layout.shape), "layout": layout.to_dict(),
+                 "master": ZERO1_MASTER_FIELD, "tensors": [], "flat": []}
+        tensors[f"{name}/{ZERO1_MASTER_FIELD}"] = masters[i] if i in masters else masters[str(i)]
+        for field, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{field}"] = value
+                entry["tensors"].append(field)
+                # A flat shard of the parameter (exp_avg, momentum, ...) is re-cut on loading; anything else ('step')
+                # is the same on every DP rank and copied.
+                if value.dim() == 1 and value.numel() == layout.shard_numel:
+                    entry["flat"].append(field)
+            else:
+                scalars.setdefault(name, {})[field] = value
+        index[name] = entry
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
+    zero1 = {"layout": "flat", "sharding_group_size": int(info["sharding_group_size"]),
+             "optimizer_dtype": info["optimizer_dtype"]}
+    return tensors, {"kind": "zero1", "keyed_by": "name" if names else "index", "zero1": zero1, "params": index}, \
+        {"param_groups": groups, "scalars": scalars}
+
+
+def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Dict[str, TensorEntry]) -> None:
+    """Record in a ZeRO-1 optimizer index, per parameter, the TP spec (full shapes, how TP cut it) of its model
+    tensor, beside the DP layout: the index then says every cut of the state."""
+    if not is_zero1_optimizer_index(optimizer_index) or optimizer_index["keyed_by"] != "name":
+        return
+    by_name = {}
+    for key, entry in entries.items():
+        for name in [key] + list(entry.aliases):
+            by_name[name] = entry
+    for name, info in optimizer_index["params"].items():
+        if name in by_name:
+            info["spec"] = by_name[name].spec.to_dict()
 
 
 def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict]]:
@@ -378,6 +456,8 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
         by_identity = {id(p): n for n, p in model.named_parameters()}
         flat = [p for group in optimizer.param_groups for p in group["params"]]
         names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
+    if _is_zero1(optimizer):
+        return _zero1_payload(optimizer, names)
     state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
     tensors: Dict[str, torch.Tensor] = {}
     index: Dict[str, Dict[str, Any]] = {}
@@ -398,8 +478,20 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
 
 
 def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_rank: int,
-                          optimizer: torch.optim.Optimizer, model: Optional[nn.Module], verify: bool) -> Dict[str, Any]:
+                          optimizer: torch.optim.Optimizer, model: Optional[nn.Module], verify: bool,
+                          model_state: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
+    """The state dict that ``optimizer.load_state_dict`` takes, from this TP rank's optimizer files. Plain state loads
+    into a plain optimizer as saved. ZeRO-1 state (flat shards over DP) is re-cut to a ZeRO-1 optimizer's own layout
+    (any DP size), or gathered into whole TP-local tensors for a plain optimizer; plain state keyed by name is cut
+    into a ZeRO-1 optimizer's shards, with the master weights from the checkpoint's model tensors."""
     index = checkpoint_index.optimizer
+    saved_zero, live_zero = is_zero1_optimizer_index(index), _is_zero1(optimizer)
+    saved_kind = "a ZeRO-1 optimizer (NeuronZero1Optimizer)" if saved_zero else "a non-ZeRO optimizer"
+    if live_zero and not saved_zero and index["keyed_by"] != "name":
+        raise ValueError(f"{tag_dir}: the checkpoint holds the state of {saved_kind} keyed by parameter index, which "
+                         f"cannot be cut for {_kind(optimizer)}: its master weights cannot be matched to the model's "
+                         "tensors. Save live objects (save({'model': model, 'optimizer': optimizer})) to convert, or "
+                         "load it into the same kind of optimizer")
     with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
         saved = json.load(f)
     position: Dict[str, int] = {}
@@ -409,15 +501,67 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
         by_identity = {id(p): n for n, p in model.named_parameters()}
         flat = [p for group in optimizer.param_groups for p in group["params"]]
         position = {by_identity[id(p)]: i for i, p in enumerate(flat) if id(p) in by_identity}
+    live_params = [p for group in optimizer.param_groups for p in group["params"]]
+    if live_zero:
+        group_size, my_rank = optimizer.sharding_group.size, optimizer.sharding_group.rank
+        dtype = optimizer.optimizer_dtype
+    files: Dict[str, _RankFile] = {}
+
+    def open_file(relative: str) -> "_RankFile":
+        if relative not in files:
+            files[relative] = _RankFile(tag_dir, checkpoint_index, relative, verify)
+        return files[relative]
+
     state: Dict[int, Dict[str, Any]] = {}
-    f = _RankFile(tag_dir, checkpoint_index, optim_file(tp_rank), verify)
+    masters: Dict[int, torch.Tensor] = {}
     for name, info in index["params"].items():
         if index["keyed_by"] == "name" and name not in position:
             raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter '{name}', which the "
                              "model passed to load() does not have (or the optimizer does not hold)")
         slot = position.get(name, info["param_index"])
-        state[slot] = {field: f.get_tensor(f"{name}/{field}") for field in info["tensors"]}
-        state[slot].update(saved["scalars"].get(name, {}))
+        if not 0 <= slot < len(live_params):
+            raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter index {slot}, but the "
+                             f"optimizer holds {len(live_params)} parameters")
+        shape = tuple(live_params[slot].shape)
+        fields: Dict[str, Any] = {}
+        if saved_zero:
+            saved_layout = FlatShardLayout.from_dict(info["layout"])
+            if tuple(saved_layout.shape) != shape:
+                raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
+                                 f"{list(saved_layout.shape)}, the optimizer's parameter has {list(shape)}; reshard "
+                                 "the checkpoint to this tensor parallel size first (nxdtp-merge CKPT OUT --reshard N)")
+
+            def read(field: str, k: int, name=name) -> torch.Tensor:
+                return open_file(optim_file(tp_rank, k)).get_tensor(f"{name}/{field}")
+
+            if live_zero:
+                layout = FlatShardLayout(shape, group_size)
+                sources = layout.source_ranks(saved_layout, my_rank)
+                first = sources[0] if len(sources) else 0
+                for field in info["tensors"]:
+                    if field in info["flat"]:
+                        fields[field] = layout.shard_from(saved_layout, lambda k, f=field: read(f, k), my_rank, dtype)
+                    else:
+                        fields[field] = read(field, first)
+                masters[slot] = layout.shard_from(saved_layout, lambda k: read(info["master"], k), my_rank, dtype)
+            else:
+                for field in info["tensors"]:
+                    if field in info["flat"]:
+                        fields[field] = saved_layout.full_from_shards(
+                            [read(field, k) for k in range(saved_layout.group_size)])
+                    else:
+                        fields[field] = read(field, 0)
+        else:
+            f = open_file(optim_file(tp_rank))
+            for field in info["tensors"]:
+                value = f.get_tensor(f"{name}/{field}")
+                if live_zero and tuple(value.shape) == shape:
+                    value = FlatShardLayout(shape, group_size).shard_of(value.to(dtype), my_rank)
+                fields[field] = value
+            if live_zero:
+                masters[slot] = _master_from_model(tag_dir, name, shape, model_state, group_size, my_rank, dtype)
+        fields.update(saved["scalars"].get(name, {}))
+        state[slot] = fields
     if len(optimizer.param_groups) != len(saved["param_groups"]):
         raise ValueError(f"{tag_dir}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
                          f"{len(saved['param_groups'])}")
@@ -427,7 +571,36 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
         group = {k: tuple(v) if isinstance(v, list) and isinstance(live.get(k), tuple) else v for k, v in group.items()}
         groups.append({**group, "params": [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p)
                                            for p in group["params"]]})
-    return {"state": state, "param_groups": groups}
+    if not live_zero:
+        return {"state": state, "param_groups": groups}
+    missing = [i for i in range(len(live_params)) if i not in masters]
+    if missing:
+        if not saved_zero:  # parameters without optimizer state: their masters come from the model all the same
+            names = {i: n for n, i in position.items()}
+            for i in missing:
+                if i in names:
+                    masters[i] = _master_from_model(tag_dir, names[i], tuple(live_params[i].shape), model_state,
+                                                    group_size, my_rank, dtype)
+            missing = [i for i in missing if i not in masters]
+        if missing:
+            raise ValueError(f"{tag_dir}: the checkpoint has no master weights for the optimizer's parameters "
+                             f"{missing[:5]} (by position); it was saved from another model or optimizer")
+    return {"state": {}, "param_groups": groups, "base_state": state, "sharded_master_weights": masters,
+            "shape_info": {i: tuple(p.shape) for i, p in enumerate(live_params)}}
+
+
+def _master_from_model(tag_dir: str, name: str, shape: Tuple[int, ...], model_state: Optional[Dict[str, torch.Tensor]],
+                       group_size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ZeRO-1 master shard from the checkpoint's model tensor (converting a plain optimizer's state), so the master
+    weights are the saved weights whichever of model and optimizer is loaded first."""
+    if model_state is None or name not in model_state:
+        raise ValueError(f"{tag_dir}: converting a non-ZeRO optimizer's state to a ZeRO-1 optimizer needs the saved "
+                         f"model tensor '{name}' for its master weights; pass the model to load() as well")
+    value = model_state[name]
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{tag_dir}: the saved model tensor '{name}' has shape {list(value.shape)}, the optimizer's "
+                         f"parameter {list(shape)}")
+    return FlatShardLayout(shape, group_size).shard_of(value.to(dtype), rank)
 
 
 # ---- RNG ----------------------------------------------------------------------------------------------------------------
@@ -573,7 +746,6 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
             model = value
         else:
             raise TypeError(f"{argument} must be an nn.Module or an optimizer, got {type(value).__name__}")
-    _refuse_zero1(optimizer, "load(): the optimizer")
     if not sharded:
         return _load_full(chkpt_path, model, model_key, strict, tag=tag, optimizer=optimizer, scheduler=scheduler,
                           restore_rng_states=restore_rng_states)
@@ -587,10 +759,17 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
     tag_dir, read, error = _agreed_read(output_dir, tag, verify, reads)
     trainer_state: Dict[str, Any] = {}
+    zero1 = _is_zero1(optimizer)
+    if zero1:
+        # A ZeRO-1 optimizer's load_state_dict gathers its master shards over DP (a collective): every rank must get
+        # there, so a failure on one rank is agreed on first.
+        _agree(error, f"loading {output_dir}")
     if error is None:
         try:
             if model is not None:
                 model.load_state_dict(read.model_state, strict=strict)
+            if zero1:
+                _agree(None, f"loading {output_dir}")
             if optimizer is not None:
                 optimizer.load_state_dict(read.optimizer_state)
             trainer_state = read.trainer_state
@@ -620,7 +799,9 @@ class _Reads:
         if self.model is not None:
             wanted += sorted({model_file(tp_rank), model_file(0)})
         if self.optimizer is not None and index.optimizer is not None:
-            wanted += [optim_file(tp_rank), OPTIMIZER_STATE_FILE]
+            wanted += _optimizer_files(index, tp_rank, self.optimizer) + [OPTIMIZER_STATE_FILE]
+            if (self.model is None and _is_zero1(self.optimizer) and not is_zero1_optimizer_index(index.optimizer)):
+                wanted += sorted({model_file(tp_rank), model_file(0)})  # the master weights of a conversion
         if self.rng:
             wanted.append(rng_file(topology.rank))
         recorded = index.files or {}
@@ -641,14 +822,35 @@ class _Reads:
         if self.optimizer is not None:
             if index.optimizer is None:
                 raise ValueError(f"{tag_dir} holds no optimizer state")
+            model_state = read.model_state
+            if (model_state is None and _is_zero1(self.optimizer) and not is_zero1_optimizer_index(index.optimizer)
+                    and index.optimizer.get("keyed_by") == "name"):
+                model_state = read_model_shard(tag_dir, index, tp_group.rank, verify)
             read.optimizer_state = _optimizer_state_dict(tag_dir, index, tp_group.rank, self.optimizer, self.model,
-                                                         verify)
+                                                         verify, model_state)
         with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
             read.trainer_state = json.load(f)
         extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
         if os.path.isfile(extra_path):
             read.trainer_state.update(_torch_load(extra_path))
         return read
+
+
+def _optimizer_files(index: CheckpointIndex, tp_rank: int, optimizer: torch.optim.Optimizer) -> List[str]:
+    """The optimizer files of ``index`` this rank reads: its TP rank's file, or with ZeRO-1 state the DP shards of it
+    that overlap this rank's shards (a ZeRO-1 optimizer at any DP size), or all of them (a plain optimizer)."""
+    info = index.optimizer
+    if not is_zero1_optimizer_index(info):
+        return [optim_file(tp_rank)]
+    saved_size = int(info["zero1"]["sharding_group_size"])
+    if not _is_zero1(optimizer):
+        return [optim_file(tp_rank, k) for k in range(saved_size)]
+    ranks = {0}
+    size, rank = optimizer.sharding_group.size, optimizer.sharding_group.rank
+    for param in info["params"].values():
+        saved = FlatShardLayout.from_dict(param["layout"])
+        ranks.update(FlatShardLayout(saved.shape, size).source_ranks(saved, rank))
+    return [optim_file(tp_rank, k) for k in sorted(ranks)]
 
 
 @dataclasses.dataclass
