@@ -473,6 +473,24 @@ def _open_writers(paths: List[str], layouts) -> Iterator[List[StreamingSafetenso
         yield [stack.enter_context(StreamingSafetensorsWriter(path, layout)) for path, layout in zip(paths, layouts)]
 
 
+def _optimizer_params(tag_dir: str, index: CheckpointIndex):
+    """The optimizer's per-parameter records, the model key of every parameter name (aliases of tied tensors
+    included), and why they cannot be resharded (None if they can); the optimizer's state file must exist."""
+    primary = {}
+    for key, entry in index.tensors.items():
+        primary[key] = key
+        for alias in entry.aliases:
+            primary[alias] = key
+    params = index.optimizer.get("params", {})
+    unknown = [name for name in params if name not in primary]
+    if unknown:
+        return primary, params, f"its parameters {unknown[:3]} are not tensors of the model index"
+    state_path = os.path.join(tag_dir, OPTIMIZER_STATE_FILE)
+    if not os.path.isfile(state_path):
+        raise FileNotFoundError(f"checkpoint file {state_path} is missing")
+    return primary, params, None
+
+
 def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry]):
     """How each optimizer tensor reshards: [(param key, [(field, kind, old shape)])], the open files, or why not.
 
@@ -484,18 +502,9 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
     if not isinstance(info, dict) or info.get("keyed_by") != "name":
         return None, {}, ("it is keyed by parameter index (saved from optimizer.state_dict() rather than a live "
                           "optimizer and model), so it cannot be matched to the parameters it belongs to")
-    primary = {}
-    for key, entry in index.tensors.items():
-        primary[key] = key
-        for alias in entry.aliases:
-            primary[alias] = key
-    params = info.get("params", {})
-    unknown = [name for name in params if name not in primary]
-    if unknown:
-        return None, {}, f"its parameters {unknown[:3]} are not tensors of the model index"
-    state_path = os.path.join(tag_dir, OPTIMIZER_STATE_FILE)
-    if not os.path.isfile(state_path):
-        raise FileNotFoundError(f"checkpoint file {state_path} is missing")
+    primary, params, why_not = _optimizer_params(tag_dir, index)
+    if why_not:
+        return None, {}, why_not
     handles: Dict[str, Any] = {}
     for rank in range(tp):
         handles[optim_file(rank)] = _open_safetensors(os.path.join(tag_dir, optim_file(rank)))
@@ -563,18 +572,9 @@ def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dic
     if info.get("keyed_by") != "name":
         return None, {}, ("it is ZeRO-1 state keyed by parameter index (saved from optimizer.state_dict() rather than "
                           "a live optimizer and model), so it cannot be matched to the parameters it belongs to")
-    primary = {}
-    for key, entry in index.tensors.items():
-        primary[key] = key
-        for alias in entry.aliases:
-            primary[alias] = key
-    params = info.get("params", {})
-    unknown = [name for name in params if name not in primary]
-    if unknown:
-        return None, {}, f"its parameters {unknown[:3]} are not tensors of the model index"
-    state_path = os.path.join(tag_dir, OPTIMIZER_STATE_FILE)
-    if not os.path.isfile(state_path):
-        raise FileNotFoundError(f"checkpoint file {state_path} is missing")
+    primary, params, why_not = _optimizer_params(tag_dir, index)
+    if why_not:
+        return None, {}, why_not
     dp = int(info["zero1"]["sharding_group_size"])
     handles: Dict[str, Any] = {}
     for rank in range(tp):
