@@ -73,7 +73,7 @@ QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("
 
 
 def reference_bytes_per_parameter(dp: int) -> float:
-    """NxD's / Megatron's bytes per parameter per rank for bf16 weights, fp32 gradients and sharded fp32 master + Adam."""
+    """NxD's / Megatron's bytes per parameter per rank: bf16 weights, fp32 gradients, sharded fp32 master + Adam."""
     return 6 + 12 / dp
 
 
