@@ -64,12 +64,13 @@ FULL = dict(
     # About 50 M parameters (200 MB fp32).
     time=dict(model=dict(kind="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048,
                          num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
-                         tie_word_embeddings=False), batch=2, seq=64, warmup=2, rounds=10),
+                         tie_word_embeddings=False), batch=2, seq=64, warmup=2, rounds=10, collective_reps=5),
     worlds=((2, 2), (1, 2)),   # (tp, dp); the first also runs parts 1 and 2
 )
 QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
              dps=(1, 2, 4, 8), rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
-             time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2), worlds=((2, 2), (1, 2)))
+             time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2),
+             worlds=((2, 2), (1, 2)))
 
 
 def reference_bytes_per_parameter(dp: int) -> float:
@@ -278,6 +279,38 @@ def h_step(state, variant: str) -> Dict[str, float]:
     return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
 
 
+def h_collectives(state, reps: int) -> Dict[str, Any]:
+    """The DP collectives of both paths alone, on a buffer of this rank's fp32 gradient size: plain DP's all-reduce
+    against ZeRO-1's reduce-scatter + all-gather (through ``nxdtp.comm``, with the optimizer's row shapes), in turn."""
+    import torch
+    import torch.distributed as dist
+
+    from nxdtp import comm
+    from nxdtp import parallel_state as ps
+
+    group = ps.data_parallel_group()
+    numel = sum(p.numel() for p in state["timing"]["models"]["plain"].parameters())
+    shard = -(-numel // group.size)
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(SEED))
+    rows = torch.nn.functional.pad(flat, (0, shard * group.size - numel)).reshape(group.size, shard)
+    times: Dict[str, List[float]] = {"all_reduce_s": [], "reduce_scatter_s": [], "all_gather_s": []}
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce(flat, group)
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        mine = comm.reduce_scatter(rows, group, dim=0)
+        t3 = time.perf_counter()
+        comm.all_gather(mine, group, dim=0)
+        t4 = time.perf_counter()
+        times["all_reduce_s"].append(t1 - t0)
+        times["reduce_scatter_s"].append(t3 - t2)
+        times["all_gather_s"].append(t4 - t3)
+    return {"bytes": numel * 4, **times}
+
+
 def h_time_finish(state) -> Dict[str, float]:
     timing = state.pop("timing")
     plain, zero = (dict(timing["models"][v].named_parameters()) for v in ("plain", "zero1"))
@@ -306,7 +339,7 @@ def worker_main(conn, name: str, rank: int, world: int, port: int, tp: int) -> N
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
         serve(conn, {"count": h_count, "rss": h_rss, "time_setup": h_time_setup, "step": h_step,
-                     "time_finish": h_time_finish}, {"rank": rank, "world": world})
+                     "collectives": h_collectives, "time_finish": h_time_finish}, {"rank": rank, "world": world})
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -362,7 +395,12 @@ def _timing(group: WorkerGroup, spec: Dict[str, Any], tp: int, dp: int) -> Dict[
                                                                                 "step_s")}
                                         | {"loss": ranks[0]["loss"]})
         log(f"zero1: tp={tp} x dp={dp} round {i + 1}/{total}")
+    collectives = group.call("collectives", reps=spec["collective_reps"])
     finish = group.call("time_finish")
+    cc = {k: statistics.median(max(r[k][i] for r in collectives) for i in range(spec["collective_reps"]))
+          for k in ("all_reduce_s", "reduce_scatter_s", "all_gather_s")}
+    cc["bytes"] = collectives[0]["bytes"]
+    cc["ratio"] = (cc["reduce_scatter_s"] + cc["all_gather_s"]) / cc["all_reduce_s"]
     med = {v: {k: statistics.median(s[k] for s in samples[v]) for k in ("forward_backward_s", "update_s", "step_s")}
            for v in samples}
     per_round = [z["step_s"] / p["step_s"] for p, z in zip(samples["plain"], samples["zero1"])]
@@ -374,7 +412,7 @@ def _timing(group: WorkerGroup, spec: Dict[str, Any], tp: int, dp: int) -> Dict[
             "update_ratio_median_per_round": statistics.median(per_round_update),
             "max_abs_weight_difference": max(f["max_abs_weight_difference"] for f in finish),
             "max_abs_weight": max(f["max_abs_weight"] for f in finish),
-            "last_losses": {v: samples[v][-1]["loss"] for v in samples}}
+            "last_losses": {v: samples[v][-1]["loss"] for v in samples}, "collectives": cc}
 
 
 def run(quick: bool) -> Dict[str, Any]:
@@ -429,6 +467,7 @@ def _result(spec, counted, rss, timings) -> Dict[str, Any]:
         numbers[f"{key}_plain_step_s"] = t["median"]["plain"]["step_s"]
         numbers[f"{key}_zero1_step_s"] = t["median"]["zero1"]["step_s"]
         numbers[f"{key}_max_abs_weight_difference"] = t["max_abs_weight_difference"]
+        numbers[f"{key}_reduce_scatter_plus_all_gather_over_all_reduce"] = t["collectives"]["ratio"]
     return {"spec": {"count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]],
                      "dps": list(spec["dps"]), "rss": spec["rss"], "time": spec["time"],
                      "worlds": [list(w) for w in spec["worlds"]]},
@@ -453,7 +492,7 @@ def tables(result: Dict[str, Any]) -> str:
     rows = []
     for r in result["counted"]:
         rows.append([r["model"], r["tp"], r["dp"], f"{r['parameters']:,}",
-                     f"{r['padding_elements']:,} ({fmt(r['padding_percent'], 4)} %)",
+                     f"{r['padding_elements']:,} ({r['padding_percent']:.1e} %)",
                      fmt(r["bpp_parameters"], 3), fmt(r["bpp_grads_bf16"], 3), fmt(r["bpp_grads_fp32"], 3),
                      fmt(r["bpp_master"], 4), fmt(r["bpp_state"], 4), fmt(r["bpp_total_bf16_grads"], 4),
                      fmt(r["bpp_total_fp32_grads"], 4), fmt(r["bpp_reference"], 4),
@@ -508,4 +547,11 @@ def tables(result: Dict[str, Any]) -> str:
                                  "median of per-round ratios", "forward+backward s, plain / ZeRO-1",
                                  "after backward s, plain / ZeRO-1", "after-backward ratio", "goal",
                                  "max abs weight difference, ZeRO-1 vs plain"], body))
+    body = [[f"tp{x['tp']} x dp{x['dp']}", fmt_bytes(x["collectives"]["bytes"]),
+             fmt(x["collectives"]["all_reduce_s"], 3), fmt(x["collectives"]["reduce_scatter_s"], 3),
+             fmt(x["collectives"]["all_gather_s"], 3), fmt(x["collectives"]["ratio"], 2)] for x in result["timings"]]
+    lines += ["", "The DP collectives alone (nxdtp.comm over the DP group, a buffer of the rank's fp32 gradient size, "
+                  "the two paths in turn; slowest rank; medians):", "",
+              markdown_table(["world", "buffer", "all-reduce s (plain)", "reduce-scatter s (ZeRO-1)",
+                              "all-gather s (ZeRO-1)", "(reduce-scatter + all-gather) / all-reduce"], body)]
     return "\n".join(lines)
