@@ -1,5 +1,6 @@
 """``tools/benchmark.py --quick`` runs end to end: every section reports its numbers (present and finite), and the
-three train-step competitors (dense, nxdtp TP=2, DTensor TP=2) end at the same loss. The activation-memory section's
+three train-step competitors (dense, nxdtp TP=2, DTensor TP=2) end at the same loss, and the ZeRO-1 section counts
+through FlatShardLayout and times two paths that end with the same weights. The activation-memory section's
 instrument is checked too: it counts each saved storage once and attributes every byte to a term, and its formula is
 Megatron's.
 
@@ -26,7 +27,7 @@ if str(ROOT / "tools") not in sys.path:
     sys.path.insert(0, str(ROOT / "tools"))
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SECTIONS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-            "merge": "checkpoint_merge", "actmem": "activation_memory"}
+            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1"}
 # Without torch_xla, the two XLA parts cannot run: the HLO count of section 3 and section 4.
 RUN = [s for s in SECTIONS if HAS_XLA or s not in ("comm", "xla")]
 
@@ -74,7 +75,7 @@ def test_report_has_a_table_per_section(quick):
     _, stdout = quick
     titles = {"train": "## 1. Train step, CPU", "memory": "## 2. Memory per rank", "comm": "## 3. Communication",
               "xla": "## 4. XLA graphs", "merge": "## 5. Checkpoint merge",
-              "actmem": "## 6. Activation memory per rank"}
+              "actmem": "## 6. Activation memory per rank", "zero1": "## 7. ZeRO-1"}
     for section in RUN:
         assert titles[section] in stdout, section
     assert stdout.count("|---|") >= len(RUN)
@@ -104,6 +105,35 @@ def test_activation_memory_counts_each_saved_storage_once(quick):
             assert set(t for t, v in terms.items() if v["measured"]) == {am.T_CKPT}
             assert terms[am.T_CKPT]["measured"] == pytest.approx(terms[am.T_CKPT]["formula"], rel=1e-12)
     assert checked == 3  # dense sdpa, dense eager, TP
+
+
+def test_zero1_section_counts_through_the_layout_and_both_paths_agree(quick):
+    """Section 7 under --quick: every counted row holds exactly what FlatShardLayout's shards imply (fp32 master and
+    AdamW's exp_avg, exp_avg_sq over the padded shard, a 4-byte step counter per tensor) and meets 6 + 12/d plus 1 %;
+    ZeRO-1's optimizer is counted smaller than plain AdamW's at dp=2; both timed paths ran every round and ended with
+    the same weights (they compute the same update)."""
+    report, stdout = quick
+    section = report["sections"]["zero1"]
+    assert {r["dp"] for r in section["counted"]} == {1, 2, 4, 8}
+    for r in section["counted"]:
+        padded = r["parameters"] + r["padding_elements"]
+        assert padded % r["dp"] == 0, r
+        assert r["master_bytes"] == 4 * padded // r["dp"], r
+        assert r["state_bytes"] == 8 * padded // r["dp"] + 4 * r["tensors"], r
+        assert r["main_grad_bytes"] == 4 * r["parameters"] and r["parameter_bytes"] == 2 * r["parameters"], r
+        assert r["padding_elements"] < r["dp"] * r["tensors"], r
+        assert r["goal_met"] and r["padding_percent"] < 1, r
+        assert r["ranks_equal"], r
+    rss = section["rss"]
+    assert rss["zero1"]["optimizer_bytes_counted"] < rss["plain"]["optimizer_bytes_counted"]
+    assert rss["counted_saving_bytes"] > 0
+    assert [(t["tp"], t["dp"]) for t in section["timings"]] == [(2, 2), (1, 2)]
+    for t in section["timings"]:
+        for variant in ("plain", "zero1"):
+            assert len(t["samples"][variant]) == t["rounds"], (t["tp"], variant)
+        assert t["max_abs_weight_difference"] <= 1e-5 * max(1.0, t["max_abs_weight"]), t
+        assert math.isfinite(t["ratio"]) and t["ratio"] > 0
+    assert "6 + 12/d" in stdout and "ratio ZeRO-1 / plain" in stdout
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
