@@ -17,7 +17,7 @@ import torch
 from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import cli as merge_cli
 from tests import test_checkpointing, test_comm, test_grads, test_layers, test_loss_functions, test_models_bert
-from tests import test_models_bert_loading
+from tests import test_models_bert_loading, test_zero1
 from tests.test_example_pretrain import data_dir, model_config  # noqa: F401 - fixtures
 
 DEVICE_BACKENDS = ("xla", "cpu_refusing")
@@ -58,6 +58,16 @@ def test_from_pretrained_sharded_equals_from_pretrained(device_worlds, tmp_path)
 
 def test_checkpoint_save_load_resumes_exactly(device_worlds, tmp_path):
     test_checkpointing.test_resume_is_exact_with_optimizer_scheduler_and_rng(device_worlds, tmp_path, world=2)
+
+
+# ZeRO-1's reduce-scatter, norm and all-gather of CPU tensors must take the gloo twins of the DP and TP groups.
+ZERO1_CONFIGS = [(4, 2, "llama", "adamw", 2.0, "hook", 0.5), (4, 1, "bert", "lamb", 2.0, "none", 0.5)]
+
+
+@pytest.mark.parametrize("world,tp,model,inner,norm_type,accumulate,max_norm", ZERO1_CONFIGS,
+                         ids=["tp2xdp2-llama-adamw-acc_hook", "tp1xdp4-bert-lamb"])
+def test_zero1_equals_dense(device_worlds, world, tp, model, inner, norm_type, accumulate, max_norm):
+    test_zero1.test_zero1_equals_dense(device_worlds, world, tp, model, inner, norm_type, accumulate, max_norm)
 
 
 # ---- which group each device's tensors use -----------------------------------------------------------------------------

@@ -63,13 +63,24 @@ def _finish_step(model, loss, optimizer, sequence_parallel: bool):
     from nxdtp import grads
     from nxdtp.agreement import pending_input_checks
 
+    from nxdtp.optimizer import NeuronZero1Optimizer
+
     if sequence_parallel:
         grads.allreduce_sequence_parallel_gradients(model)
-    grads.allreduce_gradients(model)
-    norm = grads.clip_grad_norm(model.parameters(), 1.0)
-    optimizer.step()
-    state = [t for s in optimizer.state.values() for t in s.values() if hasattr(t, "device")
-             and t.device.type == "xla"]
+    if isinstance(optimizer, NeuronZero1Optimizer):
+        # ZeRO-1: reduce-scatter over DP, the TP x DP norm and clipping, the inner step on the master shards and the
+        # all-gather into the parameters; the master shards (made with the rank as data) are part of the state.
+        optimizer.step()
+        norm = optimizer.grad_norm
+        inner = optimizer.base_optimizer
+        masters = [s for g in inner.param_groups for s in g["params"]]
+    else:
+        grads.allreduce_gradients(model)
+        norm = grads.clip_grad_norm(model.parameters(), 1.0)
+        optimizer.step()
+        inner, masters = optimizer, []
+    state = masters + [t for s in inner.state.values() for t in s.values() if hasattr(t, "device")
+                       and t.device.type == "xla"]
     params = list(model.parameters())
     checks = pending_input_checks(model)
     assert len(checks) == 1, f"the forward left {len(checks)} input checks to read, not 1"
@@ -77,14 +88,27 @@ def _finish_step(model, loss, optimizer, sequence_parallel: bool):
             "step": [loss, norm] + checks + params + state}
 
 
+def _optimizer(kind: str, params, zero1: bool):
+    """AdamW or LAMB as the examples make them, plain or inside ZeRO-1 (clipping at 1.0, as the plain step)."""
+    import torch
+
+    from nxdtp.optimizer import NeuronZero1Optimizer
+    from nxdtp.optimizers import Lamb
+
+    optimizer_class, options = (Lamb, dict(lr=1e-3, trust_clip=True)) if kind == "lamb" else \
+        (torch.optim.AdamW, dict(lr=1e-3))
+    if zero1:
+        return NeuronZero1Optimizer(params, optimizer_class, max_norm=1.0, **options)
+    return optimizer_class(params, **options)
+
+
 def case_bert_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "adamw",
-                          keep_hlo: bool = False):
+                          keep_hlo: bool = False, zero1: bool = False):
     import torch
     import torch_xla
 
     from nxdtp import comm, parallel_state
     from nxdtp.models.bert import attention_bias, parallelize_bert
-    from nxdtp.optimizers import Lamb
     from nxdtp.random import model_parallel_xla_manual_seed
     from nxdtp.utils import move_model_to_device
     from nxdtp.xla_graphs import trace_every_rank
@@ -101,7 +125,7 @@ def case_bert_step_graphs(world_size: int, tp: int, sequence_parallel: bool, opt
         model = move_model_to_device(model, device).train()
         groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")], "weight_decay": 0.01},
                   {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-        opt = Lamb(groups, lr=1e-3, trust_clip=True) if optimizer == "lamb" else torch.optim.AdamW(groups, lr=1e-3)
+        opt = _optimizer(optimizer, groups, zero1)
         on_device = {k: v.to(device) for k, v in batch.items()}
         # As the example: global counts of masked tokens and sentences over the DP group, as device tensors.
         counts = comm.all_reduce(torch.stack([(on_device["labels"] != -100).sum().float(),
@@ -152,12 +176,11 @@ DECODERS = {"llama": _llama, "gpt2": _gpt2}
 
 
 def case_decoder_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "lamb",
-                           keep_hlo: bool = False, family: str = "llama"):
+                           keep_hlo: bool = False, family: str = "llama", zero1: bool = False):
     import torch
     import torch_xla
 
     from nxdtp.models import parallelize_model
-    from nxdtp.optimizers import Lamb
     from nxdtp.random import model_parallel_xla_manual_seed
     from nxdtp.utils import move_model_to_device
     from nxdtp.xla_graphs import trace_every_rank
@@ -174,8 +197,7 @@ def case_decoder_step_graphs(world_size: int, tp: int, sequence_parallel: bool, 
                                   broadcast_replicated=False)
         model_parallel_xla_manual_seed(SEED)
         model = move_model_to_device(model, device).train()
-        opt = Lamb(model.parameters(), lr=1e-3, trust_clip=True) if optimizer == "lamb" else \
-            torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = _optimizer(optimizer, list(model.parameters()), zero1)
         out = model(input_ids=ids.to(device), labels=labels.to(device))
         out.loss.backward()
         return _finish_step(model, out.loss, opt, sequence_parallel)
@@ -215,6 +237,20 @@ def test_gpt2_plan_step_is_one_graph_for_every_rank(worlds, world_size, tp, sequ
     """The second decoder plan (GPT-2: Conv1D weights, fused c_attn, tied LM head) through the same tool."""
     result, = worlds(1, "xla-hlo").run(case_decoder_step_graphs, tensor_model_parallel_size=None, world_size=world_size,
                                        tp=tp, sequence_parallel=sequence_parallel, optimizer="adamw", family="gpt2")
+    _assert_one_graph(result)
+
+
+@pytest.mark.parametrize("world_size,tp,family,optimizer,sequence_parallel",
+                         [(4, 2, "bert", "adamw", False), (8, 4, "bert", "lamb", True),
+                          (4, 2, "llama", "lamb", True), (8, 4, "llama", "adamw", False)],
+                         ids=["tp2xdp2-bert-adamw", "tp4xdp2-bert-lamb-sp", "tp2xdp2-llama-lamb-sp",
+                              "tp4xdp2-llama-adamw"])
+def test_zero1_step_is_one_graph_for_every_rank(worlds, world_size, tp, family, optimizer, sequence_parallel):
+    """The ZeRO-1 step (NeuronZero1Optimizer over AdamW or LAMB): the master shards taken with the rank as data, the
+    reduce-scatter over DP, the norm over TP x DP, the inner step and the all-gather trace one graph on every rank."""
+    case = case_bert_step_graphs if family == "bert" else case_decoder_step_graphs
+    result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=world_size, tp=tp,
+                                       sequence_parallel=sequence_parallel, optimizer=optimizer, zero1=True)
     _assert_one_graph(result)
 
 

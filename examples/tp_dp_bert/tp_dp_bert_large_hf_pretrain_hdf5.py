@@ -35,6 +35,7 @@ from master_weights import MasterWeights  # noqa: E402
 from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_state  # noqa: E402
+from nxdtp.optimizer import NeuronZero1Optimizer  # noqa: E402
 from nxdtp.optimizers import Lamb  # noqa: E402
 from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
@@ -92,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume_step", type=int, default=-1, help="resume from this step's tag (default: the newest)")
     p.add_argument("--tensor_parallel_size", type=int, default=2,
                    help="ranks per tensor-parallel group (contiguous); the world size must be a multiple of it")
+    # NxD's flags of its Llama script (tp_zero1_llama_hf_pretrain.py).
+    p.add_argument("--use_zero_1", action="store_true",
+                   help="ZeRO-1: shard the optimizer state and fp32 master weights over the DP group "
+                        "(nxdtp.optimizer.NeuronZero1Optimizer over --optimizer)")
+    p.add_argument("--use_mix_precision", action="store_true",
+                   help="with --use_zero_1: bf16 weights and compute, fp32 master shards in the ZeRO-1 optimizer, "
+                        "gradients accumulated in fp32")
     # nxdtp's flags.
     p.add_argument("--sequence_parallel", action="store_true", help="Megatron sequence parallelism inside TP groups")
     p.add_argument("--activation_checkpointing", action="store_true",
@@ -159,6 +167,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--warmup_steps {args.warmup_steps} exceeds --max_steps {args.max_steps}")
     if args.bf16 and args.enable_pt_autocast:
         parser.error("--bf16 and --enable_pt_autocast are alternatives: bf16 weights, or fp32 weights with autocast")
+    if args.use_mix_precision and not args.use_zero_1:
+        parser.error("--use_mix_precision gives bf16 weights over the fp32 master shards of --use_zero_1; without "
+                     "ZeRO-1 use --bf16 (bf16 weights over a whole fp32 master copy)")
+    if args.use_zero_1 and args.bf16:
+        parser.error("--use_zero_1 shards the fp32 master weights itself: use --use_mix_precision with it, not --bf16 "
+                     "(which would keep a whole fp32 master copy on every rank besides the shards)")
+    if args.use_zero_1 and args.ddp:
+        parser.error("--use_zero_1 reduce-scatters the gradients over the DP group itself; --ddp would all-reduce "
+                     "them too, so use one or the other")
+    if args.use_mix_precision and args.enable_pt_autocast:
+        parser.error("--use_mix_precision and --enable_pt_autocast are alternatives: bf16 weights, or fp32 weights "
+                     "with autocast")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         parser.error(f"--dropout {args.dropout} must be in [0, 1)")
     if args.init_from is not None and args.debug:
@@ -235,6 +255,8 @@ def build_model(args: argparse.Namespace, config, device: torch.device, pretrain
     if args.activation_checkpointing:
         checkpoint_layers(model)
     move_model_to_device(model, device)
+    if args.use_mix_precision:
+        model.to(torch.bfloat16)  # the fp32 master shards are made from these values by the ZeRO-1 optimizer
     model.train()
     return model
 
@@ -250,9 +272,18 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float = 0.01) -> List
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     groups = parameter_groups(model)
     if args.optimizer == "lamb":
-        return Lamb(groups, lr=args.lr, trust_clip=True)
-    # The fused kernel exists for CPU and CUDA (about 6x faster than the per-tensor loop on CPU); XLA traces the loop.
-    return torch.optim.AdamW(groups, lr=args.lr, eps=1e-6, fused=device.type in ("cpu", "cuda"))
+        optimizer_class, options = Lamb, dict(lr=args.lr, trust_clip=True)
+    else:
+        # The fused kernel exists for CPU and CUDA (about 6x faster than the per-tensor loop on CPU); XLA traces the
+        # loop.
+        optimizer_class, options = torch.optim.AdamW, dict(lr=args.lr, eps=1e-6, fused=device.type in ("cpu", "cuda"))
+    if not args.use_zero_1:
+        return optimizer_class(groups, **options)
+    # ZeRO-1 over the same optimizer: it averages the gradients over DP (reduce-scatter), clips at --max_grad_norm by
+    # the global pre-clip norm (kept in optimizer.grad_norm), steps its fp32 shards and all-gathers the parameters.
+    # With --use_mix_precision the bf16 gradients of the micro-batches accumulate in fp32 (use_grad_acc_hook).
+    return NeuronZero1Optimizer(groups, optimizer_class, optimizer_dtype=torch.float32, grad_clipping=True,
+                                max_norm=args.max_grad_norm, use_grad_acc_hook=args.use_mix_precision, **options)
 
 
 class LinearWarmupDecay:
@@ -299,7 +330,7 @@ class Trainer:
         self.master = MasterWeights(self.model) if args.bf16 else None
         # With --bf16 the optimizer, clipping and checkpoints work on the fp32 master model.
         self.weights = self.master.master if self.master else self.model
-        self.compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.compute_dtype = torch.bfloat16 if args.bf16 or args.use_mix_precision else torch.float32
         self.optimizer = build_optimizer(args, self.weights, rt.device)
         self.ddp = None
         if args.ddp:
@@ -346,11 +377,16 @@ class Trainer:
             # NxD's call, kept: parallelize_bert's model sums these gradients inside backward already, and the call
             # skips parameters marked so (grad_allreduced_in_backward).
             grads.allreduce_sequence_parallel_gradients(self.weights)
-        if self.ddp is None:
-            grads.allreduce_gradients(self.weights)
-        grad_norm = grads.clip_grad_norm(self.weights.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.args.use_zero_1:
+            self.optimizer.step()  # reduce-scatter over DP, clip, step the shards, all-gather the parameters
+            grad_norm = self.optimizer.grad_norm
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            if self.ddp is None:
+                grads.allreduce_gradients(self.weights)
+            grad_norm = grads.clip_grad_norm(self.weights.parameters(), self.args.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.master.master_to_model()
         self.scheduler.step()
@@ -364,7 +400,8 @@ class Trainer:
         state: Dict[str, Any] = {"model": self.weights, "global_step": self.global_step, "epoch": epoch,
                                  "consumed_sequences": self.consumed_sequences,
                                  "batch_size": self.args.batch_size, "data_parallel_size": self.dp_group.size,
-                                 "grad_accum_usteps": self.args.grad_accum_usteps, "bf16": self.args.bf16}
+                                 "grad_accum_usteps": self.args.grad_accum_usteps, "bf16": self.args.bf16,
+                                 "use_zero_1": self.args.use_zero_1, "use_mix_precision": self.args.use_mix_precision}
         if not self.args.minimal_ckpt:
             state["optimizer"] = self.optimizer
             state["scheduler"] = self.scheduler
@@ -400,6 +437,10 @@ class Trainer:
                   f"from --seed {args.seed}", flush=True)
         if self.master is not None:
             self.master.master_to_model()
+        if minimal and self.args.use_zero_1:
+            # No optimizer state: the master shards, made from the weights before the load, are made again from the
+            # loaded ones.
+            self.optimizer.init_zero()
         self.global_step = int(state["global_step"])
         self.consumed_sequences = int(state.get("consumed_sequences", 0))
         if os.path.abspath(directory) == os.path.abspath(args.output_dir):
@@ -575,7 +616,9 @@ def _run_parameters(args, trainer: Trainer, rt: runtime_lib.Runtime, dp_size: in
         "World size": rt.world_size, "Tensor parallel degree": args.tensor_parallel_size,
         "Data parallel degree": dp_size, "Batch size": args.batch_size, "Total steps": args.steps_this_run,
         "Seed": args.seed, "Optimizer": args.optimizer, "Learning rate": args.lr,
-        "Data type": "bfloat16" if args.bf16 else ("fp32 + bf16 autocast" if args.enable_pt_autocast else "float32"),
+        "Data type": ("bfloat16" if args.bf16 else "bfloat16 + fp32 master shards" if args.use_mix_precision
+                      else "fp32 + bf16 autocast" if args.enable_pt_autocast else "float32"),
+        "ZeRO-1": args.use_zero_1,
         "Gradient accumulation microsteps": args.grad_accum_usteps, "Warmup steps": args.warmup_steps,
         "Sequence parallel": args.sequence_parallel, "Activation checkpointing": args.activation_checkpointing,
         "Device": rt.kind, "Dataset": os.path.basename(os.path.normpath(args.data_dir)),
