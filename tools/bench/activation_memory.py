@@ -29,14 +29,12 @@ Models") per layer, generalised to an activation size of e bytes (1-byte dropout
 
 from __future__ import annotations
 
-import datetime
 import gc
 import os
 import re
-import sys
 from typing import Any, Dict, List, Optional
 
-from .common import SINGLE_THREAD_ENV, WorkerGroup, fmt, fmt_bytes, log, markdown_table
+from .common import WorkerGroup, fmt, fmt_bytes, log, markdown_table
 
 LAYER = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)  # BERT-large
 FULL = dict(layer=LAYER, layers=2, seq=512, batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
@@ -334,31 +332,14 @@ def h_measure(state, spec: Dict[str, Any], mode: str, dtype: str, attention: str
 
 
 def worker_main(conn, name: str, rank: int, world: int, port: int) -> None:
-    os.dup2(2, 1)  # gloo's connection lines go to stderr, not into the report
-    os.environ.update(SINGLE_THREAD_ENV)
-    import torch
+    from bench.common import serve_in_gloo_world
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    import torch.distributed as dist
-    import transformers  # noqa: F401
+    def seed():
+        from nxdtp.random import model_parallel_xla_manual_seed
 
-    from bench.common import serve
-    from nxdtp import parallel_state
-    from nxdtp.random import model_parallel_xla_manual_seed
+        model_parallel_xla_manual_seed(SEED)  # dropout inside TP regions draws from the tracker's per-rank state
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    model_parallel_xla_manual_seed(SEED)  # dropout inside TP regions draws from the tracker's per-rank state
-    try:
-        serve(conn, {"measure": h_measure}, {"rank": rank, "world": world})
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # everything went back over the pipe; skip torch's slow interpreter teardown
+    serve_in_gloo_world(conn, {"measure": h_measure}, rank, world, port, world, GLOO_TIMEOUT_S, before_serving=seed)
 
 
 # ======================================================================================================================

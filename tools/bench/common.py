@@ -181,6 +181,37 @@ class WorkerError(RuntimeError):
     pass
 
 
+def serve_in_gloo_world(conn, handlers: Dict[str, Callable], rank: int, world: int, port: int, tp: int,
+                        timeout_s: float, before_serving: Optional[Callable[[], None]] = None) -> None:
+    """The body of a benchmark worker in a gloo world: one thread, gloo's connection lines to stderr, torch and
+    transformers imported, the world joined and nxdtp's groups made (TP size ``tp``), ``before_serving()``, then
+    ``serve`` until the driver closes the pipe; the groups destroyed and the process ended without torch's teardown."""
+    os.dup2(2, 1)  # gloo's connection lines go to stderr, not into the report
+    os.environ.update(SINGLE_THREAD_ENV)
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    import torch.distributed as dist
+    import transformers  # noqa: F401
+
+    from nxdtp import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        if before_serving is not None:
+            before_serving()
+        serve(conn, handlers, {"rank": rank, "world": world})
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # everything went back over the pipe; skip torch's slow interpreter teardown
+
+
 def serve(conn, handlers: Dict[str, Callable], state: Dict[str, Any]) -> None:
     """The command loop of a worker process: receive ``(command, kwargs)``, answer ``("ok", value)`` or
     ``("error", traceback)``; ``"quit"`` ends it."""

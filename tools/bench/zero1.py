@@ -28,15 +28,13 @@ real step, and step time against the plain DP all-reduce path.
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
 import os
 import statistics
-import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import SINGLE_THREAD_ENV, WorkerGroup, fmt, fmt_bytes, log, markdown_table, verdict
+from .common import WorkerGroup, fmt, fmt_bytes, log, markdown_table, verdict
 
 SEED = 1234
 GLOO_TIMEOUT_S = 900
@@ -323,30 +321,11 @@ def h_time_finish(state) -> Dict[str, float]:
 
 
 def worker_main(conn, name: str, rank: int, world: int, port: int, tp: int) -> None:
-    os.dup2(2, 1)  # gloo's connection lines go to stderr, not into the report
-    os.environ.update(SINGLE_THREAD_ENV)
-    import torch
+    from bench.common import serve_in_gloo_world
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    import torch.distributed as dist
-    import transformers  # noqa: F401
-
-    from bench.common import serve
-    from nxdtp import parallel_state
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    try:
-        serve(conn, {"count": h_count, "rss": h_rss, "time_setup": h_time_setup, "step": h_step,
-                     "collectives": h_collectives, "time_finish": h_time_finish}, {"rank": rank, "world": world})
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # everything went back over the pipe; skip torch's slow interpreter teardown
+    serve_in_gloo_world(conn, {"count": h_count, "rss": h_rss, "time_setup": h_time_setup, "step": h_step,
+                               "collectives": h_collectives, "time_finish": h_time_finish},
+                        rank, world, port, tp, GLOO_TIMEOUT_S)
 
 
 # ======================================================================================================================
