@@ -593,3 +593,87 @@ def test_lamb_on_xla_equals_eager_with_one_graph_per_step(worlds):
     # Step 1 creates the state; from step 2 on, the same graph runs again: no recompiles (the step counter is data).
     for step in per_step[2:]:
         assert step == {"UncachedCompile": 0, "CachedCompile": 1, "ExecuteComputation": 1}, per_step
+
+
+# ---- NxD's AdamW_FP32OptimParams (HF's former AdamW) ---------------------------------------------------------------------
+
+def _hf_adamw_by_torch_adam(params, groups_kwargs, grads_per_step, betas, eps, correct_bias):
+    """The reference: torch's own Adam (no decay), with the step's eps chosen so that its update is HF AdamW's, and the
+    decoupled decay applied after it. torch's step divides by ``sqrt(v / bc2) + eps_t``; HF's multiplies the step by
+    ``sqrt(bc2) / bc1`` and divides by ``sqrt(v) + eps``: equal when ``eps_t = eps / sqrt(bc2)``. Without bias
+    correction, lr is scaled by ``bc1 / sqrt(bc2)`` instead so that torch's own correction cancels."""
+    reference = torch.optim.Adam([{"params": [p], "lr": kw["lr"]} for p, kw in zip(params, groups_kwargs)],
+                                 betas=betas, eps=eps)
+    for t, grads in enumerate(grads_per_step, start=1):
+        bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** t
+        for group, kw in zip(reference.param_groups, groups_kwargs):
+            group["eps"] = eps / math.sqrt(bc2)
+            group["lr"] = kw["lr"] if correct_bias else kw["lr"] * bc1 / math.sqrt(bc2)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        reference.step()
+        with torch.no_grad():
+            for p, kw in zip(params, groups_kwargs):
+                p.mul_(1 - kw["lr"] * kw["weight_decay"])
+
+
+@pytest.mark.parametrize("correct_bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adamw_fp32_optim_params_is_hf_adamw(correct_bias, dtype):
+    """NxD's AdamW_FP32OptimParams against torch.optim.Adam rewritten to HF AdamW's step (eps on sqrt(v), decay after
+    the update), two param groups with their own lr and weight decay, 5 steps of random gradients; 1e-6 relative in
+    fp32 (the two compute the same quantities in a different order), 1e-12 in float64."""
+    from nxdtp.optimizer import AdamW_FP32OptimParams
+
+    g = torch.Generator().manual_seed(7)
+    start = [torch.randn(5, 3, generator=g, dtype=dtype), torch.randn(4, generator=g, dtype=dtype)]
+    kwargs = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0)]
+    grads = [[torch.randn(t.shape, generator=g, dtype=dtype) for t in start] for _ in range(5)]
+    betas, eps = (0.9, 0.98), 1e-6
+    ours = [nn.Parameter(t.clone()) for t in start]
+    optimizer = AdamW_FP32OptimParams([{"params": [p], **kw} for p, kw in zip(ours, kwargs)], betas=betas, eps=eps,
+                                      correct_bias=correct_bias)
+    for step_grads in grads:
+        for p, grad in zip(ours, step_grads):
+            p.grad = grad.clone()
+        optimizer.step()
+    reference = [nn.Parameter(t.clone()) for t in start]
+    _hf_adamw_by_torch_adam(reference, kwargs, grads, betas, eps, correct_bias)
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-13)
+    for p, r in zip(ours, reference):
+        assert p.dtype == dtype
+        torch.testing.assert_close(p.detach(), r.detach(), **tol)
+    state = optimizer.state[ours[0]]
+    assert state["step"] == 5 and state["exp_avg"].dtype == dtype
+
+
+def test_adamw_fp32_optim_params_keeps_fp32_moments_for_bf16_parameters():
+    """bf16 parameters: the moments are fp32 and the update is computed in fp32 from them, then rounded once into the
+    parameter (equal to the fp32 optimizer's update on the fp32 copy, rounded to bf16)."""
+    from nxdtp.optimizer import AdamW_FP32OptimParams
+
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(6, 4, generator=g)
+    grad = torch.randn(6, 4, generator=g)
+    bf16 = nn.Parameter(start.to(torch.bfloat16))
+    fp32 = nn.Parameter(start.to(torch.bfloat16).float())
+    for p in (bf16, fp32):
+        optimizer = AdamW_FP32OptimParams([p], lr=1e-2, weight_decay=0.01)
+        p.grad = grad.to(p.dtype)
+        optimizer.step()
+        if p is bf16:
+            assert optimizer.state[p]["exp_avg"].dtype == torch.float32
+    assert torch.equal(bf16.detach(), fp32.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=-1.0), r"lr=-1.0 must be >= 0.0"),
+    (dict(betas=(0.9, 1.0)), r"betas\[1\]=1.0 must be in \[0.0, 1.0\)"),
+    (dict(eps=-1e-8), r"eps=-1e-08 must be >= 0.0"),
+    (dict(weight_decay=-0.1), r"weight_decay=-0.1 must be >= 0.0"),
+])
+def test_adamw_fp32_optim_params_refuses_bad_hyper_parameters(kwargs, match):
+    from nxdtp.optimizer import AdamW_FP32OptimParams
+
+    with pytest.raises(ValueError, match=match):
+        AdamW_FP32OptimParams([nn.Parameter(torch.zeros(2))], **kwargs)

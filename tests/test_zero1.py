@@ -11,8 +11,8 @@ matching slice of the dense one. Worlds: tp2 x dp2 and tp1 x dp4 (so the shards 
 with padding: the Llama's tensors are not all multiples of 4); models: a tiny Llama (odd vocabulary padded for TP,
 grouped-query attention, attention and MLP biases) and the BERT plan (BertForPreTraining, MLM + NSP); norm types 2 and
 inf; gradient accumulation over 2 micro-steps, in ``.grad`` and in fp32 ``main_grad`` (``use_grad_acc_hook``); inner
-optimizers AdamW, SGD with momentum, and nxdtp's Lamb (whose per-tensor trust ratio needs the shards' norms summed over
-the sharding group).
+optimizers AdamW, SGD with momentum, nxdtp's Lamb (whose per-tensor trust ratio needs the shards' norms summed over
+the sharding group) and NxD's AdamW_FP32OptimParams.
 
 Tolerance: fp32 1e-5 (absolute and relative). Adam and Lamb use ``eps=1e-4``: an element whose gradient is 0 in exact
 arithmetic (the attention key bias: softmax ignores a shift shared by all keys) has a ~1e-10 rounding residue whose
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from nxdtp import parallel_state as ps
-from nxdtp.optimizer import Lamb, NeuronZero1Optimizer, optimizer_state_bytes
+from nxdtp.optimizer import AdamW_FP32OptimParams, Lamb, NeuronZero1Optimizer, optimizer_state_bytes
 from nxdtp.spec import FlatShardLayout
 
 transformers = pytest.importorskip("transformers")
@@ -48,6 +48,7 @@ INNER = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.01)),
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "lamb": (Lamb, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.01)),
+    "adamw_fp32": (AdamW_FP32OptimParams, dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.01)),
 }
 
 
@@ -176,6 +177,7 @@ CONFIGS = [
     (4, 2, "llama", "sgd", 2.0, "none", 0.5),
     (4, 2, "llama", "lamb", 2.0, "hook", 0.5),
     (4, 1, "bert", "lamb", 2.0, "none", 0.5),
+    (4, 2, "llama", "adamw_fp32", 2.0, "hook", 0.5),
 ]
 
 
