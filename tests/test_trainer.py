@@ -191,9 +191,47 @@ def test_save_and_resume_equal_the_uninterrupted_run(dense):
 
 def test_plain_trainer_on_a_tp_model_is_refused_before_it_trains(tmp_path):
     output = _run(tmp_path, "plain", ranks=2, kind="plain", expect_failure=True)
-    assert "is tensor-parallel (nxdtp) and is being trained by a multi-process accelerate setup" in output, output
+    assert "is tensor-parallel (nxdtp) and is being trained by an accelerate setup that is not" in output, output
     assert "Use nxdtp.models.trainer.TensorParallelTrainer" in output
     assert not (tmp_path / "plain" / "final").exists()
+
+
+def test_without_use_cpu_on_cpus_both_trainers_refuse_instead_of_training_nothing(tmp_path):
+    """torchrun on CPUs without TrainingArguments(use_cpu=True): accelerate does not see the world (one process,
+    DistributedType.NO), and Trainer's loss scale num_processes // tp_size is 0: the run logged loss 0.0 and left the
+    weights untouched, exiting 0. TensorParallelTrainer refuses at construction, naming use_cpu; plain Trainer is
+    refused at its first training forward (each rank would train alone, clipping by its local shards' norm)."""
+    output = _run(tmp_path, "no_use_cpu", "--no_use_cpu", ranks=2, expect_failure=True)
+    assert "accelerate sees 1 process(es)" in output and "TrainingArguments(use_cpu=True)" in output, output[-3000:]
+    output = _run(tmp_path, "plain_no_use_cpu", "--no_use_cpu", ranks=2, kind="plain", expect_failure=True)
+    assert "is being trained by an accelerate setup that is not" in output and "1 process(es)" in output, \
+        output[-3000:]
+    assert not (tmp_path / "no_use_cpu" / "final").exists() and not (tmp_path / "plain_no_use_cpu" / "final").exists()
+
+
+# ---- LoRA (PEFT) ---------------------------------------------------------------------------------------------------------
+
+def test_lora_with_tensor_parallel_trainer_equals_dense_lora_trainer(dense):
+    """get_peft_model(parallelized model, LoraConfig(...)) trained by TensorParallelTrainer at tp2 x dp2 equals the
+    dense LoRA model trained by Trainer: every step's loss and pre-clip grad norm (the adapters' only) within 1e-5, and
+    the adapter save_model writes (PEFT's adapter_model.safetensors, dense factors) equal to the dense run's."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    tmp = dense[0]
+    dense_lora = _run(tmp, "dense-lora", "--lora")
+    tp_lora = _run(tmp, "tp2dp2-lora", "--tp", "2", "--per_device", "1", "--lora", ranks=4)
+    log, expected_log = _log(tp_lora), _log(dense_lora)
+    assert [e["step"] for e in log] == [e["step"] for e in expected_log] == [1, 2, 3, 4], log
+    for step, expected in zip(log, expected_log):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(step[key]), torch.tensor(expected[key]), **TOL,
+                                       msg=lambda m: f"LoRA step {step['step']} {key}: {m}")
+    adapters = load_file(str(tp_lora / "final" / "adapter_model.safetensors"))
+    expected_adapters = load_file(str(dense_lora / "adapter_model.safetensors"))
+    assert sorted(adapters) == sorted(expected_adapters) and len(adapters) == 2 * 7 * 2, sorted(adapters)
+    for name, value in expected_adapters.items():
+        torch.testing.assert_close(adapters[name], value, **TOL, msg=lambda m: f"LoRA adapter {name}: {m}")
 
 
 # ---- what is refused, at construction --------------------------------------------------------------------------------

@@ -94,7 +94,18 @@ def precision_arguments(precision: str) -> dict:
     return {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True)}[precision]
 
 
-def training_arguments(out: str, per_device: int, accumulation: int, **extra):
+def with_lora(model):
+    """LoRA (PEFT) on every projection, its factors seeded alike for the dense and the TP run (PEFT makes the dense
+    factors on each rank; nxdtp keeps each rank's part). Gaussian A, so that both factors train from the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(11)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian",
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"]))
+
+
+def training_arguments(out: str, per_device: int, accumulation: int, use_cpu: bool = True, **extra):
     """SGD: the final weights then differ from dense's as the gradients do. (Adam divides each gradient element by
     its own running scale, so an element that is zero in exact arithmetic, such as the key bias's, turns rounding
     noise into full-size steps; the gradients themselves are compared through the logged pre-clip norms.)"""
@@ -104,7 +115,7 @@ def training_arguments(out: str, per_device: int, accumulation: int, **extra):
         output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], optim="sgd", seed=3, data_seed=4,
-        dataloader_drop_last=True, use_cpu=True, disable_tqdm=True, **{"max_steps": 4, "save_strategy": "no", **extra})
+        dataloader_drop_last=True, use_cpu=use_cpu, disable_tqdm=True, **{"max_steps": 4, "save_strategy": "no", **extra})
 
 
 def _log(trainer):
@@ -116,10 +127,11 @@ def metric_arguments(evaluate: bool) -> dict:
     return dict(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_ids) if evaluate else {}
 
 
-def run_dense(out: str, per_device: int, accumulation: int, precision: str, evaluate: bool) -> None:
+def run_dense(out: str, per_device: int, accumulation: int, precision: str, evaluate: bool, lora: bool) -> None:
     import transformers
 
-    trainer = transformers.Trainer(model=dense_model(), train_dataset=Samples(), **metric_arguments(evaluate),
+    model = with_lora(dense_model()) if lora else dense_model()
+    trainer = transformers.Trainer(model=model, train_dataset=Samples(), **metric_arguments(evaluate),
                                    args=training_arguments(out, per_device, accumulation,
                                                            **precision_arguments(precision)))
     trainer.train()
@@ -131,7 +143,7 @@ def run_dense(out: str, per_device: int, accumulation: int, precision: str, eval
 
 
 def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: int, resume: str, max_steps: int,
-           precision: str, evaluate: bool, plain: bool = False):
+           precision: str, evaluate: bool, plain: bool = False, lora: bool = False, use_cpu: bool = True):
     import torch.distributed as dist
     import transformers
 
@@ -142,11 +154,13 @@ def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: in
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model = parallelize_model(copy.deepcopy(dense_model()))
+    if lora:
+        model = with_lora(model)
     saving = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
     trainer_class = transformers.Trainer if plain else TensorParallelTrainer   # plain: what an HF user tries first
     trainer = trainer_class(model=model, train_dataset=Samples(), **metric_arguments(evaluate),
                             args=training_arguments(out, per_device, accumulation, max_steps=max_steps, **saving,
-                                                    **precision_arguments(precision)))
+                                                    use_cpu=use_cpu, **precision_arguments(precision)))
     trainer.train(resume_from_checkpoint=resume or None)
     trainer.save_model(os.path.join(out, "final"))
     if dist.get_rank() == 0:
@@ -170,9 +184,11 @@ if __name__ == "__main__":
     parser.add_argument("--resume", default="")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--eval", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on every projection")
+    parser.add_argument("--no_use_cpu", action="store_true", help="leave TrainingArguments' use_cpu False")
     a = parser.parse_args()
     if a.kind == "dense":
-        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval)
+        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval, a.lora)
     else:
         run_tp(a.out, a.tp, a.per_device, a.accumulation, a.save_steps, a.resume, a.max_steps, a.precision, a.eval,
-               a.kind == "plain")
+               a.kind == "plain", a.lora, not a.no_use_cpu)

@@ -38,20 +38,27 @@ TRAINED_BY = "_nxdtp_trained_by"   # set on the model by trainers that handle TP
 
 
 def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
-    """A forward pre-hook: refuse a training forward while a multi-process accelerate state is live (plain
-    ``transformers.Trainer``, or ``accelerate.Accelerator.prepare``) unless a TP-aware trainer marked the model. Such a
-    trainer wraps the model in DDP over the whole world, which broadcasts TP rank 0's shards over the others, and feeds
-    each TP rank a different batch: the run would finish and the model be wrong. Costs a dictionary lookup."""
+    """A forward pre-hook: refuse a training forward while an accelerate training state is live (plain
+    ``transformers.Trainer``, or ``accelerate.Accelerator.prepare``) unless a TP-aware trainer marked the model. With
+    several processes such a trainer wraps the model in DDP over the whole world, which broadcasts TP rank 0's shards
+    over the others, and feeds each TP rank a different batch; with one process (accelerate blind to the torchrun
+    world) each rank trains alone with local-shard clipping: the run would finish and the model be wrong. Costs a
+    dictionary lookup."""
     state = sys.modules.get("accelerate.state")
     if state is None or not model.training or getattr(model, TRAINED_BY, None):
         return
-    if state.GradientState._shared_state and state.PartialState._shared_state.get("num_processes", 1) > 1:
+    # Any live accelerate training state: with several processes it wraps the model in DDP over the TP ranks; with
+    # one (torchrun on CPUs without use_cpu=True, where accelerate does not see the world) every process trains on
+    # its own and clips by the norm of its local shards. Neither is right for a TP model.
+    if state.GradientState._shared_state and state.PartialState._shared_state:
+        processes = state.PartialState._shared_state.get("num_processes", 1)
         raise RuntimeError(
-            f"{type(model).__name__} is tensor-parallel (nxdtp) and is being trained by a multi-process accelerate "
-            "setup (transformers.Trainer or Accelerator.prepare), which wraps it in DDP over the tensor-parallel "
-            "ranks (overwriting their shards with rank 0's) and gives each of them a different batch. Use "
-            "nxdtp.models.trainer.TensorParallelTrainer in place of transformers.Trainer, or nxdtp's own training "
-            "loop (docs/wrapping_hf_models.md)")
+            f"{type(model).__name__} is tensor-parallel (nxdtp) and is being trained by an accelerate setup that is "
+            f"not (transformers.Trainer or Accelerator.prepare, {processes} process(es)): with several processes it "
+            "wraps the model in DDP over the tensor-parallel ranks (overwriting their shards with rank 0's) and gives "
+            "each of them a different batch; with one, every process trains on its own and clips by its local "
+            "shards' norm. Use nxdtp.models.trainer.TensorParallelTrainer in place of transformers.Trainer (with "
+            "TrainingArguments(use_cpu=True) on CPUs), or nxdtp's own training loop (docs/wrapping_hf_models.md)")
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,12 @@ PUSH_TO_HUB = ("TensorParallelTrainer uploads nothing (Trainer's upload would ta
                "huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir)")
 
 
+def _model_and_wrapped(model):
+    """The model and, for a PEFT model, the HF model it wraps (``get_base_model``)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [model] if inner is model else [model, inner]
+
+
 def _inner_optimizer(optimizer):
     """accelerate wraps the optimizer; nxdtp's checkpointing saves the torch optimizer it wraps."""
     while hasattr(optimizer, "optimizer"):
@@ -107,15 +113,28 @@ class TensorParallelTrainer(transformers.Trainer):
         tp = parallel_state.get_tensor_model_parallel_size()
         # transformers 5 reads these to build accelerate's ParallelismConfig(tp_size, dp_shard_size): the data is
         # then split by DP rank only and the model is not wrapped in DDP. Set here, not by parallelize_model, so that
-        # plain Trainer never takes this path without the gradient averaging and clipping below.
-        model._tp_size = tp
-        setattr(model, TRAINED_BY, type(self).__name__)   # the forward's guard against plain Trainer lets it through
+        # plain Trainer never takes this path without the gradient averaging and clipping below. A PEFT model
+        # (get_peft_model) hands attribute reads to the HF model it wraps: both get them.
+        for target in _model_and_wrapped(model):
+            target._tp_size = tp
+            setattr(target, TRAINED_BY, type(self).__name__)   # the forward's guard against plain Trainer
         model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
         super().__init__(model, args, *positional, compute_metrics=compute_metrics,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, **keywords)
         if self.accelerator.distributed_type.name == "XLA":
             raise ValueError("TensorParallelTrainer on an XLA device: accelerate all-reduces gradients over the whole "
-                             "world there; train with nxdtp's own loop on XLA (docs/wrapping_hf_models.md)")
+                             "world there; train with nxdtp's own loop on XLA (docs/wrapping_hf_models.md). On a "
+                             "machine without XLA devices where torch_xla is installed, set USE_TORCH_XLA=0 in the "
+                             "environment (before transformers is imported) and TrainingArguments(use_cpu=True)")
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.accelerator.num_processes != world:
+            # accelerate did not see the torchrun world (on CPUs it needs use_cpu=True to take gloo's): Trainer
+            # would scale the loss by num_processes // tp_size = 0 and train nothing, without an error.
+            raise ValueError(
+                f"TensorParallelTrainer: accelerate sees {self.accelerator.num_processes} process(es) "
+                f"(distributed type {self.accelerator.distributed_type.name}) in a torch.distributed world of {world}; "
+                "on CPUs pass TrainingArguments(use_cpu=True) (and set USE_TORCH_XLA=0 where torch_xla is "
+                "installed), on GPUs launch with torchrun so that every process has its own device")
 
     # ---- accelerate's ParallelismConfig on CPU worlds ----------------------------------------------------------------
 
