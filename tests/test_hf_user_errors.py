@@ -52,3 +52,30 @@ def test_missing_rng_states_say_to_load_without_them(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"rng/rank_00003\.json is missing: .*a resharded checkpoint has "
                                                 r"none.*restore_rng_states=False"):
         restore_rng(str(tmp_path), 3)
+
+
+# ---- HF methods that would act on one rank's shards ----------------------------------------------------------------------
+
+def case_dense_only_methods_refuse():
+    import transformers
+
+    from nxdtp.models import parallelize_model
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = parallelize_model(transformers.LlamaForCausalLM(config))
+    messages = []
+    for call, expected in ((lambda: model.resize_token_embeddings(80), "resize the dense model"),
+                           (lambda: model.push_to_hub("me/tiny-llama"), "upload dir from one rank")):
+        with pytest.raises(NotImplementedError, match=expected) as error:
+            call()
+        messages.append(str(error.value))
+    assert model.get_input_embeddings().weight.shape[0] == 32   # untouched: this rank's half of the vocabulary
+    return messages
+
+
+def test_resize_token_embeddings_and_push_to_hub_refuse_with_what_to_do(worlds):
+    """HF's resize_token_embeddings raised a TypeError about nn.Embedding that said nothing of what to do; push_to_hub
+    would upload from whichever rank calls it while its save (a collective) waits for the others."""
+    results = worlds(2).run(case_dense_only_methods_refuse, tensor_model_parallel_size=2)
+    assert results[0] == results[1]

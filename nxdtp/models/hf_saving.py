@@ -127,7 +127,8 @@ def _write_configs(model: nn.Module, directory: str) -> None:
 
 class SavesDensePretrained:
     """Mixed into a parallelized HF model by ``finish_hf_model``: its ``save_pretrained`` writes the dense directory
-    (``nxdtp.models.save_pretrained``). A module-level class, so the model still deep-copies and pickles."""
+    (``nxdtp.models.save_pretrained``); ``push_to_hub`` and ``resize_token_embeddings``, which would act on one rank's
+    shards, raise saying what to do instead. A module-level class, so the model still deep-copies and pickles."""
 
     # Keyword-only after state_dict: transformers 4 and 5 order the later parameters differently (4.x has
     # save_function fourth), so a positional argument there would bind to the wrong one.
@@ -138,6 +139,20 @@ class SavesDensePretrained:
                         push_to_hub=push_to_hub, max_shard_size=max_shard_size,
                         safe_serialization=safe_serialization, variant=variant,
                         distributed_checkpoint=distributed_checkpoint, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        # HF's push_to_hub saves (a collective here) and uploads from whichever rank calls it: on every rank, each would
+        # upload; on rank 0 alone, its save would wait for ranks that never join.
+        raise NotImplementedError(
+            f"push_to_hub on a tensor-parallel (nxdtp) {type(self).__name__}: call model.save_pretrained(dir) on every "
+            "rank, then upload dir from one rank (huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir))")
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        # HF's resize replaces nn.Embedding / nn.Linear modules; the vocab-parallel ones hold a shard of the rows.
+        raise NotImplementedError(
+            f"resize_token_embeddings on a tensor-parallel (nxdtp) {type(self).__name__}: its embedding and LM head "
+            "are vocab-parallel shards; resize the dense model (dense.resize_token_embeddings(n)) before "
+            "nxdtp.models.parallelize_model, or save_pretrained, resize the dense model, and from_pretrained_sharded")
 
 
 def support_save_pretrained(model: nn.Module) -> None:
