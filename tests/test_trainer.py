@@ -184,6 +184,11 @@ def test_save_and_resume_equal_the_uninterrupted_run(dense):
     assert (checkpoint / "nxdtp_training").is_dir() and (checkpoint / "trainer_state.json").is_file()
     resumed = _run(tmp, "resumed", "--resume", str(whole / "checkpoint-2"), ranks=2)
     assert _log(resumed) == _log(whole)
+    # A second run into the same output_dir, not resuming: refused before it trains (it failed at its first save).
+    before = sorted(p.name for p in whole.iterdir())
+    output = _run(tmp, "saved", "--save_steps", "2", ranks=2, expect_failure=True)
+    assert "holds checkpoints of an earlier run (checkpoint-2, checkpoint-4)" in output, output[-3000:]
+    assert "resume_from_checkpoint=True" in output and sorted(p.name for p in whole.iterdir()) == before
     final, resumed_final = _final_weights(whole / "final"), _final_weights(resumed / "final")
     assert all(torch.equal(resumed_final[name], value) for name, value in final.items())
     _check_equals_dense(resumed, dense, "resumed tp2")

@@ -231,6 +231,22 @@ class TensorParallelTrainer(transformers.Trainer):
     def push_to_hub(self, *args, **kwargs):
         raise NotImplementedError(PUSH_TO_HUB)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # HF's Trainer overwrites an earlier run's checkpoint-N files; nxdtp's tags are never overwritten (a complete
+        # tag is what a crash falls back to), so a second run into the same output_dir would fail at its first save,
+        # after training up to it. Say so before training.
+        if not resume_from_checkpoint and self.args.save_strategy != "no":
+            earlier = sorted(name for name in (os.listdir(self.args.output_dir) if os.path.isdir(self.args.output_dir)
+                                               else []) if name.startswith("checkpoint-") and any(
+                os.path.isdir(os.path.join(self.args.output_dir, name, tag)) for tag in (TRAINING_TAG, MODEL_TAG)))
+            if earlier:
+                raise FileExistsError(
+                    f"TensorParallelTrainer: output_dir {self.args.output_dir!r} holds checkpoints of an earlier run "
+                    f"({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}), whose nxdtp tags a new run "
+                    "cannot overwrite: resume with trainer.train(resume_from_checkpoint=True), or give another "
+                    "output_dir, or delete those checkpoint-N directories")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir):
         checkpointing.save({"model": self.model, "optimizer": _inner_optimizer(self.optimizer),
                             "scheduler": self.lr_scheduler}, output_dir, tag=TRAINING_TAG)
