@@ -30,11 +30,10 @@ Models") per layer, generalised to an activation size of e bytes (1-byte dropout
 from __future__ import annotations
 
 import gc
-import os
 import re
 from typing import Any, Dict, List, Optional
 
-from .common import WorkerGroup, fmt, fmt_bytes, log, markdown_table
+from .common import WorkerGroup, fmt, fmt_bytes, log, markdown_table, memory_measuring_workers
 
 LAYER = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)  # BERT-large
 FULL = dict(layer=LAYER, layers=2, seq=512, batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
@@ -47,9 +46,6 @@ ATTENTION = "sdpa"  # transformers 5's default for BERT; "eager" is measured onc
 VOCAB = 512  # the embeddings are outside the measured layers: keep them small
 SEED = 1234
 GLOO_TIMEOUT_S = 600
-# A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is its own mapping, returned to
-# the kernel when freed, so RSS tracks live tensors instead of what the heap happened to keep.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2}
 MASK_BYTES = 1
 
@@ -347,16 +343,7 @@ def worker_main(conn, name: str, rank: int, world: int, port: int) -> None:
 # ======================================================================================================================
 
 def _start_world(tp: int) -> WorkerGroup:
-    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
-    os.environ.update(MALLOC_ENV)  # read by each spawned worker's C library at start
-    try:
-        return WorkerGroup(f"activation memory tp={tp}", worker_main, tp)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return memory_measuring_workers(f"activation memory tp={tp}", worker_main, tp)
 
 
 def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: int, dtype: str,

@@ -269,6 +269,26 @@ class Worker:
             self.process.join(timeout=10)
 
 
+# A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is its own mapping, returned to
+# the kernel when freed, so a worker's RSS tracks its live tensors instead of what the heap happened to keep.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def memory_measuring_workers(name: str, target: Callable, world_size: int, extra_args: tuple = ()) -> "WorkerGroup":
+    """A ``WorkerGroup`` whose processes start with ``MALLOC_ENV`` (read by each spawned worker's C library at start),
+    for sections that measure RSS; this process's environment is restored after."""
+    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
+    os.environ.update(MALLOC_ENV)
+    try:
+        return WorkerGroup(name, target, world_size, extra_args=extra_args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 class WorkerGroup:
     """The ranks of one competitor: every command goes to all of them, and the answers come back as a list by rank."""
 

@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import statistics
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import WorkerGroup, fmt, fmt_bytes, log, markdown_table, verdict
+from .common import WorkerGroup, fmt, fmt_bytes, log, markdown_table, memory_measuring_workers, verdict
 
 SEED = 1234
 GLOO_TIMEOUT_S = 900
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 MAX_NORM = 1.0
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PADDING_ALLOWANCE = 0.01   # the goal: <= 6 + 12/d plus 1 % padding
@@ -333,16 +331,7 @@ def worker_main(conn, name: str, rank: int, world: int, port: int, tp: int) -> N
 # ======================================================================================================================
 
 def _start_world(tp: int, dp: int) -> WorkerGroup:
-    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
-    os.environ.update(MALLOC_ENV)  # read by each spawned worker's C library at start
-    try:
-        return WorkerGroup(f"zero1 tp={tp} dp={dp}", worker_main, tp * dp, extra_args=(tp,))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return memory_measuring_workers(f"zero1 tp={tp} dp={dp}", worker_main, tp * dp, extra_args=(tp,))
 
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
