@@ -299,6 +299,7 @@ def test_zero1_follows_the_plain_curve_and_resumes_bit_exactly(worlds, data_dir,
     assert _curve(split) == runs["zero1"]
 
 
+@pytest.mark.slow   # two runs of the example with resume; the fp32 ZeRO-1 curve and resume stay in the default set
 def test_zero1_mix_precision_trains_and_resumes_bit_exactly(worlds, data_dir, model_config, tmp_path):
     """--use_zero_1 --use_mix_precision at TP = 2 x DP = 2: bf16 weights, fp32 master shards. The curve stays within
     5 % of fp32's (bf16 compute), and a resume continues bit for bit: the bf16 model file alone could not, the fp32

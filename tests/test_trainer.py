@@ -103,6 +103,7 @@ def test_tp2_dp2_equals_dense_trainer(dense, tp2dp2):
 BF16_RTOL = 2 ** -8   # bf16 keeps 8 significant bits: one rounding of a logged value is within 2^-9 relative
 
 
+@pytest.mark.slow   # two more Trainer runs (dense and tp2 in bf16)
 def test_bf16_tp2_equals_dense_bf16_trainer(dense):
     """bf16=True (accelerate's bf16 autocast; on CPU too) at tp2 x dp1 against the dense model trained by Trainer with
     bf16=True. TP sums a matmul's partial products in another order and rounds the row-parallel partials to bf16
