@@ -320,7 +320,8 @@ def test_zero1_mix_precision_trains_and_resumes_bit_exactly(worlds, data_dir, mo
     from safetensors.torch import load_file
 
     saved = load_file(os.path.join(split, "step_000003", "model", "tp_rank_00.safetensors"))
-    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    # Floating tensors only: transformers 4.x's BERT also saves its int64 position_ids buffer.
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}
     worlds(4).run(case_train, tensor_model_parallel_size=None, argv=argv(split, 6, *mixed, "--resume_ckpt"))
     assert _curve(split) == _curve(straight)
 
