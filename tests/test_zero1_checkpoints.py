@@ -68,19 +68,32 @@ def _train(model, opt, sched, steps, kind: str = "zero1"):
         sched.step()
 
 
-def _dense_after(steps: int):
-    """The dense model trained ``steps`` steps on the global batches, as test_zero1's reference."""
-    dense = _llama()
-    opt = torch.optim.AdamW(_apply_lr_scale(_groups(dense.named_parameters()), ADAMW["lr"]), **ADAMW)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
-    for step in range(steps):
+def _dense_adamw(dense):
+    return torch.optim.AdamW(_apply_lr_scale(_groups(dense.named_parameters()), ADAMW["lr"]), **ADAMW)
+
+
+def _dense_train(dense, opt, sched, steps):
+    for step in steps:
         full, _, _ = _llama_batches(step, 1, 1)
         opt.zero_grad()
         dense(**full).loss.backward()
         torch_clip_grad_norm_(dense.parameters(), MAX_NORM)
         opt.step()
         sched.step()
-    return dense
+
+
+def _dense_run(steps: int):
+    """The dense model trained ``steps`` steps on the global batches, as test_zero1's reference; its optimizer and
+    scheduler."""
+    dense = _llama()
+    opt = _dense_adamw(dense)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    _dense_train(dense, opt, sched, range(steps))
+    return dense, opt, sched
+
+
+def _dense_after(steps: int):
+    return _dense_run(steps)[0]
 
 
 def _params(model):
@@ -240,6 +253,112 @@ def test_plain_checkpoint_into_zero1(worlds, tmp_path):
     assert "kind" not in _index(directory)["optimizer"]
     worlds(4).run(case_resume, tensor_model_parallel_size=2, directory=directory, kind="zero1")
     worlds(2).run(case_resume, tensor_model_parallel_size=2, directory=directory, kind="zero1")
+
+
+# ---- a plain merge writes the dense model's optimizer state ----------------------------------------------------------
+
+def case_merged_optimizer_continues(out: str, kind: str):
+    """(A world of 1: the batches read the DP rank.) Load the merged model and optimizer state into torch AdamW:
+    every state tensor equals the dense run's after the same steps, and the next step equals the dense run's."""
+    from nxdtp.checkpointing import load_dense_optimizer_state
+
+    merged = transformers.LlamaForCausalLM.from_pretrained(out)
+    opt = _dense_adamw(merged)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)  # before loading: the loaded groups keep initial_lr
+    state = load_dense_optimizer_state(out, merged, opt)
+    assert state["global_step"] == SAVED_STEPS
+    sched.load_state_dict(state["scheduler"])
+
+    reference, ref_opt, ref_sched = _dense_run(SAVED_STEPS)
+    ref_params = dict(reference.named_parameters())
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for name, p in merged.named_parameters():
+        expected = ref_opt.state[ref_params[name]]
+        assert sorted(opt.state[p]) == sorted(expected), name
+        for field, value in expected.items():
+            torch.testing.assert_close(opt.state[p][field], value, **tol, msg=lambda m: f"{name} {field}: {m}")
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+
+    _dense_train(merged, opt, sched, [SAVED_STEPS])
+    _dense_train(reference, ref_opt, ref_sched, [SAVED_STEPS])
+    for name, p in merged.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], **tol, msg=lambda m: f"{name} after the next step: {m}")
+
+    moved = transformers.LlamaForCausalLM.from_pretrained(out)
+    _moved_off(moved)
+    if kind == "zero1":  # the master shards, reassembled, are the weights (fp32 parameters here)
+        load_dense_optimizer_state(out, moved, _dense_adamw(moved), load_master_weights=True)
+        at_save = dict(_dense_after(SAVED_STEPS).named_parameters())
+        for name, p in moved.named_parameters():
+            torch.testing.assert_close(p, at_save[name], **tol, msg=lambda m: f"{name}'s master weight: {m}")
+    else:
+        with pytest.raises(ValueError, match="holds no master weights: it was merged from a plain optimizer"):
+            load_dense_optimizer_state(out, moved, _dense_adamw(moved), load_master_weights=True)
+
+
+@pytest.mark.parametrize("kind", ["zero1", "plain"])
+def test_merge_writes_the_dense_optimizer_state(saved, worlds, tmp_path, kind):
+    """``nxdtp-merge CKPT OUT`` of a tp2 x dp2 checkpoint (ZeRO-1, or plain AdamW) puts the optimizer state beside the
+    HF model as the dense model's torch AdamW holds it (case above)."""
+    from nxdtp.checkpointing.cli import main
+
+    if kind == "zero1":
+        directory, _ = saved
+    else:
+        directory = str(tmp_path / "plain")
+        worlds(4).run(case_save, tensor_model_parallel_size=2, directory=directory, kind="plain")
+    out = str(tmp_path / "dense")
+    assert main([directory, out, "--no-progress"]) == 0
+    worlds(1).run(case_merged_optimizer_continues, out=out, kind=kind)
+
+
+def case_dcp_export_loads(out: str):
+    """(A world of 1.) ``dcp.load`` of the export into a dense model and torch AdamW, as a native job does it: the
+    weights and every optimizer state tensor equal the dense run's after the same steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = _llama()
+    _moved_off(model)
+    opt = _dense_adamw(model)
+    state = {**model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt, options=options)}
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    model.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
+    set_optimizer_state_dict(model, opt, state["optimizer"], options=options)
+    reference, ref_opt, _ = _dense_run(SAVED_STEPS)
+    ref_params = dict(reference.named_parameters())
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], **tol, msg=lambda m: f"{name}: {m}")
+        for field, value in ref_opt.state[ref_params[name]].items():
+            torch.testing.assert_close(opt.state[p][field], value, **tol, msg=lambda m: f"{name} {field}: {m}")
+
+
+def test_dcp_export_of_zero1_state_loads_into_dense_adamw(saved, worlds, tmp_path):
+    from nxdtp.checkpointing.cli import main
+
+    directory, _ = saved
+    out = str(tmp_path / "dcp")
+    assert main([directory, out, "--to", "dcp", "--no-progress"]) == 0
+    worlds(1).run(case_dcp_export_loads, out=out)
+
+
+def test_dense_optimizer_state_refuses_another_model(saved, tmp_path):
+    from nxdtp.checkpointing import load_dense_optimizer_state
+    from nxdtp.checkpointing.cli import main
+
+    directory, _ = saved
+    out = str(tmp_path / "dense")
+    assert main([directory, out, "--no-progress", "--no-optimizer"]) == 0
+    merged = transformers.LlamaForCausalLM.from_pretrained(out)
+    with pytest.raises(FileNotFoundError, match="optimizer.json is missing"):
+        load_dense_optimizer_state(out, merged, _dense_adamw(merged))
+    assert main([directory, out, "--no-progress", "--force"]) == 0
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"no entry for parameters \['weight', 'bias'\]"):
+        load_dense_optimizer_state(out, other, torch.optim.AdamW(other.parameters()))
 
 
 # ---- crash during a ZeRO-1 save --------------------------------------------------------------------------------------

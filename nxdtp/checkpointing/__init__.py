@@ -4,6 +4,7 @@
 ``reshard`` (tools/merge_checkpoints.py) need nothing but the checkpoint directory.
 """
 
+from .dense_optimizer import load_dense_optimizer_state
 from .index import FORMAT_VERSION, CheckpointIndex
 from .lock import CheckpointLockedError
 from .save_load import (ensure_directory_exists, get_sharded_model_dict, list_tags, load, read_model_shard, restore_rng,
@@ -12,4 +13,4 @@ from .tags import CheckpointIntegrityError, newest_tag, resolve_tag
 
 __all__ = ["save", "load", "ensure_directory_exists", "get_sharded_model_dict", "list_tags", "newest_tag", "resolve_tag",
            "read_model_shard", "restore_rng", "CheckpointIndex", "FORMAT_VERSION", "CheckpointIntegrityError",
-           "CheckpointLockedError"]
+           "CheckpointLockedError", "load_dense_optimizer_state"]

@@ -1,9 +1,11 @@
 """``nxdtp-merge`` / ``python tools/merge_checkpoints.py``: merge or reshard a sharded nxdtp checkpoint.
 
-    nxdtp-merge CKPT_DIR OUT_DIR [--tag T] [--format safetensors|bin] [--config CONFIG_JSON] [--force] [--no-progress]
-                [--no-verify]
+    nxdtp-merge CKPT_DIR OUT_DIR [--tag T] [--format safetensors|bin] [--config CONFIG_JSON] [--no-optimizer]
+                [--force] [--no-progress] [--no-verify]
         dense Hugging Face checkpoint (model.safetensors or pytorch_model.bin, plus config.json) in OUT_DIR;
-        --config supplies the config of checkpoints saved from model.state_dict(), which record none
+        --config supplies the config of checkpoints saved from model.state_dict(), which record none; the optimizer
+        state (plain or ZeRO-1, keyed by parameter name) goes beside it as the dense model's optimizer holds it
+        (optimizer.safetensors + optimizer.json; nxdtp.checkpointing.load_dense_optimizer_state), unless --no-optimizer
     nxdtp-merge CKPT_DIR OUT_DIR --reshard N [--pad-to-multiple-of M] [--tag T] [--force] [--no-progress] [--no-verify]
         sharded nxdtp checkpoint at tensor parallel size N in OUT_DIR
     nxdtp-merge CKPT_DIR OUT_DIR --to dcp [--tag T] [--config CONFIG_JSON] [--force] [--no-progress] [--no-verify]
@@ -66,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("safetensors", "bin"), default=None,
                         help="dense output format: model.safetensors (streamed) or pytorch_model.bin (holds the "
                              "whole model in memory)")
+    parser.add_argument("--no-optimizer", action="store_true",
+                        help="dense merge: write the model only, not the optimizer state beside it")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-verify", action="store_true",
@@ -107,6 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress = not args.no_progress
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
+            if args.no_optimizer and (args.to == "dcp" or args.from_nxd or args.reshard is not None):
+                raise _BadUsage("--no-optimizer applies to dense merges (without --to dcp, --from-nxd or --reshard)")
             if args.to == "dcp":
                 report = _to_dcp(args)
             elif args.from_nxd:
@@ -128,7 +134,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result, tag_dir = merge_and_name_source(
                     args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
                     output_format="pytorch_bin" if args.format == "bin" else "safetensors", progress=progress,
-                    config=args.config, verify=not args.no_verify)
+                    config=args.config, verify=not args.no_verify, optimizer=not args.no_optimizer)
                 report = _merged(result, tag_dir)
     except (_BadUsage, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -167,7 +173,11 @@ def _merged(path: str, tag_dir: str) -> str:
 
         count = len(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     config = os.path.join(os.path.dirname(path), "config.json")
-    return (f"wrote dense checkpoint {path} ({count} tensors{', with config.json' if os.path.isfile(config) else ''}"
+    optimizer = os.path.join(os.path.dirname(path), "optimizer.safetensors")
+    beside = [name for name, present in (("config.json", os.path.isfile(config)),
+                                         ("the optimizer state in optimizer.safetensors", os.path.isfile(optimizer)))
+              if present]
+    return (f"wrote dense checkpoint {path} ({count} tensors{', with ' + ' and '.join(beside) if beside else ''}"
             f") from tag {os.path.basename(os.path.normpath(tag_dir))} ({tag_dir})")
 
 

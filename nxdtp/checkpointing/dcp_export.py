@@ -41,9 +41,11 @@ import torch
 
 from .. import __version__
 from ..spec import ParamSpec
-from .index import CheckpointIndex, dtype_from_name, optim_file
-from .merge import (CONFIG_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE, _choose_source, _config_source,
-                    _copy_if_present, _model_file_names, _plan_optimizer, _progress, _safetensors_dtype)
+from .dense_optimizer import MASTER_PREFIX
+from .index import CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file
+from .merge import (CONFIG_FILE, TRAINER_STATE_FILE, DenseOptimizerTensor, _choose_source, _config_source,
+                    _copy_if_present, _model_file_names, _plan_optimizer, _progress, _safetensors_dtype,
+                    dense_optimizer_state, optimizer_file_names, optimizer_values)
 from .durable import write_bytes_durably
 from .output_dir import write_atomically
 
@@ -85,9 +87,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
     (its newest intact tag, or ``tag``) or a complete tag directory; the tag's ``config.json`` (or ``config``) is
     copied beside the DCP files, where an import finds it."""
     def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
-        names = _model_file_names(index)
-        if index.optimizer is not None:
-            names += [optim_file(r) for r in range(index.tensor_model_parallel_size)] + [OPTIMIZER_STATE_FILE]
+        names = _model_file_names(index) + optimizer_file_names(index)
         if config is None and CONFIG_FILE in (index.files or {}):
             names.append(CONFIG_FILE)
         return [name for name in names if index.files is None or name in index.files]
@@ -100,8 +100,12 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
         tensors = _model_tensors(index, model_files)
         optimizer_state: Dict[str, Any] = {}
         if index.optimizer is not None:
+            zero1 = is_zero1_optimizer_index(index.optimizer)
             try:
-                plan, optim_files, why_not = _plan_optimizer(tag_dir, index, index.tensors)
+                if zero1:
+                    plan, optim_files, why_not = dense_optimizer_state(tag_dir, index)
+                else:
+                    plan, optim_files, why_not = _plan_optimizer(tag_dir, index, index.tensors)
             except (KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{os.path.join(tag_dir, 'nxdtp_index.json')} is damaged: malformed optimizer entry "
                                  f"{e}") from None
@@ -109,6 +113,8 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
                 message = f"{tag_dir}: optimizer state left out of the DCP export: {why_not}"
                 warnings.warn(message, stacklevel=2)
                 notes.append(message)
+            elif zero1:
+                optimizer_state = _zero1_optimizer_state(plan, notes)
             else:
                 optimizer_state = _optimizer_state(tag_dir, index, plan, optim_files)
         else:
@@ -193,8 +199,6 @@ def _model_tensors(index: CheckpointIndex, model_files: Dict[str, Any]) -> Dict[
 def _optimizer_state(tag_dir: str, index: CheckpointIndex, plan, handles: Dict[str, Any]) -> Dict[str, Any]:
     """The flattened optimizer state of the dense model (``state.<param>.<field>`` and
     ``param_groups.<param>.<hyperparameter>``, as torch's ``_flatten_optim_state_dict`` names them)."""
-    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
-        saved = json.load(f)
     tp = index.tensor_model_parallel_size
     rank_files = [optim_file(r) for r in range(tp)]
     state: Dict[str, Any] = {}
@@ -211,15 +215,30 @@ def _optimizer_state(tag_dir: str, index: CheckpointIndex, plan, handles: Dict[s
                 chunks = _chunks(ParamSpec(full_shape=tuple(shape)), dtype, read)
                 dense_shape = tuple(shape)
             state[f"state.{name}.{field}"] = _Tensor(shape=dense_shape, dtype=dtype, chunks=chunks)
-        for field, value in saved.get("scalars", {}).get(name, {}).items():
-            state[f"state.{name}.{field}"] = value
-    for group in saved["param_groups"]:
-        for name in group["params"]:
-            for field, value in group.items():
-                if field != "params":
-                    # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
-                    state[f"param_groups.{name}.{field}"] = tuple(value) if isinstance(value, list) else value
+    state.update(_tuples_back(optimizer_values(tag_dir)))
     return state
+
+
+def _zero1_optimizer_state(dense_state: Dict[str, Any], notes: List[str]) -> Dict[str, Any]:
+    """ZeRO-1 state for DCP: each tensor one chunk (a parameter's DP shards are reassembled whole, one tensor in
+    memory at a time); the fp32 master weights are not optimizer state of the dense model and are left out."""
+    state: Dict[str, Any] = {}
+    for key, value in dense_state.items():
+        if isinstance(value, DenseOptimizerTensor):
+            if key.startswith(MASTER_PREFIX):
+                continue
+            state[key] = _Tensor(shape=value.shape, dtype=value.dtype,
+                                 chunks=[_Chunk(offsets=(0,) * len(value.shape), sizes=value.shape, read=value.read)])
+        else:
+            state[key] = value
+    notes.append("ZeRO-1's fp32 master weights are left out (the model's tensors are the weights); a plain "
+                 "nxdtp-merge writes them beside the HF model")
+    return _tuples_back(state)
+
+
+def _tuples_back(values: Dict[str, Any]) -> Dict[str, Any]:
+    """JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back."""
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in values.items()}
 
 
 # ---- writing through torch.distributed.checkpoint --------------------------------------------------------------------

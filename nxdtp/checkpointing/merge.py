@@ -50,6 +50,7 @@ from ..plan import padded_size
 from ..spec import FlatShardLayout, ParamSpec
 from . import integrity, tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
+from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
 from .output_dir import check_output_dir, write_atomically
 from .index import (INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
@@ -69,7 +70,8 @@ __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 # ---- public entry points ------------------------------------------------------------------------------------------------
 
 def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
-          force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True) -> str:
+          force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True,
+          optimizer: bool = True) -> str:
     """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout; return the file path.
 
     ``output_dir`` gets ``model.safetensors`` (or ``pytorch_model.bin`` for ``output_format="pytorch_bin"``) with the
@@ -83,26 +85,40 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
     the checksum of every file read (the model files, the tag's config.json) before anything is written; a mismatch
     raises ``CheckpointIntegrityError`` naming the file, or for an unnamed tag skips to the next older one.
+
+    With ``optimizer`` (the default), optimizer state keyed by parameter name (plain or ZeRO-1) is written beside the
+    model as the dense model's optimizer holds it (``optimizer.safetensors`` and ``optimizer.json``, read by
+    ``nxdtp.checkpointing.load_dense_optimizer_state``; module ``dense_optimizer``). State that cannot be matched to
+    parameters (keyed by index) is left out with a warning that says why.
     """
     return merge_and_name_source(checkpoint_dir, output_dir, tag, output_format, force, progress, config,
-                                 verify=verify)[0]
+                                 verify=verify, optimizer=optimizer)[0]
 
 
 def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None,
                           output_format: str = "safetensors", force: bool = False, progress: bool = True,
-                          config: Optional[str] = None, *, verify: bool = True) -> Tuple[str, str]:
+                          config: Optional[str] = None, *, verify: bool = True, optimizer: bool = True
+                          ) -> Tuple[str, str]:
     """``merge``, returning ``(file written, tag directory it was merged from)``: the tag is only known once a damaged
     newest tag has been skipped."""
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
     def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
         own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
-        return _model_file_names(index) + own_config
+        return _model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
 
     # Validates every file before anything is written.
     tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
     config_path = _config_source(tag_dir, config)
+    optim_files: Dict[str, Any] = {}
     try:
+        optimizer_state = None
+        if optimizer and index.optimizer is not None:
+            optimizer_state, optim_files, why_not = dense_optimizer_state(tag_dir, index)
+            if optimizer_state is None:
+                warnings.warn(f"{tag_dir}: optimizer state not written beside the merged model: {why_not}",
+                              stacklevel=2)
+
         def write(staging: str) -> str:
             name = WEIGHTS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
             entries = list(index.tensors.items())
@@ -124,11 +140,14 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
             finally:
                 bar.close()
             _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
+            if optimizer_state is not None:
+                _write_dense_optimizer(staging, optimizer_state, index, tag_dir, progress)
             return name
 
         name = write_atomically(output_dir, write)
     finally:
         model_files.clear()
+        optim_files.clear()
     return os.path.join(output_dir, name), tag_dir
 
 
@@ -671,6 +690,122 @@ def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, Tenso
         layout = FlatShardLayout(spec.local_shape(), dp)
         params[name] = {**info, "shape": list(layout.shape), "layout": layout.to_dict(), "spec": spec.to_dict()}
     return {**optimizer, "params": params}
+
+
+# ---- the dense model's optimizer state (a plain merge writes it beside the model) --------------------------------
+
+@dataclasses.dataclass
+class DenseOptimizerTensor:
+    """One tensor of the dense model's optimizer state; ``read()`` reassembles it from the rank files."""
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
+def optimizer_file_names(index: CheckpointIndex) -> List[str]:
+    """The tag's optimizer files (a plain optimizer's per TP rank, or ZeRO-1's per TP x DP rank, and the JSON part)."""
+    if index.optimizer is None:
+        return []
+    tp = index.tensor_model_parallel_size
+    if is_zero1_optimizer_index(index.optimizer):
+        dp = int(index.optimizer["zero1"]["sharding_group_size"])
+        names = [optim_file(rank, k) for rank in range(tp) for k in range(dp)]
+    else:
+        names = [optim_file(rank) for rank in range(tp)]
+    return [name for name in names + [OPTIMIZER_STATE_FILE] if index.files is None or name in index.files]
+
+
+def optimizer_values(tag_dir: str) -> Dict[str, Any]:
+    """The non-tensor optimizer state of a tag under torch's flattened keys: ``state.<param>.<field>`` for scalars and
+    ``param_groups.<param>.<hyperparameter>`` for every parameter of every group."""
+    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
+        saved = json.load(f)
+    values: Dict[str, Any] = {}
+    for name, fields in saved.get("scalars", {}).items():
+        for field, value in fields.items():
+            values[f"state.{name}.{field}"] = value
+    for group in saved["param_groups"]:
+        for name in group["params"]:
+            for field, value in group.items():
+                if field != "params":
+                    values[f"param_groups.{name}.{field}"] = value
+    return values
+
+
+def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
+    """The optimizer state of the dense model: ``{flattened key: DenseOptimizerTensor or value}`` (module
+    ``dense_optimizer`` for the keys), the open files, or ``(None, {}, why not)``. Plain state is reassembled from its
+    TP pieces like the parameter; ZeRO-1 state from each TP rank's DP shards, then its TP pieces."""
+    zero1 = is_zero1_optimizer_index(index.optimizer)
+    try:
+        plan, handles, why_not = (_plan_zero1_optimizer if zero1 else _plan_optimizer)(tag_dir, index, index.tensors)
+    except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
+        raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") from None
+    if plan is None:
+        return None, {}, why_not
+    state: Dict[str, Any] = {}
+    for name, (key, fields) in plan:
+        spec = index.tensors[key].spec
+        if zero1:
+            layout = FlatShardLayout.from_dict(index.optimizer["params"][name]["layout"])
+            dp = layout.group_size
+            master = index.optimizer["params"][name]["master"]
+        for field, kind, detail in fields:
+            tensor_key = f"{name}/{field}"
+            if kind == "copy":  # 'step' and other state not shaped like the parameter: TP (and DP) rank 0's value
+                first = handles[optim_file(0, 0) if zero1 else optim_file(0)]
+
+                def read(first=first, tensor_key=tensor_key) -> torch.Tensor:
+                    return first.get_tensor(tensor_key)
+
+                shape = tuple(first.get_slice(tensor_key).get_shape())
+                dtype = _safetensors_dtype(first, tensor_key)
+            else:
+                if zero1:
+                    dtype = detail
+
+                    def piece(rank: int, tensor_key=tensor_key, layout=layout, dp=dp) -> torch.Tensor:
+                        return layout.full_from_shards([handles[optim_file(rank, k)].get_tensor(tensor_key)
+                                                        for k in range(dp)])
+                else:
+                    dtype = _safetensors_dtype(handles[optim_file(0)], tensor_key)
+
+                    def piece(rank: int, tensor_key=tensor_key) -> torch.Tensor:
+                        return handles[optim_file(rank)].get_tensor(tensor_key)
+
+                def read(spec=spec, piece=piece, dtype=dtype) -> torch.Tensor:
+                    full = spec.full_from_pieces(piece, dtype) if spec.is_sharded else piece(0)
+                    return spec.dense_from_full(full).contiguous()
+
+                shape = tuple(spec.unpadded_shape)
+            flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"
+            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read)
+    state.update(optimizer_values(tag_dir))
+    return state, handles, None
+
+
+def _write_dense_optimizer(directory: str, state: Dict[str, Any], index: CheckpointIndex, tag_dir: str,
+                           progress: bool) -> None:
+    trainer_state = None  # the scheduler's state and the step, which continuing dense training needs too
+    if os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
+        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
+            trainer_state = json.load(f)
+    tensors = {key: value for key, value in state.items() if isinstance(value, DenseOptimizerTensor)}
+    bar = _progress(len(tensors), "optimizer", progress)
+    try:
+        layout = [(key, t.dtype, t.shape) for key, t in tensors.items()]
+        with StreamingSafetensorsWriter(os.path.join(directory, DENSE_OPTIMIZER_TENSORS), layout,
+                                        metadata={"format": "pt"}) as writer:
+            for key, t in tensors.items():
+                writer.write(key, t.read())
+                bar.update(1)
+    finally:
+        bar.close()
+    record = {"format": DENSE_OPTIMIZER_FORMAT, "nxdtp_version": __version__,
+              "source_kind": "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain",
+              "values": {key: value for key, value in state.items() if key not in tensors},
+              "trainer_state": trainer_state}
+    write_bytes_durably(os.path.join(directory, DENSE_OPTIMIZER_VALUES), json.dumps(record, indent=1).encode())
 
 
 _DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -1,0 +1,94 @@
+"""The dense model's optimizer state that ``nxdtp-merge`` writes beside the Hugging Face model, and its loader.
+
+A plain merge (``nxdtp-merge CKPT OUT``) of a checkpoint with optimizer state keyed by parameter name (saved from a
+live optimizer and model, plain or ZeRO-1) also writes
+
+* ``optimizer.safetensors``: every tensor of that state as the dense model's optimizer holds it (TP pieces and ZeRO-1
+  flat shards reassembled, vocabulary padding and repeated KV heads dropped), keyed as torch's flattened optimizer
+  state dict keys it, ``state.<param>.<field>`` (``state.model.embed_tokens.weight.exp_avg``); a ZeRO-1 checkpoint adds
+  each parameter's fp32 master weight as ``master.<param>``;
+* ``optimizer.json``: the rest, also under flattened keys (``param_groups.<param>.<hyperparameter>`` and non-tensor
+  ``state.<param>.<field>``), and which kind of optimizer it came from.
+
+Both are plain formats (any safetensors reader, any JSON reader). ``load_dense_optimizer_state`` restores them into an
+optimizer of the dense model through torch's own ``set_optimizer_state_dict`` (the form DCP and FSDP2 use), so the
+dense optimizer may be built with its param groups in any order; only parameter names must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+DENSE_OPTIMIZER_TENSORS = "optimizer.safetensors"
+DENSE_OPTIMIZER_VALUES = "optimizer.json"
+DENSE_OPTIMIZER_FORMAT = "nxdtp-dense-optimizer-v1"
+MASTER_PREFIX = "master."
+
+__all__ = ["load_dense_optimizer_state", "DENSE_OPTIMIZER_TENSORS", "DENSE_OPTIMIZER_VALUES"]
+
+
+def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                               load_master_weights: bool = False) -> Dict[str, Any]:
+    """Restore the optimizer state ``nxdtp-merge`` wrote to ``directory`` into ``optimizer``, an optimizer of the
+    dense ``model`` (the one ``from_pretrained(directory)`` gives) of the same kind as the one saved; return the
+    checkpoint's trainer state (``{"scheduler": ..., "global_step": ...}`` as ``save`` got them; empty if none).
+
+    Every parameter the optimizer holds must have saved state under its name in ``model``. The hyperparameters the
+    optimizer's groups have (``lr``, ``betas``, ..., and a scheduler's ``initial_lr``) take the checkpoint's values, so
+    build an LR scheduler *before* loading and then ``scheduler.load_state_dict(state["scheduler"])``: torch restores
+    only the group keys the optimizer already has. ``load_master_weights=True`` (ZeRO-1 checkpoints only) also
+    copies the fp32 master weights into the model's parameters: a model loaded from bf16 weights then continues from
+    the exact values ZeRO-1 held, when it is in fp32.
+    """
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    values_path = os.path.join(directory, DENSE_OPTIMIZER_VALUES)
+    tensors_path = os.path.join(directory, DENSE_OPTIMIZER_TENSORS)
+    for path in (values_path, tensors_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: {directory} holds no optimizer state (nxdtp-merge writes it "
+                                    "only for checkpoints saved with a live optimizer and model; it says so when not)")
+    with open(values_path) as f:
+        record = json.load(f)
+    if record.get("format") != DENSE_OPTIMIZER_FORMAT:
+        raise ValueError(f"{values_path} has format {record.get('format')!r}; this nxdtp reads "
+                         f"{DENSE_OPTIMIZER_FORMAT!r}")
+    flat: Dict[str, Any] = {}
+    masters: Dict[str, torch.Tensor] = {}
+    with safe_open(tensors_path, framework="pt") as f:
+        for key in f.keys():
+            if key.startswith(MASTER_PREFIX):
+                masters[key[len(MASTER_PREFIX):]] = f.get_tensor(key)
+            else:
+                flat[key] = f.get_tensor(key)
+    for key, value in record["values"].items():
+        # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
+        flat[key] = tuple(value) if isinstance(value, list) else value
+
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = [name for name, p in model.named_parameters() if id(p) in held]
+    if len(names) != len(held):
+        raise ValueError(f"the optimizer holds {len(held) - len(names)} parameters that are not parameters of the "
+                         "model passed: pass the model the optimizer was built on")
+    saved = {key.split(".", 1)[1].rsplit(".", 1)[0] for key in flat if key.startswith("param_groups.")}
+    missing = [name for name in names if name not in saved]
+    if missing:
+        raise ValueError(f"{directory}'s optimizer state has no entry for parameters {missing[:5]} of the model "
+                         f"({len(missing)} in all); it holds {sorted(saved)[:5]}...: build the dense model from that "
+                         "directory's config (parameter names must match)")
+    set_optimizer_state_dict(model, optimizer, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    if load_master_weights:
+        if not masters:
+            raise ValueError(f"{tensors_path} holds no master weights: it was merged from a "
+                             f"{record.get('source_kind', 'plain')} optimizer, not ZeRO-1")
+        parameters = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in names:
+                parameters[name].copy_(masters[name].view_as(parameters[name]))
+    return record.get("trainer_state") or {}
