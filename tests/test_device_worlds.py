@@ -70,6 +70,17 @@ def test_zero1_equals_dense(device_worlds, world, tp, model, inner, norm_type, a
     test_zero1.test_zero1_equals_dense(device_worlds, world, tp, model, inner, norm_type, accumulate, max_norm)
 
 
+@pytest.mark.slow  # two pools per backend (a world of 4, then 2): about 50 s each on 2 cores
+def test_zero1_checkpoint_saves_and_resumes_at_another_dp_size(device_worlds, tmp_path):
+    """A ZeRO-1 checkpoint saved at tp2 x dp2 and resumed at tp2 x dp1 (its flat shards re-cut): the host copies,
+    tag agreement and re-cutting of ZeRO-1 state take the gloo twins; the resumed step equals the dense run."""
+    from tests import test_zero1_checkpoints
+
+    directory = str(tmp_path / "ckpt")
+    device_worlds(4).run(test_zero1_checkpoints.case_save, tensor_model_parallel_size=2, directory=directory)
+    device_worlds(2).run(test_zero1_checkpoints.case_resume, tensor_model_parallel_size=2, directory=directory)
+
+
 # ---- which group each device's tensors use -----------------------------------------------------------------------------
 
 def case_groups_by_device():
