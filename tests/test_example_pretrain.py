@@ -415,6 +415,22 @@ def test_the_nxd_tutorial_flags_run_under_torchrun(data_dir, tmp_path):
     assert [int(s) for _, s, *_ in LOG_LINE.findall(output)] == [4, 5], output
 
 
+@pytest.mark.slow  # two torchrun launches of 2 processes: about 40 s on 2 cores
+def test_zero1_with_lamb_under_torchrun_follows_the_plain_lamb_curve(data_dir, model_config, tmp_path):
+    """--use_zero_1 --optimizer lamb launched by torchrun at DP = 2: LAMB's per-parameter trust ratios over ZeRO-1's
+    flat shards give the losses and pre-clip norms of plain LAMB with the DP all-reduce."""
+    runs = {}
+    for name, flags in (("plain", []), ("zero1", ["--use_zero_1"])):
+        out = str(tmp_path / name)
+        argv = training_argv(data_dir, model_config, out, 1, 2, 16, 2, 4, 2e-3, 0.1, "--max_grad_norm", "0.5",
+                             "--optimizer", "lamb", *flags)
+        _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT] + argv)
+        runs[name] = _curve(out)
+    assert len(runs["zero1"]) == 4 and min(norm for _, norm in runs["plain"]) > 0.5, runs  # every step clips
+    for (loss_z, norm_z), (loss_p, norm_p) in zip(runs["zero1"], runs["plain"]):  # as in the ZeRO-1 test above
+        assert abs(loss_z - loss_p) <= 1e-5 * loss_p and abs(norm_z - norm_p) <= 1e-5 * norm_p, runs
+
+
 @pytest.mark.slow
 def test_xla_cpu_runs_one_graph_per_step_and_matches_eager(data_dir, model_config, tmp_path):
     pytest.importorskip("torch_xla")
