@@ -5,14 +5,10 @@ on a gloo world of 2 (tp=2), each pair gets the same full weights and inputs, an
 shards compared to local shards), input gradients and weight gradients (nxdtp's local shard against the DTensor
 gradient's local shard), fp32 within 1e-5:
 
-| nxdtp | DTensor (torch.distributed.tensor.parallel) |
-| --- | --- |
-| `ColumnParallelLinear(gather_output=False)` | `ColwiseParallel()` |
-| `ColumnParallelLinear(gather_output=True)` (NxD's default) | `ColwiseParallel(output_layouts=Replicate())` |
-| `RowParallelLinear(input_is_parallel=True)` | `RowwiseParallel()` |
-| `ParallelEmbedding` (vocabulary split) | `RowwiseParallel(input_layouts=Replicate())` on `nn.Embedding` |
-| `LayerNorm` + `ColumnParallelLinear` + `RowParallelLinear` with `sequence_parallel_enabled=True`, `sequence_dimension=d` | `SequenceParallel(sequence_dim=d)`, `ColwiseParallel(input_layouts=Shard(d))`, `RowwiseParallel(output_layouts=Shard(d))` |
-| `parallel_cross_entropy` on vocab-parallel logits | `F.cross_entropy` on `Shard(-1)` logits under `loss_parallel()` |
+ColumnParallelLinear against ColwiseParallel (with and without a replicated output), RowParallelLinear against
+RowwiseParallel, ParallelEmbedding against RowwiseParallel on nn.Embedding, a sequence-parallel LayerNorm + column +
+row block against SequenceParallel + Colwise/Rowwise with Shard(d) layouts, and parallel_cross_entropy against
+F.cross_entropy under loss_parallel(); docs/devices.md has the table.
 
 NxD's sequence parallelism splits dim 0 of [seq, batch, hidden] activations; DTensor's `SequenceParallel` and HF split
 dim 1 of [batch, seq, hidden]. Both are compared.
