@@ -313,6 +313,10 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
             make_directories(tag_dir)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
+        if lock is not None:
+            # Only rank 0 runs anything after taking the lock: released before the agreement, so when the refusal
+            # is raised on any rank the lock is gone.
+            lock.release()
     _agree(error, f"saving {tag_dir}")
     return job
 

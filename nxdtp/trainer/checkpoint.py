@@ -102,7 +102,7 @@ def check_user_content(value: Any, path: str = "user_content") -> None:
             check_user_content(item, f"{path}[{i}]" if kind is not set else f"an element of {path}")
         return
     hint = ""
-    if hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
+    if hasattr(value, "__dict__") and not callable(value) and not isinstance(value, torch.Tensor):
         hint = f" (vars({path}) gives its attributes as a dict)"
     elif isinstance(value, torch.Tensor):
         hint = " (a tensor subclass: pass torch.Tensor(x) or x.as_subclass(torch.Tensor))"
