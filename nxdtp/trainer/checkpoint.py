@@ -191,10 +191,10 @@ def finalize_checkpoint() -> None:
 
 # ---- the four functions ----------------------------------------------------------------------------------------------
 
-def save_checkpoint(checkpoint_dir, tag, model=None, optimizer=None, scheduler=None, user_content=None, num_workers=8,
-                    use_xser=False, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
+def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, scheduler=None, user_content=None,
+                    num_workers=8, use_xser=False, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
                     use_zero1_dcp=False, avoid_saving_lower_precision_weights=False) -> None:
-    """Save ``model``, ``optimizer``, ``scheduler`` and ``user_content`` as tag ``tag`` of ``checkpoint_dir`` (NxD's
+    """Save ``model``, ``optimizer``, ``scheduler`` and ``user_content`` as tag ``tag`` of ``checkpoint_dir_str`` (NxD's
     call, positional form included); every rank calls it with the same arguments.
 
     The tag is an nxdtp checkpoint tag (``done`` last, ``newest`` replaced atomically, checksums, a lock while it is
@@ -237,7 +237,8 @@ def save_checkpoint(checkpoint_dir, tag, model=None, optimizer=None, scheduler=N
             check_user_content(user_content)
     except TypeError as e:
         error = e
-    comm.raise_on_every_rank_if_any_failed(error, f"saving {os.path.join(os.fspath(checkpoint_dir), tag)}")
+    checkpoint_dir = os.fspath(checkpoint_dir_str)
+    comm.raise_on_every_rank_if_any_failed(error, f"saving {os.path.join(checkpoint_dir, tag)}")
     checkpoint = {"model": model}
     if optimizer is not None:
         checkpoint["optimizer"] = optimizer
@@ -248,7 +249,7 @@ def save_checkpoint(checkpoint_dir, tag, model=None, optimizer=None, scheduler=N
 
     # Collective on every rank, before anything that can fail on one rank alone.
     group = _writer_group() if async_save else None
-    job = prepare_save(checkpoint, os.fspath(checkpoint_dir), tag=tag, keep_last=keep_last,
+    job = prepare_save(checkpoint, checkpoint_dir, tag=tag, keep_last=keep_last,
                        pickled_keys=(USER_CONTENT_KEY,))
     if not async_save:
         write_save(job)
@@ -298,6 +299,7 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     return state.get(USER_CONTENT_KEY)
 
 
-def has_checkpoint(checkpoint_dir) -> bool:
-    """Whether ``checkpoint_dir`` holds a complete tag (one with ``done``); False when the directory does not exist."""
-    return len(tags.complete_tags(os.fspath(checkpoint_dir))) > 0
+def has_checkpoint(checkpoint_dir_str) -> bool:
+    """Whether ``checkpoint_dir_str`` holds a complete tag (one with ``done``); False when the directory does not
+    exist."""
+    return len(tags.complete_tags(os.fspath(checkpoint_dir_str))) > 0
