@@ -27,7 +27,7 @@ if str(ROOT / "tools") not in sys.path:
     sys.path.insert(0, str(ROOT / "tools"))
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SECTIONS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1"}
+            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save"}
 # Without torch_xla, the two XLA parts cannot run: the HLO count of section 3 and section 4.
 RUN = [s for s in SECTIONS if HAS_XLA or s not in ("comm", "xla")]
 
