@@ -75,7 +75,8 @@ def test_report_has_a_table_per_section(quick):
     _, stdout = quick
     titles = {"train": "## 1. Train step, CPU", "memory": "## 2. Memory per rank", "comm": "## 3. Communication",
               "xla": "## 4. XLA graphs", "merge": "## 5. Checkpoint merge",
-              "actmem": "## 6. Activation memory per rank", "zero1": "## 7. ZeRO-1"}
+              "actmem": "## 6. Activation memory per rank", "zero1": "## 7. ZeRO-1",
+              "async_save": "## 8. Checkpoint stall"}
     for section in RUN:
         assert titles[section] in stdout, section
     assert stdout.count("|---|") >= len(RUN)
