@@ -300,7 +300,7 @@ def test_a_writer_error_is_raised_by_finalize_on_every_rank(worlds, tmp_path):
 
 # ---- bad input -------------------------------------------------------------------------------------------------------
 
-def case_bad_input(directory: str):
+def case_bad_input(directory: str, nxd_directory: str):
     model, opt = _model_and_optimizer(seed=1)
     rank = ps.get_topology().rank
     save_checkpoint(directory, "step_1", model, opt)
@@ -317,13 +317,19 @@ def case_bad_input(directory: str):
                                                         avoid_saving_lower_precision_weights=True)),
         "again": _error(lambda: save_checkpoint(directory, "step_1", model, opt)),
         "dict_optimizer": _error(lambda: load_checkpoint(directory, model=model, optimizer=opt.state_dict())),
+        "nxd_layout": _error(lambda: load_checkpoint(nxd_directory, model=model)),
         "tags": sorted(os.listdir(directory)),
     }
 
 
 def test_bad_input_gets_one_clear_error(worlds, tmp_path):
-    directory = str(tmp_path / "ckpt")
-    out = worlds(2).run(case_bad_input, tensor_model_parallel_size=2, directory=directory)
+    directory, nxd_directory = str(tmp_path / "ckpt"), tmp_path / "nxd"
+    for name in ("done", "checkpoint", "model/dp_rank_00_tp_rank_00_pp_rank_00.pt",
+                 "model/dp_rank_00_tp_rank_01_pp_rank_00.pt"):   # NxD's layout (the files' contents do not matter)
+        (nxd_directory / "step_5" / name).parent.mkdir(parents=True, exist_ok=True)
+        (nxd_directory / "step_5" / name).write_text("1")
+    out = worlds(2).run(case_bad_input, tensor_model_parallel_size=2, directory=directory,
+                        nxd_directory=str(nxd_directory))
     for rank, errors in enumerate(out):
         assert errors["missing_dir"] == f"FileNotFoundError: load_checkpoint(): checkpoint directory {directory}" \
                                         "_missing does not exist", errors["missing_dir"]
@@ -337,6 +343,9 @@ def test_bad_input_gets_one_clear_error(worlds, tmp_path):
         assert errors["dcp_and_avoid"].startswith("ValueError: save_checkpoint(): use_zero1_dcp=True and "), errors
         assert "already exists and is complete" in errors["again"], errors["again"]
         assert errors["dict_optimizer"].startswith("TypeError: load_checkpoint(): optimizer must be"), errors
+        assert errors["nxd_layout"].startswith(f"ValueError: load_checkpoint(): {nxd_directory} holds checkpoints of "
+                                               "NxD's save_checkpoint (tags ['step_5']"), errors["nxd_layout"]
+        assert f"nxdtp-merge {nxd_directory} OUT_DIR --from-nxd" in errors["nxd_layout"]
         # Nothing was written for a refused save: only the one good tag (and 'newest').
         assert errors["tags"] == ["newest", "step_1"], errors["tags"]
     assert out[0]["unknown_tag"].startswith("FileNotFoundError"), out[0]["unknown_tag"]

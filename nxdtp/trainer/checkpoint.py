@@ -28,6 +28,7 @@ topology in the foreground), so they never meet the training loop's collectives 
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import threading
 from typing import Any, Optional, Tuple
@@ -37,6 +38,7 @@ from torch import nn
 
 from .. import comm
 from ..checkpointing import load, tags
+from ..checkpointing.index import INDEX_FILE
 from ..checkpointing.save_load import _is_zero1, prepare_save, write_save
 from ..parallel_state import get_topology
 
@@ -295,8 +297,26 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     path = os.fspath(path)
     if not os.path.isdir(path):  # every rank sees the same directory: the same error on every rank, no collective
         raise FileNotFoundError(f"load_checkpoint(): checkpoint directory {path} does not exist")
-    state = load(path, model=model, optimizer=optimizer, scheduler=scheduler, tag=tag, strict=strict)
+    try:
+        state = load(path, model=model, optimizer=optimizer, scheduler=scheduler, tag=tag, strict=strict)
+    except Exception as e:
+        nxd = _nxd_tags(path, tag)  # the files every rank sees: the same answer on every rank
+        if nxd:
+            raise ValueError(
+                f"load_checkpoint(): {path} holds checkpoints of NxD's save_checkpoint (tags {nxd}, with "
+                "model/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt files), which nxdtp does not load directly: convert the "
+                f"model with nxdtp-merge {path} OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] and build it with "
+                "nxdtp.models.from_pretrained_sharded(OUT_DIR); NxD's optimizer and scheduler states are not "
+                "converted") from e
+        raise
     return state.get(USER_CONTENT_KEY)
+
+
+def _nxd_tags(path: str, tag: Optional[str]) -> list:
+    """Tags of ``path`` (or ``tag`` alone) laid out as NxD's ``save_checkpoint`` writes them, and not nxdtp tags."""
+    names = [tag] if tag is not None else sorted(os.listdir(path))
+    return [name for name in names if not os.path.isfile(os.path.join(path, name, INDEX_FILE))
+            and glob.glob(os.path.join(glob.escape(path), glob.escape(name), "model", "dp_rank_*_tp_rank_*.pt"))]
 
 
 def has_checkpoint(checkpoint_dir_str) -> bool:
