@@ -9,7 +9,7 @@
 * bf16 parameters with ZeRO-1: an async save and a resume continue bit-exactly (the fp32 masters come from the file).
 * ``num_kept_ckpts``, ``has_checkpoint``, one save at a time (the second waits for the first), a writer's error raised
   by ``finalize_checkpoint`` on every rank, and bad input (missing directory, unknown tag, user_content that
-  ``torch.load(weights_only=True)`` could not rebuild, NxD values nxdtp refuses).
+  ``torch.load(weights_only=True)`` could not rebuild, NxD values nxdtp refuses, a directory in NxD's layout).
 * kill -9 while the background writer is mid-file (and the training loop has run collectives since the call
   returned) leaves the previous tag the one that loads (test_checkpoint_durability's harness and model).
 """
