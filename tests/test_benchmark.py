@@ -27,7 +27,7 @@ if str(ROOT / "tools") not in sys.path:
     sys.path.insert(0, str(ROOT / "tools"))
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SECTIONS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1"}
+            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save"}
 # Without torch_xla, the two XLA parts cannot run: the HLO count of section 3 and section 4.
 RUN = [s for s in SECTIONS if HAS_XLA or s not in ("comm", "xla")]
 
@@ -75,7 +75,8 @@ def test_report_has_a_table_per_section(quick):
     _, stdout = quick
     titles = {"train": "## 1. Train step, CPU", "memory": "## 2. Memory per rank", "comm": "## 3. Communication",
               "xla": "## 4. XLA graphs", "merge": "## 5. Checkpoint merge",
-              "actmem": "## 6. Activation memory per rank", "zero1": "## 7. ZeRO-1"}
+              "actmem": "## 6. Activation memory per rank", "zero1": "## 7. ZeRO-1",
+              "async_save": "## 8. Checkpoint stall"}
     for section in RUN:
         assert titles[section] in stdout, section
     assert stdout.count("|---|") >= len(RUN)

@@ -1,5 +1,6 @@
 """Every public name of NxD 2.29's ``neuronx_distributed.parallel_layers`` is in nxdtp at the matching path, with NxD's
-positional parameters, or is listed in docs/nxd_migration.md as not provided, with the reason.
+positional parameters, or is listed in docs/nxd_migration.md as not provided, with the reason. So is every public name
+of NxD's ``trainer/checkpoint.py`` (at ``nxdtp.trainer.checkpoint``).
 
 The list below was read from NxD's source at release 2.29 (``parallel_layers/<module>.py``: every top-level function
 and class whose name does not start with an underscore, with the parameters of the function or of the class's
@@ -235,6 +236,17 @@ NXD_2_29 = {
         "indices_split_along_dim": ["tensor", "dim", "rank", "num_partitions"],
         "initialize_fallback_parallel_state": ["device"],
     },
+    # trainer/checkpoint.py (not parallel_layers): NxD's trainer checkpoint functions.
+    "trainer.checkpoint": {
+        "save_checkpoint": [
+            "checkpoint_dir_str", "tag", "model", "optimizer", "scheduler", "user_content", "num_workers", "use_xser",
+            "num_kept_ckpts", "async_save", "zero1_optimizer", "use_zero1_dcp", "avoid_saving_lower_precision_weights"],
+        "load_checkpoint": [
+            "path", "tag", "model", "optimizer", "scheduler", "num_workers", "strict", "use_zero1_dcp"],
+        "has_checkpoint": ["checkpoint_dir_str"],
+        "finalize_checkpoint": [],
+        "CheckpointIOState": None,
+    },
     "pad": {
         "get_number_of_extra_heads": ["n_head", "tp_degree"],
         "pad_model": ["model", "tp_degree", "n_heads", "wrapped_classes", "pad_hook_fn"],
@@ -244,7 +256,7 @@ NXD_2_29 = {
 }
 
 _DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "nxd_migration.md")
-_ROW = re.compile(r"^\| `(?P<module>[a-z_]+)\.(?P<name>[A-Za-z0-9_]+)` \| (?P<status>same|different|not provided) \|"
+_ROW = re.compile(r"^\| `(?P<module>[a-z_.]+)\.(?P<name>[A-Za-z0-9_]+)` \| (?P<status>same|different|not provided) \|"
                   r" (?P<note>.*) \|$")
 
 

@@ -18,13 +18,15 @@ Sections (docs/performance.md explains how each is measured):
 7. zero1   ZeRO-1 (NeuronZero1Optimizer): bytes per parameter per rank at dp = 1, 2, 4, 8 (BERT-large, Llama-3-8B-shaped
            at tp=8; meta device, counted) next to 6 + 12/d; peak RSS of a tp2 x dp2 step, ZeRO-1 vs plain AdamW + DP
            all-reduce (4 gloo ranks); step time ZeRO-1 / plain DP at tp1 x dp2 and tp2 x dp2, alternating, medians.
+8. async_save  The step loop's stall while a checkpoint is written: ``save_checkpoint`` synchronous against
+           ``async_save=True`` (tp2 x dp1 gloo world, ZeRO-1 AdamW, Llama-shaped model), alternating rounds, medians.
    gpu     Only with --gpu: section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL.
 
 Usage::
 
-    python tools/benchmark.py [--quick] [--json OUT] [--sections train,memory,comm,xla,merge,actmem,zero1] [--rounds N]
-                              [--warmup N] [--profile] [--nxdtp-vocab-multiple N] [--gpu] [--merge-rounds N]
-                              [--merge-workdir DIR]
+    python tools/benchmark.py [--quick] [--json OUT] [--sections train,memory,comm,xla,merge,actmem,zero1,async_save]
+                              [--rounds N] [--warmup N] [--profile] [--nxdtp-vocab-multiple N] [--gpu]
+                              [--merge-rounds N] [--merge-workdir DIR]
 
 ``--quick``: tiny models and few repeats (a test runs it); its figures check that everything works, not speed.
 Progress goes to stderr, the report to stdout.
@@ -46,14 +48,16 @@ if _TOOLS not in sys.path:
 
 from bench import common  # noqa: E402
 
-SECTIONS = ("train", "memory", "comm", "xla", "merge", "actmem", "zero1")
+SECTIONS = ("train", "memory", "comm", "xla", "merge", "actmem", "zero1", "async_save")
 OPTIONAL = ("gpu",)  # only when asked for: --gpu or --sections ...,gpu
 KEYS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-        "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "gpu": "gpu_train_step"}
+        "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save",
+        "gpu": "gpu_train_step"}
 TITLES = {"train": "1. Train step, CPU", "memory": "2. Memory per rank, BERT-large",
           "comm": "3. Communication per BERT layer", "xla": "4. XLA graphs per step",
           "merge": "5. Checkpoint merge", "actmem": "6. Activation memory per rank, BERT-large layers",
           "zero1": "7. ZeRO-1: bytes per parameter, peak RSS, step time",
+          "async_save": "8. Checkpoint stall: save_checkpoint, sync against async_save",
           "gpu": "GPU: train step, dense vs nxdtp tp=1"}
 
 
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS + OPTIONAL)}")
     common.ensure_import_paths()
-    from bench import activation_memory, communication, memory, merge, train_step, xla_graphs, zero1
+    from bench import activation_memory, async_save, communication, memory, merge, train_step, xla_graphs, zero1
 
     started = time.perf_counter()
     machine = common.machine()
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
             timed("actmem", lambda: activation_memory.run(args.quick))
         if "zero1" in sections:  # gloo worlds of its own, one at a time
             timed("zero1", lambda: zero1.run(args.quick))
+        if "async_save" in sections:  # a gloo world of its own
+            timed("async_save", lambda: async_save.run(args.quick))
         if "xla" in sections:
             timed("xla", xla)
         if "merge" in sections:
@@ -184,7 +190,8 @@ def main(argv=None) -> int:
 
     renderers = {"train": train_step.tables, "memory": memory.tables, "comm": communication.tables,
                  "xla": xla_graphs.tables, "merge": merge.tables,
-                 "actmem": activation_memory.tables, "zero1": zero1.tables, "gpu": train_step.gpu_tables}
+                 "actmem": activation_memory.tables, "zero1": zero1.tables, "async_save": async_save.tables,
+                 "gpu": train_step.gpu_tables}
     command = "python tools/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}")
     print()
