@@ -352,3 +352,130 @@ def test_export_loads_into_dtensor_tp_at_another_size(worlds, trained, tmp_path,
     assert [r["local_vocab_rows"] for r in results] == [26, 26, 26, 23]
     for rank, result in enumerate(results):
         _close(result["logits"][0], expected["saved"][0], f"DTensor TP=4 rank {rank} logits")
+
+
+# ---- import: nxdtp-merge DCP_DIR OUT --from-dcp ----------------------------------------------------------------------
+
+def test_export_then_import_gives_back_the_merged_model_and_optimizer(trained, tmp_path, capsys):
+    """nxdtp -> DCP -> dense HF: the same tensors as a plain merge of the nxdtp checkpoint, and the same optimizer
+    state (loaded into torch AdamW on the dense model: equal moments, equal next step)."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing import load_dense_optimizer_state
+
+    root, expected = trained["llama"]
+    for argv in ([root, tmp_path / "dcp", "--to", "dcp"], [root, tmp_path / "merged"],
+                 [tmp_path / "dcp", tmp_path / "imported", "--from-dcp"]):
+        status, out, err = _cli(argv, capsys)
+        assert status == 0, err
+    assert "optimizer entries in optimizer.safetensors" in out, out
+    imported, merged = load_file(tmp_path / "imported" / "model.safetensors"), load_file(
+        tmp_path / "merged" / "model.safetensors")
+    assert sorted(imported) == sorted(merged)
+    for key in merged:
+        assert torch.equal(imported[key], merged[key]), key
+    assert load_file(tmp_path / "imported" / "optimizer.safetensors").keys() == load_file(
+        tmp_path / "merged" / "optimizer.safetensors").keys()
+
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "imported")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
+    state = load_dense_optimizer_state(str(tmp_path / "imported"), model, optimizer)
+    assert state["global_step"] == 1  # the trainer state travels through the export record
+    assert all(g["lr"] == LR and g["weight_decay"] == 0.01 for g in optimizer.param_groups)
+    _step(model, optimizer, _llama_batch())
+    _close(_logits(model, _llama_batch())[0], expected["after_step"][0], "logits after a dense step from the import")
+
+
+def case_dtensor_job_saves(checkpoint: str):
+    """A native job: a dense Llama parallelized with DTensor TP over this world (MLP column/row-wise, the LM head
+    column-wise with a replicated output), one AdamW step, then ``dcp.save`` of the model and the flattened optimizer
+    state, as TorchTitan lays them out. Returns the logits after the step."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _llama(seed=0)
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for layer in range(len(model.model.layers)):
+        plan.update({f"model.layers.{layer}.mlp.gate_proj": ColwiseParallel(),
+                     f"model.layers.{layer}.mlp.up_proj": ColwiseParallel(),
+                     f"model.layers.{layer}.mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+    _step(model, optimizer, _llama_batch())
+    state = {**model.state_dict(),
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options())}
+    dcp.save(state, checkpoint_id=checkpoint)
+    if dist.get_rank() == 0:
+        model.config.architectures = ["LlamaForCausalLM"]  # as the job's from_pretrained config names it
+        model.config.save_pretrained(checkpoint)
+    return _logits(model, _llama_batch())[0]
+
+
+def case_nxdtp_continues_from_import(directory: str):
+    """nxdtp at this world's TP size loads the imported directory and its optimizer state, and takes the next step."""
+    from nxdtp.checkpointing import load_dense_optimizer_state
+    from nxdtp.grads import allreduce_gradients
+    from nxdtp.models import from_pretrained_sharded
+
+    from tests.test_models_bert import _check_weights
+
+    model = from_pretrained_sharded(directory, transformers.LlamaForCausalLM)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
+    load_dense_optimizer_state(directory, model, optimizer)
+    logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+    model(**_llama_batch()).loss.backward()
+    allreduce_gradients(model)
+    optimizer.step()
+    reference = _llama(seed=0)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    _step(reference, reference_optimizer, _llama_batch())
+    _step(reference, reference_optimizer, _llama_batch())
+    _check_weights(model, reference, "nxdtp's step after importing the DTensor job's checkpoint")
+    return logits
+
+
+def test_a_dtensor_jobs_checkpoint_imports_into_nxdtp_at_another_tp_size(worlds, tmp_path, capsys):
+    """DTensor TP=2 job -> dcp.save -> --from-dcp -> nxdtp at TP=4 (from_pretrained_sharded, load_dense_optimizer_state):
+    the logits of the job after its step, and nxdtp's next step equal to two dense steps (so the moments came
+    across: Adam's second step depends on them)."""
+    checkpoint = str(tmp_path / "native")
+    job_logits = worlds(2).run(case_dtensor_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)[0]
+    status, out, err = _cli([checkpoint, tmp_path / "imported", "--from-dcp"], capsys)
+    assert status == 0, err
+    for rank, logits in enumerate(worlds(4).run(case_nxdtp_continues_from_import, tensor_model_parallel_size=4,
+                                                directory=str(tmp_path / "imported"))):
+        _close(logits, job_logits, f"nxdtp TP=4 rank {rank} logits after the import")
+
+
+def test_import_refuses_what_is_not_a_dcp_checkpoint_of_the_model(trained, tmp_path, capsys):
+    """Exit status 2, one line naming the problem, nothing written."""
+    import torch.distributed.checkpoint as dcp
+
+    root, _ = trained["llama"]
+    status, out, err = _cli([root, tmp_path / "out", "--from-dcp"], capsys)  # an nxdtp checkpoint, not DCP
+    assert status == 2 and "is not a torch.distributed.checkpoint directory" in err and err.count("\n") == 1, err
+    model = _llama(seed=0)
+    partial = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    dcp.save(partial, checkpoint_id=str(tmp_path / "partial"), no_dist=True)
+    status, _, err = _cli([tmp_path / "partial", tmp_path / "out", "--from-dcp"], capsys)
+    assert status == 2 and "config.json is missing" in err, err
+    model.config.save_pretrained(tmp_path / "partial")
+    status, _, err = _cli([tmp_path / "partial", tmp_path / "out", "--from-dcp"], capsys)
+    assert status == 2 and "names no model class" in err and "architectures" in err, err
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path / "partial")
+    status, _, err = _cli([tmp_path / "partial", tmp_path / "out", "--from-dcp"], capsys)
+    assert status == 2 and "lacks tensors the model needs: ['lm_head.weight']" in err, err
+    renamed = {("tok_embeddings.weight" if k == "model.embed_tokens.weight" else k): v
+               for k, v in model.state_dict().items()}
+    dcp.save(renamed, checkpoint_id=str(tmp_path / "titan"), no_dist=True)
+    model.config.save_pretrained(tmp_path / "titan")
+    status, _, err = _cli([tmp_path / "titan", tmp_path / "out", "--from-dcp"], capsys)
+    assert status == 2 and "holds tensors the model does not have: ['tok_embeddings.weight']" in err, err
+    status, _, err = _cli([tmp_path / "titan", tmp_path / "out", "--from-dcp", "--reshard", "2"], capsys)
+    assert status == 2 and "--from-dcp takes no --reshard" in err, err
+    assert not (tmp_path / "out").exists()

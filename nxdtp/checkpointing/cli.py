@@ -12,6 +12,10 @@
         torch.distributed.checkpoint directory: the dense model's tensors at the top level under its HF state_dict
         names, the optimizer state under 'optimizer' as torch's flattened optimizer state dict names it
         (nxdtp.checkpointing.dcp_export)
+    nxdtp-merge DCP_DIR OUT_DIR --from-dcp [--config CONFIG_JSON] [--force] [--no-progress]
+        dense Hugging Face checkpoint from a torch.distributed.checkpoint directory a native job (DTensor TP, FSDP2,
+        TorchTitan's HF-named layout) or --to dcp wrote, with its optimizer state beside it as a dense merge writes it
+        (nxdtp.checkpointing.dcp_import); the config (in DCP_DIR or --config) names the model class
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
         the family (nxdtp.models.nxd)
@@ -75,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-verify", action="store_true",
                         help="do not check the files read against the sizes and checksums the checkpoint "
                              "records (faster; a damaged file is then not detected)")
+    parser.add_argument("--from-dcp", action="store_true",
+                        help="CKPT_DIR is a torch.distributed.checkpoint directory: write the dense HF checkpoint")
     parser.add_argument("--from-nxd", action="store_true",
                         help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_00/checkpoint.pt, or an NxD trainer "
                              "checkpoint with model/dp_rank_00_tp_rank_XX_pp_rank_00.pt); needs --config")
@@ -113,7 +119,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             warnings.showwarning = _show_warning
             if args.no_optimizer and (args.to == "dcp" or args.from_nxd or args.reshard is not None):
                 raise _BadUsage("--no-optimizer applies to dense merges (without --to dcp, --from-nxd or --reshard)")
-            if args.to == "dcp":
+            if args.from_dcp:
+                report = _from_dcp(args)
+            elif args.to == "dcp":
                 report = _to_dcp(args)
             elif args.from_nxd:
                 report = f"wrote dense checkpoint {_from_nxd(args)}"
@@ -141,6 +149,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_INPUT
     print(f"{PROG}: {report}")
     return 0
+
+
+def _from_dcp(args) -> str:
+    clashes = [flag for flag, used in (("--reshard", args.reshard is not None), ("--from-nxd", args.from_nxd),
+                                       ("--to dcp", args.to == "dcp"), ("--tag", args.tag is not None),
+                                       ("--pad-to-multiple-of", args.pad_to_multiple_of is not None),
+                                       ("--format", args.format is not None), ("--no-optimizer", args.no_optimizer))
+               if used]
+    if clashes:
+        raise _BadUsage(f"--from-dcp takes no {', '.join(clashes)}: it writes the dense HF checkpoint, which "
+                        "from_pretrained_sharded loads at any TP size")
+    from .dcp_import import import_dcp
+
+    result = import_dcp(args.checkpoint_dir, args.output_dir, config=args.config, force=args.force,
+                        progress=not args.no_progress)
+    lines = [f"wrote dense checkpoint {result.output_dir}: {result.model_keys} model tensors"
+             + (f", {result.optimizer_keys} optimizer entries in optimizer.safetensors / optimizer.json"
+                if result.optimizer_keys else "") + f", from DCP checkpoint {args.checkpoint_dir}"]
+    lines += [f"  note: {note}" for note in result.notes]
+    return "\n".join(lines)
 
 
 def _to_dcp(args) -> str:

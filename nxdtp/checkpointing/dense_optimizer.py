@@ -71,6 +71,10 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
         # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
         flat[key] = tuple(value) if isinstance(value, list) else value
 
+    if hasattr(optimizer, "sharding_group"):
+        raise TypeError(f"load_dense_optimizer_state restores a plain optimizer; {type(optimizer).__name__} shards its "
+                        "state over data parallelism: load this state into the plain optimizer, save an nxdtp "
+                        "checkpoint, and load that into ZeRO-1 (nxdtp.checkpointing.load converts)")
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     names = [name for name, p in model.named_parameters() if id(p) in held]
     if len(names) != len(held):
@@ -82,13 +86,46 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
         raise ValueError(f"{directory}'s optimizer state has no entry for parameters {missing[:5]} of the model "
                          f"({len(missing)} in all); it holds {sorted(saved)[:5]}...: build the dense model from that "
                          "directory's config (parameter names must match)")
+    if load_master_weights and not masters:
+        raise ValueError(f"{tensors_path} holds no master weights: it was merged from a "
+                         f"{record.get('source_kind', 'plain')} optimizer, not ZeRO-1")
+    _cut_for_tensor_parallelism(model, names, flat, masters)
     set_optimizer_state_dict(model, optimizer, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
     if load_master_weights:
-        if not masters:
-            raise ValueError(f"{tensors_path} holds no master weights: it was merged from a "
-                             f"{record.get('source_kind', 'plain')} optimizer, not ZeRO-1")
         parameters = dict(model.named_parameters())
         with torch.no_grad():
             for name in names:
                 parameters[name].copy_(masters[name].view_as(parameters[name]))
     return record.get("trainer_state") or {}
+
+
+def _cut_for_tensor_parallelism(model: nn.Module, names, flat: Dict[str, Any],
+                                masters: Dict[str, torch.Tensor]) -> None:
+    """For a TP-sharded model, replace each dense state tensor (and master weight) shaped like its parameter's dense
+    tensor by this TP rank's piece, laid out as the parameter is (padding and repeated heads included)."""
+    from .. import parallel_state as ps
+    from ..sharded_init import shard_of
+    from .save_load import _sharding_specs
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_size() == 1:
+        return
+    tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+    specs = _sharding_specs(model, tp)
+    parameters = dict(model.named_parameters())
+    for name in names:
+        spec = specs.get(id(parameters[name]))
+        if spec is None:
+            continue
+
+        def piece(dense: torch.Tensor) -> torch.Tensor:
+            if tuple(dense.shape) != tuple(spec.unpadded_shape):
+                return dense  # 'step' and other state not shaped like the parameter
+            full = spec.full_from_dense(dense)
+            return shard_of(full, spec.partition_dim, rank, spec.num_partitions, spec.stride).contiguous()
+
+        prefix = f"state.{name}."
+        for key in [key for key in flat if key.startswith(prefix) and "." not in key[len(prefix):]]:
+            if isinstance(flat[key], torch.Tensor):
+                flat[key] = piece(flat[key])
+        if name in masters:
+            masters[name] = piece(masters[name])

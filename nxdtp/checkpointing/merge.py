@@ -790,6 +790,14 @@ def _write_dense_optimizer(directory: str, state: Dict[str, Any], index: Checkpo
     if os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
         with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
             trainer_state = json.load(f)
+    write_dense_optimizer(directory, state, "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain",
+                          trainer_state, progress)
+
+
+def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: str, trainer_state: Optional[dict],
+                          progress: bool) -> None:
+    """Write ``optimizer.safetensors`` (the ``DenseOptimizerTensor`` values, read one at a time) and
+    ``optimizer.json`` (the other values, the source kind and the trainer state) into ``directory``."""
     tensors = {key: value for key, value in state.items() if isinstance(value, DenseOptimizerTensor)}
     bar = _progress(len(tensors), "optimizer", progress)
     try:
@@ -801,8 +809,7 @@ def _write_dense_optimizer(directory: str, state: Dict[str, Any], index: Checkpo
                 bar.update(1)
     finally:
         bar.close()
-    record = {"format": DENSE_OPTIMIZER_FORMAT, "nxdtp_version": __version__,
-              "source_kind": "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain",
+    record = {"format": DENSE_OPTIMIZER_FORMAT, "nxdtp_version": __version__, "source_kind": source_kind,
               "values": {key: value for key, value in state.items() if key not in tensors},
               "trainer_state": trainer_state}
     write_bytes_durably(os.path.join(directory, DENSE_OPTIMIZER_VALUES), json.dumps(record, indent=1).encode())
