@@ -440,8 +440,8 @@ def case_nxdtp_continues_from_import(directory: str):
 
 def test_a_dtensor_jobs_checkpoint_imports_into_nxdtp_at_another_tp_size(worlds, tmp_path, capsys):
     """DTensor TP=2 job -> dcp.save -> --from-dcp -> nxdtp at TP=4 (from_pretrained_sharded,
-    load_dense_optimizer_state): the logits of the job after its step, and nxdtp's next step equal to two dense steps (so the moments came
-    across: Adam's second step depends on them)."""
+    load_dense_optimizer_state): the logits of the job after its step, and nxdtp's next step equal to two dense
+    steps (so the moments came across: Adam's second step depends on them)."""
     checkpoint = str(tmp_path / "native")
     job_logits = worlds(2).run(case_dtensor_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)[0]
     status, out, err = _cli([checkpoint, tmp_path / "imported", "--from-dcp"], capsys)
