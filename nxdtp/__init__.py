@@ -22,6 +22,8 @@ from .mappings import copy_to_tensor_model_parallel_region, gather_from_tensor_m
 from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, \
     set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes, \
     split_tensor_along_last_dim  # noqa: E402
+from . import trainer  # noqa: E402
+from .trainer import initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config  # noqa: E402
 
 __all__ = [
     "__version__", "comm", "grads", "layer_norm", "layers", "loss_functions", "mappings", "optimizers", "pad",
@@ -37,4 +39,5 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes", "split_tensor_along_last_dim",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "trainer", "neuronx_distributed_config", "initialize_parallel_model", "initialize_parallel_optimizer",
 ]
