@@ -9,11 +9,11 @@ devices (Trainium, TPU), GPUs (NCCL) and CPUs (gloo); NxD's tutorial command run
         --sequence_parallel_enabled --selective_checkpoint_enabled --logging_interval 1 --qkv_linear \\
         --kv_replicator 4 --use_mix_precision --use_zero_1
 
-The script is written as NxD's is, against NxD's trainer API with ``import nxdtp as nxd``: ``neuronx_distributed_config``,
-``initialize_parallel_model`` (its ``model_fn`` builds a Hugging Face ``LlamaForCausalLM`` from the config json, which
-nxdtp shards with its Llama plan), ``initialize_parallel_optimizer`` (ZeRO-1 with ``--use_zero_1``),
-``save_checkpoint`` / ``load_checkpoint`` / ``has_checkpoint``. What differs from NxD's script, flag by flag:
-docs/llama_example.md.
+The script is written as NxD's is, against NxD's trainer API with ``import nxdtp as nxd``:
+``neuronx_distributed_config``, ``initialize_parallel_model`` (its ``model_fn`` builds a Hugging Face
+``LlamaForCausalLM`` from the config json, which nxdtp shards with its Llama plan), ``initialize_parallel_optimizer``
+(ZeRO-1 with ``--use_zero_1``), ``save_checkpoint`` / ``load_checkpoint`` / ``has_checkpoint``. What differs from
+NxD's script, flag by flag: docs/llama_example.md.
 
 Every rank of a TP group reads the same batches; the DP ranks take NxD's interleaved rows. The loss of each
 micro-batch is its summed token loss divided by the target-token count of the whole global batch (all DP ranks, all
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import socket
@@ -62,7 +61,7 @@ INPUT_ERRORS = (WorldSizeError, llama_data.DataError, PretrainedDirectoryError, 
 CHECKPOINT_FORMAT_TAG = "step_{}"
 
 
-# ---- flags ------------------------------------------------------------------------------------------------------------
+# ---- flags -----------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
