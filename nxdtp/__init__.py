@@ -19,6 +19,7 @@ from .plan import Plan, parallelize  # noqa: E402
 from .random import checkpoint, get_xla_rng_tracker, model_parallel_xla_manual_seed  # noqa: E402
 from .mappings import copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region, \
     reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region  # noqa: E402
+from .trainer import finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, \
     set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes, \
     split_tensor_along_last_dim  # noqa: E402
@@ -40,4 +41,5 @@ __all__ = [
     "copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes", "split_tensor_along_last_dim",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "trainer", "neuronx_distributed_config", "initialize_parallel_model", "initialize_parallel_optimizer",
+    "save_checkpoint", "load_checkpoint", "has_checkpoint", "finalize_checkpoint",
 ]

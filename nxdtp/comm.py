@@ -12,6 +12,7 @@ A group of size 1 needs no communication and returns the input unchanged (as a r
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
@@ -204,11 +205,44 @@ def clear_xla_collective_token() -> None:
 
 # ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------
 
+# A thread may route its host-side collectives over a group of its own (``host_group_of_this_thread``): a background
+# checkpoint writer then never meets the training loop's collectives on a shared group.
+_THREAD_HOST_GROUP = threading.local()
+
+
 def _host_process_group():
     topology = get_topology()
     if topology.simulated:
         raise RuntimeError("host-side collectives need a real process group; the installed topology is simulated")
+    override = getattr(_THREAD_HOST_GROUP, "process_group", None)
+    if override is not None:
+        return override
     return topology.host_process_group  # None means the default (gloo) group
+
+
+def new_host_group():
+    """Collective over the world (every rank calls it at the same point): a new gloo group of every rank, for host-side
+    coordination that must not share a group with other collectives, such as a checkpoint written on a background
+    thread. Its timeout is the world's (torch.distributed's default when that cannot be read)."""
+    timeout = None
+    try:
+        timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - a backend without readable options: torch's default timeout
+        timeout = None
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+@contextlib.contextmanager
+def host_group_of_this_thread(process_group) -> Iterator[None]:
+    """Within the block, this thread's host-side collectives (``barrier``, ``all_gather_object`` over the world,
+    ``raise_on_every_rank_if_any_failed``) go over ``process_group`` (from ``new_host_group``) instead of the world's
+    host group; other threads are not affected."""
+    previous = getattr(_THREAD_HOST_GROUP, "process_group", None)
+    _THREAD_HOST_GROUP.process_group = process_group
+    try:
+        yield
+    finally:
+        _THREAD_HOST_GROUP.process_group = previous
 
 
 def barrier() -> None:

@@ -9,6 +9,7 @@ same values); every rank writes its own RNG states; global rank 0 writes the ind
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import io
 import json
@@ -167,6 +168,62 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
                    "(docs/checkpoints.md); NxD's xser layout is read only by nxdtp-merge --from-nxd")
     _check_default("save", "master_dp_only", master_dp_only, True, "the DP replicas of a TP rank hold the same "
                    "values, and nxdtp writes them once, from DP rank 0")
+    job = prepare_save(checkpoint, output_dir, tag=tag, keep_last=keep_last, down_cast_bf16=down_cast_bf16,
+                       check_replicated=check_replicated)
+    write_save(job)
+    return job.tag_dir
+
+
+@dataclasses.dataclass
+class SaveJob:
+    """One save, prepared (``prepare_save``) and not yet written (``write_save``): what this rank will write, with the
+    tag chosen, the directory made and (on rank 0) the tag's lock held. ``to_host()`` replaces every tensor this rank
+    writes by a host copy, after which the job no longer depends on the live model, optimizer or RNG states, and may
+    be written while training goes on (``nxdtp.trainer.save_checkpoint(async_save=True)``)."""
+
+    output_dir: str
+    tag: str
+    tag_dir: str
+    keep_last: Optional[int]
+    lock: Optional[TagLock]
+    tensors: Dict[str, torch.Tensor]          # model tensors by index key (this rank writes some of them)
+    entries: Dict[str, TensorEntry]
+    optimizer_tensors: Optional[Dict[str, torch.Tensor]]
+    optimizer_index: Optional[Dict[str, Any]]
+    extras: Dict[str, Any]                     # entries stored per TP rank with torch.save
+    json_files: Dict[str, bytes]               # relative path -> contents: this rank's RNG file; on rank 0 the others
+
+    def writes_model(self) -> bool:
+        return data_parallel_group().rank == 0
+
+    def writes_optimizer(self) -> bool:
+        return self.optimizer_tensors is not None and (is_zero1_optimizer_index(self.optimizer_index)
+                                                       or data_parallel_group().rank == 0)
+
+    def to_host(self) -> None:
+        """Copy every tensor this rank writes to host memory (each a copy of its own, even on the CPU), and drop the
+        references to the others: a host snapshot that later training steps cannot change."""
+        tp_rank = tensor_parallel_group().rank
+        self.tensors = ({k: _host_copy(t) for k, t in self.tensors.items()
+                         if self.entries[k].spec.is_sharded or tp_rank == 0} if self.writes_model() else {})
+        if self.optimizer_tensors is not None:
+            self.optimizer_tensors = ({k: _host_copy(t) for k, t in self.optimizer_tensors.items()}
+                                      if self.writes_optimizer() else {})
+        self.extras = copy.deepcopy(self.extras) if self.writes_model() else {}
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def prepare_save(checkpoint: Dict[str, Any], output_dir: str, *, tag: Optional[str] = None,
+                 keep_last: Optional[int] = None, down_cast_bf16: bool = False, check_replicated: bool = True,
+                 pickled_keys: Tuple[str, ...] = ()) -> SaveJob:
+    """Collective: the first two phases of ``save`` (nothing written yet but the tag directory). Every rank prepares
+    what it will write (the RNG states and JSON files are encoded now), the replicated tensors are compared, and rank 0
+    takes the tag's lock and makes the tag directory; every rank raises if any failed. ``pickled_keys``: entries of
+    ``checkpoint`` stored with ``torch.save`` (per TP rank) even when they are JSON, so they come back as they were
+    (tuples stay tuples, integer keys stay integers)."""
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise ValueError("save() takes a dict with at least a 'model' entry (a module or its state_dict()), got "
                          f"{type(checkpoint).__name__}" + (f" with keys {sorted(checkpoint)}"
@@ -184,30 +241,31 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
             tag = comm.all_gather_object(tags.first_free(output_dir, "checkpoint"))[0]
     tags.check_tag_name(tag)
     tag_dir = os.path.join(output_dir, tag)
-
-    topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
-    lock = TagLock(output_dir, tag) if topology.rank == 0 else None
+    lock = TagLock(output_dir, tag) if get_topology().rank == 0 else None
     try:
-        _save_phases(checkpoint, output_dir, tag, tag_dir, lock, down_cast_bf16, keep_last, check_replicated)
-    finally:
+        return _prepare_phases(checkpoint, output_dir, tag, tag_dir, lock, down_cast_bf16, keep_last,
+                               check_replicated, pickled_keys)
+    except BaseException:
         if lock is not None:
-            lock.release()  # only if rank 0 took it; after 'newest', or after any failure
-    return tag_dir
+            lock.release()  # only if rank 0 took it
+        raise
 
 
-def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir: str, lock: Optional[TagLock],
-                 down_cast_bf16: bool, keep_last: Optional[int], check_replicated: bool = True) -> None:
-    """The three phases of ``save`` and the durability protocol of docs/checkpoints.md ("Crash consistency")."""
-    topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
+def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir: str, lock: Optional[TagLock],
+                    down_cast_bf16: bool, keep_last: Optional[int], check_replicated: bool,
+                    pickled_keys: Tuple[str, ...]) -> SaveJob:
+    """Phases 0 and 1 of the durability protocol of docs/checkpoints.md ("Crash consistency")."""
+    topology, tp_group = get_topology(), tensor_parallel_group()
     model = checkpoint["model"]
     # Each phase ends with every rank learning whether any rank failed (_agree), never with a bare barrier: a rank that
     # raised alone would leave its peers waiting in the next collective, or writing into a tag that rank 0 refused.
     error: Optional[BaseException] = None
+    job: Optional[SaveJob] = None
     try:
         # keep_vars: tied parameters stay one object, which is how ties are recognised on XLA (no storage pointers).
         model_state = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
         optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
-        trainer_state, extras = _trainer_payload(checkpoint)
+        trainer_state, extras = _trainer_payload(checkpoint, pickled_keys)
         # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
         comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
         extras = move_all_tensor_to_cpu(extras)  # on every rank: a pending XLA graph must not run on one alone
@@ -220,6 +278,21 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
             for key, entry in entries.items():
                 if tensors[key].is_floating_point():
                     entry.dtype = "bfloat16"
+        # Everything that is not a tensor is encoded now, so the job holds the state of this moment.
+        json_files = {rng_file(topology.rank): _json_bytes(_rng_payload())}
+        if topology.rank == 0:
+            if optimizer_json is not None:
+                json_files[OPTIMIZER_STATE_FILE] = _json_bytes(optimizer_json)
+            json_files[TRAINER_STATE_FILE] = _json_bytes(trainer_state)
+            config = getattr(model, "config", None)
+            if config is not None and hasattr(config, "to_json_string"):
+                payload = json.loads(config.to_json_string())
+                # As HF's save_pretrained records it, so the merged model loads by its class name.
+                payload["architectures"] = payload.get("architectures") or [type(model).__name__]
+                json_files[CONFIG_FILE] = _json_bytes(payload)
+        job = SaveJob(output_dir=output_dir, tag=tag, tag_dir=tag_dir, keep_last=keep_last, lock=lock,
+                      tensors=tensors, entries=entries, optimizer_tensors=optimizer_tensors,
+                      optimizer_index=optimizer_index, extras=extras, json_files=json_files)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
     # Every rank must reach the replicated check (a collective), so the failures above are agreed on first.
@@ -228,8 +301,8 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
         if check_replicated:
             # Before anything is written: replicated tensors are stored from TP rank 0 only. The check raises the
             # same error on every rank of a TP group whose copies differ.
-            check_replicated_agree({k: t for k, t in tensors.items() if not entries[k].spec.is_sharded}, tp_group,
-                                   what=f"saving {tag_dir}")
+            check_replicated_agree({k: t for k, t in job.tensors.items() if not job.entries[k].spec.is_sharded},
+                                   tp_group, what=f"saving {tag_dir}")
         if lock is not None:
             make_directories(output_dir)
             # The lock first: a save that completes this tag meanwhile has released it, and is then seen as complete.
@@ -241,62 +314,65 @@ def _save_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_dir:
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
     _agree(error, f"saving {tag_dir}")
+    return job
 
+
+def write_save(job: SaveJob) -> None:
+    """Collective (over the host group, or the group ``comm.host_group_of_this_thread`` names): the last phases of
+    ``save``. Every rank writes and ``fsync``s its files; rank 0 writes the index, ``fsync``s the tag's directories,
+    writes ``done``, then ``newest``, prunes old tags (``keep_last``) and releases the tag's lock; every rank raises if
+    any failed."""
+    topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
+    tag_dir, lock = job.tag_dir, job.lock
+    error: Optional[BaseException] = None
     written: Dict[str, dict] = {}  # relative path -> record (size, checksum) of every file this rank wrote
     contents: Dict[str, dict] = {}  # relative path -> records of a safetensors file's header and tensors
     try:
-        if dp_group.rank == 0:
-            relative = model_file(tp_group.rank)
-            written[relative], contents[relative] = _write_tensors(os.path.join(tag_dir, relative), tensors, entries,
-                                                                   tp_group.rank)
-            if optimizer_tensors is not None and not is_zero1_optimizer_index(optimizer_index):
-                relative = optim_file(tp_group.rank)
+        try:
+            if job.writes_model():
+                relative = model_file(tp_group.rank)
+                written[relative], contents[relative] = _write_tensors(os.path.join(tag_dir, relative), job.tensors,
+                                                                       job.entries, tp_group.rank)
+                if job.extras:
+                    relative = EXTRA_FILE.format(tp_group.rank)
+                    make_directories(os.path.dirname(os.path.join(tag_dir, relative)))
+                    with ChecksummedWriter(os.path.join(tag_dir, relative)) as f:
+                        torch.save(job.extras, f)
+                    written[relative] = f.record()
+            if job.writes_optimizer():
+                # ZeRO-1: every DP rank holds its own shard of the TP rank's optimizer state, and writes it.
+                zero1 = is_zero1_optimizer_index(job.optimizer_index)
+                relative = optim_file(tp_group.rank, dp_group.rank) if zero1 else optim_file(tp_group.rank)
                 written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative),
-                                                                     optimizer_tensors)
-            if extras:
-                relative = EXTRA_FILE.format(tp_group.rank)
-                make_directories(os.path.dirname(os.path.join(tag_dir, relative)))
-                with ChecksummedWriter(os.path.join(tag_dir, relative)) as f:
-                    torch.save(extras, f)
-                written[relative] = f.record()
-        if optimizer_tensors is not None and is_zero1_optimizer_index(optimizer_index):
-            # ZeRO-1: every DP rank holds its own shard of the TP rank's optimizer state, and writes it.
-            relative = optim_file(tp_group.rank, dp_group.rank)
-            written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative), optimizer_tensors)
-        relative = rng_file(topology.rank)
-        written[relative] = _write_json(os.path.join(tag_dir, relative), _rng_payload())
-        if topology.rank == 0:
-            if optimizer_json is not None:
-                written[OPTIMIZER_STATE_FILE] = _write_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE), optimizer_json)
-            written[TRAINER_STATE_FILE] = _write_json(os.path.join(tag_dir, TRAINER_STATE_FILE), trainer_state)
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "to_json_string"):
-                payload = json.loads(config.to_json_string())
-                # As HF's save_pretrained records it, so the merged model loads by its class name.
-                payload["architectures"] = payload.get("architectures") or [type(model).__name__]
-                written[CONFIG_FILE] = _write_json(os.path.join(tag_dir, CONFIG_FILE), payload)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    _agree(error, f"saving {tag_dir}")  # every rank's files are written and fsynced before 'done' says so
-    # The records reach rank 0, which writes the index (the agreement above gathers error reports only).
-    records = comm.all_gather_object((written, contents))
+                                                                     job.optimizer_tensors)
+            for relative, payload in job.json_files.items():
+                path = os.path.join(tag_dir, relative)
+                make_directories(os.path.dirname(path))
+                written[relative] = write_bytes_durably(path, payload)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        _agree(error, f"saving {tag_dir}")  # every rank's files are written and fsynced before 'done' says so
+        # The records reach rank 0, which writes the index (the agreement above gathers error reports only).
+        records = comm.all_gather_object((written, contents))
 
-    try:
-        if topology.rank == 0:
-            files = {relative: record for per_rank, _ in records for relative, record in per_rank.items()}
-            parts = {relative: record for _, per_rank in records for relative, record in per_rank.items()}
-            index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
-                                    tensors=entries, optimizer=optimizer_index, nxdtp_version=__version__,
-                                    files=dict(sorted(files.items())), tensor_checksums=dict(sorted(parts.items())))
-            index_record = index.write(tag_dir)
-            # Every directory of the tag (model/, optim/, rng/, extra/, the tag itself), whoever created its entries.
-            fsync_tree(tag_dir)
-            tags.mark_done(tag_dir, index_record)
-            tags.set_newest(output_dir, tag)
-            if keep_last is not None:
-                tags.prune(output_dir, keep_last, protect=tag)
-    except Exception as e:  # noqa: BLE001
-        error = e
+        try:
+            if topology.rank == 0:
+                files = {relative: record for per_rank, _ in records for relative, record in per_rank.items()}
+                parts = {relative: record for _, per_rank in records for relative, record in per_rank.items()}
+                index = CheckpointIndex(tensor_model_parallel_size=tp_group.size, data_parallel_size=dp_group.size,
+                                        tensors=job.entries, optimizer=job.optimizer_index,
+                                        nxdtp_version=__version__, files=dict(sorted(files.items())),
+                                        tensor_checksums=dict(sorted(parts.items())))
+                index_record = index.write(tag_dir)
+                # Every directory of the tag (model/, optim/, rng/, extra/, the tag itself), whoever created its
+                # entries.
+                fsync_tree(tag_dir)
+                tags.mark_done(tag_dir, index_record)
+                tags.set_newest(job.output_dir, job.tag)
+                if job.keep_last is not None:
+                    tags.prune(job.output_dir, job.keep_last, protect=job.tag)
+        except Exception as e:  # noqa: BLE001
+            error = e
     finally:
         if lock is not None:
             lock.release()  # before the agreement: when save returns on any rank, the tag is unlocked
@@ -328,20 +404,24 @@ def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, dic
     return writer.record(), writer.contents_record()
 
 
-def _write_json(path: str, payload: Any) -> dict:
-    """Write and ``fsync`` a JSON file (on disk before 'done' claims the tag is complete); return its record."""
-    make_directories(os.path.dirname(path))
-    return write_bytes_durably(path, json.dumps(payload, indent=1).encode())
+def _json_bytes(payload: Any) -> bytes:
+    """A JSON file's contents as nxdtp writes them (written with ``write_bytes_durably``: fsynced before 'done')."""
+    return json.dumps(payload, indent=1).encode()
 
 
-def _trainer_payload(checkpoint: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """The JSON entries (the trainer state, scheduler included) and the others, which are stored per TP rank."""
+def _trainer_payload(checkpoint: Dict[str, Any], pickled_keys: Tuple[str, ...] = ()
+                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The JSON entries (the trainer state, scheduler included) and the others (and those named in ``pickled_keys``),
+    which are stored per TP rank."""
     payload, extras = {}, {}
     scheduler = checkpoint.get("scheduler")
     if scheduler is not None:
         payload["scheduler"] = scheduler.state_dict() if hasattr(scheduler, "state_dict") else scheduler
     for key, value in checkpoint.items():
         if key in LIVE_OR_STATE_KEYS:
+            continue
+        if key in pickled_keys:
+            extras[key] = value
             continue
         try:
             json.dumps(value)
