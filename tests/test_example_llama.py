@@ -219,7 +219,7 @@ def test_every_layout_reads_the_same_global_batches(data_dir):
         assert rows[1] == list(range((k % (256 // 8)) * 8, (k % (256 // 8)) * 8 + 8))
 
 
-# ---- the demo ----------------------------------------------------------------------------------------------------------
+# ---- the demo ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_the_demo_runs_and_its_curves_agree(tmp_path):

@@ -6,12 +6,12 @@
 #
 #   bash examples/tp_zero1_llama/demo.sh [WORK_DIR]        (default WORK_DIR: ./demo_output_llama)
 #
-# Environment: NXDTP_DEMO_STEPS (default 40), NXDTP_DEMO_VENV (default .venv; an active virtualenv is used as is),
+# Environment: NXDTP_DEMO_STEPS (default 150), NXDTP_DEMO_VENV (default .venv; an active virtualenv is used as is),
 # NXDTP_DEMO_SKIP_INSTALL=1 (use the active environment as it is: nxdtp and its "examples" extra already installed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 work=$(mkdir -p "${1:-demo_output_llama}" && cd "${1:-demo_output_llama}" && pwd)
-steps=${NXDTP_DEMO_STEPS:-40}
+steps=${NXDTP_DEMO_STEPS:-150}
 example=examples/tp_zero1_llama
 start=$(date +%s)
 
@@ -45,7 +45,7 @@ python -m torch.distributed.run --standalone --nproc_per_node=4 $example/tp_zero
     --model_path $example/configs/llama_tiny --data_dir "$work/data" --output_dir "$work/pretrain" \
     --metrics_file "$work/pretrain/results.json" --checkpoint_dir "$work/pretrain/checkpoints" \
     --checkpoint_freq "$steps" --tensor_parallel_size 2 --batch_size 4 --grad_accum_usteps 1 --seq_len 64 \
-    --lr 3e-3 --warmup_steps 4 --max_steps "$steps" --steps_this_run "$steps" --use_zero_1 \
+    --lr 3e-3 --warmup_steps $(( steps / 10 + 1 )) --max_steps "$steps" --steps_this_run "$steps" --use_zero_1 \
     --sequence_parallel_enabled --print_grad_norm --loading_step latest_if_exists --device cpu \
     | grep -v '^\[Gloo\]'
 
