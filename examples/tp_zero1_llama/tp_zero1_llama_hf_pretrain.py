@@ -369,6 +369,11 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         if "divide" in str(error) or "world" in str(error):
             raise WorldSizeError(f"--tensor_parallel_size {flags.tensor_parallel_size}: {error}") from None
         raise
+    # The data before the model: a wrong directory fails in seconds, not after the model is built.
+    data = llama_data.PackedBlocks(flags.data_dir)
+    if data.seq_len != flags.seq_len:
+        raise llama_data.DataError(f"--seq_len {flags.seq_len} but the blocks in --data_dir {flags.data_dir} are "
+                                   f"{data.seq_len} tokens long: pass --seq_len {data.seq_len}")
     # HF Llama's rotary buffers are computed from the config at construction: only parameters go on meta.
     model = nxd.initialize_parallel_model(nxd_config, get_model, False, flags)
     dp_group = parallel_state.data_parallel_group()
@@ -400,10 +405,6 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         if flags.use_zero_1:
             optimizer.optimizer.init_zero()  # the master shards, made from the weights before the load, again
 
-    data = llama_data.PackedBlocks(flags.data_dir)
-    if data.seq_len != flags.seq_len:
-        raise llama_data.DataError(f"--seq_len {flags.seq_len} but the blocks in --data_dir {flags.data_dir} are "
-                                   f"{data.seq_len} tokens long: pass --seq_len {data.seq_len}")
     global_micro_batch = flags.batch_size * dp_size
     skip = consumed_sequences // global_micro_batch
     batches = llama_data.MicroBatches(data, flags.batch_size, dp_size, parallel_state.get_data_parallel_rank(),
@@ -425,6 +426,8 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         print("--------MODEL CONFIG----------")
         print(config)
         print("---------------------------------")
+        if not flags.checkpoint_dir:
+            print("note: no --checkpoint_dir, so no checkpoints are saved", flush=True)
         print(f"training on {rt.kind} ({rt.device}): world {rt.world_size} = tensor parallel "
               f"{flags.tensor_parallel_size} x data parallel {dp_size}; ZeRO-1 {flags.use_zero_1}; "
               f"{llama_data.describe(data)}", flush=True)
@@ -437,7 +440,8 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
             "Environment variables": {k: v for k, v in os.environ.items() if k.startswith(("NEURON", "XLA"))},
         })
 
-    throughput = Throughput(sequences_per_step * flags.logging_interval, window=max(1, 10 // flags.logging_interval))
+    # NxD's Throughput: a moving window of 10 steps' worth of logged intervals.
+    throughput = Throughput(sequences_per_step * flags.logging_interval, window=math.ceil(10 / flags.logging_interval))
     throughputs: List[float] = []
     train_start = time.time()
     training_ustep = skip
