@@ -117,6 +117,27 @@ def test_tp2_dp2_zero1_equals_dense_and_resumes_exactly(data_dir, model_path, tm
     assert {"Final loss", "Time to train", "Average throughput", "Peak throughput", "Loss", "Throughput"} <= names
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, tolerance", [
+    (["--use_zero_1", "--use_mix_precision", "--selective_checkpoint_enabled"], 0.05),   # bf16 weights and compute
+    (["--use_meta_device_init", "--no_activation_checkpointing", "--use_flash_attention", "0"], None),
+])
+def test_precision_and_initialisation_options(data_dir, model_path, tmp_path, extra, tolerance):
+    """--use_mix_precision (bf16 with fp32 master shards) stays within bf16 rounding of the dense fp32 curve;
+    --use_meta_device_init draws another init (nn.Linear's), so its loss only has to fall."""
+    out = str(tmp_path / "run")
+    done = _launch(_torchrun(4) + flags(data_dir, model_path, out, 2, 2, 6) + ["--device", "cpu", *extra])
+    losses = [r["loss"] for r in _module("training_log").read_step_log(out)]
+    assert len(losses) == 6 and all(map(lambda v: abs(v) < float("inf"), losses)), done.stdout[-2000:]
+    if tolerance is None:
+        assert losses[-1] < losses[0], losses
+        return
+    dense = _module("dense_reference").train(_module("tp_zero1_llama_hf_pretrain").parse_args(
+        flags(data_dir, model_path, str(tmp_path / "dense"), 1, 4, 6)))
+    assert max(abs(a - b) for a, b in zip(losses, dense)) < tolerance, (losses, dense)
+    assert "bfloat16" in json.load(open(os.path.join(out, "results.json")))["results"]["parameters"]["Data type"]
+
+
 # ---- one clear line for bad flags and bad data ------------------------------------------------------------------
 
 def _parse_error(argv, capsys) -> str:
