@@ -36,7 +36,7 @@ MAX_NORM = 0.5
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.01)   # eps: see tests/test_zero1.py
 
 
-# ---- the config --------------------------------------------------------------------------------------------------------
+# ---- the config ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
 def no_world(monkeypatch):
@@ -133,7 +133,7 @@ def test_master_weights_without_zero_one_are_refused(no_world):
             nxdtp.initialize_parallel_optimizer(config, torch.optim.AdamW, [torch.nn.Parameter(torch.ones(2))])
 
 
-# ---- init_weight_cpu / initialize_weight_biases ------------------------------------------------------------------------
+# ---- init_weight_cpu / initialize_weight_biases ----------------------------------------------------------------------
 
 def _rows(dense, tp, rank, dim=0):
     return dense.chunk(tp, dim=dim)[rank]
@@ -213,7 +213,7 @@ def test_init_weight_cpu_reproduces_the_constructor_under_its_seed(worlds):
     assert worlds(2).run(case_fresh_layer_is_reproduced, tensor_model_parallel_size=2) == [True, True]
 
 
-# ---- training through the trainer API equals dense ---------------------------------------------------------------------
+# ---- training through the trainer API equals dense -------------------------------------------------------------------
 
 def _dense_llama():
     from tests.test_models_decoders import _config, _dense
@@ -309,7 +309,7 @@ def test_trainer_api_tp2_dp2_equals_dense(worlds, zero_one):
         assert mean == pytest.approx(dense_losses[step], rel=1e-5, abs=1e-5), (step, mean, dense_losses[step])
 
 
-# ---- meta-device init with param_init_fn -------------------------------------------------------------------------------
+# ---- meta-device init with param_init_fn -----------------------------------------------------------------------------
 
 def nxd_llama_init_weights(module, device):
     """NxD's Llama ``init_weights`` with random norms: the parallel layers re-draw their dense weights, biases zero."""
