@@ -245,8 +245,8 @@ NXD_2_29 = {
 }
 
 # NxD 2.29's trainer API (``src/neuronx_distributed/trainer/``): the package's names, ``trainer/model.py``'s
-# ``NxDModel`` and ``trainer/optimizer.py``'s ``NxDOptimizer``, all at ``nxdtp.trainer``. Its checkpoint names (``save_checkpoint``,
-# ``load_checkpoint``, ...) are listed where nxdtp.trainer.checkpoint is tested.
+# ``NxDModel`` and ``trainer/optimizer.py``'s ``NxDOptimizer``, all at ``nxdtp.trainer``. Its checkpoint names
+# (``save_checkpoint``, ``load_checkpoint``, ...) are listed where nxdtp.trainer.checkpoint is tested.
 NXD_TRAINER_2_29 = {
     "trainer": {
         "neuronx_distributed_config": [
