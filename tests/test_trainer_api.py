@@ -316,6 +316,9 @@ def nxd_llama_init_weights(module, device):
     from nxdtp.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
     from nxdtp.modules.qkv_linear import GQAQKVColumnParallelLinear
 
+    for key, child in module._modules.items():   # NxD's: rotary frequencies made again (meta with include_buffers)
+        if type(child).__name__ == "LlamaRotaryEmbedding":
+            module._modules[key] = type(child)(child.config)
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding)):
         module.init_weight_cpu()
         if getattr(module, "bias", None) is not None:
@@ -356,12 +359,12 @@ def case_meta_init(include_buffers: bool):
 
     def model_fn(cfg):
         model = transformers.LlamaForCausalLM(cfg)
-        built_on.append(next(model.parameters()).device.type)
+        built_on.append((next(model.parameters()).device.type, next(model.buffers()).device.type))
         return model
 
     torch.manual_seed(11)
     model = nxdtp.initialize_parallel_model(nxd_config, lambda: model_fn(config), include_buffers)
-    assert built_on == ["meta"]
+    assert built_on == [("meta", "meta" if include_buffers else "cpu")]
     assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     dense = _dense_drawn_like_init_weights(config)
     _check_weights(model.module, dense, "meta init")
@@ -371,8 +374,53 @@ def case_meta_init(include_buffers: bool):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_meta_device_init_gives_the_same_model_on_every_dp_rank(worlds):
-    results = worlds(4).run(case_meta_init, tensor_model_parallel_size=2, include_buffers=False)
+@pytest.mark.parametrize("include_buffers", [False, True])
+def test_meta_device_init_gives_the_same_model_on_every_dp_rank(worlds, include_buffers):
+    results = worlds(4).run(case_meta_init, tensor_model_parallel_size=2, include_buffers=include_buffers)
     for name in results[0]:
         assert torch.equal(results[0][name], results[2][name]), f"{name}: DP replicas differ"
         assert torch.equal(results[1][name], results[3][name]), f"{name}: DP replicas differ"
+
+
+# ---- pad_model, checkpointing by class -------------------------------------------------------------------------------
+
+def case_pad_model_and_checkpoint_classes():
+    from tests.test_models_bert import _check_weights
+
+    # 6 heads of 4 (no GQA) on tp=4: TP does not divide the heads, pad_model pads them with zero heads.
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+
+    def build():
+        torch.manual_seed(3)
+        return transformers.LlamaForCausalLM(config)
+
+    with pytest.raises(ValueError, match="heads"):
+        nxdtp.initialize_parallel_model(nxdtp.neuronx_distributed_config(tensor_parallel_size=4), build)
+    mlp = transformers.models.llama.modeling_llama.LlamaMLP
+    attention = transformers.models.llama.modeling_llama.LlamaAttention
+    nxd_config = nxdtp.neuronx_distributed_config(tensor_parallel_size=4, pad_model=True,
+                                                  activation_checkpoint_config=[mlp, attention])
+    model = nxdtp.initialize_parallel_model(nxd_config, build)
+    dense = build()
+    calls = []
+    for module in model.modules():   # a child of each: the recompute calls the checkpointed module's forward itself
+        if isinstance(module, (mlp, attention)):
+            (module.down_proj if isinstance(module, mlp) else module.o_proj).register_forward_pre_hook(
+                lambda *_: calls.append(1))
+    input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss = model.run_train(input_ids=input_ids, labels=input_ids)
+    assert len(calls) == 2 * 4, f"{len(calls)} calls of the 4 checkpointed modules (forward and recompute)"
+    dense_loss = dense(input_ids=input_ids, labels=input_ids).loss
+    torch.testing.assert_close(loss, dense_loss, **TOL)
+    _check_weights(model.module, dense, "pad_model")
+    with pytest.raises(RuntimeError, match="_no_split_modules"):
+        nxdtp.initialize_parallel_model(nxdtp.neuronx_distributed_config(
+            tensor_parallel_size=4, activation_checkpoint_config="full"), lambda: torch.nn.Linear(4, 4))
+    return float(loss)
+
+
+def test_pad_model_and_checkpointing_by_class(worlds):
+    losses = worlds(4).run(case_pad_model_and_checkpoint_classes, tensor_model_parallel_size=4)
+    assert len(set(losses)) == 1
