@@ -133,6 +133,21 @@ def test_master_weights_without_zero_one_are_refused(no_world):
             nxdtp.initialize_parallel_optimizer(config, torch.optim.AdamW, [torch.nn.Parameter(torch.ones(2))])
 
 
+def case_config_initializes_model_parallelism():
+    assert not ps.model_parallel_is_initialized()
+    nxdtp.neuronx_distributed_config(tensor_parallel_size=2)
+    sizes = (ps.get_tensor_model_parallel_size(), ps.get_data_parallel_size())
+    nxdtp.neuronx_distributed_config(tensor_parallel_size=2)   # the same size again: kept
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 but model parallelism is already initialized"):
+        nxdtp.neuronx_distributed_config(tensor_parallel_size=4)
+    return sizes
+
+
+def test_config_initializes_model_parallelism_when_torch_distributed_is_up(worlds):
+    # tensor_model_parallel_size=None: the harness leaves model parallelism to the case.
+    assert worlds(4).run(case_config_initializes_model_parallelism, tensor_model_parallel_size=None) == [(2, 2)] * 4
+
+
 # ---- init_weight_cpu / initialize_weight_biases ----------------------------------------------------------------------
 
 def _rows(dense, tp, rank, dim=0):
