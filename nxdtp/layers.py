@@ -162,7 +162,7 @@ class BaseParallelLinear(BaseParallelLayer):
         slices together are a dense init's weight (zero padding where the layer pads). The bias is left alone, as in
         NxD. With ``keep_master_weight`` the dense weight is kept as ``master_weight`` again."""
         dense = reinitialise_local(self.weight, self.param_specs()["weight"],
-                                   self.arg_init_method or linear_weight_init, self._group())
+                                   getattr(self, "arg_init_method", None) or linear_weight_init, self._group())
         if getattr(self, "master_weight", None) is not None:
             self.master_weight = self.param_specs()["weight"].full_from_dense(dense).to(self.weight.dtype)
 
@@ -545,8 +545,9 @@ class ParallelEmbedding(BaseParallelLayer):
         (``torch.nn.Embedding``'s normal init when None; the ``padding_idx`` row zero), this rank's slice kept in
         place. Every data-parallel replica draws the same values under one seed, and the TP ranks' slices together are
         a dense init's table (zero padding where the layer pads)."""
-        reinitialise_local(self.weight, self.param_specs()["weight"], self.init_method or nn.init.normal_,
-                           self._group(), zero_rows=() if self.padding_idx is None else (self.padding_idx,))
+        init = getattr(self, "init_method", None) or nn.init.normal_   # None on a layer pickled before nxdtp kept it
+        reinitialise_local(self.weight, self.param_specs()["weight"], init, self._group(),
+                           zero_rows=() if self.padding_idx is None else (self.padding_idx,))
 
     def _to_sequence_shard(self, output: torch.Tensor, collective: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Apply ``collective(tensor, dim)`` along the sequence: NxD's layout for batch-first ids by default."""

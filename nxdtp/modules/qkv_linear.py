@@ -126,15 +126,16 @@ class GQAQKVColumnParallelLinear(ShardedModule):
         ``keep_master_weight`` are replaced by the new dense ones."""
         group = tensor_parallel_group()
         specs = self.param_specs()
+        init = getattr(self, "init_method", None) or linear_weight_init   # None on a layer pickled before nxdtp kept it
         masters = {"weight": {}, "bias": {}}
         for part in PROJECTIONS:
             masters["weight"][part] = sharded_init.reinitialise_local(
-                getattr(self, "weight_" + part), specs["weight_" + part], self.init_method or linear_weight_init, group)
+                getattr(self, "weight_" + part), specs["weight_" + part], init, group)
             bias = getattr(self, "bias_" + part)
             if bias is not None:
                 masters["bias"][part] = sharded_init.reinitialise_local(
                     bias, specs["bias_" + part], lambda t: linear_bias_init(t, self.input_size), group).to(bias.dtype)
-        if self.keep_master_weight:
+        if getattr(self, "keep_master_weight", False):
             self._keep_masters(masters)
 
     @property

@@ -255,9 +255,10 @@ def _activation_checkpoint_classes(config: Any, base_model: nn.Module, model: nn
                                "is not one: pass the module class (or a list of classes) to checkpoint")
         classes = []
         for name in names:
-            # The class by name in each module's MRO: parallelization may have swapped a module's class for a
-            # subclass (nxdtp.plan.wrap_forward), which isinstance still matches.
-            found = next((c for m in model.modules() for c in type(m).__mro__ if c.__name__ == name), None)
+            # The class by name, the base-most of that name in a module's MRO: parallelization swaps modules' classes
+            # for per-module subclasses of the same name (nxdtp.plan.wrap_forward), which isinstance of the base
+            # still matches.
+            found = next((c for m in model.modules() for c in reversed(type(m).__mro__) if c.__name__ == name), None)
             if found is None:
                 raise RuntimeError(f'activation_checkpoint_config="full": no module of class {name} (from '
                                    f"{type(base_model).__name__}._no_split_modules) in the model")
