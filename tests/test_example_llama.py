@@ -67,7 +67,7 @@ def flags(data_dir, model_path, out, tp, batch_size, steps=4, steps_this_run=Non
 
 
 def _launch(command, timeout=300, check=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "USE_TORCH_XLA": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "CPU"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
@@ -136,6 +136,23 @@ def test_precision_and_initialisation_options(data_dir, model_path, tmp_path, ex
         flags(data_dir, model_path, str(tmp_path / "dense"), 1, 4, 6)))
     assert max(abs(a - b) for a, b in zip(losses, dense)) < tolerance, (losses, dense)
     assert "bfloat16" in json.load(open(os.path.join(out, "results.json")))["results"]["parameters"]["Data type"]
+
+
+@pytest.mark.slow
+@pytest.mark.xla
+def test_xla_cpu_run_equals_dense(data_dir, model_path, tmp_path):
+    """One process on XLA:CPU (--device xla; XLA:CPU is one replica per process, so TP=1): the lazy-tensor path (step
+    closures, one graph per step, a checkpoint saved after the graph ran) gives the dense curve."""
+    pytest.importorskip("torch_xla")
+    out = str(tmp_path / "xla")
+    done = _launch([sys.executable, SCRIPT] + flags(data_dir, model_path, out, 1, 4)
+                   + ["--device", "xla", "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_freq", "2"])
+    assert "training on xla" in done.stdout, done.stdout[-2000:]
+    assert os.path.isdir(tmp_path / "ck" / "step_4")
+    losses = [r["loss"] for r in _module("training_log").read_step_log(out)]
+    dense = _module("dense_reference").train(_module("tp_zero1_llama_hf_pretrain").parse_args(
+        flags(data_dir, model_path, str(tmp_path / "dense"), 1, 4)))
+    assert max(abs(a - b) for a, b in zip(losses, dense)) < 1e-4, (losses, dense)
 
 
 # ---- one clear line for bad flags and bad data ------------------------------------------------------------------
