@@ -520,15 +520,16 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
             if due:
                 saved_tag = save(global_step, epoch)
         else:
-            if due:
+            # A non-finite step is never saved: report() stops the run at it, so it runs first when the values are bad.
+            finite = math.isfinite(reduced_loss.item()) and (grad_norm is None or math.isfinite(grad_norm.item()))
+            if due and finite:
                 saved_tag = save(global_step, epoch)
                 timer.mark("checkpoint")
             report(global_step, epoch, reduced_loss, grad_norm, lr, timer.times)
         if batches.epoch_of(training_ustep) != epoch and is_root:
             print(f"Epoch {epoch + 1} begin {time.asctime()}", flush=True)
 
-    if hasattr(nxd, "finalize_checkpoint"):
-        nxd.finalize_checkpoint()
+    nxd.finalize_checkpoint()   # waits for asynchronous saves (none here: NxD's call saves synchronously)
     minutes = (time.time() - train_start) / 60
     summary = {"global_step": global_step, "final_loss": final_loss, "checkpoint": saved_tag, "minutes": minutes}
     if is_root:
