@@ -175,6 +175,7 @@ def _parse_error(argv, capsys) -> str:
     (["--kv_replicator", "3", "--tensor_parallel_size", "4"], "--kv_replicator 3: 2 KV heads x 3"),
     (["--use_gpu_compatible_precision", "0", "--device", "cpu"], "--use_gpu_compatible_precision 0 is NxD's"),
     (["--batch_size", "0"], "--batch_size 0 must be >= 1"),
+    (["--lr", "inf"], "--lr inf must be a finite number >= 0"),
 ])
 def test_bad_flags_are_one_line(data_dir, model_path, tmp_path, capsys, extra, message):
     line = _parse_error(flags(data_dir, model_path, str(tmp_path), 2, 2) + extra, capsys)
@@ -223,6 +224,22 @@ def test_bad_data_ends_the_run_with_one_line(model_path, tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "DataError" in errors[0] and f"[0, {VOCAB})" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_stops_the_run_unsaved(data_dir, model_path, tmp_path):
+    """--lr 1e30 (0 in step 1's warmup): step 2's update blows the weights up and step 3's gradient norm is NaN. The
+    run prints step 3's LOG line with its grad norm, stops with one line, exit status 1, and saves no step 3."""
+    out, checkpoints = str(tmp_path / "out"), tmp_path / "ck"
+    argv = flags(data_dir, model_path, out, 1, 2) + ["--lr", "1e30", "--device", "cpu", "--checkpoint_dir",
+                                                      str(checkpoints), "--checkpoint_freq", "1"]
+    done = _launch([sys.executable, SCRIPT] + argv, check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "NonFiniteStepError: step 3: non-finite" in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert re.search(r"\(0, 3\) step_loss : \S+ .* grad-norm : nan", done.stdout), done.stdout[-2000:]
+    assert {"step_1", "step_2"} <= set(os.listdir(checkpoints)) and "step_3" not in os.listdir(checkpoints)
 
 
 # ---- NxD's data format -----------------------------------------------------------------------------------------------

@@ -153,6 +153,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                  "logging_interval", "kv_replicator"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)} must be >= 1")
+    if not 0 <= args.lr < float("inf"):
+        parser.error(f"--lr {args.lr} must be a finite number >= 0")
     if args.warmup_steps < 0:
         parser.error(f"--warmup_steps {args.warmup_steps} must be >= 0")
     if args.context_parallel_size != 1:
