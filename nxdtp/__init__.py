@@ -23,6 +23,8 @@ from .trainer import finalize_checkpoint, has_checkpoint, load_checkpoint, save_
 from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, \
     set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes, \
     split_tensor_along_last_dim  # noqa: E402
+from . import trainer  # noqa: E402
+from .trainer import initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config  # noqa: E402
 
 __all__ = [
     "__version__", "comm", "grads", "layer_norm", "layers", "loss_functions", "mappings", "optimizers", "pad",
@@ -38,5 +40,6 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes", "split_tensor_along_last_dim",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "trainer", "neuronx_distributed_config", "initialize_parallel_model", "initialize_parallel_optimizer",
     "save_checkpoint", "load_checkpoint", "has_checkpoint", "finalize_checkpoint",
 ]

@@ -22,7 +22,7 @@ from . import mappings, sequence_parallel_linear
 from .parallel_state import (ParallelGroup, get_topology, group_of, model_parallel_is_initialized, rank_tensor,
                              tensor_parallel_group)
 from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
-                           materialise_shard, reject_unsupported, shard_of, split_size)
+                           materialise_shard, reinitialise_local, reject_unsupported, shard_of, split_size)
 from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
                    OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
 from .spec import ParamSpec, ShardedModule
@@ -155,6 +155,17 @@ class BaseParallelLinear(BaseParallelLayer):
                 "gradients in training wherever a padded output is used. Call model.eval(), or use sizes the "
                 f"tensor-parallel size {self._group().size} divides")
 
+    def init_weight_cpu(self) -> None:
+        """NxD's re-initialisation of the weight (what NxD's Llama ``init_weights`` calls after a meta-device build):
+        the dense weight drawn again on CPU with the layer's ``init_method`` (``nn.Linear``'s default when None), this
+        rank's slice kept in place. Every data-parallel replica draws the same values under one seed, and the TP ranks'
+        slices together are a dense init's weight (zero padding where the layer pads). The bias is left alone, as in
+        NxD. With ``keep_master_weight`` the dense weight is kept as ``master_weight`` again."""
+        dense = reinitialise_local(self.weight, self.param_specs()["weight"],
+                                   getattr(self, "arg_init_method", None) or linear_weight_init, self._group())
+        if getattr(self, "master_weight", None) is not None:
+            self.master_weight = self.param_specs()["weight"].full_from_dense(dense).to(self.weight.dtype)
+
 
 def _padded_linear_weight(layer: BaseParallelLinear, input_size: int, output_size: int, dim: int, padded: int,
                           stride: int, dtype, device, init_method: Optional[InitMethod], keep_master_weight: bool,
@@ -221,6 +232,7 @@ class ColumnParallelLinear(BaseParallelLinear):
             raise ValueError("ColumnParallelLinear: sequence_parallel_enabled=True needs gather_output=False (the "
                              "sequence-parallel input is gathered on entry; gathering the output as well is not defined)")
         self.input_size, self.output_size = input_size, output_size
+        self.arg_init_method = init_method  # NxD's name; init_weight_cpu() draws with it
         self.pad, self.keep_padded_output = pad, keep_padded_output
         self.pad_size = get_padding_length(output_size, pad_alignment_size_per_rank * tp) if pad else 0
         padded = output_size + self.pad_size
@@ -332,6 +344,7 @@ class RowParallelLinear(BaseParallelLinear):
                              "times once the caller reduces it")
         self.input_size, self.output_size = input_size, output_size
         self.pad = pad
+        self.arg_init_method = init_method  # NxD's name; init_weight_cpu() draws with it
         self.pad_size = get_padding_length(input_size, tp) if pad else 0
         padded = input_size + self.pad_size
         self.input_size_per_partition = split_size("RowParallelLinear", "input_size", padded, tp, stride)
@@ -482,6 +495,7 @@ class ParallelEmbedding(BaseParallelLayer):
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = sequence_dimension
         self.rank_util = SPMDRank(tp) if use_spmd_rank else None
+        self.init_method = init_method  # NxD's name; init_weight_cpu() draws with it
 
         self.padded_num_embeddings, self.padded_embedding_dim = num_embeddings, embedding_dim
         if shard_across_embedding:
@@ -525,6 +539,15 @@ class ParallelEmbedding(BaseParallelLayer):
         self.weight = nn.Parameter(weight)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
                                                      real_shape=(num_embeddings, embedding_dim)))
+
+    def init_weight_cpu(self) -> None:
+        """NxD's re-initialisation of the weight: the dense table drawn again on CPU with the layer's ``init_method``
+        (``torch.nn.Embedding``'s normal init when None; the ``padding_idx`` row zero), this rank's slice kept in
+        place. Every data-parallel replica draws the same values under one seed, and the TP ranks' slices together are
+        a dense init's table (zero padding where the layer pads)."""
+        init = getattr(self, "init_method", None) or nn.init.normal_   # None on a layer pickled before nxdtp kept it
+        reinitialise_local(self.weight, self.param_specs()["weight"], init, self._group(),
+                           zero_rows=() if self.padding_idx is None else (self.padding_idx,))
 
     def _to_sequence_shard(self, output: torch.Tensor, collective: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Apply ``collective(tensor, dim)`` along the sequence: NxD's layout for batch-first ids by default."""

@@ -111,3 +111,25 @@ def create_local_weight(full_weight: torch.Tensor, partition_dim: int, per_parti
         return local
     with torch.no_grad():
         return out_weight.copy_(local)
+
+
+def reinitialise_local(param: torch.Tensor, spec: ParamSpec, init: InitMethod, group: ParallelGroup,
+                       zero_rows: Tuple[int, ...] = ()) -> torch.Tensor:
+    """Draw ``param`` again as its layer would: the dense tensor (the spec's unpadded shape) in fp32 on CPU with
+    ``init`` (rows ``zero_rows`` of it set to zero), laid out by the spec (KV copies, zero padding), and this rank's
+    part of ``group`` copied into ``param`` in place. The dense draw is the same on every rank under one seed, so every
+    data-parallel replica gets the same values, and together the TP ranks hold exactly a dense init's slices. Returns
+    the fp32 dense tensor (NxD keeps it as the master weight)."""
+    dense = torch.empty(spec.unpadded_shape, dtype=torch.float32)
+    init(dense)
+    with torch.no_grad():
+        for row in zero_rows:
+            dense[row].zero_()
+        full = spec.full_from_dense(dense)
+        local = full if spec.partition_dim is None else shard_of(full, spec.partition_dim, group.rank, group.size,
+                                                                  spec.stride)
+        if tuple(local.shape) != tuple(param.shape):
+            raise ValueError(f"re-initialising a parameter of shape {tuple(param.shape)}: its spec gives this rank a "
+                             f"part of shape {tuple(local.shape)}")
+        param.detach().copy_(local)
+    return dense

@@ -2,7 +2,7 @@
 
 The launches run the BERT example under torchrun at TP=2 x DP=2 on gloo with a 20-second collective timeout, and make
 one rank fail at the start of step 3 through the example's fault-injection hook (NXDTP_INJECT_FAULT, see
-examples/tp_dp_bert/rank_failure.py). A launch takes about 18 s on two CPU cores, most of it the start of four
+examples/common/rank_failure.py). A launch takes about 18 s on two CPU cores, most of it the start of four
 processes (a hang 40 s): the SIGKILL launch runs in the default set, the others are slow. The other tests check the
 pieces: nxdtp's groups honour the timeout they are given, the failure report names the right rank, and the flag.
 """

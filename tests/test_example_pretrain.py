@@ -22,13 +22,15 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "tp_dp_bert")
+COMMON = os.path.join(REPO, "examples", "common")   # runtime, training_log, rank_failure: shared by the examples
 SCRIPT = os.path.join(EXAMPLE, "tp_dp_bert_large_hf_pretrain_hdf5.py")
 SEQ_LEN, MAX_PRED, VOCAB = 64, 10, 1001   # a vocabulary that TP=2 must pad
 
 
 def _example_module(name: str):
-    if EXAMPLE not in sys.path:
-        sys.path.insert(0, EXAMPLE)
+    for directory in (COMMON, EXAMPLE):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
     return __import__(name)
 
 

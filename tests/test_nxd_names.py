@@ -1,6 +1,6 @@
-"""Every public name of NxD 2.29's ``neuronx_distributed.parallel_layers`` is in nxdtp at the matching path, with NxD's
-positional parameters, or is listed in docs/nxd_migration.md as not provided, with the reason. So is every public name
-of NxD's ``trainer/checkpoint.py`` (at ``nxdtp.trainer.checkpoint``).
+"""Every public name of NxD 2.29's ``neuronx_distributed.parallel_layers`` (and of its trainer API,
+``neuronx_distributed.trainer``, including ``trainer/checkpoint.py`` at ``nxdtp.trainer.checkpoint``) is in nxdtp at the
+matching path, with NxD's positional parameters, or is listed in docs/nxd_migration.md as not provided, with the reason.
 
 The list below was read from NxD's source at release 2.29 (``parallel_layers/<module>.py``: every top-level function
 and class whose name does not start with an underscore, with the parameters of the function or of the class's
@@ -255,6 +255,27 @@ NXD_2_29 = {
     },
 }
 
+# NxD 2.29's trainer API (``src/neuronx_distributed/trainer/``): the package's names, ``trainer/model.py``'s
+# ``NxDModel`` and ``trainer/optimizer.py``'s ``NxDOptimizer``, all at ``nxdtp.trainer``. Its checkpoint names
+# (``save_checkpoint``, ``load_checkpoint``, ...) are listed where nxdtp.trainer.checkpoint is tested.
+NXD_TRAINER_2_29 = {
+    "trainer": {
+        "neuronx_distributed_config": [
+            "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "context_parallel_size",
+            "pipeline_config", "optimizer_config", "activation_checkpoint_config", "pad_model", "sequence_parallel",
+            "model_init_config", "lora_config", "mixed_precision_config", "sequential_move_factor", "lnc_size"],
+        "initialize_parallel_model": ["nxd_config", "model_fn", "include_buffers"],
+        "initialize_parallel_optimizer": ["nxd_config", "optimizer_class", "parameters"],
+        "NxDModel": ["module", "nxd_config"],
+        "NxDOptimizer": ["optimizer", "nxd_config"],
+        "hooks": None,
+    },
+}
+# Also at NxD's top level (``neuronx_distributed.X``), and so at ``nxdtp.X``.
+NXD_TOP_LEVEL_TRAINER_NAMES = ["neuronx_distributed_config", "initialize_parallel_model",
+                               "initialize_parallel_optimizer"]
+NXD_2_29.update(NXD_TRAINER_2_29)
+
 _DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "nxd_migration.md")
 _ROW = re.compile(r"^\| `(?P<module>[a-z_.]+)\.(?P<name>[A-Za-z0-9_]+)` \| (?P<status>same|different|not provided) \|"
                   r" (?P<note>.*) \|$")
@@ -309,3 +330,9 @@ def test_name_is_provided_with_nxd_parameters_or_documented_as_not_provided(modu
     actual = _parameters(getattr(_nxdtp_module(module), name))
     assert actual[:len(expected)] == expected, (
         f"nxdtp.{module}.{name} parameters {actual} do not start with NxD 2.29's {expected}")
+
+
+def test_nxd_top_level_trainer_names_are_nxdtp_top_level_names():
+    for name in NXD_TOP_LEVEL_TRAINER_NAMES:
+        assert getattr(nxdtp, name) is getattr(nxdtp.trainer, name), name
+        assert name in nxdtp.__all__, name

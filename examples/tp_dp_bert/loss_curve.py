@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "common"))
 
-from training_log import read_step_log  # noqa: E402
+from loss_curves import largest_gap, plot, python_launch, run_layout  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "tp_dp_bert_large_hf_pretrain_hdf5.py")
 LAYOUTS = (("TP=2 x DP=1", 2), ("TP=1 x DP=2", 1))   # (label, tensor_parallel_size) on 2 processes
@@ -45,35 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train(args: argparse.Namespace, label: str, tp: int) -> List[Dict]:
     run_dir = os.path.join(args.output_dir, label.replace(" ", "").replace("=", ""))
     dp = 2 // tp
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
+    command = [*python_launch(2), SCRIPT,
                "--data_dir", args.data_dir, "--output_dir", run_dir,
                "--metrics_file", os.path.join(run_dir, "results.json"), "--model_config", args.model_config,
                "--tensor_parallel_size", str(tp), "--batch_size", str(args.global_batch // dp),
                "--grad_accum_usteps", str(args.grad_accum_usteps), "--steps_this_run", str(args.steps),
                "--max_steps", str(args.steps), "--warmup_steps", str(max(1, args.steps // 10)), "--lr", str(args.lr),
                "--dropout", "0", "--shards_per_ckpt", "0", "--device", "cpu", *args.extra]
-    print(f"== {label}: {' '.join(command[3:])}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, check=True, env=env)
-    return read_step_log(run_dir)[-args.steps:]
-
-
-def plot(curves: Dict[str, List[Dict]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (label, records), style in zip(curves.items(), ("-", "--")):
-        ax.plot([r["step"] for r in records], [r["loss"] for r in records], style, marker="o", markersize=3,
-                label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (MLM + NSP)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return run_layout(command, run_dir, args.steps, label)
 
 
 def main(argv=None) -> int:
@@ -81,10 +59,10 @@ def main(argv=None) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     curves = {label: train(args, label, tp) for label, tp in LAYOUTS}
     (label_a, a), (label_b, b) = curves.items()
-    gap = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+    gap = largest_gap(a, b)
     png = os.path.join(args.output_dir, "loss_curve.png")
     plot(curves, png, f"same seed, global batch {args.global_batch} x {args.grad_accum_usteps} micro-steps: "
-                      f"max |diff| {gap:.1e}")
+                      f"max |diff| {gap:.1e}", ylabel="training loss (MLM + NSP)")
     with open(os.path.join(args.output_dir, "loss_curve.json"), "w") as f:
         json.dump({label: [r["loss"] for r in records] for label, records in curves.items()} | {"max_abs_diff": gap},
                   f, indent=1)

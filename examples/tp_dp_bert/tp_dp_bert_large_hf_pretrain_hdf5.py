@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The helpers the examples share (device and world, reporting, rank failures): examples/common.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common"))
 
 import pretraining_data  # noqa: E402
 import rank_failure  # noqa: E402

@@ -64,6 +64,30 @@ def checkpoint_layers(model: nn.Module) -> nn.Module:
     return model
 
 
+def checkpoint_modules(model: nn.Module, classes) -> list:
+    """Recompute, in backward, every submodule of ``model`` that is an instance of one of ``classes`` (a class or a
+    sequence of them), as ``checkpoint_layers`` does for transformer layers: ``nxdtp.random.checkpoint`` (RNG tracker
+    replayed, KV caches kept out). A module inside another checkpointed one is not wrapped again. Module names, and so
+    ``state_dict`` keys, do not change. Returns the wrapped modules; ``ValueError`` if there is none."""
+    classes = tuple(classes) if isinstance(classes, (list, tuple)) else (classes,)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"activation checkpointing needs torch.nn.Module classes; got {classes!r}")
+    wrapped = []
+    for module in model.modules():
+        if isinstance(module, classes) and not any(_is_descendant(module, outer) for outer in wrapped):
+            wrapped.append(module)
+    if not wrapped:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no module of the classes "
+                         f"{[c.__name__ for c in classes]}")
+    for module in wrapped:
+        wrap_forward(module, "nxdtp_activation_checkpoint", _checkpointed_layer)
+    return wrapped
+
+
+def _is_descendant(module: nn.Module, outer: nn.Module) -> bool:
+    return any(m is module for m in outer.modules())
+
+
 def _checkpointed_layer(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)

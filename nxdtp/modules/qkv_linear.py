@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .. import mappings, sequence_parallel_linear
+from .. import mappings, sequence_parallel_linear, sharded_init
 from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported, shard_of
 from ..parallel_state import tensor_parallel_group
 from ..spec import ParamSpec, ShardedModule
@@ -75,6 +75,8 @@ class GQAQKVColumnParallelLinear(ShardedModule):
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
         self.q_output_size_per_partition, self.kv_output_size_per_partition = q_size // tp, kv_local
         self.head_dim = block
+        self.init_method = init_method  # initialize_weight_biases() draws with it again
+        self.keep_master_weight = keep_master_weight
         masters = {"weight": {}, "bias": {}}
         for part in PROJECTIONS:
             rows, copies = (q_size, {}) if part == "q" else (kv_size, dict(replicas=m, replica_block=block))
@@ -114,6 +116,27 @@ class GQAQKVColumnParallelLinear(ShardedModule):
                 setattr(self, f"master_{kind}_{part}", dense[part])
             if self.fuse_qkv:
                 setattr(self, f"master_{kind}_qkv", fused)
+
+    def initialize_weight_biases(self) -> None:
+        """NxD's re-initialisation (what NxD's Llama ``init_weights`` calls after a meta-device build): the dense Q, K
+        and V weights (the layer's ``init_method``, ``nn.Linear``'s default when None) and biases drawn again on CPU in
+        the order the constructor draws them, each laid out as its spec says (KV heads repeated) and this rank's part
+        kept in place. Every data-parallel replica draws the same values under one seed; the TP ranks' parts together
+        are dense projections' weights, so the layer equals dense Q, K and V again. The master tensors of
+        ``keep_master_weight`` are replaced by the new dense ones."""
+        group = tensor_parallel_group()
+        specs = self.param_specs()
+        init = getattr(self, "init_method", None) or linear_weight_init   # None on a layer pickled before nxdtp kept it
+        masters = {"weight": {}, "bias": {}}
+        for part in PROJECTIONS:
+            masters["weight"][part] = sharded_init.reinitialise_local(
+                getattr(self, "weight_" + part), specs["weight_" + part], init, group)
+            bias = getattr(self, "bias_" + part)
+            if bias is not None:
+                masters["bias"][part] = sharded_init.reinitialise_local(
+                    bias, specs["bias_" + part], lambda t: linear_bias_init(t, self.input_size), group).to(bias.dtype)
+        if getattr(self, "keep_master_weight", False):
+            self._keep_masters(masters)
 
     @property
     def weight_qkv(self) -> torch.Tensor:

@@ -118,8 +118,11 @@ class Runtime:
 
 
 def _to_device(batch, device: torch.device):
+    """A batch (a list of tensors, or a dict of them) on ``device``."""
     if device.type == "cpu":
         return batch
+    if isinstance(batch, dict):
+        return {k: t.to(device, non_blocking=True) for k, t in batch.items()}
     return [t.to(device, non_blocking=True) for t in batch]
 
 

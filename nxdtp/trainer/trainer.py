@@ -1,0 +1,390 @@
+"""NxD's trainer API: ``neuronx_distributed_config``, ``initialize_parallel_model``, ``initialize_parallel_optimizer``.
+
+A facade over nxdtp's core (docs/nxd_migration.md, "Trainer API"): the config is NxD 2.29's dict, filled as NxD fills
+it; the model is built (on the meta device if asked), parallelized when it is a plain Hugging Face model, materialised
+module by module with the user's ``param_init_fn`` and wrapped in ``NxDModel`` with activation checkpointing by
+``nxdtp.models.activation_checkpointing``; the optimizer is ``nxdtp.optimizer.NeuronZero1Optimizer`` or the user's
+class, wrapped in ``NxDOptimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm, parallel_state
+from ..optimizer import NeuronZero1Optimizer
+from ..spec import ShardedModule
+from ..utils import get_local_world_size, move_model_to_device
+from .model import NxDModel
+from .optimizer import NxDOptimizer
+
+logger = logging.getLogger(__name__)
+
+# NxD's defaults (trainer.py of NxD 2.29; pinned by its test/unit_test/wrapper/test_nxd_config.py).
+DEFAULT_SEQUENTIAL_MOVE_FACTOR = 11
+DEFAULT_MAX_GRAD_NORM = 1.0
+
+
+def _warn_default(message: str) -> None:
+    # NxD logs each filled default on global rank 0 (and on a process outside any world).
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message)
+
+
+def _refuse_size(name: str, value: Any, what: str) -> None:
+    if value != 1:
+        raise ValueError(f"neuronx_distributed_config: {name}={value!r} is not supported: nxdtp does tensor and data "
+                         f"parallelism only, with no {what}; the valid value is {name}=1 (the default)")
+
+
+def _check_dict(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(f"neuronx_distributed_config: {name} must be a dict (or None for NxD's defaults); got "
+                        f"{type(value).__name__} {value!r}")
+
+
+def neuronx_distributed_config(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    pipeline_config: Optional[dict] = None,
+    optimizer_config: Optional[dict] = None,
+    activation_checkpoint_config: Any = None,
+    pad_model: bool = False,
+    sequence_parallel: bool = False,
+    model_init_config: Optional[dict] = None,
+    lora_config: Any = None,
+    mixed_precision_config: Optional[dict] = None,
+    sequential_move_factor: int = DEFAULT_SEQUENTIAL_MOVE_FACTOR,
+    lnc_size: int = 1,
+    *,
+    device: Any = None,
+) -> Dict[str, Any]:
+    """NxD's config dict, with NxD's defaults filled in (dicts passed in are filled in place, as NxD does, and each
+    filled default is logged as a warning on rank 0). Initializes model parallelism when torch.distributed is up and
+    model parallelism is not initialized yet.
+
+    Refused by name: pipeline, expert and context parallel sizes other than 1, ``lnc_size`` other than 1, a
+    ``lora_config`` (use PEFT on the model: docs/wrapping_hf_models.md), ``meta_device_init`` without a
+    ``param_init_fn`` (``ValueError``, as NxD). ``pipeline_config`` is kept in the dict and unused, as NxD does at
+    pipeline size 1. ``device`` (nxdtp only, keyword-only) is where ``initialize_parallel_model`` moves the model:
+    None keeps it where it was built (CPU), except on a world whose default backend is XLA, where it goes to the XLA
+    device as NxD's does.
+    """
+    _refuse_size("pipeline_parallel_size", pipeline_parallel_size, "pipeline parallelism")
+    _refuse_size("expert_parallel_size", expert_parallel_size, "expert parallelism")
+    _refuse_size("context_parallel_size", context_parallel_size, "context parallelism")
+    if lnc_size != 1:
+        raise ValueError(f"neuronx_distributed_config: lnc_size={lnc_size!r} is not supported: it selects Trainium's "
+                         "logical-core replica-group layouts, which nxdtp does not use; the valid value is lnc_size=1")
+    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
+        raise ValueError(f"neuronx_distributed_config: tensor_parallel_size={tensor_parallel_size!r} must be an int "
+                         ">= 1")
+    if lora_config is not None:
+        raise ValueError(
+            f"neuronx_distributed_config: lora_config={lora_config!r} is not supported: NxD's LoraModel (its own "
+            "LoRA layers, adapter-only checkpoints, merge_lora) is not reproduced. nxdtp trains LoRA through Hugging "
+            "Face PEFT on the parallelized model: peft.get_peft_model(nxd_model.module, peft.LoraConfig(...)) "
+            "(docs/wrapping_hf_models.md); pass lora_config=None")
+
+    if optimizer_config is None:
+        optimizer_config = {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
+    else:
+        _check_dict("optimizer_config", optimizer_config)
+        if "zero_one_enabled" not in optimizer_config:
+            _warn_default("zero_one_enabled is not set, automatically set it to False.")
+            optimizer_config["zero_one_enabled"] = False
+        if "grad_clipping" not in optimizer_config:
+            _warn_default("grad_clipping is not set, automatically set it to True.")
+            optimizer_config["grad_clipping"] = True
+        if optimizer_config["grad_clipping"] and "max_grad_norm" not in optimizer_config:
+            _warn_default("max_grad_norm is not set, automatically set it to one.")
+            optimizer_config["max_grad_norm"] = DEFAULT_MAX_GRAD_NORM
+
+    zero_one = optimizer_config["zero_one_enabled"]
+    if mixed_precision_config is None:
+        mixed_precision_config = {"use_master_weights": zero_one, "use_fp32_grad_acc": zero_one,
+                                  "use_master_weights_in_ckpt": False}
+    else:
+        _check_dict("mixed_precision_config", mixed_precision_config)
+        if "use_master_weights" not in mixed_precision_config:
+            _warn_default("use_master_weights is not set, automatically set it.")
+            mixed_precision_config["use_master_weights"] = zero_one
+        if "use_fp32_grad_acc" not in mixed_precision_config:
+            _warn_default("use_fp32_grad_acc is not set, automatically set it.")
+            mixed_precision_config["use_fp32_grad_acc"] = zero_one
+        if "use_master_weights_in_ckpt" not in mixed_precision_config:
+            _warn_default("use_master_weights_in_ckpt is not set, automatically set it to False.")
+            mixed_precision_config["use_master_weights_in_ckpt"] = False
+
+    if model_init_config is None:
+        model_init_config = {"sequential_move_factor": sequential_move_factor, "meta_device_init": False,
+                             "param_init_fn": None}
+    else:
+        _check_dict("model_init_config", model_init_config)
+        if "sequential_move_factor" not in model_init_config:
+            _warn_default(f"sequential_move_factor is not set, automatically set it to {sequential_move_factor}.")
+            model_init_config["sequential_move_factor"] = sequential_move_factor
+        if "meta_device_init" not in model_init_config:
+            _warn_default("meta_device_init is not set, automatically set it to False.")
+            model_init_config["meta_device_init"] = False
+        # NxD checks only that the key is there; nxdtp also refuses an explicit None, which NxD would fail on later.
+        if model_init_config["meta_device_init"] and model_init_config.get("param_init_fn") is None:
+            raise ValueError("param_init_fn must be provided when meta_device_init is True: the model is built "
+                             "without values, and param_init_fn(module, device) gives them")
+
+    config = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "expert_parallel_size": expert_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "pipeline_config": pipeline_config,
+        "optimizer_config": optimizer_config,
+        "activation_checkpoint_config": activation_checkpoint_config,
+        "pad_model": pad_model,
+        "sequence_parallel": sequence_parallel,
+        "model_init_config": model_init_config,
+        "lora_config": lora_config,
+        "mixed_precision_config": mixed_precision_config,
+        "lnc_size": lnc_size,
+    }
+    if device is not None:
+        config["device"] = torch.device(device)
+    if dist.is_initialized():
+        _initialize_model_parallel(config)
+        if parallel_state.is_global_rank_zero():
+            logger.info("NxD config: %s", config)
+    return config
+
+
+def _initialize_model_parallel(nxd_config: Dict[str, Any]) -> None:
+    tp = nxd_config["tensor_parallel_size"]
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_size()
+        if current != tp:
+            raise ValueError(f"tensor_parallel_size={tp} but model parallelism is already initialized with "
+                             f"tensor_model_parallel_size={current}; call destroy_model_parallel() first")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+# ---- the model ------------------------------------------------------------------------------------------------------
+
+def _is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _is_parallelized(model: nn.Module) -> bool:
+    return any(isinstance(m, ShardedModule) for m in model.modules())
+
+
+@contextlib.contextmanager
+def _built_on_meta(include_buffers: bool):
+    if include_buffers:
+        with torch.device("meta"):
+            yield
+    else:
+        from ..models.hf_loading import parameters_on_meta
+
+        with parameters_on_meta():
+            yield
+
+
+def _target_device(nxd_config: Dict[str, Any]) -> Optional[torch.device]:
+    device = nxd_config.get("device")
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend() == "xla":
+        import torch_xla
+
+        return torch_xla.device()
+    return None
+
+
+def _materialise(model: nn.Module, param_init_fn: Optional[Callable]) -> None:
+    """NxD's ``reinit_model``, module by module: each module's own meta parameters get (uninitialised) CPU storage,
+    then ``param_init_fn(module, cpu)`` fills them. Ties (one parameter in two modules) and the parameters' attributes
+    (TP and sequence-parallel marks) are kept. Meta buffers get CPU storage too (``include_buffers=True``), to be
+    filled by ``param_init_fn``. Only ``param_init_fn`` draws: at most one layer's dense weight exists at a time."""
+    cpu = torch.device("cpu")
+    made: Dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                if id(param) not in made:
+                    value = torch.empty_like(param, device=cpu) if param.is_meta else param
+                    new = param if value is param else nn.Parameter(value, requires_grad=param.requires_grad)
+                    if new is not param:
+                        new.__dict__.update(param.__dict__)
+                    made[id(param)] = new
+                module._parameters[name] = made[id(param)]
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_meta:
+                    module._buffers[name] = torch.empty_like(buffer, device=cpu)
+            if param_init_fn is not None:
+                param_init_fn(module, cpu)
+    for module in model.modules():
+        if isinstance(module, ShardedModule):
+            module.reattach_spec_attributes()
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"initialize_parallel_model: parameters still on the meta device after param_init_fn: "
+                           f"{meta[:5]}")
+
+
+def _activation_checkpoint_classes(config: Any, base_model: nn.Module, model: nn.Module) -> tuple:
+    if config == "full":
+        names = getattr(base_model, "_no_split_modules", None) if _is_hf_model(base_model) else None
+        if not names:
+            raise RuntimeError('activation_checkpoint_config="full" is only supported for Hugging Face transformers '
+                               f"models (it checkpoints their _no_split_modules classes); {type(base_model).__name__} "
+                               "is not one: pass the module class (or a list of classes) to checkpoint")
+        classes = []
+        for name in names:
+            # The class by name, the base-most of that name in a module's MRO: parallelization swaps modules' classes
+            # for per-module subclasses of the same name (nxdtp.plan.wrap_forward), which isinstance of the base
+            # still matches.
+            found = next((c for m in model.modules() for c in reversed(type(m).__mro__) if c.__name__ == name), None)
+            if found is None:
+                raise RuntimeError(f'activation_checkpoint_config="full": no module of class {name} (from '
+                                   f"{type(base_model).__name__}._no_split_modules) in the model")
+            classes.append(found)
+        return tuple(classes)
+    classes = tuple(config) if isinstance(config, (list, tuple)) else (config,)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f'activation_checkpoint_config={config!r} must be None, "full", a torch.nn.Module class or a '
+                        "list of them")
+    return classes
+
+
+def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[..., nn.Module],
+                              include_buffers: bool = False, *model_args, **model_kwargs) -> NxDModel:
+    """Build ``model_fn(*model_args, **model_kwargs)`` and return it tensor-parallel, in an ``NxDModel``.
+
+    Steps, as NxD's: model parallelism is initialized if it is not; with ``model_init_config["meta_device_init"]`` the
+    model is built on the meta device (parameters only, or buffers too with ``include_buffers``). A plain Hugging Face
+    model (one without nxdtp parallel layers) is then parallelized by ``nxdtp.models.parallelize_model`` (with
+    ``sequence_parallel`` and, with ``pad_model``, zero heads where TP does not divide them): on the meta device that
+    costs no memory. With a ``param_init_fn`` every module is materialised on CPU and given its values by
+    ``param_init_fn(module, device)``, module by module, the local ranks of a host taking turns in groups of
+    ``sequential_move_factor``; the parallel layers offer NxD's ``init_weight_cpu()`` / ``initialize_weight_biases()``
+    for it. ``pad_model`` on a model that came parallel pads its heads with ``nxdtp.pad.pad_model``, as NxD does. The
+    model moves to the config's device (see ``neuronx_distributed_config``), is wrapped in ``NxDModel``, and
+    ``activation_checkpoint_config`` ("full": the HF model's ``_no_split_modules`` classes; a class or a list of
+    classes) makes those modules recompute in backward through ``nxdtp.random.checkpoint``, which replays the RNG
+    tracker. Module names and state_dict keys do not change.
+    """
+    _initialize_model_parallel(nxd_config)
+    for key in ("pipeline_parallel_size", "expert_parallel_size", "context_parallel_size"):
+        _refuse_size(key, nxd_config.get(key, 1), key.replace("_size", "").replace("_", " "))
+    init_config = nxd_config["model_init_config"]
+    meta_init = init_config["meta_device_init"]
+    param_init_fn = init_config.get("param_init_fn")
+    if meta_init and param_init_fn is None:
+        raise ValueError("param_init_fn must be provided when meta_device_init is True")
+    factor = init_config.get("sequential_move_factor", DEFAULT_SEQUENTIAL_MOVE_FACTOR)
+    if not (isinstance(factor, int) and factor >= 1):
+        raise ValueError(f"model_init_config['sequential_move_factor']={factor!r} must be an int >= 1")
+    sequence_parallel = nxd_config["sequence_parallel"]
+    tp = parallel_state.get_tensor_model_parallel_size()
+
+    # Local ranks take turns in waves of `factor` (NxD's sequential move), so at most `factor` processes of a host
+    # hold a model being built on CPU at once.
+    local_rank = parallel_state.get_rank() % get_local_world_size()
+    waves = math.ceil(get_local_world_size() / factor)
+    model = base_model = None
+    for wave in range(waves):
+        if local_rank // factor == wave:
+            if meta_init:
+                with _built_on_meta(include_buffers):
+                    model = model_fn(*model_args, **model_kwargs)
+            else:
+                model = model_fn(*model_args, **model_kwargs)
+            base_model = model
+            parallelized_here = _is_hf_model(model) and not _is_parallelized(model)
+            if parallelized_here:
+                from ..models import parallelize_model
+
+                model = parallelize_model(model, sequence_parallel=sequence_parallel,
+                                          broadcast_replicated=not meta_init and param_init_fn is None,
+                                          pad_heads=bool(nxd_config["pad_model"]))
+            if param_init_fn is not None:
+                _materialise(model, param_init_fn)
+            if nxd_config["pad_model"] and not parallelized_here:
+                if not _is_hf_model(base_model):
+                    raise ValueError("pad_model=True is only supported for Hugging Face models (it reads "
+                                     "config.num_attention_heads), as in NxD")
+                from ..pad import pad_model
+
+                model = pad_model(model, tp, model.config.num_attention_heads)
+            device = _target_device(nxd_config)
+            if device is not None and device.type != "cpu":
+                model = move_model_to_device(model, device)
+        if waves > 1:
+            comm.barrier()
+    if parallelized_here and (meta_init or param_init_fn is not None):
+        from ..plan import broadcast_replicated_state
+
+        broadcast_replicated_state(model)  # replicated parameters equal TP rank 0's, as parallelize_model's default
+
+    nxd_model = NxDModel(model, nxd_config)
+    ac_config = nxd_config["activation_checkpoint_config"]
+    if ac_config is not None:
+        from ..models.activation_checkpointing import checkpoint_modules
+
+        checkpoint_modules(model, _activation_checkpoint_classes(ac_config, base_model, model))
+    return nxd_model
+
+
+# ---- the optimizer --------------------------------------------------------------------------------------------------
+
+def initialize_parallel_optimizer(nxd_config: Dict[str, Any], optimizer_class: type, parameters,
+                                  **defaults) -> NxDOptimizer:
+    """``optimizer_class`` over ``parameters`` (parameters or parameter groups, ``**defaults`` its hyper-parameters)
+    in an ``NxDOptimizer``.
+
+    With ``optimizer_config["zero_one_enabled"]`` it is ``nxdtp.optimizer.NeuronZero1Optimizer`` (sharded over the
+    data-parallel group, clipping at ``max_grad_norm``: NxD forgets to pass it and clips at 1.0), with
+    ``use_fp32_grad_acc`` accumulating in fp32 ``main_grad`` (``use_grad_acc_hook``, ``higher_cc_precision``) and
+    ``use_master_weights_in_ckpt`` as ``save_master_weights``; its master shards are fp32 whatever
+    ``use_master_weights`` says. Without ZeRO-1 it is ``optimizer_class`` itself, and ``NxDOptimizer.step`` averages
+    the gradients over DP and clips; ``use_master_weights``, ``use_fp32_grad_acc`` and ``use_master_weights_in_ckpt``
+    need ZeRO-1 and raise ``RuntimeError`` otherwise, as in NxD.
+    """
+    optimizer_config = nxd_config["optimizer_config"]
+    mixed = nxd_config["mixed_precision_config"]
+    defaults.pop("decoupled_weight_decay", None)  # as NxD: torch's Adam has it, AdamW does not
+    if optimizer_config["zero_one_enabled"]:
+        clipping = bool(optimizer_config["grad_clipping"])
+        zero1 = dict(grad_clipping=clipping, max_norm=optimizer_config.get("max_grad_norm") if clipping else None,
+                     pin_layout=False, sharding_groups=parallel_state.get_data_parallel_replica_groups(),
+                     grad_norm_groups=parallel_state.get_tensor_model_parallel_replica_groups(),
+                     save_master_weights=bool(mixed["use_master_weights_in_ckpt"]))
+        if mixed["use_fp32_grad_acc"]:
+            zero1.update(use_grad_acc_hook=True, higher_cc_precision=True)
+        optimizer = NeuronZero1Optimizer(parameters, optimizer_class, **zero1, **defaults)
+    else:
+        if mixed["use_master_weights"]:
+            raise RuntimeError("mixed_precision_config['use_master_weights']=True needs the ZeRO-1 optimizer "
+                               "(optimizer_config={'zero_one_enabled': True}), which keeps the fp32 master weights; "
+                               "without it set use_master_weights=False (as NxD requires)")
+        if mixed["use_fp32_grad_acc"] or mixed["use_master_weights_in_ckpt"]:
+            raise RuntimeError("mixed_precision_config['use_fp32_grad_acc'] and ['use_master_weights_in_ckpt'] need "
+                               "the ZeRO-1 optimizer (optimizer_config={'zero_one_enabled': True}); without it set "
+                               "them to False (as NxD requires)")
+        optimizer = optimizer_class(parameters, **defaults)
+    return NxDOptimizer(optimizer, nxd_config)
