@@ -439,3 +439,43 @@ def case_pad_model_and_checkpoint_classes():
 def test_pad_model_and_checkpointing_by_class(worlds):
     losses = worlds(4).run(case_pad_model_and_checkpoint_classes, tensor_model_parallel_size=4)
     assert len(set(losses)) == 1
+
+
+# ---- sequential_move_factor ------------------------------------------------------------------------------------------
+
+def case_build_in_waves(factor: int):
+    import os
+    import time
+
+    from nxdtp import comm
+    from tests.test_models_bert import _check_weights
+
+    dense = _dense_llama()
+    spans = []
+
+    def model_fn():
+        start = time.monotonic()
+        model = copy.deepcopy(dense)
+        time.sleep(0.2)
+        spans.append((start, time.monotonic()))
+        return model
+
+    os.environ["LOCAL_WORLD_SIZE"] = "4"   # the 4 ranks of the pool share this host
+    try:
+        nxd_config = nxdtp.neuronx_distributed_config(
+            tensor_parallel_size=2, model_init_config={"sequential_move_factor": factor})
+        model = nxdtp.initialize_parallel_model(nxd_config, model_fn)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    _check_weights(model.module, dense, f"sequential_move_factor={factor}")
+    return comm.all_gather_object(spans[0])
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_local_ranks_build_in_waves_of_sequential_move_factor(worlds, factor):
+    spans = worlds(4).run(case_build_in_waves, tensor_model_parallel_size=2, factor=factor)[0]
+    waves = [spans[w * factor:(w + 1) * factor] for w in range(4 // factor)]
+    for earlier, later in zip(waves, waves[1:]):
+        assert max(end for _, end in earlier) <= min(start for start, _ in later), f"waves overlap: {spans}"
+    if factor == 2:   # the two ranks of a wave build at the same time
+        assert all(max(s for s, _ in wave) < min(e for _, e in wave) for wave in waves), spans
