@@ -479,3 +479,39 @@ def test_local_ranks_build_in_waves_of_sequential_move_factor(worlds, factor):
         assert max(end for _, end in earlier) <= min(start for start, _ in later), f"waves overlap: {spans}"
     if factor == 2:   # the two ranks of a wave build at the same time
         assert all(max(s for s, _ in wave) < min(e for _, e in wave) for wave in waves), spans
+
+
+# ---- sequence-parallel gradients in main_grad ------------------------------------------------------------------------
+
+def case_sequence_parallel_main_grad_is_summed():
+    from nxdtp.layers import LayerNorm
+
+    def rank_input(tp_rank):   # each TP rank's part of the sequence
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(tp_rank))
+
+    def local_grads(layer, x):
+        layer.zero_grad()
+        layer(x).square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    torch.manual_seed(0)
+    norm = LayerNorm(4, sequence_parallel_enabled=True)   # a sequence-parallel layer built by hand: no plan sums it
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    reference = copy.deepcopy(norm)
+    expected = [a + b for a, b in zip(local_grads(reference, rank_input(0)), local_grads(reference, rank_input(1)))]
+    # ZeRO-1 with NxD's default mixed precision: gradients accumulate in fp32 main_grad, .grad stays None.
+    nxd_config = nxdtp.neuronx_distributed_config(tensor_parallel_size=2, sequence_parallel=True,
+                                                  optimizer_config={"zero_one_enabled": True})
+    optimizer = nxdtp.initialize_parallel_optimizer(nxd_config, torch.optim.SGD, norm.parameters(), lr=0.0)
+    norm(rank_input(ps.get_tensor_model_parallel_rank())).square().sum().backward()
+    assert all(p.grad is None for p in norm.parameters())
+    optimizer.step()
+    for p, e in zip(norm.parameters(), expected):
+        torch.testing.assert_close(p.main_grad, e, **TOL)
+    return True
+
+
+def test_sequence_parallel_gradients_in_main_grad_are_summed_over_tp(worlds):
+    assert worlds(2).run(case_sequence_parallel_main_grad_is_summed, tensor_model_parallel_size=2) == [True, True]
