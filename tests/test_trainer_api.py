@@ -515,3 +515,26 @@ def case_sequence_parallel_main_grad_is_summed():
 
 def test_sequence_parallel_gradients_in_main_grad_are_summed_over_tp(worlds):
     assert worlds(2).run(case_sequence_parallel_main_grad_is_summed, tensor_model_parallel_size=2) == [True, True]
+
+
+# ---- mixed_precision_config on the ZeRO-1 path -----------------------------------------------------------------------
+
+def case_zero1_options_from_the_config():
+    seen = []
+    for mixed in (None, {"use_fp32_grad_acc": False, "use_master_weights_in_ckpt": True}):
+        nxd_config = nxdtp.neuronx_distributed_config(
+            tensor_parallel_size=1, mixed_precision_config=mixed,
+            optimizer_config={"zero_one_enabled": True, "max_grad_norm": 0.3})
+        layer = torch.nn.Linear(3, 5)
+        zero = nxdtp.initialize_parallel_optimizer(nxd_config, torch.optim.SGD, layer.parameters(), lr=0.1).optimizer
+        seen.append((zero.use_grad_acc_hook, zero.higher_cc_precision, zero.save_master_weights, zero.max_norm,
+                     zero.sharding_groups, str(zero.optimizer_dtype)))
+        layer(torch.ones(2, 3)).sum().backward()
+        seen.append(layer.weight.grad is None)
+    return seen
+
+
+def test_mixed_precision_config_reaches_zero1(worlds):
+    seen = worlds(2).run(case_zero1_options_from_the_config, tensor_model_parallel_size=1)[0]
+    assert seen == [(True, True, False, 0.3, [[0, 1]], "torch.float32"), True,   # NxD's defaults with ZeRO-1
+                    (False, False, True, 0.3, [[0, 1]], "torch.float32"), False]
