@@ -206,11 +206,7 @@ def _target_device(nxd_config: Dict[str, Any]) -> Optional[torch.device]:
     device = nxd_config.get("device")
     if device is not None:
         return torch.device(device)
-    if dist.is_initialized() and dist.get_backend() == "xla":
-        import torch_xla
-
-        return torch_xla.device()
-    return None
+    return comm.xla_world_device()
 
 
 def _materialise(model: nn.Module, param_init_fn: Optional[Callable]) -> None:
