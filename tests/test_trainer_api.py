@@ -12,7 +12,10 @@ NxD's Llama ``init_weights`` calls.
   AdamW and ``clip_grad_norm_`` at a ``max_norm`` that clips (checked): losses, pre-clip norms, final parameters, fp32
   1e-5. With ZeRO-1 (NxD's defaults then accumulate in fp32 ``main_grad``) and on NxDOptimizer's own path.
 * Meta-device init with a ``param_init_fn`` written as NxD's Llama ``init_weights``: the same model on every DP rank,
-  equal to the dense model drawn in the same module order.
+  equal to the dense model drawn in the same module order (parameters on meta, and buffers too).
+* Also: the config initializes model parallelism; ``pad_model`` and checkpointing by a list of classes; local ranks
+  build in waves of ``sequential_move_factor``; sequence-parallel gradients held in ``main_grad`` are summed over TP;
+  ``mixed_precision_config`` and ``max_grad_norm`` reach ZeRO-1.
 """
 
 from __future__ import annotations
