@@ -249,6 +249,16 @@ def barrier() -> None:
     dist.barrier(group=_host_process_group())
 
 
+def xla_world_device() -> Optional[torch.device]:
+    """This process's XLA device when the torch.distributed world's default backend is torch_xla's ``xla`` (where NxD
+    puts every model), else None. The trainer API's default model device."""
+    if not dist.is_initialized() or dist.get_backend() != "xla":
+        return None
+    import torch_xla
+
+    return torch_xla.device()
+
+
 def all_gather_object(obj: Any, group: Optional[ParallelGroup] = None) -> List[Any]:
     """Gather one picklable object from every rank of the world (or of ``group``, in its rank order), on the host."""
     if group is None:

@@ -317,16 +317,18 @@ def allreduce_sequence_parallel_gradients(optimizer: Any,
 
     Those are replicated parameters (LayerNorm weights, biases) applied to sequence-parallel activations: each TP rank's
     gradient covers only its part of the sequence. Takes an optimizer (its ``param_groups``), a module, or parameters.
-    Call it after backward and before the DP all-reduce, clipping and the optimizer step. No-op at TP size 1.
+    A parameter without ``.grad`` has its ``main_grad`` (fp32 accumulation, ZeRO-1's ``use_grad_acc_hook``) summed,
+    as in NxD. Call it after backward and before the DP all-reduce, clipping and the optimizer step. No-op at TP
+    size 1.
 
     Models sharded by a plan (``nxdtp.models.parallelize_model``, ``nxdtp.parallelize``) sum these gradients inside
     backward already; their parameters are marked ``grad_allreduced_in_backward`` and skipped here, so the call NxD
     training scripts make is harmless on them. It is needed for sequence-parallel layers a model builds itself.
     """
     source = optimizer.param_groups if hasattr(optimizer, "param_groups") else optimizer
-    grads = [p.grad for p in _unique_params(source)
+    grads = [p.grad if p.grad is not None else p.main_grad for p in _unique_params(source)
              if getattr(p, "sequence_parallel_enabled", False) and not getattr(p, "grad_allreduced_in_backward", False)
-             and p.grad is not None]
+             and (p.grad is not None or getattr(p, "main_grad", None) is not None)]
     _bucketed_all_reduce(grads, tensor_parallel_group(), 1, bucket_cap_mb)
 
 

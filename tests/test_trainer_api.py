@@ -12,7 +12,10 @@ NxD's Llama ``init_weights`` calls.
   AdamW and ``clip_grad_norm_`` at a ``max_norm`` that clips (checked): losses, pre-clip norms, final parameters, fp32
   1e-5. With ZeRO-1 (NxD's defaults then accumulate in fp32 ``main_grad``) and on NxDOptimizer's own path.
 * Meta-device init with a ``param_init_fn`` written as NxD's Llama ``init_weights``: the same model on every DP rank,
-  equal to the dense model drawn in the same module order.
+  equal to the dense model drawn in the same module order (parameters on meta, and buffers too).
+* Also: the config initializes model parallelism; ``pad_model`` and checkpointing by a list of classes; local ranks
+  build in waves of ``sequential_move_factor``; sequence-parallel gradients held in ``main_grad`` are summed over TP;
+  ``mixed_precision_config`` and ``max_grad_norm`` reach ZeRO-1.
 """
 
 from __future__ import annotations
@@ -439,3 +442,102 @@ def case_pad_model_and_checkpoint_classes():
 def test_pad_model_and_checkpointing_by_class(worlds):
     losses = worlds(4).run(case_pad_model_and_checkpoint_classes, tensor_model_parallel_size=4)
     assert len(set(losses)) == 1
+
+
+# ---- sequential_move_factor ------------------------------------------------------------------------------------------
+
+def case_build_in_waves(factor: int):
+    import os
+    import time
+
+    from nxdtp import comm
+    from tests.test_models_bert import _check_weights
+
+    dense = _dense_llama()
+    spans = []
+
+    def model_fn():
+        start = time.monotonic()
+        model = copy.deepcopy(dense)
+        time.sleep(0.2)
+        spans.append((start, time.monotonic()))
+        return model
+
+    os.environ["LOCAL_WORLD_SIZE"] = "4"   # the 4 ranks of the pool share this host
+    try:
+        nxd_config = nxdtp.neuronx_distributed_config(
+            tensor_parallel_size=2, model_init_config={"sequential_move_factor": factor})
+        model = nxdtp.initialize_parallel_model(nxd_config, model_fn)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    _check_weights(model.module, dense, f"sequential_move_factor={factor}")
+    return comm.all_gather_object(spans[0])
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_local_ranks_build_in_waves_of_sequential_move_factor(worlds, factor):
+    spans = worlds(4).run(case_build_in_waves, tensor_model_parallel_size=2, factor=factor)[0]
+    waves = [spans[w * factor:(w + 1) * factor] for w in range(4 // factor)]
+    for earlier, later in zip(waves, waves[1:]):
+        assert max(end for _, end in earlier) <= min(start for start, _ in later), f"waves overlap: {spans}"
+    if factor == 2:   # the two ranks of a wave build at the same time
+        assert all(max(s for s, _ in wave) < min(e for _, e in wave) for wave in waves), spans
+
+
+# ---- sequence-parallel gradients in main_grad ------------------------------------------------------------------------
+
+def case_sequence_parallel_main_grad_is_summed():
+    from nxdtp.layers import LayerNorm
+
+    def rank_input(tp_rank):   # each TP rank's part of the sequence
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(tp_rank))
+
+    def local_grads(layer, x):
+        layer.zero_grad()
+        layer(x).square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    torch.manual_seed(0)
+    norm = LayerNorm(4, sequence_parallel_enabled=True)   # a sequence-parallel layer built by hand: no plan sums it
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    reference = copy.deepcopy(norm)
+    expected = [a + b for a, b in zip(local_grads(reference, rank_input(0)), local_grads(reference, rank_input(1)))]
+    # ZeRO-1 with NxD's default mixed precision: gradients accumulate in fp32 main_grad, .grad stays None.
+    nxd_config = nxdtp.neuronx_distributed_config(tensor_parallel_size=2, sequence_parallel=True,
+                                                  optimizer_config={"zero_one_enabled": True})
+    optimizer = nxdtp.initialize_parallel_optimizer(nxd_config, torch.optim.SGD, norm.parameters(), lr=0.0)
+    norm(rank_input(ps.get_tensor_model_parallel_rank())).square().sum().backward()
+    assert all(p.grad is None for p in norm.parameters())
+    optimizer.step()
+    for p, e in zip(norm.parameters(), expected):
+        torch.testing.assert_close(p.main_grad, e, **TOL)
+    return True
+
+
+def test_sequence_parallel_gradients_in_main_grad_are_summed_over_tp(worlds):
+    assert worlds(2).run(case_sequence_parallel_main_grad_is_summed, tensor_model_parallel_size=2) == [True, True]
+
+
+# ---- mixed_precision_config on the ZeRO-1 path -----------------------------------------------------------------------
+
+def case_zero1_options_from_the_config():
+    seen = []
+    for mixed in (None, {"use_fp32_grad_acc": False, "use_master_weights_in_ckpt": True}):
+        nxd_config = nxdtp.neuronx_distributed_config(
+            tensor_parallel_size=1, mixed_precision_config=mixed,
+            optimizer_config={"zero_one_enabled": True, "max_grad_norm": 0.3})
+        layer = torch.nn.Linear(3, 5)
+        zero = nxdtp.initialize_parallel_optimizer(nxd_config, torch.optim.SGD, layer.parameters(), lr=0.1).optimizer
+        seen.append((zero.use_grad_acc_hook, zero.higher_cc_precision, zero.save_master_weights, zero.max_norm,
+                     zero.sharding_groups, str(zero.optimizer_dtype)))
+        layer(torch.ones(2, 3)).sum().backward()
+        seen.append(layer.weight.grad is None)
+    return seen
+
+
+def test_mixed_precision_config_reaches_zero1(worlds):
+    seen = worlds(2).run(case_zero1_options_from_the_config, tensor_model_parallel_size=1)[0]
+    assert seen == [(True, True, False, 0.3, [[0, 1]], "torch.float32"), True,   # NxD's defaults with ZeRO-1
+                    (False, False, True, 0.3, [[0, 1]], "torch.float32"), False]

@@ -206,11 +206,7 @@ def _target_device(nxd_config: Dict[str, Any]) -> Optional[torch.device]:
     device = nxd_config.get("device")
     if device is not None:
         return torch.device(device)
-    if dist.is_initialized() and dist.get_backend() == "xla":
-        import torch_xla
-
-        return torch_xla.device()
-    return None
+    return comm.xla_world_device()
 
 
 def _materialise(model: nn.Module, param_init_fn: Optional[Callable]) -> None:
@@ -319,8 +315,8 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
             if parallelized_here:
                 from ..models import parallelize_model
 
-                model = parallelize_model(model, sequence_parallel=sequence_parallel,
-                                          broadcast_replicated=not meta_init and param_init_fn is None,
+                # Replicated state is broadcast after the waves: the ranks of a TP group may build in different ones.
+                model = parallelize_model(model, sequence_parallel=sequence_parallel, broadcast_replicated=False,
                                           pad_heads=bool(nxd_config["pad_model"]))
             if param_init_fn is not None:
                 _materialise(model, param_init_fn)
@@ -336,7 +332,7 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
                 model = move_model_to_device(model, device)
         if waves > 1:
             comm.barrier()
-    if parallelized_here and (meta_init or param_init_fn is not None):
+    if parallelized_here:
         from ..plan import broadcast_replicated_state
 
         broadcast_replicated_state(model)  # replicated parameters equal TP rank 0's, as parallelize_model's default
