@@ -99,8 +99,9 @@ def test_export_of_strided_padded_tied_tensors_loads_dense(tmp_path, capsys):
     assert status == 0, err
     assert "wrote DCP checkpoint" in out and "no optimizer state" in out, out
     metadata = _metadata(tmp_path / "dcp")
-    # Every name once, the tied alias too, with the dense (unpadded) shape and the saved dtype.
-    assert set(metadata) == set(dense) | {"head.weight"}
+    # Every name once, the tied alias too, with the dense (unpadded) shape and the saved dtype; and the step where
+    # TorchTitan keeps it.
+    assert set(metadata) == set(dense) | {"head.weight", "train_state.step", "train_state.ntokens_seen"}
     for key, value in list(dense.items()) + [("head.weight", dense["vocab.weight"])]:
         assert tuple(metadata[key].size) == tuple(value.shape) and metadata[key].properties.dtype == value.dtype, key
     # The fused (stride 3) weight is 6 chunks: no rank's piece is contiguous in the dense tensor.
@@ -283,7 +284,11 @@ def test_export_loads_into_dense_model_and_adamw(trained, tmp_path, capsys, fami
     # its optimizer.
     dcp.save(_native_state(reference, reference_optimizer), checkpoint_id=str(tmp_path / "native"), no_dist=True)
     ours, native = _metadata(out), _metadata(tmp_path / "native")
-    assert sorted(ours) == sorted(native)
+    # ... plus the step where TorchTitan keeps it (no scheduler was saved here, so no 'lr_scheduler')
+    assert sorted(ours) == sorted(list(native) + ["train_state.ntokens_seen", "train_state.step"])
+    step = {"train_state.step": None}
+    dcp.load(step, checkpoint_id=str(out), no_dist=True)
+    assert step["train_state.step"] == 1
     for key, meta in native.items():
         assert type(ours[key]) is type(meta), key
         if isinstance(meta, TensorStorageMetadata):
@@ -407,7 +412,8 @@ def case_dtensor_job_saves(checkpoint: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
     _step(model, optimizer, _llama_batch())
     state = {**model.state_dict(),
-             "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options())}
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options()),
+             "lr_scheduler": {"last_epoch": 1}, "train_state": {"step": 1, "ntokens_seen": 32}}  # TorchTitan's
     dcp.save(state, checkpoint_id=checkpoint)
     if dist.get_rank() == 0:
         model.config.architectures = ["LlamaForCausalLM"]  # as the job's from_pretrained config names it
@@ -425,7 +431,8 @@ def case_nxdtp_continues_from_import(directory: str):
 
     model = from_pretrained_sharded(directory, transformers.LlamaForCausalLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
-    load_dense_optimizer_state(directory, model, optimizer)
+    state = load_dense_optimizer_state(directory, model, optimizer)
+    assert state == {"global_step": 1, "scheduler": {"last_epoch": 1}}, state  # from TorchTitan's places
     logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
     model(**_llama_batch()).loss.backward()
     allreduce_gradients(model)

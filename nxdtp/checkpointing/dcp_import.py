@@ -66,7 +66,7 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     saved = metadata.state_dict_metadata
     layout, sources = _check_model_keys(dcp_dir, saved, expected)
     optimizer_state, notes = _optimizer_state(dcp_dir, saved, expected)
-    trainer_state = _export_record_trainer_state(dcp_dir)
+    trainer_state = _export_record_trainer_state(dcp_dir) or _torchtitan_trainer_state(dcp_dir, saved)
 
     def write(staging: str) -> None:
         bar = _progress(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
@@ -227,6 +227,22 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dic
             value = holder[key]
             state[key[len(OPTIMIZER_PREFIX):]] = list(value) if isinstance(value, tuple) else value
     return {key: state[key] for key in sorted(state)}, []
+
+
+def _torchtitan_trainer_state(dcp_dir: str, saved: Dict[str, Any]) -> Optional[dict]:
+    """The step and scheduler a native (TorchTitan-layout) job keeps under ``train_state.step`` and
+    ``lr_scheduler.last_epoch``, as nxdtp's trainer state: ``{"global_step": ..., "scheduler": {"last_epoch": ...}}``
+    (torch's LambdaLR.load_state_dict takes that; the optimizer's groups carry the learning rates)."""
+    keys = [key for key in ("train_state.step", "lr_scheduler.last_epoch") if key in saved]
+    if not keys:
+        return None
+    values = _load_values(dcp_dir, keys)
+    state: Dict[str, Any] = {}
+    if "train_state.step" in values:
+        state["global_step"] = int(values["train_state.step"])
+    if "lr_scheduler.last_epoch" in values:
+        state["scheduler"] = {"last_epoch": int(values["lr_scheduler.last_epoch"])}
+    return state
 
 
 def _export_record_trainer_state(dcp_dir: str) -> Optional[dict]:
