@@ -40,7 +40,7 @@ from tests.test_zero1 import (INNER, TOL, _apply_lr_scale, _groups, _llama, _lla
 STEPS = 3
 
 
-# ---- hybrid sharding equals dense -------------------------------------------------------------------------------------
+# ---- hybrid sharding equals dense ------------------------------------------------------------------------------------
 
 def case_hybrid_equals_dense(sharding_groups, accumulate: str, max_norm: float = 0.5):
     from nxdtp import comm
@@ -123,7 +123,7 @@ def test_hybrid_sharding_on_a_world_that_refuses_cpu_tensors(worlds):
                                                      sharding_groups=[[0, 2], [1, 3]], accumulate="grad"))
 
 
-# ---- checkpoints ------------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def saved_pairs(worlds, tmp_path_factory):
@@ -193,7 +193,7 @@ def test_plain_merge_writes_the_dense_optimizer_state(saved_pairs, worlds, tmp_p
     worlds(1).run(ckpt.case_merged_optimizer_continues, out=out, kind="zero1")
 
 
-# ---- refusals and groups ------------------------------------------------------------------------------------------------
+# ---- refusals and groups ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("groups,reason", [
     ([[0, 1], [2, 3], [4, 5], [6, 7]], r"groups \[\[0, 1\], \[2, 3\], \[4, 5\], \[6, 7\]\] span several data-parallel"),
