@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -150,6 +151,9 @@ def _report(graphs, keep_hlo):
               "classes": {p: graphs.rank_classes(p) for p in graphs.hashes}}
     if keep_hlo:
         report["diff"] = {p: graphs.first_difference(p) for p in graphs.hashes}
+        # The step's collectives of the first traced rank: kind and replica groups.
+        report["step_collectives"] = sorted(set(re.findall(r"(all-reduce|reduce-scatter|all-gather)\(.*?"
+                                                           r"replica_groups=(\{[{}0-9,]*\})", graphs.hlo["step"][0])))
     return report
 
 
@@ -269,8 +273,22 @@ def test_zero1_hybrid_sharding_step_is_one_graph_for_every_rank(worlds, world_si
     case = case_bert_step_graphs if family == "bert" else case_decoder_step_graphs
     result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=world_size, tp=tp,
                                        sequence_parallel=False, optimizer=optimizer, zero1=True,
-                                       zero1_sharding=sharding)
+                                       zero1_sharding=sharding, keep_hlo=True)
     _assert_one_graph(result)
+    # The gradients are reduce-scattered over the sharding groups and all-reduced over the replica groups.
+    dp_groups = [list(range(t, world_size, tp)) for t in range(tp)]
+    sharding_groups = sorted(g[i:i + sharding] for g in dp_groups for i in range(0, len(g), sharding))
+    replica_groups = sorted([r for j, r in enumerate(g) if j % sharding == i] for g in dp_groups
+                            for i in range(sharding))
+
+    def hlo(groups):
+        return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+
+    collectives = result["step_collectives"]
+    if sharding > 1:
+        assert ("reduce-scatter", hlo(sharding_groups)) in collectives, collectives
+        assert ("all-gather", hlo(sharding_groups)) in collectives, collectives
+    assert ("all-reduce", hlo(replica_groups)) in collectives, collectives
 
 
 @pytest.mark.slow
