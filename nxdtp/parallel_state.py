@@ -11,6 +11,7 @@ program in a single process.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -939,7 +940,7 @@ def dp_aligned_rank_lists(sharding_groups: Any, topology: Optional[Topology] = N
         flat = [r for g in lists for r in g]
         dp_of = {r: i for i, g in enumerate(dp_lists) for r in g}
         outside = sorted({r for r in flat if r not in dp_of})
-        repeated = sorted({r for r in flat if flat.count(r) > 1})
+        repeated = sorted(r for r, n in collections.Counter(flat).items() if n > 1)
         missing = sorted(set(dp_of) - set(flat))
         sizes = sorted({len(g) for g in lists})
         if outside:
@@ -983,14 +984,11 @@ def zero1_groups(sharding_groups: Any = None) -> Tuple[ParallelGroup, ParallelGr
     topology = get_topology()
     if sharding_groups is None:
         return topology.data_parallel, topology.singleton
+    if isinstance(sharding_groups, dist.ProcessGroup):
+        # One of this topology's groups, or a torch_xla group with its mesh (otherwise only its own ranks: refused).
+        sharding_groups = group_of(sharding_groups)
     if isinstance(sharding_groups, ParallelGroup):
         sharding_groups = sharding_groups.replica_groups_as_lists()
-    elif not isinstance(sharding_groups, (list, tuple)):
-        for own in topology.groups():
-            if sharding_groups is not None and (sharding_groups is own.process_group
-                                                or sharding_groups is own.cpu_process_group):
-                sharding_groups = own.replica_groups_as_lists()
-                break
     shard_lists, replica_lists = dp_aligned_rank_lists(sharding_groups, topology)
     if shard_lists == sorted(topology.data_parallel.replica_groups_as_lists()):
         return topology.data_parallel, topology.singleton
