@@ -11,8 +11,8 @@ takes the pre-clip norm once per shard (over TP x sharding group), clips, steps,
   ``use_grad_acc_hook``), every parameter equals the dense model trained on the concatenated batch (test_zero1's
   reference), ``grad_norm`` equals the dense pre-clip norm at every step, the replicas of a shard hold the same
   master weights, and the state bytes are exactly those of 1/k of every parameter (<= plain AdamW's / k plus padding
-  and step counters). The gloo twins of the new groups are exercised on a world whose default backend refuses CPU
-  tensors (tests/cpu_refusing_backend.py).
+  and step counters). test_device_worlds runs the tp1 x dp4 case on worlds whose default backend refuses CPU tensors
+  ("xla", and tests/cpu_refusing_backend.py): the new groups' gloo twins carry them.
 * Checkpoints (test_zero1_checkpoints' cases with ``sharding=2``) saved at tp1 x dp4 over pairs: only one replica of
   each shard is written (k files per TP rank, named by the sharding rank; the index records k); a resume at the saved
   layout is bit-exact; resumes at dp2, at dp4 over single ranks and over the DP group, into plain AdamW, and at tp2
@@ -115,12 +115,6 @@ HYBRID = [
 def test_hybrid_sharding_equals_dense(worlds, world, tp, sharding_groups, accumulate):
     _check_state_bytes(worlds(world).run(case_hybrid_equals_dense, tensor_model_parallel_size=tp,
                                          sharding_groups=sharding_groups, accumulate=accumulate))
-
-
-def test_hybrid_sharding_on_a_world_that_refuses_cpu_tensors(worlds):
-    """The new groups' gloo twins carry the CPU tensors when the default backend refuses them."""
-    _check_state_bytes(worlds(4, "cpu_refusing").run(case_hybrid_equals_dense, tensor_model_parallel_size=1,
-                                                     sharding_groups=[[0, 2], [1, 3]], accumulate="grad"))
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------------
