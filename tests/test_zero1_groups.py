@@ -18,6 +18,9 @@ takes the pre-clip norm once per shard (over TP x sharding group), clips, steps,
   layout is bit-exact; resumes at dp2, at dp4 over single ranks and over the DP group, into plain AdamW, and at tp2
   after ``nxdtp-merge --reshard 2`` equal the dense run; the plain merge writes the dense optimizer state.
 * Groups that are not DP-aligned are refused naming them, the reason, and valid groups; the groups are made once.
+* test_rank_independent_graphs traces the hybrid step for every rank of simulated tp2 x dp4 (pairs) and tp2 x dp2
+  (single ranks) worlds: one graph, whose reduce-scatter / all-gather name the sharding groups and whose all-reduce
+  names the replica groups.
 """
 
 from __future__ import annotations
