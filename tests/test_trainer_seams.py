@@ -14,6 +14,7 @@ optimizer_config={"zero_one_enabled": True, ...}, sequence_parallel=True, activa
   pre-clip grad norm, every parameter, the ZeRO-1 Adam moments and fp32 master shards, the LR.
 * The same with ``async_save=True``: the third step runs (and the user_content changes) while the writer is still busy
   (checked: the tag is not complete after the step), then ``finalize_checkpoint()``.
+* Without ZeRO-1 (NxDOptimizer's own DP averaging and clipping around torch's AdamW), async: the same.
 * bf16 parameters (the model built in bf16) with ZeRO-1 and NxD's default mixed precision (fp32 masters, fp32
   ``main_grad`` accumulation): the resume is bit-exact only because the masters come from the checkpoint.
 """
@@ -54,10 +55,10 @@ def _batch(step):
     return dict(input_ids=local, labels=local.clone())
 
 
-def _build(dtype: torch.dtype):
+def _build(dtype: torch.dtype, zero_one: bool = True):
     """NxD's three calls, as its Llama script makes them; a LambdaLR on the NxDOptimizer."""
     nxd_config = nxdtp.neuronx_distributed_config(
-        tensor_parallel_size=2, optimizer_config={"zero_one_enabled": True, "grad_clipping": True,
+        tensor_parallel_size=2, optimizer_config={"zero_one_enabled": zero_one, "grad_clipping": True,
                                                   "max_grad_norm": MAX_NORM},
         sequence_parallel=True, activation_checkpoint_config="full")
     model = nxdtp.initialize_parallel_model(nxd_config, lambda: _dense_llama().to(dtype))
@@ -67,7 +68,7 @@ def _build(dtype: torch.dtype):
     optimizer = nxdtp.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, groups, **ADAMW)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
     assert isinstance(model, nxdtp.trainer.NxDModel) and isinstance(optimizer, nxdtp.trainer.NxDOptimizer)
-    assert type(optimizer.optimizer).__name__ == "NeuronZero1Optimizer"
+    assert type(optimizer.optimizer).__name__ == ("NeuronZero1Optimizer" if zero_one else "AdamW")
     return model, optimizer, scheduler
 
 
@@ -80,12 +81,16 @@ def _step(model, optimizer, scheduler, step):
 
 
 def _state(model, optimizer, scheduler, record):
-    zero1 = optimizer.optimizer.state_dict()
+    inner = optimizer.optimizer.state_dict()
+    if "base_state" in inner:   # ZeRO-1: this rank's shards of the Adam moments, and its fp32 master shards
+        moments, masters = inner["base_state"], inner["sharded_master_weights"]
+    else:                       # NxDOptimizer's own path: torch's AdamW, whole (TP-local) moments, no masters
+        moments, masters = inner["state"], {}
     return {
         "record": record,
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "moments": {f"{i}/{k}": v.clone() for i, fields in zero1["base_state"].items() for k, v in fields.items()},
-        "masters": {i: v.clone() for i, v in zero1["sharded_master_weights"].items()},
+        "moments": {f"{i}/{k}": v.clone() for i, fields in moments.items() for k, v in fields.items()},
+        "masters": {i: v.clone() for i, v in masters.items()},
         "lr": scheduler.get_last_lr(),
         "group_lrs": [g["lr"] for g in optimizer.param_groups],
     }
@@ -95,10 +100,10 @@ def _user_content():
     return {"global_step": SAVED_STEPS, "epoch": 0, "batch_idx": (1, 2), "cli_args": {"lr": ADAMW["lr"]}}
 
 
-def case_train_save_and_continue(directory: str, async_save: bool, dtype: str):
+def case_train_save_and_continue(directory: str, async_save: bool, dtype: str, zero_one: bool = True):
     from tests.test_trainer_checkpoint import _slow_writes
 
-    model, optimizer, scheduler = _build(getattr(torch, dtype))
+    model, optimizer, scheduler = _build(getattr(torch, dtype), zero_one)
     assert all(p.dtype == getattr(torch, dtype) for p in model.parameters())
     for step in range(SAVED_STEPS):
         _step(model, optimizer, scheduler, step)
@@ -120,8 +125,8 @@ def case_train_save_and_continue(directory: str, async_save: bool, dtype: str):
     return _state(model, optimizer, scheduler, record), seen
 
 
-def case_load_and_continue(directory: str, dtype: str):
-    model, optimizer, scheduler = _build(getattr(torch, dtype))
+def case_load_and_continue(directory: str, dtype: str, zero_one: bool = True):
+    model, optimizer, scheduler = _build(getattr(torch, dtype), zero_one)
     with torch.no_grad():   # only the checkpoint can bring the weights back
         for p in model.parameters():
             p.add_(1.0)
@@ -142,24 +147,27 @@ def _differences(a, b):
     return out
 
 
-@pytest.mark.parametrize("async_save,dtype", [(False, "float32"), (True, "float32"), (True, "bfloat16")],
-                         ids=["sync", "async", "bf16_async"])
-def test_trainer_api_objects_resume_bit_exactly_at_tp2_dp2(worlds, tmp_path, async_save, dtype):
+@pytest.mark.parametrize("async_save,dtype,zero_one", [(False, "float32", True), (True, "float32", True),
+                                                       (True, "bfloat16", True), (True, "float32", False)],
+                         ids=["sync", "async", "bf16_async", "nxd_optimizer_async"])
+def test_trainer_api_objects_resume_bit_exactly_at_tp2_dp2(worlds, tmp_path, async_save, dtype, zero_one):
     directory = str(tmp_path / "ckpt")
     results = worlds(4).run(case_train_save_and_continue, tensor_model_parallel_size=2, directory=directory,
-                            async_save=async_save, dtype=dtype)
+                            async_save=async_save, dtype=dtype, zero_one=zero_one)
     after = [state for state, _ in results]
     for rank, (state, seen) in enumerate(results):
         if async_save:   # the call returned before the files were written, and the step ran meanwhile
             assert seen == {"complete_after_step": False, "complete_after_finalize": True}, (rank, seen)
         assert all(m.dtype == torch.float32 for m in state["masters"].values())
+        assert state["moments"] and bool(state["masters"]) == zero_one, rank
     # TP ranks agree on the loss; the DP ranks trained on different rows.
     assert torch.equal(after[0]["record"]["loss"], after[1]["record"]["loss"])
     assert not torch.equal(after[0]["record"]["loss"], after[2]["record"]["loss"])
     assert float(after[0]["record"]["grad_norm"]) > MAX_NORM, "max_norm does not clip"
     assert nxdtp.has_checkpoint(directory)
 
-    resumed = worlds(4).run(case_load_and_continue, tensor_model_parallel_size=2, directory=directory, dtype=dtype)
+    resumed = worlds(4).run(case_load_and_continue, tensor_model_parallel_size=2, directory=directory, dtype=dtype,
+                            zero_one=zero_one)
     for rank, ((state, user_content), before) in enumerate(zip(resumed, after)):
         assert user_content == _user_content(), (rank, user_content)
         assert isinstance(user_content["batch_idx"], tuple)
