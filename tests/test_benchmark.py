@@ -1,5 +1,6 @@
 """``tools/benchmark.py --quick`` runs end to end: every section reports its numbers (present and finite), and the
-three train-step competitors (dense, nxdtp TP=2, DTensor TP=2) end at the same loss, and the ZeRO-1 section counts
+three train-step competitors (dense, nxdtp TP=2, DTensor TP=2) end at the same loss, as do the Llama-shaped decoder's
+two (dense, nxdtp TP=2: GQA, the Llama plan), and the ZeRO-1 section counts
 through FlatShardLayout and times two paths that end with the same weights. The activation-memory section's
 instrument is checked too: it counts each saved storage once and attributes every byte to a term, and its formula is
 Megatron's.
@@ -69,6 +70,32 @@ def test_train_step_losses_agree(quick):
     for kind, competitor in train["competitors"].items():
         assert len(competitor["step_s_per_round"]) == train["rounds"], kind
         assert competitor["last_loss_ranks_equal"], kind
+
+
+def test_train_step_llama_rows(quick):
+    """The Llama-shaped decoder's rounds (issue 25 item 4): dense and nxdtp TP=2 trained the same GQA Llama (each TP
+    rank half the query heads and one of the two KV heads, half the parameters) to the same loss, every round timed,
+    and the report has their table with the b/a ratio."""
+    report, stdout = quick
+    train = report["sections"]["train_step"]
+    llama = train["llama"]
+    assert llama["order"] == ["dense", "nxdtp"] and llama["tp"] == 2
+    assert llama["config"]["num_key_value_heads"] < llama["config"]["num_attention_heads"], "not GQA"
+    c = llama["competitors"]
+    assert [c[k]["ranks"] for k in ("dense", "nxdtp")] == [1, 2]
+    for kind, competitor in c.items():
+        assert len(competitor["step_s_per_round"]) == llama["rounds"] == train["rounds"], kind
+        assert competitor["last_loss_ranks_equal"], kind
+        losses = competitor["loss_per_step"]
+        assert len(losses) == llama["warmup_steps"] + llama["rounds"] and losses[-1] < losses[0], (kind, losses)
+    assert max(c["nxdtp"]["parameter_bytes_per_rank"]) < 0.6 * c["dense"]["parameter_bytes_per_rank"][0]
+    la = llama["loss_agreement"]
+    assert set(la["losses"]) == {"dense", "nxdtp"} and la["agree"] is True
+    assert abs(la["losses"]["nxdtp"] - la["losses"]["dense"]) <= la["rtol"] * abs(la["losses"]["dense"])
+    numbers = train["numbers"]
+    assert numbers["llama_ratio_nxdtp_dense"] == pytest.approx(
+        numbers["llama_step_s_nxdtp"] / numbers["llama_step_s_dense"])
+    assert "LlamaForCausalLM (Llama-shaped decoder)" in stdout and "Llama step time b/a (nxdtp / dense)" in stdout
 
 
 def test_report_has_a_table_per_section(quick):

@@ -84,7 +84,7 @@ def test_tp2_dp2_zero1_equals_dense_and_resumes_exactly(data_dir, model_path, tm
     """Launch 1 trains steps 1-2 of a 4-step schedule and saves; launch 2, with NxD's --loading_step
     latest_if_exists, resumes there and trains steps 3-4. All four step losses must equal the dense reference's
     (one process, plain transformers, global batch 4 x 2 micro-steps): a resume that lost the optimizer state, the
-    scheduler or the data position would not."""
+    scheduler or the data position would not. Launch 3, the same again, says there is nothing to train."""
     out, checkpoints = str(tmp_path / "run"), str(tmp_path / "checkpoints")
     layout = ["--use_zero_1", "--sequence_parallel_enabled", "--device", "cpu", "--checkpoint_dir", checkpoints,
               "--checkpoint_freq", "2", "--loading_step", "latest_if_exists"]
@@ -93,6 +93,12 @@ def test_tp2_dp2_zero1_equals_dense_and_resumes_exactly(data_dir, model_path, tm
     assert "step_2" in os.listdir(checkpoints)
     second = _launch(_torchrun(4) + flags(data_dir, model_path, out, 2, 2, 4, None, *layout))
     assert "at step 2" in second.stdout, second.stdout[-3000:]
+    # The same command again: the newest checkpoint is at --max_steps, so there is nothing to train, and the run says
+    # so instead of ending quietly with "loss None".
+    third = _launch(_torchrun(4) + flags(data_dir, model_path, str(tmp_path / "again"), 2, 2, 4, None, *layout))
+    assert "nothing to train: the checkpoint is at step 4 and this run stops at step 4" in third.stdout, \
+        third.stdout[-3000:]
+    assert not LOG_LINE.findall(third.stdout)
 
     logged = [(int(e), int(s), float(loss)) for e, s, loss, *_ in LOG_LINE.findall(first.stdout + second.stdout)]
     assert [s for _, s, _ in logged] == [1, 2, 3, 4], first.stdout[-2000:] + second.stdout[-2000:]

@@ -13,7 +13,8 @@ NxD's Llama ``init_weights`` calls.
   1e-5. With ZeRO-1 (NxD's defaults then accumulate in fp32 ``main_grad``) and on NxDOptimizer's own path.
 * Meta-device init with a ``param_init_fn`` written as NxD's Llama ``init_weights``: the same model on every DP rank,
   equal to the dense model drawn in the same module order (parameters on meta, and buffers too).
-* Also: the config initializes model parallelism; ``pad_model`` and checkpointing by a list of classes; local ranks
+* Also: the config initializes model parallelism; ``pad_model`` (and, without it, a refusal that names it) and
+  checkpointing by a list of classes; model_fn's arguments given in include_buffers' place are refused; local ranks
   build in waves of ``sequential_move_factor``; sequence-parallel gradients held in ``main_grad`` are summed over TP;
   ``mixed_precision_config`` and ``max_grad_norm`` reach ZeRO-1.
 """
@@ -134,6 +135,18 @@ def test_master_weights_without_zero_one_are_refused(no_world):
         config = nxdtp.neuronx_distributed_config(mixed_precision_config=dict(mp))
         with pytest.raises(RuntimeError, match="ZeRO-1"):
             nxdtp.initialize_parallel_optimizer(config, torch.optim.AdamW, [torch.nn.Parameter(torch.ones(2))])
+
+
+def test_include_buffers_given_model_fn_arguments_is_refused(no_world):
+    """NxD's usual slip: initialize_parallel_model(nxd_config, get_model, config) takes config for include_buffers
+    and would call get_model() without it; refused naming the parameter order, before anything is built."""
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    built = []
+    with pytest.raises(TypeError, match=r"include_buffers must be True or False, got a LlamaConfig; it is the third "
+                                        r"parameter, as in NxD.*\(nxd_config, model_fn, False"):
+        nxdtp.initialize_parallel_model(nxdtp.neuronx_distributed_config(), built.append, config)
+    assert built == []
 
 
 def case_config_initializes_model_parallelism():
@@ -414,8 +427,11 @@ def case_pad_model_and_checkpoint_classes():
         torch.manual_seed(3)
         return transformers.LlamaForCausalLM(config)
 
-    with pytest.raises(ValueError, match="heads"):
+    # The advice is the trainer API's switch, not parallelize_model's pad_heads, which this API does not take.
+    with pytest.raises(ValueError, match=r"num_attention_heads=6 .* pass pad_model=True to "
+                                         r"neuronx_distributed_config") as refused:
         nxdtp.initialize_parallel_model(nxdtp.neuronx_distributed_config(tensor_parallel_size=4), build)
+    assert "pad_heads" not in str(refused.value)
     mlp = transformers.models.llama.modeling_llama.LlamaMLP
     attention = transformers.models.llama.modeling_llama.LlamaAttention
     nxd_config = nxdtp.neuronx_distributed_config(tensor_parallel_size=4, pad_model=True,

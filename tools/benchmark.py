@@ -5,6 +5,7 @@ Sections (docs/performance.md explains how each is measured):
 
 1. train   Train step on CPU: BertForPreTraining, dense (1 process) vs nxdtp TP=2 vs PyTorch DTensor TP=2 (2 gloo
            ranks each), one thread per rank, alternating step by step, medians; loss agreement; peak RSS per rank.
+           Then a Llama-shaped decoder (LlamaForCausalLM, GQA): dense vs nxdtp TP=2, the same figures.
 2. memory  Parameter and AdamW-state bytes per rank of BERT-large at TP = 1, 2, 4, 8 (meta device, simulated
            topology), next to dense/tp and NxD's attention-only recipe.
 3. comm    All-reduce / all-gather / reduce-scatter per BERT layer per train step, from the XLA HLO of a simulated

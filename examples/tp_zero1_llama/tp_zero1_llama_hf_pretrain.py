@@ -401,6 +401,11 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
             consumed_sequences = int(user_content.get("consumed_sequences", 0))
             if is_root:
                 print(f"resumed from {flags.checkpoint_dir} ({tag or 'newest'}) at step {global_step}", flush=True)
+            stop_at = min(flags.steps_this_run, flags.max_steps)
+            if is_root and global_step >= stop_at:
+                print(f"nothing to train: the checkpoint is at step {global_step} and this run stops at step {stop_at} "
+                      "(--max_steps, --steps_this_run); raise them to train on, or give another --checkpoint_dir to "
+                      "start afresh", flush=True)
     elif flags.pretrained_weight:
         nxd.load_checkpoint(flags.checkpoint_dir, tag="pretrained_weight", model=model, optimizer=None,
                             scheduler=None)

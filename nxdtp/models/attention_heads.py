@@ -14,19 +14,26 @@ from ..plan import ColumnParallel, HeadPadded, KVReplicatedColumnParallel, RowPa
 logger = logging.getLogger(__name__)
 
 
+class HeadsNotDivisibleError(ValueError):
+    """TP does not divide the attention heads and zero heads were not allowed (``pad_heads=False``); callers whose
+    users spell that switch another way (the trainer API's ``pad_model``) re-raise it with their own advice."""
+
+
 def attention_projection_styles(model_name: str, heads: int, kv_heads: int, head_dim: int, tp: int, pad_heads: bool,
                                 column: ColumnParallel, row: RowParallel) -> tuple:
     """The styles ``(q, k, v, o)`` for the projections, given the plan's plain ``column`` and ``row`` styles (the entry
     region and sequence-parallel options stay the plan's). Refuses, naming the values, head counts it cannot lay out,
     and zero heads when ``pad_heads`` is False; warns with the count when it adds them."""
     if heads % kv_heads != 0:
-        raise ValueError(f"{model_name} num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        raise ValueError(f"{model_name} num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv_heads}")
     padded = padded_head_count(heads, kv_heads, tp)
     if padded != heads:
         if not pad_heads:
-            raise ValueError(f"{model_name} num_attention_heads={heads} (num_key_value_heads={kv_heads}) is not "
-                             f"divisible by tensor_model_parallel_size={tp}; choose a tensor_model_parallel_size that "
-                             "divides it, or pass pad_heads=True")
+            raise HeadsNotDivisibleError(
+                f"{model_name} num_attention_heads={heads} (num_key_value_heads={kv_heads}) is not divisible by "
+                f"tensor_model_parallel_size={tp}; choose a tensor_model_parallel_size that divides it, or pass "
+                "pad_heads=True")
         logger.warning("%s: num_attention_heads=%d (num_key_value_heads=%d) at tensor_model_parallel_size=%d: padding "
                        "with %d zero heads to %d", model_name, heads, kv_heads, tp, padded - heads, padded)
     if kv_heads == heads:

@@ -284,6 +284,13 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
     classes) makes those modules recompute in backward through ``nxdtp.random.checkpoint``, which replays the RNG
     tracker. Module names and state_dict keys do not change.
     """
+    if not isinstance(include_buffers, bool) and include_buffers not in (0, 1):
+        # NxD's signature puts include_buffers third: initialize_parallel_model(nxd_config, get_model, config) would
+        # take config for it and call get_model() without arguments.
+        raise TypeError(f"initialize_parallel_model(): include_buffers must be True or False, got a "
+                        f"{type(include_buffers).__name__}; it is the third parameter, as in NxD, and model_fn's "
+                        "arguments come after it: "
+                        "initialize_parallel_model(nxd_config, model_fn, False, *model_args, **model_kwargs)")
     _initialize_model_parallel(nxd_config)
     for key in ("pipeline_parallel_size", "expert_parallel_size", "context_parallel_size"):
         _refuse_size(key, nxd_config.get(key, 1), key.replace("_size", "").replace("_", " "))
@@ -316,8 +323,15 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
                 from ..models import parallelize_model
 
                 # Replicated state is broadcast after the waves: the ranks of a TP group may build in different ones.
-                model = parallelize_model(model, sequence_parallel=sequence_parallel, broadcast_replicated=False,
-                                          pad_heads=bool(nxd_config["pad_model"]))
+                from ..models.attention_heads import HeadsNotDivisibleError
+
+                try:
+                    model = parallelize_model(model, sequence_parallel=sequence_parallel, broadcast_replicated=False,
+                                              pad_heads=bool(nxd_config["pad_model"]))
+                except HeadsNotDivisibleError as e:   # its advice names parallelize_model's pad_heads
+                    raise HeadsNotDivisibleError(
+                        str(e).replace("pass pad_heads=True", "pass pad_model=True to neuronx_distributed_config (zero "
+                                       "heads are added, as NxD's pad_model does)")) from None
             if param_init_fn is not None:
                 _materialise(model, param_init_fn)
             if nxd_config["pad_model"] and not parallelized_here:

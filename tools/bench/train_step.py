@@ -1,4 +1,5 @@
-"""Section 1: one BertForPreTraining train step on CPU, dense vs nxdtp TP=2 vs PyTorch DTensor TP=2.
+"""Section 1: one BertForPreTraining train step on CPU, dense vs nxdtp TP=2 vs PyTorch DTensor TP=2; then one
+train step of a Llama-shaped decoder (LlamaForCausalLM with grouped-query attention), dense vs nxdtp TP=2.
 
 Every competitor is a group of long-lived worker processes (spawned, one intra-op thread each): ``dense`` is one
 process, ``nxdtp`` and ``dtensor`` are two gloo ranks each. All of them import the same modules before their memory
@@ -15,6 +16,8 @@ batch, then shard it their way:
   combined, then ``clip_grads_with_norm_`` on each list (``clip_grad_norm_`` refuses a mix of DTensor and Tensor).
 
 One step = ``zero_grad``, forward with MLM labels and NSP labels (the loss), backward, clip to norm 1.0, AdamW step.
+The Llama rounds follow in the dense and nxdtp workers (their BERT released): the same step on a causal-LM batch, the
+nxdtp model sharded by ``nxdtp.models.parallelize_model``'s Llama plan (``_run_llama``; DTensor has no Llama plan here).
 The driver alternates the competitors step by step (dense, nxdtp, dtensor, dense, ...); only one competitor computes
 at a time. Before each step the ranks of a competitor meet in a barrier; a step's time is the slowest rank's.
 
@@ -64,6 +67,17 @@ QUICK = dict(model=dict(num_hidden_layers=2, hidden_size=64, num_attention_heads
                         vocab_size=512, max_position_embeddings=64, type_vocab_size=2),
              seq=32, batch=4, rounds=3, warmup=2)
 
+# The Llama-shaped decoder (issue 25): dense (a) against nxdtp TP=2 (b) only, in the same worker processes after
+# BERT's rounds. Grouped-query attention: 8 query heads over 2 KV heads, so each TP rank holds 4 query heads and one
+# KV head. Sized to add about a tenth to the section's time (a dense step about a fifth of BERT's).
+LLAMA_COMPETITORS = ("dense", "nxdtp")
+LLAMA_FULL = dict(model=dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                             intermediate_size=1408, vocab_size=8192, max_position_embeddings=256),
+                  seq=128, batch=4)
+LLAMA_QUICK = dict(model=dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=176, vocab_size=512, max_position_embeddings=64),
+                   seq=32, batch=4)
+
 TARGETS = {"nxdtp/dense step time": 0.60, "nxdtp/dense step time limit": 0.50, "nxdtp/dtensor step time": 0.65,
            "nxdtp/dense peak RSS per rank": 0.60}
 
@@ -81,9 +95,11 @@ def _import_everything() -> None:
     import torch.profiler  # noqa: F401
     import transformers  # noqa: F401
     from transformers.models.bert import modeling_bert  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
 
     import nxdtp  # noqa: F401
     import nxdtp.grads  # noqa: F401
+    import nxdtp.models  # noqa: F401
     import nxdtp.models.bert  # noqa: F401
     import rss_probe  # noqa: F401
 
@@ -118,6 +134,31 @@ def make_batch(model_cfg: Dict[str, Any], seq: int, batch: int, seed: int) -> Di
         "labels": torch.where(masked, input_ids, torch.full_like(input_ids, -100)),
         "next_sentence_label": torch.randint(0, 2, (batch,), generator=generator),
     }
+
+
+def build_dense_llama(model_cfg: Dict[str, Any], seed: int):
+    """LlamaForCausalLM (untied LM head, dropout off), every parameter (norms too) moved off its HF initial value by
+    seeded N(0, 0.02) noise. Same numbers in every process."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**model_cfg, attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator), alpha=0.02)
+    return model.train()
+
+
+def make_llama_batch(model_cfg: Dict[str, Any], seq: int, batch: int, seed: int) -> Dict[str, Any]:
+    """A packed causal-LM batch as the Llama example reads it: token ids, labels a copy of them, no padding."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 2)
+    input_ids = torch.randint(0, model_cfg["vocab_size"], (batch, seq), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
 DTENSOR_LAYER_PLAN = {"attention.self.query": "colwise", "attention.self.key": "colwise",
@@ -177,18 +218,22 @@ def _ensure_mesh(state):
     return state["mesh"]
 
 
-def _shard(state, model, sequence_parallel: bool = False, vocab_multiple: int = 1):
+def _shard(state, model, sequence_parallel: bool = False, vocab_multiple: int = 1, arch: str = "bert"):
     """Shard ``model`` as this competitor does; return the gradient-clipping function."""
     import torch
 
     kind = state["kind"]
     if kind == "nxdtp":
         from nxdtp.grads import clip_grad_norm
+        from nxdtp.models import parallelize_model
         from nxdtp.models.bert import parallelize_bert
 
         _ensure_nxdtp_topology(state)
-        parallelize_bert(model, sequence_parallel=sequence_parallel, make_vocab_size_divisible_by=vocab_multiple)
+        shard = parallelize_bert if arch == "bert" else parallelize_model
+        shard(model, sequence_parallel=sequence_parallel, make_vocab_size_divisible_by=vocab_multiple)
         return lambda params: clip_grad_norm(params, MAX_GRAD_NORM)
+    if arch != "bert":
+        assert kind == "dense", f"{kind}: the {arch} rounds have no such competitor"
     if kind == "dtensor":
         dtensor_parallelize(model, _ensure_mesh(state))
         return lambda params: dtensor_clip_grad_norm(params, MAX_GRAD_NORM)
@@ -205,20 +250,23 @@ def _unique_parameter_bytes(model) -> int:
     return total
 
 
-def h_build(state, model_cfg, seq, batch, seed, vocab_multiple: int = 1):
+def h_build(state, model_cfg, seq, batch, seed, vocab_multiple: int = 1, arch: str = "bert"):
+    """Build, shard and keep the model, AdamW and the batch. ``arch``: "bert" (BertForPreTraining) or "llama"
+    (LlamaForCausalLM, sharded by ``nxdtp.models.parallelize_model``'s Llama plan)."""
     import torch
 
     from rss_probe import proc_status_kib, reset_peak_rss
 
-    model = build_dense_bert(model_cfg, seed)
-    clip = _shard(state, model, vocab_multiple=vocab_multiple)
+    build, make = (build_dense_bert, make_batch) if arch == "bert" else (build_dense_llama, make_llama_batch)
+    model = build(model_cfg, seed)
+    clip = _shard(state, model, vocab_multiple=vocab_multiple, arch=arch)
     device = state["device"]
     if device != "cpu":  # the --gpu section: tp=1 only, so nothing was split
         from nxdtp.utils import move_model_to_device
 
         model = move_model_to_device(model, device) if state["kind"] == "nxdtp" else model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    inputs = {k: v.to(device) for k, v in make_batch(model_cfg, seq, batch, seed).items()}
+    inputs = {k: v.to(device) for k, v in make(model_cfg, seq, batch, seed).items()}
     state.update(model=model, clip=clip, optimizer=optimizer, batch=inputs, params=list(model.parameters()))
     gc.collect()
     state["peak_reset"] = reset_peak_rss()
@@ -301,6 +349,20 @@ def h_release(state) -> None:
     for key in ("model", "clip", "optimizer", "batch", "params"):
         state.pop(key, None)
     gc.collect()
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """Give the heap's free pages back to the kernel (glibc), so that a model built next in this worker (the Llama
+    rounds after BERT's) starts from an RSS without BERT's freed memory in it, and its peak over that RSS counts what
+    its steps allocate instead of reusing what the allocator kept."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure then counts only what the steps add beyond the heap
+        pass
 
 
 # ---- profiling (--profile) -------------------------------------------------------------------------------------------
@@ -668,7 +730,107 @@ def run(competitors: Competitors, quick: bool, rounds: int = None, warmup: int =
     result["two_rank_gemm_probe"] = {"per_rank": probe,
                                      "together_over_alone": max(p["together_over_alone"] for p in probe)}
     result["numbers"]["two_rank_gemm_slowdown"] = result["two_rank_gemm_probe"]["together_over_alone"]
+    result["llama"] = _run_llama(groups, quick, rounds, warmup, nxdtp_vocab_multiple)
+    result["numbers"].update(result["llama"]["numbers"])
     return result
+
+
+def _run_llama(groups: Dict[str, WorkerGroup], quick: bool, rounds: int, warmup: int,
+               nxdtp_vocab_multiple: int) -> Dict[str, Any]:
+    """The Llama-shaped decoder's rounds: dense (a) against nxdtp TP=2 (b), in the workers BERT's rounds used (their
+    models released), alternating, medians; the same figures as BERT's for these two."""
+    spec = dict(LLAMA_QUICK if quick else LLAMA_FULL)
+    groups = {k: groups[k] for k in LLAMA_COMPETITORS}
+    common = dict(model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"], seed=SEED, arch="llama")
+    log(f"train step: building the Llama-shaped decoder, {', '.join(groups)} (config {spec['model']}, seq "
+        f"{spec['seq']}, batch {spec['batch']})")
+    for kind, group in groups.items():
+        group.send("build", **common, **({"vocab_multiple": nxdtp_vocab_multiple} if kind == "nxdtp" else {}))
+    builds = {k: g.receive() for k, g in groups.items()}
+    steps = _alternate(groups, warmup, rounds)
+    memory = {k: g.call("memory") for k, g in groups.items()}
+    for group in groups.values():
+        group.call("release")
+    out: Dict[str, Any] = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "tp": TP,
+                           "nxdtp_make_vocab_size_divisible_by": nxdtp_vocab_multiple, "rounds": rounds,
+                           "warmup_steps": warmup, "order": list(groups), "competitors": {}}
+    for kind in groups:
+        timed = steps[kind][warmup:]
+        last = steps[kind][-1]
+        out["competitors"][kind] = {
+            "label": LABELS[kind], "ranks": len(last),
+            "step_s": summary([max(r["seconds"] for r in step) for step in timed]),
+            "step_s_per_round": [max(r["seconds"] for r in step) for step in timed],
+            "phase_s_median": {p: summary([max(r[p] for r in step) for step in timed])["median"]
+                               for p in ("forward", "backward", "clip", "optimizer")},
+            "loss_per_step": [step[0]["loss"] for step in steps[kind]],
+            "last_loss": last[0]["loss"], "last_loss_ranks_equal": len({r["loss"] for r in last}) == 1,
+            "parameter_bytes_per_rank": [b["parameter_bytes"] for b in builds[kind]],
+            "attn_implementation": builds[kind][0]["attn_implementation"],
+            "local_vocab_rows": builds[kind][0]["local_vocab_rows"],
+            "peak_rss_mib_per_rank": [m["peak_mib"] for m in memory[kind]],
+            # The workers ran BERT's rounds first (released and trimmed, h_release): the figure compared is the peak
+            # over the RSS right after the Llama was built, not over the imports.
+            "peak_over_after_build_mib_per_rank": [m["increase_over_build_mib"] for m in memory[kind]],
+            "peak_reset": all(m["peak_reset"] for m in memory[kind]),
+        }
+    c = out["competitors"]
+    med = {k: c[k]["step_s"]["median"] for k in groups}
+    per_round = [b / a for b, a in zip(c["nxdtp"]["step_s_per_round"], c["dense"]["step_s_per_round"])]
+    during = {k: max(c[k]["peak_over_after_build_mib_per_rank"]) for k in groups}
+    rel = abs(c["nxdtp"]["last_loss"] - c["dense"]["last_loss"]) / abs(c["dense"]["last_loss"])
+    out["ratios"] = {"nxdtp/dense step time": med["nxdtp"] / med["dense"],
+                     "nxdtp/dense step time, median of per-round ratios": summary(per_round)["median"],
+                     "nxdtp/dense peak RSS over build per rank": during["nxdtp"] / during["dense"]}
+    out["per_round_ratios"] = {"nxdtp/dense": per_round}
+    out["loss_agreement"] = {"rtol": LOSS_RTOL, "losses": {k: c[k]["last_loss"] for k in groups},
+                             "max_rel_diff_vs_dense": rel,
+                             "agree": rel <= LOSS_RTOL and all(c[k]["last_loss_ranks_equal"] for k in groups)}
+    out["numbers"] = {"llama_step_s_dense": med["dense"], "llama_step_s_nxdtp": med["nxdtp"],
+                      "llama_ratio_nxdtp_dense": out["ratios"]["nxdtp/dense step time"],
+                      **{f"llama_peak_over_build_mib_{k}": during[k] for k in groups},
+                      **{f"llama_last_loss_{k}": c[k]["last_loss"] for k in groups},
+                      "llama_loss_rel_diff": rel}
+    return out
+
+
+def llama_tables(result: Dict[str, Any]) -> str:
+    c = result["competitors"]
+    cfg = result["config"]
+    lines = [f"LlamaForCausalLM (Llama-shaped decoder): {cfg['num_hidden_layers']} layers, hidden "
+             f"{cfg['hidden_size']}, {cfg['num_attention_heads']} query heads over {cfg['num_key_value_heads']} KV "
+             f"heads (GQA), intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, untied LM head; seq "
+             f"{result['seq']}, batch {result['batch']}, fp32, causal-LM loss, the same step (AdamW, clip to "
+             f"{MAX_GRAD_NORM}), in the same workers after BERT's rounds. nxdtp: "
+             f"`nxdtp.models.parallelize_model` (the Llama plan; make_vocab_size_divisible_by="
+             f"{result['nxdtp_make_vocab_size_divisible_by']}, {c['nxdtp']['local_vocab_rows']} vocabulary rows per "
+             f"rank). {result['warmup_steps']} warm-up steps, then {result['rounds']} alternating rounds (a, b); "
+             f"medians; attention: {c['dense']['attn_implementation']}.", ""]
+    rows = []
+    for kind in result["order"]:
+        k = c[kind]
+        rows.append([k["label"], fmt_range(k["step_s"]), fmt(k["phase_s_median"]["forward"], 3),
+                     fmt(k["phase_s_median"]["backward"], 3), fmt(k["phase_s_median"]["clip"], 4),
+                     fmt(k["phase_s_median"]["optimizer"], 3),
+                     f"{max(k['parameter_bytes_per_rank']) / (1 << 20):,.1f}",
+                     " / ".join(fmt(v, 0) for v in k["peak_over_after_build_mib_per_rank"]),
+                     f"{k['last_loss']:.7f}"])
+    lines.append(markdown_table(
+        ["competitor", "step s median (min-max)", "forward s", "backward s", "clip s", "AdamW s",
+         "parameters MiB / rank", "peak RSS MiB per rank over RSS after build", "loss at last step"], rows))
+    r = result["ratios"]
+    la = result["loss_agreement"]
+    lines += ["", markdown_table(["figure", "value", "target", "limit", "verdict"], [
+        ["Llama step time b/a (nxdtp / dense)", fmt(r["nxdtp/dense step time"], 3), "<= 0.60",
+         "0.50 (perfect 2-rank split)", verdict(r["nxdtp/dense step time"], TARGETS["nxdtp/dense step time"])],
+        ["Llama b/a, median of per-round ratios", fmt(r["nxdtp/dense step time, median of per-round ratios"], 3), "",
+         "", ""],
+        ["Llama peak RSS per rank over RSS after build, b/a", fmt(r["nxdtp/dense peak RSS over build per rank"], 3),
+         "", "", ""],
+        ["Llama losses at the last step agree (a, b)", f"relative difference {la['max_rel_diff_vs_dense']:.2e}",
+         f"<= {la['rtol']:.0e}", "", "met" if la["agree"] else "MISSED"],
+    ])]
+    return "\n".join(lines)
 
 
 def _alternate(groups: Dict[str, WorkerGroup], warmup: int, rounds: int) -> Dict[str, List[List[Dict[str, float]]]]:
@@ -863,6 +1025,8 @@ def tables(result: Dict[str, Any]) -> str:
                  "built and sharded); increase = peak - RSS after the imports (same imports in every competitor); the "
                  "next column is the part above the RSS right after building and sharding (activations, gradients, "
                  "AdamW state, temporaries).")
+    if "llama" in result:
+        lines += ["", llama_tables(result["llama"])]
     for kind in COMPETITORS:
         prof = c[kind].get("profile")
         if prof:
