@@ -153,6 +153,19 @@ class ParamSpec:
         tensor. A replicated tensor is one run of rank 0 (none for other ranks)."""
         if not self.is_sharded:
             return [(0, self.unpadded_shape[0], 0)] if rank == 0 and self.unpadded_shape else []
+        return self._piece_runs(rank, copies=False)
+
+    def copy_runs_of_piece(self, rank: int):
+        """The rows of TP rank ``rank``'s piece that ``dense_runs_of_piece`` leaves out because they are a later copy
+        of a repeated block (a repeated KV head), as ``(piece_start, length, dense_start)`` runs to the dense rows they
+        copy; for a replicated tensor, the whole tensor on every rank but 0. With ``dense_runs_of_piece`` these are
+        every row of the piece that holds a dense value: the rows a rank fills when it loads a dense tensor
+        (padding rows hold none). A rank never holds two copies of one dense row, so no two of its runs overlap."""
+        if not self.is_sharded:
+            return [(0, self.unpadded_shape[0], 0)] if rank != 0 and self.unpadded_shape else []
+        return self._piece_runs(rank, copies=True)
+
+    def _piece_runs(self, rank: int, copies: bool):
         if not 0 <= rank < self.num_partitions:
             raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
         dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
@@ -160,7 +173,7 @@ class ParamSpec:
         runs = []
         for chunk in range(stride):
             first = (chunk * parts + rank) * block
-            for start, length, dense_start in self._dense_runs_of_full(first, first + block):
+            for start, length, dense_start in self._dense_runs_of_full(first, first + block, copies):
                 piece_start = chunk * block + start - first
                 last = runs[-1] if runs else None
                 if last is not None and last[0] + last[1] == piece_start and last[2] + last[1] == dense_start:
@@ -169,16 +182,17 @@ class ParamSpec:
                     runs.append((piece_start, length, dense_start))
         return runs
 
-    def _dense_runs_of_full(self, start: int, stop: int):
+    def _dense_runs_of_full(self, start: int, stop: int, copies: bool = False):
         """``(full_start, length, dense_start)`` for the rows of ``[start, stop)`` of the full tensor that are dense
-        rows: the first copy of each repeated block, then its real (not padding) rows."""
+        rows: the first copy of each repeated block (with ``copies``: every later copy instead, at the dense rows of
+        the block it copies), then its real (not padding) rows."""
         copy = self.replica_block * self.replicas
         position = start
         while position < stop:
             head, offset = divmod(position, copy)
             which, inside = divmod(offset, self.replica_block)
             end = min(stop, head * copy + (which + 1) * self.replica_block)
-            if which == 0:  # the kept copy: its rows in the replica-free tensor, then past its padding
+            if (which > 0) == copies:  # the copy asked for: its rows in the replica-free tensor, then past its padding
                 collapsed = head * self.replica_block + inside
                 for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
                     if dense_start is not None:
