@@ -322,6 +322,25 @@ class FlatShardLayout:
             out[:real] = torch.cat(pieces)
         return out
 
+    def boxes_of_shard(self, rank: int):
+        """Where group rank ``rank``'s shard lies in the tensor: ``(shard_start, offsets, sizes)`` boxes of ``shape``,
+        in shard order, covering its real elements (the padding is in none): box elements in row-major order are
+        ``shard[shard_start:shard_start + numel(sizes)]``. A flat range is a partial row, whole rows, a partial row
+        (recursively over the dims), so a shard is at most ``2 * ndim - 1`` boxes."""
+        if not 0 <= rank < self.group_size:
+            raise ValueError(f"FlatShardLayout: rank={rank} is outside a sharding group of size {self.group_size}")
+        start = rank * self.shard_numel
+        stop = min(start + self.shard_numel, self.numel)
+        boxes = []
+        position = start
+        for offsets, sizes in _flat_range_boxes(tuple(self.shape), start, stop):
+            boxes.append((position - start, offsets, sizes))
+            numel = 1
+            for size in sizes:
+                numel *= size
+            position += numel
+        return boxes
+
     def source_ranks(self, source: "FlatShardLayout", rank: int) -> range:
         """The ranks of ``source`` whose shards hold real elements of this layout's shard ``rank``."""
         start = rank * self.shard_numel
@@ -338,6 +357,63 @@ class FlatShardLayout:
         if d.get("layout") != "flat":
             raise ValueError(f"unknown ZeRO-1 shard layout {d.get('layout')!r}; this nxdtp knows 'flat'")
         return cls(shape=tuple(d["shape"]), group_size=int(d["group_size"]))
+
+
+def _flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int):
+    """Boxes ``(offsets, sizes)`` of a tensor of ``shape`` covering its row-major elements ``[start, stop)`` in order,
+    each contiguous in that order."""
+    if start >= stop:
+        return
+    if not shape:
+        yield (), ()
+        return
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+    first, first_rest = divmod(start, inner)
+    last, last_rest = divmod(stop, inner)
+    if first == last:  # inside one row
+        for offsets, sizes in _flat_range_boxes(shape[1:], first_rest, last_rest):
+            yield (first,) + offsets, (1,) + sizes
+        return
+    if first_rest:
+        for offsets, sizes in _flat_range_boxes(shape[1:], first_rest, inner):
+            yield (first,) + offsets, (1,) + sizes
+        first += 1
+    if last > first:
+        yield (first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])
+    if last_rest:
+        for offsets, sizes in _flat_range_boxes(shape[1:], 0, last_rest):
+            yield (last,) + offsets, (1,) + sizes
+
+
+def dense_chunks_of_flat_shard(spec: ParamSpec, layout: FlatShardLayout, tp_rank: int, shard_rank: int,
+                               copies: bool = False):
+    """Where ZeRO-1 shard ``shard_rank`` (``layout``, over the TP-local piece) of TP rank ``tp_rank``'s piece of
+    ``spec`` lies in the dense tensor: ``(shard_start, box_sizes, (dim, start, length), dense_offsets, dense_sizes)``
+    per chunk, where the chunk is ``shard[shard_start:][:numel(box_sizes)].view(box_sizes).narrow(dim, start,
+    length)`` (dim None: the whole box). The rows are those of ``dense_runs_of_piece`` (with ``copies``:
+    ``copy_runs_of_piece``), so over every TP and shard rank the chunks without copies cover each dense element once."""
+    runs = spec.copy_runs_of_piece(tp_rank) if copies else spec.dense_runs_of_piece(tp_rank)
+    if spec.is_sharded and tuple(layout.shape) != tuple(spec.local_shape()):
+        raise ValueError(f"a ZeRO-1 layout of shape {list(layout.shape)} is not over a piece of this spec (local shape "
+                         f"{list(spec.local_shape())})")
+    chunks = []
+    for shard_start, offsets, sizes in layout.boxes_of_shard(shard_rank):
+        if not spec.is_sharded:  # the same on every TP rank: TP rank 0's is the kept one
+            if (tp_rank == 0) != copies:
+                chunks.append((shard_start, sizes, None, offsets, sizes))
+            continue
+        dim = spec.partition_dim
+        for piece_start, length, dense_start in runs:
+            lo, hi = max(offsets[dim], piece_start), min(offsets[dim] + sizes[dim], piece_start + length)
+            if lo >= hi:
+                continue
+            dense_offsets, dense_sizes = list(offsets), list(sizes)
+            dense_offsets[dim], dense_sizes[dim] = dense_start + lo - piece_start, hi - lo
+            chunks.append((shard_start, sizes, (dim, lo - offsets[dim], hi - lo), tuple(dense_offsets),
+                           tuple(dense_sizes)))
+    return chunks
 
 
 def _leading_block(tensor: torch.Tensor, shape) -> torch.Tensor:

@@ -14,8 +14,11 @@
 * GPT-2 with 6 heads at tp=4: its fused Q|K|V ``c_attn`` is split with stride 3 and padded with zero heads per part.
   Saved live, it loads into the dense model (the logits) and back into nxdtp at tp=2 × dp=2 (the logits).
 * The layout algebra: each rank's kept runs and copy runs cover every non-padding row of its piece once.
-* Bad input: a model nxdtp did not parallelize, an optimizer of another model, ZeRO-1, a state dict of another model:
-  one clear error each.
+* ZeRO-1 (tp=2 x dp=2): its flat shards save as the dense optimizer's state (a dense AdamW loads the moments of a
+  dense step), and ZeRO-1 at tp=1 x dp=4 loads them and steps as the dense run does. The layout algebra's map from a
+  flat shard to dense chunks covers every dense element once.
+* Bad input: a model nxdtp did not parallelize, an optimizer of another model, a ZeRO-1 optimizer without its shards
+  (lazy_init), a state dict of another model, a missing key, an operation on a DenseView: one clear error each.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _nxdtp_llama(seed):
     return parallelize_model(_llama(seed), make_vocab_size_divisible_by=MULTIPLE)
 
 
-# ---- the layout algebra: what a rank writes and what it reads ---------------------------------------------------------
+# ---- the layout algebra: what a rank writes and what it reads --------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(_specs()))
 def test_kept_and_copy_runs_cover_each_piece(name):
@@ -77,7 +80,38 @@ def test_kept_and_copy_runs_cover_each_piece(name):
     assert torch.equal(dense_rows, torch.ones_like(dense_rows)), (name, dense_rows)
 
 
-# ---- a tp=2 x dp=2 Llama saves live -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(_specs()) + ["replicated", "3-d, dim 1"])
+@pytest.mark.parametrize("group_size", [1, 2, 3, 7])
+def test_zero1_flat_shards_map_to_dense_chunks(name, group_size):
+    """``dense_chunks_of_flat_shard``: over every TP rank and ZeRO-1 shard rank the kept chunks cover each dense
+    element once, and every chunk (kept or copy) read from the flat shard is that part of the dense tensor."""
+    from nxdtp.layers import shard_of
+    from nxdtp.spec import FlatShardLayout, ParamSpec, dense_chunks_of_flat_shard
+
+    spec = {**_specs(), "replicated": ParamSpec(full_shape=(3, 5)),
+            "3-d, dim 1": ParamSpec(full_shape=(4, 3, 5), partition_dim=1, num_partitions=3)}[name]
+    dense = torch.randn(spec.unpadded_shape)
+    full = spec.full_from_dense(dense)
+    seen = torch.zeros(dense.shape, dtype=torch.long)
+    for tp_rank in range(spec.num_partitions if spec.is_sharded else 2):
+        piece = shard_of(full, spec.partition_dim, tp_rank, spec.num_partitions, spec.stride) if spec.is_sharded \
+            else full
+        layout = FlatShardLayout(tuple(piece.shape), group_size)
+        for shard_rank in range(group_size):
+            shard = layout.shard_of(piece, shard_rank)
+            for copies in (False, True):
+                for start, box, narrow, offsets, sizes in dense_chunks_of_flat_shard(spec, layout, tp_rank,
+                                                                                     shard_rank, copies):
+                    chunk = shard[start:start + torch.Size(box).numel()].view(box)
+                    chunk = chunk if narrow is None else chunk.narrow(*narrow)
+                    where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+                    assert torch.equal(chunk, dense[where]), (name, tp_rank, shard_rank, offsets)
+                    if not copies:
+                        seen[where] += 1
+    assert torch.equal(seen, torch.ones_like(seen)), (name, seen)
+
+
+# ---- a tp=2 x dp=2 Llama saves live ----------------------------------------------------------------------------------
 
 def case_live_save(checkpoint: str, nxdtp_root: str = ""):
     """One AdamW step, then dcp.save(get_state_dict(model, optimizer)) (and, for the comparison with the export, the
@@ -224,6 +258,79 @@ def test_live_save_on_a_world_that_refuses_cpu_tensors(worlds, live_llama, tmp_p
     _close(_logits(model, _llama_batch())[0], results[0]["logits"], "dense logits from the cpu_refusing world's save")
 
 
+# ---- ZeRO-1: the flat shards over DP of each TP piece ----------------------------------------------------------------
+
+def _zero1(model, **hyperparameters):
+    from nxdtp.optimizer import NeuronZero1Optimizer
+
+    # No clipping: the dense reference does not clip either.
+    return NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False, **hyperparameters)
+
+
+def _zero1_step(model, optimizer, batch):
+    model(**batch).loss.backward()  # ZeRO-1 averages the gradients over DP (reduce-scatter)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def case_zero1_save(checkpoint: str):
+    import torch.distributed.checkpoint as dcp
+
+    from nxdtp.checkpointing.dcp_state import dcp_process_group, get_state_dict
+
+    model = _nxdtp_llama(seed=0)
+    optimizer = _zero1(model, lr=LR, weight_decay=0.01)
+    _zero1_step(model, optimizer, _llama_batch())
+    dcp.save(get_state_dict(model, optimizer), checkpoint_id=checkpoint, process_group=dcp_process_group())
+    return _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+
+
+def case_zero1_load(checkpoint: str):
+    """ZeRO-1 at this world's layout, other weights and hyperparameters, loads the checkpoint; its next step must
+    equal the dense run's next step. Returns the logits after loading."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxdtp.checkpointing.dcp_state import dcp_process_group, get_state_dict, set_state_dict
+    from tests.test_models_bert import _check_weights
+
+    model = _nxdtp_llama(seed=99)
+    optimizer = _zero1(model, lr=LR * 10, weight_decay=0.5)
+    state = get_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=checkpoint, process_group=dcp_process_group())
+    set_state_dict(model, optimizer, state)
+    logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+    _zero1_step(model, optimizer, _llama_batch())
+    reference, reference_optimizer = _load_dense(checkpoint)
+    _step(reference, reference_optimizer, _llama_batch())
+    _check_weights(model, reference, "ZeRO-1 step after loading the live ZeRO-1 checkpoint")
+    return logits
+
+
+def test_zero1_live_save_loads_dense_and_into_zero1_at_another_layout(worlds, live_llama, tmp_path):
+    """ZeRO-1 at tp=2 x dp=2 saves live: a dense AdamW loads its moments (equal to a dense step's), the keys and
+    global shapes are the plain optimizer's save's; ZeRO-1 at tp=1 x dp=4 loads it and steps as dense."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    plain, _, _ = live_llama
+    checkpoint = str(tmp_path / "zero1")
+    saved = worlds(4).run(case_zero1_save, tensor_model_parallel_size=2, checkpoint=checkpoint)[0]
+    ours, theirs = _metadata(checkpoint), _metadata(plain)
+    assert sorted(ours) == sorted(theirs)
+    for key, meta in theirs.items():
+        if isinstance(meta, TensorStorageMetadata):
+            assert ours[key].size == meta.size and ours[key].properties.dtype == meta.properties.dtype, key
+    model, optimizer = _load_dense(checkpoint)
+    _close(_logits(model, _llama_batch())[0], saved, "dense logits from the ZeRO-1 save")
+    reference, reference_optimizer = _dense_reference()
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        for field, value in reference_optimizer.state[reference_params[name]].items():
+            _close(optimizer.state[param][field], value, f"ZeRO-1 {name} {field}")
+    for rank, logits in enumerate(worlds(4).run(case_zero1_load, tensor_model_parallel_size=1,
+                                                checkpoint=checkpoint)):
+        _close(logits, saved, f"ZeRO-1 tp=1 x dp=4 rank {rank} logits after loading")
+
+
 # ---- a fused, strided, zero-padded weight: GPT-2's c_attn with 6 heads at tp=4 ---------------------------------------
 
 def case_gpt2_save(checkpoint: str):
@@ -275,7 +382,7 @@ def test_fused_strided_zero_padded_weight_round_trips(worlds, tmp_path):
         _close(logits, saved[0]["logits"], f"nxdtp tp=2 rank {rank} GPT-2 logits from the tp=4 save")
 
 
-# ---- bad input ----------------------------------------------------------------------------------------------------------
+# ---- bad input -------------------------------------------------------------------------------------------------------
 
 def case_bad_input():
     from nxdtp.checkpointing.dcp_state import DenseView, get_state_dict, set_state_dict
@@ -293,8 +400,8 @@ def case_bad_input():
     errors = {
         "plain model": error(lambda: get_state_dict(plain)),
         "plain model's optimizer": error(lambda: get_state_dict(model, torch.optim.AdamW(plain.parameters()))),
-        "zero1": error(lambda: get_state_dict(model, NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW,
-                                                                          lr=LR))),
+        "zero1 not made": error(lambda: get_state_dict(model, NeuronZero1Optimizer(
+            model.parameters(), torch.optim.AdamW, lazy_init=True, lr=LR))),
         "another model's state": error(lambda: set_state_dict(model, None, get_state_dict(other))),
         "missing key": error(lambda: set_state_dict(model, None, {k: v for k, v in get_state_dict(model).items()
                                                                   if k != "lm_head.weight"})),
@@ -309,7 +416,7 @@ def test_bad_input_gives_one_clear_error(worlds):
     errors = worlds(4).run(case_bad_input, tensor_model_parallel_size=2)[0]
     assert "not parallelized by nxdtp" in errors["plain model"], errors
     assert "belongs to another model" in errors["plain model's optimizer"], errors
-    assert "ZeRO-1" in errors["zero1"] and "nxdtp-merge" in errors["zero1"], errors
+    assert "lazy_init=True" in errors["zero1 not made"] and "init_zero()" in errors["zero1 not made"], errors
     assert "DenseView of another tensor" in errors["another model's state"], errors
     assert "missing ['lm_head.weight']" in errors["missing key"], errors
     assert errors["op on a view"].startswith("NotImplementedError"), errors
