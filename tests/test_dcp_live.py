@@ -8,7 +8,7 @@
   checkpoint's keys, global shapes and dtypes are those ``nxdtp-merge --to dcp`` writes from an nxdtp checkpoint of the
   same job, and every chunk was written by DP rank 0 (the replicated tensors and the repeated KV head by TP rank 0
   only); (b) nxdtp at tp=4 loads it with ``dcp.load`` + ``set_state_dict``: the saved logits, and its next step equals
-  the dense run's second step.
+  the dense run's next step. And the other way: nxdtp at tp=2 x dp=2 loads a DTensor TP=2 job's own ``dcp.save``.
 * The same save in a world whose default backend refuses CPU tensors (the NCCL stand-in), through
   ``process_group=dcp_process_group()``: the same checkpoint.
 * GPT-2 with 6 heads at tp=4: its fused Q|K|V ``c_attn`` is split with stride 3 and padded with zero heads per part.
@@ -242,6 +242,39 @@ def test_nxdtp_at_tp4_loads_the_live_tp2_save_and_steps_as_dense(worlds, live_ll
         _close(logits, results[0]["logits"], f"nxdtp tp=4 rank {rank} logits after loading")
 
 
+def case_load_native_job(checkpoint: str):
+    """nxdtp loads a DTensor TP job's own dcp.save with dcp.load + set_state_dict; its next step equals two dense
+    steps (Adam's second step depends on the moments). Returns the logits after loading."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxdtp.checkpointing.dcp_state import dcp_process_group, get_state_dict, set_state_dict
+    from tests.test_models_bert import _check_weights
+
+    model = _nxdtp_llama(seed=99)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
+    state = get_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=checkpoint, process_group=dcp_process_group())
+    set_state_dict(model, optimizer, state)
+    logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+    _nxdtp_step(model, optimizer, _llama_batch())
+    reference, reference_optimizer = _dense_reference()
+    _step(reference, reference_optimizer, _llama_batch())
+    _check_weights(model, reference, "nxdtp's step after loading the DTensor job's checkpoint")
+    return logits
+
+
+def test_nxdtp_loads_a_native_dtensor_jobs_checkpoint(worlds, tmp_path):
+    """The other way: a DTensor TP=2 job's dcp.save (model and flattened AdamW state), loaded live by nxdtp at
+    tp=2 x dp=2 (the KV head repeated on both TP ranks, the vocabulary padded): the job's logits, and the next step."""
+    from tests.test_dcp_bridge import case_dtensor_job_saves
+
+    checkpoint = str(tmp_path / "native")
+    job_logits = worlds(2).run(case_dtensor_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)[0]
+    for rank, logits in enumerate(worlds(4).run(case_load_native_job, tensor_model_parallel_size=2,
+                                                checkpoint=checkpoint)):
+        _close(logits, job_logits, f"nxdtp tp=2 x dp=2 rank {rank} logits after loading the DTensor job's save")
+
+
 def test_live_save_on_a_world_that_refuses_cpu_tensors(worlds, live_llama, tmp_path):
     """The NCCL stand-in as the default backend: DCP's plan exchange goes over nxdtp's gloo group; same checkpoint."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -425,7 +458,8 @@ def test_bad_input_gives_one_clear_error(worlds):
 
 def test_docs_name_the_api():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for doc in ("docs/checkpoints.md", "docs/api.md"):
+    for doc, needle in (("docs/checkpoints.md", "### DCP in a running job"),
+                        ("docs/api.md", "### nxdtp.checkpointing.dcp_state.get_state_dict(")):
         with open(os.path.join(root, doc)) as f:
             text = f.read()
-        assert "dcp_state.get_state_dict" in text and "set_state_dict" in text, doc
+        assert needle in text and "set_state_dict" in text and "dcp_process_group" in text, doc
