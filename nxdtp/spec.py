@@ -392,7 +392,7 @@ def dense_chunks_of_flat_shard(spec: ParamSpec, layout: FlatShardLayout, tp_rank
     """Where ZeRO-1 shard ``shard_rank`` (``layout``, over the TP-local piece) of TP rank ``tp_rank``'s piece of
     ``spec`` lies in the dense tensor: ``(shard_start, box_sizes, (dim, start, length), dense_offsets, dense_sizes)``
     per chunk, where the chunk is ``shard[shard_start:][:numel(box_sizes)].view(box_sizes).narrow(dim, start,
-    length)`` (dim None: the whole box). The rows are those of ``dense_runs_of_piece`` (with ``copies``:
+    length)`` (narrow None: the whole box). The rows are those of ``dense_runs_of_piece`` (with ``copies``:
     ``copy_runs_of_piece``), so over every TP and shard rank the chunks without copies cover each dense element once."""
     runs = spec.copy_runs_of_piece(tp_rank) if copies else spec.dense_runs_of_piece(tp_rank)
     if spec.is_sharded and tuple(layout.shape) != tuple(spec.local_shape()):
