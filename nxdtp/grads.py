@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import ParallelGroup, data_parallel_group, get_topology, rank_tensor, tensor_parallel_group
+from .parallel_state import (ParallelGroup, data_parallel_group, get_topology, rank_tensor, tensor_parallel_group,
+                             zero1_groups)
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference. The one epsilon of every
 # gradient clip in nxdtp (clip_grad_norm, clip_grads_with_norm, Lamb's max_grad_norm), through clip_coefficient.
@@ -79,21 +80,13 @@ def _is_tp_sharded(param: torch.Tensor) -> bool:
 def zero1_sharding_group(sharding_groups: Any = None) -> ParallelGroup:
     """The ParallelGroup of NxD's ZeRO-1 ``sharding_groups`` / ``zero1_optimizer_groups`` argument.
 
-    None, a ParallelGroup of the data-parallel kind, or the list of data-parallel rank lists
-    (``get_data_parallel_group(as_list=True)``, ``get_zero1_sharding_groups()``) all mean the data-parallel group,
-    which is what NxD shards over (its data x context group, with context parallelism of size 1).
+    None means the data-parallel group (NxD's data x context group, with context parallelism of size 1), and so do
+    ``get_data_parallel_group(as_list=True)`` and ``get_zero1_sharding_groups()``. Any other DP-aligned sharding (lists
+    of global ranks that cut every DP group into groups of one size, ``parallel_state.dp_aligned_rank_lists``) gives
+    its own group, made collectively the first time (``parallel_state.zero1_groups``); anything else is refused,
+    naming the groups and what would be valid.
     """
-    dp = data_parallel_group()
-    if sharding_groups is None or sharding_groups == dp:
-        return dp
-    try:
-        as_lists = [sorted(int(r) for r in g) for g in sharding_groups]
-    except TypeError:
-        as_lists = None
-    if as_lists is not None and sorted(as_lists) == sorted(dp.replica_groups_as_lists()):
-        return dp
-    raise ValueError(f"ZeRO-1 sharding groups {sharding_groups!r} are not supported; nxdtp shards over the "
-                     f"data-parallel groups {dp.replica_groups_as_lists()} (pass None, or exactly those groups)")
+    return zero1_groups(sharding_groups)[0]
 
 
 def _check_nxd_defaults(zero1_optimizer: bool, zero1_optimizer_groups: Any) -> Any:
@@ -135,7 +128,9 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     shards of the averaged gradients), which carry their full parameter's TP attributes. The TP rule applies to each
     shard as to its parameter, and the result is also summed (max for inf) over the sharding group
     ``zero1_optimizer_groups`` (None: the data-parallel group; see ``zero1_sharding_group``): the dense model's norm
-    over TP x DP. Every rank of the world must then call it.
+    over TP x DP. With a sharding group smaller than the DP group (hybrid sharding) the shards of one sharding group
+    make the whole parameter once, and every replica of them computes the same norm: the norm is never summed over
+    the replicas. Every rank of the world must then call it.
     """
     extra_group = _check_nxd_defaults(zero1_optimizer, zero1_optimizer_groups)
     p = _check_norm_type(norm_type)

@@ -11,11 +11,12 @@ program in a single process.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
 import enum
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,8 @@ def _installed_group(kind: str, ranks: tuple, replica_groups: tuple, global_rank
     if _TOPOLOGY is None:
         raise RuntimeError(f"unpickling {what} needs the same parallel state: call initialize_model_parallel(...) "
                            "in a world of the same size before loading")
-    for group in (_TOPOLOGY.tensor_parallel, _TOPOLOGY.data_parallel, _TOPOLOGY.world, _TOPOLOGY.singleton):
-        if group is not None and group.kind == kind and group.ranks == tuple(ranks) \
+    for group in _TOPOLOGY.groups():
+        if group.kind == kind and group.ranks == tuple(ranks) \
                 and group.replica_groups == tuple(replica_groups) and group.global_rank == global_rank:
             return group
     installed = {g.kind: list(g.ranks) for g in (_TOPOLOGY.tensor_parallel, _TOPOLOGY.data_parallel) if g is not None}
@@ -102,6 +103,15 @@ class Topology:
     singleton: Optional[ParallelGroup] = None
     # The optional NxD groups whose initialize_* function has been called on this topology (each of size 1).
     optional_groups: frozenset = frozenset()
+    # ZeRO-1 groups made on request (zero1_groups): ((sharding rank lists), sharding group, replica group) per
+    # DP-aligned sharding other than the data-parallel groups and the singleton groups, which need no new groups.
+    zero1_groups: tuple = dataclasses.field(default=(), compare=False)
+
+    def groups(self) -> List[ParallelGroup]:
+        """Every group of this topology (this rank's view of each kind): TP, DP, world, singleton, ZeRO-1 groups."""
+        own = [self.tensor_parallel, self.data_parallel, self.world, self.singleton]
+        own += [g for _, sharding, replica in self.zero1_groups for g in (sharding, replica)]
+        return [g for g in own if g is not None]
 
     @property
     def data_parallel_size(self) -> int:
@@ -177,8 +187,11 @@ def _make_topology(world_size, rank, tp, process_groups, host_group, simulated, 
 
 
 _TOPOLOGY: Optional[Topology] = None
-# Every process group initialize_model_parallel created, this rank's or not, so destroy_model_parallel can release them.
+# Every process group initialize_model_parallel (or zero1_groups) created, this rank's or not, so destroy_model_parallel
+# can release them.
 _OWNED_PROCESS_GROUPS: List[object] = []
+# initialize_model_parallel's timeout, which groups made later (zero1_groups) take too.
+_GROUP_TIMEOUT: Optional[datetime.timedelta] = None
 
 
 # NxD options of initialize_model_parallel that nxdtp does not implement, with the only value it accepts.
@@ -202,7 +215,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     a rank that died is reported instead of waited for. NxD's other options take NxD's positions and are accepted at
     their defaults only (``timeout`` is keyword-only, after them).
     """
-    global _TOPOLOGY
+    global _TOPOLOGY, _GROUP_TIMEOUT
     nxd_options = dict(context_parallel_size=context_parallel_size, expert_model_parallel_size=expert_model_parallel_size,
                        skip_collective_init=skip_collective_init, lnc_size=lnc_size, mesh_only=mesh_only)
     for name, value in nxd_options.items():
@@ -225,17 +238,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
 
     default_backend = dist.get_backend()
-    # CPU tensors are everywhere (model build before the device move, pretrained loading, host-side metrics), and the
-    # default backend of an XLA, NCCL or other device world refuses them: such worlds get a gloo twin of every group.
-    # A world whose default already maps CPU tensors to gloo ("cpu:gloo,cuda:nccl") needs none.
-    separate_cpu_groups = "cpu:gloo" not in dist.get_backend_config().split(",")
+    separate_cpu_groups = _separate_cpu_groups()
     process_groups, cpu_process_groups = {}, {}
-
-    def new_group(*args, **kwargs):
-        group = dist.new_group(*args, **kwargs)
-        # Owned from the moment it exists, so destroy_model_parallel releases it even if a later group fails to form.
-        _OWNED_PROCESS_GROUPS.append(group)
-        return group
+    new_group = _owned_new_group
 
     # The singleton groups (one per rank) stand for NxD's pipeline, context and expert model-parallel groups of size 1.
     # Every rank creates all of them, like the other kinds; a non-member's call only advances the group count (no
@@ -243,12 +248,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     for kind, lists in (("tensor", tensor_parallel_rank_lists(world_size, tensor_model_parallel_size)),
                         ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size)),
                         ("singleton", singleton_rank_lists(world_size))):
-        for ranks in lists:
-            key = (kind, tuple(ranks))
-            # new_group is collective over the whole world: every rank creates every group, in the same order.
-            process_groups[key] = new_group(ranks, timeout=timeout, **_group_options(default_backend, lists))
-            cpu_process_groups[key] = (new_group(ranks, backend="gloo", timeout=timeout) if separate_cpu_groups
-                                       else process_groups[key])
+        _new_groups_of_kind(kind, lists, timeout, process_groups, cpu_process_groups)
     # Barriers and object exchange (checkpoint coordination) go over the whole world on the host.
     host_group = new_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
     # NxD's world group: a copy of the default group (on an "xla" world with the mesh [[0, ..., world - 1]]), whose gloo
@@ -265,6 +265,36 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     dist.all_reduce(torch.zeros(1), group=cpu_process_groups[world_key])
     _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group,
                                simulated=False, cpu_process_groups=cpu_process_groups)
+    _GROUP_TIMEOUT = timeout
+
+
+def _separate_cpu_groups() -> bool:
+    """Whether this world needs gloo twins of its groups. CPU tensors are everywhere (model build before the device
+    move, pretrained loading, host-side metrics), and the default backend of an XLA, NCCL or other device world refuses
+    them: such worlds get a gloo twin of every group. A world whose default already maps CPU tensors to gloo
+    ("cpu:gloo,cuda:nccl") needs none."""
+    return "cpu:gloo" not in dist.get_backend_config().split(",")
+
+
+def _owned_new_group(*args, **kwargs):
+    group = dist.new_group(*args, **kwargs)
+    # Owned from the moment it exists, so destroy_model_parallel releases it even if a later group fails to form.
+    _OWNED_PROCESS_GROUPS.append(group)
+    return group
+
+
+def _new_groups_of_kind(kind: str, lists: List[List[int]], timeout, process_groups: dict,
+                        cpu_process_groups: dict) -> None:
+    """Collective over the whole world: every rank creates every group of ``lists``, in the same order; each gets a
+    process group of the default backend (with the full mesh on an "xla" world) and, where the world needs one, a
+    gloo twin. Recorded under ``(kind, tuple(ranks))``."""
+    default_backend = dist.get_backend()
+    separate = _separate_cpu_groups()
+    for ranks in lists:
+        key = (kind, tuple(ranks))
+        process_groups[key] = _owned_new_group(ranks, timeout=timeout, **_group_options(default_backend, lists))
+        cpu_process_groups[key] = (_owned_new_group(ranks, backend="gloo", timeout=timeout) if separate
+                                   else process_groups[key])
 
 
 def _group_options(default_backend: str, all_groups: List[List[int]]) -> dict:
@@ -303,8 +333,9 @@ def initialize_single_process_world(device: Optional[torch.device] = None) -> st
 
 def destroy_model_parallel() -> None:
     """Forget the topology and release the process groups initialize_model_parallel created."""
-    global _TOPOLOGY
+    global _TOPOLOGY, _GROUP_TIMEOUT
     _TOPOLOGY = None
+    _GROUP_TIMEOUT = None
     while _OWNED_PROCESS_GROUPS:
         group = _OWNED_PROCESS_GROUPS.pop()
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and dist.is_initialized():
@@ -378,8 +409,8 @@ def group_of(process_group=None) -> ParallelGroup:
     if isinstance(process_group, ParallelGroup):
         return process_group
     topology = get_topology()
-    for own in (topology.tensor_parallel, topology.data_parallel, topology.world, topology.singleton):
-        if own is not None and (process_group is own.process_group or process_group is own.cpu_process_group):
+    for own in topology.groups():
+        if process_group is own.process_group or process_group is own.cpu_process_group:
             return own
     if process_group is dist.GroupMember.NON_GROUP_MEMBER:
         # what dist.new_group returns on the ranks it leaves out
@@ -601,7 +632,7 @@ def _mesh_of(group, argument: str) -> List[List[int]]:
     if isinstance(group, (list, tuple)) and all(isinstance(g, (list, tuple)) for g in group):
         return [list(g) for g in group]
     topology = get_topology()
-    for known in (topology.tensor_parallel, topology.data_parallel, topology.world, topology.singleton):
+    for known in topology.groups():
         if group is not None and (group is known.process_group or group is known.cpu_process_group):
             return known.replica_groups_as_lists()
     mesh = getattr(group, "_mesh", None)
@@ -858,9 +889,133 @@ def arrange_kv_groups(num_tensor_model_parallel_groups: int = 1, tensor_model_pa
 
 
 def get_zero1_sharding_groups() -> List[List[int]]:
-    """The groups over which a ZeRO-1 optimizer shards its state: NxD's data x context parallel groups, which with
-    context and pipeline parallelism of size 1 are the data-parallel groups."""
+    """The groups over which a ZeRO-1 optimizer shards its state by default: NxD's data x context parallel groups,
+    which with context and pipeline parallelism of size 1 are the data-parallel groups."""
     return get_data_parallel_replica_groups()
+
+
+# ---- ZeRO-1 sharding groups: any DP-aligned partition ----------------------------------------------------------------
+
+def dp_aligned_sharding_examples(topology: Topology) -> Dict[int, List[List[int]]]:
+    """For each valid sharding group size k (the divisors of the DP size), one DP-aligned sharding: each DP group cut
+    into blocks of k consecutive members."""
+    dp_lists = topology.data_parallel.replica_groups_as_lists()
+    dp = topology.data_parallel_size
+    return {k: [g[i:i + k] for g in dp_lists for i in range(0, dp, k)] for k in range(1, dp + 1) if dp % k == 0}
+
+
+def _parse_rank_lists(sharding_groups: Any) -> Optional[List[List[int]]]:
+    if isinstance(sharding_groups, (str, bytes)):
+        return None
+    try:
+        lists = [list(g) for g in sharding_groups]
+    except TypeError:
+        return None
+    for g in lists:
+        for r in g:
+            if isinstance(r, bool) or not isinstance(r, int):
+                return None
+    return lists
+
+
+def dp_aligned_rank_lists(sharding_groups: Any, topology: Optional[Topology] = None
+                          ) -> Tuple[List[List[int]], List[List[int]]]:
+    """The ZeRO-1 sharding rank lists that ``sharding_groups`` (a list of global-rank lists, NxD's form) names, and
+    their replica rank lists; ``ValueError`` naming them and what would be valid unless they are DP-aligned.
+
+    DP-aligned: every rank of the world is in exactly one group, every group lies inside one data-parallel group, and
+    all groups have the same size k (so each DP group is cut into dp / k groups of k). Each group's ranks are taken in
+    ascending order (a group's shard r is held by its r-th smallest rank, as torch.distributed orders a new group), and
+    the groups sorted by their first rank. The replica groups are the ranks that hold the same shard: within each DP
+    group, the r-th ranks of its k-groups (dp / k ranks each).
+    """
+    topology = get_topology() if topology is None else topology
+    dp_lists = topology.data_parallel.replica_groups_as_lists()
+    lists = _parse_rank_lists(sharding_groups)
+    reason = None
+    if lists is None:
+        reason = "it is not a list of lists of global ranks (ints)"
+    else:
+        lists = sorted(sorted(g) for g in lists)
+        flat = [r for g in lists for r in g]
+        dp_of = {r: i for i, g in enumerate(dp_lists) for r in g}
+        outside = sorted({r for r in flat if r not in dp_of})
+        repeated = sorted(r for r, n in collections.Counter(flat).items() if n > 1)
+        missing = sorted(set(dp_of) - set(flat))
+        sizes = sorted({len(g) for g in lists})
+        if outside:
+            reason = f"ranks {outside} are not in the world of {topology.world_size}"
+        elif repeated:
+            reason = f"ranks {repeated} are in more than one group"
+        elif missing:
+            reason = f"ranks {missing} are in no group (the groups must cover every rank of the world)"
+        elif sizes != [len(lists[0])]:
+            reason = f"the groups have different sizes {sizes}"
+        else:
+            crossing = [g for g in lists if len({dp_of[r] for r in g}) > 1]
+            if crossing:
+                reason = f"groups {crossing} span several data-parallel groups"
+    if reason is not None:
+        examples = "; ".join(f"size {k}: {v}" for k, v in dp_aligned_sharding_examples(topology).items())
+        raise ValueError(
+            f"ZeRO-1 sharding groups {sharding_groups!r} are not DP-aligned: {reason}. Valid sharding groups cut each "
+            f"data-parallel group of {dp_lists} into groups of one size k dividing the DP size "
+            f"{topology.data_parallel_size} (every rank in exactly one group), for example {examples}; None means the "
+            f"data-parallel groups")
+    position = {r: i for g in lists for i, r in enumerate(g)}
+    replicas = [[r for r in d if position[r] == i] for d in dp_lists for i in range(len(lists[0]))]
+    return lists, sorted(replicas)
+
+
+def zero1_groups(sharding_groups: Any = None) -> Tuple[ParallelGroup, ParallelGroup]:
+    """This rank's ZeRO-1 sharding group and replica group for NxD's ``sharding_groups`` argument.
+
+    ``sharding_groups``: None (the data-parallel groups), a ParallelGroup, a process group of this topology, or a list
+    of global-rank lists (``get_data_parallel_group(as_list=True)``); it must be DP-aligned (``dp_aligned_rank_lists``).
+    The replica group holds the ranks of this rank's DP group that hold the same shard; gradients summed over the
+    sharding group and then over the replica group are summed over the DP group. The data-parallel groups (k = dp)
+    have the singleton groups as replicas, and the singleton groups (k = 1) the data-parallel groups: both exist
+    already. Any other sharding makes its groups the first time it is asked for: collectively, so every rank of the
+    world must ask at the same point with the same groups (as every rank builds its ZeRO-1 optimizer), with a gloo twin
+    on device worlds and the full mesh on XLA worlds, as initialize_model_parallel makes its own; later calls return
+    them, and destroy_model_parallel releases them. A simulated topology gets the groups without process groups.
+    """
+    global _TOPOLOGY
+    topology = get_topology()
+    if sharding_groups is None:
+        return topology.data_parallel, topology.singleton
+    if isinstance(sharding_groups, dist.ProcessGroup):
+        # One of this topology's groups, or a torch_xla group with its mesh (otherwise only its own ranks: refused).
+        sharding_groups = group_of(sharding_groups)
+    if isinstance(sharding_groups, ParallelGroup):
+        sharding_groups = sharding_groups.replica_groups_as_lists()
+    shard_lists, replica_lists = dp_aligned_rank_lists(sharding_groups, topology)
+    if shard_lists == sorted(topology.data_parallel.replica_groups_as_lists()):
+        return topology.data_parallel, topology.singleton
+    if shard_lists == sorted(topology.singleton.replica_groups_as_lists()):
+        return topology.singleton, topology.data_parallel
+    key = tuple(tuple(g) for g in shard_lists)
+    for made, sharding, replica in topology.zero1_groups:
+        if made == key:
+            return sharding, replica
+    process_groups: dict = {}
+    cpu_process_groups: dict = {}
+    if not topology.simulated:
+        for kind, lists in (("zero1_sharding", shard_lists), ("zero1_replica", replica_lists)):
+            _new_groups_of_kind(kind, lists, _GROUP_TIMEOUT, process_groups, cpu_process_groups)
+        # No rank leaves before every rank has made every group (see initialize_model_parallel).
+        dist.all_reduce(torch.zeros(1), group=topology.world.cpu_process_group)
+
+    def group(kind, lists):
+        mine = next(g for g in lists if topology.rank in g)
+        return ParallelGroup(kind=kind, ranks=tuple(mine), replica_groups=tuple(tuple(g) for g in lists),
+                             process_group=process_groups.get((kind, tuple(mine))), global_rank=topology.rank,
+                             cpu_process_group=cpu_process_groups.get((kind, tuple(mine))))
+
+    sharding, replica = group("zero1_sharding", shard_lists), group("zero1_replica", replica_lists)
+    if _TOPOLOGY is topology:
+        _TOPOLOGY = dataclasses.replace(topology, zero1_groups=topology.zero1_groups + ((key, sharding, replica),))
+    return sharding, replica
 
 
 # ---- misc NxD helpers --------------------------------------------------------------------------------------------------
@@ -974,7 +1129,8 @@ __all__: Sequence[str] = [
     "initialize_kv_group", "get_kv_shared_group", "get_kv_shared_replica_groups", "get_kv_shared_group_size",
     "destroy_kv_group", "arrange_kv_groups",
     "initialize_speculative_draft_group", "get_speculative_draft_group", "get_speculative_draft_replica_groups",
-    "initialize_pp_gloo_groups", "get_pp_gloo_group", "get_zero1_sharding_groups",
+    "initialize_pp_gloo_groups", "get_pp_gloo_group", "get_zero1_sharding_groups", "zero1_groups",
+    "dp_aligned_rank_lists", "dp_aligned_sharding_examples",
     "is_tcp_store_available", "get_tcp_store", "set_aot_mode", "get_aot_mode", "rmsg", "rmsg_ep", "get_rank_info_str",
     "is_global_rank_zero", "get_world_size", "get_rank",
 ]

@@ -99,8 +99,9 @@ def test_export_of_strided_padded_tied_tensors_loads_dense(tmp_path, capsys):
     assert status == 0, err
     assert "wrote DCP checkpoint" in out and "no optimizer state" in out, out
     metadata = _metadata(tmp_path / "dcp")
-    # Every name once, the tied alias too, with the dense (unpadded) shape and the saved dtype.
-    assert set(metadata) == set(dense) | {"head.weight"}
+    # Every name once, the tied alias too, with the dense (unpadded) shape and the saved dtype; and the step where
+    # TorchTitan keeps it.
+    assert set(metadata) == set(dense) | {"head.weight", "train_state.step", "train_state.ntokens_seen"}
     for key, value in list(dense.items()) + [("head.weight", dense["vocab.weight"])]:
         assert tuple(metadata[key].size) == tuple(value.shape) and metadata[key].properties.dtype == value.dtype, key
     # The fused (stride 3) weight is 6 chunks: no rank's piece is contiguous in the dense tensor.
@@ -283,7 +284,11 @@ def test_export_loads_into_dense_model_and_adamw(trained, tmp_path, capsys, fami
     # its optimizer.
     dcp.save(_native_state(reference, reference_optimizer), checkpoint_id=str(tmp_path / "native"), no_dist=True)
     ours, native = _metadata(out), _metadata(tmp_path / "native")
-    assert sorted(ours) == sorted(native)
+    # ... plus the step where TorchTitan keeps it (no scheduler was saved here, so no 'lr_scheduler')
+    assert sorted(ours) == sorted(list(native) + ["train_state.ntokens_seen", "train_state.step"])
+    step = {"train_state.step": None}
+    dcp.load(step, checkpoint_id=str(out), no_dist=True)
+    assert step["train_state.step"] == 1
     for key, meta in native.items():
         assert type(ours[key]) is type(meta), key
         if isinstance(meta, TensorStorageMetadata):
@@ -407,7 +412,8 @@ def case_dtensor_job_saves(checkpoint: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
     _step(model, optimizer, _llama_batch())
     state = {**model.state_dict(),
-             "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options())}
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options()),
+             "lr_scheduler": {"last_epoch": 1}, "train_state": {"step": 1, "ntokens_seen": 32}}  # TorchTitan's
     dcp.save(state, checkpoint_id=checkpoint)
     if dist.get_rank() == 0:
         model.config.architectures = ["LlamaForCausalLM"]  # as the job's from_pretrained config names it
@@ -425,7 +431,8 @@ def case_nxdtp_continues_from_import(directory: str):
 
     model = from_pretrained_sharded(directory, transformers.LlamaForCausalLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
-    load_dense_optimizer_state(directory, model, optimizer)
+    state = load_dense_optimizer_state(directory, model, optimizer)
+    assert state == {"global_step": 1, "scheduler": {"last_epoch": 1}}, state  # from TorchTitan's places
     logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
     model(**_llama_batch()).loss.backward()
     allreduce_gradients(model)
@@ -479,3 +486,114 @@ def test_import_refuses_what_is_not_a_dcp_checkpoint_of_the_model(trained, tmp_p
     status, _, err = _cli([tmp_path / "titan", tmp_path / "out", "--from-dcp", "--reshard", "2"], capsys)
     assert status == 2 and "--from-dcp takes no --reshard" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ---- FSDP2, 2-D TP x FSDP2 and transformers' own TP load the export ----------------------------------------------------
+
+def _native_load(model, optimizer, checkpoint: str) -> None:
+    """What a native job does to resume: dcp.load into its own state dict (sharded DTensors, filled in place), then
+    the optimizer's flattened state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = _native_state(model, optimizer)
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_flat_options())
+
+
+def case_fsdp2_load(checkpoint: str, tp: int):
+    """The dense Llama sharded by FSDP2 over this world (tp=1), or by DTensor TP over pairs of ranks and FSDP2 over the
+    other mesh dimension (tp=2, a 2-D mesh), loads the export and takes one step natively."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _llama(seed=99)  # other weights: only the checkpoint can give the expected logits
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for layer in range(len(model.model.layers)):
+            plan.update({f"model.layers.{layer}.mlp.gate_proj": ColwiseParallel(),
+                         f"model.layers.{layer}.mlp.up_proj": ColwiseParallel(),
+                         f"model.layers.{layer}.mlp.down_proj": RowwiseParallel()})
+        parallelize_module(model, mesh["tp"], plan)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5, foreach=False)
+    _native_load(model, optimizer, checkpoint)
+    saved = _logits(model, _llama_batch())[0]
+    _step(model, optimizer, _llama_batch())  # every rank the same batch: FSDP2's gradient average is the batch's
+    return {"saved": saved, "after_step": _logits(model, _llama_batch())[0],
+            "lr": [g["lr"] for g in optimizer.param_groups]}
+
+
+@pytest.mark.slow  # two gloo pools (2 and 4 ranks) beside the trained fixture's: about 60 s on 2 cores
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["fsdp2", "tp2xfsdp2"])
+def test_export_loads_into_fsdp2_and_a_2d_mesh_and_continues_as_nxdtp(worlds, trained, tmp_path, capsys, world, tp):
+    root, expected = trained["llama"]
+    out = tmp_path / "dcp"
+    status, _, err = _cli([root, out, "--to", "dcp"], capsys)
+    assert status == 0, err
+    for rank, result in enumerate(worlds(world).run(case_fsdp2_load, tensor_model_parallel_size=None,
+                                                    checkpoint=str(out), tp=tp)):
+        assert result["lr"] == [LR], result["lr"]
+        _close(result["saved"], expected["saved"][0], f"rank {rank} logits after dcp.load")
+        _close(result["after_step"], expected["after_step"][0], f"rank {rank} logits after a native step")
+
+
+def _llama_mha(seed):
+    """The Llama of this module with as many KV heads as query heads: transformers' own TP splits KV heads and needs
+    TP to divide their count."""
+    from tests.model_helpers import randomised
+
+    config = _llama(seed).config
+    config.num_key_value_heads = config.num_attention_heads
+    torch.manual_seed(seed)
+    return randomised(transformers.LlamaForCausalLM(config), seed + 1)
+
+
+def case_train_save_mha(root: str):
+    import copy
+
+    from nxdtp import checkpointing
+    from nxdtp.models import parallelize_model
+
+    model = parallelize_model(copy.deepcopy(_llama_mha(seed=0)), make_vocab_size_divisible_by=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    _step(model, optimizer, _llama_batch())
+    checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 1}, root)
+    return _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+
+
+def case_transformers_tp_load(checkpoint: str, model_dir: str):
+    """transformers' own tensor parallelism (``from_pretrained(..., tp_plan="auto")``, DTensor parameters) loads the
+    export into the model it built from other weights."""
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto")
+    sharded = sorted(k for k, v in model.state_dict().items() if type(v).__name__ == "DTensor")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5, foreach=False)
+    _native_load(model, optimizer, checkpoint)
+    return {"sharded": sharded, "logits": _logits(model, _llama_batch())[0]}
+
+
+@pytest.mark.slow  # a tp=2 nxdtp run and a transformers TP world: about 40 s on 2 cores
+def test_export_loads_into_transformers_own_tensor_parallelism(worlds, tmp_path, capsys):
+    import warnings
+
+    root = str(tmp_path / "nxdtp")
+    saved = worlds(2).run(case_train_save_mha, tensor_model_parallel_size=2, root=root)[0]
+    status, _, err = _cli([root, tmp_path / "dcp", "--to", "dcp"], capsys)
+    assert status == 0, err
+    other = _llama_mha(seed=99)
+    other.config.architectures = ["LlamaForCausalLM"]
+    other.save_pretrained(tmp_path / "other")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # tp_plan= moves to distributed_config in later releases
+        results = worlds(2).run(case_transformers_tp_load, tensor_model_parallel_size=None,
+                                checkpoint=str(tmp_path / "dcp"), model_dir=str(tmp_path / "other"))
+    assert "model.layers.0.self_attn.q_proj.weight" in results[0]["sharded"], results[0]["sharded"]
+    for rank, result in enumerate(results):
+        _close(result["logits"], saved, f"transformers TP rank {rank} logits after dcp.load")

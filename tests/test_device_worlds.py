@@ -70,6 +70,14 @@ def test_zero1_equals_dense(device_worlds, world, tp, model, inner, norm_type, a
     test_zero1.test_zero1_equals_dense(device_worlds, world, tp, model, inner, norm_type, accumulate, max_norm)
 
 
+def test_zero1_hybrid_sharding_equals_dense(device_worlds):
+    """ZeRO-1 sharded over pairs of each DP group (issue 24): the sharding and replica groups made after
+    initialize_model_parallel get gloo twins (and, on XLA worlds, the full mesh), and the step equals dense."""
+    from tests import test_zero1_groups
+
+    test_zero1_groups.test_hybrid_sharding_equals_dense(device_worlds, 4, 1, [[0, 2], [1, 3]], "grad")
+
+
 @pytest.mark.slow  # two pools per backend (a world of 4, then 2): about 50 s each on 2 cores
 def test_zero1_checkpoint_saves_and_resumes_at_another_dp_size(device_worlds, tmp_path):
     """A ZeRO-1 checkpoint saved at tp2 x dp2 and resumed at tp2 x dp1 (its flat shards re-cut): the host copies,

@@ -322,17 +322,19 @@ def test_bad_max_norm_is_rejected(max_norm):
 
 
 def test_bad_zero1_options_are_rejected():
-    """ZeRO-1's form of the norm (tests/test_zero1.py) sums over the data-parallel groups only; other groups, and
-    groups without zero1_optimizer=True (NxD's error too), are refused with the valid value named."""
+    """ZeRO-1's form of the norm (tests/test_zero1.py) sums over the sharding groups: the data-parallel groups or
+    another DP-aligned sharding (tests/test_zero1_groups.py); other groups, and groups without zero1_optimizer=True
+    (NxD's error too), are refused with the valid values named."""
     with ps.simulated_topology(world_size=4, rank=0, tensor_model_parallel_size=2):
         with pytest.raises(ValueError, match=r"zero1_optimizer_groups=\[\[0, 2\], \[1, 3\]\] is given but "
                                              "zero1_optimizer=False"):
             nxg.get_grad_norm([], zero1_optimizer_groups=[[0, 2], [1, 3]])
-        with pytest.raises(ValueError, match=r"sharding groups \[\[0, 1\], \[2, 3\]\] are not supported; .* "
-                                             r"data-parallel groups \[\[0, 2\], \[1, 3\]\]"):
+        with pytest.raises(ValueError, match=r"sharding groups \[\[0, 1\], \[2, 3\]\] are not DP-aligned: .* "
+                                             r"data-parallel group of \[\[0, 2\], \[1, 3\]\]"):
             nxg.clip_grad_norm([], 1.0, zero1_optimizer=True, zero1_optimizer_groups=[[0, 1], [2, 3]])
         assert nxg.zero1_sharding_group([[2, 0], [1, 3]]) is ps.data_parallel_group()
         assert nxg.zero1_sharding_group(None) is ps.data_parallel_group()
+        assert nxg.zero1_sharding_group([[0], [1], [2], [3]]) is ps.get_topology().singleton
 
 
 def test_shared_parameters_are_skipped_as_nxd_does():

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -88,22 +89,26 @@ def _finish_step(model, loss, optimizer, sequence_parallel: bool):
             "step": [loss, norm] + checks + params + state}
 
 
-def _optimizer(kind: str, params, zero1: bool):
-    """AdamW or LAMB as the examples make them, plain or inside ZeRO-1 (clipping at 1.0, as the plain step)."""
+def _optimizer(kind: str, params, zero1: bool, zero1_sharding: int = 0):
+    """AdamW or LAMB as the examples make them, plain or inside ZeRO-1 (clipping at 1.0, as the plain step), sharded
+    over the DP groups or (``zero1_sharding`` k) over each DP group cut into groups of k: hybrid sharding."""
     import torch
 
+    from nxdtp import parallel_state
     from nxdtp.optimizer import NeuronZero1Optimizer
     from nxdtp.optimizers import Lamb
 
     optimizer_class, options = (Lamb, dict(lr=1e-3, trust_clip=True)) if kind == "lamb" else \
         (torch.optim.AdamW, dict(lr=1e-3))
     if zero1:
-        return NeuronZero1Optimizer(params, optimizer_class, max_norm=1.0, **options)
+        groups = (parallel_state.dp_aligned_sharding_examples(parallel_state.get_topology())[zero1_sharding]
+                  if zero1_sharding else None)
+        return NeuronZero1Optimizer(params, optimizer_class, max_norm=1.0, sharding_groups=groups, **options)
     return optimizer_class(params, **options)
 
 
 def case_bert_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "adamw",
-                          keep_hlo: bool = False, zero1: bool = False):
+                          keep_hlo: bool = False, zero1: bool = False, zero1_sharding: int = 0):
     import torch
     import torch_xla
 
@@ -125,7 +130,7 @@ def case_bert_step_graphs(world_size: int, tp: int, sequence_parallel: bool, opt
         model = move_model_to_device(model, device).train()
         groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")], "weight_decay": 0.01},
                   {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-        opt = _optimizer(optimizer, groups, zero1)
+        opt = _optimizer(optimizer, groups, zero1, zero1_sharding)
         on_device = {k: v.to(device) for k, v in batch.items()}
         # As the example: global counts of masked tokens and sentences over the DP group, as device tensors.
         counts = comm.all_reduce(torch.stack([(on_device["labels"] != -100).sum().float(),
@@ -146,6 +151,9 @@ def _report(graphs, keep_hlo):
               "classes": {p: graphs.rank_classes(p) for p in graphs.hashes}}
     if keep_hlo:
         report["diff"] = {p: graphs.first_difference(p) for p in graphs.hashes}
+        # The step's collectives of the first traced rank: kind and replica groups.
+        report["step_collectives"] = sorted(set(re.findall(r"(all-reduce|reduce-scatter|all-gather)\(.*?"
+                                                           r"replica_groups=(\{[{}0-9,]*\})", graphs.hlo["step"][0])))
     return report
 
 
@@ -176,7 +184,8 @@ DECODERS = {"llama": _llama, "gpt2": _gpt2}
 
 
 def case_decoder_step_graphs(world_size: int, tp: int, sequence_parallel: bool, optimizer: str = "lamb",
-                           keep_hlo: bool = False, family: str = "llama", zero1: bool = False):
+                           keep_hlo: bool = False, family: str = "llama", zero1: bool = False,
+                           zero1_sharding: int = 0):
     import torch
     import torch_xla
 
@@ -197,7 +206,7 @@ def case_decoder_step_graphs(world_size: int, tp: int, sequence_parallel: bool, 
                                   broadcast_replicated=False)
         model_parallel_xla_manual_seed(SEED)
         model = move_model_to_device(model, device).train()
-        opt = _optimizer(optimizer, list(model.parameters()), zero1)
+        opt = _optimizer(optimizer, list(model.parameters()), zero1, zero1_sharding)
         out = model(input_ids=ids.to(device), labels=labels.to(device))
         out.loss.backward()
         return _finish_step(model, out.loss, opt, sequence_parallel)
@@ -252,6 +261,34 @@ def test_zero1_step_is_one_graph_for_every_rank(worlds, world_size, tp, family, 
     result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=world_size, tp=tp,
                                        sequence_parallel=sequence_parallel, optimizer=optimizer, zero1=True)
     _assert_one_graph(result)
+
+
+@pytest.mark.parametrize("world_size,tp,family,optimizer,sharding",
+                         [(8, 2, "llama", "adamw", 2), (8, 2, "bert", "lamb", 2), (4, 2, "llama", "adamw", 1)],
+                         ids=["tp2xdp4-pairs-llama-adamw", "tp2xdp4-pairs-bert-lamb", "tp2xdp2-singles-llama-adamw"])
+def test_zero1_hybrid_sharding_step_is_one_graph_for_every_rank(worlds, world_size, tp, family, optimizer, sharding):
+    """ZeRO-1 sharded over each DP group cut into groups of k (issue 24): the reduce-scatter over the sharding group,
+    the all-reduce over the replica group and the all-gather name every group of their kind, and the shard is taken
+    with the sharding rank as data: one graph on every rank."""
+    case = case_bert_step_graphs if family == "bert" else case_decoder_step_graphs
+    result, = worlds(1, "xla-hlo").run(case, tensor_model_parallel_size=None, world_size=world_size, tp=tp,
+                                       sequence_parallel=False, optimizer=optimizer, zero1=True,
+                                       zero1_sharding=sharding, keep_hlo=True)
+    _assert_one_graph(result)
+    # The gradients are reduce-scattered over the sharding groups and all-reduced over the replica groups.
+    dp_groups = [list(range(t, world_size, tp)) for t in range(tp)]
+    sharding_groups = sorted(g[i:i + sharding] for g in dp_groups for i in range(0, len(g), sharding))
+    replica_groups = sorted([r for j, r in enumerate(g) if j % sharding == i] for g in dp_groups
+                            for i in range(sharding))
+
+    def hlo(groups):
+        return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+
+    collectives = result["step_collectives"]
+    if sharding > 1:
+        assert ("reduce-scatter", hlo(sharding_groups)) in collectives, collectives
+        assert ("all-gather", hlo(sharding_groups)) in collectives, collectives
+    assert ("all-reduce", hlo(replica_groups)) in collectives, collectives
 
 
 @pytest.mark.slow

@@ -314,7 +314,7 @@ def test_state_dict_round_trip_does_not_depend_on_load_order(worlds):
     (dict(max_norm=0.0), ValueError, r"max_norm=0.0 must be > 0"),
     (dict(norm_type=-1), ValueError, r"norm_type=-1 is not supported"),
     (dict(sharding_groups=[[0, 1], [2, 3]]), ValueError,
-     r"sharding groups \[\[0, 1\], \[2, 3\]\] are not supported; .*data-parallel groups \[\[0, 2\], \[1, 3\]\]"),
+     r"sharding groups \[\[0, 1\], \[2, 3\]\] are not DP-aligned: .*data-parallel group of \[\[0, 2\], \[1, 3\]\]"),
     (dict(grad_norm_groups=[[0, 2], [1, 3]]), ValueError,
      r"grad_norm_groups=\[\[0, 2\], \[1, 3\]\] is not supported; .*tensor-parallel groups \[\[0, 1\], \[2, 3\]\]"),
     (dict(bucket_cap_mb_reduce_scatter=-1), ValueError, r"bucket_cap_mb_reduce_scatter=-1 must be a number of MiB"),

@@ -43,11 +43,20 @@ def _schedule(step):
     return 1.0 / (1.0 + step)
 
 
-def _build(kind: str = "zero1", dense=None):
+def _sharding_groups(sharding: int = 0):
+    """ZeRO-1's ``sharding_groups``: None (the DP groups) for 0, else each DP group cut into groups of ``sharding``
+    consecutive members (hybrid sharding, test_zero1_groups)."""
+    if not sharding:
+        return None
+    return ps.dp_aligned_sharding_examples(ps.get_topology())[sharding]
+
+
+def _build(kind: str = "zero1", dense=None, sharding: int = 0):
     model = _parallelize("llama", dense if dense is not None else _llama())
     groups = _apply_lr_scale(_groups(model.named_parameters()), ADAMW["lr"])
     if kind == "zero1":
-        opt = NeuronZero1Optimizer(groups, torch.optim.AdamW, max_norm=MAX_NORM, **ADAMW)
+        opt = NeuronZero1Optimizer(groups, torch.optim.AdamW, max_norm=MAX_NORM,
+                                   sharding_groups=_sharding_groups(sharding), **ADAMW)
     else:
         opt = torch.optim.AdamW(groups, **ADAMW)
     return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
@@ -109,25 +118,25 @@ def _moved_off(model):
 
 # ---- cases (run on every rank) ---------------------------------------------------------------------------------------
 
-def case_save(directory: str, kind: str = "zero1"):
+def case_save(directory: str, kind: str = "zero1", sharding: int = 0):
     """Train 2 steps, save, train the third; return this rank's parameters after it (the uninterrupted run)."""
     from nxdtp.checkpointing import save
 
-    model, opt, sched = _build(kind)
+    model, opt, sched = _build(kind, sharding=sharding)
     _train(model, opt, sched, range(SAVED_STEPS), kind)
     save({"model": model, "optimizer": opt, "scheduler": sched, "global_step": SAVED_STEPS}, directory)
     _train(model, opt, sched, [SAVED_STEPS], kind)
     return _params(model)
 
 
-def case_resume(directory: str, kind: str = "zero1", check_dense: bool = True):
+def case_resume(directory: str, kind: str = "zero1", check_dense: bool = True, sharding: int = 0):
     """Build afresh (weights moved off), load, train the third step; check it against the dense run; return the
     parameters."""
     from nxdtp.checkpointing import load
 
     from tests.test_models_bert import _check_weights
 
-    model, opt, sched = _build(kind)
+    model, opt, sched = _build(kind, sharding=sharding)
     _moved_off(model)
     state = load(directory, model=model, optimizer=opt, scheduler=sched)
     assert state["global_step"] == SAVED_STEPS, state
@@ -139,11 +148,11 @@ def case_resume(directory: str, kind: str = "zero1", check_dense: bool = True):
     return _params(model)
 
 
-def case_resave(directory: str, again: str):
+def case_resave(directory: str, again: str, sharding: int = 0):
     """Load a ZeRO-1 checkpoint at its own layout and save it again: the shards must come back bit for bit."""
     from nxdtp.checkpointing import load, save
 
-    model, opt, sched = _build("zero1")
+    model, opt, sched = _build("zero1", sharding=sharding)
     _moved_off(model)
     load(directory, model=model, optimizer=opt, scheduler=sched)
     save({"model": model, "optimizer": opt, "scheduler": sched, "global_step": SAVED_STEPS}, again)

@@ -59,6 +59,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_main(argv, parse_args: Callable, run: Callable, xla_spawned_main: Callable, input_errors: tuple) -> None:
+    """An example's ``main``: parse the flags; on an XLA accelerator started without torchrun, spawn one process per
+    device (``xla_spawned_main(index, argv)``, a module-level function, as NxD's ``xmp.spawn``); else run, and turn the
+    input errors the example knows (bad data, flags, checkpoints) into one line on stderr and exit status 1."""
+    args = parse_args(argv)
+    if (choose_device_kind(args.device) == "xla" and not launched_by_torchrun()
+            and os.environ.get("PJRT_DEVICE", "").upper() in XLA_ACCELERATORS):
+        import torch_xla
+
+        torch_xla.launch(xla_spawned_main, args=(argv,))
+        return
+    try:
+        run(args)
+    except input_errors as error:
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 

@@ -633,19 +633,7 @@ def _xla_spawned_main(index: int, argv: List[str]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if (runtime_lib.choose_device_kind(args.device) == "xla" and not runtime_lib.launched_by_torchrun()
-            and os.environ.get("PJRT_DEVICE", "").upper() in runtime_lib.XLA_ACCELERATORS):
-        import torch_xla
-
-        torch_xla.launch(_xla_spawned_main, args=(argv,))  # one process per XLA device
-        return
-    try:
-        run(args)
-    except INPUT_ERRORS as error:
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    runtime_lib.run_main(sys.argv[1:] if argv is None else argv, parse_args, run, _xla_spawned_main, INPUT_ERRORS)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 * the model's tensors at the top level under the dense Hugging Face ``state_dict`` names (no ``model.`` prefix), with
   the real shapes (vocabulary padding, zero heads and repeated KV heads dropped), each tied name as the dense model's
   ``state_dict`` has it (every name, the same values);
+* the LR scheduler's ``last_epoch`` under ``lr_scheduler`` and the step under ``train_state`` (``step``,
+  ``ntokens_seen``), where TorchTitan's checkpoints keep them;
 * the optimizer state under ``optimizer``, keyed as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(
   model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))`` keys it for the dense model:
   ``optimizer.state.<param>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<param>.<hyperparameter>``, so
@@ -50,6 +52,7 @@ from .durable import write_bytes_durably
 from .output_dir import write_atomically
 
 OPTIMIZER_KEY = "optimizer"
+LR_SCHEDULER_KEY, TRAIN_STATE_KEY = "lr_scheduler", "train_state"  # TorchTitan's names
 EXPORT_RECORD_FILE = "nxdtp_dcp_export.json"
 
 __all__ = ["export_dcp", "OPTIMIZER_KEY"]
@@ -120,21 +123,25 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
         else:
             notes.append("the checkpoint holds no optimizer state")
 
+        trainer_state = None
+        if os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
+            with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
+                trainer_state = json.load(f)
+        titan_states = torchtitan_states(trainer_state, notes)
+
         def write(staging: str) -> int:
             bar = _progress(sum(len(t.chunks) for t in optimizer_state.values() if isinstance(t, _Tensor))
                             + sum(len(t.chunks) for t in tensors.values()), f"dcp {os.path.basename(tag_dir)}",
                             progress)
             try:
-                _save(staging, tensors, optimizer_state, bar)
+                _save(staging, tensors, optimizer_state, bar, titan_states)
             finally:
                 bar.close()
             _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             record = {"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size":
                       index.tensor_model_parallel_size, "nxdtp_version": __version__, "notes": notes}
-            trainer_state = os.path.join(tag_dir, TRAINER_STATE_FILE)
-            if os.path.isfile(trainer_state):
-                with open(trainer_state) as f:
-                    record["trainer_state"] = json.load(f)
+            if trainer_state is not None:
+                record["trainer_state"] = trainer_state
             write_bytes_durably(os.path.join(staging, EXPORT_RECORD_FILE), json.dumps(record, indent=1).encode())
             return sum(1 for name in os.listdir(staging) if name.endswith(".distcp"))
 
@@ -236,6 +243,28 @@ def _zero1_optimizer_state(dense_state: Dict[str, Any], notes: List[str]) -> Dic
     return _tuples_back(state)
 
 
+def torchtitan_states(trainer_state: Optional[dict], notes: List[str]) -> Dict[str, Dict[str, Any]]:
+    """The LR scheduler and step where TorchTitan's checkpoints keep them: ``lr_scheduler.last_epoch`` (TorchTitan
+    saves only that; its schedules are functions of it) and ``train_state.step`` / ``train_state.ntokens_seen``
+    (nxdtp does not count tokens: 0, with a note). From the tag's trainer state (``save``'s ``scheduler`` and
+    ``global_step``); what it lacks is left out, with a note."""
+    trainer_state = trainer_state or {}
+    states: Dict[str, Dict[str, Any]] = {}
+    scheduler = trainer_state.get("scheduler")
+    if isinstance(scheduler, dict) and isinstance(scheduler.get("last_epoch"), int):
+        states[LR_SCHEDULER_KEY] = {"last_epoch": scheduler["last_epoch"]}
+    else:
+        notes.append("no LR scheduler state in the checkpoint: 'lr_scheduler' left out")
+    step = trainer_state.get("global_step")
+    if isinstance(step, int):
+        states[TRAIN_STATE_KEY] = {"step": step, "ntokens_seen": int(trainer_state.get("ntokens_seen", 0))}
+        if "ntokens_seen" not in trainer_state:
+            notes.append("train_state.ntokens_seen is 0: nxdtp's checkpoint does not count tokens")
+    else:
+        notes.append("no 'global_step' in the checkpoint's trainer state: 'train_state' left out")
+    return states
+
+
 def _tuples_back(values: Dict[str, Any]) -> Dict[str, Any]:
     """JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back."""
     return {key: tuple(value) if isinstance(value, list) else value for key, value in values.items()}
@@ -243,7 +272,8 @@ def _tuples_back(values: Dict[str, Any]) -> Dict[str, Any]:
 
 # ---- writing through torch.distributed.checkpoint --------------------------------------------------------------------
 
-def _save(directory: str, tensors: Dict[str, _Tensor], optimizer_state: Dict[str, Any], bar) -> None:
+def _save(directory: str, tensors: Dict[str, _Tensor], optimizer_state: Dict[str, Any], bar,
+          other_states: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     def placeholder(value: Any) -> Any:
@@ -254,6 +284,10 @@ def _save(directory: str, tensors: Dict[str, _Tensor], optimizer_state: Dict[str
         if OPTIMIZER_KEY in state_dict:
             raise ValueError(f"the model has a tensor named '{OPTIMIZER_KEY}', the key the optimizer state goes under")
         state_dict[OPTIMIZER_KEY] = {key: placeholder(value) for key, value in optimizer_state.items()}
+    for key, values in (other_states or {}).items():
+        if key in state_dict:
+            raise ValueError(f"the model has a tensor named '{key}', the key TorchTitan keeps its {key} under")
+        state_dict[key] = dict(values)
     chunked = dict(tensors)
     chunked.update({f"{OPTIMIZER_KEY}.{key}": value for key, value in optimizer_state.items()
                     if isinstance(value, _Tensor)})

@@ -39,6 +39,7 @@ OPTIMIZER_PREFIX = "optimizer."
 # What TorchTitan and torch's own examples keep beside the model in the same DCP checkpoint; not model tensors.
 NOT_MODEL_PREFIXES = (OPTIMIZER_PREFIX, "lr_scheduler", "train_state", "dataloader", "extra_state")
 EXPORT_RECORD_FILE = "nxdtp_dcp_export.json"
+BATCH_BYTES = 64 << 20  # tensors read per dcp.load: the import's memory beyond one tensor
 
 __all__ = ["import_dcp", "ImportResult"]
 
@@ -65,14 +66,15 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     saved = metadata.state_dict_metadata
     layout, sources = _check_model_keys(dcp_dir, saved, expected)
     optimizer_state, notes = _optimizer_state(dcp_dir, saved, expected)
-    trainer_state = _export_record_trainer_state(dcp_dir)
+    trainer_state = _export_record_trainer_state(dcp_dir) or _torchtitan_trainer_state(dcp_dir, saved)
 
     def write(staging: str) -> None:
         bar = _progress(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
+        reader = _BatchedReader(dcp_dir, [(sources[key], dtype, shape) for key, dtype, shape in layout])
         try:
             with DenseWeightsWriter(staging, layout, metadata={"format": "pt"}) as writer:
                 for key, dtype, shape in layout:
-                    writer.write(key, _load_tensor(dcp_dir, sources[key], dtype, shape))
+                    writer.write(key, reader.read(sources[key]))
                     bar.update(1)
         finally:
             bar.close()
@@ -156,20 +158,40 @@ def _check_model_keys(dcp_dir: str, saved: Dict[str, Any], expected):
     return layout, sources
 
 
-def _load_tensor(dcp_dir: str, key: str, dtype: torch.dtype, shape) -> torch.Tensor:
+class _BatchedReader:
+    """Reads the tensors ``items`` [(DCP key, dtype, shape)] in that order, ``dcp.load``-ing the next ones together
+    up to ``budget_bytes`` (at least one) and handing each out once: one ``dcp.load`` per tensor costs a planning round
+    and a metadata read each (most of an import's time for small tensors), and loading everything at once would hold
+    the whole checkpoint."""
+
+    def __init__(self, dcp_dir: str, items: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
+                 budget_bytes: int = BATCH_BYTES):
+        self.dcp_dir, self.items, self.budget = dcp_dir, list(items), budget_bytes
+        self.position = {key: i for i, (key, _, _) in enumerate(self.items)}
+        self.cache: Dict[str, torch.Tensor] = {}
+
+    def read(self, key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        if key not in self.cache:
+            batch, size = {}, 0
+            for name, dtype, shape in self.items[self.position[key]:]:
+                nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                if batch and size + nbytes > self.budget:
+                    break
+                batch[name] = torch.empty(shape, dtype=dtype)
+                size += nbytes
+            dcp.load(batch, checkpoint_id=self.dcp_dir, no_dist=True)
+            self.cache.update(batch)
+        return self.cache.pop(key)
+
+
+def _load_values(dcp_dir: str, keys: List[str]) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    tensor = torch.empty(shape, dtype=dtype)
-    dcp.load({key: tensor}, checkpoint_id=dcp_dir, no_dist=True)
-    return tensor
-
-
-def _load_value(dcp_dir: str, key: str) -> Any:
-    import torch.distributed.checkpoint as dcp
-
-    holder: Dict[str, Any] = {key: None}
+    holder: Dict[str, Any] = dict.fromkeys(keys)
     dcp.load(holder, checkpoint_id=dcp_dir, no_dist=True)
-    return holder[key]
+    return holder
 
 
 def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dict[str, Any], List[str]]:
@@ -181,6 +203,10 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dic
     keys = sorted(key for key in saved if key.startswith(OPTIMIZER_PREFIX))
     if not keys:
         return state, ["the checkpoint holds no optimizer state under 'optimizer'"]
+    # write_dense_optimizer reads the tensors in this order
+    values: List[str] = []
+    reader = _BatchedReader(dcp_dir, [(key, saved[key].properties.dtype, tuple(saved[key].size)) for key in keys
+                                      if isinstance(saved[key], TensorStorageMetadata)])
     for key in keys:
         flat = key[len(OPTIMIZER_PREFIX):]
         kind, _, rest = flat.partition(".")
@@ -192,13 +218,31 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dic
         meta = saved[key]
         if isinstance(meta, TensorStorageMetadata):
             shape, dtype = tuple(meta.size), meta.properties.dtype
-            state[flat] = DenseOptimizerTensor(shape=shape, dtype=dtype,
-                                               read=lambda key=key, dtype=dtype, shape=shape: _load_tensor(
-                                                   dcp_dir, key, dtype, shape))
+            state[flat] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=lambda key=key: reader.read(key))
         else:
-            value = _load_value(dcp_dir, key)
-            state[flat] = list(value) if isinstance(value, tuple) else value
-    return state, []
+            values.append(key)
+    if values:  # small pickled values (hyperparameters, 'step' of some optimizers): all in one dcp.load
+        holder = _load_values(dcp_dir, values)
+        for key in values:
+            value = holder[key]
+            state[key[len(OPTIMIZER_PREFIX):]] = list(value) if isinstance(value, tuple) else value
+    return {key: state[key] for key in sorted(state)}, []
+
+
+def _torchtitan_trainer_state(dcp_dir: str, saved: Dict[str, Any]) -> Optional[dict]:
+    """The step and scheduler a native (TorchTitan-layout) job keeps under ``train_state.step`` and
+    ``lr_scheduler.last_epoch``, as nxdtp's trainer state: ``{"global_step": ..., "scheduler": {"last_epoch": ...}}``
+    (torch's LambdaLR.load_state_dict takes that; the optimizer's groups carry the learning rates)."""
+    keys = [key for key in ("train_state.step", "lr_scheduler.last_epoch") if key in saved]
+    if not keys:
+        return None
+    values = _load_values(dcp_dir, keys)
+    state: Dict[str, Any] = {}
+    if "train_state.step" in values:
+        state["global_step"] = int(values["train_state.step"])
+    if "lr_scheduler.last_epoch" in values:
+        state["scheduler"] = {"last_epoch": int(values["lr_scheduler.last_epoch"])}
+    return state
 
 
 def _export_record_trainer_state(dcp_dir: str) -> Optional[dict]:

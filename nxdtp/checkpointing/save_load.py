@@ -192,13 +192,25 @@ class SaveJob:
     optimizer_index: Optional[Dict[str, Any]]
     extras: Dict[str, Any]                     # entries stored per TP rank with torch.save
     json_files: Dict[str, bytes]               # relative path -> contents: this rank's RNG file; on rank 0 the others
+    # ZeRO-1: this rank's (sharding rank, replica rank). Only replica 0 of each shard writes it, named by the shard.
+    zero1_place: Optional[Tuple[int, int]] = None
 
     def writes_model(self) -> bool:
         return data_parallel_group().rank == 0
 
     def writes_optimizer(self) -> bool:
-        return self.optimizer_tensors is not None and (is_zero1_optimizer_index(self.optimizer_index)
-                                                       or data_parallel_group().rank == 0)
+        if self.optimizer_tensors is None:
+            return False
+        if is_zero1_optimizer_index(self.optimizer_index):
+            return self.zero1_place[1] == 0
+        return data_parallel_group().rank == 0
+
+    def optimizer_file(self) -> str:
+        """This rank's optimizer file: its TP rank's, and with ZeRO-1 state its shard's (the sharding rank)."""
+        tp_rank = tensor_parallel_group().rank
+        if is_zero1_optimizer_index(self.optimizer_index):
+            return optim_file(tp_rank, self.zero1_place[0])
+        return optim_file(tp_rank)
 
     def to_host(self) -> None:
         """Copy every tensor this rank writes to host memory (each a copy of its own, even on the CPU), and drop the
@@ -264,7 +276,8 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
     try:
         # keep_vars: tied parameters stay one object, which is how ties are recognised on XLA (no storage pointers).
         model_state = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
-        optimizer_tensors, optimizer_index, optimizer_json = _optimizer_payload(checkpoint.get("optimizer"), model)
+        optimizer_tensors, optimizer_index, optimizer_json, zero1_place = _optimizer_payload(
+            checkpoint.get("optimizer"), model)
         trainer_state, extras = _trainer_payload(checkpoint, pickled_keys)
         # Before anything below can fail on one rank, and before only some ranks read tensors to the host.
         comm.materialize(list(model_state.values()) + list((optimizer_tensors or {}).values()))
@@ -292,7 +305,7 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
                 json_files[CONFIG_FILE] = _json_bytes(payload)
         job = SaveJob(output_dir=output_dir, tag=tag, tag_dir=tag_dir, keep_last=keep_last, lock=lock,
                       tensors=tensors, entries=entries, optimizer_tensors=optimizer_tensors,
-                      optimizer_index=optimizer_index, extras=extras, json_files=json_files)
+                      optimizer_index=optimizer_index, extras=extras, json_files=json_files, zero1_place=zero1_place)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         error = e
     # Every rank must reach the replicated check (a collective), so the failures above are agreed on first.
@@ -344,9 +357,9 @@ def write_save(job: SaveJob) -> None:
                         torch.save(job.extras, f)
                     written[relative] = f.record()
             if job.writes_optimizer():
-                # ZeRO-1: every DP rank holds its own shard of the TP rank's optimizer state, and writes it.
-                zero1 = is_zero1_optimizer_index(job.optimizer_index)
-                relative = optim_file(tp_group.rank, dp_group.rank) if zero1 else optim_file(tp_group.rank)
+                # ZeRO-1: each shard of the TP rank's optimizer state is written once, by the first of its replicas
+                # (every DP rank when sharding over the DP group).
+                relative = job.optimizer_file()
                 written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative),
                                                                      job.optimizer_tensors)
             for relative, payload in job.json_files.items():
@@ -471,7 +484,9 @@ def _kind(optimizer: Any) -> str:
 def _zero1_payload(optimizer, names: Dict[int, str]):
     """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (the inner optimizer's state and the master
     weights, keyed ``<param>/<field>``), the index (per parameter its TP-local shape and ``FlatShardLayout``, and which
-    fields are flat shards), and the JSON part (groups, scalars). Every rank writes its own shards."""
+    fields are flat shards), the JSON part (groups, scalars), and this rank's (sharding rank, replica rank). The
+    first replica of each shard writes it, under its sharding rank (the DP rank when sharding over DP); the index
+    records the sharding group size k, so the files are ``optim_file(tp_rank, 0..k-1)`` whatever the DP size."""
     state_dict = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     info = state_dict.get("zero1")
     masters = state_dict.get("sharded_master_weights")
@@ -508,8 +523,9 @@ def _zero1_payload(optimizer, names: Dict[int, str]):
                "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
     zero1 = {"layout": "flat", "sharding_group_size": int(info["sharding_group_size"]),
              "optimizer_dtype": info["optimizer_dtype"]}
+    place = (int(info["sharding_rank"]), int(info.get("replica_rank", 0)))
     return tensors, {"kind": "zero1", "keyed_by": "name" if names else "index", "zero1": zero1, "params": index}, \
-        {"param_groups": groups, "scalars": scalars}
+        {"param_groups": groups, "scalars": scalars}, place
 
 
 def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Dict[str, TensorEntry]) -> None:
@@ -526,15 +542,17 @@ def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Di
             info["spec"] = by_name[name].spec.to_dict()
 
 
-def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict]]:
-    """Optimizer tensors keyed ``<param>/<field>``, the per-param index, and the JSON part (groups, scalars).
+def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict],
+                                                 Optional[Tuple[int, int]]]:
+    """Optimizer tensors keyed ``<param>/<field>``, the per-param index, the JSON part (groups, scalars), and for
+    ZeRO-1 state this rank's (sharding rank, replica rank) (None otherwise).
 
     With a live optimizer and a live model, state is keyed by parameter *name* and carries the parameter's spec, so it
     can be resharded. An optimizer state dict alone (NxD's form) is keyed by parameter index: it reloads at the same TP
     degree only.
     """
     if optimizer is None:
-        return None, None, None
+        return None, None, None, None
     names: Dict[int, str] = {}
     if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
         by_identity = {id(p): n for n, p in model.named_parameters()}
@@ -558,7 +576,7 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
     return tensors, {"keyed_by": "name" if names else "index", "params": index}, {"param_groups": groups,
-                                                                                  "scalars": scalars}
+                                                                                  "scalars": scalars}, None
 
 
 def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_rank: int,

@@ -1,15 +1,20 @@
 """ZeRO-1: optimizer state and fp32 master weights sharded over data parallelism (NxD's ``NeuronZero1Optimizer``).
 
-Every rank of a data-parallel (sharding) group holds the whole TP-local model, as in plain DP, but only 1/d of the
-optimizer: the master weights (in ``optimizer_dtype``, fp32 by default, also for bf16 parameters) and the inner
-optimizer's state for its shard of every parameter. One step:
+Every rank of a data-parallel group holds the whole TP-local model, as in plain DP, but only 1/d of the optimizer:
+the master weights (in ``optimizer_dtype``, fp32 by default, also for bf16 parameters) and the inner optimizer's state
+for its shard of every parameter, where d is the size of its sharding group. The sharding group is the DP group by
+default (d = dp); any DP-aligned sharding (``sharding_groups`` cutting every DP group into groups of one size k) shards
+over k ranks and keeps dp / k replicas of each shard, one in each k-group of a DP group (hybrid sharding, as HSDP):
+the replica group of a rank is the ranks of its DP group that hold the same shard. One step, the same code for every
+shape (the DP sharding is k = dp with replica groups of one rank, which communicate nothing):
 
-1. the gradients are reduce-scattered over the sharding group and divided by its size (the DP average; in
-   ``optimizer_dtype`` when ``higher_cc_precision``): each rank gets the averaged gradient of its shards;
+1. the gradients are reduce-scattered over the sharding group, the shards all-reduced over the replica group (the
+   two sum over the whole DP group) and divided by the DP size (the DP average; in ``optimizer_dtype`` when
+   ``higher_cc_precision``): each rank gets the averaged gradient of its shards;
 2. the pre-clip norm of the whole model over TP x DP, with ``nxdtp.grads.get_grad_norm``'s rules (TP-sharded shards
-   counted on every TP rank, TP-replicated ones once, ``shared`` ones skipped), summed over the sharding group; it is
-   kept in ``grad_norm``; the shard gradients are scaled by ``min(1, max_norm / (norm + 1e-6))`` (as
-   ``clip_grad_norm_``);
+   counted on every TP rank, TP-replicated ones once, ``shared`` ones skipped), summed over the sharding group only
+   (its shards make every parameter once; each replica computes the same norm); it is kept in ``grad_norm``; the
+   shard gradients are scaled by ``min(1, max_norm / (norm + 1e-6))`` (as ``clip_grad_norm_``);
 3. the inner optimizer (any ``torch.optim.Optimizer`` class: AdamW, SGD, nxdtp's Lamb, ...) steps the master shards;
 4. the shards are all-gathered (in the parameters' dtype, or ``optimizer_dtype`` when ``higher_cc_precision``) and
    copied into the parameters.
@@ -42,8 +47,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import comm
-from ..grads import buckets_by, clip_grads_with_norm, get_grad_norm, zero1_sharding_group, _check_norm_type
-from ..parallel_state import ParallelGroup, model_parallel_is_initialized, rank_tensor, tensor_parallel_group
+from ..grads import buckets_by, clip_grads_with_norm, get_grad_norm, _check_norm_type
+from ..parallel_state import (ParallelGroup, model_parallel_is_initialized, rank_tensor, tensor_parallel_group,
+                              zero1_groups)
 from ..spec import FlatShardLayout
 
 # Attributes of a parameter that its shard carries, so the norm rules (and Lamb) treat the shard as the parameter.
@@ -74,8 +80,11 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     ``optimizer_class``). ``optimizer_dtype``: the dtype of the master shards and the optimizer state (fp32 when None).
     ``grad_clipping`` / ``max_norm``: clip at ``max_norm`` (1.0 when None) by the global pre-clip norm of type
     ``norm_type`` (an nxdtp keyword: 2 as NxD, or any p > 0 and inf); ``grad_norm`` holds that norm after each step
-    (None without clipping, as in NxD). ``sharding_groups``: None (the data-parallel groups, NxD's default) or exactly
-    those groups. ``grad_norm_groups``: None or the tensor-parallel groups (the norm is always taken over TP x DP).
+    (None without clipping, as in NxD). ``sharding_groups``: None (the data-parallel groups, NxD's default) or any
+    DP-aligned groups as lists of global ranks (``parallel_state.dp_aligned_rank_lists``: they cut every DP group into
+    groups of one size k; the state is sharded over k ranks and replicated over the dp / k groups of a DP group).
+    Other groups are refused, naming them and what would be valid. ``grad_norm_groups``: None or the tensor-parallel
+    groups (the norm is always taken over TP x DP).
     ``lazy_init``: make the shards at ``init_zero()`` instead of now. ``bucket_cap_mb_reduce_scatter`` /
     ``bucket_cap_mb_all_gather``: bucket sizes of the coalesced collectives (0: 512 MiB). ``use_grad_acc_hook``:
     gradients accumulate over micro-steps into an fp32 (``optimizer_dtype``) ``main_grad`` of every parameter, and
@@ -119,7 +128,8 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self.coalesce_cc = _check_bool("coalesce_cc", coalesce_cc)
         self.bucket_cap_mb_all_gather = _check_cap("bucket_cap_mb_all_gather", bucket_cap_mb_all_gather)
         self.bucket_cap_mb_reduce_scatter = _check_cap("bucket_cap_mb_reduce_scatter", bucket_cap_mb_reduce_scatter)
-        self._group: ParallelGroup = zero1_sharding_group(sharding_groups)
+        # Made collectively (every rank builds its optimizer at the same point) the first time a sharding is asked for.
+        self._group, self._replicas = zero1_groups(sharding_groups)
         if grad_norm_groups is not None:
             tp = tensor_parallel_group()
             try:
@@ -163,6 +173,11 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     @property
     def sharding_group(self) -> ParallelGroup:
         return self._group
+
+    @property
+    def replica_group(self) -> ParallelGroup:
+        """The ranks of this rank's DP group that hold the same shards (this rank alone when sharding over DP)."""
+        return self._replicas
 
     # ---- shards --------------------------------------------------------------------------------------------------
 
@@ -234,8 +249,10 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     # ---- the step ------------------------------------------------------------------------------------------------
 
     def _reduce_scatter_gradients(self, pairs) -> None:
-        """Average the gradients over the sharding group, each rank keeping the shard of its master weights."""
-        size = self._group.size
+        """Average the gradients over the DP group, each rank keeping the shard of its master weights: a reduce-scatter
+        over the sharding group, then an all-reduce of the shards over the replica group (nothing when it is this rank
+        alone)."""
+        size = self._group.size * self._replicas.size
 
         def cc_dtype(pair):
             return self.optimizer_dtype if self.higher_cc_precision else self._gradient(pair[0]).dtype
@@ -248,7 +265,8 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             dtype = cc_dtype(bucket[0])
             rows = torch.cat([self._layouts[id(p)].rows(self._gradient(p).detach().to(dtype)) for p, _ in bucket],
                              dim=1)
-            reduced = comm.reduce_scatter(rows, self._group, dim=0).reshape(-1).to(self.optimizer_dtype)
+            reduced = comm.reduce_scatter(rows, self._group, dim=0).reshape(-1)
+            reduced = comm.all_reduce(reduced, self._replicas).to(self.optimizer_dtype)
             if size != 1:
                 reduced = reduced / size
             offset = 0
@@ -345,14 +363,16 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
 
     def _layout_info(self) -> Dict[str, Any]:
         return {"format": ZERO1_STATE_FORMAT, "sharding_group_size": self._group.size,
-                "sharding_rank": self._group.rank, "optimizer_dtype": str(self.optimizer_dtype).replace("torch.", ""),
+                "sharding_rank": self._group.rank, "replica_group_size": self._replicas.size,
+                "replica_rank": self._replicas.rank, "optimizer_dtype": str(self.optimizer_dtype).replace("torch.", ""),
                 "layouts": [self._layouts[id(p)].to_dict() for p in self._params()]}
 
     def state_dict(self) -> Dict[str, Any]:
         """NxD's form: ``state`` (empty), ``param_groups`` (indices and hyper-parameters), ``base_state`` (the inner
         optimizer's state of this rank's shards, by parameter index), ``shape_info`` (full shapes), and
         ``sharded_master_weights`` (always, see the class docstring); plus ``zero1``: the layout (sharding group size,
-        this rank's place, one ``FlatShardLayout`` per parameter)."""
+        this rank's place in it, the replica group's size and this rank's place in it, one ``FlatShardLayout`` per
+        parameter). Every replica of a shard returns the same state."""
         if not self.inited:
             raise RuntimeError("NeuronZero1Optimizer.state_dict(): call init_zero() first (lazy_init=True)")
         state_dict = super().state_dict()
