@@ -16,7 +16,8 @@
 * The layout algebra: each rank's kept runs and copy runs cover every non-padding row of its piece once.
 * ZeRO-1 (tp=2 x dp=2): its flat shards save as the dense optimizer's state (a dense AdamW loads the moments of a
   dense step), and ZeRO-1 at tp=1 x dp=4 loads them and steps as the dense run does. The layout algebra's map from a
-  flat shard to dense chunks covers every dense element once.
+  flat shard to dense chunks covers every dense element once. Hybrid ZeRO-1 (each shard on two replicas) writes each
+  shard once.
 * Bad input: a model nxdtp did not parallelize, an optimizer of another model, a ZeRO-1 optimizer without its shards
   (lazy_init), a state dict of another model, a missing key, an operation on a DenseView: one clear error each.
 """
@@ -293,11 +294,12 @@ def test_live_save_on_a_world_that_refuses_cpu_tensors(worlds, live_llama, tmp_p
 
 # ---- ZeRO-1: the flat shards over DP of each TP piece ----------------------------------------------------------------
 
-def _zero1(model, **hyperparameters):
+def _zero1(model, sharding_groups=None, **hyperparameters):
     from nxdtp.optimizer import NeuronZero1Optimizer
 
     # No clipping: the dense reference does not clip either.
-    return NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False, **hyperparameters)
+    return NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False,
+                                sharding_groups=sharding_groups, **hyperparameters)
 
 
 def _zero1_step(model, optimizer, batch):
@@ -306,16 +308,44 @@ def _zero1_step(model, optimizer, batch):
     optimizer.zero_grad()
 
 
-def case_zero1_save(checkpoint: str):
+def case_zero1_save(checkpoint: str, sharding_groups=None):
     import torch.distributed.checkpoint as dcp
 
     from nxdtp.checkpointing.dcp_state import dcp_process_group, get_state_dict
 
     model = _nxdtp_llama(seed=0)
-    optimizer = _zero1(model, lr=LR, weight_decay=0.01)
+    optimizer = _zero1(model, sharding_groups, lr=LR, weight_decay=0.01)
     _zero1_step(model, optimizer, _llama_batch())
     dcp.save(get_state_dict(model, optimizer), checkpoint_id=checkpoint, process_group=dcp_process_group())
-    return _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+    return {"logits": _logits(model, _llama_batch(), LLAMA_VOCAB)[0], "replica_rank": optimizer.replica_group.rank,
+            "sharding_size": optimizer.sharding_group.size}
+
+
+def _check_dense_moments(checkpoint, saved_logits, what):
+    """A dense Llama and AdamW load the checkpoint: the saved logits, and the moments of a dense step."""
+    model, optimizer = _load_dense(checkpoint)
+    _close(_logits(model, _llama_batch())[0], saved_logits, f"dense logits from the {what} save")
+    reference, reference_optimizer = _dense_reference()
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        for field, value in reference_optimizer.state[reference_params[name]].items():
+            _close(optimizer.state[param][field], value, f"{what} {name} {field}")
+
+
+def test_zero1_hybrid_sharding_saves_each_shard_once(worlds, tmp_path):
+    """Hybrid ZeRO-1 (tp=1, DP 4 cut into sharding groups of 2, each shard on 2 replicas): the flat state is written
+    by the first replica of each shard only, and a dense AdamW loads the moments of a dense step."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = str(tmp_path / "hybrid")
+    saved = worlds(4).run(case_zero1_save, tensor_model_parallel_size=1, checkpoint=checkpoint,
+                          sharding_groups=[[0, 1], [2, 3]])
+    assert [r["sharding_size"] for r in saved] == [2] * 4 and [r["replica_rank"] for r in saved] == [0, 0, 1, 1]
+    storage = dcp.FileSystemReader(checkpoint).read_metadata().storage_data
+    writers = {int(info.relative_path.split("_")[2]) for index, info in storage.items()
+               if index.fqn.endswith(".exp_avg")}
+    assert writers == {0, 1}, writers
+    _check_dense_moments(checkpoint, saved[0]["logits"], "hybrid ZeRO-1")
 
 
 def case_zero1_load(checkpoint: str):
@@ -346,19 +376,13 @@ def test_zero1_live_save_loads_dense_and_into_zero1_at_another_layout(worlds, li
 
     plain, _, _ = live_llama
     checkpoint = str(tmp_path / "zero1")
-    saved = worlds(4).run(case_zero1_save, tensor_model_parallel_size=2, checkpoint=checkpoint)[0]
+    saved = worlds(4).run(case_zero1_save, tensor_model_parallel_size=2, checkpoint=checkpoint)[0]["logits"]
     ours, theirs = _metadata(checkpoint), _metadata(plain)
     assert sorted(ours) == sorted(theirs)
     for key, meta in theirs.items():
         if isinstance(meta, TensorStorageMetadata):
             assert ours[key].size == meta.size and ours[key].properties.dtype == meta.properties.dtype, key
-    model, optimizer = _load_dense(checkpoint)
-    _close(_logits(model, _llama_batch())[0], saved, "dense logits from the ZeRO-1 save")
-    reference, reference_optimizer = _dense_reference()
-    reference_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        for field, value in reference_optimizer.state[reference_params[name]].items():
-            _close(optimizer.state[param][field], value, f"ZeRO-1 {name} {field}")
+    _check_dense_moments(checkpoint, saved, "ZeRO-1")
     for rank, logits in enumerate(worlds(4).run(case_zero1_load, tensor_model_parallel_size=1,
                                                 checkpoint=checkpoint)):
         _close(logits, saved, f"ZeRO-1 tp=1 x dp=4 rank {rank} logits after loading")

@@ -237,10 +237,13 @@ def _replicated(tensor: torch.Tensor) -> ParamSpec:
 
 class _Entry:
     """One parameter of the optimizer: its name, its groups (the optimizer's, and for ZeRO-1 the inner optimizer's,
-    which both carry the hyperparameters), the dict of its state, and for ZeRO-1 its shard layout."""
+    which both carry the hyperparameters), the dict of its state, for ZeRO-1 its shard layout and this rank's shard,
+    and whether this rank writes its flat state (ZeRO-1: the first rank of its replica group, which holds the same
+    shard under hybrid sharding)."""
 
-    def __init__(self, name, param, groups, state, flat):
+    def __init__(self, name, param, groups, state, flat=None, writes_flat=False):
         self.name, self.param, self.groups, self.state, self.flat = name, param, groups, state, flat
+        self.writes_flat = writes_flat
 
 
 def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]:
@@ -250,13 +253,14 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]
                 for group in optimizer.param_groups for p in group["params"]]
     shards = iter(optimizer.shards())
     shard_rank = optimizer.sharding_group.rank
+    writes = optimizer.replica_group.rank == 0
     entries = []
     for group, base_group in zip(optimizer.param_groups, optimizer.base_optimizer.param_groups):
         for p in group["params"]:
             param, shard, layout = next(shards)
             assert param is p
             entries.append(_Entry(names[id(p)], p, [group, base_group], optimizer.base_optimizer.state.get(shard, {}),
-                                  (layout, shard_rank)))
+                                  (layout, shard_rank), writes))
     return entries
 
 
@@ -293,9 +297,9 @@ def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
             if not isinstance(value, torch.Tensor):
                 flat[key] = value
             elif _laid_out_like_param(value, p, entry.flat):
-                # Each DP rank writes its own ZeRO-1 shard; DP replicas of a whole piece are written by DP rank 0.
+                # Each ZeRO-1 shard is written once (by its first replica); DP replicas of a whole piece by DP rank 0.
                 flat[key] = DenseView(value, spec, f"{OPTIMIZER_KEY}.{key}", tp.rank,
-                                      entry.flat is not None or dp_rank == 0, entry.flat)
+                                      entry.writes_flat if entry.flat is not None else dp_rank == 0, entry.flat)
             else:  # not shaped like the parameter (Adam's 'step'): the same on every rank
                 flat[key] = DenseView(value, _replicated(value), f"{OPTIMIZER_KEY}.{key}", tp.rank, dp_rank == 0)
         for hyperparameter, value in entry.groups[0].items():
