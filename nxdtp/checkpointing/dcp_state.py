@@ -13,12 +13,12 @@ writers and readers need nothing from nxdtp:
 
 * saving, a rank plans one chunk per run of rows its piece contributes to the dense tensor
   (``ParamSpec.dense_runs_of_piece``: a fused stride-3 weight is three chunks per rank, vocabulary padding and zero
-  heads are left out, a repeated KV head is written by its first owner only). Only DP rank 0 plans any (its DP
-  replicas hold the same values), and a tensor replicated over TP is written by TP rank 0. A ZeRO-1 optimizer's state
-  is each rank's flat shard of its TP piece, cut into boxes of the dense tensor (``dense_chunks_of_flat_shard``), and
-  every DP rank writes its own. The checkpoint is the one ``nxdtp-merge --to dcp`` writes from an nxdtp checkpoint
-  (same keys, global shapes and dtypes), so a dense model, a DTensor TP model at any size or nxdtp at any TP size
-  loads it;
+  heads are left out, a repeated KV head is written by its first owner only). Only DP rank 0 plans any (its DP replicas
+  hold the same values), and a tensor replicated over TP is written by TP rank 0. A ZeRO-1 optimizer's state is each
+  rank's flat shard of its TP piece, cut into boxes of the dense tensor (``dense_chunks_of_flat_shard``), written once
+  per shard (by the first rank of its replica group, under hybrid sharding). The checkpoint is the one ``nxdtp-merge
+  --to dcp`` writes from an nxdtp checkpoint (same keys, global shapes and dtypes), so a dense model, a DTensor TP model
+  at any size or nxdtp at any TP size loads it;
 * loading, every rank asks for every dense element its piece (or shard) holds, the copies of repeated blocks
   included (``ParamSpec.copy_runs_of_piece``), and DCP reads them straight into the live parameters and optimizer
   state (views of them). ``set_state_dict`` then applies what DCP hands back as values (the hyperparameters,
