@@ -3,12 +3,13 @@
 
 * A tp=2 × dp=2 Llama (one KV head, so repeated on both TP ranks; vocabulary 101 padded by
   ``make_vocab_size_divisible_by``; every parameter randomised) takes one AdamW step and ``dcp.save``s
-  ``get_state_dict(model, optimizer)`` in a gloo world of 4. Then (a) a dense HF model and torch AdamW ``dcp.load`` it
-  in this process (``no_dist=True``): the logits of the nxdtp model, the moments of a dense reference step; the
-  checkpoint's keys, global shapes and dtypes are those ``nxdtp-merge --to dcp`` writes from an nxdtp checkpoint of the
-  same job, and every chunk was written by DP rank 0 (the replicated tensors and the repeated KV head by TP rank 0
-  only); (b) nxdtp at tp=4 loads it with ``dcp.load`` + ``set_state_dict``: the saved logits, and its next step equals
-  the dense run's next step. And the other way: nxdtp at tp=2 x dp=2 loads a DTensor TP=2 job's own ``dcp.save``.
+  ``get_state_dict(model, optimizer, lr_scheduler=..., step=1)`` in a gloo world of 4. Then (a) a dense HF model and
+  torch AdamW ``dcp.load`` it in this process (``no_dist=True``): the logits of the nxdtp model, the moments of a dense
+  reference step; the checkpoint's keys, global shapes and dtypes are those ``nxdtp-merge --to dcp`` writes from an
+  nxdtp checkpoint of the same job, and every chunk was written by DP rank 0 (the replicated tensors and the repeated KV
+  head by TP rank 0 only); (b) nxdtp at tp=4 loads it with ``dcp.load`` + ``set_state_dict``: the saved logits, step and
+  scheduler epoch, and its next step equals the dense run's next step. And the other way: nxdtp at tp=2 x dp=2 loads a
+  DTensor TP=2 job's own ``dcp.save``.
 * The same save in a world whose default backend refuses CPU tensors (the NCCL stand-in), through
   ``process_group=dcp_process_group()``: the same checkpoint.
 * GPT-2 with 6 heads at tp=4: its fused Q|K|V ``c_attn`` is split with stride 3 and padded with zero heads per part.
@@ -44,6 +45,11 @@ def _nxdtp_step(model, optimizer, batch):
     allreduce_gradients(model)  # every DP rank trains on the same batch: the average is the dense gradient
     optimizer.step()
     optimizer.zero_grad()
+
+
+def _constant_schedule(optimizer):
+    """A schedule whose learning rate stays LR (the dense reference has none), to carry last_epoch."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
 def _nxdtp_llama(seed):
@@ -125,10 +131,14 @@ def case_live_save(checkpoint: str, nxdtp_root: str = ""):
 
     model = _nxdtp_llama(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    scheduler = _constant_schedule(optimizer)
     _nxdtp_step(model, optimizer, _llama_batch())
-    dcp.save(get_state_dict(model, optimizer), checkpoint_id=checkpoint, process_group=dcp_process_group())
+    scheduler.step()
+    dcp.save(get_state_dict(model, optimizer, lr_scheduler=scheduler, step=1), checkpoint_id=checkpoint,
+             process_group=dcp_process_group())
     if nxdtp_root:
-        checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 1}, nxdtp_root)
+        checkpointing.save({"model": model, "optimizer": optimizer, "scheduler": scheduler, "global_step": 1},
+                           nxdtp_root)
     return {"logits": _logits(model, _llama_batch(), LLAMA_VOCAB)[0], "tp_rank": tensor_parallel_group().rank,
             "dp_rank": data_parallel_group().rank,
             "k_replicas": model.model.layers[0].self_attn.k_proj.param_specs()["weight"].replicas}
@@ -223,9 +233,11 @@ def case_live_load(checkpoint: str):
 
     model = _nxdtp_llama(seed=99)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
-    state = get_state_dict(model, optimizer)
+    scheduler = _constant_schedule(optimizer)
+    state = get_state_dict(model, optimizer, lr_scheduler=scheduler, step=0)
     dcp.load(state, checkpoint_id=checkpoint, process_group=dcp_process_group())
-    set_state_dict(model, optimizer, state)
+    train_state = set_state_dict(model, optimizer, state, lr_scheduler=scheduler)
+    assert train_state == {"step": 1, "ntokens_seen": 0} and scheduler.last_epoch == 1, (train_state, scheduler)
     assert all(g["lr"] == LR and g["weight_decay"] == 0.01 for g in optimizer.param_groups), optimizer.param_groups
     logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
     _nxdtp_step(model, optimizer, _llama_batch())
@@ -378,6 +390,9 @@ def test_zero1_live_save_loads_dense_and_into_zero1_at_another_layout(worlds, li
     checkpoint = str(tmp_path / "zero1")
     saved = worlds(4).run(case_zero1_save, tensor_model_parallel_size=2, checkpoint=checkpoint)[0]["logits"]
     ours, theirs = _metadata(checkpoint), _metadata(plain)
+    # The plain save also holds the scheduler's epoch, its groups' initial_lr and the step: this one has no scheduler.
+    theirs = {k: v for k, v in theirs.items()
+              if not k.startswith(("lr_scheduler.", "train_state.")) and not k.endswith(".initial_lr")}
     assert sorted(ours) == sorted(theirs)
     for key, meta in theirs.items():
         if isinstance(meta, TensorStorageMetadata):

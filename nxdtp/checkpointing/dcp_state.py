@@ -39,10 +39,11 @@ from .. import comm
 from ..layers import shard_of
 from ..parallel_state import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
-from .dcp_export import OPTIMIZER_KEY
+from .dcp_export import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY
 from .save_load import _is_zero1, _sharding_specs
 
-__all__ = ["get_state_dict", "set_state_dict", "dcp_process_group", "DenseView", "OPTIMIZER_KEY"]
+__all__ = ["get_state_dict", "set_state_dict", "dcp_process_group", "DenseView", "OPTIMIZER_KEY", "LR_SCHEDULER_KEY",
+           "TRAIN_STATE_KEY"]
 
 _STATE, _GROUPS = "state", "param_groups"
 
@@ -264,14 +265,17 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]
     return entries
 
 
-def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-    """The DCP-ready state of an nxdtp model and its optimizer (module docstring): the model's ``state_dict()`` names
-    at the top level (each tied name, as the dense model has them) and, with an optimizer, its flattened state under
-    ``"optimizer"``. Call it on every rank, then ``dcp.save(state, checkpoint_id=..., process_group=
-    dcp_process_group())``; to load, ``dcp.load`` the same dict, then ``set_state_dict``. A fresh optimizer's state is
-    made first (one step of zero gradients at learning rate 0, as torch does). A ZeRO-1 optimizer's state is offered
-    as the dense optimizer's (each rank's flat shards as their chunks of the dense tensors); its fp32 master weights
-    are not (they are the model's weights: ``set_state_dict`` cuts them afresh from the loaded model)."""
+def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, lr_scheduler: Any = None,
+                   step: Optional[int] = None, ntokens_seen: int = 0) -> Dict[str, Any]:
+    """The DCP-ready state of an nxdtp model and its optimizer (module docstring): the model's ``state_dict()`` names at
+    the top level (each tied name, as the dense model has them) and, with an optimizer, its flattened state under
+    ``"optimizer"``. Where TorchTitan (and ``--to dcp``) keep them: with ``lr_scheduler``, its ``last_epoch`` under
+    ``lr_scheduler``; with ``step``, ``train_state`` = ``{"step": step, "ntokens_seen": ntokens_seen}``. Call it on
+    every rank, then ``dcp.save(state, checkpoint_id=..., process_group= dcp_process_group())``; to load, ``dcp.load``
+    the same dict, then ``set_state_dict``. A fresh optimizer's state is made first (one step of zero gradients at
+    learning rate 0, as torch does). A ZeRO-1 optimizer's state is offered as the dense optimizer's (each rank's flat
+    shards as their chunks of the dense tensors); its fp32 master weights are not (they are the model's weights:
+    ``set_state_dict`` cuts them afresh from the loaded model)."""
     optimizer = _inner_optimizer(optimizer)
     _check(model, optimizer, "get_state_dict")
     tp, dp_rank = tensor_parallel_group(), data_parallel_group().rank
@@ -282,11 +286,16 @@ def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
             continue
         spec = specs.get(id(tensor)) or _replicated(tensor)
         state[key] = DenseView(tensor, spec, key, tp.rank, dp_rank == 0)
+    for taken in (OPTIMIZER_KEY, LR_SCHEDULER_KEY, TRAIN_STATE_KEY):
+        if taken in state:
+            raise ValueError(f"get_state_dict: the model has a tensor named '{taken}', a key DCP's layout gives to "
+                             "other state")
+    if lr_scheduler is not None:
+        state[LR_SCHEDULER_KEY] = {"last_epoch": int(lr_scheduler.last_epoch)}
+    if step is not None:
+        state[TRAIN_STATE_KEY] = {"step": int(step), "ntokens_seen": int(ntokens_seen)}
     if optimizer is None:
         return state
-    if OPTIMIZER_KEY in state:
-        raise ValueError(f"get_state_dict: the model has a tensor named '{OPTIMIZER_KEY}', the key the optimizer "
-                         "state goes under")
     _init_optimizer_state(optimizer)
     flat: Dict[str, Any] = {}
     for entry in _entries(model, optimizer):
@@ -325,13 +334,15 @@ def _first_names(model: nn.Module) -> Dict[int, str]:
 
 # ---- set_state_dict --------------------------------------------------------------------------------------------------
 
-def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state_dict: Dict[str, Any]) -> None:
-    """Restore ``state_dict`` into the model and optimizer. It is normally the dict ``get_state_dict(model,
-    optimizer)`` gave, after ``dcp.load`` filled it: its DenseViews were loaded in place, and this applies the rest
-    (hyperparameters, non-tensor optimizer state, which DCP hands back as values; a ZeRO-1 optimizer's master
-    weights, cut afresh from the loaded model). A plain tensor of the dense shape under a model key (or a non-ZeRO
-    optimizer key) is cut as the layout algebra lays that tensor out and copied in. Strict: a missing or unknown key,
-    or a DenseView of another model's tensor, raises before anything is changed."""
+def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state_dict: Dict[str, Any], *,
+                   lr_scheduler: Any = None) -> Dict[str, Any]:
+    """Restore ``state_dict`` into the model and optimizer (and ``lr_scheduler``'s ``last_epoch``, from the state dict's
+    ``lr_scheduler``); return its ``train_state`` (``{"step": ..., "ntokens_seen": ...}``, or ``{}``). It is normally
+    the dict ``get_state_dict(model, optimizer, ...)`` gave, after ``dcp.load`` filled it: its DenseViews were loaded in
+    place, and this applies the rest (hyperparameters, non-tensor optimizer state, which DCP hands back as values; a
+    ZeRO-1 optimizer's master weights, cut afresh from the loaded model). A plain tensor of the dense shape under a
+    model key (or a non-ZeRO optimizer key) is cut as the layout algebra lays that tensor out and copied in. Strict: a
+    missing or unknown key, or a DenseView of another model's tensor, raises before anything is changed."""
     optimizer = _inner_optimizer(optimizer)
     _check(model, optimizer, "set_state_dict")
     tp = tensor_parallel_group()
@@ -339,7 +350,7 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     copies: List[Tuple[torch.Tensor, Any, Optional[ParamSpec], str]] = []
     live = {k: v for k, v in model.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
-    model_keys = {k for k in state_dict if k != OPTIMIZER_KEY}
+    model_keys = {k for k in state_dict if k not in (OPTIMIZER_KEY, LR_SCHEDULER_KEY, TRAIN_STATE_KEY)}
     if model_keys != set(live):
         raise KeyError(f"set_state_dict: the state dict's model keys differ from the model's: missing "
                        f"{sorted(set(live) - model_keys)[:5]}, unexpected {sorted(model_keys - set(live))[:5]}")
@@ -375,6 +386,11 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
         if set(flat) != expected:
             raise KeyError(f"set_state_dict: the optimizer state's keys differ from the optimizer's: missing "
                            f"{sorted(expected - set(flat))[:5]}, unexpected {sorted(set(flat) - expected)[:5]}")
+    if lr_scheduler is not None:
+        scheduler_state = state_dict.get(LR_SCHEDULER_KEY)
+        if not isinstance(scheduler_state, dict) or "last_epoch" not in scheduler_state:
+            raise KeyError(f"set_state_dict: lr_scheduler given, but the state dict has no '{LR_SCHEDULER_KEY}."
+                           "last_epoch' (pass lr_scheduler to get_state_dict too)")
     pending = [(tensor, _local_value(value, tensor, spec, tp.rank, key)) for tensor, value, spec, key in copies]
     with torch.no_grad():
         for tensor, value in pending:
@@ -384,6 +400,11 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
         target[field] = value
     if optimizer is not None and _is_zero1(optimizer):
         optimizer.masters_from_parameters()
+    if lr_scheduler is not None:
+        lr_scheduler.last_epoch = int(scheduler_state["last_epoch"])
+        # The groups' learning rates came with the optimizer state: they are the schedule's at last_epoch.
+        lr_scheduler._last_lr = [group["lr"] for group in lr_scheduler.optimizer.param_groups]
+    return dict(state_dict.get(TRAIN_STATE_KEY) or {})
 
 
 def _local_value(value: Any, tensor: torch.Tensor, spec: Optional[ParamSpec], tp_rank: int, key: str
