@@ -271,7 +271,7 @@ def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     the top level (each tied name, as the dense model has them) and, with an optimizer, its flattened state under
     ``"optimizer"``. Where TorchTitan (and ``--to dcp``) keep them: with ``lr_scheduler``, its ``last_epoch`` under
     ``lr_scheduler``; with ``step``, ``train_state`` = ``{"step": step, "ntokens_seen": ntokens_seen}``. Call it on
-    every rank, then ``dcp.save(state, checkpoint_id=..., process_group= dcp_process_group())``; to load, ``dcp.load``
+    every rank, then ``dcp.save(state, checkpoint_id=..., process_group=dcp_process_group())``; to load, ``dcp.load``
     the same dict, then ``set_state_dict``. A fresh optimizer's state is made first (one step of zero gradients at
     learning rate 0, as torch does). A ZeRO-1 optimizer's state is offered as the dense optimizer's (each rank's flat
     shards as their chunks of the dense tensors); its fp32 master weights are not (they are the model's weights:
@@ -320,7 +320,7 @@ def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
 
 def _laid_out_like_param(value: torch.Tensor, param: torch.Tensor, flat) -> bool:
     if flat is not None:
-        return value.dim() == 1 and value.numel() == flat[0].shard_numel and flat[0].numel > 1
+        return value.dim() == 1 and value.numel() == flat[0].shard_numel  # not Adam's 0-d 'step'
     return tuple(value.shape) == tuple(param.shape)
 
 
