@@ -245,6 +245,14 @@ def host_group_of_this_thread(process_group) -> Iterator[None]:
         _THREAD_HOST_GROUP.process_group = previous
 
 
+def host_process_group():
+    """The torch.distributed process group of this world's host-side (CPU) collectives, for a library that runs its own
+    collectives on host objects and takes a ``process_group=`` (``torch.distributed.checkpoint.save`` / ``load``): a
+    gloo group of every rank on XLA and NCCL-like worlds, None (the default group, itself gloo) on a gloo world. Within
+    ``host_group_of_this_thread``, that thread's group."""
+    return _host_process_group()
+
+
 def barrier() -> None:
     dist.barrier(group=_host_process_group())
 

@@ -153,6 +153,19 @@ class ParamSpec:
         tensor. A replicated tensor is one run of rank 0 (none for other ranks)."""
         if not self.is_sharded:
             return [(0, self.unpadded_shape[0], 0)] if rank == 0 and self.unpadded_shape else []
+        return self._piece_runs(rank, copies=False)
+
+    def copy_runs_of_piece(self, rank: int):
+        """The rows of TP rank ``rank``'s piece that ``dense_runs_of_piece`` leaves out because they are a later copy
+        of a repeated block (a repeated KV head), as ``(piece_start, length, dense_start)`` runs to the dense rows they
+        copy; for a replicated tensor, the whole tensor on every rank but 0. With ``dense_runs_of_piece`` these are
+        every row of the piece that holds a dense value: the rows a rank fills when it loads a dense tensor
+        (padding rows hold none). A rank never holds two copies of one dense row, so no two of its runs overlap."""
+        if not self.is_sharded:
+            return [(0, self.unpadded_shape[0], 0)] if rank != 0 and self.unpadded_shape else []
+        return self._piece_runs(rank, copies=True)
+
+    def _piece_runs(self, rank: int, copies: bool):
         if not 0 <= rank < self.num_partitions:
             raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
         dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
@@ -160,7 +173,7 @@ class ParamSpec:
         runs = []
         for chunk in range(stride):
             first = (chunk * parts + rank) * block
-            for start, length, dense_start in self._dense_runs_of_full(first, first + block):
+            for start, length, dense_start in self._dense_runs_of_full(first, first + block, copies):
                 piece_start = chunk * block + start - first
                 last = runs[-1] if runs else None
                 if last is not None and last[0] + last[1] == piece_start and last[2] + last[1] == dense_start:
@@ -169,16 +182,17 @@ class ParamSpec:
                     runs.append((piece_start, length, dense_start))
         return runs
 
-    def _dense_runs_of_full(self, start: int, stop: int):
+    def _dense_runs_of_full(self, start: int, stop: int, copies: bool = False):
         """``(full_start, length, dense_start)`` for the rows of ``[start, stop)`` of the full tensor that are dense
-        rows: the first copy of each repeated block, then its real (not padding) rows."""
+        rows: the first copy of each repeated block (with ``copies``: every later copy instead, at the dense rows of
+        the block it copies), then its real (not padding) rows."""
         copy = self.replica_block * self.replicas
         position = start
         while position < stop:
             head, offset = divmod(position, copy)
             which, inside = divmod(offset, self.replica_block)
             end = min(stop, head * copy + (which + 1) * self.replica_block)
-            if which == 0:  # the kept copy: its rows in the replica-free tensor, then past its padding
+            if (which > 0) == copies:  # the copy asked for: its rows in the replica-free tensor, then past its padding
                 collapsed = head * self.replica_block + inside
                 for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
                     if dense_start is not None:
@@ -308,6 +322,25 @@ class FlatShardLayout:
             out[:real] = torch.cat(pieces)
         return out
 
+    def boxes_of_shard(self, rank: int):
+        """Where group rank ``rank``'s shard lies in the tensor: ``(shard_start, offsets, sizes)`` boxes of ``shape``,
+        in shard order, covering its real elements (the padding is in none): box elements in row-major order are
+        ``shard[shard_start:shard_start + numel(sizes)]``. A flat range is a partial row, whole rows, a partial row
+        (recursively over the dims), so a shard is at most ``2 * ndim - 1`` boxes."""
+        if not 0 <= rank < self.group_size:
+            raise ValueError(f"FlatShardLayout: rank={rank} is outside a sharding group of size {self.group_size}")
+        start = rank * self.shard_numel
+        stop = min(start + self.shard_numel, self.numel)
+        boxes = []
+        position = start
+        for offsets, sizes in _flat_range_boxes(tuple(self.shape), start, stop):
+            boxes.append((position - start, offsets, sizes))
+            numel = 1
+            for size in sizes:
+                numel *= size
+            position += numel
+        return boxes
+
     def source_ranks(self, source: "FlatShardLayout", rank: int) -> range:
         """The ranks of ``source`` whose shards hold real elements of this layout's shard ``rank``."""
         start = rank * self.shard_numel
@@ -324,6 +357,63 @@ class FlatShardLayout:
         if d.get("layout") != "flat":
             raise ValueError(f"unknown ZeRO-1 shard layout {d.get('layout')!r}; this nxdtp knows 'flat'")
         return cls(shape=tuple(d["shape"]), group_size=int(d["group_size"]))
+
+
+def _flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int):
+    """Boxes ``(offsets, sizes)`` of a tensor of ``shape`` covering its row-major elements ``[start, stop)`` in order,
+    each contiguous in that order."""
+    if start >= stop:
+        return
+    if not shape:
+        yield (), ()
+        return
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+    first, first_rest = divmod(start, inner)
+    last, last_rest = divmod(stop, inner)
+    if first == last:  # inside one row
+        for offsets, sizes in _flat_range_boxes(shape[1:], first_rest, last_rest):
+            yield (first,) + offsets, (1,) + sizes
+        return
+    if first_rest:
+        for offsets, sizes in _flat_range_boxes(shape[1:], first_rest, inner):
+            yield (first,) + offsets, (1,) + sizes
+        first += 1
+    if last > first:
+        yield (first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])
+    if last_rest:
+        for offsets, sizes in _flat_range_boxes(shape[1:], 0, last_rest):
+            yield (last,) + offsets, (1,) + sizes
+
+
+def dense_chunks_of_flat_shard(spec: ParamSpec, layout: FlatShardLayout, tp_rank: int, shard_rank: int,
+                               copies: bool = False):
+    """Where ZeRO-1 shard ``shard_rank`` (``layout``, over the TP-local piece) of TP rank ``tp_rank``'s piece of
+    ``spec`` lies in the dense tensor: ``(shard_start, box_sizes, (dim, start, length), dense_offsets, dense_sizes)``
+    per chunk, where the chunk is ``shard[shard_start:][:numel(box_sizes)].view(box_sizes).narrow(dim, start,
+    length)`` (narrow None: the whole box). The rows are those of ``dense_runs_of_piece`` (with ``copies``:
+    ``copy_runs_of_piece``), so over every TP and shard rank the chunks without copies cover each dense element once."""
+    runs = spec.copy_runs_of_piece(tp_rank) if copies else spec.dense_runs_of_piece(tp_rank)
+    if spec.is_sharded and tuple(layout.shape) != tuple(spec.local_shape()):
+        raise ValueError(f"a ZeRO-1 layout of shape {list(layout.shape)} is not over a piece of this spec (local shape "
+                         f"{list(spec.local_shape())})")
+    chunks = []
+    for shard_start, offsets, sizes in layout.boxes_of_shard(shard_rank):
+        if not spec.is_sharded:  # the same on every TP rank: TP rank 0's is the kept one
+            if (tp_rank == 0) != copies:
+                chunks.append((shard_start, sizes, None, offsets, sizes))
+            continue
+        dim = spec.partition_dim
+        for piece_start, length, dense_start in runs:
+            lo, hi = max(offsets[dim], piece_start), min(offsets[dim] + sizes[dim], piece_start + length)
+            if lo >= hi:
+                continue
+            dense_offsets, dense_sizes = list(offsets), list(sizes)
+            dense_offsets[dim], dense_sizes[dim] = dense_start + lo - piece_start, hi - lo
+            chunks.append((shard_start, sizes, (dim, lo - offsets[dim], hi - lo), tuple(dense_offsets),
+                           tuple(dense_sizes)))
+    return chunks
 
 
 def _leading_block(tensor: torch.Tensor, shape) -> torch.Tensor:

@@ -342,6 +342,23 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
                    if hasattr(p, "main_grad"))
         return {"state": state, "master": master, "main_grad": main}
 
+    # ---- what checkpoint converters need ---------------------------------------------------------------------------
+
+    def shards(self) -> List[Tuple[torch.Tensor, torch.Tensor, FlatShardLayout]]:
+        """``(parameter, its master shard, its FlatShardLayout)`` for every parameter, in param-group order. The inner
+        optimizer (``base_optimizer``) keys its state by the shards."""
+        if not self.inited:
+            raise RuntimeError("NeuronZero1Optimizer.shards(): call init_zero() first (lazy_init=True)")
+        return [(p, s, self._layouts[id(p)]) for p, s in self._pairs()]
+
+    def masters_from_parameters(self) -> None:
+        """Cut the master shards afresh from the parameters as they are now: after the model's weights were loaded
+        by something else than ``load_state_dict`` (a DCP load), which the masters would otherwise overwrite at the
+        next step."""
+        with torch.no_grad():
+            for p, s in self._pairs():
+                s.copy_(self._make_shard(p))
+
     # ---- state dict ----------------------------------------------------------------------------------------------
 
     def _layout_info(self) -> Dict[str, Any]:
