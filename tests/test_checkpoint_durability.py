@@ -771,7 +771,9 @@ def _kill_run(worlds, tmp_path, world: int, moments: int, seed: int, hidden: int
         durations.append(_save_b_killed(directory, str(tmp_path / f"gate_c{attempt}"), world, hidden, None, zero1))
     duration = max(durations)
     rng = random.Random(seed)
-    delays = sorted(rng.uniform(0.0, 1.2 * duration) for _ in range(moments))
+    # Twice the calibrated duration: a killed save can run slower than the calibration (fsync and scheduling vary most
+    # on a quiet machine, where a save takes tens of milliseconds), and the kills must land on both sides of the end.
+    delays = sorted(rng.uniform(0.0, 2.0 * duration) for _ in range(moments))
     directories = []
     for i, delay in enumerate(delays):
         directory = str(tmp_path / f"killed{i}")
