@@ -32,6 +32,13 @@ DEFAULT_SEQUENTIAL_MOVE_FACTOR = 11
 DEFAULT_MAX_GRAD_NORM = 1.0
 
 
+def _fill_default(config: dict, key: str, value, how: str) -> None:
+    """NxD's default filling: set a missing ``key`` of a user's dict in place, warning as NxD words it."""
+    if key not in config:
+        _warn_default(f"{key} is not set, {how}")
+        config[key] = value
+
+
 def _warn_default(message: str) -> None:
     # NxD logs each filled default on global rank 0 (and on a process outside any world).
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -99,15 +106,10 @@ def neuronx_distributed_config(
         optimizer_config = {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
     else:
         _check_dict("optimizer_config", optimizer_config)
-        if "zero_one_enabled" not in optimizer_config:
-            _warn_default("zero_one_enabled is not set, automatically set it to False.")
-            optimizer_config["zero_one_enabled"] = False
-        if "grad_clipping" not in optimizer_config:
-            _warn_default("grad_clipping is not set, automatically set it to True.")
-            optimizer_config["grad_clipping"] = True
-        if optimizer_config["grad_clipping"] and "max_grad_norm" not in optimizer_config:
-            _warn_default("max_grad_norm is not set, automatically set it to one.")
-            optimizer_config["max_grad_norm"] = DEFAULT_MAX_GRAD_NORM
+        _fill_default(optimizer_config, "zero_one_enabled", False, "automatically set it to False.")
+        _fill_default(optimizer_config, "grad_clipping", True, "automatically set it to True.")
+        if optimizer_config["grad_clipping"]:
+            _fill_default(optimizer_config, "max_grad_norm", DEFAULT_MAX_GRAD_NORM, "automatically set it to one.")
 
     zero_one = optimizer_config["zero_one_enabled"]
     if mixed_precision_config is None:
@@ -115,27 +117,18 @@ def neuronx_distributed_config(
                                   "use_master_weights_in_ckpt": False}
     else:
         _check_dict("mixed_precision_config", mixed_precision_config)
-        if "use_master_weights" not in mixed_precision_config:
-            _warn_default("use_master_weights is not set, automatically set it.")
-            mixed_precision_config["use_master_weights"] = zero_one
-        if "use_fp32_grad_acc" not in mixed_precision_config:
-            _warn_default("use_fp32_grad_acc is not set, automatically set it.")
-            mixed_precision_config["use_fp32_grad_acc"] = zero_one
-        if "use_master_weights_in_ckpt" not in mixed_precision_config:
-            _warn_default("use_master_weights_in_ckpt is not set, automatically set it to False.")
-            mixed_precision_config["use_master_weights_in_ckpt"] = False
+        _fill_default(mixed_precision_config, "use_master_weights", zero_one, "automatically set it.")
+        _fill_default(mixed_precision_config, "use_fp32_grad_acc", zero_one, "automatically set it.")
+        _fill_default(mixed_precision_config, "use_master_weights_in_ckpt", False, "automatically set it to False.")
 
     if model_init_config is None:
         model_init_config = {"sequential_move_factor": sequential_move_factor, "meta_device_init": False,
                              "param_init_fn": None}
     else:
         _check_dict("model_init_config", model_init_config)
-        if "sequential_move_factor" not in model_init_config:
-            _warn_default(f"sequential_move_factor is not set, automatically set it to {sequential_move_factor}.")
-            model_init_config["sequential_move_factor"] = sequential_move_factor
-        if "meta_device_init" not in model_init_config:
-            _warn_default("meta_device_init is not set, automatically set it to False.")
-            model_init_config["meta_device_init"] = False
+        _fill_default(model_init_config, "sequential_move_factor", sequential_move_factor,
+                      f"automatically set it to {sequential_move_factor}.")
+        _fill_default(model_init_config, "meta_device_init", False, "automatically set it to False.")
         # NxD checks only that the key is there; nxdtp also refuses an explicit None, which NxD would fail on later.
         if model_init_config["meta_device_init"] and model_init_config.get("param_init_fn") is None:
             raise ValueError("param_init_fn must be provided when meta_device_init is True: the model is built "
