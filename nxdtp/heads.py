@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from .rounding import round_up
+
 
 def kv_replicas(kv_heads: int, tp: int) -> int:
     """How many times each KV head is repeated so that ``tp`` divides the copies (1 when it already divides them)."""
@@ -26,13 +28,13 @@ def padded_group_size(heads: int, kv_heads: int, tp: int) -> int:
     if heads % kv_heads != 0:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     replicas = kv_replicas(kv_heads, tp)
-    return -(-(heads // kv_heads) // replicas) * replicas
+    return round_up(heads // kv_heads, replicas)
 
 
 def padded_head_count(heads: int, kv_heads: int, tp: int) -> int:
     """The query heads after zero-head padding at TP degree ``tp`` (``heads`` when none is needed)."""
     if kv_heads == heads:
-        return -(-heads // tp) * tp
+        return round_up(heads, tp)
     return kv_heads * padded_group_size(heads, kv_heads, tp)
 
 

@@ -1,13 +1,37 @@
-"""Sharding specs that parallel modules own for their parameters.
+"""The layout algebra: how a full tensor maps to tensor-parallel rank pieces, known here and nowhere else.
 
-A spec says how one local parameter relates to the full (dense) tensor: which dimension is split, with which stride
-(fused weights such as QKV), the full shape before and after padding, and whether its gradient must be summed over the
-tensor-parallel group (parameters replicated inside sequence-parallel regions).
+The layout model (one ``ParamSpec`` per tensor; all of it along one ``partition_dim``, the other dims are whole):
 
-The module is the source of truth. The NxD attributes on Parameter objects (``tensor_model_parallel``, ``partition_dim``,
-``partition_stride``, ``num_partitions``, ``sequence_parallel_enabled``) are a cache for code that only sees parameters
-(grad clipping, optimizers). ``.to(xla)`` and ``to_empty()`` replace Parameter objects and drop them, and
-``nxdtp.utils.move_model_to_device`` puts them back from the module; ``copy.deepcopy`` (torch's
+* **dense** tensor: the model's tensor as a dense (single-device) model holds it, of ``unpadded_shape``.
+* **full** tensor: the dense one laid out for ``num_partitions`` ranks, of ``full_shape``. Along the split dim it is the
+  dense rows with
+  - *replicas*: every block of ``replica_block`` dense rows repeated ``replicas`` times in a row (KV heads when the TP
+    degree exceeds them, so every rank holds whole copies; copies of one block sit on adjacent ranks);
+  - *padding*: zero rows. With ``pad_groups`` g, the dense rows are g equal groups and each group is followed by the
+    same number of zero rows (g = 1: zeros after all dense rows). Zero heads use ``pad_block`` (the head size) and one
+    group per KV head (or per fused part); ``nxdtp.pad.pad_model`` puts one group on every rank (``pad_block`` 1).
+* **pieces**: with ``stride`` s, the full dim is cut into ``s * num_partitions`` equal blocks and rank r's piece is
+  blocks ``r, r + num_partitions, ..., r + (s - 1) * num_partitions`` in that order (a fused Q|K|V or gate|up weight:
+  every rank holds its part of each fused block). Ranks are TP ranks in group order; a replicated tensor
+  (``partition_dim`` None) is whole on every rank.
+* **padding record**: ``pad_to_multiple_of`` m says the split dim is zero-padded at its end to a multiple of
+  ``m * num_partitions`` (``round_up``), so the spec at any other degree is known (``at_degree``); ``vocabulary`` says
+  m is the model's ``make_vocab_size_divisible_by``, which a reshard may change. Zero heads and replicas are recorded
+  by their fields above and are likewise redone per degree. Padding is recorded per tensor, never inferred.
+
+The operations: ``shard(dense, rank)``, ``unshard(pieces)``, ``read_ranges(rank)`` (which dense rows a rank reads,
+for chunked loading), ``at_degree(tp)`` and ``reshard(pieces, tp)``, with the full-tensor steps they are made of
+(``full_from_dense``, ``dense_from_full``, ``piece_of_full``, ``full_from_pieces``, ``place_piece``) and the runs a
+chunked format writes (``dense_runs_of_piece``, ``copy_runs_of_piece``). ZeRO-1's flat cut of a TP piece over a DP
+group is ``FlatShardLayout``.
+
+A spec says too whether the tensor's gradient must be summed over the tensor-parallel group (parameters replicated
+inside sequence-parallel regions).
+
+The module is the source of truth. The NxD attributes on Parameter objects (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``, ``num_partitions``, ``sequence_parallel_enabled``) are a cache for code that
+only sees parameters (grad clipping, optimizers). ``.to(xla)`` and ``to_empty()`` replace Parameter objects and
+drop them, and ``nxdtp.utils.move_model_to_device`` puts them back from the module; ``copy.deepcopy`` (torch's
 ``Parameter.__deepcopy__`` copies the data, not the attributes) and unpickling rebuild a module through
 ``__setstate__``, where ``ShardedModule`` puts them back itself.
 """
@@ -15,12 +39,31 @@ The module is the source of truth. The NxD attributes on Parameter objects (``te
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .heads import kv_replicas, padded_rows
+from .rounding import round_up
+
 SPEC_FORMAT_VERSION = 1
+
+
+def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` cut along ``dim`` into ``num_partitions`` pieces of ``stride`` blocks each
+    (see the module docstring); contiguous."""
+    size = full.shape[dim]
+    if stride < 1 or size % (num_partitions * stride) != 0:
+        raise ValueError(f"dimension {dim} of size {size} cannot be split into {num_partitions} partitions with "
+                         f"stride {stride}")
+    if not 0 <= rank < num_partitions:
+        raise ValueError(f"rank={rank} is outside the {num_partitions} partitions; use 0 to {num_partitions - 1}")
+    block = size // (num_partitions * stride)
+    if stride == 1:
+        return full.narrow(dim, rank * block, block).contiguous()
+    return torch.cat([full.narrow(dim, (chunk * num_partitions + rank) * block, block) for chunk in range(stride)],
+                     dim=dim).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +87,12 @@ class ParamSpec:
     # nxdtp.plan.parallelize): allreduce_sequence_parallel_gradients then leaves it alone, so calling it as well cannot
     # double the gradient. How the model is wired, not how the tensor is laid out: checkpoints do not record it.
     grad_allreduced_in_backward: bool = False
+    # The padding record (module docstring): the split dim is zero-padded to a multiple of pad_to_multiple_of *
+    # num_partitions; None where the spec records no such rule (then the dim is not padded that way, or the spec comes
+    # from a checkpoint written before the record existed). ``vocabulary``: the multiple is the model's
+    # make_vocab_size_divisible_by, which a reshard may replace.
+    pad_to_multiple_of: Optional[int] = None
+    vocabulary: bool = False
 
     @property
     def is_sharded(self) -> bool:
@@ -120,6 +169,142 @@ class ParamSpec:
             del piece
         return full
 
+    def piece_of_full(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s piece of the full (padded, copies kept) tensor; the whole tensor when replicated."""
+        if not self.is_sharded:
+            return full
+        return split_along(full, self.partition_dim, rank, self.num_partitions, self.stride)
+
+    def shard(self, dense: torch.Tensor, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s piece of the dense tensor: laid out (copies, zero padding) and cut as this spec says."""
+        self._check_dense(dense)
+        return self.piece_of_full(self.full_from_dense(dense), rank)
+
+    def unshard(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The dense tensor from every rank's piece in rank order (a replicated tensor: rank 0's), padding and copies
+        dropped."""
+        if self.is_sharded and len(pieces) != self.num_partitions:
+            raise ValueError(f"unshard: {len(pieces)} pieces given for a tensor split into {self.num_partitions}")
+        for rank, piece in enumerate(pieces):
+            if tuple(piece.shape) != self.local_shape():
+                raise ValueError(f"unshard: the piece of rank {rank} has shape {list(piece.shape)}, the spec's local "
+                                 f"shape is {list(self.local_shape())}")
+        full = self.full_from_pieces(lambda rank: pieces[rank], pieces[0].dtype)
+        return self.dense_from_full(full).contiguous()
+
+    def at_degree(self, num_partitions: int) -> "ParamSpec":
+        """This tensor's spec at TP degree ``num_partitions``: its copies and zero padding redone as a model built at
+        that degree lays them out (the padding record, zero heads, repeated KV heads). Raises where the layout at
+        another degree is not known: ``pad_model``'s per-rank zero rows, a padded dim without a padding record, or a
+        dim the degree does not divide."""
+        if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
+            raise ValueError(f"tensor parallel degree {num_partitions!r} must be an integer >= 1")
+        if not self.is_sharded:
+            return dataclasses.replace(self, num_partitions=num_partitions)
+        dim, stride = self.partition_dim, self.stride
+        real = self.unpadded_shape[dim]
+        full = list(self.full_shape)
+        if self.replica_block > 1:
+            # Heads (KV projections) are repeated until the new degree divides them, as the model will shard them.
+            heads = real // self.replica_block
+            replicas = kv_replicas(heads, num_partitions)
+            full[dim] = heads * replicas * self.replica_block
+            return dataclasses.replace(self, full_shape=tuple(full), num_partitions=num_partitions, replicas=replicas)
+        if self.pad_groups > 1 and self.pad_block == 1:
+            raise ValueError("a tensor with zero rows at the end of every rank's piece (nxdtp.pad.pad_model) depends "
+                             f"on the degree it was padded for ({self.num_partitions}); its layout at degree "
+                             f"{num_partitions} is not known: pad the model again at the new degree")
+        if self.pad_block > 1:
+            # Zero heads are added until the new degree divides the heads, as the model will pad them.
+            full[dim] = padded_rows(real, self.pad_block, self.pad_groups, num_partitions, stride)
+        elif self.pad_to_multiple_of is not None:
+            if stride != 1:
+                raise ValueError(f"a tensor padded to a multiple along dim {dim} has stride {stride}; padding a "
+                                 "strided tensor is not supported")
+            full[dim] = round_up(real, self.pad_to_multiple_of * num_partitions)
+        elif real != full[dim]:
+            raise ValueError(f"dim {dim} is padded from {real} to {full[dim]} without a padding record "
+                             "(pad_to_multiple_of); its size at another degree is not known")
+        if full[dim] % (num_partitions * stride) != 0:
+            raise ValueError(f"dimension {dim} of size {full[dim]} cannot be split into {num_partitions} partitions"
+                             + (f" with stride {stride}" if stride > 1 else ""))
+        return dataclasses.replace(self, full_shape=tuple(full), num_partitions=num_partitions)
+
+    def reshard(self, pieces: Sequence[torch.Tensor], num_partitions: int) -> Tuple["ParamSpec", List[torch.Tensor]]:
+        """The spec at degree ``num_partitions`` and its pieces from this spec's ``pieces``: unshard, then shard."""
+        new = self.at_degree(num_partitions)
+        dense = self.unshard(pieces)
+        full = new.full_from_dense(dense)
+        return new, [new.piece_of_full(full, rank) for rank in range(num_partitions if new.is_sharded else 1)]
+
+    def read_ranges(self, rank: int) -> List[Tuple[int, int, Optional[int]]]:
+        """What TP rank ``rank`` reads from the dense tensor to build its piece: ``(piece_start, length,
+        dense_start)`` runs along partition_dim, in piece order, covering every row of the piece once; rows
+        ``[piece_start, piece_start + length)`` of the piece are rows ``[dense_start, dense_start + length)`` of the
+        dense tensor, or zeros where ``dense_start`` is None (padding). A copy of a repeated block reads the dense
+        rows it copies. A replicated tensor is one run over its dim 0 (none for a 0-dim tensor)."""
+        if not self.is_sharded:
+            return [(0, self.unpadded_shape[0], 0)] if self.unpadded_shape else []
+        if not 0 <= rank < self.num_partitions:
+            raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
+        dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
+        block = self.full_shape[dim] // (parts * stride)
+        runs: List[Tuple[int, int, Optional[int]]] = []
+        for chunk in range(stride):
+            first = (chunk * parts + rank) * block
+            for start, length, dense_start in self._rows_of_full(first, first + block):
+                piece_start = chunk * block + start - first
+                last = runs[-1] if runs else None
+                if last is not None and last[0] + last[1] == piece_start and (
+                        (last[2] is None and dense_start is None)
+                        or (last[2] is not None and dense_start is not None and last[2] + last[1] == dense_start)):
+                    runs[-1] = (last[0], last[1] + length, last[2])
+                else:
+                    runs.append((piece_start, length, dense_start))
+        return runs
+
+    def read_piece(self, read_rows: Callable[[int, int], torch.Tensor], rank: int,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """TP rank ``rank``'s piece built from dense reads: ``read_rows(start, stop)`` gives rows ``[start, stop)``
+        of the dense tensor along partition_dim (dim 0 for a replicated tensor), and is called once per run of
+        ``read_ranges``; padding rows are zeros (of ``dtype``, or the reads' dtype)."""
+        parts: List[Optional[torch.Tensor]] = []
+        runs = self.read_ranges(rank)
+        for _, length, dense_start in runs:
+            parts.append(None if dense_start is None else read_rows(dense_start, dense_start + length))
+        dtype = dtype or next((p.dtype for p in parts if p is not None), torch.float32)
+        dim = self.partition_dim if self.is_sharded else 0
+        shape = list(self.local_shape())
+        for i, ((_, length, _), part) in enumerate(zip(runs, parts)):
+            if part is None:
+                shape[dim] = length
+                parts[i] = torch.zeros(shape, dtype=dtype)
+            else:
+                parts[i] = part.to(dtype)
+        return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+    def _check_dense(self, dense: torch.Tensor) -> None:
+        if tuple(dense.shape) != tuple(self.unpadded_shape):
+            raise ValueError(f"a dense tensor of shape {list(dense.shape)} given to a spec whose dense shape is "
+                             f"{list(self.unpadded_shape)}")
+
+    def _rows_of_full(self, start: int, stop: int):
+        """``(full_start, length, dense_start)`` runs for rows ``[start, stop)`` of the full tensor: every copy of a
+        repeated block at the dense rows it copies, padding rows with ``dense_start`` None."""
+        if self.replicas == 1:
+            yield from self._padding_runs(start, stop)
+            return
+        copy = self.replica_block * self.replicas
+        position = start
+        while position < stop:
+            head, offset = divmod(position, copy)
+            inside = offset % self.replica_block
+            end = min(stop, position + self.replica_block - inside)
+            collapsed = head * self.replica_block + inside
+            for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
+                yield position + run_start - collapsed, length, dense_start
+            position = end
+
     def _real_per_group(self) -> int:
         return self.unpadded_shape[self.partition_dim] // self.pad_groups
 
@@ -186,6 +371,12 @@ class ParamSpec:
         """``(full_start, length, dense_start)`` for the rows of ``[start, stop)`` of the full tensor that are dense
         rows: the first copy of each repeated block (with ``copies``: every later copy instead, at the dense rows of
         the block it copies), then its real (not padding) rows."""
+        if self.replicas == 1:  # no copies: one pass over the padding, not one step per row
+            if not copies:
+                for run_start, length, dense_start in self._padding_runs(start, stop):
+                    if dense_start is not None:
+                        yield run_start, length, dense_start
+            return
         copy = self.replica_block * self.replicas
         position = start
         while position < stop:
@@ -219,6 +410,10 @@ class ParamSpec:
         for name in ("replicas", "replica_block", "pad_block", "pad_groups"):
             if d[name] == 1:
                 del d[name]
+        if d["pad_to_multiple_of"] is None:
+            del d["pad_to_multiple_of"]
+        if not d["vocabulary"]:
+            del d["vocabulary"]
         return d
 
     @classmethod
@@ -227,7 +422,8 @@ class ParamSpec:
                    num_partitions=d["num_partitions"], real_shape=tuple(d["real_shape"]),
                    sequence_parallel=d["sequence_parallel"], replicas=d.get("replicas", 1),
                    replica_block=d.get("replica_block", 1), pad_block=d.get("pad_block", 1),
-                   pad_groups=d.get("pad_groups", 1))
+                   pad_groups=d.get("pad_groups", 1), pad_to_multiple_of=d.get("pad_to_multiple_of"),
+                   vocabulary=bool(d.get("vocabulary", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,12 +631,18 @@ def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:
     param.grad_allreduced_in_backward = spec.grad_allreduced_in_backward
 
 
+def _saved_layout(spec: ParamSpec):
+    """What a state dict's spec must share with the module's to load: a replicated tensor is the same at every TP
+    degree; only a sharded one depends on the partition count."""
+    return spec.partition_dim, spec.full_shape, spec.stride, spec.num_partitions if spec.is_sharded else None
+
+
 class ShardedModule(nn.Module):
     """Mixin for modules whose parameters carry a ParamSpec.
 
-    The specs travel with ``state_dict()`` as the module's extra state (key ``<prefix>_extra_state``), so a checkpoint saved
-    from a plain state dict still records how every tensor was split; loading a state dict made at another TP degree fails
-    with a message naming both, instead of copying mismatched slices.
+    The specs travel with ``state_dict()`` as the module's extra state (key ``<prefix>_extra_state``), so a checkpoint
+    saved from a plain state dict still records how every tensor was split; loading a state dict made at another TP
+    degree fails with a message naming both, instead of copying mismatched slices.
     """
 
     def register_param_spec(self, name: str, spec: ParamSpec) -> None:
@@ -493,14 +695,13 @@ class ShardedModule(nn.Module):
             theirs = ParamSpec.from_dict(theirs)
             mine = ours.get(name)
             if mine is None:
-                raise ValueError(f"{type(self).__name__}: the state dict has a spec for '{name}', which this module lacks")
-            # A replicated tensor is the same at every TP degree; only a sharded one depends on the partition count.
-            layout = lambda spec: (spec.partition_dim, spec.full_shape, spec.stride,
-                                   spec.num_partitions if spec.is_sharded else None)
-            if layout(mine) != layout(theirs):
+                raise ValueError(f"{type(self).__name__}: the state dict has a spec for '{name}', which this module "
+                                 "lacks")
+            if _saved_layout(mine) != _saved_layout(theirs):
                 raise ValueError(
-                    f"{type(self).__name__}.{name}: the state dict was saved with partition_dim={theirs.partition_dim}, "
-                    f"{theirs.num_partitions} partitions, stride {theirs.stride}, full shape {list(theirs.full_shape)}, "
+                    f"{type(self).__name__}.{name}: the state dict was saved with "
+                    f"partition_dim={theirs.partition_dim}, {theirs.num_partitions} partitions, "
+                    f"stride {theirs.stride}, full shape {list(theirs.full_shape)}, "
                     f"but this module has partition_dim={mine.partition_dim}, {mine.num_partitions} partitions, stride "
                     f"{mine.stride}, full shape {list(mine.full_shape)}. Reshard the checkpoint to tensor parallel "
                     f"size {mine.num_partitions} first."
