@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 from . import mappings
 from .parallel_state import tensor_parallel_group
 from .sharded_init import InitMethod, linear_bias_init, materialise_shard, reject_unsupported
+from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 
 IntOr2 = Union[int, Tuple[int, int]]
@@ -154,7 +155,7 @@ class BaseParallelConv(ShardedModule):
         tp = group.size
         split_name = "out_channels" if partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION else "in_channels"
         real = out_channels if partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION else in_channels
-        padded = -(-real // tp) * tp
+        padded = round_up(real, tp)
         if padded != real and not partition_pad:
             raise ValueError(f"{layer}: {split_name}={real} is not divisible by tensor_model_parallel_size={tp}; pass "
                              f"partition_pad=True to pad it to {padded}")
@@ -184,7 +185,10 @@ class BaseParallelConv(ShardedModule):
         self.weight = nn.Parameter(weight)
         if keep_master_params:
             self.master_weight = master
-        spec = dict(num_partitions=tp, real_shape=real_shape if self.partition_pad_size else None)
+        # partition_pad's rule (a multiple of the degree) is recorded, so a reshard pads the channels for another
+        # degree as this layer would be built there, whatever other tensors of the model are padded to.
+        padding_record = dict(pad_to_multiple_of=1) if partition_pad else {}
+        spec = dict(num_partitions=tp, real_shape=real_shape if self.partition_pad_size else None, **padding_record)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=partition_dim, **spec))
 
         if bias:
@@ -208,7 +212,7 @@ class BaseParallelConv(ShardedModule):
             if sharded:
                 self.register_param_spec("bias", ParamSpec(
                     full_shape=(self.out_channels,), partition_dim=0, num_partitions=tp,
-                    real_shape=(out_channels,) if self.partition_pad_size else None))
+                    real_shape=(out_channels,) if self.partition_pad_size else None, **padding_record))
             else:
                 self.register_param_spec("bias", ParamSpec(full_shape=(out_channels,), num_partitions=tp))
         else:

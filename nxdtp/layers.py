@@ -25,8 +25,9 @@ from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, 
                            materialise_shard, reinitialise_local, reject_unsupported, shard_of, split_size)
 from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
                    OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
+from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
-from .utils import cast_if_autocast_enabled, get_padding_length, initialize_fallback_parallel_state
+from .utils import cast_if_autocast_enabled, initialize_fallback_parallel_state
 
 
 def _check_rank_ordering(layer: str, rank_ordering: Optional[Sequence[int]], tp: int) -> None:
@@ -169,9 +170,10 @@ class BaseParallelLinear(BaseParallelLayer):
 
 def _padded_linear_weight(layer: BaseParallelLinear, input_size: int, output_size: int, dim: int, padded: int,
                           stride: int, dtype, device, init_method: Optional[InitMethod], keep_master_weight: bool,
-                          group: ParallelGroup) -> None:
-    """``layer.weight`` as this rank's slice of the dense weight padded with zeros along ``dim`` to ``padded``."""
-    if padded == (output_size, input_size)[dim]:
+                          group: ParallelGroup, pad_multiple: Optional[int] = None) -> None:
+    """``layer.weight`` as this rank's slice of the dense weight padded with zeros along ``dim`` to ``padded``, the
+    rule ``round_up(size, pad_multiple * tp)`` when ``pad_multiple`` is given (recorded in the spec)."""
+    if padded == (output_size, input_size)[dim] and pad_multiple is None:
         init_linear_weight(layer, input_size, output_size, dim, stride, dtype, device, init_method, keep_master_weight,
                            group)
         return
@@ -189,7 +191,8 @@ def _padded_linear_weight(layer: BaseParallelLinear, input_size: int, output_siz
     if keep_master_weight:
         layer.master_weight = master
     layer.register_param_spec("weight", ParamSpec(full_shape=tuple(full_shape), partition_dim=dim, stride=stride,
-                                                  num_partitions=group.size, real_shape=real))
+                                                  num_partitions=group.size, real_shape=real,
+                                                  pad_to_multiple_of=pad_multiple))
 
 
 def _check_pad_arguments(layer: str, pad: bool, stride: int, pad_alignment_size_per_rank: int = 1) -> None:
@@ -234,7 +237,8 @@ class ColumnParallelLinear(BaseParallelLinear):
         self.input_size, self.output_size = input_size, output_size
         self.arg_init_method = init_method  # NxD's name; init_weight_cpu() draws with it
         self.pad, self.keep_padded_output = pad, keep_padded_output
-        self.pad_size = get_padding_length(output_size, pad_alignment_size_per_rank * tp) if pad else 0
+        self.pad_size = round_up(output_size, pad_alignment_size_per_rank * tp) - output_size if pad else 0
+        pad_multiple = pad_alignment_size_per_rank if pad else None
         padded = output_size + self.pad_size
         self.output_size_per_partition = split_size("ColumnParallelLinear", "output_size", padded, tp, stride)
         self.gather_output, self.skip_bias_add, self.stride = gather_output, skip_bias_add, stride
@@ -246,7 +250,7 @@ class ColumnParallelLinear(BaseParallelLinear):
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
         _padded_linear_weight(self, input_size, output_size, 0, padded, stride, dtype, device, init_method,
-                              keep_master_weight, group)
+                              keep_master_weight, group, pad_multiple)
         if bias:
             def init_bias(full: torch.Tensor) -> None:
                 linear_bias_init(full[:output_size], input_size)
@@ -256,7 +260,8 @@ class ColumnParallelLinear(BaseParallelLinear):
                                      group=group)
             self.bias = nn.Parameter(b)
             self.register_param_spec("bias", ParamSpec(full_shape=(padded,), partition_dim=0, stride=stride,
-                                                       num_partitions=tp, real_shape=(output_size,)))
+                                                       num_partitions=tp, real_shape=(output_size,),
+                                                       pad_to_multiple_of=pad_multiple))
         else:
             self.register_parameter("bias", None)
 
@@ -345,7 +350,7 @@ class RowParallelLinear(BaseParallelLinear):
         self.input_size, self.output_size = input_size, output_size
         self.pad = pad
         self.arg_init_method = init_method  # NxD's name; init_weight_cpu() draws with it
-        self.pad_size = get_padding_length(input_size, tp) if pad else 0
+        self.pad_size = round_up(input_size, tp) - input_size if pad else 0
         padded = input_size + self.pad_size
         self.input_size_per_partition = split_size("RowParallelLinear", "input_size", padded, tp, stride)
         self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
@@ -355,7 +360,7 @@ class RowParallelLinear(BaseParallelLinear):
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
 
         _padded_linear_weight(self, input_size, output_size, 1, padded, stride, dtype, device, init_method,
-                              keep_master_weight, group)
+                              keep_master_weight, group, 1 if pad else None)
         if bias:
             b, _ = materialise_shard((output_size,), dtype, device, lambda t: linear_bias_init(t, input_size),
                                      dim=None, stride=1, keep_master=False, group=group)
@@ -502,9 +507,10 @@ class ParallelEmbedding(BaseParallelLayer):
             if embedding_dim % tp != 0 and not pad:
                 raise ValueError(f"ParallelEmbedding: embedding_dim={embedding_dim} is not divisible by "
                                  f"tensor_model_parallel_size={tp}; pass pad=True to pad it to "
-                                 f"{embedding_dim + get_padding_length(embedding_dim, tp)}")
-            self.padded_embedding_dim = embedding_dim + get_padding_length(embedding_dim, tp)
+                                 f"{round_up(embedding_dim, tp)}")
+            self.padded_embedding_dim = round_up(embedding_dim, tp)
             dim = 1
+            padding_record = dict(pad_to_multiple_of=1) if pad else {}
         else:
             # Megatron's make_vocab_size_divisible_by: each rank's block is a multiple of pad_to_multiple_of.
             multiple = tp * pad_to_multiple_of
@@ -514,9 +520,11 @@ class ParallelEmbedding(BaseParallelLayer):
                         f"ParallelEmbedding: num_embeddings={num_embeddings} is not divisible by "
                         f"tensor_model_parallel_size={tp}" + (f" * pad_to_multiple_of={pad_to_multiple_of}"
                                                               if pad_to_multiple_of > 1 else "")
-                        + f"; pass pad=True to pad the vocabulary to {-(-num_embeddings // multiple) * multiple}")
-                self.padded_num_embeddings = -(-num_embeddings // multiple) * multiple
+                        + f"; pass pad=True to pad the vocabulary to {round_up(num_embeddings, multiple)}")
+                self.padded_num_embeddings = round_up(num_embeddings, multiple)
             dim = 0
+            # The vocabulary's rule, so a reshard pads it for another degree as this layer would be built there.
+            padding_record = dict(pad_to_multiple_of=pad_to_multiple_of, vocabulary=True) if pad else {}
         self.pad_size = (self.padded_embedding_dim - embedding_dim if shard_across_embedding
                          else self.padded_num_embeddings - num_embeddings)
         rows_per_rank = self.padded_num_embeddings // tp
@@ -538,7 +546,7 @@ class ParallelEmbedding(BaseParallelLayer):
         weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False, group=group)
         self.weight = nn.Parameter(weight)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
-                                                     real_shape=(num_embeddings, embedding_dim)))
+                                                     real_shape=(num_embeddings, embedding_dim), **padding_record))
 
     def init_weight_cpu(self) -> None:
         """NxD's re-initialisation of the weight: the dense table drawn again on CPU with the layer's ``init_method``

@@ -22,14 +22,16 @@ import torch
 from torch import nn
 
 from . import comm, mappings
-from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear, shard_of
+from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
 from .parallel_state import tensor_parallel_group
+from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .utils import retie_parameters, tied_parameter_names
 
 
 def padded_size(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
+    """``size`` rounded up to a multiple of ``multiple`` (kept under this name for callers of nxdtp.plan)."""
+    return round_up(size, multiple)
 
 
 # ---- styles --------------------------------------------------------------------------------------------------------------
@@ -52,7 +54,7 @@ class ColumnParallel:
             dtype=module.weight.dtype, device="meta", stride=self.stride,
             sequence_parallel_enabled=self.sequence_parallel, sequence_dimension=self.sequence_dimension,
             input_in_tensor_parallel_region=self.input_in_tensor_parallel_region)
-        _load_shards(layer, module, {"weight": (0, self.stride), "bias": (0, self.stride)})
+        _load_shards(layer, module)
         return layer
 
 
@@ -71,7 +73,7 @@ class RowParallel:
             module.in_features, module.out_features, bias=module.bias is not None,
             input_is_parallel=self.input_is_parallel, dtype=module.weight.dtype, device="meta",
             sequence_parallel_enabled=self.sequence_parallel, sequence_dimension=self.sequence_dimension)
-        _load_shards(layer, module, {"weight": (1, 1), "bias": (None, 1)})
+        _load_shards(layer, module)
         return layer
 
 
@@ -89,12 +91,10 @@ class VocabParallelEmbedding:
 
     def convert(self, module: nn.Module, name: str) -> nn.Module:
         _expect(module, nn.Embedding, self, name)
-        group = tensor_parallel_group()
         layer = ParallelEmbedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
                                   dtype=module.weight.dtype, device="meta", pad=True,
                                   pad_to_multiple_of=self.pad_to_multiple_of)
-        weight = _pad_rows(module.weight.detach(), layer.padded_num_embeddings)
-        _replace_param(layer, "weight", shard_of(weight, 0, group.rank, group.size), module.weight)
+        _load_shards(layer, module)
         return layer
 
 
@@ -116,12 +116,8 @@ class VocabParallelLMHead:
         padded = padded_size(module.out_features, self.pad_to_multiple_of * tp)
         layer = ColumnParallelLinear(module.in_features, padded, bias=module.bias is not None, gather_output=False,
                                      dtype=module.weight.dtype, device="meta")
-        rank = tensor_parallel_group().rank
-        _replace_param(layer, "weight", shard_of(_pad_rows(module.weight.detach(), padded), 0, rank, tp),
-                       module.weight)
-        if module.bias is not None:
-            _replace_param(layer, "bias", shard_of(_pad_rows(module.bias.detach(), padded), 0, rank, tp), module.bias)
-        _record_real_rows(layer, module.out_features)
+        _record_real_rows(layer, module.out_features, self.pad_to_multiple_of)
+        _load_shards(layer, module)
         return layer
 
 
@@ -646,28 +642,23 @@ def _replace_param(layer: nn.Module, name: str, value: torch.Tensor, like: torch
         layer.reattach_spec_attributes()
 
 
-def _load_shards(layer: nn.Module, dense: nn.Module, dims: Dict[str, Tuple[Optional[int], int]]) -> None:
-    group = tensor_parallel_group()
-    for name, (dim, stride) in dims.items():
+def _load_shards(layer: ShardedModule, dense: nn.Module) -> None:
+    """Give every parameter of ``layer`` this rank's piece of ``dense``'s parameter of the same name, as the layer's
+    spec lays it out (padding, stride)."""
+    rank = tensor_parallel_group().rank
+    for name, spec in layer.param_specs().items():
         source = getattr(dense, name, None)
-        if source is None:
-            continue
-        value = source.detach() if dim is None else shard_of(source.detach(), dim, group.rank, group.size, stride)
-        _replace_param(layer, name, value, source)
+        if source is not None:
+            _replace_param(layer, name, spec.shard(source.detach(), rank), source)
 
 
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    if tensor.shape[0] == rows:
-        return tensor
-    padding = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    return torch.cat([tensor, padding])
-
-
-def _record_real_rows(layer: ColumnParallelLinear, real_rows: int) -> None:
-    """Record the unpadded vocabulary in the LM head's specs, so merged checkpoints strip the padding."""
+def _record_real_rows(layer: ColumnParallelLinear, real_rows: int, pad_to_multiple_of: int) -> None:
+    """Record the unpadded vocabulary and its padding rule in the LM head's specs, so merged checkpoints strip the
+    padding and resharded ones pad it as the head is built at the new degree."""
     layer.real_output_size = real_rows
     for name, spec in layer.param_specs().items():
-        layer.register_param_spec(name, dataclasses.replace(spec, real_shape=(real_rows,) + tuple(spec.full_shape[1:])))
+        layer.register_param_spec(name, dataclasses.replace(spec, real_shape=(real_rows,) + tuple(spec.full_shape[1:]),
+                                                            pad_to_multiple_of=pad_to_multiple_of, vocabulary=True))
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

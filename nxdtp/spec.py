@@ -212,8 +212,9 @@ class ParamSpec:
             return dataclasses.replace(self, full_shape=tuple(full), num_partitions=num_partitions, replicas=replicas)
         if self.pad_groups > 1 and self.pad_block == 1:
             raise ValueError("a tensor with zero rows at the end of every rank's piece (nxdtp.pad.pad_model) depends "
-                             f"on the degree it was padded for ({self.num_partitions}); its layout at degree "
-                             f"{num_partitions} is not known: pad the model again at the new degree")
+                             f"on the degree it was padded for ({self.num_partitions}), so resharding it to degree "
+                             f"{num_partitions} is not supported: merge the checkpoint, and pad the model again at "
+                             "the new degree")
         if self.pad_block > 1:
             # Zero heads are added until the new degree divides the heads, as the model will pad them.
             full[dim] = padded_rows(real, self.pad_block, self.pad_groups, num_partitions, stride)

@@ -17,6 +17,7 @@ from . import comm
 from .parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_parallel_size,
                              initialize_model_parallel, initialize_single_process_world,
                              model_parallel_is_initialized)
+from .rounding import round_up
 from .spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
@@ -65,7 +66,7 @@ def get_padding_length(numerator: int, denominator: int) -> int:
     """How much to add to ``numerator`` to make ``denominator`` divide it."""
     if denominator <= 0:
         raise ValueError(f"get_padding_length: denominator={denominator} must be > 0")
-    return -numerator % denominator
+    return round_up(numerator, denominator) - numerator
 
 
 def split_tensor_along_dim(tensor: torch.Tensor, dim: int, num_partitions: int,

@@ -19,16 +19,20 @@ Memory: tensors are reassembled and written one at a time (``dense.DenseWeightsW
 full tensor (plus one rank's piece), not the model. ``output_format="pytorch_bin"`` is the exception: ``torch.save``
 needs the whole state dict, so it holds the full dense model in memory.
 
-Vocabulary padding when resharding (``pad_to_multiple_of``): a tensor padded along its partition dim (real shape smaller
-than the full shape in the index), or whose partition dim equals ``vocab_size`` in the tag's ``config.json``, is a
-vocab-parallel tensor. At the new degree it is padded to ``nxdtp.plan.padded_size(real, pad_to_multiple_of * new_tp)``,
-the rule ``ParallelEmbedding`` / ``VocabParallelLMHead`` (``parallelize_bert(make_vocab_size_divisible_by=...)``) use,
-so the model built at the new degree with the same ``make_vocab_size_divisible_by`` has exactly these shapes.
-``pad_to_multiple_of`` is, in order: the argument; the value recorded in the source tag's ``reshard.json`` (written by
-an earlier reshard); the smallest multiple m that reproduces the source's padding (m = 1 whenever the source's padding
-is just "a multiple of tp"). The padding cannot tell every m apart (53 padded to 64 at tp=2 fits m = 16 and m = 32), so
-pass the model's ``make_vocab_size_divisible_by`` when it was not 1. The value used is recorded in the new tag's
-``reshard.json``, which later reshards read.
+Padding when resharding: every tensor is padded for the new degree by its own recorded rule (the layout algebra,
+``nxdtp.spec.ParamSpec.at_degree``): a vocabulary to ``round_up(real, pad_to_multiple_of * new_tp)``, the rule
+``ParallelEmbedding`` / ``VocabParallelLMHead`` (``parallelize_bert(make_vocab_size_divisible_by=...)``) use, a
+partition-padded convolution or linear layer to its layer's multiple, zero heads and repeated KV heads as the plan lays
+them out; so the model built at the new degree with the same arguments has exactly these shapes, whatever else the
+model pads. The ``pad_to_multiple_of`` argument replaces the vocabulary multiple (pass the model's new
+``make_vocab_size_divisible_by`` when it changes). Checkpoints written before specs recorded the rule are read as
+before: a tensor padded along its partition dim (real shape smaller than the full shape in the index), or whose
+partition dim equals ``vocab_size`` in the tag's ``config.json``, is a vocab-parallel tensor, padded with one
+checkpoint-wide multiple: the argument; the value recorded in the source tag's ``reshard.json`` (written by an earlier
+reshard); the smallest multiple m that reproduces the source's padding (m = 1 whenever the source's padding is just "a
+multiple of tp"). The padding cannot tell every m apart (53 padded to 64 at tp=2 fits m = 16 and m = 32), so pass the
+model's ``make_vocab_size_divisible_by`` for such checkpoints when it was not 1. The value used is recorded in the new
+tag's ``reshard.json``, and each tensor's rule in its spec, which later reshards read.
 """
 
 from __future__ import annotations
@@ -44,9 +48,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import __version__
-from ..heads import kv_replicas, padded_rows
-from ..layers import shard_of
-from ..plan import padded_size
+from ..rounding import round_up
 from ..spec import FlatShardLayout, ParamSpec
 from . import integrity, tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
@@ -181,7 +183,8 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     notes: List[str] = []
     multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
     vocab_size = _config_vocab_size(config_path)
-    new_entries = {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size),
+    new_entries = {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size,
+                                                                  pad_to_multiple_of),
                                     aliases=list(e.aliases))
                    for key, e in index.tensors.items()}
 
@@ -378,7 +381,7 @@ def _pieces(full: torch.Tensor, spec: ParamSpec, new_tp: int):
     """Each new rank's piece of ``full`` (None where the rank's file holds no copy of a replicated tensor)."""
     for rank in range(new_tp):
         if spec.is_sharded:
-            yield rank, shard_of(full, spec.partition_dim, rank, new_tp, spec.stride)
+            yield rank, spec.piece_of_full(full, rank)
         elif rank == 0:
             yield rank, full.contiguous()
 
@@ -398,16 +401,18 @@ def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int])
         except (ValueError, AttributeError):
             pass
     tp = index.tensor_model_parallel_size
+    # Only tensors without a padding record of their own (checkpoints written before specs recorded it) are read.
     padded = {(e.spec.unpadded_shape[e.spec.partition_dim], e.spec.full_shape[e.spec.partition_dim])
               for e in index.tensors.values() if e.spec.is_sharded and e.spec.replicas == 1 and e.spec.pad_block == 1
+              and e.spec.pad_to_multiple_of is None
               and e.spec.unpadded_shape[e.spec.partition_dim] != e.spec.full_shape[e.spec.partition_dim]}
     if not padded:
         return 1, "default (the source checkpoint has no padding)"
     per_rank_max = max(full for _, full in padded) // tp
     for m in range(1, per_rank_max + 1):
-        if all(padded_size(real, m * tp) == full for real, full in padded):
+        if all(round_up(real, m * tp) == full for real, full in padded):
             return m, "inferred from the source checkpoint's padding"
-    raise ValueError(f"{tag_dir}: the vocabulary padding {sorted(padded)} (real, padded) is not padded_size(real, m * "
+    raise ValueError(f"{tag_dir}: the vocabulary padding {sorted(padded)} (real, padded) is not round_up(real, m * "
                      f"{tp}) for any m; pass pad_to_multiple_of (--pad-to-multiple-of) explicitly")
 
 
@@ -435,36 +440,38 @@ def _config_vocab_size(config_path: Optional[str]) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size: Optional[int]) -> ParamSpec:
-    if not spec.is_sharded:
-        return dataclasses.replace(spec, num_partitions=new_tp)
-    dim, stride = spec.partition_dim, spec.stride
+def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size: Optional[int],
+              explicit_multiple: Optional[int]) -> ParamSpec:
+    """The tensor's spec at ``new_tp``: its own padding record (the layout algebra's ``at_degree``), with an
+    explicit ``pad_to_multiple_of`` replacing a vocabulary's multiple; a tensor without a record gets one as before."""
+    spec = _with_padding_record(key, spec, multiple, vocab_size, explicit_multiple)
+    try:
+        return spec.at_degree(new_tp)
+    except ValueError as e:
+        raise ValueError(f"'{key}': {e}") from None
+
+
+def _with_padding_record(key: str, spec: ParamSpec, multiple: int, vocab_size: Optional[int],
+                         explicit_multiple: Optional[int]) -> ParamSpec:
+    """``spec`` with the padding rule its reshard follows. A recorded vocabulary multiple gives way to an explicit one
+    (the user builds the model at the new degree with it); other recorded rules (partition padding) are the layers'
+    own and stay. A spec without a record (a checkpoint written before the record) is a vocabulary when it is padded
+    along its partition dim, or that dim is the config's ``vocab_size``, and then pads with the checkpoint's
+    ``multiple`` (argument, reshard.json, or inferred: module docstring), as before."""
+    if not spec.is_sharded or spec.replica_block > 1 or spec.pad_block > 1 or spec.pad_groups > 1:
+        return spec  # not padded to a multiple: repeated or zero heads are laid out by their own fields
+    if spec.pad_to_multiple_of is not None:
+        if spec.vocabulary and explicit_multiple is not None:
+            return dataclasses.replace(spec, pad_to_multiple_of=explicit_multiple)
+        return spec
+    dim = spec.partition_dim
     real = spec.unpadded_shape[dim]
-    full = list(spec.full_shape)
-    if spec.replica_block > 1:
-        # Heads (KV projections) are repeated until the new degree divides them, as the model will shard them.
-        heads = real // spec.replica_block
-        replicas = kv_replicas(heads, new_tp)
-        full[dim] = heads * replicas * spec.replica_block
-        return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp, replicas=replicas)
-    if spec.pad_groups > 1 and spec.pad_block == 1:
-        raise ValueError(f"'{key}' has zero rows at the end of every rank's shard (nxdtp.pad.pad_model), which depend on "
-                         "the TP degree it was padded for; resharding it is not supported: merge the checkpoint, and "
-                         "pad the model again at the new degree")
-    if spec.pad_block > 1:
-        # Zero heads are added until the new degree divides the heads, as the model will pad them.
-        full[dim] = padded_rows(real, spec.pad_block, spec.pad_groups, new_tp, spec.stride)
-        return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp)
-    vocab_parallel = real != full[dim] or (vocab_size is not None and real == vocab_size and stride == 1)
-    if vocab_parallel:
-        if stride != 1:
-            raise ValueError(f"'{key}' is padded along its partition dim {dim} but has stride {stride}; padding a "
-                             "strided tensor is not supported")
-        full[dim] = padded_size(real, multiple * new_tp)
-    elif full[dim] % (new_tp * stride) != 0:
-        raise ValueError(f"'{key}': dimension {dim} of size {full[dim]} cannot be split into {new_tp} partitions"
-                         + (f" with stride {stride}" if stride > 1 else ""))
-    return dataclasses.replace(spec, full_shape=tuple(full), num_partitions=new_tp)
+    if real != spec.full_shape[dim] or (vocab_size is not None and real == vocab_size and spec.stride == 1):
+        if spec.stride != 1:
+            raise ValueError(f"'{key}' is padded along its partition dim {dim} but has stride {spec.stride}; padding "
+                             "a strided tensor is not supported")
+        return dataclasses.replace(spec, pad_to_multiple_of=multiple, vocabulary=True)
+    return spec
 
 
 def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
@@ -571,8 +578,7 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
                                                      _safetensors_dtype(rank0, tensor_key))
                     full = _repad(full, old_spec, new_spec)
                     for rank in range(new_tp):
-                        writers[rank].write(tensor_key, shard_of(full, new_spec.partition_dim, rank, new_tp,
-                                                                 new_spec.stride))
+                        writers[rank].write(tensor_key, new_spec.piece_of_full(full, rank))
                 else:
                     value = rank0.get_tensor(tensor_key)
                     for rank in range(new_tp):
@@ -664,8 +670,7 @@ def _reshard_zero1_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entri
 
                 if old_spec.is_sharded:
                     full = _repad(old_spec.full_from_pieces(local, dtype), old_spec, new_spec)
-                    pieces = {rank: shard_of(full, new_spec.partition_dim, rank, new_tp, new_spec.stride)
-                              for rank in range(new_tp)}
+                    pieces = {rank: new_spec.piece_of_full(full, rank) for rank in range(new_tp)}
                 else:
                     whole = local(0)
                     pieces = {rank: whole for rank in range(new_tp)}
