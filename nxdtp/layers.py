@@ -26,7 +26,7 @@ from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, 
 from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
                    OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
 from .rounding import round_up
-from .spec import ParamSpec, ShardedModule
+from .spec import ParamSpec, ShardedModule, from_rank_order, to_rank_order
 from .utils import cast_if_autocast_enabled, initialize_fallback_parallel_state
 
 
@@ -285,7 +285,7 @@ class ColumnParallelLinear(BaseParallelLinear):
     def _gather(self, sharded_last_dim: torch.Tensor) -> torch.Tensor:
         group = self._group()
         gathered = mappings.gather_from_tensor_model_parallel_region(sharded_last_dim, group)
-        gathered = _unstride_last_dim(gathered, self.stride, group.size)
+        gathered = from_rank_order(gathered, -1, group.size, self.stride)
         if self.pad_size and not self.keep_padded_output:
             gathered = gathered.narrow(-1, 0, self.output_size)
         return gathered
@@ -295,24 +295,6 @@ class ColumnParallelLinear(BaseParallelLinear):
                 f"{self.output_size_per_partition}, bias={self.bias is not None}, gather_output={self.gather_output}, "
                 f"stride={self.stride}, sequence_parallel={self.sequence_parallel_enabled}"
                 + (f", pad_size={self.pad_size}" if self.pad_size else ""))
-
-
-def _unstride_last_dim(gathered: torch.Tensor, stride: int, tp: int) -> torch.Tensor:
-    """Put an all-gathered strided output back in dense order: [r0: s0 s1 .., r1: s0 s1 ..] -> [s0: r0 r1 .., s1: ..]."""
-    if stride == 1 or tp == 1:
-        return gathered
-    lead, last = gathered.shape[:-1], gathered.shape[-1]
-    blocks = gathered.reshape(*lead, tp, stride, last // (tp * stride))
-    return blocks.transpose(-3, -2).reshape(*lead, last)
-
-
-def _stride_last_dim(full: torch.Tensor, stride: int, tp: int) -> torch.Tensor:
-    """Inverse of ``_unstride_last_dim``: dense order [s0: r0 r1 .., s1: ..] -> [r0: s0 s1 .., r1: s0 s1 ..]."""
-    if stride == 1 or tp == 1:
-        return full
-    lead, last = full.shape[:-1], full.shape[-1]
-    blocks = full.reshape(*lead, stride, tp, last // (tp * stride))
-    return blocks.transpose(-3, -2).reshape(*lead, last)
 
 
 class RowParallelLinear(BaseParallelLinear):
@@ -383,7 +365,8 @@ class RowParallelLinear(BaseParallelLinear):
             input_ = F.pad(input_, (0, self.pad_size))
         # With stride > 1 the weight holds the rank's slice of each of the `stride` blocks of the input dimension
         # (shard_of); reorder the full input so that a contiguous split hands every rank the matching columns.
-        return mappings.scatter_to_tensor_model_parallel_region(_stride_last_dim(input_, self.stride, group.size), group)
+        return mappings.scatter_to_tensor_model_parallel_region(to_rank_order(input_, -1, group.size, self.stride),
+                                                                group)
 
     def forward(self, input_: torch.Tensor):
         self._check_pad_false_for_training()

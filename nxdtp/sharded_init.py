@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .parallel_state import ParallelGroup, tensor_parallel_group
-from .spec import ParamSpec, ShardedModule
+from .spec import ParamSpec, ShardedModule, split_along
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -45,15 +45,10 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, num_partitions: int, strid
     """Rank ``rank``'s part of ``full`` split along ``dim``.
 
     With ``stride`` s > 1 (fused weights such as QKV), the dimension is first cut into s blocks and the rank takes its
-    1/num_partitions slice of each block, so every rank holds matching pieces of Q, K and V.
+    1/num_partitions slice of each block, so every rank holds matching pieces of Q, K and V. This is the layout
+    algebra's cut (``nxdtp.spec.split_along``) under the name layers and NxD-style callers know.
     """
-    size = full.shape[dim]
-    if size % (num_partitions * stride) != 0:
-        raise ValueError(f"dimension {dim} of size {size} cannot be split into {num_partitions} partitions with "
-                         f"stride {stride}")
-    piece = size // (num_partitions * stride)
-    pieces = full.split(piece, dim=dim)
-    return torch.cat(pieces[rank::num_partitions], dim=dim).contiguous()
+    return split_along(full, dim, rank, num_partitions, stride)
 
 
 def materialise_shard(shape: Tuple[int, ...], dtype, device, init: Callable[[torch.Tensor], object], dim: Optional[int],
@@ -126,8 +121,7 @@ def reinitialise_local(param: torch.Tensor, spec: ParamSpec, init: InitMethod, g
         for row in zero_rows:
             dense[row].zero_()
         full = spec.full_from_dense(dense)
-        local = full if spec.partition_dim is None else shard_of(full, spec.partition_dim, group.rank, group.size,
-                                                                  spec.stride)
+        local = spec.piece_of_full(full, group.rank)
         if tuple(local.shape) != tuple(param.shape):
             raise ValueError(f"re-initialising a parameter of shape {tuple(param.shape)}: its spec gives this rank a "
                              f"part of shape {tuple(local.shape)}")

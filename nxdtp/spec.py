@@ -66,6 +66,31 @@ def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, st
                      dim=dim).contiguous()
 
 
+def to_rank_order(full: torch.Tensor, dim: int, num_partitions: int, stride: int) -> torch.Tensor:
+    """``full`` with ``dim`` reordered so that the rank pieces (``split_along``) follow each other in rank order: what
+    a scatter of contiguous blocks along ``dim`` hands out as pieces. A reshape and a transpose, the same graph for
+    every rank (traced code uses it on activations)."""
+    if stride == 1 or num_partitions == 1:
+        return full
+    dim = dim % full.dim()
+    shape = tuple(full.shape)
+    blocks = full.reshape(shape[:dim] + (stride, num_partitions, shape[dim] // (stride * num_partitions)) +
+                          shape[dim + 1:])
+    return blocks.transpose(dim, dim + 1).reshape(shape)
+
+
+def from_rank_order(gathered: torch.Tensor, dim: int, num_partitions: int, stride: int) -> torch.Tensor:
+    """The inverse of ``to_rank_order``: the rank pieces concatenated in rank order along ``dim`` (an all-gather of
+    them) back in the full tensor's order."""
+    if stride == 1 or num_partitions == 1:
+        return gathered
+    dim = dim % gathered.dim()
+    shape = tuple(gathered.shape)
+    blocks = gathered.reshape(shape[:dim] + (num_partitions, stride, shape[dim] // (stride * num_partitions)) +
+                              shape[dim + 1:])
+    return blocks.transpose(dim, dim + 1).reshape(shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     full_shape: Tuple[int, ...]

@@ -168,3 +168,16 @@ def test_layouts_that_no_other_degree_has_are_refused_with_the_values():
         per_rank.at_degree(4)
     with pytest.raises(ValueError, match="piece of rank 1 has shape"):
         unrecorded.unshard([torch.zeros(4, 4), torch.zeros(3, 4)])
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2))
+def test_rank_order_is_the_pieces_in_rank_order_and_back(tp, stride, block, dim):
+    from nxdtp.spec import from_rank_order, split_along, to_rank_order
+
+    shape = [2, 3, 2]
+    shape[dim] = tp * stride * block
+    full = torch.randn(shape, dtype=torch.float64)
+    pieces = torch.cat([split_along(full, dim, rank, tp, stride) for rank in range(tp)], dim)
+    assert torch.equal(to_rank_order(full, dim, tp, stride), pieces)
+    assert torch.equal(from_rank_order(pieces, dim, tp, stride), full)

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..layers import shard_of
 from ..parallel_state import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
 from .dcp_export import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY
@@ -426,4 +425,4 @@ def _local_value(value: Any, tensor: torch.Tensor, spec: Optional[ParamSpec], tp
         raise ValueError(f"set_state_dict: '{key}' has shape {list(value.shape)}, expected the dense shape "
                          f"{list(spec.unpadded_shape)}")
     full = spec.full_from_dense(value.to(tensor.device))
-    return shard_of(full, spec.partition_dim, tp_rank, spec.num_partitions, spec.stride)
+    return spec.piece_of_full(full, tp_rank)

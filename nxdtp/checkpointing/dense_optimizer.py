@@ -104,7 +104,6 @@ def _cut_for_tensor_parallelism(model: nn.Module, names, flat: Dict[str, Any],
     """For a TP-sharded model, replace each dense state tensor (and master weight) shaped like its parameter's dense
     tensor by this TP rank's piece, laid out as the parameter is (padding and repeated heads included)."""
     from .. import parallel_state as ps
-    from ..sharded_init import shard_of
     from .save_load import _sharding_specs
 
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_size() == 1:
@@ -120,8 +119,7 @@ def _cut_for_tensor_parallelism(model: nn.Module, names, flat: Dict[str, Any],
         def piece(dense: torch.Tensor) -> torch.Tensor:
             if tuple(dense.shape) != tuple(spec.unpadded_shape):
                 return dense  # 'step' and other state not shaped like the parameter
-            full = spec.full_from_dense(dense)
-            return shard_of(full, spec.partition_dim, rank, spec.num_partitions, spec.stride).contiguous()
+            return spec.shard(dense, rank)
 
         prefix = f"state.{name}."
         for key in [key for key in flat if key.startswith(prefix) and "." not in key[len(prefix):]]:

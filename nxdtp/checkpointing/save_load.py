@@ -22,7 +22,6 @@ from torch import nn
 
 from .. import __version__, comm
 from ..agreement import check_replicated_agree
-from ..layers import shard_of
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule
@@ -133,7 +132,7 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
             raise ValueError(f"get_sharded_model_dict: '{key}' has shape {list(shape)}, but a full tensor of it has "
                              f"the dense shape {list(spec.unpadded_shape)} or the padded shape "
                              f"{list(spec.full_shape)}.{hint}")
-        model_state_dict[key] = shard_of(full, spec.partition_dim, group.rank, spec.num_partitions, spec.stride)
+        model_state_dict[key] = spec.piece_of_full(full, group.rank)
     return model_state_dict
 
 

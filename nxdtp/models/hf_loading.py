@@ -284,30 +284,14 @@ def check_stored_tensor(reader: CheckpointReader, key: str, name: str, param: to
 
 
 def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -> torch.Tensor:
-    """This rank's shard of ``key`` as ``spec`` lays it out: strided pieces, with zero rows where it is padded."""
-    dim, tp, stride = spec.partition_dim, spec.num_partitions, spec.stride
+    """This rank's shard of ``key`` as ``spec`` lays it out (strided pieces, copies of repeated heads, zero rows where
+    it is padded), read in the runs the layout algebra gives (``ParamSpec.read_ranges``): never the whole tensor."""
     stored = reader.shape(key)
     if stored != spec.unpadded_shape:
         raise PretrainedDirectoryError(f"{reader.path(key)}: tensor '{key}' has shape {list(stored)}, but the model "
                                        f"expects {list(spec.unpadded_shape)}")
-    if spec.replicas > 1:
-        # This rank's copies of repeated blocks (KV heads): each local block is a whole block of the dense tensor.
-        block = spec.replica_block
-        local_blocks = spec.full_shape[dim] // tp // block
-        dense_blocks = [(rank * local_blocks + b) // spec.replicas for b in range(local_blocks)]
-        return torch.cat([reader.read(key, dim, j * block, (j + 1) * block) for j in dense_blocks], dim=dim)
-    piece = spec.full_shape[dim] // (tp * stride)
-    parts = []
-    for block in range(stride):
-        start = (block * tp + rank) * piece
-        for _, length, dense_start in spec.dense_segments(start, start + piece):
-            if dense_start is not None:
-                parts.append(reader.read(key, dim, dense_start, dense_start + length))
-            else:
-                shape = list(spec.full_shape)
-                shape[dim] = length
-                parts.append(torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32))
-    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+    dim = spec.partition_dim if spec.is_sharded else 0
+    return spec.read_piece(lambda start, stop: reader.read(key, dim, start, stop), rank)
 
 
 def materialize_meta_model(model: nn.Module, device="cpu") -> nn.Module:

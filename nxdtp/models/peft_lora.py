@@ -58,7 +58,6 @@ from .. import comm, mappings, sequence_parallel_linear
 from ..layers import BaseParallelLayer, ColumnParallelLinear, RowParallelLinear
 from ..parallel_state import ParallelGroup, tensor_parallel_group
 from ..random import get_xla_rng_tracker
-from ..sharded_init import shard_of
 from ..spec import ParamSpec, ShardedModule
 
 # LoraConfig values nxdtp shards. Each other value of these options changes what the adapter computes or how it is
@@ -107,8 +106,7 @@ class LoraFactor(nn.Linear, ShardedModule):
             # A dense factor (or a full one, padded): keep this rank's part, laid out as the spec says.
             full = spec.full_from_dense(value) if tuple(value.shape) != tuple(spec.full_shape) else value
             if spec.is_sharded:
-                group = self.group()
-                full = shard_of(full, spec.partition_dim, group.rank, group.size, spec.stride)
+                full = spec.piece_of_full(full, self.group().rank)
             state_dict = dict(state_dict)
             state_dict[key] = full
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -202,8 +200,7 @@ class LoraParallelLinear(nn.Module, LoraLayer):
                 # Ranks seeded differently would otherwise hold pieces of different dense factors.
                 dense = comm.broadcast(dense.contiguous(), group, src_group_rank=0)
             full = spec.full_from_dense(dense)
-            local = shard_of(full, spec.partition_dim, group.rank, group.size, spec.stride) if spec.is_sharded \
-                else full.clone()
+            local = spec.piece_of_full(full, group.rank) if spec.is_sharded else full.clone()
             getattr(self, name)[adapter_name] = LoraFactor(local.contiguous(), spec,
                                                            dense_module.weight.requires_grad,
                                                            getattr(base, "_explicit_group", None))

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import mappings, sequence_parallel_linear, sharded_init
-from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported, shard_of
+from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported
 from ..parallel_state import tensor_parallel_group
 from ..spec import ParamSpec, ShardedModule
 
@@ -200,5 +200,5 @@ def _local_of_dense(spec: ParamSpec, dtype, device, init) -> Tuple[torch.Tensor,
         return torch.empty(spec.local_shape(), dtype=dtype, device="meta"), None
     dense = torch.empty(spec.unpadded_shape, dtype=torch.float32)
     init(dense)
-    local = shard_of(spec.full_from_dense(dense), 0, group.rank, group.size)
+    local = spec.shard(dense, group.rank)
     return local.to(dtype=dtype, device=device), dense
