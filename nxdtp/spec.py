@@ -480,7 +480,7 @@ class FlatShardLayout:
 
     @property
     def shard_numel(self) -> int:
-        return max(1, -(-self.numel // self.group_size))
+        return max(1, round_up(self.numel, self.group_size) // self.group_size)
 
     @property
     def padded_numel(self) -> int:
