@@ -590,10 +590,12 @@ def test_index_records_shapes_specs_aliases_and_writers(worlds, tmp_path):
     def spec(key):
         return tensors[key]["spec"]
 
-    # Odd vocab at tp=2 with make_vocab_size_divisible_by=1: padded to 1022 rows, the real 1021 recorded too.
+    # Odd vocab at tp=2 with make_vocab_size_divisible_by=1: padded to 1022 rows, the real 1021 recorded too, and
+    # the padding rule (a vocabulary padded to a multiple of 1 * tp) that a reshard follows.
     word = "bert.embeddings.word_embeddings.weight"
     assert spec(word) == dict(full_shape=[1022, 32], real_shape=[VOCAB, 32], partition_dim=0, stride=1,
-                              num_partitions=2, sequence_parallel=False), spec(word)
+                              num_partitions=2, sequence_parallel=False, pad_to_multiple_of=1,
+                              vocabulary=True), spec(word)
     bias = spec("cls.predictions.bias")
     assert (bias["full_shape"], bias["real_shape"], bias["partition_dim"]) == ([1022], [VOCAB], 0), bias
     # Tied weights are stored once, under the embedding's key, with the decoder's names as aliases.
