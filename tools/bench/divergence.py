@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What the silent-divergence safeguards (issue 23, item 5) cost: the input check per forward, the sequence-parallel
 gradient sum inside backward, and the replicated-parameter check of ``checkpointing.save``. It prints markdown; it is a
 benchmark, not a test (it asserts nothing). docs/performance.md ("Divergence checks") holds the figures.
@@ -30,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -38,8 +36,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _timed(function) -> float:
@@ -85,12 +81,12 @@ def _inputs(rank: int, rounds: int) -> list:
             for every in (1, 0) if r % 2 else (0, 1):
                 set_input_check(model, every=every)
                 dist.barrier()
-                elapsed = _timed(lambda: model(**batch))
+                elapsed = _timed(lambda model=model: model(**batch))
                 if r >= 2:
                     times[every].append(elapsed)
             set_input_check(model, every=1)
             dist.barrier()
-            elapsed = _timed(lambda: model._nxdtp_input_check(model, (), batch))
+            elapsed = _timed(lambda model=model: model._nxdtp_input_check(model, (), batch))
             if r >= 2:
                 alone.append(elapsed)
         off = statistics.median(times[0])
@@ -246,6 +242,3 @@ def main() -> None:
         torch.multiprocessing.spawn(_worker, args=(args, port), nprocs=2)
         print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
-
-if __name__ == "__main__":
-    main()

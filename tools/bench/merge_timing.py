@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Wall time and peak host memory of merging a tp=8 BERT-large checkpoint, next to a raw copy of the same bytes.
 
 ``nxdtp.checkpointing.merge`` reassembles every tensor of a sharded checkpoint from its TP pieces and streams the
@@ -65,7 +64,11 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .common import child_env, tool_script
+from .rss import RssSampler as _RssSampler
+from .rss import maxrss_kib as _maxrss_kib
+from .rss import proc_status_kib as _proc_status_kib
+from .rss import reset_peak_rss as _reset_peak_rss
 
 TP = 8
 BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
@@ -82,12 +85,6 @@ KIND_LABELS = {"raw": "raw copy (stream, 16 MiB buffer, fsync)", "merge": "merge
 
 MIB = 1 << 20
 
-
-# Memory probes shared by the benchmarks (tools/rss_probe.py).
-from rss_probe import RssSampler as _RssSampler  # noqa: E402
-from rss_probe import maxrss_kib as _maxrss_kib  # noqa: E402
-from rss_probe import proc_status_kib as _proc_status_kib  # noqa: E402
-from rss_probe import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 def _measure(run) -> dict:
@@ -123,7 +120,7 @@ def _measure(run) -> dict:
     }
 
 
-# ---- checkpoint layout (no torch needed) ----------------------------------------------------------------------------------
+# ---- checkpoint layout (no torch needed) -----------------------------------------------------------------------------
 
 def _tag_dir(checkpoint_dir: str):
     """The newest complete tag directory of ``checkpoint_dir``, or None."""
@@ -150,7 +147,7 @@ def _safetensors_tensor_bytes(path: str):
     return len(spans), sum(end - begin for begin, end in spans)
 
 
-# ---- worker entry points (each runs in its own process) -----------------------------------------------------------------
+# ---- worker entry points (each runs in its own process) --------------------------------------------------------------
 
 def _import_everything() -> None:
     """What the merge imports, in every measuring process, so the baselines hold the same modules."""
@@ -263,22 +260,13 @@ def worker_measure(args) -> None:
         json.dump(result, f)
 
 
-# ---- driver ---------------------------------------------------------------------------------------------------------------
-
-def _child_env() -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["MKL_NUM_THREADS"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
+# ---- driver ----------------------------------------------------------------------------------------------------------
 
 def _run(cmd, what: str, quiet: bool = False) -> None:
     if not quiet:
         print(f"# {what}: {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
-    subprocess.run(cmd, env=_child_env(), check=True)
+    subprocess.run(cmd, env=child_env(), check=True)
     if not quiet:
         print(f"# {what}: done in {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -404,8 +392,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker is not None:
-        if REPO_ROOT not in sys.path:
-            sys.path.insert(0, REPO_ROOT)
         (worker_create if args.worker == "create" else worker_measure)(args)
         return 0
     if args.rounds < 1:
@@ -416,7 +402,7 @@ def main(argv=None) -> int:
     os.makedirs(workdir, exist_ok=True)
     checkpoint_dir = os.path.join(workdir, CHECKPOINT_NAME)
     scratch = tempfile.mkdtemp(prefix="run_", dir=workdir)
-    me = os.path.abspath(__file__)
+    me = tool_script("bench_merge.py")
     py = sys.executable
     kinds = [k for k in KINDS if not (args.no_naive and k == "naive")]
     caches = ["cold", "warm"] if args.cache == "both" else [args.cache]
@@ -511,6 +497,3 @@ def main(argv=None) -> int:
         print(f"# wrote {args.json}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Peak host memory of loading a pretrained Hugging Face BERT: nxdtp's per-rank sharded loading vs. plain HF.
 
 ``from_pretrained_sharded`` builds the model on the meta device, shards it, materialises only this rank's shard and
@@ -47,7 +46,11 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .common import child_env, tool_script
+from .rss import RssSampler as _RssSampler
+from .rss import maxrss_kib as _maxrss_kib
+from .rss import proc_status_kib as _proc_status_kib
+from .rss import reset_peak_rss as _reset_peak_rss
 
 CONFIGS = {
     # BERT-Large, BERT-Base (Devlin et al.), and BERT-Small (Turc et al.'s miniatures: L=4, H=512).
@@ -58,13 +61,6 @@ CONFIGS = {
 COMMON = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
 
 MIB = 1 << 20
-
-
-# Memory probes shared by the benchmarks (tools/rss_probe.py).
-from rss_probe import RssSampler as _RssSampler  # noqa: E402
-from rss_probe import maxrss_kib as _maxrss_kib  # noqa: E402
-from rss_probe import proc_status_kib as _proc_status_kib  # noqa: E402
-from rss_probe import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 def _param_bytes(model) -> int:
@@ -146,7 +142,7 @@ def _checkpoint_exists(model_dir: str) -> bool:
         or os.path.isfile(os.path.join(model_dir, "model.safetensors.index.json")))
 
 
-# ---- worker entry points (each runs in its own process) ---------------------------------------------------------------
+# ---- worker entry points (each runs in its own process) --------------------------------------------------------------
 
 def worker_create(args) -> None:
     import torch
@@ -167,8 +163,8 @@ def _import_everything() -> None:
     from transformers import BertConfig, BertForPreTraining  # noqa: F401  (lazy in transformers: import now)
 
     import nxdtp  # noqa: F401
-    from nxdtp.models import bert, hf_loading  # noqa: F401
     from nxdtp import plan  # noqa: F401
+    from nxdtp.models import bert, hf_loading  # noqa: F401
 
 
 def worker_hf(args) -> None:
@@ -204,21 +200,12 @@ def worker_sharded(args) -> None:
         dist.destroy_process_group()
 
 
-# ---- driver ----------------------------------------------------------------------------------------------------------------
-
-def _child_env() -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["MKL_NUM_THREADS"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
+# ---- driver ----------------------------------------------------------------------------------------------------------
 
 def _run(cmd, what: str) -> None:
     print(f"# {what}: {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
-    subprocess.run(cmd, env=_child_env(), check=True)
+    subprocess.run(cmd, env=child_env(), check=True)
     print(f"# {what}: done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
@@ -266,8 +253,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker is not None:
-        if REPO_ROOT not in sys.path:
-            sys.path.insert(0, REPO_ROOT)
         {"create": worker_create, "hf": worker_hf, "sharded": worker_sharded}[args.worker](args)
         return 0
 
@@ -281,7 +266,7 @@ def main(argv=None) -> int:
     os.makedirs(workdir, exist_ok=True)
     model_dir = os.path.join(workdir, f"bert-{args.config}")
     results_dir = tempfile.mkdtemp(prefix="results_", dir=workdir)
-    me = os.path.abspath(__file__)
+    me = tool_script("bench_pretrained_loading.py")
     py = sys.executable
     try:
         if _checkpoint_exists(model_dir):
@@ -346,6 +331,3 @@ def main(argv=None) -> int:
         print(f"# wrote {args.json}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

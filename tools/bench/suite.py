@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """nxdtp benchmark (issue 6): prints markdown tables and, with ``--json OUT``, writes every figure to a JSON file.
 
 Sections (docs/performance.md explains how each is measured):
@@ -43,11 +42,7 @@ import os
 import sys
 import time
 
-_TOOLS = os.path.dirname(os.path.abspath(__file__))
-if _TOOLS not in sys.path:
-    sys.path.insert(0, _TOOLS)
-
-from bench import common  # noqa: E402
+from . import common
 
 SECTIONS = ("train", "memory", "comm", "xla", "merge", "actmem", "zero1", "async_save")
 OPTIONAL = ("gpu",)  # only when asked for: --gpu or --sections ...,gpu
@@ -63,12 +58,11 @@ TITLES = {"train": "1. Train step, CPU", "memory": "2. Memory per rank, BERT-lar
 
 
 def _run_worker(name: str, worker_args: str, out_path: str) -> int:
-    common.ensure_import_paths()
     args = json.loads(worker_args)
     if name == "hlo":
-        from bench.communication import hlo_worker as fn
+        from .communication import hlo_worker as fn
     elif name == "xla-graphs":
-        from bench.xla_graphs import worker as fn
+        from .xla_graphs import worker as fn
     else:
         raise SystemExit(f"unknown worker {name!r}")
     result = fn(args)
@@ -120,8 +114,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(sections) - set(SECTIONS + OPTIONAL))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS + OPTIONAL)}")
-    common.ensure_import_paths()
-    from bench import activation_memory, async_save, communication, memory, merge, train_step, xla_graphs, zero1
+    from . import activation_memory, async_save, communication, memory, merge, train_step, xla_graphs, zero1
 
     started = time.perf_counter()
     machine = common.machine()
@@ -221,6 +214,3 @@ def main(argv=None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

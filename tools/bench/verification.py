@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What checksum verification costs: merge and load of a BERT-large tp=8 checkpoint with and without it.
 
 Every measurement runs in a fresh process, with the input files read once just before (warm page cache), and the
@@ -43,7 +42,8 @@ import subprocess
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .common import child_env, tool_script
+
 CHECKPOINT_NAME = "bert-large-tp8"
 OPERATIONS = ("merge", "load", "load-live")
 KINDS = tuple(kind for op in OPERATIONS for kind in (op, f"{op}-unverified"))
@@ -72,9 +72,9 @@ def worker(args) -> None:
     import torch  # noqa: F401 - imported before the clock starts, as in every kind
 
     from nxdtp.checkpointing import integrity
+    from nxdtp.checkpointing.index import model_file
     from nxdtp.checkpointing.merge import merge
     from nxdtp.checkpointing.save_load import read_model_shard
-    from nxdtp.checkpointing.index import model_file
 
     tag_dir = _tag_dir(args.checkpoint_dir)
     verify = not args.worker.endswith("unverified")
@@ -135,8 +135,6 @@ def main(argv=None) -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        if REPO_ROOT not in sys.path:
-            sys.path.insert(0, REPO_ROOT)
         worker(args)
         return 0
     if args.workdir is None:
@@ -146,11 +144,11 @@ def main(argv=None) -> int:
         parser.error(f"--operations {args.operations!r}: give some of {', '.join(OPERATIONS)}, comma-separated")
     kinds = [kind for op in operations for kind in (op, f"{op}-unverified")]
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env({"OMP_NUM_THREADS": "1"})
     checkpoint_dir = os.path.join(os.path.abspath(args.workdir), CHECKPOINT_NAME)
     if _tag_dir(checkpoint_dir) is None:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-                        os.path.join(REPO_ROOT, "tools", "bench_merge.py"), "--worker", "create", "--checkpoint-dir",
+                        tool_script("bench_merge.py"), "--worker", "create", "--checkpoint-dir",
                         checkpoint_dir], check=True, env=env)
     tag_dir = _tag_dir(checkpoint_dir)
     size = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(os.path.join(tag_dir, "model")) for n in ns)
@@ -165,7 +163,7 @@ def main(argv=None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
             result = scratch + ".json"
             _warm(tag_dir)
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", kind, "--checkpoint-dir",
+            subprocess.run([sys.executable, tool_script("bench_verify.py"), "--worker", kind, "--checkpoint-dir",
                             checkpoint_dir, "--output-dir", scratch, "--result", result,
                             "--load-rank", str(args.load_rank)], check=True, env=env)
             with open(result) as f:
@@ -202,6 +200,3 @@ def main(argv=None) -> int:
             json.dump({"model_bytes": size, "rounds": args.rounds, "figures": figures}, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
