@@ -33,8 +33,8 @@ from torch.autograd.function import once_differentiable
 
 from . import mappings
 from .parallel_state import tensor_parallel_group
-from .sharded_init import InitMethod, linear_bias_init, materialise_shard, reject_unsupported
 from .rounding import round_up
+from .sharded_init import InitMethod, linear_bias_init, materialise_shard, reject_unsupported
 from .spec import ParamSpec, ShardedModule
 
 IntOr2 = Union[int, Tuple[int, int]]

@@ -24,8 +24,14 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import (ParallelGroup, data_parallel_group, get_topology, rank_tensor, tensor_parallel_group,
-                             zero1_groups)
+from .parallel_state import (
+    ParallelGroup,
+    data_parallel_group,
+    get_topology,
+    rank_tensor,
+    tensor_parallel_group,
+    zero1_groups,
+)
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so clipping equals the dense reference. The one epsilon of every
 # gradient clip in nxdtp (clip_grad_norm, clip_grads_with_norm, Lamb's max_grad_norm), through clip_coefficient.

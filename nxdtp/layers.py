@@ -19,13 +19,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mappings, sequence_parallel_linear
-from .parallel_state import (ParallelGroup, get_topology, group_of, model_parallel_is_initialized, rank_tensor,
-                             tensor_parallel_group)
-from .sharded_init import (InitMethod, create_local_weight, init_linear_weight, linear_bias_init, linear_weight_init,
-                           materialise_shard, reinitialise_local, reject_unsupported, shard_of, split_size)
-from .conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,  # noqa: F401 - NxD's path
-                   OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
+from .conv import (  # noqa: F401 - NxD's path
+    BaseParallelConv,
+    Conv2dWithInputGradAllReduce,
+    InputChannelParallelConv2d,
+    OutputChannelParallelConv2d,
+    conv2d_with_weight_grad_allreduce,
+)
+from .parallel_state import (
+    ParallelGroup,
+    get_topology,
+    group_of,
+    model_parallel_is_initialized,
+    rank_tensor,
+    tensor_parallel_group,
+)
 from .rounding import round_up
+from .sharded_init import (
+    InitMethod,
+    create_local_weight,
+    init_linear_weight,
+    linear_bias_init,
+    linear_weight_init,
+    materialise_shard,
+    reinitialise_local,
+    reject_unsupported,
+    shard_of,
+    split_size,
+)
 from .spec import ParamSpec, ShardedModule, from_rank_order, to_rank_order
 from .utils import cast_if_autocast_enabled, initialize_fallback_parallel_state
 

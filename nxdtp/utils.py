@@ -14,9 +14,13 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_parallel_size,
-                             initialize_model_parallel, initialize_single_process_world,
-                             model_parallel_is_initialized)
+from .parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_size,
+    initialize_model_parallel,
+    initialize_single_process_world,
+    model_parallel_is_initialized,
+)
 from .rounding import round_up
 from .spec import ShardedModule
 

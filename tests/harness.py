@@ -138,7 +138,8 @@ class WorkerGroup:
         self._store = None
 
     def run(self, case: Callable, tensor_model_parallel_size: Optional[int] = 1, **kwargs) -> List[Any]:
-        """Run ``case(**kwargs)`` on every rank; return the per-rank results, or raise with the failing ranks' tracebacks."""
+        """Run ``case(**kwargs)`` on every rank; return the per-rank results, or raise with the failing ranks'
+        tracebacks."""
         if not self._processes or not all(p.is_alive() for p in self._processes):
             self.close()
             self._start()
@@ -153,7 +154,7 @@ class WorkerGroup:
             self.close()
             missing = sorted(set(range(self.world_size)) - set(outcomes))
             raise AssertionError(f"{case.__name__}: ranks {missing} gave no result within {CASE_TIMEOUT_S}s"
-                                 + _format_errors(outcomes))
+                                 + _format_errors(outcomes)) from None
         errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
         if errors:
             # A rank that failed mid-case may have left peers inside a collective; start clean next time.

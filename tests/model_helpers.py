@@ -46,7 +46,7 @@ def _resolve(spec: str):
     return getattr(importlib.import_module(module), function)
 
 
-# ---- the checkpoint round trip ----------------------------------------------------------------------------------------
+# ---- the checkpoint round trip ---------------------------------------------------------------------------------------
 
 LR = 1e-3
 

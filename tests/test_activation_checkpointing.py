@@ -194,7 +194,7 @@ def test_checkpointing_gives_the_plain_models_loss_and_gradients(worlds, family,
 # ---- caches: recognised by type, wherever they are passed ------------------------------------------------------------
 
 def _cache_class():
-    return getattr(pytest.importorskip("transformers.cache_utils"), "DynamicCache")
+    return pytest.importorskip("transformers.cache_utils").DynamicCache
 
 
 def _filled_cache(tokens: int):

@@ -24,8 +24,6 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SECTIONS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
             "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save"}
@@ -114,7 +112,7 @@ def test_activation_memory_counts_each_saved_storage_once(quick):
     dropout masks, no sequence parallelism) must come out exactly as the formula says. Q, K and V read one input and
     save it three times: counting saves instead of storages would triple that term; a lost or misattributed tensor
     would change a term or leave bytes outside the terms."""
-    from bench import activation_memory as am
+    from tools.bench import activation_memory as am
 
     report, _ = quick
     section = report["sections"]["activation_memory"]
@@ -168,7 +166,7 @@ def test_zero1_section_counts_through_the_layout_and_both_paths_agree(quick):
 def test_activation_memory_formula_is_megatrons(tp):
     """``megatron_terms`` with 2-byte activations sums to Korthikanti et al.'s closed forms; fp32 doubles every
     activation term and keeps the 1-byte masks."""
-    from bench import activation_memory as am
+    from tools.bench import activation_memory as am
 
     ratio = 16 * 512 / 1024  # BERT-large: a s / h
     modes = ("dense",) if tp == 1 else ("tp", "tp_sp", "tp_sp_ckpt")
@@ -184,7 +182,7 @@ def test_activation_memory_classifies_bert_layer_tensors():
     """The terms of the tensors an HF BERT layer saves (sdpa's math path on CPU, eager, fused kernels), including a
     layer input kept by the attention block's entry region itself, as a sequence-parallel region that saves its shard
     does; anything unknown is reported as "other", never silently put into a term."""
-    from bench import activation_memory as am
+    from tools.bench import activation_memory as am
 
     s, h, d = 512, 1024, 64
     cases = [

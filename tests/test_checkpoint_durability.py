@@ -299,7 +299,8 @@ def test_flipped_bytes_are_named_and_an_unnamed_damaged_tag_is_skipped(worlds, t
     merge(tmp_path / "model_tp_rank_01.safetensors", str(tmp_path / "raw"), tag="step_000002", progress=False,
           verify=False)
     merge(tmp_path / "pristine", str(tmp_path / "good"), tag="step_000002", progress=False)
-    assert (tmp_path / "raw" / "model.safetensors").read_bytes() != (tmp_path / "good" / "model.safetensors").read_bytes()
+    assert (tmp_path / "raw" / "model.safetensors").read_bytes() != \
+        (tmp_path / "good" / "model.safetensors").read_bytes()
     # The reshard output records its own checksums: a flipped byte in it is caught when it is read.
     reshard(tmp_path / "pristine", str(tmp_path / "tp1"), 1, progress=False)
     _flip(str(tmp_path / "tp1" / "step_000002" / "model" / "tp_rank_00.safetensors"))
@@ -307,7 +308,7 @@ def test_flipped_bytes_are_named_and_an_unnamed_damaged_tag_is_skipped(worlds, t
         merge(tmp_path / "tp1", str(tmp_path / "out"), tag="step_000002", progress=False)
 
 
-# ---- 2b. per-tensor checksums: what a rank loads, and only that, is verified as it is read -------------------------------
+# ---- 2b. per-tensor checksums: what a rank loads, and only that, is verified as it is read ---------------------------
 
 def _tensor_range(path: str, key: str):
     """(first byte, end) of tensor ``key``'s data in the safetensors file at ``path``, and the header's length."""

@@ -77,7 +77,7 @@ def _step(model, optimizer, batch):
     optimizer.zero_grad()
 
 
-# ---- multi-rank cases ---------------------------------------------------------------------------------------------------
+# ---- multi-rank cases ------------------------------------------------------------------------------------------------
 
 def case_train_and_save(root: str):
     """Train 2 AdamW steps at this TP degree, save in both forms, then report outputs before and after a third step."""
@@ -117,7 +117,7 @@ def case_load_resharded(checkpoint_dir: str):
     return {"saved": loaded, "after_step": _outputs(model, batch)}
 
 
-# ---- fixtures and helpers -----------------------------------------------------------------------------------------------
+# ---- fixtures and helpers --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def trained(worlds, tmp_path_factory):
@@ -157,7 +157,7 @@ def _index(checkpoint_dir):
         return json.load(f)
 
 
-# ---- merge --------------------------------------------------------------------------------------------------------------
+# ---- merge -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form,fmt", [("live", "safetensors"), ("nxd", "safetensors"), ("live", "bin")])
 def test_merge_gives_dense_model_with_same_outputs(trained, tmp_path, capsys, form, fmt):
@@ -222,7 +222,7 @@ def test_merge_is_atomic_on_failure(trained, tmp_path, monkeypatch):
     assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["dense"]
 
 
-# ---- strided, padded, replicated and non-float tensors, without a model ------------------------------------------------
+# ---- strided, padded, replicated and non-float tensors, without a model ----------------------------------------------
 
 def _synthetic(directory, tp):
     """A hand-made checkpoint at ``tp``: fused (stride 3, dim 0), strided along dim 1, padded vocab with a tied alias,
@@ -308,7 +308,7 @@ def test_merge_and_reshard_invert_strided_and_padded_sharding(tmp_path):
         assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
 
 
-# ---- reshard ------------------------------------------------------------------------------------------------------------
+# ---- reshard ---------------------------------------------------------------------------------------------------------
 
 def test_reshard_2_to_4_to_1_loads_with_same_outputs(worlds, trained, tmp_path, capsys):
     root, expected = trained
@@ -410,7 +410,7 @@ def _rerecord(tag_dir, relative: str) -> None:
     tags.mark_done(str(tag_dir), file_record(*checksum_file(os.path.join(tag_dir, "nxdtp_index.json"))))
 
 
-# ---- bad input ----------------------------------------------------------------------------------------------------------
+# ---- bad input -------------------------------------------------------------------------------------------------------
 
 def _damaged_copy(trained, tmp_path):
     root, _ = trained
@@ -542,7 +542,7 @@ def test_tools_script_exit_status(trained, tmp_path):
     assert "does not exist" in bad.stderr
 
 
-# ---- the tag directory as input, and what the CLI prints ---------------------------------------------------------------
+# ---- the tag directory as input, and what the CLI prints -------------------------------------------------------------
 
 def test_tag_directory_is_accepted_and_runs_report_what_they_wrote(trained, tmp_path, capsys):
     root, _ = trained
@@ -552,8 +552,9 @@ def test_tag_directory_is_accepted_and_runs_report_what_they_wrote(trained, tmp_
     status, out, err = _cli_out([tag, tmp_path / "from_tag"], capsys)
     assert status == 0 and err == "", err
     written = tmp_path / "from_tag" / "model.safetensors"
-    assert out == f"nxdtp-merge: wrote dense checkpoint {written} ({len(_dense_state(tmp_path / 'from_tag'))} tensors, with config.json and the optimizer state in optimizer.safetensors) from tag step_000002 " \
-                  f"({tag})\n", out
+    tensors = len(_dense_state(tmp_path / "from_tag"))
+    assert out == f"nxdtp-merge: wrote dense checkpoint {written} ({tensors} tensors, with config.json and the " \
+                  f"optimizer state in optimizer.safetensors) from tag step_000002 ({tag})\n", out
     status, out, err = _cli_out([checkpoint, tmp_path / "from_parent"], capsys)
     assert status == 0 and f"from tag step_000002 ({tag})" in out, (out, err)
     assert (tmp_path / "from_tag" / "model.safetensors").read_bytes() == \

@@ -333,7 +333,8 @@ def case_crash(root: str):
     fresh, _ = _tiny(seed=50)
     load(root, fresh, tag="step_000002")
     return dict(crash=crash, partial_files=partial_files, newest_after_crash=newest_after_crash, trainer=trainer,
-                loaded_newest=loaded_newest, loaded_by_tag_dir=loaded_by_tag_dir, errors=errors, tags=tags_listed, newest_final=newest_tag(root),
+                loaded_newest=loaded_newest, loaded_by_tag_dir=loaded_by_tag_dir, errors=errors, tags=tags_listed,
+                newest_final=newest_tag(root),
                 retried=_same_arrays(_params(fresh), _params(model)))
 
 
@@ -347,7 +348,8 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(worlds, tmp_path
         assert r["newest_after_crash"] == "step_000001", r
         assert r["trainer"]["global_step"] == 1 and r["loaded_newest"] == [] and r["loaded_by_tag_dir"] == [], (rank, r)
         tag_dir_error = r["errors"].pop("tag directory step_000002")
-        assert tag_dir_error is not None and "incomplete" in tag_dir_error and "no 'done'" in tag_dir_error, tag_dir_error
+        assert tag_dir_error is not None and "incomplete" in tag_dir_error and "no 'done'" in tag_dir_error, \
+            tag_dir_error
         for tag, message in r["errors"].items():
             assert message is not None and "incomplete" in message and tag in message, (rank, tag, message)
             assert "step_000001" in message, message  # it lists what can be loaded instead
@@ -669,7 +671,7 @@ def test_a_state_dict_without_specs_is_refused_at_tp_above_one():
     assert not entries["encoder.weight"].spec.is_sharded
 
 
-# ---- 8. NxD's get_sharded_model_dict, load(sharded=False), ensure_directory_exists, save/load's NxD parameters ----------
+# ---- 8. NxD's get_sharded_model_dict, load(sharded=False), ensure_directory_exists, save/load's NxD parameters -------
 
 class _Full(nn.Module):
     """Every kind of TP tensor: a padded vocab embedding with a tied head, a strided column, a row, grouped KV heads

@@ -27,16 +27,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdtp import parallel_state as ps
-from nxdtp.conv import (BaseParallelConv, Conv2dWithInputGradAllReduce, InputChannelParallelConv2d,
-                        OutputChannelParallelConv2d, conv2d_with_weight_grad_allreduce)
-from tests.test_layers import (_assert_attributes_match_specs, _check_data_differs_across_dp, _check_identities, _close,
-                               _data_seed, _equal, _identity, _randn, _randomise_, _tp)
+from nxdtp.conv import (
+    BaseParallelConv,
+    Conv2dWithInputGradAllReduce,
+    InputChannelParallelConv2d,
+    OutputChannelParallelConv2d,
+    conv2d_with_weight_grad_allreduce,
+)
+from tests.test_layers import (
+    _assert_attributes_match_specs,
+    _check_data_differs_across_dp,
+    _check_identities,
+    _close,
+    _data_seed,
+    _equal,
+    _identity,
+    _randn,
+    _randomise_,
+    _tp,
+)
 
 WORLDS = [pytest.param(2, 2, id="tp2"), pytest.param(4, 4, id="tp4"), pytest.param(4, 2, id="tp2xdp2")]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-# ---- helpers (run inside the workers as well) ---------------------------------------------------------------------------
+# ---- helpers (run inside the workers as well) ------------------------------------------------------------------------
 
 def _padded(n: int, tp: int) -> int:
     return -(-n // tp) * tp
@@ -173,7 +188,7 @@ def _check_stack(seed, bias, mid=8, partition_pad=False, **conv):
     return x.sum().item()
 
 
-# ---- 1. same-seed construction -------------------------------------------------------------------------------------------
+# ---- 1. same-seed construction ---------------------------------------------------------------------------------------
 
 def case_construction():
     rank, tp = _tp()
@@ -222,7 +237,7 @@ def test_same_seed_construction_equals_dense_slice(worlds, world, tp):
     _check_identities(worlds(world).run(case_construction, tensor_model_parallel_size=tp), world, tp)
 
 
-# ---- 2. both layers and the stack against nn.Conv2d ---------------------------------------------------------------------
+# ---- 2. both layers and the stack against nn.Conv2d ------------------------------------------------------------------
 
 def case_conv():
     seed, checksum = 500, None
@@ -267,12 +282,19 @@ def test_conv_layers_on_an_xla_world_use_the_gloo_twins(worlds):
     _check_identities(results, 2, 2)
 
 
-# ---- 3. XLA lowering: one all-reduce each way, one graph for every rank ------------------------------------------------
+# ---- 3. XLA lowering: one all-reduce each way, one graph for every rank ----------------------------------------------
 
 def case_stack_lowering():
     import torch_xla
 
-    from tests.test_xla import _collective_counts, _grads, _hlo, _replica_groups, _reset_collective_token, _simulated_rank
+    from tests.test_xla import (
+        _collective_counts,
+        _grads,
+        _hlo,
+        _replica_groups,
+        _reset_collective_token,
+        _simulated_rank,
+    )
 
     device = torch_xla.device()
     graphs, counts, groups = [], [], set()
@@ -309,7 +331,7 @@ def test_conv_stack_lowers_to_one_all_reduce_each_way_and_one_graph(worlds):
     assert result["distinct_graphs"] == 1
 
 
-# ---- 4. checkpoint: save at tp=2, merge to dense, reshard to tp=4 ------------------------------------------------------
+# ---- 4. checkpoint: save at tp=2, merge to dense, reshard to tp=4 ----------------------------------------------------
 
 def _dense_net(seed):
     torch.manual_seed(seed)

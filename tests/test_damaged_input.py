@@ -35,7 +35,6 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import pytest
 import torch
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -457,7 +456,7 @@ def _write(directory: str, text: str) -> str:
     return path
 
 
-# ---- nxdtp's own checkpoints (index, rank files, done): reshard reads and verifies every file of a tag -----------------
+# ---- nxdtp's own checkpoints (index, rank files, done): reshard reads and verifies every file of a tag ---------------
 
 NXDTP_TAG = "step_000007"
 
@@ -466,9 +465,8 @@ def case_save_nxdtp_checkpoint(directory: str):
     """tp=2: a randomised BERT with AdamW state, saved as the training loop saves it."""
     from nxdtp.checkpointing import save
     from nxdtp.models import parallelize_model
-    from tests.model_helpers import randomised
-
     from nxdtp.random import model_parallel_xla_manual_seed
+    from tests.model_helpers import randomised
 
     model_parallel_xla_manual_seed(5)  # dropout draws from the tracker's states, which the save stores too
     model = parallelize_model(randomised(_dense_bert(), 3))

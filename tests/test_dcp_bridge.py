@@ -426,7 +426,6 @@ def case_nxdtp_continues_from_import(directory: str):
     from nxdtp.checkpointing import load_dense_optimizer_state
     from nxdtp.grads import allreduce_gradients
     from nxdtp.models import from_pretrained_sharded
-
     from tests.test_models_bert import _check_weights
 
     model = from_pretrained_sharded(directory, transformers.LlamaForCausalLM)
@@ -488,7 +487,7 @@ def test_import_refuses_what_is_not_a_dcp_checkpoint_of_the_model(trained, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-# ---- FSDP2, 2-D TP x FSDP2 and transformers' own TP load the export ----------------------------------------------------
+# ---- FSDP2, 2-D TP x FSDP2 and transformers' own TP load the export --------------------------------------------------
 
 def _native_load(model, optimizer, checkpoint: str) -> None:
     """What a native job does to resume: dcp.load into its own state dict (sharded DTensors, filled in place), then

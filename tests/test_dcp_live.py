@@ -30,8 +30,20 @@ import os
 import pytest
 import torch
 
-from tests.test_dcp_bridge import (LLAMA_VOCAB, LR, _cli, _close, _flat_options, _llama, _llama_batch, _logits,
-                                   _metadata, _native_state, _specs, _step)
+from tests.test_dcp_bridge import (
+    LLAMA_VOCAB,
+    LR,
+    _cli,
+    _close,
+    _flat_options,
+    _llama,
+    _llama_batch,
+    _logits,
+    _metadata,
+    _native_state,
+    _specs,
+    _step,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,8 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.test_example_pretrain import REPO, SCRIPT, _example_module, training_argv
-from tests.test_example_pretrain import data_dir, model_config  # noqa: F401 - fixtures
+from tests.test_example_pretrain import REPO, SCRIPT, _example_module, data_dir, model_config, training_argv  # noqa: F401 - fixtures
 
 TEST_TIMEOUT_S = 20
 
@@ -195,7 +194,7 @@ def _leftover_processes(marker):
     return found
 
 
-def _launch_with_fault(data_dir, model_config, out, fault):
+def _launch_with_fault(data_dir, model_config, out, fault):  # noqa: F811 - fixtures
     argv = training_argv(data_dir, model_config, out, 2, 2, steps=20) + ["--collective_timeout_s", str(TEST_TIMEOUT_S)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NXDTP_INJECT_FAULT": fault, "PYTHONPATH": REPO}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", SCRIPT] + argv
@@ -211,7 +210,7 @@ def _launch_with_fault(data_dir, model_config, out, fault):
 
 
 @pytest.mark.parametrize("mode", ["kill", pytest.param("raise", marks=pytest.mark.slow)])
-def test_a_killed_or_raising_rank_ends_the_job_at_once(data_dir, model_config, tmp_path, mode):
+def test_a_killed_or_raising_rank_ends_the_job_at_once(data_dir, model_config, tmp_path, mode):  # noqa: F811 - fixtures
     out = str(tmp_path / f"run_{mode}")
     failing = 2 if mode == "kill" else 1
     returncode, seconds, output = _launch_with_fault(data_dir, model_config, out, f"{failing}:3:{mode}")
@@ -235,7 +234,7 @@ def test_a_killed_or_raising_rank_ends_the_job_at_once(data_dir, model_config, t
 
 
 @pytest.mark.slow
-def test_a_hanging_rank_ends_the_job_after_the_timeout(data_dir, model_config, tmp_path):
+def test_a_hanging_rank_ends_the_job_after_the_timeout(data_dir, model_config, tmp_path):  # noqa: F811 - fixtures
     out = str(tmp_path / "run_hang")
     returncode, seconds, output = _launch_with_fault(data_dir, model_config, out, "3:3:hang")
     assert returncode != 0, output[-4000:]
@@ -252,7 +251,7 @@ def test_a_hanging_rank_ends_the_job_after_the_timeout(data_dir, model_config, t
                for rank, (_, rest) in lines.items() if rank != 3), output[-4000:]
 
 
-def test_a_damaged_data_shard_ends_the_job_with_one_line_naming_it(data_dir, model_config, tmp_path):
+def test_a_damaged_data_shard_ends_the_job_with_one_line_naming_it(data_dir, model_config, tmp_path):  # noqa: F811 - fixtures
     """Bad input is not a crash: the rank that reads a truncated shard says which file and what is wrong in one line,
     without a traceback from the script, its peer is stopped, and torchrun exits non-zero (torchrun prints its own
     traceback of the launcher; that one is not the script's)."""
@@ -274,7 +273,7 @@ def test_a_damaged_data_shard_ends_the_job_with_one_line_naming_it(data_dir, mod
     assert not _leftover_processes(out), output[-4000:]
 
 
-def test_a_tensor_parallel_size_the_world_cannot_hold_is_one_line(data_dir, model_config, tmp_path):
+def test_a_tensor_parallel_size_the_world_cannot_hold_is_one_line(data_dir, model_config, tmp_path):  # noqa: F811 - fixtures
     """Run without torchrun (a world of 1) at the default --tensor_parallel_size 2: one line names the flag and the
     valid sizes, exit status 1."""
     argv = training_argv(data_dir, model_config, str(tmp_path / "run"), 2, 1, steps=2)
@@ -282,6 +281,6 @@ def test_a_tensor_parallel_size_the_world_cannot_hold_is_one_line(data_dir, mode
     done = subprocess.run([sys.executable, SCRIPT] + argv, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 1, done.stderr[-4000:]
-    assert ("error: WorldSizeError: --tensor_parallel_size 2: tensor_model_parallel_size=2 does not divide world size 1; "
-            "valid sizes are [1]") in done.stderr, done.stderr[-4000:]
+    assert ("error: WorldSizeError: --tensor_parallel_size 2: tensor_model_parallel_size=2 does not divide world "
+            "size 1; valid sizes are [1]") in done.stderr, done.stderr[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]

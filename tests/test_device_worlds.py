@@ -16,8 +16,16 @@ import torch
 
 from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import cli as merge_cli
-from tests import test_checkpointing, test_comm, test_grads, test_layers, test_loss_functions, test_models_bert
-from tests import test_models_bert_loading, test_zero1
+from tests import (
+    test_checkpointing,
+    test_comm,
+    test_grads,
+    test_layers,
+    test_loss_functions,
+    test_models_bert,
+    test_models_bert_loading,
+    test_zero1,
+)
 from tests.test_example_pretrain import data_dir, model_config  # noqa: F401 - fixtures
 
 DEVICE_BACKENDS = ("xla", "cpu_refusing")
@@ -89,7 +97,7 @@ def test_zero1_checkpoint_saves_and_resumes_at_another_dp_size(device_worlds, tm
     device_worlds(2).run(test_zero1_checkpoints.case_resume, tensor_model_parallel_size=2, directory=directory)
 
 
-# ---- which group each device's tensors use -----------------------------------------------------------------------------
+# ---- which group each device's tensors use ---------------------------------------------------------------------------
 
 def case_groups_by_device():
     import torch.distributed as dist
@@ -163,10 +171,11 @@ def test_tp2_dp2_bert_on_an_xla_world_equals_dense(worlds):
     test_models_bert.test_tp2_dp2_global_batch_equals_dense(lambda world_size: worlds(world_size, "xla"))
 
 
-# ---- checkpoint saving on XLA: the pending graph runs on every rank first ---------------------------------------------
+# ---- checkpoint saving on XLA: the pending graph runs on every rank first --------------------------------------------
 
 def case_save_runs_the_pending_graph_first(root: str, down_cast_bf16: bool):
-    """tp=1 x dp=2 on XLA:CPU: only DP rank 0 writes the model, so any graph run by a host read would run on it alone."""
+    """tp=1 x dp=2 on XLA:CPU: only DP rank 0 writes the model, so any graph run by a host read would run on it
+    alone."""
     import torch_xla
     import torch_xla.debug.metrics as met
 
@@ -214,7 +223,8 @@ def case_save_runs_the_pending_graph_first(root: str, down_cast_bf16: bool):
     after_load = executions()
     loaded = {k: v.cpu() for k, v in fresh.state_dict().items() if isinstance(v, torch.Tensor)}
     expected = {k: v.to(torch.bfloat16).float() if down_cast_bf16 else v for k, v in saved.items()}
-    return dict(in_save=after_save - before, before_first_write=(at_first_write[0] - before) if at_first_write else None,
+    return dict(in_save=after_save - before,
+                before_first_write=(at_first_write[0] - before) if at_first_write else None,
                 writes=len(at_first_write), in_load=after_load - before_load,
                 loaded_equal=all(torch.equal(loaded[k], expected[k]) for k in expected))
 
@@ -242,7 +252,7 @@ def _train_example(pool, argv):
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-def test_the_example_builds_trains_saves_and_resumes_in_the_world(worlds, backend, data_dir, model_config, tmp_path):
+def test_the_example_builds_trains_saves_and_resumes_in_the_world(worlds, backend, data_dir, model_config, tmp_path):  # noqa: F811 - fixtures
     from tests.test_example_pretrain import assert_curves_agree, losses, step_log, training_argv
 
     def argv(name, tp, dp, steps=4, *extra):
@@ -272,8 +282,8 @@ def test_the_example_builds_trains_saves_and_resumes_in_the_world(worlds, backen
     assert from_merged[0] < reference[0] - 0.05, (from_merged, reference)
 
 
-def test_the_example_on_an_xla_device_resumes_loads_pretrained_and_keeps_bf16_masters(worlds, data_dir,
-                                                                                       model_config, tmp_path):
+def test_the_example_on_an_xla_device_resumes_loads_pretrained_and_keeps_bf16_masters(worlds, data_dir,  # noqa: F811 - fixtures
+                                                                                       model_config, tmp_path):  # noqa: F811 - fixtures
     """--device xla in an "xla" world of one process (XLA:CPU runs one replica per process): the model is built and
     sharded on the host, moved to the device, saved with the step's graph synced, resumed, and started from merged
     weights, with the code the CPU runs use."""

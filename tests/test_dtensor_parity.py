@@ -143,8 +143,7 @@ def case_embedding():
 def case_sequence_parallel_block(sequence_dim: int):
     """LayerNorm -> column -> GELU -> row, activations split along the sequence outside the TP region."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     from nxdtp.grads import allreduce_sequence_parallel_gradients
     from nxdtp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear

@@ -478,7 +478,9 @@ def test_data_parallel_ranks_together_equal_one_rank_with_double_batch(tmp_path)
 def test_skip_batches_gives_the_tail_of_the_full_sequence(tmp_path, monkeypatch):
     # 13 rows: the sampler pads to 14 and rank 1 drops an incomplete batch; 1 row: no batch at all for a rank.
     files = make_files(tmp_path, [8, 13, 4, 1, 6])
-    make = lambda skip, log=None: data.PretrainingBatches(files, 2, 2, 2, 1, seed=9, skip_batches=skip, log=log)
+    def make(skip, log=None):
+        return data.PretrainingBatches(files, 2, 2, 2, 1, seed=9, skip_batches=skip, log=log)
+
     per_epoch = 2 + 3 + 1 + 0 + 1
     assert make(0).batches_per_epoch == per_epoch
     total = 3 * per_epoch

@@ -34,7 +34,7 @@ def _example_module(name: str):
     return __import__(name)
 
 
-# ---- cases run on every rank of a worker pool -------------------------------------------------------------------------------
+# ---- cases run on every rank of a worker pool ------------------------------------------------------------------------
 
 def case_train(argv):
     script = _example_module("tp_dp_bert_large_hf_pretrain_hdf5")
@@ -89,7 +89,7 @@ def case_train_with_fault(argv, fault, bad_step, rank, accum, stdout_path):
             script.grads, script.attention_bias = real_grads, real_bias
 
 
-# ---- fixtures ------------------------------------------------------------------------------------------------------------
+# ---- fixtures --------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
@@ -143,7 +143,7 @@ def assert_falls(curve, factor=0.9):
     assert tail < factor * curve[0], f"the loss did not fall: first {curve[0]:.4f}, mean of last 3 {tail:.4f}"
 
 
-# ---- TP × DP equals DP on the same global batch --------------------------------------------------------------------------
+# ---- TP × DP equals DP on the same global batch ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_tp2_dp1_matches_tp1_dp2_over_20_steps(worlds, data_dir, model_config, tmp_path, accum):
@@ -181,7 +181,7 @@ def test_lamb_tp2_equals_lamb_without_tp(worlds, data_dir, model_config, tmp_pat
         torch.testing.assert_close(merged[2][name], merged[1][name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-# ---- the options ------------------------------------------------------------------------------------------------------------
+# ---- the options -----------------------------------------------------------------------------------------------------
 
 def test_sequence_parallel_and_activation_checkpointing_change_nothing(worlds, data_dir, model_config, tmp_path):
     curves = {}
@@ -221,7 +221,7 @@ def test_ddp_over_the_dp_group_equals_nxdtp_all_reduce(worlds, data_dir, model_c
         assert abs(loss_a - loss_b) < 1e-5 and abs(norm_a - norm_b) < 1e-5 * norm_b, curves
 
 
-# ---- checkpoints and resuming -------------------------------------------------------------------------------------------
+# ---- checkpoints and resuming ----------------------------------------------------------------------------------------
 
 def test_resume_continues_the_loss_curve_exactly(worlds, data_dir, model_config, tmp_path):
     # Dropout on: resuming must restore the RNG states too, not only weights, optimizer, schedule and data position.
@@ -373,7 +373,7 @@ def test_init_from_refuses_debug_shapes(model_config, capsys):
     assert "--init_from loads a model's weights; --debug would change its shapes" in capsys.readouterr().err
 
 
-# ---- real launches -------------------------------------------------------------------------------------------------------
+# ---- real launches ---------------------------------------------------------------------------------------------------
 
 def _launch(command, env_extra=None, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}

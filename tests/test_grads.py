@@ -1,10 +1,11 @@
 """nxdtp.grads on gloo ranks against a dense single-process reference.
 
 The model is LayerNorm -> Linear -> GELU -> Linear with every parameter random (LayerNorm and biases included). The TP
-version is sharded by hand from the dense weights: the first Linear by output rows (column-parallel), the second by input
-columns (row-parallel); the LayerNorm and the second bias are replicated. Its forward goes through nxdtp.mappings, so the
-gradients are the real ones a TP model produces. With data parallelism each DP rank takes its part of the global batch
-and a mean loss over its local batch; after the DP all-reduce every gradient must equal the dense full-batch gradient.
+version is sharded by hand from the dense weights: the first Linear by output rows (column-parallel), the second by
+input columns (row-parallel); the LayerNorm and the second bias are replicated. Its forward goes through nxdtp.mappings,
+so the gradients are the real ones a TP model produces. With data parallelism each DP rank takes its part of the global
+batch and a mean loss over its local batch; after the DP all-reduce every gradient must equal the dense full-batch
+gradient.
 """
 
 import copy
@@ -106,7 +107,8 @@ def case_grads(seed):
 
     # ---- DP: each DP rank the mean loss over its part of the global batch; the DP average is the full-batch grad.
     x, target = _batch(seed)
-    rows = slice(ps.get_data_parallel_rank() * GLOBAL_BATCH // dp, (ps.get_data_parallel_rank() + 1) * GLOBAL_BATCH // dp)
+    dp_rank = ps.get_data_parallel_rank()
+    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     _loss(tp_model.forward(x[rows]), target[rows]).backward()
     local_grads = [p.grad.clone() for p in params]
     # A tiny bucket cap forces several buckets (one all-reduce each); None entries are skipped.
@@ -278,7 +280,8 @@ def case_context_and_expert_passes(seed):
     tp_model = _TPModel(dense)
     params = tp_model.parameters()
     x, target = _batch(seed)
-    rows = slice(ps.get_data_parallel_rank() * GLOBAL_BATCH // dp, (ps.get_data_parallel_rank() + 1) * GLOBAL_BATCH // dp)
+    dp_rank = ps.get_data_parallel_rank()
+    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     _loss(tp_model.forward(x[rows]), target[rows]).backward()
     nxg.bucket_allreduce_gradients([p.grad for p in params], False)        # NxD's positional form: the DP average
     _check_local_grads(tp_model, what=f"after the DP average (tp={tp}, dp={dp})")
@@ -300,7 +303,7 @@ def test_context_and_expert_parallel_passes_leave_gradients_dense(worlds, world,
         [world] * world
 
 
-# ---- argument checks (before any communication) -----------------------------------------------------------------------
+# ---- argument checks (before any communication) ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm_type", [0, -1, -2.5, float("nan"), "two"])
 def test_bad_norm_type_is_rejected(norm_type):
@@ -379,7 +382,7 @@ def test_signatures_are_nxds():
         check_nxd_signature(function, parameters)
 
 
-# ---- non-finite gradients ----------------------------------------------------------------------------------------------
+# ---- non-finite gradients --------------------------------------------------------------------------------------------
 
 def case_nonfinite_norm_and_clip(seed):
     """An inf / -inf / NaN in one gradient element, injected before the DP all-reduce on some ranks only: the norm is

@@ -54,7 +54,7 @@ def test_missing_rng_states_say_to_load_without_them(tmp_path):
         restore_rng(str(tmp_path), 3)
 
 
-# ---- HF methods that would act on one rank's shards ----------------------------------------------------------------------
+# ---- HF methods that would act on one rank's shards ------------------------------------------------------------------
 
 def case_dense_only_methods_refuse():
     import transformers

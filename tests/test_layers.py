@@ -4,7 +4,8 @@ Multi-rank cases (``case_*``) run on every rank of a shared gloo pool at tp=2 (w
 (world 4). Each builds the dense torch module, randomises all of its parameters (biases and LayerNorm included: fresh
 modules have zero biases that would hide bias bugs), loads the matching slices into the parallel layer and compares the
 forward output, the input gradient and every parameter gradient with a random upstream gradient. TP ranks of one group
-draw the same inputs; DP ranks draw different ones (seeded by their DP rank) and must still match dense on their own data.
+draw the same inputs; DP ranks draw different ones (seeded by their DP rank) and must still match dense on their own
+data.
 
 Expected shards are cut by ``_slice`` below, written independently of ``nxdtp.layers.shard_of`` (which only loads the
 randomised weights), so a wrong ``shard_of`` shows up as a forward mismatch.
@@ -26,8 +27,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdtp import parallel_state as ps
-from nxdtp.layers import (ColumnParallelLinear, LayerNorm, LinearWithAsyncCommunication, ParallelEmbedding,
-                          RowParallelLinear, SPMDRank, create_local_weight, shard_of)
+from nxdtp.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    LinearWithAsyncCommunication,
+    ParallelEmbedding,
+    RowParallelLinear,
+    SPMDRank,
+    create_local_weight,
+    shard_of,
+)
 from nxdtp.spec import ShardedModule
 from nxdtp.utils import move_model_to_device
 
@@ -37,14 +46,15 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 WORLDS = [pytest.param(2, 2, id="tp2"), pytest.param(4, 4, id="tp4"), pytest.param(4, 2, id="tp2xdp2")]
 
 
-# ---- helpers (run inside the workers as well) ---------------------------------------------------------------------------
+# ---- helpers (run inside the workers as well) ------------------------------------------------------------------------
 
 def _tp():
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_size()
 
 
 def _slice(full: torch.Tensor, dim: int, rank: int, tp: int, stride: int = 1) -> torch.Tensor:
-    """Reference shard: cut ``dim`` into ``stride`` blocks (Q, K, V for stride 3), take the rank's 1/tp of each block."""
+    """Reference shard: cut ``dim`` into ``stride`` blocks (Q, K, V for stride 3), take the rank's 1/tp of each
+    block."""
     blocks = full.chunk(stride, dim=dim) if stride > 1 else (full,)
     return torch.cat([block.chunk(tp, dim=dim)[rank] for block in blocks], dim=dim)
 
@@ -112,7 +122,7 @@ def _check_data_differs_across_dp(results, world, tp):
     assert len(groups) == world // tp, f"DP ranks drew the same inputs: {sums}"
 
 
-# ---- 1. same-seed construction -------------------------------------------------------------------------------------------
+# ---- 1. same-seed construction ---------------------------------------------------------------------------------------
 
 def case_construction():
     rank, tp = _tp()
@@ -343,7 +353,7 @@ def test_linear_layers_equal_dense(worlds, world, tp):
     _check_data_differs_across_dp(results, world, tp)
 
 
-# ---- 5. ParallelEmbedding -----------------------------------------------------------------------------------------------
+# ---- 5. ParallelEmbedding --------------------------------------------------------------------------------------------
 
 def _ids(num: int, shape, seed: int) -> torch.Tensor:
     """Every id of the vocabulary (so every shard and the padding id) once, then random ids; shuffled."""
@@ -412,7 +422,7 @@ def test_parallel_embedding_equals_dense(worlds, world, tp):
     _check_data_differs_across_dp(results, world, tp)
 
 
-# ---- 6. sequence parallelism --------------------------------------------------------------------------------------------
+# ---- 6. sequence parallelism -----------------------------------------------------------------------------------------
 
 def _check_sequence_parallel_block(seed, seq_dim):
     """LayerNorm -> Column(SP) -> GELU -> Row(SP), input and output sharded along the sequence."""
@@ -506,7 +516,7 @@ def test_sequence_parallel_equals_dense(worlds, world, tp):
     _check_data_differs_across_dp(results, world, tp)
 
 
-# ---- single process: the reference slicer, specs, state dicts, device moves, meta, bad input --------------------------
+# ---- single process: the reference slicer, specs, state dicts, device moves, meta, bad input -------------------------
 
 def test_shard_of_matches_reference_slices():
     full = torch.arange(24 * 2).reshape(24, 2)
@@ -597,7 +607,8 @@ def test_state_dict_carries_spec_and_refuses_other_degree():
     # The same full shape at tp=4: shards would silently be the wrong rows; the spec says why it cannot load.
     with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=4):
         other = ColumnParallelLinear(8, 16, gather_output=False)
-        message = re.escape("saved with partition_dim=0, 2 partitions") + ".*" + re.escape("has partition_dim=0, 4 partitions")
+        message = (re.escape("saved with partition_dim=0, 2 partitions") + ".*"
+                   + re.escape("has partition_dim=0, 4 partitions"))
         with pytest.raises(ValueError, match=message):
             other.load_state_dict({k[2:]: v for k, v in sd.items() if k.startswith("0.")})
 
@@ -694,7 +705,8 @@ def _esc(s: str) -> str:
 @pytest.mark.parametrize("build,error,message", [
     (lambda: ColumnParallelLinear(8, 10), ValueError,
      _esc("output_size=10 is not divisible by tensor_model_parallel_size=4")),
-    (lambda: RowParallelLinear(10, 8), ValueError, _esc("input_size=10 is not divisible by tensor_model_parallel_size=4")),
+    (lambda: RowParallelLinear(10, 8), ValueError,
+     _esc("input_size=10 is not divisible by tensor_model_parallel_size=4")),
     (lambda: ColumnParallelLinear(8, 16, stride=3), ValueError,
      _esc("output_size=16 is not divisible by tensor_model_parallel_size * stride = 4 * 3")),
     (lambda: RowParallelLinear(16, 8, stride=3), ValueError,
@@ -702,11 +714,13 @@ def _esc(s: str) -> str:
     (lambda: RowParallelLinear(16, 8, stride=3, device="meta"), ValueError, _esc("input_size=16")),
     (lambda: ColumnParallelLinear(8, 16, stride=0), ValueError, _esc("stride=0 must be >= 1")),
     (lambda: ParallelEmbedding(10, 8), ValueError,
-     _esc("num_embeddings=10 is not divisible by tensor_model_parallel_size=4; pass pad=True to pad the vocabulary to 12")),
+     _esc("num_embeddings=10 is not divisible by tensor_model_parallel_size=4; pass pad=True to pad the vocabulary "
+          "to 12")),
     (lambda: ParallelEmbedding(16, 6, shard_across_embedding=True), ValueError,
      _esc("embedding_dim=6 is not divisible by tensor_model_parallel_size=4; pass pad=True to pad it to 8")),
     (lambda: ParallelEmbedding(16, 8, padding_idx=16), ValueError, _esc("padding_idx=16 must be in [-16, 16)")),
-    (lambda: ColumnParallelLinear(8, 12, pad=True, stride=3), ValueError, _esc("pad=True with stride=3 is not supported")),
+    (lambda: ColumnParallelLinear(8, 12, pad=True, stride=3), ValueError,
+     _esc("pad=True with stride=3 is not supported")),
     (lambda: ColumnParallelLinear(8, 16, pad=True, pad_alignment_size_per_rank=0), ValueError,
      _esc("pad_alignment_size_per_rank=0 must be >= 1")),
     (lambda: ColumnParallelLinear(8, 16, tensor_model_parallel_group=object()), TypeError,

@@ -1,9 +1,9 @@
 """NxD's layer keywords and semantics beyond the basics, each against dense torch on gloo ranks.
 
-ParallelEmbedding's ``collect_output=False``, ``use_spmd_rank`` and ``pad`` across the embedding; Column/Row ``pad`` with
-``keep_padded_output``; ``reduce_dtype`` (bf16 layers summed in fp32); ``tensor_model_parallel_group`` as nxdtp's groups or
-a subgroup made by ``dist.new_group``; ``linear_with_async_allreduce``; ``create_local_weight``; ``tile_cc``; and a walk
-over every keyword of NxD 2.29's layer signatures at a non-default value.
+ParallelEmbedding's ``collect_output=False``, ``use_spmd_rank`` and ``pad`` across the embedding; Column/Row ``pad``
+with ``keep_padded_output``; ``reduce_dtype`` (bf16 layers summed in fp32); ``tensor_model_parallel_group`` as nxdtp's
+groups or a subgroup made by ``dist.new_group``; ``linear_with_async_allreduce``; ``create_local_weight``; ``tile_cc``;
+and a walk over every keyword of NxD 2.29's layer signatures at a non-default value.
 """
 
 from __future__ import annotations
@@ -17,10 +17,18 @@ import torch.distributed as dist
 from torch import nn
 
 from nxdtp import layers
-from nxdtp.checkpointing.index import split_state_dict
 from nxdtp import parallel_state as ps
-from nxdtp.layers import (ColumnParallelLinear, LinearWithAsyncCommunication, ParallelEmbedding, RowParallelLinear,
-                          SPMDRank, create_local_weight, linear_with_async_allreduce, shard_of)
+from nxdtp.checkpointing.index import split_state_dict
+from nxdtp.layers import (
+    ColumnParallelLinear,
+    LinearWithAsyncCommunication,
+    ParallelEmbedding,
+    RowParallelLinear,
+    SPMDRank,
+    create_local_weight,
+    linear_with_async_allreduce,
+    shard_of,
+)
 from tests.test_layers import _close, _data_seed, _ids, _load_, _randn, _randomise_, _slice, _tp, _tp_sum
 
 WORLDS = [pytest.param(2, 2, id="tp2"), pytest.param(4, 4, id="tp4"), pytest.param(4, 2, id="tp2xdp2")]
@@ -271,7 +279,8 @@ def case_linear_function_and_local_weight(seed):
     _close(xs.grad, _slice(xsd.grad, 0, rank, tp), "sequence-parallel linear input grad")
     ranks = SPMDRank(tp)
     ranks.initialize_expert_indices(3)
-    return ranks.get_rank().tolist(), ranks.get_local_expert_indices().tolist(), SPMDRank(ps.get_world_size()).rank.item()
+    return (ranks.get_rank().tolist(), ranks.get_local_expert_indices().tolist(),
+            SPMDRank(ps.get_world_size()).rank.item())
 
 
 @pytest.mark.parametrize("world,tp", WORLDS)

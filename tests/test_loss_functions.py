@@ -1,8 +1,8 @@
 """parallel_cross_entropy and from_parallel_logits_to_logprobs against dense torch on the full logits.
 
 Every rank of a TP group builds the same full logits and targets from one seed, keeps its contiguous vocab shard, and
-compares the per-token loss and its logits-gradient shard with ``F.cross_entropy`` on the full tensor. Each DP group gets
-different data (the seed includes the DP rank), so a reduction over the wrong group would show up as wrong numbers.
+compares the per-token loss and its logits-gradient shard with ``F.cross_entropy`` on the full tensor. Each DP group
+gets different data (the seed includes the DP rank), so a reduction over the wrong group would show up as wrong numbers.
 """
 
 import contextlib

@@ -80,7 +80,8 @@ def case_regions(seed):
         _close(dx, dys[i].chunk(n, dim=dim)[i], f"gather_from_tp dim {dim} backward")
     done += ["scatter_to_tp", "gather_from_tp"]
 
-    # Outside autograd (a gradient buffer) reduce_from sums in place, as NxD's does, so code that drops the result works.
+    # Outside autograd (a gradient buffer) reduce_from sums in place, as NxD's does, so code that drops the result
+    # works.
     xs = inputs(full_shape)
     buffer = xs[i].clone()
     returned = mappings.reduce_from_tensor_model_parallel_region(buffer)
@@ -232,8 +233,8 @@ def case_process_groups(seed):
         _close(y, torch.stack([xs[r] for r in members]).sum(0), f"{what}: reduce_from")
         y, dx = _run_region(mappings.copy_to_tensor_model_parallel_region, xs[rank], dys[rank], process_group=group_arg)
         _close(dx, torch.stack([dys[r] for r in members]).sum(0), f"{what}: copy_to backward")
-        y, _ = _run_region(mappings.gather_from_tensor_model_parallel_region, xs[rank], dys[rank].repeat(1, len(members)),
-                           process_group=group_arg)
+        y, _ = _run_region(mappings.gather_from_tensor_model_parallel_region, xs[rank],
+                           dys[rank].repeat(1, len(members)), process_group=group_arg)
         _close(y, torch.cat([xs[r] for r in members], dim=-1), f"{what}: gather")
 
     tp, dp = topo.tensor_parallel, topo.data_parallel

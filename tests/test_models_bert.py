@@ -3,15 +3,15 @@
 Every multi-rank case (``case_*``) builds the dense HF model on every rank from one seed, randomises *every* parameter
 (a fresh HF model has all-zero biases and all-one LayerNorms, which would hide bias and LayerNorm bugs), deep-copies it
 and shards the copy with ``parallelize_bert``. The untouched dense model is the reference: loss, MLM/NSP losses, logits
-and the gradient of every parameter (each rank compares its shard with its slice of the dense gradient; padded vocab rows
-must have zero gradient). Expected shards are cut by ``_slice`` here, written independently of the library's
+and the gradient of every parameter (each rank compares its shard with its slice of the dense gradient; padded vocab
+rows must have zero gradient). Expected shards are cut by ``_slice`` here, written independently of the library's
 ``shard_of``, from the parameter's NxD attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``)
 and its layer's spec (the padded full shape).
 
 Covered: BertForPreTraining at tp=2 and tp=4 with and without sequence parallelism and with vocab padding (odd vocab,
 ``make_vocab_size_divisible_by=8``); tp=2 x dp=2 with uneven masked-token counts per DP rank (global-count denominators,
-DP all-reduce, grad norm and one AdamW step equal the dense step on the whole batch); dropout (replicated parameters stay
-bit-identical across TP ranks over AdamW steps; attention dropout and sequence-parallel hidden dropout masks differ
+DP all-reduce, grad norm and one AdamW step equal the dense step on the whole batch); dropout (replicated parameters
+stay bit-identical across TP ranks over AdamW steps; attention dropout and sequence-parallel hidden dropout masks differ
 across TP ranks, replicated hidden dropout masks agree); BertForMaskedLM, BertModel, BertForSequenceClassification; HF's
 output layout (``outputs[0]`` is the loss, ``return_dict=False``); argument errors; the per-rank parameter count of
 BERT-large at tp=8 on meta.
@@ -46,8 +46,7 @@ from nxdtp.random import get_xla_rng_tracker, model_parallel_xla_manual_seed
 from nxdtp.spec import ShardedModule
 
 transformers = pytest.importorskip("transformers")
-from transformers import (BertConfig, BertForMaskedLM, BertForPreTraining,  # noqa: E402
-                          BertForSequenceClassification, BertModel)
+from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification, BertModel  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -56,7 +55,7 @@ SEQ = 16  # divisible by tp=2 and tp=4, so sequence parallelism can split it
 BATCH = 2
 
 
-# ---- helpers (they run inside the workers) ------------------------------------------------------------------------------
+# ---- helpers (they run inside the workers) ---------------------------------------------------------------------------
 
 def _tp():
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_size()
@@ -116,7 +115,8 @@ def _without(batch, *keys):
 
 
 def _slice(full: torch.Tensor, dim: int, rank: int, tp: int, stride: int = 1) -> torch.Tensor:
-    """Reference shard, independent of nxdtp.layers.shard_of: ``stride`` blocks along ``dim``, the rank's 1/tp of each."""
+    """Reference shard, independent of nxdtp.layers.shard_of: ``stride`` blocks along ``dim``, the rank's 1/tp of
+    each."""
     blocks = full.chunk(stride, dim=dim) if stride > 1 else (full,)
     return torch.cat([block.chunk(tp, dim=dim)[rank] for block in blocks], dim=dim)
 
@@ -258,7 +258,7 @@ def _dense_pretraining_losses(dense_out, batch, vocab_size):
     return mlm, nsp
 
 
-# ---- 1-3. BertForPreTraining: plain, vocab-padded, sequence-parallel ----------------------------------------------------
+# ---- 1-3. BertForPreTraining: plain, vocab-padded, sequence-parallel -------------------------------------------------
 
 # (vocab_size, make_vocab_size_divisible_by, sequence_parallel)
 PRETRAINING_CONFIGS = [
@@ -334,7 +334,7 @@ def test_pretraining_equals_dense(worlds, world, tp):
     assert any(rows > 0 for _, _, rows in results[-1])
 
 
-# ---- 4. tp=2 x dp=2: global-count denominators, DP all-reduce, grad norm, AdamW -----------------------------------------
+# ---- 4. tp=2 x dp=2: global-count denominators, DP all-reduce, grad norm, AdamW --------------------------------------
 
 def case_tp_dp():
     rank, tp = _tp()
@@ -402,7 +402,8 @@ def case_tp_dp():
                 assert p.grad.abs().max() < 1e-6, f"{what}: {n} gradient is not ~0"
                 noise[n] = torch.ones_like(p.grad, dtype=torch.bool)
             else:
-                noise[n] = (p.grad != 0) & (p.grad.abs() < 1e-7)  # an exact zero (an unused embedding row) steps exactly
+                # An exact zero (an unused embedding row) steps exactly.
+                noise[n] = (p.grad != 0) & (p.grad.abs() < 1e-7)
         by_chance = sum(int(v.sum()) for n, v in noise.items() if not n.endswith("attention.self.key.bias"))
         total = sum(v.numel() for v in noise.values())
         assert by_chance <= 1e-3 * total, f"{what}: {by_chance} of {total} gradient elements below 1e-7"
@@ -432,7 +433,7 @@ def test_tp2_dp2_global_batch_equals_dense(worlds):
         assert max(norms) - min(norms) <= 1e-5 * max(norms), norms
 
 
-# ---- 5. dropout: replicated regions in lockstep, TP-sharded regions with their own masks --------------------------------
+# ---- 5. dropout: replicated regions in lockstep, TP-sharded regions with their own masks -----------------------------
 
 def case_dropout(attn, steps=3, seed=1234):
     rank, tp = _tp()
@@ -568,7 +569,7 @@ def test_dropout_replicas_stay_identical_and_sharded_masks_differ(worlds, world,
                     assert np.array_equal(mask, other), f"{what}: replicated {name} mask differs on TP rank {r}"
 
 
-# ---- 6. BertForMaskedLM, BertModel, BertForSequenceClassification -------------------------------------------------------
+# ---- 6. BertForMaskedLM, BertModel, BertForSequenceClassification ----------------------------------------------------
 
 def case_other_heads():
     rank, tp = _tp()
@@ -636,10 +637,11 @@ def test_other_bert_heads_equal_dense(worlds):
     assert worlds(2).run(case_other_heads, tensor_model_parallel_size=2) == [0, 1]
 
 
-# ---- 7. errors (single process, simulated topology: validation runs before anything is converted) ------------------------
+# ---- 7. errors (single process, simulated topology: validation runs before anything is converted) --------------------
 
 @pytest.mark.parametrize("build,error,pattern", [
-    (lambda: BertModel(_config(intermediate_size=66)), ValueError, r"intermediate_size=66.*tensor_model_parallel_size=4"),
+    (lambda: BertModel(_config(intermediate_size=66)), ValueError,
+     r"intermediate_size=66.*tensor_model_parallel_size=4"),
     (lambda: transformers.BertForTokenClassification(_config()), TypeError, r"BertForTokenClassification"),
     (lambda: transformers.BertForQuestionAnswering(_config()), TypeError, r"BertForQuestionAnswering"),
     (lambda: nn.Sequential(nn.Linear(4, 4)), TypeError, r"Sequential"),
@@ -741,7 +743,7 @@ def test_divisible_configs_pass_validation_at_tp4():
     assert tuple(model.bert.encoder.layer[0].intermediate.dense.weight.shape) == (17, 32)
 
 
-# ---- 8. BERT-large at tp=8: parameters per rank, built on meta ----------------------------------------------------------
+# ---- 8. BERT-large at tp=8: parameters per rank, built on meta -------------------------------------------------------
 
 def _large_config():
     return BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -819,7 +821,7 @@ def test_a_bad_plan_leaves_the_model_untouched():
     assert inspect.signature(model[0].forward) == inspect.signature(nn.Linear(4, 8).forward)
 
 
-# ---- training helpers: attention_bias and checkpoint_layers ---------------------------------------------------------------
+# ---- training helpers: attention_bias and checkpoint_layers ----------------------------------------------------------
 
 def case_attention_bias_and_checkpoint_layers():
     """attention_bias's mask gives the 2-D mask's loss and gradients; checkpointed layers (dropout on, SP on) give the
@@ -912,7 +914,7 @@ def test_attention_bias_and_checkpoint_layers_change_nothing(worlds):
     assert worlds(2).run(case_attention_bias_and_checkpoint_layers, tensor_model_parallel_size=2) == [True, True]
 
 
-# ---- pickling: torch.save(model) / torch.load and deepcopy, as for a plain HF model ------------------------------------
+# ---- pickling: torch.save(model) / torch.load and deepcopy, as for a plain HF model ----------------------------------
 
 def case_pickled_model_equals_original():
     """A parallelized BERT (wrapped forwards, sequence-parallel LayerNorm subclasses, checkpointed layers) survives

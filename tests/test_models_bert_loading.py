@@ -143,7 +143,8 @@ def case_load_equals_dense(root: str, forms):
                                          model_class=BertForSequenceClassification)
     tp_group = parallel_state.tensor_parallel_group()
     weights = [torch.empty_like(classifier.classifier.weight) for _ in range(tp_group.size)]
-    dist.all_gather(weights, classifier.classifier.weight.detach().contiguous(), group=tp_group.process_group_for("cpu"))
+    dist.all_gather(weights, classifier.classifier.weight.detach().contiguous(),
+                    group=tp_group.process_group_for("cpu"))
     assert all(torch.equal(w, weights[0]) for w in weights)
     return True
 
@@ -156,8 +157,8 @@ def test_from_pretrained_sharded_equals_from_pretrained(worlds, tmp_path, world,
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    from nxdtp.parallel_state import simulated_topology
     from nxdtp.models.bert import from_pretrained_sharded
+    from nxdtp.parallel_state import simulated_topology
 
     _config().save_pretrained(tmp_path)
     with simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
@@ -167,10 +168,10 @@ def test_missing_checkpoint_is_named(tmp_path):
 
 def test_shape_mismatch_is_named(tmp_path):
     import torch
+    from safetensors.torch import save_file
 
     from nxdtp.models.hf_loading import CheckpointReader, read_shard
     from nxdtp.spec import ParamSpec
-    from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(10, 4)}, os.path.join(tmp_path, "model.safetensors"))
     reader = CheckpointReader(str(tmp_path))

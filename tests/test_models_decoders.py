@@ -19,8 +19,7 @@ import torch
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import gather_vocab_logits, parallelize_model
-from tests.model_helpers import check_checkpoint_round_trip, check_saved_at_tp4_merges_and_reshards_to_tp2, \
-    randomised
+from tests.model_helpers import check_checkpoint_round_trip, check_saved_at_tp4_merges_and_reshards_to_tp2, randomised
 from tests.test_models_bert import TOL, _check_grads, _check_weights, _close, _dense_grad_norm
 
 transformers = pytest.importorskip("transformers")
@@ -165,7 +164,7 @@ def test_unsupported_models_are_named():
     assert "Qwen3ForCausalLM" in supported_models()
 
 
-# ---- checkpoints: save at tp=2, merge to HF, load sharded at tp=4, reshard and resume ----------------------------------
+# ---- checkpoints: save at tp=2, merge to HF, load sharded at tp=4, reshard and resume --------------------------------
 
 KV_HEADS = 4   # divides both tp=2 and tp=4
 
@@ -200,7 +199,7 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family)
                                 FAMILIES[family][1])
 
 
-# ---- the guide's quick-start examples ---------------------------------------------------------------------------------
+# ---- the guide's quick-start examples --------------------------------------------------------------------------------
 
 def _run_guide_example(name, tmp_path):
     """Run the python block of docs/wrapping_hf_models.md that starts with ``# <name>: run with ...`` under torchrun
@@ -245,7 +244,7 @@ def test_the_load_pretrained_example_runs_and_equals_dense(tmp_path):
     assert sorted(r for r, _ in differences) == ["0", "1"] and all(float(d) < 1e-5 for _, d in differences), stdout
 
 
-# ---- memory: a Llama 1B-shaped model at tp=8, on meta --------------------------------------------------------------------
+# ---- memory: a Llama 1B-shaped model at tp=8, on meta ----------------------------------------------------------------
 
 def test_llama_1b_tp8_parameters_per_rank(capsys):
     # Llama 3.2 1B's shapes (tied embeddings), with 8 KV heads so tp=8 needs no KV replication.
@@ -269,11 +268,12 @@ def test_llama_1b_tp8_parameters_per_rank(capsys):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-# ---- TP x DP: the global batch --------------------------------------------------------------------------------------------
+# ---- TP x DP: the global batch ---------------------------------------------------------------------------------------
 
 def case_tp_dp_equals_dense(family: str):
     """tp=2 x dp=2: each DP rank takes half of the global batch, the vocab-parallel loss sums over its targets and
-    divides by the global count (num_items_in_batch), the DP all-reduce averages: the dense gradient of the whole batch."""
+    divides by the global count (num_items_in_batch), the DP all-reduce averages: the dense gradient of the whole
+    batch."""
     from nxdtp import comm
     from nxdtp.grads import allreduce_gradients
 
@@ -327,7 +327,7 @@ def test_an_unsupported_transformers_release_is_refused(monkeypatch):
         assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
-# ---- activation checkpointing of decoder layers -----------------------------------------------------------------------
+# ---- activation checkpointing of decoder layers ----------------------------------------------------------------------
 
 def case_checkpointed_decoder_layers(family: str, sequence_parallel: bool):
     from nxdtp.models import checkpoint_layers
@@ -360,13 +360,13 @@ def test_checkpoint_layers_on_decoders_changes_nothing(worlds, sp):
 def test_a_checkpoint_with_repeated_kv_heads_merges_and_reshards_back(worlds, tmp_path):
     """Saved at tp=4 with each of 2 KV heads repeated twice: the merge holds the dense projections and resharding to
     tp=2 drops the copies."""
-    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(worlds, tmp_path, "tests.test_models_decoders:llama_kv2_model",
-                                                          "tests.test_models_decoders:checkpoint_batch", VOCAB,
-                                                          "LlamaForCausalLM")
+    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(
+        worlds, tmp_path, "tests.test_models_decoders:llama_kv2_model", "tests.test_models_decoders:checkpoint_batch",
+        VOCAB, "LlamaForCausalLM")
     assert tuple(dense.model.layers[0].self_attn.k_proj.weight.shape) == (2 * 4, 32)  # 2 KV heads of 4 dims
 
 
-# ---- head counts TP does not divide: zero heads ------------------------------------------------------------------------
+# ---- head counts TP does not divide: zero heads ----------------------------------------------------------------------
 
 def _six_heads(seed, kv_heads=6):
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
@@ -439,9 +439,9 @@ def test_padded_heads_round_trip(worlds, tmp_path):
 
 
 def test_a_checkpoint_with_zero_heads_merges_and_reshards_back(worlds, tmp_path):
-    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(worlds, tmp_path, "tests.test_models_decoders:six_heads_model",
-                                                          "tests.test_models_decoders:checkpoint_batch", VOCAB,
-                                                          "LlamaForCausalLM")
+    dense = check_saved_at_tp4_merges_and_reshards_to_tp2(
+        worlds, tmp_path, "tests.test_models_decoders:six_heads_model", "tests.test_models_decoders:checkpoint_batch",
+        VOCAB, "LlamaForCausalLM")
     assert tuple(dense.model.layers[0].self_attn.q_proj.weight.shape) == (6 * 8, 48)  # the zero heads are stripped
     assert tuple(dense.model.layers[0].self_attn.o_proj.weight.shape) == (48, 6 * 8)
 
@@ -463,7 +463,7 @@ def test_a_checkpoint_with_grouped_zero_heads_merges_and_reshards_back(worlds, t
     assert tuple(attention.k_proj.weight.shape) == (2 * 8, 48)
 
 
-# ---- pickling: torch.save(model) / torch.load, as for a plain HF model ---------------------------------------------------
+# ---- pickling: torch.save(model) / torch.load, as for a plain HF model -----------------------------------------------
 
 def _pickling_model(family: str, sequence_parallel: bool):
     if family == "gpt2":
@@ -516,7 +516,8 @@ for rank in range(tp):
 """
 
 
-@pytest.mark.parametrize("family, sp", [pytest.param("llama", True, id="llama-sp"), pytest.param("gpt2", False, id="gpt2")])
+@pytest.mark.parametrize("family, sp", [pytest.param("llama", True, id="llama-sp"),
+                                        pytest.param("gpt2", False, id="gpt2")])
 def test_pickled_decoder_equals_original_and_loads_in_a_fresh_process(worlds, tmp_path, family, sp):
     """A wrapped decoder pickles like a plain HF model; a new Python process, which never built or parallelized a
     model, loads each rank's file (the wrapper classes are rebuilt from their recipes) with every tensor bit-exact."""

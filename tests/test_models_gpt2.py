@@ -117,7 +117,7 @@ def test_dropout_keeps_replicated_activations_identical(worlds):
         assert result == dict(replicated_agree=True, dropout_acted=True), result
 
 
-# ---- checkpoints ------------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 
 def lm_head_model(seed):
     return _dense(transformers.GPT2LMHeadModel, seed)

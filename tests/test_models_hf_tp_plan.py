@@ -38,7 +38,8 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, BATCH = 91, 8, 2
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0)
-MODELS = {  # name: (config class, config options, whether the head ends up vocab-parallel; None: see _vocab_parallel_head)
+# name: (config class, config options, whether the head ends up vocab-parallel; None: see _vocab_parallel_head)
+MODELS = {
     "GraniteForCausalLM": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                                  attention_multiplier=0.3, logits_scaling=2.0,
                                                  tie_word_embeddings=False), True),
@@ -158,7 +159,7 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path):
                                 "GraniteForCausalLM")
 
 
-# ---- head counts HF's plan cannot split: KV heads repeated, zero heads --------------------------------------------------
+# ---- head counts HF's plan cannot split: KV heads repeated, zero heads -----------------------------------------------
 
 HEAD_CASES = [  # (name, config overrides, what tp=4 needs)
     ("GraniteForCausalLM", dict(num_key_value_heads=2), "each KV head twice"),

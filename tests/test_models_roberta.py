@@ -96,7 +96,7 @@ def test_heads_tp_does_not_divide_get_zero_heads(worlds):
     assert all(len(r) == 2 for r in results)
 
 
-# ---- checkpoints ------------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 
 def masked_lm(seed):
     return _dense(transformers.RobertaForMaskedLM, seed)

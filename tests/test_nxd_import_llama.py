@@ -375,8 +375,8 @@ def _bad_checkpoints(tmp_path):
     root = v2("mlp-config")
     cases["mlp shape vs config"] = (
         root, _write_config(str(tmp_path / "cfg-mlp"), _config(2, intermediate_size=128)), ValueError,
-        r"dp_rank_00_tp_rank_00_pp_rank_00\.pt: 'model\.layers\.0\.mlp\.gate_up_proj\.weight' has shape \[48, 64\], but "
-        r"the config needs \[64, 64\]")
+        r"dp_rank_00_tp_rank_00_pp_rank_00\.pt: 'model\.layers\.0\.mlp\.gate_up_proj\.weight' has shape \[48, 64\], "
+        r"but the config needs \[64, 64\]")
 
     root = v2("vocab-config")
     cases["vocab shape vs config"] = (

@@ -310,7 +310,8 @@ def test_the_table_lists_every_nxd_name_once():
     rows = _doc_rows()
     listed = {key for key in rows if key[0] in NXD_2_29}
     assert not set(_ALL) - listed, f"NxD names missing from docs/nxd_migration.md: {sorted(set(_ALL) - listed)}"
-    assert not listed - set(_ALL), f"docs/nxd_migration.md lists names NxD 2.29 does not have: {sorted(listed - set(_ALL))}"
+    assert not listed - set(_ALL), \
+        f"docs/nxd_migration.md lists names NxD 2.29 does not have: {sorted(listed - set(_ALL))}"
 
 
 @pytest.mark.parametrize("module,name", _ALL, ids=lambda v: str(v))

@@ -1,12 +1,13 @@
-"""NxD's own tutorial and API-guide code (examples/nxd_tutorials/), with only its imports changed, gives the dense results.
+"""NxD's own tutorial and API-guide code (examples/nxd_tutorials/), with only its imports changed, gives the dense
+results.
 
-Each case imports a script from examples/nxd_tutorials/ inside the pooled gloo workers (tests/harness.py) at tp=2 (world 2)
-and tp=2 x dp=2 (world 4), runs the script's functions, and compares with a dense model built in the same process from
-plain torch / transformers modules: outputs, the loss, every gradient, and the pre-clip gradient norm. Every parameter of
-the dense model is randomised (biases and norms included); the tensor-parallel model gets the rank's slices, cut here by
-``_shard`` from the partition dim and stride that the parameter's NxD attributes name, after checking those attributes
-against NxD's documented layout (``*_LAYOUT``). TP ranks of a group see the same data; DP ranks see their own (the BERT
-case takes it from the script's DistributedSampler dataloader) and must match dense on it.
+Each case imports a script from examples/nxd_tutorials/ inside the pooled gloo workers (tests/harness.py) at tp=2 (world
+2) and tp=2 x dp=2 (world 4), runs the script's functions, and compares with a dense model built in the same process
+from plain torch / transformers modules: outputs, the loss, every gradient, and the pre-clip gradient norm. Every
+parameter of the dense model is randomised (biases and norms included); the tensor-parallel model gets the rank's
+slices, cut here by ``_shard`` from the partition dim and stride that the parameter's NxD attributes name, after
+checking those attributes against NxD's documented layout (``*_LAYOUT``). TP ranks of a group see the same data; DP
+ranks see their own (the BERT case takes it from the script's DistributedSampler dataloader) and must match dense on it.
 
 Tolerance: fp32, 1e-5 relative: ``rtol=1e-5`` and ``atol=1e-5 * max(max|expected|, the model's largest gradient entry)``
 (``_close``), so small gradients are held to their scale rather than to an absolute 1e-5, and gradients that are zero up
@@ -217,7 +218,7 @@ def _check_data_differs_across_dp(checksums, world, tp):
 
 def case_bert(seed: int, data_file: str, max_norm: float):
     bert = _script("bert_attention_swap")
-    from nxdtp import clip_grad_norm   # what the guide's training loop calls (bert_training_loop_xla.py)
+    from nxdtp import clip_grad_norm  # what the guide's training loop calls (bert_training_loop_xla.py)
 
     config = _bert_config()
     dense = _dense_bert(config, seed)

@@ -595,7 +595,7 @@ def test_lamb_on_xla_equals_eager_with_one_graph_per_step(worlds):
         assert step == {"UncachedCompile": 0, "CachedCompile": 1, "ExecuteComputation": 1}, per_step
 
 
-# ---- NxD's AdamW_FP32OptimParams (HF's former AdamW) ---------------------------------------------------------------------
+# ---- NxD's AdamW_FP32OptimParams (HF's former AdamW) -----------------------------------------------------------------
 
 def _hf_adamw_by_torch_adam(params, groups_kwargs, grads_per_step, betas, eps, correct_bias):
     """The reference: torch's own Adam (no decay), with the step's eps chosen so that its update is HF AdamW's, and the

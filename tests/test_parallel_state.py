@@ -65,7 +65,8 @@ def test_every_rank_is_in_exactly_one_group_of_each_kind(world, tp):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(world_size=8, rank=0, tensor_model_parallel_size=3), "tensor_model_parallel_size=3 does not divide world size 8"),
+    (dict(world_size=8, rank=0, tensor_model_parallel_size=3),
+     "tensor_model_parallel_size=3 does not divide world size 8"),
     (dict(world_size=8, rank=0, tensor_model_parallel_size=0), "tensor_model_parallel_size=0 must be >= 1"),
     (dict(world_size=8, rank=0, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
      "pipeline_model_parallel_size=2 is not supported"),
@@ -165,8 +166,8 @@ def test_no_rank_leaves_initialize_model_parallel_while_another_is_making_groups
     results = worlds(2).run(case_a_rank_still_making_groups_holds_the_others, tensor_model_parallel_size=None,
                             late_s=2.0)
     (left_0, _), (left_1, last_group_1) = results
-    assert left_0 >= last_group_1, (f"rank 0 left initialize_model_parallel {last_group_1 - left_0:.2f} s before rank 1 "
-                                    "had made its last group")
+    assert left_0 >= last_group_1, (f"rank 0 left initialize_model_parallel {last_group_1 - left_0:.2f} s before "
+                                    "rank 1 had made its last group")
     assert left_1 >= last_group_1
 
 
@@ -224,7 +225,7 @@ def test_nxd_options_accepted_only_at_defaults(worlds):
     worlds(2).run(case_nxd_options_at_defaults, tensor_model_parallel_size=None)
 
 
-# ---- every public name of NxD 2.29's parallel_state ---------------------------------------------------------------------
+# ---- every public name of NxD 2.29's parallel_state ------------------------------------------------------------------
 
 # NxD 2.29 (neuronx_distributed/parallel_layers/parallel_state.py): each public function's parameters, in order.
 NXD_SIGNATURES = {
@@ -234,7 +235,8 @@ NXD_SIGNATURES = {
     "model_parallel_is_initialized": (), "destroy_model_parallel": (),
     "get_world_group": ("as_list=False",),
     "get_tensor_model_parallel_group": ("as_list=False",), "get_tensor_model_parallel_replica_groups": (),
-    "get_tensor_model_parallel_size": (), "get_tensor_model_parallel_rank": (), "get_tensor_model_parallel_src_rank": (),
+    "get_tensor_model_parallel_size": (), "get_tensor_model_parallel_rank": (),
+    "get_tensor_model_parallel_src_rank": (),
     "set_tensor_model_parallel_size": ("world_size",), "set_tensor_model_parallel_rank": ("rank",),
     "get_expert_model_parallel_group": ("as_list=False",), "get_expert_model_parallel_replica_groups": (),
     "get_expert_model_parallel_size": (), "get_expert_model_parallel_rank": (),
@@ -258,7 +260,8 @@ NXD_SIGNATURES = {
     "initialize_token_shuffle_group": ("token_shuffle_group_size=1",), "get_token_shuffle_group": ("as_list=False",),
     "get_token_shuffle_replica_groups": (), "get_token_shuffle_group_size": (), "destroy_token_shuffle_group": (),
     "is_tcp_store_available": (), "get_tcp_store": (),
-    "initialize_pp_gloo_groups": (), "get_pp_gloo_group": (), "is_global_rank_zero": (), "create_pg_with_ranks": ("ranks",),
+    "initialize_pp_gloo_groups": (), "get_pp_gloo_group": (), "is_global_rank_zero": (),
+    "create_pg_with_ranks": ("ranks",),
     "initialize_kv_group": ("kv_shared_group_size=1", "sequential_ranks_in_group=False"),
     "get_kv_shared_group": ("as_list=False",), "get_kv_shared_replica_groups": (), "get_kv_shared_group_size": (),
     "destroy_kv_group": (), "arrange_kv_groups": ("num_tensor_model_parallel_groups=1", "tensor_model_parallel_size=1",
@@ -269,10 +272,10 @@ NXD_SIGNATURES = {
     "set_aot_mode": ("mode",), "get_aot_mode": (), "rmsg": ("msg",), "rmsg_ep": ("msg",), "get_rank_info_str": (),
     "get_zero1_sharding_groups": (),
 }
-# Not provided: Trainium replica-group layouts (internals of NxD's initialize_model_parallel), and a host-side gather that
-# would need nxdtp.comm (parallel_state sits below comm).
-NXD_NOT_PROVIDED = {"ascending_ring_PG_group", "ascending_descending_ring_PG_group", "PG_Group_Logic", "get_logic_chosen",
-                    "gather_python_object"}
+# Not provided: Trainium replica-group layouts (internals of NxD's initialize_model_parallel), and a host-side gather
+# that would need nxdtp.comm (parallel_state sits below comm).
+NXD_NOT_PROVIDED = {"ascending_ring_PG_group", "ascending_descending_ring_PG_group", "PG_Group_Logic",
+                    "get_logic_chosen", "gather_python_object"}
 
 
 def test_every_nxd_name_is_provided_with_nxds_parameters():
@@ -371,7 +374,8 @@ def test_pipeline_send_recv_groups_do_not_exist_with_one_stage():
 def test_expert_helpers():
     with ps.simulated_topology(world_size=8, rank=5, tensor_model_parallel_size=4):
         for rank in range(8):
-            assert ps.get_expert_parallel_rank_from_global_rank(rank, ps.get_expert_model_parallel_group(as_list=True)) == 0
+            expert_mesh = ps.get_expert_model_parallel_group(as_list=True)
+            assert ps.get_expert_parallel_rank_from_global_rank(rank, expert_mesh) == 0
             # The mesh is read from whatever group is given, as NxD does: a TP position for the TP groups.
             assert ps.get_expert_parallel_rank_from_global_rank(rank, ps.tensor_parallel_group()) == rank % 4
         with pytest.raises(ValueError, match=r"rank=8 is not in any group of \[\[0\], \[1\]"):
@@ -470,13 +474,15 @@ def test_arrange_kv_groups_sequential_interleaved_and_trn2():
     # Two TP groups of 8, groups of 4: interleaved ranks are tp / kv = 2 apart, inside each TP group.
     assert ps.arrange_kv_groups(2, 8, 4) == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     # Trainium2 keeps each KV head on adjacent ranks, whatever sequential_ranks_in_group says.
-    assert ps.arrange_kv_groups(2, 8, 4, False, "trn2") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert ps.arrange_kv_groups(2, 8, 4, False, "trn2") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                            [12, 13, 14, 15]]
     assert ps.arrange_kv_groups(1, 2, 2, hardware_type="trn1") == [[0, 1]]
     assert ps.arrange_kv_groups(2, 2, 1) == [[0], [1], [2], [3]]
     for kwargs, message in [(dict(tensor_model_parallel_size=4, kv_shared_group_size=3),
                              "kv_shared_group_size=3 does not divide tensor_model_parallel_size=4"),
                             (dict(kv_shared_group_size=0), "kv_shared_group_size=0 must be an int >= 1"),
-                            (dict(hardware_type="trn9"), r"hardware_type='trn9' is not one of \['trn1', 'trn2', 'trn3'\]")]:
+                            (dict(hardware_type="trn9"),
+                             r"hardware_type='trn9' is not one of \['trn1', 'trn2', 'trn3'\]")]:
         with pytest.raises(ValueError, match=message):
             ps.arrange_kv_groups(**kwargs)
 
@@ -609,7 +615,8 @@ def test_nxd_groups_on_xla(worlds):
     pytest.importorskip("torch_xla")
     for rank, out in enumerate(worlds(4, "xla").run(case_nxd_groups_on_an_xla_world, tensor_model_parallel_size=2)):
         singles = [[0], [1], [2], [3]]
-        assert out["pipeline"] == dict(backend="xla", mesh=singles, ranks=[rank], hlo=["{{0},{1},{2},{3}}"]), (rank, out)
+        assert out["pipeline"] == dict(backend="xla", mesh=singles, ranks=[rank], hlo=["{{0},{1},{2},{3}}"]), \
+            (rank, out)
         assert out["expert"]["mesh"] == singles and out["expert"]["ranks"] == [rank]
         assert out["world"] == dict(backend="xla", mesh=[[0, 1, 2, 3]], ranks=[0, 1, 2, 3], hlo=["{{0,1,2,3}}"]), out
         assert out["pp_gloo"] == dict(backend="gloo", sum=1 << rank), (rank, out)

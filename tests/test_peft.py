@@ -33,7 +33,7 @@ ADAM = dict(lr=1e-2, weight_decay=0.01)
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-# ---- the models (run inside the workers) ---------------------------------------------------------------------------------
+# ---- the models (run inside the workers) -----------------------------------------------------------------------------
 
 def _llama(kv_heads: int):
     config = transformers.LlamaConfig(
@@ -124,7 +124,7 @@ def _dense_norm(dense):
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
-# ---- cases -----------------------------------------------------------------------------------------------------------------
+# ---- cases -----------------------------------------------------------------------------------------------------------
 
 def case_lora_equals_dense(family: str, sequence_parallel: bool, kv_heads: int, steps: int):
     tp = ps.get_tensor_model_parallel_size()
@@ -189,7 +189,7 @@ def case_merge_and_unload(family: str, kv_heads: int):
     return True
 
 
-# ---- tests -----------------------------------------------------------------------------------------------------------------
+# ---- tests -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,world,sp,kv_heads", [
     pytest.param("llama", 2, False, 2, id="llama-tp2"),
@@ -268,7 +268,7 @@ def test_other_peft_methods_are_refused_by_name(method):
             peft.get_peft_model(model, config[method]())
 
 
-# ---- nxdtp checkpoints of a LoRA model ---------------------------------------------------------------------------------
+# ---- nxdtp checkpoints of a LoRA model -------------------------------------------------------------------------------
 
 def case_checkpoint_save(directory: str):
     """nxdtp.checkpointing.save of the TP PEFT model (frozen base and adapters); the dense adapters and the logits."""
@@ -307,7 +307,7 @@ def test_nxdtp_checkpoint_merges_to_dense_adapters_and_reshards(worlds, tmp_path
         torch.testing.assert_close(logits, saved["logits"], **TOL)
 
 
-# ---- dropout on the adapters' inputs -------------------------------------------------------------------------------------
+# ---- dropout on the adapters' inputs ---------------------------------------------------------------------------------
 
 class _RecordingDropout(torch.nn.Dropout):
     def forward(self, x):
@@ -318,7 +318,8 @@ class _RecordingDropout(torch.nn.Dropout):
 
 def case_lora_dropout_masks():
     """Training with lora_dropout and attention dropout (so attention runs inside the RNG fork): the mask on a column
-    layer's input (replicated) is the same on every rank, the mask on a row layer's input (this rank's columns) its own."""
+    layer's input (replicated) is the same on every rank, the mask on a row layer's input (this rank's columns) its
+    own."""
     import torch.distributed as dist
 
     from nxdtp.random import model_parallel_xla_manual_seed
@@ -352,7 +353,7 @@ def test_lora_dropout_masks_follow_the_input_layout(worlds):
         assert equal != row, f"{name}: masks {'equal' if equal else 'differ'} across TP ranks"
 
 
-def test_nested_fork_continues_and_replicated_draws_outside(rank1_of_tp2):
+def test_nested_fork_continues_and_replicated_draws_outside(rank1_of_tp2):  # noqa: F811 - fixtures
     from nxdtp.random import get_rng_state, get_xla_rng_tracker, model_parallel_xla_manual_seed, set_rng_state
 
     tracker = get_xla_rng_tracker()
@@ -377,8 +378,9 @@ def test_a_peft_release_outside_the_range_is_refused_by_name(monkeypatch):
     with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
         model, targets = _simulated_tp_llama()
         monkeypatch.setattr(peft, "__version__", "0.20.0")
-        with pytest.raises(ImportError, match=r"peft 0.20.0 is not supported by nxdtp's LoRA on tensor-parallel models: "
-                                              r"supported versions are >=0.21.2,<0.22; pip install 'peft>=0.21.2,<0.22'"):
+        with pytest.raises(ImportError,
+                           match=r"peft 0.20.0 is not supported by nxdtp's LoRA on tensor-parallel models: "
+                                 r"supported versions are >=0.21.2,<0.22; pip install 'peft>=0.21.2,<0.22'"):
             peft.get_peft_model(model, _lora_config(targets))
 
 

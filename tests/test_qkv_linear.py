@@ -70,7 +70,8 @@ def case_gqa_block_equals_dense(heads, kv_heads, head_dim, multiplier, fuse_qkv,
     local_bias = {"q": biases["q"][rank * q_local:(rank + 1) * q_local], "k": kv_rows(biases["k"]),
                   "v": kv_rows(biases["v"])}
     if fuse_qkv:   # NxD's fused state dict keys load into the three parameters
-        state = {"weight_qkv": torch.cat([local[p] for p in "qkv"]), "bias_qkv": torch.cat([local_bias[p] for p in "qkv"])}
+        state = {"weight_qkv": torch.cat([local[p] for p in "qkv"]),
+                 "bias_qkv": torch.cat([local_bias[p] for p in "qkv"])}
     else:
         state = {**{f"weight_{p}": local[p] for p in "qkv"}, **{f"bias_{p}": local_bias[p] for p in "qkv"}}
     qkv.load_state_dict(state)
@@ -264,7 +265,8 @@ def test_checkpoint_merges_to_dense_and_reshards(worlds, tmp_path):
     assert tuple(dense["qkv_proj.weight_k"].shape) == (2 * 4, HIDDEN)   # one copy of each KV head
     for kv_head, ranks in enumerate(((0, 1), (2, 3))):
         for rank in ranks:
-            assert torch.equal(saved[rank]["qkv_proj.weight_k"], dense["qkv_proj.weight_k"][kv_head * 4:(kv_head + 1) * 4])
+            assert torch.equal(saved[rank]["qkv_proj.weight_k"],
+                               dense["qkv_proj.weight_k"][kv_head * 4:(kv_head + 1) * 4])
     assert torch.equal(torch.cat([s["qkv_proj.weight_q"] for s in saved]), dense["qkv_proj.weight_q"])
     reshard(str(tmp_path / "tp4"), str(tmp_path / "tp2"), 2, progress=False)
     loaded = worlds(2).run(case_load, tensor_model_parallel_size=2, directory=str(tmp_path / "tp2"))

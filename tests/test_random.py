@@ -10,8 +10,14 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 from nxdtp import parallel_state as ps
-from nxdtp.random import checkpoint, get_rng_state, get_xla_rng_tracker, model_parallel_xla_manual_seed, \
-    set_rng_state, XLARNGStatesTracker
+from nxdtp.random import (
+    XLARNGStatesTracker,
+    checkpoint,
+    get_rng_state,
+    get_xla_rng_tracker,
+    model_parallel_xla_manual_seed,
+    set_rng_state,
+)
 
 N = 256
 
@@ -141,7 +147,8 @@ def _grads(block, x, scale, run, check_states=True, x_and_scale=True):
     # Recomputing must not leave its replayed states behind: the streams continue from where the forward left them.
     if check_states:
         assert torch.equal(after_forward[0]["cpu"], after_backward[0]["cpu"])
-        assert torch.equal(after_forward[1]["model-parallel-rng"]["cpu"], after_backward[1]["model-parallel-rng"]["cpu"])
+        assert torch.equal(after_forward[1]["model-parallel-rng"]["cpu"],
+                           after_backward[1]["model-parallel-rng"]["cpu"])
     return out.detach(), [t.grad.clone() for t in leaves]
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.xla
 SEED = 1234
 
 
-# ---- helpers that run inside the XLA worker process -------------------------------------------------------------------
+# ---- helpers that run inside the XLA worker process ------------------------------------------------------------------
 
 def _randomised(model):
     import torch
@@ -63,7 +63,6 @@ def _finish_step(model, loss, optimizer, sequence_parallel: bool):
     step's graphs, as a real step materialises it."""
     from nxdtp import grads
     from nxdtp.agreement import pending_input_checks
-
     from nxdtp.optimizer import NeuronZero1Optimizer
 
     if sequence_parallel:
@@ -220,7 +219,7 @@ def _assert_one_graph(result):
                                                     f"{result['classes']['step']}"
 
 
-# ---- (a) one graph for every rank --------------------------------------------------------------------------------------
+# ---- (a) one graph for every rank ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
 @pytest.mark.parametrize("world_size,tp,optimizer", [(4, 2, "adamw"), (4, 4, "lamb"), (8, 8, "adamw")],
@@ -301,7 +300,7 @@ def test_tp8_dp4_world_is_one_graph_for_every_rank(worlds, family, sequence_para
     _assert_one_graph(result)
 
 
-# ---- (b) the data-rank primitives equal the old slicing, eagerly on gloo -----------------------------------------------
+# ---- (b) the data-rank primitives equal the old slicing, eagerly on gloo ---------------------------------------------
 
 def case_split_by_rank_tensor_equals_narrow(seed: int):
     import torch

@@ -274,8 +274,10 @@ def _bert_forward_saved(model, batch):
 
 
 def case_bert_layer():
-    from tests.test_models_bert import BATCH, SEQ, _batch, _check_grads, _close as close, _config, _pair
     from transformers import BertModel
+
+    from tests.test_models_bert import BATCH, SEQ, _batch, _check_grads, _config, _pair
+    from tests.test_models_bert import _close as close
 
     rank, tp = _tp()
     what = f"BertModel(SP, tp={tp})"
@@ -335,9 +337,10 @@ def test_carry_note_refuses_a_tensor_of_another_shape():
 # ---- 4. a decoder with sequence parallelism: the layers and the vocab-parallel LM head -------------------------------
 
 def case_decoder():
-    from tests.test_models_decoders import BATCH, SEQ, _batch, _config, _dense
-    from tests.test_models_bert import _check_grads, _close as close
     from nxdtp.models import parallelize_model
+    from tests.test_models_bert import _check_grads
+    from tests.test_models_bert import _close as close
+    from tests.test_models_decoders import BATCH, SEQ, _batch, _config, _dense
 
     rank, tp = _tp()
     what = f"LlamaForCausalLM(SP, tp={tp})"

@@ -215,7 +215,7 @@ def test_without_use_cpu_on_cpus_both_trainers_refuse_instead_of_training_nothin
     assert not (tmp_path / "no_use_cpu" / "final").exists() and not (tmp_path / "plain_no_use_cpu" / "final").exists()
 
 
-# ---- LoRA (PEFT) ---------------------------------------------------------------------------------------------------------
+# ---- LoRA (PEFT) -----------------------------------------------------------------------------------------------------
 
 def test_lora_with_tensor_parallel_trainer_equals_dense_lora_trainer(dense):
     """get_peft_model(parallelized model, LoraConfig(...)) trained by TensorParallelTrainer at tp2 x dp2 equals the

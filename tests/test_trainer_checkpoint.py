@@ -36,8 +36,14 @@ from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import safetensors_stream, tags
 from nxdtp.trainer import finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from nxdtp.trainer.checkpoint import check_user_content, unwrap_model, unwrap_optimizer
-from tests.test_checkpoint_durability import (REPO_ROOT, _files, _free_port, _model_and_optimizer, _optimizer_arrays,
-                                              _which)
+from tests.test_checkpoint_durability import (
+    REPO_ROOT,
+    _files,
+    _free_port,
+    _model_and_optimizer,
+    _optimizer_arrays,
+    _which,
+)
 
 SAVED_STEPS = 2
 

@@ -129,7 +129,7 @@ def test_clip_grads_with_norm_and_shared_filter():
     assert param_is_not_shared(params[0]) and not param_is_not_shared(shared)
 
 
-# ---- the running stack, and NxD's single-process fallback ---------------------------------------------------------------
+# ---- the running stack, and NxD's single-process fallback ------------------------------------------------------------
 
 @pytest.mark.parametrize("version,greater_than_2,override", [
     ("2.9.0+cu128", True, False), ("2.0.1", True, True), ("2.0.0a0+git1234", True, True), ("2.10.1", True, False),
@@ -224,7 +224,9 @@ def _fallback_script(device_kind: str) -> dict:
     dense_hidden = dense_column(x)
     dense_loss = F.cross_entropy(dense_hidden, target) + dense_row(dense_hidden).square().mean()
     dense_loss.backward()
-    close = lambda a, b: bool(torch.allclose(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-5))
+    def close(a, b):
+        return bool(torch.allclose(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-5))
+
     out["equal"] = dict(loss=close(loss, dense_loss), column_grad=close(column.weight.grad, dense_column.weight.grad),
                         row_grad=close(row.weight.grad, dense_row.weight.grad),
                         row_bias_grad=close(row.bias.grad, dense_row.bias.grad))
@@ -268,8 +270,8 @@ def _implicit_fallback_script(device_kind: str) -> dict:
     torch.manual_seed(5)
     dense = nn.Linear(6, 10)
     x = torch.randn(3, 6)
-    return dict(warned=[str(w.message) for w in caught], world=dist.get_world_size(), tp=ps.get_tensor_model_parallel_size(),
-                equal=bool(torch.equal(column(x), dense(x))))
+    return dict(warned=[str(w.message) for w in caught], world=dist.get_world_size(),
+                tp=ps.get_tensor_model_parallel_size(), equal=bool(torch.equal(column(x), dense(x))))
 
 
 def test_a_layer_built_before_initialisation_falls_back_to_one_process():
@@ -312,7 +314,8 @@ def case_fallback_in_an_existing_world():
 
 
 def test_initialize_fallback_parallel_state_keeps_an_existing_world(worlds):
-    assert worlds(2).run(case_fallback_in_an_existing_world, tensor_model_parallel_size=None) == [(True, 1, 2, True)] * 2
+    results = worlds(2).run(case_fallback_in_an_existing_world, tensor_model_parallel_size=None)
+    assert results == [(True, 1, 2, True)] * 2
 
 
 def test_set_tensor_model_parallel_attributes_takes_nxds_parameters():
@@ -329,7 +332,7 @@ def test_set_tensor_model_parallel_attributes_takes_nxds_parameters():
             utils.set_tensor_model_parallel_attributes(p, True, 0, 1, 4, [1, 0, 2, 3])
 
 
-# ---- NxD 2.29's signatures: positional order, names and defaults --------------------------------------------------------
+# ---- NxD 2.29's signatures: positional order, names and defaults -----------------------------------------------------
 
 REQUIRED = object()
 

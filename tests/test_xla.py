@@ -24,7 +24,8 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 @contextlib.contextmanager
 def _simulated_rank(world_size=8, rank=5, tp=4):
-    """Install the topology and make the XLA runtime report it, so xm does not short-circuit collectives as a world of 1.
+    """Install the topology and make the XLA runtime report it, so xm does not short-circuit collectives as a world
+    of 1.
 
     The patch stays active for backward(), because collectives inside autograd Functions are traced then.
     """
@@ -59,7 +60,7 @@ def _grads(module, extra=()):
     return list(extra) + [p.grad for p in module.parameters()]
 
 
-# ---- (a) lowering under a simulated topology ----------------------------------------------------------------------------
+# ---- (a) lowering under a simulated topology -------------------------------------------------------------------------
 
 def case_mlp_lowering(sequence_parallel: bool):
     import torch
@@ -140,8 +141,8 @@ def test_embedding_and_data_parallel_replica_groups(worlds):
 
 
 def case_loss_on_a_padding_only_shard_lowers():
-    """Rank 5 (TP rank 1 of 4) holds columns 8-15 of a 32-column vocab of 6 real words: only padding. Its loss must still
-    trace (XLA cannot reduce over zero columns) with the same two all-reduces as every other rank."""
+    """Rank 5 (TP rank 1 of 4) holds columns 8-15 of a 32-column vocab of 6 real words: only padding. Its loss must
+    still trace (XLA cannot reduce over zero columns) with the same two all-reduces as every other rank."""
     import torch
     import torch_xla
 
@@ -196,7 +197,7 @@ def test_comm_refuses_xla_collectives_when_runtime_world_differs(worlds):
     worlds(1, "xla-hlo").run(case_runtime_world_mismatch_is_an_error, tensor_model_parallel_size=None)
 
 
-# ---- (b) tp=1 on XLA:CPU equals eager ---------------------------------------------------------------------------------
+# ---- (b) tp=1 on XLA:CPU equals eager --------------------------------------------------------------------------------
 
 def _build_tp1_model(seed):
     import torch
@@ -280,7 +281,7 @@ def test_move_model_to_xla_reties_and_reattaches(worlds):
     assert untied_by_plain_to and lost_attributes
 
 
-# ---- (c) graphs per step ----------------------------------------------------------------------------------------------
+# ---- (c) graphs per step ---------------------------------------------------------------------------------------------
 
 def case_graphs_per_step(steps):
     import torch
@@ -316,7 +317,7 @@ def test_one_graph_per_step_and_no_recompiles(worlds):
         assert step == {"UncachedCompile": 0, "CachedCompile": 1, "ExecuteComputation": 1}, per_step
 
 
-# ---- BERT through the plan ----------------------------------------------------------------------------------------------
+# ---- BERT through the plan -------------------------------------------------------------------------------------------
 
 def _small_bert(model_class_name: str, heads: int):
     import torch
@@ -385,7 +386,8 @@ def case_zero_head_mask_traces_one_graph_for_every_rank():
     graphs, masks, counts = [], [], []
     for rank in range(4):
         with _simulated_rank(world_size=4, rank=rank, tp=4):
-            o_proj = parallelize_model(copy.deepcopy(dense), broadcast_replicated=False).model.layers[0].self_attn.o_proj
+            parallel = parallelize_model(copy.deepcopy(dense), broadcast_replicated=False)
+            o_proj = parallel.model.layers[0].self_attn.o_proj
             masks.append(o_proj.nxdtp_real_columns.view(-1, 8)[:, 0].tolist())
             o_proj = o_proj.to(device)
             torch.manual_seed(1)
@@ -560,7 +562,8 @@ def case_reduce_dtype_lowering():
             backward = _hlo([x.grad])
             _reset_collective_token()
         operand_types[str(reduce_dtype)] = (re.findall(r"all-reduce\((\w+)\[", forward),
-                                            re.findall(r"all-reduce\((\w+)\[", backward), str(y.dtype), str(x.grad.dtype))
+                                            re.findall(r"all-reduce\((\w+)\[", backward), str(y.dtype),
+                                            str(x.grad.dtype))
     return operand_types
 
 

@@ -31,8 +31,7 @@ from nxdtp.optimizer import NeuronZero1Optimizer
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_zero1 import (_apply_lr_scale, _groups, _llama, _llama_batches,  # noqa: E402
-                              _parallelize, torch_clip_grad_norm_)
+from tests.test_zero1 import _apply_lr_scale, _groups, _llama, _llama_batches, _parallelize, torch_clip_grad_norm_  # noqa: E402
 
 MAX_NORM = 0.5
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.01)
@@ -133,7 +132,6 @@ def case_resume(directory: str, kind: str = "zero1", check_dense: bool = True, s
     """Build afresh (weights moved off), load, train the third step; check it against the dense run; return the
     parameters."""
     from nxdtp.checkpointing import load
-
     from tests.test_models_bert import _check_weights
 
     model, opt, sched = _build(kind, sharding=sharding)
@@ -325,8 +323,11 @@ def case_dcp_export_loads(out: str):
     """(A world of 1.) ``dcp.load`` of the export into a dense model and torch AdamW, as a native job does it: the
     weights and every optimizer state tensor equal the dense run's after the same steps."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     model = _llama()

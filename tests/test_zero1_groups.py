@@ -37,8 +37,16 @@ from nxdtp.spec import FlatShardLayout
 transformers = pytest.importorskip("transformers")
 
 from tests import test_zero1_checkpoints as ckpt  # noqa: E402
-from tests.test_zero1 import (INNER, TOL, _apply_lr_scale, _groups, _llama, _llama_batches,  # noqa: E402
-                              _parallelize, torch_clip_grad_norm_)
+from tests.test_zero1 import (  # noqa: E402
+    INNER,
+    TOL,
+    _apply_lr_scale,
+    _groups,
+    _llama,
+    _llama_batches,
+    _parallelize,
+    torch_clip_grad_norm_,
+)
 
 STEPS = 3
 

@@ -115,7 +115,8 @@ def training_arguments(out: str, per_device: int, accumulation: int, use_cpu: bo
         output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], optim="sgd", seed=3, data_seed=4,
-        dataloader_drop_last=True, use_cpu=use_cpu, disable_tqdm=True, **{"max_steps": 4, "save_strategy": "no", **extra})
+        dataloader_drop_last=True, use_cpu=use_cpu, disable_tqdm=True,
+        **{"max_steps": 4, "save_strategy": "no", **extra})
 
 
 def _log(trainer):

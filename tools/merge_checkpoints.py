@@ -8,17 +8,19 @@ it to torch.distributed.checkpoint (DCP).
     python tools/merge_checkpoints.py NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
 
 The same command is installed as the console script ``nxdtp-merge``; the logic lives in nxdtp/checkpointing/cli.py
-(``--help`` lists every option). Exit status 2 with a one-line message on bad input.
+(``--help`` lists every option). Exit status 2 with a one-line message on bad input. nxdtp must be importable:
+installed (``pip install -e .``, as the README's steps do) or on PYTHONPATH.
 """
 
-import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from nxdtp.checkpointing.cli import main  # noqa: E402
+try:
+    from nxdtp.checkpointing.cli import main
+except ModuleNotFoundError as error:
+    if error.name != "nxdtp":
+        raise
+    sys.exit("merge_checkpoints.py: nxdtp is not importable; install it (pip install -e . in the repository) or put "
+             "the repository on PYTHONPATH")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,8 +9,9 @@
 #       -> import nxdtp as parallel_layers                                                          (the imports)
 #   - neuronx_distributed.parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
 #       -> nxdtp.parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size):
-#     NxD 2.29 has no module neuronx_distributed.parallel_state (it is neuronx_distributed.parallel_layers.parallel_state),
-#     and the size is a flag here (default 2, as the guide) so that one XLA:CPU process can run it at 1.
+#     NxD 2.29 has no module neuronx_distributed.parallel_state (it is
+#     neuronx_distributed.parallel_layers.parallel_state), and the size is a flag here (default 2, as the guide) so
+#     that one XLA:CPU process can run it at 1.
 #   - xm.optimizer_step(optimzer, ...) -> xm.optimizer_step(optimizer, ...): the guide's typo, a NameError in NxD too.
 # Not NxD's: train() and main() wrap the guide's lines; the guide leaves input_file, max_pred_length, mini_batch_size,
 # worker_init, YourNewlyBuiltParallelModel, loss_fn, optimizer, scheduler, max_norm and device to the user; the
@@ -22,7 +23,8 @@
 #
 # Run on a machine whose XLA runtime spans the ranks (Trainium, TPU):
 #   torchrun --nproc_per_node=2 examples/nxd_tutorials/bert_training_loop_xla.py
-# On CPU (XLA:CPU is one replica per process): PJRT_DEVICE=CPU python examples/nxd_tutorials/bert_training_loop_xla.py --tensor_model_parallel_size 1
+# On CPU (XLA:CPU is one replica per process):
+#   PJRT_DEVICE=CPU python examples/nxd_tutorials/bert_training_loop_xla.py --tensor_model_parallel_size 1
 
 import argparse
 import os
@@ -34,7 +36,7 @@ import torch_xla.distributed.parallel_loader as pl
 
 import nxdtp
 import nxdtp as parallel_layers
-from nxdtp import parallel_state, clip_grad_norm
+from nxdtp import clip_grad_norm, parallel_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bert_attention_swap import create_pretraining_dataset, get_model, loss_fn, tiny_config, write_dataset  # noqa: E402

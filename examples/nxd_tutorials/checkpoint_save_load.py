@@ -91,7 +91,8 @@ def main(argv=None):
     import os
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bert_attention_swap import get_model as get_training_model, loss_fn, tiny_config
+    from bert_attention_swap import get_model as get_training_model
+    from bert_attention_swap import loss_fn, tiny_config
 
     root = (argv or sys.argv[1:] or ["/tmp/nxd_tutorial_checkpoint"])[0]
     torch.distributed.init_process_group("gloo")

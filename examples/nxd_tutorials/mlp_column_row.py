@@ -1,4 +1,5 @@
-# NxD's tensor-parallel MLP, run by nxdtp: ColumnParallelLinear(gather_output=False) -> RowParallelLinear(input_is_parallel=True).
+# NxD's tensor-parallel MLP, run by nxdtp: ColumnParallelLinear(gather_output=False) ->
+# RowParallelLinear(input_is_parallel=True).
 #
 # Follows (NxD docs, aws-neuron-sdk libraries/neuronx-distributed/):
 #   - model_builder_v2_api_reference.rst, "Example: Build and run torch module with ModelBuilder": the Model class (a
@@ -7,7 +8,8 @@
 #   - tp_developer_guide.rst, "Final Training script": output = model(...); loss = loss_fn(output, labels);
 #     loss.backward(); clip_grad_norm(model.parameters(), max_norm).
 # Lines that differ from NxD's code:
-#   - from neuronx_distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear, clip_grad_norm, parallel_state
+#   - from neuronx_distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear, clip_grad_norm,
+#         parallel_state
 #       -> from nxdtp import ColumnParallelLinear, RowParallelLinear, clip_grad_norm, parallel_state     (the import)
 #   - grad_norm = clip_grad_norm(...): the guide drops the returned pre-clip norm; NxD returns it too.
 # Not NxD's: the Neuron-only ModelBuilder trace/compile and shard_checkpoint/set_weights steps are left out;

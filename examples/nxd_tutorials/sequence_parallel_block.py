@@ -8,8 +8,8 @@
 #   - "Model changes for Non-Tensor-Parallel block": layer_norm.LayerNorm(..., sequence_parallel_enabled=...), and
 #     setattr(param, "sequence_parallel_enabled", sequence_parallel_enabled) for a norm of your own (an RMSNorm here);
 #   - allreduce_sequence_parallel_gradients(optimizer), verbatim, called before optimizer.step();
-#   - "Transposing the activations": transpose + scatter_to_sequence_parallel_region before the layers, qkv.transpose(0,1)
-#     after the QKV projection and attn_output.transpose(0,1) before the output projection, and
+#   - "Transposing the activations": transpose + scatter_to_sequence_parallel_region before the layers,
+#     qkv.transpose(0,1) after the QKV projection and attn_output.transpose(0,1) before the output projection, and
 #     gather_from_sequence_parallel_region(hidden_states, to_model_parallel=False) + transpose at the end.
 # Lines that differ from NxD's code:
 #   - from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
@@ -142,7 +142,7 @@ class ModelNxD(nn.Module):
         self.final_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
         sequence_parallel_enabled = config.sequence_parallel_enabled
         for param in self.final_norm.parameters():
-            setattr(param, "sequence_parallel_enabled", sequence_parallel_enabled)
+            param.sequence_parallel_enabled = sequence_parallel_enabled
 
     def forward(self, hidden_states):
         """[batch, seq, hidden] in and out."""

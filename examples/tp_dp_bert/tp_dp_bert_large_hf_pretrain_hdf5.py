@@ -37,10 +37,11 @@ from master_weights import MasterWeights  # noqa: E402
 from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_state  # noqa: E402
+from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.optimizer import NeuronZero1Optimizer  # noqa: E402
 from nxdtp.optimizers import Lamb  # noqa: E402
-from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
+
 
 class NonFiniteStepError(FloatingPointError):
     """A step's loss or pre-clip gradient norm is inf or NaN. Every rank raises it at the same step (the loss is
@@ -59,7 +60,7 @@ INPUT_ERRORS = (WorldSizeError, pretraining_data.DataError, checkpointing.Checkp
 DEBUG_MODEL = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=64)
 
 
-# ---- flags ------------------------------------------------------------------------------------------------------------
+# ---- flags -----------------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_every_steps", type=int, default=0, help="also save every N optimizer steps (0: off)")
     p.add_argument("--keep_last_ckpts", type=int, default=None, help="keep only the newest N checkpoints")
     p.add_argument("--device", default="auto", choices=runtime_lib.DEVICE_CHOICES,
-                   help="auto: an XLA accelerator if present, else CUDA, else CPU; xla on a CPU-only machine is XLA:CPU")
+                   help="auto: an XLA accelerator if present, else CUDA, else CPU; xla on a CPU-only machine is "
+                        "XLA:CPU")
     p.add_argument("--ddp", action="store_true",
                    help="average gradients with torch DistributedDataParallel over the DP group instead of nxdtp's "
                         "bucketed all-reduce (CPU/CUDA)")
@@ -203,7 +205,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-# ---- model and optimizer -------------------------------------------------------------------------------------------------
+# ---- model and optimizer ---------------------------------------------------------------------------------------------
 
 def load_config(args: argparse.Namespace):
     """The model's BertConfig: --model_config (a directory or a JSON file), else --init_from's, else BERT-large.
@@ -319,7 +321,7 @@ class LinearWarmupDecay:
         self._apply()
 
 
-# ---- the training step ---------------------------------------------------------------------------------------------------
+# ---- the training step -----------------------------------------------------------------------------------------------
 
 class Trainer:
     def __init__(self, args: argparse.Namespace, rt: runtime_lib.Runtime):
@@ -396,7 +398,7 @@ class Trainer:
         step_loss = comm.all_reduce(step_loss, self.dp_group, op="sum") / self.dp_group.size
         return step_loss, grad_norm
 
-    # ---- checkpoints --------------------------------------------------------------------------------------------------
+    # ---- checkpoints -------------------------------------------------------------------------------------------------
 
     def checkpoint_dict(self, epoch: int) -> Dict[str, Any]:
         state: Dict[str, Any] = {"model": self.weights, "global_step": self.global_step, "epoch": epoch,
@@ -460,7 +462,8 @@ class Trainer:
                   + (" (model only: optimizer state starts fresh)" if minimal else ""), flush=True)
 
     def verify_checkpoint(self, tag_dir: str) -> None:
-        """--test_checkpointing: a fresh model loaded from the checkpoint must equal the trained one, tensor by tensor."""
+        """--test_checkpointing: a fresh model loaded from the checkpoint must equal the trained one, tensor by
+        tensor."""
         fresh = build_model(self.args, self.config, self.rt.device)
         checkpointing.load(self.args.output_dir, model=fresh, tag=os.path.basename(tag_dir))
         trained = self.weights.state_dict()
@@ -471,7 +474,7 @@ class Trainer:
             print(f"checkpoint {tag_dir} verified: every tensor reloads exactly", flush=True)
 
 
-# ---- the run ----------------------------------------------------------------------------------------------------------------
+# ---- the run ---------------------------------------------------------------------------------------------------------
 
 def _batches_to_skip(trainer: Trainer) -> int:
     """The micro-batch count to skip so that a resumed run reads the data where the saved run stopped."""
@@ -560,9 +563,9 @@ def _train(args: argparse.Namespace, rt: runtime_lib.Runtime,
         if log is not None:  # the LOG line of the bad step too (with its grad-norm), then the reason for stopping
             log.step(epoch_now, step, loss_value, lr, throughput.tick(), norm_value, rt.graph_counters())
         if not finite:
+            last = "none" if trainer.saved_step is None else f"step {trainer.saved_step}"
             message = (f"step {step}: non-finite step_loss : {loss_value} grad-norm : {norm_value}; stopping without "
-                       f"saving step {step} (last checkpoint: {'none' if trainer.saved_step is None else f'step {trainer.saved_step}'}); lower --lr, or check the "
-                       "data")
+                       f"saving step {step} (last checkpoint: {last}); lower --lr, or check the data")
             if log is not None:
                 print(f"LOG {time.asctime()} - ({epoch_now}, {step}) ERROR {message}", flush=True)
             raise NonFiniteStepError(message)

@@ -22,8 +22,8 @@ from ..plan import parallelize
 from . import bert, gpt2, hf_tp_plan, llama, roberta
 from .activation_checkpointing import checkpoint_layers
 from .common import attention_bias, gather_vocab_logits, require_supported_transformers
-from .hf_saving import save_pretrained
 from .generation import generation_mode
+from .hf_saving import save_pretrained
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
 # (checkpoint_keys); _PLANS gives each family's plan(sequence_parallel, make_vocab_size_divisible_by).

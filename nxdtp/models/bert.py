@@ -34,16 +34,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import mappings
-from ..loss_functions import parallel_cross_entropy
 from ..heads import padded_head_count
+from ..loss_functions import parallel_cross_entropy
 from ..parallel_state import data_parallel_group, tensor_parallel_group
-from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
-    parallelize, wrap_forward
-from .attention_heads import attention_projection_styles
+from ..plan import (
+    ColumnParallel,
+    Plan,
+    Replicate,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    parallelize,
+    wrap_forward,
+)
 from .activation_checkpointing import checkpoint_layers  # noqa: F401 - re-exported
+from .attention_heads import attention_projection_styles
+from .common import (  # noqa: F401 - re-exports
+    attention_bias,
+    dropping,
+    gather_vocab_logits,
+    maybe_forked,
+    require_supported_transformers,
+    tensor_parallel_block,
+    with_and_without_prefix,
+)
 from .hf_integration import finish_hf_model
-from .common import attention_bias, dropping, gather_vocab_logits, maybe_forked, \
-    require_supported_transformers, tensor_parallel_block, with_and_without_prefix  # noqa: F401 - re-exports
 
 # HF BERT is batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1

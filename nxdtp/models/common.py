@@ -14,7 +14,6 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import wrapper_factory
 from ..random import get_xla_rng_tracker
 
-
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
 # matrix and docs/wrapping_hf_models.md's families table say the same): BERT from 4.26 (NxD's BERT tutorial), every other
 # family from 4.48 (NxD's training examples), up to the newest 5.x. Inside the range, differences between releases are

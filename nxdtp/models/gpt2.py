@@ -26,16 +26,33 @@ import dataclasses
 import torch
 from torch import nn
 
+from .. import mappings
 from ..heads import padded_head_count
 from ..parallel_state import tensor_parallel_group
-from ..plan import ColumnParallel, Plan, Replicate, RowParallel, VocabParallelEmbedding, VocabParallelLMHead, \
-    call_with_parameters_as, wrap_forward
-from .. import mappings
+from ..plan import (
+    ColumnParallel,
+    Plan,
+    Replicate,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    call_with_parameters_as,
+    wrap_forward,
+)
 from .attention_heads import attention_projection_styles
+from .common import (
+    check_model,
+    dropping,
+    gather_sequence_of_output,
+    maybe_forked,
+    never_drops,
+    require_supported_transformers,
+    scatter_sequence_of_input,
+    splits_sequence,
+    tensor_parallel_block,
+    with_and_without_prefix,
+)
 from .hf_integration import finish_hf_model
-from .common import check_model, dropping, gather_sequence_of_output, maybe_forked, never_drops, \
-    require_supported_transformers, scatter_sequence_of_input, splits_sequence, tensor_parallel_block, \
-    with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
 
 SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")

@@ -32,11 +32,18 @@ from typing import Dict
 from torch import nn
 
 from ..parallel_state import tensor_parallel_group
-from ..plan import ColumnParallel, Plan, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
-    VocabParallelLMHead, has_own_forward
+from ..plan import (
+    ColumnParallel,
+    Plan,
+    ReplicatedWithGradAllReduce,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    has_own_forward,
+)
 from .attention_heads import attention_projection_styles, local_kv_groups
-from .hf_integration import finish_hf_model
 from .common import check_model, require_supported_transformers
+from .hf_integration import finish_hf_model
 from .losses import use_vocab_parallel_causal_lm_loss
 
 logger = logging.getLogger(__name__)

@@ -23,18 +23,31 @@ Megatron-style, as for BERT:
 
 from __future__ import annotations
 
-
 from torch import nn
 
 from ..parallel_state import tensor_parallel_group
-from ..plan import ColumnParallel, Plan, Replicate, ReplicatedWithGradAllReduce, RowParallel, VocabParallelEmbedding, \
-    VocabParallelLMHead, wrap_forward
+from ..plan import (
+    ColumnParallel,
+    Plan,
+    Replicate,
+    ReplicatedWithGradAllReduce,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    wrap_forward,
+)
 from .attention_heads import attention_projection_styles, local_kv_groups
+from .common import (
+    check_model,
+    gather_sequence_of_output,
+    never_drops,
+    require_supported_transformers,
+    scatter_sequence_of_input,
+    tensor_parallel_block,
+    with_and_without_prefix,
+)
 from .hf_integration import finish_hf_model
-from .common import check_model, gather_sequence_of_output, never_drops, require_supported_transformers, \
-    scatter_sequence_of_input, tensor_parallel_block, with_and_without_prefix
 from .losses import use_vocab_parallel_causal_lm_loss
-
 
 # HF decoders are batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1

@@ -47,12 +47,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from peft.tuners.lora.layer import LoraLayer
 from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTuner, check_adapters_to_merge
 from peft.utils import PeftType
+from torch import nn
 
 from .. import comm, mappings, sequence_parallel_linear
 from ..layers import BaseParallelLayer, ColumnParallelLinear, RowParallelLinear

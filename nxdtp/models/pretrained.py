@@ -11,8 +11,13 @@ from torch import nn
 
 from .. import comm
 from ..plan import broadcast_replicated_state
-from .hf_loading import (CheckpointReader, PretrainedDirectoryError, load_sharded_weights, materialize_meta_model,
-                         parameters_on_meta)
+from .hf_loading import (
+    CheckpointReader,
+    PretrainedDirectoryError,
+    load_sharded_weights,
+    materialize_meta_model,
+    parameters_on_meta,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .. import mappings, sequence_parallel_linear, sharded_init
-from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported
 from ..parallel_state import tensor_parallel_group
+from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported
 from ..spec import ParamSpec, ShardedModule
 
 PROJECTIONS = ("q", "k", "v")

@@ -47,9 +47,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import comm
-from ..grads import buckets_by, clip_grads_with_norm, get_grad_norm, _check_norm_type
-from ..parallel_state import (ParallelGroup, model_parallel_is_initialized, rank_tensor, tensor_parallel_group,
-                              zero1_groups)
+from ..grads import _check_norm_type, buckets_by, clip_grads_with_norm, get_grad_norm
+from ..parallel_state import (
+    ParallelGroup,
+    model_parallel_is_initialized,
+    rank_tensor,
+    tensor_parallel_group,
+    zero1_groups,
+)
 from ..spec import FlatShardLayout
 
 # Attributes of a parameter that its shard carries, so the norm rules (and Lamb) treat the shard as the parameter.

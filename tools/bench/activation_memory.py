@@ -277,7 +277,7 @@ def h_measure(state, spec: Dict[str, Any], mode: str, dtype: str, attention: str
     """One forward of the layer stack in ``mode``; what autograd saved and how RSS moved on this rank."""
     if mode == "dense" and state["rank"] != 0:
         return None
-    from rss_probe import proc_status_kib, reset_peak_rss
+    from .rss import proc_status_kib, reset_peak_rss
 
     model = _build(spec, mode, dtype, attention)
     batch = _batch(spec)
@@ -328,7 +328,7 @@ def h_measure(state, spec: Dict[str, Any], mode: str, dtype: str, attention: str
 
 
 def worker_main(conn, name: str, rank: int, world: int, port: int) -> None:
-    from bench.common import serve_in_gloo_world
+    from .common import serve_in_gloo_world
 
     def seed():
         from nxdtp.random import model_parallel_xla_manual_seed

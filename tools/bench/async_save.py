@@ -85,7 +85,7 @@ def h_round(state, mode: str, directory: str, pre: int, post: int) -> Dict[str, 
 
 
 def worker_main(conn, name: str, rank: int, world: int, port: int, tp: int) -> None:
-    from bench.common import serve_in_gloo_world
+    from .common import serve_in_gloo_world
 
     serve_in_gloo_world(conn, {"setup": h_setup, "round": h_round}, rank, world, port, tp, GLOO_TIMEOUT_S)
 

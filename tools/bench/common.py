@@ -19,7 +19,6 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 TOOLS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPO_ROOT = os.path.dirname(TOOLS_DIR)
 BENCHMARK_SCRIPT = os.path.join(TOOLS_DIR, "benchmark.py")
 MIB = 1 << 20
 
@@ -28,19 +27,17 @@ SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_N
                      "TOKENIZERS_PARALLELISM": "false"}
 
 
-def ensure_import_paths() -> None:
-    """The repository (for nxdtp) and tools/ (for rss_probe, bench_merge, bench) on sys.path."""
-    for path in (TOOLS_DIR, REPO_ROOT):
-        if path not in sys.path:
-            sys.path.insert(0, path)
+def tool_script(name: str) -> str:
+    """The path of one of the CLIs in tools/ (``bench_merge.py``, ...): how a benchmark starts itself as a worker."""
+    return os.path.join(TOOLS_DIR, name)
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The environment of a measuring subprocess: single-threaded, with nxdtp and tools/ importable."""
+    """The environment of a measuring subprocess: single-threaded, with ``bench`` importable. nxdtp comes from where
+    this process found it: the installed package or the inherited PYTHONPATH."""
     env = dict(os.environ)
     env.update(SINGLE_THREAD_ENV)
-    path = [REPO_ROOT, TOOLS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    env["PYTHONPATH"] = os.pathsep.join(path)
+    env["PYTHONPATH"] = os.pathsep.join([TOOLS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra or {})
     return env
 

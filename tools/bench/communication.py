@@ -98,11 +98,12 @@ def hlo_worker(args: Dict[str, Any]) -> Dict[str, Any]:
     import torch_xla.debug.metrics as met
     import torch_xla.runtime as xr
 
-    from bench.train_step import build_dense_bert, make_batch
     from nxdtp import parallel_state
     from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
     from nxdtp.models.bert import parallelize_bert
     from nxdtp.utils import move_model_to_device
+
+    from .train_step import build_dense_bert, make_batch
 
     device = torch_xla.device()
 

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from typing import Any, Dict, Optional
 
+from . import merge_timing as bench_merge
 from .common import fmt, log, markdown_table, stdout_to_stderr, verdict
 
 QUICK_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000,
@@ -32,8 +33,6 @@ QUICK_TP = 2
 @contextlib.contextmanager
 def _bench_merge_model(config: Dict[str, int], tp: int):
     """bench_merge with another model config and tp (module globals; restored on exit)."""
-    import bench_merge
-
     saved = bench_merge.BERT_LARGE, bench_merge.TP
     bench_merge.BERT_LARGE, bench_merge.TP = dict(config), tp
     try:
@@ -74,8 +73,6 @@ def create_checkpoint(config: Dict[str, int], checkpoint_dir: str) -> str:
 def prepare(quick: bool, workdir: Optional[str] = None, competitors=None) -> Dict[str, Any]:
     """Choose the work directory. Under --quick, the nxdtp workers of section 1 (2 gloo ranks with everything
     imported) write the tiny tp=2 checkpoint; a full run leaves the BERT-large one to bench_merge."""
-    import bench_merge
-
     temporary = workdir is None
     if temporary:
         workdir = tempfile.mkdtemp(prefix="bench_merge_")
@@ -101,8 +98,6 @@ def cleanup(prepared: Optional[Dict[str, Any]]) -> None:
 
 
 def run(prepared: Dict[str, Any], rounds: int) -> Dict[str, Any]:
-    import bench_merge
-
     workdir = prepared["workdir"]
     try:
         log(f"checkpoint merge: tools/bench_merge.py, {rounds} round(s), warm page cache"
@@ -137,8 +132,6 @@ def run(prepared: Dict[str, Any], rounds: int) -> Dict[str, Any]:
 
 
 def tables(result: Dict[str, Any]) -> str:
-    import bench_merge
-
     s = result["summary"]
     ckpt_mib = result["checkpoint_bytes"] / (1 << 20)
     cfg = result["model_config"]

@@ -38,8 +38,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from .common import (SINGLE_THREAD_ENV, WorkerGroup, fmt, fmt_bytes, fmt_range, log, markdown_table, summary,
-                     verdict)
+from .common import SINGLE_THREAD_ENV, WorkerGroup, fmt, fmt_bytes, fmt_range, log, markdown_table, summary, verdict
 
 COMPETITORS = ("dense", "nxdtp", "dtensor")
 LABELS = {"dense": "(a) dense, 1 process x 1 thread",
@@ -101,7 +100,8 @@ def _import_everything() -> None:
     import nxdtp.grads  # noqa: F401
     import nxdtp.models  # noqa: F401
     import nxdtp.models.bert  # noqa: F401
-    import rss_probe  # noqa: F401
+
+    from . import rss  # noqa: F401
 
 
 def build_dense_bert(model_cfg: Dict[str, Any], seed: int):
@@ -255,7 +255,7 @@ def h_build(state, model_cfg, seq, batch, seed, vocab_multiple: int = 1, arch: s
     (LlamaForCausalLM, sharded by ``nxdtp.models.parallelize_model``'s Llama plan)."""
     import torch
 
-    from rss_probe import proc_status_kib, reset_peak_rss
+    from .rss import proc_status_kib, reset_peak_rss
 
     build, make = (build_dense_bert, make_batch) if arch == "bert" else (build_dense_llama, make_llama_batch)
     model = build(model_cfg, seed)
@@ -329,7 +329,7 @@ def h_steps(state, n: int = 1) -> List[Dict[str, float]]:
 
 
 def h_memory(state) -> Dict[str, Any]:
-    from rss_probe import proc_status_kib
+    from .rss import proc_status_kib
 
     now = proc_status_kib()
     baseline = state["baseline"]["VmRSS"] / 1024
@@ -643,8 +643,8 @@ def worker_main(conn, name: str, rank: int, world: int, port: int, kind: str = N
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     _import_everything()
-    from bench.common import serve
-    from rss_probe import proc_status_kib
+    from .common import serve
+    from .rss import proc_status_kib
 
     state = {"kind": kind, "rank": rank, "world": world, "device": device, "baseline": proc_status_kib()}
     distributed = world > 1 or kind == "nxdtp"  # nxdtp needs a process group even at tp=1

@@ -59,11 +59,12 @@ def steps_worker(args: Dict[str, Any]) -> Dict[str, Any]:
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
-    from bench.train_step import ADAMW, MAX_GRAD_NORM, build_dense_bert, make_batch
     from nxdtp import parallel_state
     from nxdtp.grads import clip_grad_norm
     from nxdtp.models.bert import attention_bias, parallelize_bert
     from nxdtp.utils import move_model_to_device
+
+    from .train_step import ADAMW, MAX_GRAD_NORM, build_dense_bert, make_batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
@@ -106,7 +107,7 @@ def steps_worker(args: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-# ---- (b) distinct graphs over every rank of a simulated world ----------------------------------------------------------
+# ---- (b) distinct graphs over every rank of a simulated world --------------------------------------------------------
 
 BERT_LARGE_LAYERS = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
                          vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
@@ -253,8 +254,9 @@ def run(quick: bool, seed: int) -> Dict[str, Any]:
             env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + QUICK_XLA_FLAGS).strip()
         variants = run_worker_script("xla-graphs", dict(args, mode="steps"), os.path.join(tmp, "xla.json"), env=env)
         ranks_spec = RANKS_QUICK if quick else RANKS_FULL
-        log(f"xla graphs: every rank of a simulated tp={ranks_spec['tp']} x dp={ranks_spec['world'] // ranks_spec['tp']}"
-            " world, BERT and Llama, SP off and on (separate process, nothing executed)")
+        log(f"xla graphs: every rank of a simulated tp={ranks_spec['tp']} x "
+            f"dp={ranks_spec['world'] // ranks_spec['tp']} world, BERT and Llama, SP off and on (separate process, "
+            "nothing executed)")
         ranks = run_worker_script("xla-graphs", dict(mode="ranks", spec=ranks_spec, seed=seed),
                                   os.path.join(tmp, "ranks.json"), env=env, timeout=1800)
     for variant in variants.values():
@@ -313,9 +315,9 @@ def tables(result: Dict[str, Any]) -> str:
 def _ranks_table(ranks: Dict[str, Any]) -> str:
     bert, llama = ranks["models"]["bert"], ranks["models"]["llama"]
     lines = [f"Distinct graph hashes over all {ranks['world']} ranks of a simulated tp={ranks['tp']} x "
-             f"dp={ranks['world'] // ranks['tp']} world (one train step: forward with dropout, backward, SP/DP gradient "
-             f"all-reduces, clip_grad_norm, optimizer step; seq {ranks['seq']}, batch {ranks['batch']}). BERT: "
-             f"BertForPreTraining, {bert['num_hidden_layers']} layers, hidden {bert['hidden_size']}, "
+             f"dp={ranks['world'] // ranks['tp']} world (one train step: forward with dropout, backward, SP/DP "
+             f"gradient all-reduces, clip_grad_norm, optimizer step; seq {ranks['seq']}, batch {ranks['batch']}). "
+             f"BERT: BertForPreTraining, {bert['num_hidden_layers']} layers, hidden {bert['hidden_size']}, "
              f"{bert['num_attention_heads']} heads, intermediate {bert['intermediate_size']}, vocab "
              f"{bert['vocab_size']}, AdamW. Llama: {llama['num_hidden_layers']} layers, hidden {llama['hidden_size']}, "
              f"{llama['num_attention_heads']} heads / {llama['num_key_value_heads']} KV heads, intermediate "

@@ -219,7 +219,7 @@ def h_count(state, spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
 def h_rss(state, spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
     """One variant's model, a warm-up forward and backward, then the optimizer and ``steps`` steps under the peak-RSS
     watermark."""
-    from rss_probe import proc_status_kib, reset_peak_rss
+    from .rss import proc_status_kib, reset_peak_rss
 
     model = _real_model(spec["model"])
     batch = _batch(spec)
@@ -319,7 +319,7 @@ def h_time_finish(state) -> Dict[str, float]:
 
 
 def worker_main(conn, name: str, rank: int, world: int, port: int, tp: int) -> None:
-    from bench.common import serve_in_gloo_world
+    from .common import serve_in_gloo_world
 
     serve_in_gloo_world(conn, {"count": h_count, "rss": h_rss, "time_setup": h_time_setup, "step": h_step,
                                "collectives": h_collectives, "time_finish": h_time_finish},

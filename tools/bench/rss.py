@@ -1,6 +1,6 @@
 """Memory probes for the benchmarks in this folder (Linux): RSS from /proc, the peak watermark, and a sampler.
 
-Imported by the benchmark scripts, which run with this folder first on sys.path.
+Used by the merge and pretrained-loading benchmarks (``merge_timing``, ``pretrained_loading``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,499 @@
+"""Wall time and peak host memory of merging a tp=8 BERT-large checkpoint, next to a raw copy of the same bytes.
+
+``nxdtp.checkpointing.merge`` reassembles every tensor of a sharded checkpoint from its TP pieces and streams the
+dense tensors into one ``model.safetensors``. This script measures how long that takes and how much memory it needs,
+against the lower bound of any streaming merge: reading the same bytes and writing them once. It prints figures; it is
+a benchmark, not a test (it asserts nothing).
+
+Targets: merge wall time <= 2 x the raw copy's, and a peak RSS increase <= 25 % of the checkpoint size.
+
+What it does:
+
+1. Creates the checkpoint in ``WORKDIR/bert-large-tp8`` unless that directory already holds a complete one:
+   ``python -m torch.distributed.run --standalone --nproc_per_node=8`` on this file. Each rank (gloo,
+   ``initialize_model_parallel(8)``) builds ``BertForPreTraining`` (BERT-large: hidden 1024, 24 layers, 16 heads,
+   intermediate 4096, vocab 30522) on the meta device, shards it with ``parallelize_bert(broadcast_replicated=False)``,
+   materialises it with ``materialize_meta_model(model, "cpu")``, fills every parameter with N(0, 0.02) values (sharded
+   parameters from a per-rank seed, replicated ones from one seed shared by all ranks, so the replicas agree) and calls
+   ``nxdtp.checkpointing.save({"model": model, "global_step": 1}, dir)``.
+2. Measures, each in a fresh process, ``--rounds`` times, alternating (raw, merge, naive, raw, merge, naive, ...):
+
+   * raw: streaming copy of every file of the tag's ``model/`` directory to a new file, through one reused 16 MiB
+     buffer (``readinto`` / ``write``), then ``fsync``. This is "a raw read + write of the same bytes", the floor for a
+     merge that streams.
+   * merge: ``merge(checkpoint_dir, fresh_output_dir, tag=..., progress=False)``.
+   * naive: each rank file read whole (``f.read()``), written, ``fsync``; for context: its RSS increase is the
+     largest rank file.
+
+   Each output is deleted after its measurement (outside the timed part). Figures are medians over rounds.
+3. Does this with the page cache dropped before every measurement (``cold``: ``sync; echo 3 >
+   /proc/sys/vm/drop_caches``, needs root; where refused, it says so and the inputs stay warm) and with the input files
+   read once just before (``warm``). ``--cache`` picks one or both.
+4. Prints markdown tables and, with ``--json``, writes every figure to a JSON file.
+
+Measurement details:
+
+* Every measuring process imports the same modules (torch, safetensors, tqdm, nxdtp, nxdtp.checkpointing.merge)
+  before its baseline, so baselines match. baseline = VmRSS after the imports.
+* Before the timed call the peak-RSS watermark is reset (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0);
+  peak = VmHWM after the call. ``getrusage`` ``ru_maxrss`` is recorded too (it can also hold the watermark of an
+  earlier exited thread, which ``clear_refs`` does not reset, so it can only be higher). increase = peak - baseline.
+* RSS counts file-backed pages of memory-mapped files (``RssFile``) as well as private memory (``RssAnon``).
+  Mapped checkpoint pages live in the page cache and are reclaimable; private pages are not. A sampling thread (every
+  2 ms; the raw copy has it too) records the highest ``RssAnon`` / ``RssFile`` it saw: they explain the peak, they can
+  miss short spikes.
+* Output written with ``write()`` goes to the page cache, which is not in the writer's RSS; both sides ``fsync``, so
+  both pay for the disk.
+* checkpoint size = bytes of the tag's ``model/`` files (what the raw copy reads and writes); the tensor bytes and
+  the merged file's size are printed too. ``OMP_NUM_THREADS=1`` in every measuring process.
+
+Usage::
+
+    python tools/bench_merge.py [--workdir DIR] [--keep] [--rounds 3] [--cache cold|warm|both] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from .common import child_env, tool_script
+from .rss import RssSampler as _RssSampler
+from .rss import maxrss_kib as _maxrss_kib
+from .rss import proc_status_kib as _proc_status_kib
+from .rss import reset_peak_rss as _reset_peak_rss
+
+TP = 8
+BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                  vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
+CHECKPOINT_NAME = f"bert-large-tp{TP}"
+GLOBAL_STEP = 1
+COPY_BUFFER_BYTES = 16 << 20
+SAMPLE_INTERVAL_S = 0.002
+TARGET_WALL_RATIO = 2.0
+TARGET_RSS_FRACTION = 0.25
+KINDS = ("raw", "merge", "naive")
+KIND_LABELS = {"raw": "raw copy (stream, 16 MiB buffer, fsync)", "merge": "merge -> model.safetensors",
+               "naive": "naive copy (read whole file, write, fsync)"}
+
+MIB = 1 << 20
+
+
+
+def _measure(run) -> dict:
+    """Run ``run()`` and return its wall time and memory figures (MiB) relative to the RSS just before it."""
+    import gc
+
+    gc.collect()
+    before = _proc_status_kib()
+    maxrss_before = _maxrss_kib()
+    peak_reset = _reset_peak_rss()
+    start = time.perf_counter()
+    with _RssSampler(SAMPLE_INTERVAL_S) as sampler:
+        run()
+    seconds = time.perf_counter() - start
+    after = _proc_status_kib()
+    maxrss = _maxrss_kib()
+    peak_kib = after["VmHWM"] if peak_reset else maxrss
+    return {
+        "seconds": seconds,
+        "baseline_mib": before["VmRSS"] / 1024,
+        "baseline_anon_mib": before.get("RssAnon", 0) / 1024,
+        "baseline_file_mib": before.get("RssFile", 0) / 1024,
+        "peak_reset": peak_reset,
+        "peak_mib": peak_kib / 1024,
+        "increase_mib": (peak_kib - before["VmRSS"]) / 1024,
+        "maxrss_before_mib": maxrss_before / 1024,
+        "maxrss_mib": maxrss / 1024,
+        "maxrss_increase_mib": (maxrss - before["VmRSS"]) / 1024,
+        "sampled_peak_anon_increase_mib": (sampler.peak["RssAnon"] - before.get("RssAnon", 0)) / 1024,
+        "sampled_peak_file_increase_mib": (sampler.peak["RssFile"] - before.get("RssFile", 0)) / 1024,
+        "after_anon_increase_mib": (after.get("RssAnon", 0) - before.get("RssAnon", 0)) / 1024,
+        "after_file_increase_mib": (after.get("RssFile", 0) - before.get("RssFile", 0)) / 1024,
+    }
+
+
+# ---- checkpoint layout (no torch needed) -----------------------------------------------------------------------------
+
+def _tag_dir(checkpoint_dir: str):
+    """The newest complete tag directory of ``checkpoint_dir``, or None."""
+    try:
+        with open(os.path.join(checkpoint_dir, "newest")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    return tag_dir if tag and os.path.isfile(os.path.join(tag_dir, "done")) else None
+
+
+def _model_files(tag_dir: str):
+    model_dir = os.path.join(tag_dir, "model")
+    return [os.path.join(model_dir, f) for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")]
+
+
+def _safetensors_tensor_bytes(path: str):
+    """(tensor count, bytes of tensor data) of a safetensors file, from its header."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    spans = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
+    return len(spans), sum(end - begin for begin, end in spans)
+
+
+# ---- worker entry points (each runs in its own process) --------------------------------------------------------------
+
+def _import_everything() -> None:
+    """What the merge imports, in every measuring process, so the baselines hold the same modules."""
+    import safetensors  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
+    import tqdm  # noqa: F401
+
+    import nxdtp  # noqa: F401
+    import nxdtp.checkpointing  # noqa: F401
+    import nxdtp.checkpointing.merge  # noqa: F401
+
+
+def worker_create(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import BertConfig, BertForPreTraining
+
+    import nxdtp.checkpointing
+    from nxdtp import parallel_state
+    from nxdtp.models.bert import parallelize_bert
+    from nxdtp.models.hf_loading import materialize_meta_model
+
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    rank = dist.get_rank()
+    try:
+        config = BertConfig(**BERT_LARGE, architectures=["BertForPreTraining"])
+        with torch.device("meta"):
+            model = BertForPreTraining(config)
+        parallelize_bert(model, broadcast_replicated=False)
+        materialize_meta_model(model, "cpu")
+        # Same parameter order on every rank: replicated parameters draw the same values everywhere.
+        replicated = torch.Generator().manual_seed(1234)
+        own = torch.Generator().manual_seed(10_000 + rank)
+        with torch.no_grad():
+            for _, param in model.named_parameters():  # tied parameters once
+                sharded = bool(getattr(param, "tensor_model_parallel", False))
+                param.normal_(0.0, 0.02, generator=own if sharded else replicated)
+            for _, buffer in model.named_buffers():  # non-persistent in HF BERT; keep them defined anyway
+                buffer.zero_()
+        tag_dir = nxdtp.checkpointing.save({"model": model, "global_step": GLOBAL_STEP}, args.checkpoint_dir)
+        if rank == 0:
+            print(f"# saved {tag_dir}", flush=True)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _copy_stream(sources, destination_dir: str) -> int:
+    buffer = bytearray(COPY_BUFFER_BYTES)
+    view = memoryview(buffer)
+    total = 0
+    for source in sources:
+        with open(source, "rb", buffering=0) as src, \
+                open(os.path.join(destination_dir, os.path.basename(source)), "wb", buffering=0) as dst:
+            while True:
+                n = src.readinto(buffer)
+                if not n:
+                    break
+                written = 0
+                while written < n:
+                    written += dst.write(view[written:n])
+                total += n
+            os.fsync(dst.fileno())
+    return total
+
+
+def _copy_naive(sources, destination_dir: str) -> int:
+    total = 0
+    for source in sources:
+        with open(source, "rb") as src:
+            data = src.read()
+        with open(os.path.join(destination_dir, os.path.basename(source)), "wb") as dst:
+            dst.write(data)
+            dst.flush()
+            os.fsync(dst.fileno())
+        total += len(data)
+        del data
+    return total
+
+
+def worker_measure(args) -> None:
+    _import_everything()
+    tag_dir = _tag_dir(args.checkpoint_dir)
+    sources = _model_files(tag_dir)
+    outcome = {}
+    if args.worker == "merge":
+        from nxdtp.checkpointing.merge import merge
+
+        def run():
+            outcome["path"] = merge(args.checkpoint_dir, args.output_dir, tag=os.path.basename(tag_dir),
+                                    progress=False)
+    else:
+        os.makedirs(args.output_dir)
+        copy = _copy_stream if args.worker == "raw" else _copy_naive
+
+        def run():
+            outcome["bytes"] = copy(sources, args.output_dir)
+
+    result = _measure(run)
+    result["kind"] = args.worker
+    if args.worker == "merge":
+        result["output_file"] = outcome["path"]
+        result["output_bytes"] = os.path.getsize(outcome["path"])
+        result["output_tensors"], result["output_tensor_bytes"] = _safetensors_tensor_bytes(outcome["path"])
+    else:
+        result["output_bytes"] = outcome["bytes"]
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------------
+
+def _run(cmd, what: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"# {what}: {' '.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, env=child_env(), check=True)
+    if not quiet:
+        print(f"# {what}: done in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _drop_page_cache() -> str:
+    """'' when the kernel dropped the page cache, else why not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return ""
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _warm(paths) -> None:
+    buffer = bytearray(COPY_BUFFER_BYTES)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+    os.sync()
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def _stats(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _fmt(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _summarise(runs, checkpoint_bytes: int) -> dict:
+    """Per kind: median/min/max of wall and RSS figures over the rounds."""
+    summary = {}
+    for kind in KINDS:
+        rs = [r for r in runs if r["kind"] == kind]
+        if not rs:
+            continue
+        summary[kind] = {field: _stats([r[field] for r in rs]) for field in
+                         ("seconds", "increase_mib", "maxrss_increase_mib", "sampled_peak_anon_increase_mib",
+                          "sampled_peak_file_increase_mib")}
+        summary[kind]["rounds"] = len(rs)
+    raw, merged = summary["raw"], summary["merge"]
+    ratio = merged["seconds"]["median"] / raw["seconds"]["median"]
+    rss_fraction = merged["increase_mib"]["median"] * MIB / checkpoint_bytes
+    per_round = [m["seconds"] / r["seconds"] for r, m in zip([r for r in runs if r["kind"] == "raw"],
+                                                              [r for r in runs if r["kind"] == "merge"])]
+    summary["wall_ratio"] = ratio
+    summary["wall_ratio_per_round"] = per_round
+    summary["rss_fraction"] = rss_fraction
+    summary["wall_target_met"] = ratio <= TARGET_WALL_RATIO
+    summary["rss_target_met"] = rss_fraction <= TARGET_RSS_FRACTION
+    return summary
+
+
+def _tables(results, checkpoint_bytes: int) -> str:
+    ckpt_mib = checkpoint_bytes / MIB
+    header = ("| cache | operation | wall s median | wall s min | wall s max | peak RSS increase MiB median (min-max) "
+              "| % of checkpoint | anon + MiB (sampled) | file-backed + MiB (sampled) |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for cache, block in results.items():
+        s = block["summary"]
+        for kind in KINDS:
+            if kind not in s:
+                continue
+            k = s[kind]
+            lines.append(
+                f"| {cache} | {KIND_LABELS[kind]} | {_fmt(k['seconds']['median'])} | {_fmt(k['seconds']['min'])} "
+                f"| {_fmt(k['seconds']['max'])} | {_fmt(k['increase_mib']['median'], 1)} "
+                f"({_fmt(k['increase_mib']['min'], 1)}-{_fmt(k['increase_mib']['max'], 1)}) "
+                f"| {_fmt(100 * k['increase_mib']['median'] / ckpt_mib, 1)} % "
+                f"| {_fmt(k['sampled_peak_anon_increase_mib']['median'], 1)} "
+                f"| {_fmt(k['sampled_peak_file_increase_mib']['median'], 1)} |")
+    lines.append("")
+    header = ("| cache | checkpoint bytes | merge wall s median (min-max) | raw copy wall s median | merge / raw "
+              f"(target <= {TARGET_WALL_RATIO:g}) | merge RSS increase MiB | % of checkpoint (target <= "
+              f"{100 * TARGET_RSS_FRACTION:g} %) | raw copy RSS increase MiB | naive copy RSS increase MiB |")
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
+    for cache, block in results.items():
+        s = block["summary"]
+        m, r = s["merge"], s["raw"]
+        wall = (f"{s['wall_ratio']:.2f}: {'met' if s['wall_target_met'] else 'MISSED'} "
+                f"({s['wall_ratio'] / TARGET_WALL_RATIO:.2f} x the limit)")
+        rss = (f"{100 * s['rss_fraction']:.1f} %: {'met' if s['rss_target_met'] else 'MISSED'} "
+               f"({s['rss_fraction'] / TARGET_RSS_FRACTION:.2f} x the limit, "
+               f"{100 * (s['rss_fraction'] - TARGET_RSS_FRACTION):+.1f} points)")
+        naive = _fmt(s["naive"]["increase_mib"]["median"], 1) if "naive" in s else "-"
+        lines.append(
+            f"| {cache} | {checkpoint_bytes:,} ({ckpt_mib:.1f} MiB) | {_fmt(m['seconds']['median'])} "
+            f"({_fmt(m['seconds']['min'])}-{_fmt(m['seconds']['max'])}) | {_fmt(r['seconds']['median'])} | {wall} "
+            f"| {_fmt(m['increase_mib']['median'], 1)} | {rss} | {_fmt(r['increase_mib']['median'], 1)} | {naive} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default=None,
+                        help="where the checkpoint is created (reused when it holds one; outputs are written beside "
+                             "it and deleted); default: a temporary directory, removed at exit unless --keep")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary work directory (and say where)")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each operation (default: 3)")
+    parser.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
+                        help="drop the page cache before each measurement (cold, needs root), read the inputs "
+                             "just before (warm), or both (default)")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive read-whole-file copy")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
+    # Internal: how this file runs as a worker process.
+    parser.add_argument("--worker", choices=("create",) + KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--output-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker is not None:
+        (worker_create if args.worker == "create" else worker_measure)(args)
+        return 0
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+
+    temporary = args.workdir is None
+    workdir = tempfile.mkdtemp(prefix="bench_merge_") if temporary else os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    checkpoint_dir = os.path.join(workdir, CHECKPOINT_NAME)
+    scratch = tempfile.mkdtemp(prefix="run_", dir=workdir)
+    me = tool_script("bench_merge.py")
+    py = sys.executable
+    kinds = [k for k in KINDS if not (args.no_naive and k == "naive")]
+    caches = ["cold", "warm"] if args.cache == "both" else [args.cache]
+    results = {}
+    try:
+        if _tag_dir(checkpoint_dir) is not None:
+            print(f"# checkpoint: reusing {checkpoint_dir}", flush=True)
+        else:
+            _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={TP}", me, "--worker",
+                  "create", "--checkpoint-dir", checkpoint_dir], f"create checkpoint (tp={TP})")
+        tag_dir = _tag_dir(checkpoint_dir)
+        sources = _model_files(tag_dir)
+        checkpoint_bytes = sum(os.path.getsize(p) for p in sources)
+        counted = [_safetensors_tensor_bytes(p) for p in sources]
+        tensor_bytes = sum(b for _, b in counted)
+        print(f"# checkpoint {tag_dir}: {len(sources)} model files, {checkpoint_bytes:,} bytes "
+              f"({tensor_bytes:,} of tensor data, {sum(n for n, _ in counted)} pieces)", flush=True)
+
+        drop_refused = None
+        for cache in caches:
+            if cache == "cold" and drop_refused:
+                print(f"# cold: skipped, the page cache cannot be dropped ({drop_refused})", flush=True)
+                continue
+            runs = []
+            for round_ in range(args.rounds):
+                for kind in kinds:
+                    output_dir = os.path.join(scratch, f"{cache}-{kind}-{round_}")
+                    result_path = os.path.join(scratch, f"{cache}-{kind}-{round_}.json")
+                    if cache == "cold":
+                        why = _drop_page_cache()
+                        if why:
+                            drop_refused = why
+                            break
+                    else:
+                        _warm(sources)
+                    _run([py, me, "--worker", kind, "--checkpoint-dir", checkpoint_dir, "--output-dir", output_dir,
+                          "--result", result_path], f"{cache} {kind} round {round_ + 1}", quiet=True)
+                    with open(result_path) as f:
+                        r = json.load(f)
+                    r["round"] = round_
+                    runs.append(r)
+                    print(f"# {cache} round {round_ + 1} {kind:5s}: {r['seconds']:.2f} s, peak RSS +"
+                          f"{r['increase_mib']:.1f} MiB (anon +{r['sampled_peak_anon_increase_mib']:.1f}, "
+                          f"file-backed +{r['sampled_peak_file_increase_mib']:.1f})", flush=True)
+                    shutil.rmtree(output_dir, ignore_errors=True)
+                if drop_refused:
+                    break
+            if drop_refused:
+                print(f"# cold: the page cache cannot be dropped ({drop_refused}); only warm figures follow",
+                      flush=True)
+                if "warm" not in caches:
+                    caches.append("warm")
+                continue
+            results[cache] = {"runs": runs, "summary": _summarise(runs, checkpoint_bytes)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if temporary and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif temporary:
+            print(f"# kept {workdir}", flush=True)
+
+    merged = next(r for block in results.values() for r in block["runs"] if r["kind"] == "merge")
+    print()
+    print(f"BERT-large ({', '.join(f'{k}={v}' for k, v in BERT_LARGE.items())}) BertForPreTraining saved at tp={TP}, "
+          f"float32: {len(sources)} model files, {checkpoint_bytes:,} bytes ({checkpoint_bytes / MIB:.1f} MiB), "
+          f"{tensor_bytes:,} bytes of tensor data. Merged model.safetensors: {merged['output_bytes']:,} bytes, "
+          f"{merged['output_tensors']} tensors. {args.rounds} rounds, medians; OMP_NUM_THREADS=1; "
+          f"{os.cpu_count()} CPUs; peak-RSS reset before each call: "
+          f"{all(r['peak_reset'] for b in results.values() for r in b['runs'])}; page cache dropped before each cold "
+          f"measurement: {'cold' in results}" + (f" (refused: {drop_refused})" if drop_refused else "") + ".")
+    print()
+    print(_tables(results, checkpoint_bytes))
+    print()
+    print("increase = peak RSS of the call (VmHWM after resetting it) - RSS before it. anon = private memory; "
+          "file-backed = pages of memory-mapped files (the checkpoint's), which sit in the page cache and are "
+          "reclaimable. cold: page cache dropped before each measurement; warm: inputs read just before.")
+    for cache, block in results.items():
+        s = block["summary"]
+        print(f"{cache}: merge / raw wall per round: {', '.join(f'{x:.2f}' for x in s['wall_ratio_per_round'])}")
+
+    if args.json:
+        out = {"model_config": BERT_LARGE, "tp": TP, "checkpoint_bytes": checkpoint_bytes,
+               "checkpoint_tensor_bytes": tensor_bytes, "model_files": len(sources), "rounds": args.rounds,
+               "page_cache_drop_refused": drop_refused, "targets": {"wall_ratio": TARGET_WALL_RATIO,
+                                                                    "rss_fraction": TARGET_RSS_FRACTION},
+               "results": results,
+               "env": {"python": sys.version.split()[0], "torch": _version("torch"),
+                       "transformers": _version("transformers"), "safetensors": _version("safetensors"),
+                       "OMP_NUM_THREADS": "1", "cpu_count": os.cpu_count()}}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"# wrote {args.json}")
+    return 0
+
