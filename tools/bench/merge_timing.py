@@ -73,15 +73,26 @@ from .rss import reset_peak_rss as _reset_peak_rss
 TP = 8
 BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
                   vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
+# A Llama-3.2-1B-shaped decoder (GQA: 32 query heads, 8 KV heads; tied embeddings; 1.24 B parameters, 4.9 GB fp32).
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=128256, max_position_embeddings=2048, tie_word_embeddings=True)
+MODELS = ("bert-large", "llama-1b")
 CHECKPOINT_NAME = f"bert-large-tp{TP}"
+CONFIG_NAME = "config.json"  # written beside the checkpoint; the DCP export copies it, the import builds from it
 GLOBAL_STEP = 1
 COPY_BUFFER_BYTES = 16 << 20
 SAMPLE_INTERVAL_S = 0.002
 TARGET_WALL_RATIO = 2.0
 TARGET_RSS_FRACTION = 0.25
 KINDS = ("raw", "merge", "naive")
+DCP_KINDS = ("to_dcp", "from_dcp")  # with --dcp
+ALL_KINDS = KINDS + DCP_KINDS
+# The operations held to the targets against the raw copy.
+TARGET_KINDS = ("merge",) + DCP_KINDS
 KIND_LABELS = {"raw": "raw copy (stream, 16 MiB buffer, fsync)", "merge": "merge -> model.safetensors",
-               "naive": "naive copy (read whole file, write, fsync)"}
+               "naive": "naive copy (read whole file, write, fsync)",
+               "to_dcp": "export -> DCP (nxdtp-merge --to dcp)",
+               "from_dcp": "import DCP -> HF dir (nxdtp-merge --from-dcp)"}
 
 MIB = 1 << 20
 
@@ -154,31 +165,49 @@ def _import_everything() -> None:
     import safetensors  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
     import tqdm  # noqa: F401
+    import transformers  # noqa: F401 - the DCP import builds the model on the meta device
 
     import nxdtp  # noqa: F401
     import nxdtp.checkpointing  # noqa: F401
+    import nxdtp.checkpointing.dcp_export  # noqa: F401
+    import nxdtp.checkpointing.dcp_import  # noqa: F401
     import nxdtp.checkpointing.merge  # noqa: F401
+
+
+def checkpoint_name(model: str) -> str:
+    return CHECKPOINT_NAME if model == "bert-large" else f"{model}-tp{TP}"
+
+
+def _model_and_config(model_name: str):
+    """The HF model class and config of ``model_name`` (read at call time: section 5 swaps BERT_LARGE and TP)."""
+    from transformers import BertConfig, BertForPreTraining, LlamaConfig, LlamaForCausalLM
+
+    if model_name == "bert-large":
+        return BertForPreTraining, BertConfig(**BERT_LARGE, architectures=["BertForPreTraining"])
+    if model_name == "llama-1b":
+        return LlamaForCausalLM, LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
+    raise ValueError(f"unknown model {model_name!r}; choose from {list(MODELS)}")
 
 
 def worker_create(args) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import BertConfig, BertForPreTraining
 
     import nxdtp.checkpointing
     from nxdtp import parallel_state
-    from nxdtp.models.bert import parallelize_bert
+    from nxdtp.models import parallelize_model
     from nxdtp.models.hf_loading import materialize_meta_model
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     rank = dist.get_rank()
     try:
-        config = BertConfig(**BERT_LARGE, architectures=["BertForPreTraining"])
+        model_class, config = _model_and_config(getattr(args, "model", None) or "bert-large")
         with torch.device("meta"):
-            model = BertForPreTraining(config)
-        parallelize_bert(model, broadcast_replicated=False)
+            model = model_class(config)
+        parallelize_model(model, broadcast_replicated=False)
         materialize_meta_model(model, "cpu")
         # Same parameter order on every rank: replicated parameters draw the same values everywhere.
         replicated = torch.Generator().manual_seed(1234)
@@ -191,6 +220,7 @@ def worker_create(args) -> None:
                 buffer.zero_()
         tag_dir = nxdtp.checkpointing.save({"model": model, "global_step": GLOBAL_STEP}, args.checkpoint_dir)
         if rank == 0:
+            config.to_json_file(os.path.join(args.checkpoint_dir, CONFIG_NAME))
             print(f"# saved {tag_dir}", flush=True)
     finally:
         parallel_state.destroy_model_parallel()
@@ -235,12 +265,24 @@ def worker_measure(args) -> None:
     tag_dir = _tag_dir(args.checkpoint_dir)
     sources = _model_files(tag_dir)
     outcome = {}
+    config = os.path.join(args.checkpoint_dir, CONFIG_NAME)
     if args.worker == "merge":
         from nxdtp.checkpointing.merge import merge
 
         def run():
             outcome["path"] = merge(args.checkpoint_dir, args.output_dir, tag=os.path.basename(tag_dir),
                                     progress=False)
+    elif args.worker == "to_dcp":
+        from nxdtp.checkpointing.dcp_export import export_dcp
+
+        def run():
+            export_dcp(args.checkpoint_dir, args.output_dir, tag=os.path.basename(tag_dir), progress=False,
+                       config=config)
+    elif args.worker == "from_dcp":
+        from nxdtp.checkpointing.dcp_import import import_dcp
+
+        def run():
+            import_dcp(args.dcp_dir, args.output_dir, config=config, progress=False)
     else:
         os.makedirs(args.output_dir)
         copy = _copy_stream if args.worker == "raw" else _copy_naive
@@ -250,7 +292,9 @@ def worker_measure(args) -> None:
 
     result = _measure(run)
     result["kind"] = args.worker
-    if args.worker == "merge":
+    if args.worker in DCP_KINDS:
+        result["output_bytes"] = _directory_bytes(args.output_dir)
+    elif args.worker == "merge":
         result["output_file"] = outcome["path"]
         result["output_bytes"] = os.path.getsize(outcome["path"])
         result["output_tensors"], result["output_tensor_bytes"] = _safetensors_tensor_bytes(outcome["path"])
@@ -258,6 +302,10 @@ def worker_measure(args) -> None:
         result["output_bytes"] = outcome["bytes"]
     with open(args.result, "w") as f:
         json.dump(result, f)
+
+
+def _directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------------
@@ -311,7 +359,7 @@ def _fmt(value, digits=2) -> str:
 def _summarise(runs, checkpoint_bytes: int) -> dict:
     """Per kind: median/min/max of wall and RSS figures over the rounds."""
     summary = {}
-    for kind in KINDS:
+    for kind in ALL_KINDS:
         rs = [r for r in runs if r["kind"] == kind]
         if not rs:
             continue
@@ -319,16 +367,20 @@ def _summarise(runs, checkpoint_bytes: int) -> dict:
                          ("seconds", "increase_mib", "maxrss_increase_mib", "sampled_peak_anon_increase_mib",
                           "sampled_peak_file_increase_mib")}
         summary[kind]["rounds"] = len(rs)
-    raw, merged = summary["raw"], summary["merge"]
-    ratio = merged["seconds"]["median"] / raw["seconds"]["median"]
-    rss_fraction = merged["increase_mib"]["median"] * MIB / checkpoint_bytes
-    per_round = [m["seconds"] / r["seconds"] for r, m in zip([r for r in runs if r["kind"] == "raw"],
-                                                              [r for r in runs if r["kind"] == "merge"])]
-    summary["wall_ratio"] = ratio
-    summary["wall_ratio_per_round"] = per_round
-    summary["rss_fraction"] = rss_fraction
-    summary["wall_target_met"] = ratio <= TARGET_WALL_RATIO
-    summary["rss_target_met"] = rss_fraction <= TARGET_RSS_FRACTION
+    raws = [r for r in runs if r["kind"] == "raw"]
+    summary["targets"] = {}
+    for kind in TARGET_KINDS:
+        if kind not in summary:
+            continue
+        ratio = summary[kind]["seconds"]["median"] / summary["raw"]["seconds"]["median"]
+        rss_fraction = summary[kind]["increase_mib"]["median"] * MIB / checkpoint_bytes
+        summary["targets"][kind] = {
+            "wall_ratio": ratio, "rss_fraction": rss_fraction,
+            "wall_ratio_per_round": [o["seconds"] / r["seconds"]
+                                     for r, o in zip(raws, [r for r in runs if r["kind"] == kind])],
+            "wall_target_met": ratio <= TARGET_WALL_RATIO, "rss_target_met": rss_fraction <= TARGET_RSS_FRACTION}
+    if "merge" in summary["targets"]:  # section 5 and earlier JSON readers take the merge's figures at the top
+        summary.update({key: value for key, value in summary["targets"]["merge"].items()})
     return summary
 
 
@@ -339,7 +391,7 @@ def _tables(results, checkpoint_bytes: int) -> str:
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for cache, block in results.items():
         s = block["summary"]
-        for kind in KINDS:
+        for kind in ALL_KINDS:
             if kind not in s:
                 continue
             k = s[kind]
@@ -351,27 +403,30 @@ def _tables(results, checkpoint_bytes: int) -> str:
                 f"| {_fmt(k['sampled_peak_anon_increase_mib']['median'], 1)} "
                 f"| {_fmt(k['sampled_peak_file_increase_mib']['median'], 1)} |")
     lines.append("")
-    header = ("| cache | checkpoint bytes | merge wall s median (min-max) | raw copy wall s median | merge / raw "
-              f"(target <= {TARGET_WALL_RATIO:g}) | merge RSS increase MiB | % of checkpoint (target <= "
+    header = ("| cache | operation | checkpoint bytes | wall s median (min-max) | raw copy wall s median | op / raw "
+              f"(target <= {TARGET_WALL_RATIO:g}) | RSS increase MiB | % of checkpoint (target <= "
               f"{100 * TARGET_RSS_FRACTION:g} %) | raw copy RSS increase MiB | naive copy RSS increase MiB |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for cache, block in results.items():
         s = block["summary"]
-        m, r = s["merge"], s["raw"]
-        wall = (f"{s['wall_ratio']:.2f}: {'met' if s['wall_target_met'] else 'MISSED'} "
-                f"({s['wall_ratio'] / TARGET_WALL_RATIO:.2f} x the limit)")
-        rss = (f"{100 * s['rss_fraction']:.1f} %: {'met' if s['rss_target_met'] else 'MISSED'} "
-               f"({s['rss_fraction'] / TARGET_RSS_FRACTION:.2f} x the limit, "
-               f"{100 * (s['rss_fraction'] - TARGET_RSS_FRACTION):+.1f} points)")
+        r = s["raw"]
         naive = _fmt(s["naive"]["increase_mib"]["median"], 1) if "naive" in s else "-"
-        lines.append(
-            f"| {cache} | {checkpoint_bytes:,} ({ckpt_mib:.1f} MiB) | {_fmt(m['seconds']['median'])} "
-            f"({_fmt(m['seconds']['min'])}-{_fmt(m['seconds']['max'])}) | {_fmt(r['seconds']['median'])} | {wall} "
-            f"| {_fmt(m['increase_mib']['median'], 1)} | {rss} | {_fmt(r['increase_mib']['median'], 1)} | {naive} |")
+        for kind, t in s["targets"].items():
+            m = s[kind]
+            wall = (f"{t['wall_ratio']:.2f}: {'met' if t['wall_target_met'] else 'MISSED'} "
+                    f"({t['wall_ratio'] / TARGET_WALL_RATIO:.2f} x the limit)")
+            rss = (f"{100 * t['rss_fraction']:.1f} %: {'met' if t['rss_target_met'] else 'MISSED'} "
+                   f"({t['rss_fraction'] / TARGET_RSS_FRACTION:.2f} x the limit, "
+                   f"{100 * (t['rss_fraction'] - TARGET_RSS_FRACTION):+.1f} points)")
+            lines.append(
+                f"| {cache} | {kind} | {checkpoint_bytes:,} ({ckpt_mib:.1f} MiB) | {_fmt(m['seconds']['median'])} "
+                f"({_fmt(m['seconds']['min'])}-{_fmt(m['seconds']['max'])}) | {_fmt(r['seconds']['median'])} "
+                f"| {wall} | {_fmt(m['increase_mib']['median'], 1)} | {rss} | {_fmt(r['increase_mib']['median'], 1)} "
+                f"| {naive} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default=None,
@@ -383,28 +438,87 @@ def main(argv=None) -> int:
                         help="drop the page cache before each measurement (cold, needs root), read the inputs "
                              "just before (warm), or both (default)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive read-whole-file copy")
+    parser.add_argument("--models", default="bert-large",
+                        help=f"comma-separated, from {', '.join(MODELS)} (default: bert-large); each is saved at "
+                             f"tp={TP} and measured in turn")
+    parser.add_argument("--dcp", action="store_true",
+                        help="also measure the DCP bridge: export to DCP (nxdtp-merge --to dcp) and import of that "
+                             "export back to an HF directory (nxdtp-merge --from-dcp)")
     parser.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     # Internal: how this file runs as a worker process.
-    parser.add_argument("--worker", choices=("create",) + KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("create",) + ALL_KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--dcp-dir", help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.worker is not None:
         (worker_create if args.worker == "create" else worker_measure)(args)
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown or not models:
+        parser.error(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
 
     temporary = args.workdir is None
     workdir = tempfile.mkdtemp(prefix="bench_merge_") if temporary else os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
-    checkpoint_dir = os.path.join(workdir, CHECKPOINT_NAME)
+    outs = []
+    try:
+        for model in models:
+            outs.append(_bench_model(model, args, workdir))
+    finally:
+        if temporary and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif temporary:
+            print(f"# kept {workdir}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            # One model: its figures at the top level (what section 5 reads); several: a list of them.
+            json.dump(outs[0] if len(outs) == 1 else {"models": outs}, f, indent=2)
+        print(f"# wrote {args.json}")
+    return 0
+
+
+def _measure_round(me: str, kind: str, cache: str, checkpoint_dir: str, dcp_dir: str, scratch: str, round_: int,
+                   sources, model: str) -> dict:
+    output_dir = os.path.join(scratch, f"{cache}-{kind}-{round_}")
+    result_path = os.path.join(scratch, f"{cache}-{kind}-{round_}.json")
+    if cache == "warm":
+        _warm(sources if kind != "from_dcp" else _files_under(dcp_dir))
+    _run([sys.executable, me, "--worker", kind, "--model", model, "--checkpoint-dir", checkpoint_dir,
+          "--dcp-dir", dcp_dir, "--output-dir", output_dir, "--result", result_path],
+         f"{cache} {kind} round {round_ + 1}", quiet=True)
+    with open(result_path) as f:
+        r = json.load(f)
+    r["round"] = round_
+    print(f"# {model} {cache} round {round_ + 1} {kind:8s}: {r['seconds']:.2f} s, peak RSS +"
+          f"{r['increase_mib']:.1f} MiB (anon +{r['sampled_peak_anon_increase_mib']:.1f}, "
+          f"file-backed +{r['sampled_peak_file_increase_mib']:.1f})", flush=True)
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return r
+
+
+def _files_under(path: str):
+    return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+
+
+def _bench_model(model: str, args, workdir: str) -> dict:
+    """Create (or reuse) ``model``'s tp=TP checkpoint in ``workdir`` and measure every operation on it."""
+    checkpoint_dir = os.path.join(workdir, checkpoint_name(model))
+    dcp_dir = os.path.join(workdir, checkpoint_name(model) + "-dcp")
     scratch = tempfile.mkdtemp(prefix="run_", dir=workdir)
     me = tool_script("bench_merge.py")
     py = sys.executable
-    kinds = [k for k in KINDS if not (args.no_naive and k == "naive")]
+    kinds = [k for k in KINDS if not (args.no_naive and k == "naive")] + (list(DCP_KINDS) if args.dcp else [])
     caches = ["cold", "warm"] if args.cache == "both" else [args.cache]
     results = {}
     try:
@@ -412,7 +526,7 @@ def main(argv=None) -> int:
             print(f"# checkpoint: reusing {checkpoint_dir}", flush=True)
         else:
             _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={TP}", me, "--worker",
-                  "create", "--checkpoint-dir", checkpoint_dir], f"create checkpoint (tp={TP})")
+                  "create", "--model", model, "--checkpoint-dir", checkpoint_dir], f"create {model} (tp={TP})")
         tag_dir = _tag_dir(checkpoint_dir)
         sources = _model_files(tag_dir)
         checkpoint_bytes = sum(os.path.getsize(p) for p in sources)
@@ -420,6 +534,11 @@ def main(argv=None) -> int:
         tensor_bytes = sum(b for _, b in counted)
         print(f"# checkpoint {tag_dir}: {len(sources)} model files, {checkpoint_bytes:,} bytes "
               f"({tensor_bytes:,} of tensor data, {sum(n for n, _ in counted)} pieces)", flush=True)
+        if args.dcp and not os.path.isfile(os.path.join(dcp_dir, ".metadata")):
+            # The import's input: this checkpoint's own export, made once (its timing is not a measurement).
+            shutil.rmtree(dcp_dir, ignore_errors=True)
+            _run([py, me, "--worker", "to_dcp", "--model", model, "--checkpoint-dir", checkpoint_dir, "--output-dir",
+                  dcp_dir, "--result", os.path.join(scratch, "export-once.json")], f"export {model} to DCP once")
 
         drop_refused = None
         for cache in caches:
@@ -429,25 +548,12 @@ def main(argv=None) -> int:
             runs = []
             for round_ in range(args.rounds):
                 for kind in kinds:
-                    output_dir = os.path.join(scratch, f"{cache}-{kind}-{round_}")
-                    result_path = os.path.join(scratch, f"{cache}-{kind}-{round_}.json")
                     if cache == "cold":
-                        why = _drop_page_cache()
-                        if why:
-                            drop_refused = why
+                        drop_refused = _drop_page_cache() or None
+                        if drop_refused:
                             break
-                    else:
-                        _warm(sources)
-                    _run([py, me, "--worker", kind, "--checkpoint-dir", checkpoint_dir, "--output-dir", output_dir,
-                          "--result", result_path], f"{cache} {kind} round {round_ + 1}", quiet=True)
-                    with open(result_path) as f:
-                        r = json.load(f)
-                    r["round"] = round_
-                    runs.append(r)
-                    print(f"# {cache} round {round_ + 1} {kind:5s}: {r['seconds']:.2f} s, peak RSS +"
-                          f"{r['increase_mib']:.1f} MiB (anon +{r['sampled_peak_anon_increase_mib']:.1f}, "
-                          f"file-backed +{r['sampled_peak_file_increase_mib']:.1f})", flush=True)
-                    shutil.rmtree(output_dir, ignore_errors=True)
+                    runs.append(_measure_round(me, kind, cache, checkpoint_dir, dcp_dir, scratch, round_, sources,
+                                               model))
                 if drop_refused:
                     break
             if drop_refused:
@@ -459,14 +565,11 @@ def main(argv=None) -> int:
             results[cache] = {"runs": runs, "summary": _summarise(runs, checkpoint_bytes)}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if temporary and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif temporary:
-            print(f"# kept {workdir}", flush=True)
 
+    config = BERT_LARGE if model == "bert-large" else LLAMA_1B
     merged = next(r for block in results.values() for r in block["runs"] if r["kind"] == "merge")
     print()
-    print(f"BERT-large ({', '.join(f'{k}={v}' for k, v in BERT_LARGE.items())}) BertForPreTraining saved at tp={TP}, "
+    print(f"{model} ({', '.join(f'{k}={v}' for k, v in config.items())}) saved at tp={TP}, "
           f"float32: {len(sources)} model files, {checkpoint_bytes:,} bytes ({checkpoint_bytes / MIB:.1f} MiB), "
           f"{tensor_bytes:,} bytes of tensor data. Merged model.safetensors: {merged['output_bytes']:,} bytes, "
           f"{merged['output_tensors']} tensors. {args.rounds} rounds, medians; OMP_NUM_THREADS=1; "
@@ -480,20 +583,13 @@ def main(argv=None) -> int:
           "file-backed = pages of memory-mapped files (the checkpoint's), which sit in the page cache and are "
           "reclaimable. cold: page cache dropped before each measurement; warm: inputs read just before.")
     for cache, block in results.items():
-        s = block["summary"]
-        print(f"{cache}: merge / raw wall per round: {', '.join(f'{x:.2f}' for x in s['wall_ratio_per_round'])}")
-
-    if args.json:
-        out = {"model_config": BERT_LARGE, "tp": TP, "checkpoint_bytes": checkpoint_bytes,
-               "checkpoint_tensor_bytes": tensor_bytes, "model_files": len(sources), "rounds": args.rounds,
-               "page_cache_drop_refused": drop_refused, "targets": {"wall_ratio": TARGET_WALL_RATIO,
-                                                                    "rss_fraction": TARGET_RSS_FRACTION},
-               "results": results,
-               "env": {"python": sys.version.split()[0], "torch": _version("torch"),
-                       "transformers": _version("transformers"), "safetensors": _version("safetensors"),
-                       "OMP_NUM_THREADS": "1", "cpu_count": os.cpu_count()}}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"# wrote {args.json}")
-    return 0
-
+        for kind, t in block["summary"]["targets"].items():
+            print(f"{cache}: {kind} / raw wall per round: {', '.join(f'{x:.2f}' for x in t['wall_ratio_per_round'])}")
+    return {"model": model, "model_config": config, "tp": TP, "checkpoint_bytes": checkpoint_bytes,
+            "checkpoint_tensor_bytes": tensor_bytes, "model_files": len(sources), "rounds": args.rounds,
+            "page_cache_drop_refused": drop_refused, "targets": {"wall_ratio": TARGET_WALL_RATIO,
+                                                                 "rss_fraction": TARGET_RSS_FRACTION},
+            "results": results,
+            "env": {"python": sys.version.split()[0], "torch": _version("torch"),
+                    "transformers": _version("transformers"), "safetensors": _version("safetensors"),
+                    "OMP_NUM_THREADS": "1", "cpu_count": os.cpu_count()}}
