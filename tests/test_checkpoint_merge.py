@@ -132,7 +132,7 @@ def _cli(argv, capsys=None):
 
 
 def _cli_out(argv, capsys=None):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     status = main([str(a) for a in argv] + ["--no-progress"])
     captured = capsys.readouterr() if capsys is not None else None
@@ -514,7 +514,7 @@ def test_output_directory_rules(trained, tmp_path, capsys):
 
 
 def test_bad_arguments_exit_2(trained, tmp_path, capsys, monkeypatch):
-    from nxdtp.checkpointing import cli
+    from nxdtp import cli
 
     root, _ = trained
     source = os.path.join(root, "live")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nxdtp import parallel_state as ps
-from nxdtp.checkpointing import cli as merge_cli
+from nxdtp import cli as merge_cli
 from tests import test_checkpointing, test_comm, test_grads, test_layers, test_loss_functions, test_models_bert
 from tests import test_models_bert_loading, test_zero1
 from tests.test_example_pretrain import data_dir, model_config  # noqa: F401 - fixtures

@@ -194,7 +194,7 @@ def _assert_equals_dense(output_dir, model):
 
 def _import(checkpoint, config_path, out, via):
     if via == "cli":
-        from nxdtp.checkpointing.cli import main
+        from nxdtp.cli import main
 
         assert main([str(checkpoint), str(out), "--from-nxd", "--config", str(config_path), "--no-progress"]) == 0
     else:
@@ -307,7 +307,7 @@ def test_regrouped_heads_compute_the_dense_attention():
 
 
 def test_newest_complete_tag_or_the_named_one(tmp_path):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     model = dense(2)
     root = str(tmp_path / "ckpt")
@@ -432,7 +432,7 @@ def test_bad_inputs_fail_clearly_and_leave_output_untouched(tmp_path):
 def test_cli_refuses_unsupported_model_type(tmp_path, capsys):
     from transformers import GPT2Config
 
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     root = save_v2(nxd_rank_states(dense(2), 2, "fused"), str(tmp_path / "ckpt"))
     config = _write_config(str(tmp_path / "cfg"), GPT2Config(n_layer=1))

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..heads import kv_replicas, padded_rows
 from ..layers import shard_of
 from ..plan import padded_size

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import __version__, comm
+from .. import comm
+from ..version import __version__
 from ..agreement import check_replicated_agree
 from ..layers import shard_of
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
