@@ -687,3 +687,17 @@ def test_example_refuses_a_bad_model_config_in_one_line(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {path}: not valid JSON" in err and "Traceback" not in err
+
+
+def test_every_damaged_input_error_is_one_base_class_and_still_a_value_error():
+    """One base class for damaged-input errors (``nxdtp.errors.DamagedInputError``); each reader's named error stays
+    importable where it was and catchable as the ValueError it always was."""
+    from nxdtp.checkpointing import CheckpointIntegrityError
+    from nxdtp.errors import DamagedInputError
+    from nxdtp.models.hf_loading import PretrainedDirectoryError
+    from nxdtp.models.nxd import NxdCheckpointError
+
+    for error in (CheckpointIntegrityError, PretrainedDirectoryError, NxdCheckpointError):
+        assert issubclass(error, DamagedInputError) and issubclass(error, ValueError), error
+        with pytest.raises(DamagedInputError, match="damaged.bin"):
+            raise error("damaged.bin: truncated")

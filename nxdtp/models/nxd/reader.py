@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ...errors import DamagedInputError
 from ...checkpointing.dense import DenseWeightsWriter
 from ...checkpointing.output_dir import check_output_dir, write_atomically
 
@@ -62,7 +63,7 @@ _V2_ENTRY = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _V2_EXPERT_ENTRY = re.compile(r"^dp_rank_\d+_ep_rank_\d+_tp_rank_\d+_pp_rank_\d+\.pt$")
 
 
-class NxdCheckpointError(ValueError):
+class NxdCheckpointError(DamagedInputError):
     """An NxD checkpoint that cannot be imported: the message names the file and the tensor."""
 
 
