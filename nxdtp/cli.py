@@ -18,7 +18,7 @@
         (nxdtp.checkpointing.dcp_import); the config (in DCP_DIR or --config) names the model class
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
-        the family (nxdtp.models.nxd)
+        the family (nxdtp.converters.nxd)
 
 CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
 the training log prints it; --tag is then an error). Without --tag, the newest intact tag is read (a damaged one is
@@ -97,7 +97,7 @@ def _from_nxd(args) -> str:
         raise _BadUsage("--from-nxd needs --config CONFIG_JSON (NxD checkpoints carry no config)")
     if args.reshard is not None or args.format not in (None, "safetensors"):
         raise _BadUsage("--from-nxd writes a dense safetensors checkpoint; it takes no --reshard or --format")
-    from .models.nxd import merge_nxd_checkpoint
+    from .converters.nxd import merge_nxd_checkpoint
 
     kwargs = {"force": args.force, "progress": not args.no_progress}
     if args.tag is not None:

@@ -1,7 +1,7 @@
 """NxD Llama checkpoints import into a dense HF model equal to the original, tensor for tensor.
 
 The checkpoints are written here the way NxD's Llama training model holds its weights, restated from NxD's layer code
-(release 2.29) independently of ``nxdtp.models.nxd.llama``:
+(release 2.29) independently of ``nxdtp.converters.nxd.llama``:
 
 * ``ParallelEmbedding`` and ``ColumnParallelLinear`` (the LM head): contiguous 1/tp row slices of the vocabulary; with
   ``pad=True`` the vocabulary is first padded with zero rows to a multiple of tp.
@@ -198,7 +198,7 @@ def _import(checkpoint, config_path, out, via):
 
         assert main([str(checkpoint), str(out), "--from-nxd", "--config", str(config_path), "--no-progress"]) == 0
     else:
-        from nxdtp.models.nxd import merge_nxd_checkpoint
+        from nxdtp.converters.nxd import merge_nxd_checkpoint
 
         assert merge_nxd_checkpoint(str(checkpoint), config_path, str(out), progress=False) == str(out)
 
@@ -251,7 +251,7 @@ def test_mistral_imports(tmp_path):
 def test_tied_embeddings_are_written_once(tmp_path):
     from safetensors import safe_open
 
-    from nxdtp.models.nxd import merge_nxd_checkpoint
+    from nxdtp.converters.nxd import merge_nxd_checkpoint
 
     config = _config(2, tie_word_embeddings=True)
     config.architectures = ["LlamaForCausalLM"]
@@ -417,7 +417,7 @@ def _bad_checkpoints(tmp_path):
 
 
 def test_bad_inputs_fail_clearly_and_leave_output_untouched(tmp_path):
-    from nxdtp.models.nxd import merge_nxd_checkpoint
+    from nxdtp.converters.nxd import merge_nxd_checkpoint
 
     for name, (checkpoint, config, error, message) in _bad_checkpoints(tmp_path).items():
         existing = tmp_path / "outputs" / name.replace(" ", "-")
