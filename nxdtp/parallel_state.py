@@ -21,6 +21,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from nxdtp.process_groups import (initialize_single_process_world, mesh_options, needs_cpu_twins,  # noqa: F401
+                                  new_groups_of_kind, new_owned_group, release_owned_groups, single_process_backend,
+                                  wait_for_every_rank)
 from nxdtp.rank_lists import (data_parallel_rank_lists, dp_aligned_examples, dp_aligned_sharding,
                               singleton_rank_lists, tensor_parallel_rank_lists)
 
@@ -29,9 +32,9 @@ from nxdtp.rank_lists import (data_parallel_rank_lists, dp_aligned_examples, dp_
 class ParallelGroup:
     """One communication group as seen from this rank.
 
-    ``replica_groups`` lists every group of this kind in the world (the form XLA collectives take); ``ranks`` is the one this
-    rank (``global_rank``) belongs to, ``rank`` its position there. ``process_group`` is the torch.distributed group of
-    the world's default backend (what NxD's getters return; on an "xla" world it carries the full mesh), and
+    ``replica_groups`` lists every group of this kind in the world (the form XLA collectives take); ``ranks`` is the
+    one this rank (``global_rank``) belongs to, ``rank`` its position there. ``process_group`` is the torch.distributed
+    group of the world's default backend (what NxD's getters return; on an "xla" world it carries the full mesh), and
     ``cpu_process_group`` a gloo group over the same ranks for CPU tensors, which the default backend of an XLA, NCCL or
     other device world refuses. On a gloo world the two are the same group. Both are None in a simulated topology.
     """
@@ -96,7 +99,8 @@ class Topology:
     tensor_model_parallel_size: int
     tensor_parallel: ParallelGroup
     data_parallel: ParallelGroup
-    # Host-side group (gloo) for barriers and object exchange; None when simulated or when the world has no process group.
+    # Host-side group (gloo) for barriers and object exchange; None when simulated or when the world has no process
+    # group.
     host_process_group: Optional[object] = dataclasses.field(default=None, compare=False)
     simulated: bool = False
     # The whole world as one group (NxD's get_world_group): a copy of the default group, and the host group as its twin.
@@ -169,7 +173,7 @@ def build_topology(world_size: int, rank: int, tensor_model_parallel_size: int,
 def _rank_group(kind: str, lists: List[List[int]], rank: int, process_groups: dict,
                 cpu_process_groups: dict) -> ParallelGroup:
     """``rank``'s group among the groups ``lists`` of one kind, with its process groups (if made) from the dicts that
-    _new_groups_of_kind filled."""
+    process_groups.new_groups_of_kind filled."""
     mine = tuple(next(g for g in lists if rank in g))
     return ParallelGroup(kind=kind, ranks=mine, replica_groups=tuple(tuple(g) for g in lists),
                          process_group=process_groups.get((kind, mine)), global_rank=rank,
@@ -196,9 +200,6 @@ def _make_topology(world_size, rank, tp, process_groups, host_group, simulated, 
 
 
 _TOPOLOGY: Optional[Topology] = None
-# Every process group initialize_model_parallel (or zero1_groups) created, this rank's or not, so destroy_model_parallel
-# can release them.
-_OWNED_PROCESS_GROUPS: List[object] = []
 # initialize_model_parallel's timeout, which groups made later (zero1_groups) take too.
 _GROUP_TIMEOUT: Optional[datetime.timedelta] = None
 
@@ -225,7 +226,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     their defaults only (``timeout`` is keyword-only, after them).
     """
     global _TOPOLOGY, _GROUP_TIMEOUT
-    nxd_options = dict(context_parallel_size=context_parallel_size, expert_model_parallel_size=expert_model_parallel_size,
+    nxd_options = dict(context_parallel_size=context_parallel_size,
+                       expert_model_parallel_size=expert_model_parallel_size,
                        skip_collective_init=skip_collective_init, lnc_size=lnc_size, mesh_only=mesh_only)
     for name, value in nxd_options.items():
         if value != _NXD_DEFAULTS[name]:
@@ -247,9 +249,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
 
     default_backend = dist.get_backend()
-    separate_cpu_groups = _separate_cpu_groups()
+    separate_cpu_groups = needs_cpu_twins()
     process_groups, cpu_process_groups = {}, {}
-    new_group = _owned_new_group
 
     # The singleton groups (one per rank) stand for NxD's pipeline, context and expert model-parallel groups of size 1.
     # Every rank creates all of them, like the other kinds; a non-member's call only advances the group count (no
@@ -257,87 +258,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     for kind, lists in (("tensor", tensor_parallel_rank_lists(world_size, tensor_model_parallel_size)),
                         ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size)),
                         ("singleton", singleton_rank_lists(world_size))):
-        _new_groups_of_kind(kind, lists, timeout, process_groups, cpu_process_groups)
+        new_groups_of_kind(kind, lists, timeout, process_groups, cpu_process_groups)
     # Barriers and object exchange (checkpoint coordination) go over the whole world on the host.
-    host_group = new_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
+    host_group = new_owned_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
     # NxD's world group: a copy of the default group (on an "xla" world with the mesh [[0, ..., world - 1]]), whose gloo
     # twin is the host group.
     everyone = list(range(world_size))
     world_key = ("world", tuple(everyone))
-    process_groups[world_key] = new_group(everyone, timeout=timeout, **_group_options(default_backend, [everyone]))
+    process_groups[world_key] = new_owned_group(everyone, timeout=timeout, **mesh_options(default_backend, [everyone]))
     cpu_process_groups[world_key] = host_group if separate_cpu_groups else process_groups[world_key]
-    # new_group is not a barrier: with gloo, a rank's call returns once its own connections are up, while a peer may
-    # still be connecting to it. A rank that returned and then destroyed its groups (destroy_model_parallel, or its
-    # process ending) closed those connections under the peer, whose new_group then failed ("Connection closed by
-    # peer"), which a loaded machine made likely. So no rank leaves before every rank has made every group. A CPU tensor
-    # over the world's gloo group: the backend for CPU tensors in every world, whatever its default backend.
-    dist.all_reduce(torch.zeros(1), group=cpu_process_groups[world_key])
+    wait_for_every_rank(cpu_process_groups[world_key])
     _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group,
                                simulated=False, cpu_process_groups=cpu_process_groups)
     _GROUP_TIMEOUT = timeout
-
-
-def _separate_cpu_groups() -> bool:
-    """Whether this world needs gloo twins of its groups. CPU tensors are everywhere (model build before the device
-    move, pretrained loading, host-side metrics), and the default backend of an XLA, NCCL or other device world refuses
-    them: such worlds get a gloo twin of every group. A world whose default already maps CPU tensors to gloo
-    ("cpu:gloo,cuda:nccl") needs none."""
-    return "cpu:gloo" not in dist.get_backend_config().split(",")
-
-
-def _owned_new_group(*args, **kwargs):
-    group = dist.new_group(*args, **kwargs)
-    # Owned from the moment it exists, so destroy_model_parallel releases it even if a later group fails to form.
-    _OWNED_PROCESS_GROUPS.append(group)
-    return group
-
-
-def _new_groups_of_kind(kind: str, lists: List[List[int]], timeout, process_groups: dict,
-                        cpu_process_groups: dict) -> None:
-    """Collective over the whole world: every rank creates every group of ``lists``, in the same order; each gets a
-    process group of the default backend (with the full mesh on an "xla" world) and, where the world needs one, a
-    gloo twin. Recorded under ``(kind, tuple(ranks))``."""
-    default_backend = dist.get_backend()
-    separate = _separate_cpu_groups()
-    for ranks in lists:
-        key = (kind, tuple(ranks))
-        process_groups[key] = _owned_new_group(ranks, timeout=timeout, **_group_options(default_backend, lists))
-        cpu_process_groups[key] = (_owned_new_group(ranks, backend="gloo", timeout=timeout) if separate
-                                   else process_groups[key])
-
-
-def _group_options(default_backend: str, all_groups: List[List[int]]) -> dict:
-    """torch_xla's new_group records only the caller's ranks as the group's mesh, so plain torch.distributed
-    collectives on it would name incomplete replica groups; NxD passes every group of the kind, and so does nxdtp."""
-    if default_backend == "xla":
-        return {"pg_options": {"xla_pg_options": {"mesh": [list(g) for g in all_groups]}}}
-    return {}
-
-
-def single_process_backend(device: Optional[torch.device]) -> str:
-    """The torch.distributed backend of a world of 1 for ``device``, with gloo for CPU tensors in every case."""
-    if device is None or device.type in ("cpu", "meta"):
-        return "gloo"
-    if device.type == "xla":
-        return "xla"
-    known = dist.Backend.default_device_backend_map
-    backend = known.get(device.type)
-    if backend is None:
-        raise ValueError(f"initialize_fallback_parallel_state: no torch.distributed backend is known for device "
-                         f"{str(device)!r}; valid device types are {sorted({'xla', 'meta', *known})}, or None (CPU)")
-    return "gloo" if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
-
-
-def initialize_single_process_world(device: Optional[torch.device] = None) -> str:
-    """Unless torch.distributed is initialized already, make a world of 1 in process (a ``HashStore``: no port is
-    opened) on ``single_process_backend(device)``; return that backend. The world behind NxD's
-    ``initialize_fallback_parallel_state`` (nxdtp.utils)."""
-    backend = single_process_backend(torch.device(device) if device is not None else None)
-    if not dist.is_initialized():
-        if backend == "xla":
-            import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return backend
 
 
 def destroy_model_parallel() -> None:
@@ -345,10 +278,7 @@ def destroy_model_parallel() -> None:
     global _TOPOLOGY, _GROUP_TIMEOUT
     _TOPOLOGY = None
     _GROUP_TIMEOUT = None
-    while _OWNED_PROCESS_GROUPS:
-        group = _OWNED_PROCESS_GROUPS.pop()
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and dist.is_initialized():
-            dist.destroy_process_group(group)
+    release_owned_groups()
 
 
 def model_parallel_is_initialized() -> bool:
@@ -416,10 +346,10 @@ def group_of(process_group=None) -> ParallelGroup:
     """The ParallelGroup behind an NxD ``process_group=`` / ``tensor_model_parallel_group=`` argument.
 
     None means the tensor-parallel group. nxdtp's own groups (either process group of the TP, DP, world or singleton
-    group: what the getters return) map to their ParallelGroup, and a ParallelGroup passes through. Any other torch.distributed group (one made by
-    ``dist.new_group``) becomes a group of kind "custom" over its ranks: its process group serves CPU tensors only when
-    it is a gloo group, and XLA tensors only when it carries the full replica-group mesh (torch_xla's
-    ``pg_options={"xla_pg_options": {"mesh": ...}}``), which nxdtp.comm checks.
+    group: what the getters return) map to their ParallelGroup, and a ParallelGroup passes through. Any other
+    torch.distributed group (one made by ``dist.new_group``) becomes a group of kind "custom" over its ranks: its
+    process group serves CPU tensors only when it is a gloo group, and XLA tensors only when it carries the full
+    replica-group mesh (torch_xla's ``pg_options={"xla_pg_options": {"mesh": ...}}``), which nxdtp.comm checks.
     """
     if process_group is None:
         return tensor_parallel_group()
@@ -431,8 +361,8 @@ def group_of(process_group=None) -> ParallelGroup:
         return own
     if process_group is dist.GroupMember.NON_GROUP_MEMBER:
         # what dist.new_group returns on the ranks it leaves out
-        raise ValueError(f"rank {topology.rank} is not a member of process_group={process_group!r} (torch.distributed's "
-                         "NON_GROUP_MEMBER); pass a group this rank belongs to")
+        raise ValueError(f"rank {topology.rank} is not a member of process_group={process_group!r} "
+                         "(torch.distributed's NON_GROUP_MEMBER); pass a group this rank belongs to")
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group={process_group!r} is not a torch.distributed ProcessGroup; pass None (the "
                         "tensor-parallel group), a group from nxdtp.parallel_state, or one made by dist.new_group")
@@ -503,9 +433,8 @@ def zero1_groups(sharding_groups: Any = None) -> Tuple[ParallelGroup, ParallelGr
     cpu_process_groups: dict = {}
     if not topology.simulated:
         for kind, lists in (("zero1_sharding", shard_lists), ("zero1_replica", replica_lists)):
-            _new_groups_of_kind(kind, lists, _GROUP_TIMEOUT, process_groups, cpu_process_groups)
-        # No rank leaves before every rank has made every group (see initialize_model_parallel).
-        dist.all_reduce(torch.zeros(1), group=topology.world.cpu_process_group)
+            new_groups_of_kind(kind, lists, _GROUP_TIMEOUT, process_groups, cpu_process_groups)
+        wait_for_every_rank(topology.world.cpu_process_group)
 
     sharding = _rank_group("zero1_sharding", shard_lists, topology.rank, process_groups, cpu_process_groups)
     replica = _rank_group("zero1_replica", replica_lists, topology.rank, process_groups, cpu_process_groups)
@@ -517,7 +446,8 @@ def zero1_groups(sharding_groups: Any = None) -> Tuple[ParallelGroup, ParallelGr
 __all__: Sequence[str] = [
     "ParallelGroup", "Topology", "build_topology", "simulated_topology", "get_topology", "replace_installed_topology",
     "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized",
-    "tensor_parallel_group", "data_parallel_group", "rank_tensor", "group_of", "zero1_groups", "dp_aligned_rank_lists", "dp_aligned_sharding_examples",
+    "tensor_parallel_group", "data_parallel_group", "rank_tensor", "group_of", "zero1_groups", "dp_aligned_rank_lists",
+    "dp_aligned_sharding_examples",
 ]
 
 # NxD's other parallel_state names, at NxD's path. The facade imports this module, which is complete by this line; the

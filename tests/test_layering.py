@@ -41,16 +41,16 @@ BACKEND_CALLS = {
 
 # (module, what it uses: "dist.<call>" or the torch_xla module it imports): why it is not in comm.
 KNOWN_BACKEND_USES = {
-    ("nxdtp.parallel_state", "dist.new_group"):
-        "initialize_model_parallel and zero1_groups create the topology's process groups",
-    ("nxdtp.parallel_state", "dist.all_reduce"):
+    ("nxdtp.process_groups", "dist.new_group"):
+        "initialize_model_parallel and zero1_groups create the topology's process groups through it",
+    ("nxdtp.process_groups", "dist.all_reduce"):
         "the barrier after group creation (no rank leaves before every rank has made every group); comm sits above "
         "parallel_state and cannot be used there",
-    ("nxdtp.parallel_state", "dist.init_process_group"):
+    ("nxdtp.process_groups", "dist.init_process_group"):
         "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state",
-    ("nxdtp.parallel_state", "dist.destroy_process_group"):
-        "destroy_model_parallel releases the groups parallel_state created",
-    ("nxdtp.parallel_state", "torch_xla.distributed.xla_backend"):
+    ("nxdtp.process_groups", "dist.destroy_process_group"):
+        "destroy_model_parallel releases the groups made for the topology",
+    ("nxdtp.process_groups", "torch_xla.distributed.xla_backend"):
         "registers torch.distributed's 'xla' backend before a single-process XLA world is made",
     ("nxdtp.agreement", "torch_xla.core.xla_model"):
         "the input check's XLA branch reads each result in a step closure (xm.add_step_closure), after its graph ran",
