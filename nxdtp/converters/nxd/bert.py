@@ -52,7 +52,8 @@ def _load_config(config_json):
         return copy.deepcopy(config_json)  # architectures is set on it before saving
     raw, path = load_config_dict(config_json)
     if raw.get("model_type", "bert") != "bert":
-        raise NxdCheckpointError(f"{path}: model_type is {raw['model_type']!r}; nxdtp.converters.nxd.bert reads BERT only")
+        raise NxdCheckpointError(f"{path}: model_type is {raw['model_type']!r}; nxdtp.converters.nxd.bert reads "
+                                 "BERT only")
     return BertConfig.from_dict(raw)
 
 
