@@ -445,7 +445,7 @@ def test_cli_refuses_unsupported_model_type(tmp_path, capsys):
 def test_family_follows_the_config(tmp_path):
     from transformers import BertConfig
 
-    from nxdtp.models import nxd
+    from nxdtp.converters import nxd
 
     assert nxd.family_of(_write_config(str(tmp_path / "bert"), BertConfig())) is nxd.bert
     assert nxd.family_of(_config(1)) is nxd.llama
