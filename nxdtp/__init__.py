@@ -5,7 +5,7 @@
 (``nxdtp.models.bert``) import transformers and are loaded on demand.
 """
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 from . import comm, grads, layer_norm, layers, loss_functions, mappings, optimizer, optimizers, pad, parallel_state, \
     random, spec, utils  # noqa: E402,F401

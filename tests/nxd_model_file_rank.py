@@ -89,7 +89,7 @@ if dp_rank == 0:
 dist.barrier()
 if rank == 0:
     for what in ("weights", "grads"):
-        subprocess.run([sys.executable, "-m", "nxdtp.checkpointing.cli", os.path.join(out, what),
+        subprocess.run([sys.executable, "-m", "nxdtp.cli", os.path.join(out, what),
                         os.path.join(out, what + "_hf"), "--from-nxd", "--config",
                         os.path.join(out, "config", "config.json"), "--no-progress"], check=True)
     dense = LlamaForCausalLM.from_pretrained(os.path.join(out, "weights_hf"), attn_implementation="eager")

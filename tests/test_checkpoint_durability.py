@@ -518,7 +518,7 @@ def test_any_flipped_byte_a_rank_reads_is_caught_and_no_other_changes_what_it_lo
 
 
 def test_nxdtp_merge_no_verify_flag(tmp_path, worlds, capsys):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     worlds(2).run(case_flipped_bytes_small, tensor_model_parallel_size=2, root=str(tmp_path))
     directory = str(tmp_path / "ckpt")

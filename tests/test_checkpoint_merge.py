@@ -132,7 +132,7 @@ def _cli(argv, capsys=None):
 
 
 def _cli_out(argv, capsys=None):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     status = main([str(a) for a in argv] + ["--no-progress"])
     captured = capsys.readouterr() if capsys is not None else None
@@ -513,9 +513,7 @@ def test_output_directory_rules(trained, tmp_path, capsys):
     assert status == 0, err
 
 
-def test_bad_arguments_exit_2(trained, tmp_path, capsys, monkeypatch):
-    from nxdtp.checkpointing import cli
-
+def test_bad_arguments_exit_2(trained, tmp_path, capsys):
     root, _ = trained
     source = os.path.join(root, "live")
     out = tmp_path / "out"
@@ -527,8 +525,8 @@ def test_bad_arguments_exit_2(trained, tmp_path, capsys, monkeypatch):
     _refused([source, out, "--reshard", 2, "--format", "bin"], capsys, "--format")
     _refused([source, out, "--from-nxd"], capsys, "--config")
     _refused([source, out, "--config", tmp_path / "absent.json"], capsys, tmp_path / "absent.json")
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
-    _refused([source, out, "--from-nxd", "--config", tmp_path / "config.json"], capsys, "nxdtp.models.nxd")
+    _refused([source, out, "--from-nxd", "--config", tmp_path / "config.json"], capsys, tmp_path / "config.json",
+             "does not exist")
     assert not out.exists()
 
 

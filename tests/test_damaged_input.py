@@ -179,7 +179,7 @@ def _nxd_sites(directory: str, xser: bool) -> List[Site]:
 def _read_nxd(directory: str, worlds=None) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from nxdtp.models.nxd import merge_nxd_checkpoint
+    from nxdtp.converters.nxd import merge_nxd_checkpoint
 
     output = os.path.join(directory, "merged")
     merge_nxd_checkpoint(os.path.join(directory, "ckpt"), os.path.join(directory, "config.json"), output,
@@ -656,7 +656,7 @@ def test_every_mutation_is_an_error(name, valid_inputs, worlds):
 def test_nxd_flipped_tensor_data_is_caught_by_the_zip_crc(valid_inputs, tmp_path):
     """torch.load does not check the CRCs torch.save records, so without the check a flipped data byte would load
     as a wrong weight; with it, the merge names the file and the entry."""
-    from nxdtp.models.nxd import NxdCheckpointError, merge_nxd_checkpoint
+    from nxdtp.converters.nxd import NxdCheckpointError, merge_nxd_checkpoint
 
     directory = str(tmp_path / "input")
     shutil.copytree(valid_inputs["nxd-pt"][0], directory)
@@ -685,3 +685,17 @@ def test_example_refuses_a_bad_model_config_in_one_line(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {path}: not valid JSON" in err and "Traceback" not in err
+
+
+def test_every_damaged_input_error_is_one_base_class_and_still_a_value_error():
+    """One base class for damaged-input errors (``nxdtp.errors.DamagedInputError``); each reader's named error stays
+    importable where it was and catchable as the ValueError it always was."""
+    from nxdtp.checkpointing import CheckpointIntegrityError
+    from nxdtp.converters.nxd import NxdCheckpointError
+    from nxdtp.errors import DamagedInputError
+    from nxdtp.models.hf_loading import PretrainedDirectoryError
+
+    for error in (CheckpointIntegrityError, PretrainedDirectoryError, NxdCheckpointError):
+        assert issubclass(error, DamagedInputError) and issubclass(error, ValueError), error
+        with pytest.raises(DamagedInputError, match="damaged.bin"):
+            raise error("damaged.bin: truncated")

@@ -71,7 +71,7 @@ def test_dense_runs_cover_every_dense_row_once(name):
 # ---- a hand-made checkpoint: fused, strided, padded, tied, bf16 and int64 tensors ------------------------------------
 
 def _cli(argv, capsys):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     status = main([str(a) for a in argv] + ["--no-progress"])
     captured = capsys.readouterr()

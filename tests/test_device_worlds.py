@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 
+from nxdtp import cli as merge_cli
 from nxdtp import parallel_state as ps
-from nxdtp.checkpointing import cli as merge_cli
 from tests import (
     test_checkpointing,
     test_comm,

@@ -149,7 +149,7 @@ def _no_leftovers(parent, allowed):
 # ---- tests -----------------------------------------------------------------------------------------------------------
 
 def test_plan_is_nxd_attention_only():
-    from nxdtp.models.nxd.bert import NXD_ATTENTION_ONLY_PLAN, nxd_partition_dim
+    from nxdtp.converters.nxd.bert import NXD_ATTENTION_ONLY_PLAN, nxd_partition_dim
 
     assert isinstance(NXD_ATTENTION_ONLY_PLAN, dict)
     layer = "bert.encoder.layer.11."
@@ -168,7 +168,7 @@ def test_plan_is_nxd_attention_only():
 def test_plain_checkpoint_merges_to_dense(tmp_path, dense, tp):
     from safetensors import safe_open
 
-    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
+    from nxdtp.converters.nxd.bert import merge_nxd_checkpoint
 
     checkpoint = _save_plain(dense, str(tmp_path / "ckpt"), tp)
     config = _write_config(str(tmp_path / "cfg"))
@@ -187,7 +187,7 @@ def test_plain_checkpoint_merges_to_dense(tmp_path, dense, tp):
 
 @pytest.mark.parametrize("in_directory", [False, True], ids=["nxd-file", "checkpoint.pt-in-dir"])
 def test_xser_checkpoint_merges_to_dense(tmp_path, dense, in_directory):
-    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
+    from nxdtp.converters.nxd.bert import merge_nxd_checkpoint
 
     checkpoint = _save_xser(dense, str(tmp_path / "ckpt"), 2, in_directory=in_directory)
     entries = sorted(os.listdir(checkpoint))
@@ -226,7 +226,7 @@ def case_write_with_torch_xla(shard_files):
 @pytest.mark.xla
 def test_xser_written_by_torch_xla_merges_to_dense(tmp_path, dense, worlds):
     pytest.importorskip("torch_xla")
-    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
+    from nxdtp.converters.nxd.bert import merge_nxd_checkpoint
 
     plain = _save_plain(dense, str(tmp_path / "plain"), 2)
     checkpoint = tmp_path / "xser"
@@ -241,7 +241,7 @@ def test_xser_written_by_torch_xla_merges_to_dense(tmp_path, dense, worlds):
 
 
 def test_output_exists_needs_force(tmp_path, dense):
-    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
+    from nxdtp.converters.nxd.bert import merge_nxd_checkpoint
 
     checkpoint = _save_plain(dense, str(tmp_path / "ckpt"), 2)
     config = _write_config(str(tmp_path / "cfg"))
@@ -343,7 +343,7 @@ def _bad_checkpoints(tmp_path, dense):
 
 
 def test_bad_inputs_fail_clearly_and_leave_output_untouched(tmp_path, dense):
-    from nxdtp.models.nxd.bert import merge_nxd_checkpoint
+    from nxdtp.converters.nxd.bert import merge_nxd_checkpoint
 
     cases = _bad_checkpoints(tmp_path, dense)
     outputs = tmp_path / "outputs"

@@ -1,7 +1,7 @@
 """NxD Llama checkpoints import into a dense HF model equal to the original, tensor for tensor.
 
 The checkpoints are written here the way NxD's Llama training model holds its weights, restated from NxD's layer code
-(release 2.29) independently of ``nxdtp.models.nxd.llama``:
+(release 2.29) independently of ``nxdtp.converters.nxd.llama``:
 
 * ``ParallelEmbedding`` and ``ColumnParallelLinear`` (the LM head): contiguous 1/tp row slices of the vocabulary; with
   ``pad=True`` the vocabulary is first padded with zero rows to a multiple of tp.
@@ -194,11 +194,11 @@ def _assert_equals_dense(output_dir, model):
 
 def _import(checkpoint, config_path, out, via):
     if via == "cli":
-        from nxdtp.checkpointing.cli import main
+        from nxdtp.cli import main
 
         assert main([str(checkpoint), str(out), "--from-nxd", "--config", str(config_path), "--no-progress"]) == 0
     else:
-        from nxdtp.models.nxd import merge_nxd_checkpoint
+        from nxdtp.converters.nxd import merge_nxd_checkpoint
 
         assert merge_nxd_checkpoint(str(checkpoint), config_path, str(out), progress=False) == str(out)
 
@@ -251,7 +251,7 @@ def test_mistral_imports(tmp_path):
 def test_tied_embeddings_are_written_once(tmp_path):
     from safetensors import safe_open
 
-    from nxdtp.models.nxd import merge_nxd_checkpoint
+    from nxdtp.converters.nxd import merge_nxd_checkpoint
 
     config = _config(2, tie_word_embeddings=True)
     config.architectures = ["LlamaForCausalLM"]
@@ -307,7 +307,7 @@ def test_regrouped_heads_compute_the_dense_attention():
 
 
 def test_newest_complete_tag_or_the_named_one(tmp_path):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     model = dense(2)
     root = str(tmp_path / "ckpt")
@@ -417,7 +417,7 @@ def _bad_checkpoints(tmp_path):
 
 
 def test_bad_inputs_fail_clearly_and_leave_output_untouched(tmp_path):
-    from nxdtp.models.nxd import merge_nxd_checkpoint
+    from nxdtp.converters.nxd import merge_nxd_checkpoint
 
     for name, (checkpoint, config, error, message) in _bad_checkpoints(tmp_path).items():
         existing = tmp_path / "outputs" / name.replace(" ", "-")
@@ -432,7 +432,7 @@ def test_bad_inputs_fail_clearly_and_leave_output_untouched(tmp_path):
 def test_cli_refuses_unsupported_model_type(tmp_path, capsys):
     from transformers import GPT2Config
 
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     root = save_v2(nxd_rank_states(dense(2), 2, "fused"), str(tmp_path / "ckpt"))
     config = _write_config(str(tmp_path / "cfg"), GPT2Config(n_layer=1))
@@ -445,7 +445,7 @@ def test_cli_refuses_unsupported_model_type(tmp_path, capsys):
 def test_family_follows_the_config(tmp_path):
     from transformers import BertConfig
 
-    from nxdtp.models import nxd
+    from nxdtp.converters import nxd
 
     assert nxd.family_of(_write_config(str(tmp_path / "bert"), BertConfig())) is nxd.bert
     assert nxd.family_of(_config(1)) is nxd.llama

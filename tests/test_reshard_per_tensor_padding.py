@@ -80,7 +80,7 @@ def test_padded_vocabulary_and_partition_padded_conv_reshard_each_by_its_own_rul
     from safetensors.torch import load_file
 
     from nxdtp.checkpointing import CheckpointIndex
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     source, tp4, merged = tmp_path / "tp2", tmp_path / "tp4", tmp_path / "dense"
     worlds(2).run(case_save, tensor_model_parallel_size=2, root=str(source))

@@ -237,7 +237,7 @@ def test_resume_at_another_dp_size(saved, worlds, world, tp):
 
 @pytest.mark.parametrize("new_tp,world", [(1, 4), (4, 4)], ids=["tp1xdp4", "tp4xdp1"])
 def test_resume_at_another_tp_size_after_reshard(saved, worlds, tmp_path, new_tp, world):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     directory, _ = saved
     out = str(tmp_path / f"tp{new_tp}")
@@ -307,7 +307,7 @@ def case_merged_optimizer_continues(out: str, kind: str):
 def test_merge_writes_the_dense_optimizer_state(saved, worlds, tmp_path, kind):
     """``nxdtp-merge CKPT OUT`` of a tp2 x dp2 checkpoint (ZeRO-1, or plain AdamW) puts the optimizer state beside the
     HF model as the dense model's torch AdamW holds it (case above)."""
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     if kind == "zero1":
         directory, _ = saved
@@ -347,7 +347,7 @@ def case_dcp_export_loads(out: str):
 
 
 def test_dcp_export_of_zero1_state_loads_into_dense_adamw(saved, worlds, tmp_path):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     directory, _ = saved
     out = str(tmp_path / "dcp")
@@ -357,7 +357,7 @@ def test_dcp_export_of_zero1_state_loads_into_dense_adamw(saved, worlds, tmp_pat
 
 def test_dense_optimizer_state_refuses_another_model(saved, tmp_path):
     from nxdtp.checkpointing import load_dense_optimizer_state
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     directory, _ = saved
     out = str(tmp_path / "dense")

@@ -177,7 +177,7 @@ def test_resume_into_plain_adamw(saved_pairs, worlds):
 
 
 def test_reshard_to_tp2_and_resume(saved_pairs, worlds, tmp_path):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     directory, _ = saved_pairs
     out = str(tmp_path / "tp2")
@@ -190,7 +190,7 @@ def test_reshard_to_tp2_and_resume(saved_pairs, worlds, tmp_path):
 
 
 def test_plain_merge_writes_the_dense_optimizer_state(saved_pairs, worlds, tmp_path):
-    from nxdtp.checkpointing.cli import main
+    from nxdtp.cli import main
 
     directory, _ = saved_pairs
     out = str(tmp_path / "dense")

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..spec import ParamSpec
 from .dense_optimizer import MASTER_PREFIX
 from .index import CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file

@@ -24,6 +24,8 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
+from .safetensors_stream import SafetensorsFileReader
+
 DENSE_OPTIMIZER_TENSORS = "optimizer.safetensors"
 DENSE_OPTIMIZER_VALUES = "optimizer.json"
 DENSE_OPTIMIZER_FORMAT = "nxdtp-dense-optimizer-v1"
@@ -45,7 +47,6 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
     copies the fp32 master weights into the model's parameters: a model loaded from bf16 weights then continues from
     the exact values ZeRO-1 held, when it is in fp32.
     """
-    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     values_path = os.path.join(directory, DENSE_OPTIMIZER_VALUES)
@@ -61,12 +62,12 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
                          f"{DENSE_OPTIMIZER_FORMAT!r}")
     flat: Dict[str, Any] = {}
     masters: Dict[str, torch.Tensor] = {}
-    with safe_open(tensors_path, framework="pt") as f:
-        for key in f.keys():
-            if key.startswith(MASTER_PREFIX):
-                masters[key[len(MASTER_PREFIX):]] = f.get_tensor(key)
-            else:
-                flat[key] = f.get_tensor(key)
+    tensors = SafetensorsFileReader(tensors_path)
+    for key in tensors.keys():
+        if key.startswith(MASTER_PREFIX):
+            masters[key[len(MASTER_PREFIX):]] = tensors.get_tensor(key)
+        else:
+            flat[key] = tensors.get_tensor(key)
     for key, value in record["values"].items():
         # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
         flat[key] = tuple(value) if isinstance(value, list) else value

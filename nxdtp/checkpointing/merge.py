@@ -47,8 +47,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import __version__
 from ..rounding import round_up
+from ..version import __version__
 from ..spec import FlatShardLayout, ParamSpec
 from . import integrity, tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
@@ -820,13 +820,5 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
     write_bytes_durably(os.path.join(directory, DENSE_OPTIMIZER_VALUES), json.dumps(record, indent=1).encode())
 
 
-_DTYPES_BY_SAFETENSORS_NAME = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-                               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _safetensors_dtype(handle, key: str) -> torch.dtype:
-    name = handle.get_slice(key).get_dtype()
-    if name not in _DTYPES_BY_SAFETENSORS_NAME:
-        raise ValueError(f"'{key}' has safetensors dtype {name}, which nxdtp does not handle")
-    return _DTYPES_BY_SAFETENSORS_NAME[name]
+def _safetensors_dtype(handle: SafetensorsFileReader, key: str) -> torch.dtype:
+    return handle.dtype(key)

@@ -1,4 +1,6 @@
-"""Write a safetensors file one tensor at a time, so the writer never holds more than one tensor in memory.
+"""nxdtp's one safetensors writer and one safetensors reader.
+
+The writer writes a file one tensor at a time, so it never holds more than one tensor in memory.
 
 ``safetensors.torch.save_file`` needs the whole dict at once. The format itself is simple (an 8-byte little-endian
 header length, a JSON header with each tensor's dtype, shape and byte range, then the raw bytes in order), so when
@@ -7,11 +9,16 @@ every tensor's dtype and shape are known up front the header can be written firs
 Besides the whole file's checksum, the writer records one for the header and one for each tensor's bytes, computed on
 the same chunks as they are written (``contents_record``): a reader that needs only some tensors of a file verifies
 just those (docs/checkpoints.md, "Integrity").
+
+The reader (``SafetensorsFileReader``) reads whole tensors, or a range along any dimension, with plain reads at their
+byte offsets; every file nxdtp reads (its own checkpoints, merged optimizer state, Hugging Face model directories) goes
+through it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Dict, List, Optional, Tuple
@@ -109,7 +116,11 @@ class StreamingSafetensorsWriter:
             self.abandon()
 
 
-_DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+# What the reader accepts: every dtype the writer writes, and the float8 and unsigned ones Hugging Face checkpoints may
+# hold (which nxdtp never writes).
+_DTYPES_BY_NAME = {**{name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()},
+                   "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16,
+                   "U32": torch.uint32, "U64": torch.uint64}
 
 
 class _TensorInfo:
@@ -160,6 +171,10 @@ class SafetensorsFileReader:
                 raise ValueError(f"{path}: '{key}' has safetensors dtype {dtype}, which nxdtp does not handle")
             if self._data_start + end > size:
                 raise ValueError(f"{path} is truncated: '{key}' ends at byte {self._data_start + end} of {size}")
+            if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape) \
+                    or end - begin != math.prod(shape) * _DTYPES_BY_NAME[dtype].itemsize:
+                raise ValueError(f"{path} has a damaged header entry for '{key}': shape {shape} of {dtype} does not "
+                                 f"fill bytes [{begin}, {end})")
             self._entries[key] = (dtype, shape, begin, end)
 
     def keys(self):
@@ -168,6 +183,9 @@ class SafetensorsFileReader:
     def get_slice(self, key: str) -> _TensorInfo:
         dtype, shape, _, _ = self._entries[key]
         return _TensorInfo(dtype, shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return _DTYPES_BY_NAME[self._entries[key][0]]
 
     def get_tensor(self, key: str) -> torch.Tensor:
         _, shape, _, _ = self._entries[key]
@@ -179,6 +197,26 @@ class SafetensorsFileReader:
         if not shape or not 0 <= start <= start + length <= shape[0]:
             raise ValueError(f"{self.path}: rows [{start}, {start + length}) of '{key}' (shape {shape}) do not exist")
         return self._read(key, start, length)
+
+    def read_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``[start, stop)`` along ``dim`` of tensor ``key``, reading only its bytes: one contiguous run for each
+        index of the dimensions before ``dim`` (a single read for dim 0)."""
+        dtype, shape, begin, _ = self._entries[key]
+        if not 0 <= dim < len(shape) or not 0 <= start <= stop <= shape[dim]:
+            raise ValueError(f"{self.path}: [{start}, {stop}) along dim {dim} of '{key}' (shape {shape}) does not "
+                             f"exist")
+        if dim == 0:
+            return self._read(key, start, stop - start)
+        step = math.prod(shape[dim + 1:]) * _DTYPES_BY_NAME[dtype].itemsize   # bytes of one index along dim
+        run, outer = (stop - start) * step, math.prod(shape[:dim])
+        buffer = torch.empty(outer * run, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        with open(self.path, "rb") as f:
+            for i in range(outer):
+                f.seek(self._data_start + begin + (i * shape[dim] + start) * step)
+                if f.readinto(view[i * run:(i + 1) * run]) != run:
+                    raise ValueError(f"{self.path} is truncated: '{key}' could not be read whole")
+        return buffer.view(_DTYPES_BY_NAME[dtype]).reshape(shape[:dim] + [stop - start] + shape[dim + 1:])
 
     def _read(self, key: str, start: int, length: Optional[int]) -> torch.Tensor:
         dtype, shape, begin, end = self._entries[key]

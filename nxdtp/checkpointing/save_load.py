@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import __version__, comm
+from .. import comm
+from ..version import __version__
 from ..agreement import check_replicated_agree
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
@@ -31,7 +32,7 @@ from .durable import ChecksummedWriter, fsync_tree, make_directories, write_byte
 from .index import (CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
                     optim_file, split_model_state)
 from .lock import TagLock
-from .safetensors_stream import StreamingSafetensorsWriter
+from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_STATE_FILE = "optim/state.json"
@@ -753,20 +754,18 @@ def _require_file(path: str) -> None:
 class _RankFile:
     """A safetensors file of the tag, opened for ``load``. With ``verify`` and the index's records of its header and
     tensors, the header is verified before it is parsed, and each tensor right after it is read: the bytes a rank
-    loads, and only those, are hashed, and the hash is the pass that brings them into memory from the mapped file.
-    Files without such records were verified whole before reading (``integrity.verify_files``)."""
+    loads, and only those, are hashed. Files without such records were verified whole before reading
+    (``integrity.verify_files``)."""
 
     def __init__(self, tag_dir: str, index: CheckpointIndex, relative: str, verify: bool):
-        from safetensors import safe_open
-
         self.path = os.path.join(tag_dir, relative)
         _require_file(self.path)
         self._checks = integrity.TensorChecks.of(tag_dir, index, relative) if verify else None
         if self._checks is not None:
             self._checks.check_header()
         try:
-            self._handle = safe_open(self.path, framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for damaged headers
+            self._handle = SafetensorsFileReader(self.path)
+        except ValueError as e:
             raise ValueError(f"checkpoint file {self.path} is damaged or truncated: {e}") from None
 
     def get_tensor(self, key: str) -> torch.Tensor:

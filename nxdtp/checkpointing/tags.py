@@ -13,6 +13,7 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
+from ..errors import DamagedInputError
 from .durable import checked_record, replace_atomically
 from .index import DONE_FILE, INDEX_FILE
 
@@ -52,7 +53,7 @@ def is_complete(tag_dir: str) -> bool:
 LEGACY_DONE_TEXT = "complete"
 
 
-class CheckpointIntegrityError(ValueError):
+class CheckpointIntegrityError(DamagedInputError):
     """A checkpoint file is not what its record says: another size or another checksum (flipped bytes, truncation), or
     a damaged ``done``."""
 

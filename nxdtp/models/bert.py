@@ -25,9 +25,9 @@ Model outputs are HF's, with one difference: ``prediction_logits`` / ``logits`` 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
-from typing import Optional
+from types import ModuleType
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,8 @@ class EncoderFamily:
 
     name: str                  # "BERT", for messages
     class_prefix: str          # "Bert": BertSelfAttention, BertSelfOutput, BertOutput, BertEncoder
-    hf_module: str             # "transformers.models.bert.modeling_bert"
+    hf_modeling: Callable[[], ModuleType]  # HF's modeling module (transformers.models.bert.modeling_bert), imported
+    #                                        when a model is parallelized: importing nxdtp.models needs no transformers
     supported: tuple
     mlm_decoder: str           # module name of the MLM head's decoder Linear
     base_prefix: str           # "bert.": the base model's attribute in checkpoints
@@ -82,10 +83,16 @@ class EncoderFamily:
     tied_keys_to_store: tuple = ()
 
     def hf_class(self, suffix: str) -> type:
-        return getattr(importlib.import_module(self.hf_module), self.class_prefix + suffix)
+        return getattr(self.hf_modeling(), self.class_prefix + suffix)
 
 
-BERT = EncoderFamily("BERT", "Bert", "transformers.models.bert.modeling_bert", SUPPORTED, "cls.predictions.decoder",
+def _bert_modeling() -> ModuleType:
+    from transformers.models.bert import modeling_bert
+
+    return modeling_bert
+
+
+BERT = EncoderFamily("BERT", "Bert", _bert_modeling, SUPPORTED, "cls.predictions.decoder",
                      "bert.")
 
 

@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..checkpointing.safetensors_stream import SafetensorsFileReader
+from ..errors import DamagedInputError
 from ..parallel_state import tensor_parallel_group
 from ..spec import ParamSpec, ShardedModule
 from ..utils import reattach_spec_attributes, retie_parameters, tied_parameter_names
@@ -41,7 +43,7 @@ RELEASE_EVERY_BYTES = 16 * 2**20
 CONFIG = "config.json"
 
 
-class PretrainedDirectoryError(ValueError):
+class PretrainedDirectoryError(DamagedInputError):
     """A Hugging Face model directory that cannot be loaded: the message names the file and what is wrong."""
 
 
@@ -212,8 +214,9 @@ class CheckpointReader:
         return self._open[PYTORCH_BIN]
 
     def release(self) -> None:
-        """Unmap the open files. Pages a slice touched stay in this process's RSS while the map is open (a slice
-        along columns touches every page of the tensor), so long loads release every few hundred MiB."""
+        """Close the open files. A ``pytorch_model.bin`` is memory-mapped, and pages a slice touched stay in this
+        process's RSS while the map is open (a slice along columns touches every page of the tensor), so long loads
+        release every few hundred MiB; safetensors files are read with plain reads and hold no pages."""
         self._open.clear()
 
     def _add_safetensors(self, file: str) -> None:
@@ -222,12 +225,10 @@ class CheckpointReader:
 
     def _handle(self, file: str):
         if file not in self._open:
-            from safetensors import safe_open
-
             path = os.path.join(self.model_dir, file)
             try:
-                self._open[file] = safe_open(path, framework="pt", device="cpu")
-            except Exception as error:  # noqa: BLE001 - safetensors' own error type varies across versions
+                self._open[file] = SafetensorsFileReader(path)
+            except (OSError, ValueError) as error:
                 raise PretrainedDirectoryError(f"{path}: not a readable safetensors file (truncated, or its header is "
                                                f"damaged): {error}") from error
         return self._open[file]
@@ -244,8 +245,8 @@ class CheckpointReader:
         try:
             if dim is None:
                 return self._handle(file).get_tensor(key)
-            index = (slice(None),) * dim + (slice(start, stop),)
-            return self._handle(file).get_slice(key)[index]
+            stop = self.shape(key)[dim] if stop is None else stop
+            return self._handle(file).read_slice(key, dim, start, stop)
         except PretrainedDirectoryError:
             raise
         except Exception as error:  # noqa: BLE001 - e.g. a dtype this torch cannot hold

@@ -8,6 +8,8 @@ MLM loss on the vocab-parallel logits, and optional sequence parallelism; see ``
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from torch import nn
 
 from ..plan import Plan, parallelize
@@ -19,7 +21,13 @@ SUPPORTED = ("RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassifica
 # from lm_head.decoder.bias (from a directory holding just lm_head.bias, as its own save_pretrained writes, it re-ties
 # lm_head.bias to a freshly initialised decoder bias); every other supported release loads either name. So nxdtp's
 # checkpoints, and the HF directories merged from them, store it as lm_head.decoder.bias.
-ROBERTA = EncoderFamily("RoBERTa", "Roberta", "transformers.models.roberta.modeling_roberta", SUPPORTED,
+def _roberta_modeling() -> ModuleType:
+    from transformers.models.roberta import modeling_roberta
+
+    return modeling_roberta
+
+
+ROBERTA = EncoderFamily("RoBERTa", "Roberta", _roberta_modeling, SUPPORTED,
                         "lm_head.decoder", "roberta.", tied_keys_to_store=("lm_head.decoder.bias",))
 
 

@@ -41,10 +41,22 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..common import require_supported_transformers
-from ..llama import FAMILY as LLAMA_FAMILY
-from .reader import (AUTO, DenseTensor, NxdCheckpointError, RankFiles, RankShard, expected_layout, import_checkpoint,
-                     load_config_dict, missing_last_ranks, one_dtype, replicated, say)
+from ...models.common import require_supported_transformers
+from ...models.llama import FAMILY as LLAMA_FAMILY
+from .reader import (
+    AUTO,
+    DenseTensor,
+    NxdCheckpointError,
+    RankFiles,
+    RankShard,
+    expected_layout,
+    import_checkpoint,
+    load_config_dict,
+    missing_last_ranks,
+    one_dtype,
+    replicated,
+    say,
+)
 
 # model_type -> (config class, model class) in transformers
 _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
@@ -122,7 +134,7 @@ def _load_config(config_json):
             (t for a in raw.get("architectures") or [] for t, (_, m) in _CLASSES.items() if a == m), None)
         config = None
     if model_type not in _CLASSES:
-        raise NxdCheckpointError(f"config {where}: model_type is {model_type!r}; nxdtp.models.nxd.llama reads "
+        raise NxdCheckpointError(f"config {where}: model_type is {model_type!r}; nxdtp.converters.nxd.llama reads "
                                  f"model_type {', '.join(MODEL_TYPES)}")
     config_class, model_class = (getattr(transformers, name) for name in _CLASSES[model_type])
     if config is None:

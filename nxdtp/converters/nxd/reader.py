@@ -47,6 +47,7 @@ import torch
 
 from ...checkpointing.dense import DenseWeightsWriter
 from ...checkpointing.output_dir import check_output_dir, write_atomically
+from ...errors import DamagedInputError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 XSER_TENSORS_SUFFIX = ".tensors"
@@ -62,7 +63,7 @@ _V2_ENTRY = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _V2_EXPERT_ENTRY = re.compile(r"^dp_rank_\d+_ep_rank_\d+_tp_rank_\d+_pp_rank_\d+\.pt$")
 
 
-class NxdCheckpointError(ValueError):
+class NxdCheckpointError(DamagedInputError):
     """An NxD checkpoint that cannot be imported: the message names the file and the tensor."""
 
 

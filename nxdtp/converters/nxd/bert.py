@@ -15,8 +15,20 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .reader import (AUTO, DenseTensor, NxdCheckpointError, RankFiles, RankShard, expected_layout, import_checkpoint,
-                     load_config_dict, missing_last_ranks, one_dtype, replicated, say)
+from .reader import (
+    AUTO,
+    DenseTensor,
+    NxdCheckpointError,
+    RankFiles,
+    RankShard,
+    expected_layout,
+    import_checkpoint,
+    load_config_dict,
+    missing_last_ranks,
+    one_dtype,
+    replicated,
+    say,
+)
 
 MODEL_TYPES = ("bert",)
 
@@ -52,14 +64,15 @@ def _load_config(config_json):
         return copy.deepcopy(config_json)  # architectures is set on it before saving
     raw, path = load_config_dict(config_json)
     if raw.get("model_type", "bert") != "bert":
-        raise NxdCheckpointError(f"{path}: model_type is {raw['model_type']!r}; nxdtp.models.nxd.bert reads BERT only")
+        raise NxdCheckpointError(f"{path}: model_type is {raw['model_type']!r}; nxdtp.converters.nxd.bert reads "
+                                 "BERT only")
     return BertConfig.from_dict(raw)
 
 
 def _model_class(config, model_class):
     import transformers
 
-    from ..bert import SUPPORTED
+    from ...models.bert import SUPPORTED
 
     if model_class is None:
         names = [a for a in (getattr(config, "architectures", None) or []) if a in SUPPORTED]

@@ -18,7 +18,7 @@
         (nxdtp.checkpointing.dcp_import); the config (in DCP_DIR or --config) names the model class
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
-        the family (nxdtp.models.nxd)
+        the family (nxdtp.converters.nxd)
 
 CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
 the training log prints it; --tag is then an error). Without --tag, the newest intact tag is read (a damaged one is
@@ -30,8 +30,6 @@ on stderr; the output directory is then left as it was.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -99,11 +97,8 @@ def _from_nxd(args) -> str:
         raise _BadUsage("--from-nxd needs --config CONFIG_JSON (NxD checkpoints carry no config)")
     if args.reshard is not None or args.format not in (None, "safetensors"):
         raise _BadUsage("--from-nxd writes a dense safetensors checkpoint; it takes no --reshard or --format")
-    # By module name: nxdtp.checkpointing sits below nxdtp.models and must not import it.
-    module_name = "nxdtp.models.nxd"
-    if importlib.util.find_spec(module_name) is None:
-        raise _BadUsage(f"--from-nxd needs {module_name}, which this nxdtp does not have yet")
-    merge_nxd_checkpoint = importlib.import_module(module_name).merge_nxd_checkpoint
+    from .converters.nxd import merge_nxd_checkpoint
+
     kwargs = {"force": args.force, "progress": not args.no_progress}
     if args.tag is not None:
         kwargs["tag"] = args.tag
@@ -128,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             elif args.reshard is not None:
                 if args.format not in (None, "safetensors"):
                     raise _BadUsage("--format applies to dense merges; --reshard writes nxdtp's sharded format")
-                from .merge import reshard
+                from .checkpointing.merge import reshard
 
                 result = reshard(args.checkpoint_dir, args.output_dir, args.reshard, tag=args.tag, force=args.force,
                                  progress=progress, pad_to_multiple_of=args.pad_to_multiple_of, config=args.config,
@@ -137,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             else:
                 if args.pad_to_multiple_of is not None:
                     raise _BadUsage("--pad-to-multiple-of only applies with --reshard")
-                from .merge import merge_and_name_source
+                from .checkpointing.merge import merge_and_name_source
 
                 result, tag_dir = merge_and_name_source(
                     args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
@@ -160,7 +155,7 @@ def _from_dcp(args) -> str:
     if clashes:
         raise _BadUsage(f"--from-dcp takes no {', '.join(clashes)}: it writes the dense HF checkpoint, which "
                         "from_pretrained_sharded loads at any TP size")
-    from .dcp_import import import_dcp
+    from .checkpointing.dcp_import import import_dcp
 
     result = import_dcp(args.checkpoint_dir, args.output_dir, config=args.config, force=args.force,
                         progress=not args.no_progress)
@@ -177,7 +172,7 @@ def _to_dcp(args) -> str:
                                        ("--format", args.format is not None)) if used]
     if clashes:
         raise _BadUsage(f"--to dcp takes no {', '.join(clashes)}: it writes one DCP directory of the dense model")
-    from .dcp_export import export_dcp
+    from .checkpointing.dcp_export import export_dcp
 
     result = export_dcp(args.checkpoint_dir, args.output_dir, tag=args.tag, force=args.force,
                         progress=not args.no_progress, config=args.config, verify=not args.no_verify)
@@ -193,7 +188,7 @@ def _to_dcp(args) -> str:
 def _merged(path: str, tag_dir: str) -> str:
     """What a merge wrote, read back from the output file."""
     if path.endswith(".safetensors"):
-        from .safetensors_stream import SafetensorsFileReader
+        from .checkpointing.safetensors_stream import SafetensorsFileReader
 
         count = len(SafetensorsFileReader(path).keys())
     else:
@@ -211,7 +206,7 @@ def _merged(path: str, tag_dir: str) -> str:
 
 def _resharded(output_dir: str, tag_dir: str) -> str:
     """What a reshard wrote, read back from its index and reshard.json."""
-    from .index import CheckpointIndex
+    from .checkpointing.index import CheckpointIndex
 
     index = CheckpointIndex.read(tag_dir)
     with open(os.path.join(tag_dir, "reshard.json")) as f:

@@ -1,0 +1,2 @@
+"""Converters between nxdtp's checkpoints and other formats, above nxdtp.models and nxdtp.checkpointing (they need a
+model family's layout and the checkpoint writers): ``nxdtp.converters.nxd`` imports NxD checkpoints."""

@@ -1,0 +1,101 @@
+"""The torch.distributed groups behind a topology: made collectively by every rank, owned until released.
+
+nxdtp.parallel_state decides which groups a topology has; this module makes them. Each group gets a process group of
+the world's default backend (with the full mesh on an "xla" world) and, where that backend refuses CPU tensors, a gloo
+twin. Every group made here is owned from the moment it exists, so ``release_owned_groups`` frees all of them, even
+after a creation that failed part-way. Also here: the in-process world of one rank behind NxD's
+``initialize_fallback_parallel_state``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+# Every process group made here (by initialize_model_parallel or zero1_groups), this rank's or not.
+_OWNED_PROCESS_GROUPS: List[object] = []
+
+
+def needs_cpu_twins() -> bool:
+    """Whether this world needs gloo twins of its groups. CPU tensors are everywhere (model build before the device
+    move, pretrained loading, host-side metrics), and the default backend of an XLA, NCCL or other device world refuses
+    them: such worlds get a gloo twin of every group. A world whose default already maps CPU tensors to gloo
+    ("cpu:gloo,cuda:nccl") needs none."""
+    return "cpu:gloo" not in dist.get_backend_config().split(",")
+
+
+def new_owned_group(*args, **kwargs):
+    """``dist.new_group(*args, **kwargs)``, owned from the moment it exists."""
+    group = dist.new_group(*args, **kwargs)
+    _OWNED_PROCESS_GROUPS.append(group)
+    return group
+
+
+def mesh_options(default_backend: str, all_groups: List[List[int]]) -> dict:
+    """torch_xla's new_group records only the caller's ranks as the group's mesh, so plain torch.distributed
+    collectives on it would name incomplete replica groups; NxD passes every group of the kind, and so does nxdtp."""
+    if default_backend == "xla":
+        return {"pg_options": {"xla_pg_options": {"mesh": [list(g) for g in all_groups]}}}
+    return {}
+
+
+def new_groups_of_kind(kind: str, lists: List[List[int]], timeout, process_groups: dict,
+                       cpu_process_groups: dict) -> None:
+    """Collective over the whole world: every rank creates every group of ``lists``, in the same order; each gets a
+    process group of the default backend (with the full mesh on an "xla" world) and, where the world needs one, a
+    gloo twin. Recorded under ``(kind, tuple(ranks))``."""
+    default_backend = dist.get_backend()
+    separate = needs_cpu_twins()
+    for ranks in lists:
+        key = (kind, tuple(ranks))
+        process_groups[key] = new_owned_group(ranks, timeout=timeout, **mesh_options(default_backend, lists))
+        cpu_process_groups[key] = (new_owned_group(ranks, backend="gloo", timeout=timeout) if separate
+                                   else process_groups[key])
+
+
+def wait_for_every_rank(world_cpu_group) -> None:
+    """Return once every rank of the world has got here.
+
+    new_group is not a barrier: with gloo, a rank's call returns once its own connections are up, while a peer may
+    still be connecting to it. A rank that returned and then destroyed its groups (destroy_model_parallel, or its
+    process ending) closed those connections under the peer, whose new_group then failed ("Connection closed by
+    peer"), which a loaded machine made likely. So no rank leaves group creation before every rank has made every
+    group. A CPU tensor over the world's gloo group: the backend for CPU tensors in every world, whatever its default.
+    """
+    dist.all_reduce(torch.zeros(1), group=world_cpu_group)
+
+
+def release_owned_groups() -> None:
+    """Destroy every process group made here (the newest first)."""
+    while _OWNED_PROCESS_GROUPS:
+        group = _OWNED_PROCESS_GROUPS.pop()
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+def single_process_backend(device: Optional[torch.device]) -> str:
+    """The torch.distributed backend of a world of 1 for ``device``, with gloo for CPU tensors in every case."""
+    if device is None or device.type in ("cpu", "meta"):
+        return "gloo"
+    if device.type == "xla":
+        return "xla"
+    known = dist.Backend.default_device_backend_map
+    backend = known.get(device.type)
+    if backend is None:
+        raise ValueError(f"initialize_fallback_parallel_state: no torch.distributed backend is known for device "
+                         f"{str(device)!r}; valid device types are {sorted({'xla', 'meta', *known})}, or None (CPU)")
+    return "gloo" if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
+
+
+def initialize_single_process_world(device: Optional[torch.device] = None) -> str:
+    """Unless torch.distributed is initialized already, make a world of 1 in process (a ``HashStore``: no port is
+    opened) on ``single_process_backend(device)``; return that backend. The world behind NxD's
+    ``initialize_fallback_parallel_state`` (nxdtp.utils)."""
+    backend = single_process_backend(torch.device(device) if device is not None else None)
+    if not dist.is_initialized():
+        if backend == "xla":
+            import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return backend
