@@ -48,15 +48,22 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..rounding import round_up
-from ..version import __version__
 from ..spec import FlatShardLayout, ParamSpec
+from ..version import __version__
 from . import integrity, tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
+from .index import (
+    INDEX_FILE,
+    CheckpointIndex,
+    TensorEntry,
+    dtype_from_name,
+    is_zero1_optimizer_index,
+    model_file,
+    optim_file,
+)
 from .output_dir import check_output_dir, write_atomically
-from .index import (INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
-                    optim_file)
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
 CONFIG_FILE = "config.json"

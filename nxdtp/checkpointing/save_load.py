@@ -21,16 +21,23 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..version import __version__
 from ..agreement import check_replicated_agree
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule
 from ..utils import move_all_tensor_to_cpu
+from ..version import __version__
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
-from .index import (CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
-                    optim_file, split_model_state)
+from .index import (
+    CheckpointIndex,
+    TensorEntry,
+    dtype_from_name,
+    is_zero1_optimizer_index,
+    model_file,
+    optim_file,
+    split_model_state,
+)
 from .lock import TagLock
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
