@@ -203,7 +203,7 @@ def clear_xla_collective_token() -> None:
     torch_xla._XLAC._set_all_reduce_token(_xla_model()._get_device_context().device, None)
 
 
-# ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------
+# ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) ------------------------------------
 
 # A thread may route its host-side collectives over a group of its own (``host_group_of_this_thread``): a background
 # checkpoint writer then never meets the training loop's collectives on a shared group.

@@ -42,7 +42,7 @@ DEFAULT_BUCKET_CAP_MB = 512
 ParamsArg = Union[torch.Tensor, Iterable[Any]]
 
 
-# ---- collecting parameters ---------------------------------------------------------------------------------------------
+# ---- collecting parameters -------------------------------------------------------------------------------------------
 
 def _unique_params(parameters: ParamsArg) -> List[torch.Tensor]:
     """Flatten a tensor, an iterable of tensors, a module, or optimizer-style param-group dicts; drop repeats by identity.
@@ -115,7 +115,7 @@ def _check_norm_type(norm_type: Union[float, int, str]) -> float:
     return p
 
 
-# ---- norm and clipping -------------------------------------------------------------------------------------------------
+# ---- norm and clipping -----------------------------------------------------------------------------------------------
 
 def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, zero1_optimizer: bool = False,
                   zero1_optimizer_groups: Any = None, force_spmd: bool = True) -> torch.Tensor:
@@ -238,7 +238,7 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return not getattr(param, "shared", False)
 
 
-# ---- bucketed all-reduce -----------------------------------------------------------------------------------------------
+# ---- bucketed all-reduce ---------------------------------------------------------------------------------------------
 
 def buckets_by(items: List[Any], nbytes: Callable[[Any], int], key: Callable[[Any], Any],
                cap_bytes: float) -> List[List[Any]]:

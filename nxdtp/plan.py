@@ -34,7 +34,7 @@ def padded_size(size: int, multiple: int) -> int:
     return round_up(size, multiple)
 
 
-# ---- styles --------------------------------------------------------------------------------------------------------------
+# ---- styles ----------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class ColumnParallel:
@@ -363,7 +363,7 @@ def _forward_summing_sequence_parallel_grads(forward, *args, **kwargs):
 Style = object  # anything with convert(module, name) -> module
 
 
-# ---- the plan ------------------------------------------------------------------------------------------------------------
+# ---- the plan --------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Plan:
@@ -452,7 +452,7 @@ def broadcast_replicated_state(model: nn.Module) -> None:
             tensor.copy_(comm.broadcast(tensor, group, src_group_rank=0))
 
 
-# ---- wiring helpers for plans' finalize hooks ---------------------------------------------------------------------------
+# ---- wiring helpers for plans' finalize hooks ------------------------------------------------------------------------
 
 _WRAPPED_CLASSES: Dict[Tuple[type, str], type] = {}
 
@@ -527,7 +527,7 @@ def _mixed_class(base: type, mixin: type) -> type:
     return _MIXED_CLASSES[(base, mixin)]
 
 
-# ---- pickling modules whose class nxdtp swapped ------------------------------------------------------------------------
+# ---- pickling modules whose class nxdtp swapped ----------------------------------------------------------------------
 # The subclasses made by wrap_forward and for sequence-parallel parameters are made at run time, under their base's
 # name, so pickle cannot find them by name. Each records how it was made from an importable class (its recipe); a
 # module of such a class pickles as "rebuild the class from the recipe, then restore the module's state".
@@ -602,7 +602,7 @@ def _new_of_recipe(root: type, steps: tuple):
     return cls.__new__(cls)
 
 
-# ---- conversion internals -----------------------------------------------------------------------------------------------
+# ---- conversion internals --------------------------------------------------------------------------------------------
 
 _SPEC_OWNING_CLASSES: Dict[type, type] = {}
 

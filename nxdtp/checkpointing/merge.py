@@ -76,7 +76,7 @@ OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
 
-# ---- public entry points ------------------------------------------------------------------------------------------------
+# ---- public entry points ---------------------------------------------------------------------------------------------
 
 def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
           force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True,
@@ -263,7 +263,7 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     return os.path.join(output_dir, tag_name)
 
 
-# ---- index and input checks ---------------------------------------------------------------------------------------------
+# ---- index and input checks ------------------------------------------------------------------------------------------
 
 def _choose_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool, verify: bool,
                    reads: Callable[[str, CheckpointIndex], List[str]]) -> Tuple[str, CheckpointIndex, Dict[str, Any]]:
@@ -350,7 +350,7 @@ def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
     return handles
 
 
-# ---- output directory ---------------------------------------------------------------------------------------------------
+# ---- output directory ------------------------------------------------------------------------------------------------
 
 def _copy_if_present(source: Optional[str], destination: str) -> None:
     if source is not None and os.path.isfile(source):
@@ -363,7 +363,7 @@ def _progress(total: int, description: str, enabled: bool):
     return tqdm(total=total, desc=description, unit="tensor", file=sys.stderr, disable=not enabled, leave=False)
 
 
-# ---- reassembling and splitting -----------------------------------------------------------------------------------------
+# ---- reassembling and splitting --------------------------------------------------------------------------------------
 
 def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
     """The full (padded) tensor from the rank files' pieces, one piece in memory at a time (the index was checked:
@@ -393,7 +393,7 @@ def _pieces(full: torch.Tensor, spec: ParamSpec, new_tp: int):
             yield rank, full.contiguous()
 
 
-# ---- resharding ---------------------------------------------------------------------------------------------------------
+# ---- resharding ------------------------------------------------------------------------------------------------------
 
 def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
     if explicit is not None:

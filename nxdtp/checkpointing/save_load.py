@@ -50,7 +50,7 @@ EXTRA_FILE = "extra/tp_rank_{:02d}.pt"
 LIVE_OR_STATE_KEYS = ("model", "optimizer", "scheduler")
 
 
-# ---- NxD's helpers -------------------------------------------------------------------------------------------------------
+# ---- NxD's helpers ---------------------------------------------------------------------------------------------------
 
 def ensure_directory_exists(filename: str) -> None:
     """Create the directory that will hold ``filename``, with its parents (NxD's name); nothing if it exists. A bare
@@ -144,7 +144,7 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
     return model_state_dict
 
 
-# ---- save ---------------------------------------------------------------------------------------------------------------
+# ---- save ------------------------------------------------------------------------------------------------------------
 
 def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True, save_xser: bool = False,
          down_cast_bf16: bool = False, master_dp_only: bool = True, *, tag: Optional[str] = None,
@@ -460,7 +460,7 @@ def _trainer_payload(checkpoint: Dict[str, Any], pickled_keys: Tuple[str, ...] =
     return payload, extras
 
 
-# ---- optimizer ----------------------------------------------------------------------------------------------------------
+# ---- optimizer -------------------------------------------------------------------------------------------------------
 
 def _refuse_zero1(value: Any, what: str) -> None:
     """ZeRO-1 state is sharded over DP. Under ``checkpoint['optimizer']`` every rank writes its shards; any other
@@ -712,7 +712,7 @@ def _master_from_model(tag_dir: str, name: str, shape: Tuple[int, ...], model_st
     return FlatShardLayout(shape, group_size).shard_of(value.to(dtype), rank)
 
 
-# ---- RNG ----------------------------------------------------------------------------------------------------------------
+# ---- RNG -------------------------------------------------------------------------------------------------------------
 
 def _encode(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -751,7 +751,7 @@ def restore_rng(tag_dir: str, rank: int) -> None:
                                       for name, state in payload["tracker"].items()})
 
 
-# ---- load ---------------------------------------------------------------------------------------------------------------
+# ---- load ------------------------------------------------------------------------------------------------------------
 
 def _require_file(path: str) -> None:
     if not os.path.isfile(path):
