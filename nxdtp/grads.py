@@ -7,8 +7,8 @@ Scale rules (docs/index.md, "Gradient scale is exact"):
   every TP rank, so it is counted once. One all-reduce over the TP group combines them.
 * ``bucket_allreduce_gradients`` averages over the data-parallel group only: sum over the DP ranks, divide by the DP
   size. Never by the world size, and never over TP ranks (their gradients are different shards, or already equal).
-* ``allreduce_sequence_parallel_gradients`` sums, over the TP group, the gradients of replicated parameters used inside a
-  sequence-parallel region (each TP rank saw only its part of the sequence), except those a plan's model already sums
+* ``allreduce_sequence_parallel_gradients`` sums, over the TP group, the gradients of replicated parameters used inside
+  a sequence-parallel region (each TP rank saw only its part of the sequence), except those a plan's model already sums
   inside backward (``nxdtp.plan.sum_sequence_parallel_gradients_in_backward``).
 
 Everything is written to trace one graph on every rank under XLA: no branch depends on tensor values or on the rank;
@@ -45,7 +45,8 @@ ParamsArg = Union[torch.Tensor, Iterable[Any]]
 # ---- collecting parameters -------------------------------------------------------------------------------------------
 
 def _unique_params(parameters: ParamsArg) -> List[torch.Tensor]:
-    """Flatten a tensor, an iterable of tensors, a module, or optimizer-style param-group dicts; drop repeats by identity.
+    """Flatten a tensor, an iterable of tensors, a module, or optimizer-style param-group dicts; drop repeats by
+    identity.
 
     A tied weight listed twice (an embedding and an LM head) is one parameter with one gradient: it counts once.
     """

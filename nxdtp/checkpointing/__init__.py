@@ -18,6 +18,6 @@ from .save_load import (
 )
 from .tags import CheckpointIntegrityError, newest_tag, resolve_tag
 
-__all__ = ["save", "load", "ensure_directory_exists", "get_sharded_model_dict", "list_tags", "newest_tag", "resolve_tag",
-           "read_model_shard", "restore_rng", "CheckpointIndex", "FORMAT_VERSION", "CheckpointIntegrityError",
-           "CheckpointLockedError", "load_dense_optimizer_state"]
+__all__ = ["save", "load", "ensure_directory_exists", "get_sharded_model_dict", "list_tags", "newest_tag",
+           "resolve_tag", "read_model_shard", "restore_rng", "CheckpointIndex", "FORMAT_VERSION",
+           "CheckpointIntegrityError", "CheckpointLockedError", "load_dense_optimizer_state"]

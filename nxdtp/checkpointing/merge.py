@@ -88,8 +88,8 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     ``config.json`` if it has one, so ``AutoModel.from_pretrained(output_dir)`` loads it. ``config`` (a config.json
     path) is copied instead: a checkpoint saved from ``model.state_dict()`` (NxD's form) has no config of its own.
     ``checkpoint_dir`` is a checkpoint directory, whose tag is ``tag`` or by default the newest complete one, or a
-    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the bin form
-    holds the whole model in memory (``torch.save`` needs the full dict).
+    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the
+    bin form holds the whole model in memory (``torch.save`` needs the full dict).
 
     Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
     the checksum of every file read (the model files, the tag's config.json) before anything is written; a mismatch

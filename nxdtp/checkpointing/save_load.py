@@ -155,8 +155,9 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     dict), ``scheduler``, ``global_step``, and any other values: JSON ones (epoch, data position, ...) go to the trainer
     state, others (an optimizer state dict under another key, a loss tensor) to one ``torch.save`` file per TP rank,
     which ``load`` reads back with ``weights_only=True``. The tag defaults to ``step_<global_step>``, or without a
-    ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step). ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
-    floating model tensors as bfloat16 (the optimizer keeps full precision).
+    ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step).
+    ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores floating model tensors as bfloat16 (the
+    optimizer keeps full precision).
 
     Replicated tensors are written once, from TP rank 0. So that no other rank's copy is silently dropped, ``save``
     first checks that every replicated tensor of the model is the same on every rank of the TP group (a fingerprint
@@ -169,8 +170,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     ``save_xser=True`` and ``master_dp_only=False`` are refused (nxdtp writes its own format, once per DP group).
     """
     if not isinstance(save_serially, bool):
-        raise TypeError(f"save_serially={save_serially!r} must be True or False (it is NxD's third parameter; pass tag= "
-                        "and keep_last= by keyword)")
+        raise TypeError(f"save_serially={save_serially!r} must be True or False (it is NxD's third parameter; pass "
+                        "tag= and keep_last= by keyword)")
     _check_default("save", "save_xser", save_xser, False, "nxdtp writes its own self-describing safetensors format "
                    "(docs/checkpoints.md); NxD's xser layout is read only by nxdtp-merge --from-nxd")
     _check_default("save", "master_dp_only", master_dp_only, True, "the DP replicas of a TP rank hold the same "
@@ -805,10 +806,11 @@ def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int, verify:
     return state
 
 
-def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=None, model_key: Optional[str] = "model",
-         load_xser: bool = False, sharded: bool = True, strict: bool = True, master_dp_only: bool = True,
-         weights_only: bool = False, *, tag: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-         scheduler=None, restore_rng_states: bool = False, verify: bool = True) -> Optional[Dict[str, Any]]:
+def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=None,
+         model_key: Optional[str] = "model", load_xser: bool = False, sharded: bool = True, strict: bool = True,
+         master_dp_only: bool = True, weights_only: bool = False, *, tag: Optional[str] = None,
+         optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, restore_rng_states: bool = False,
+         verify: bool = True) -> Optional[Dict[str, Any]]:
     """Load a checkpoint saved by ``save`` into live objects; return the rest of the saved dict: the trainer state
     (step, epoch, ...) and this TP rank's other entries (NxD's ``load`` returns the saved dict less the model).
 
