@@ -446,8 +446,8 @@ def prepare_injection(tuner: BaseTuner, model: nn.Module, config) -> None:
     import peft
 
     if not peft_version_supported(peft.__version__):
-        raise ImportError(f"peft {peft.__version__} is not supported by nxdtp's LoRA on tensor-parallel models: supported "
-                          f"versions are {SUPPORTED_PEFT_PIP[4:]}; pip install '{SUPPORTED_PEFT_PIP}'")
+        raise ImportError(f"peft {peft.__version__} is not supported by nxdtp's LoRA on tensor-parallel models: "
+                          f"supported versions are {SUPPORTED_PEFT_PIP[4:]}; pip install '{SUPPORTED_PEFT_PIP}'")
     check_config(tuner, model, config)
     if config.target_modules == "all-linear":
         # PEFT's own expansion looks for nn.Linear and Conv1D only, and would miss every parallel layer.
