@@ -5,26 +5,53 @@
 (``nxdtp.models.bert``) import transformers and are loaded on demand.
 """
 
-from .version import __version__  # noqa: F401
-
-from . import comm, grads, layer_norm, layers, loss_functions, mappings, optimizer, optimizers, pad, parallel_state, \
-    random, spec, utils  # noqa: E402,F401
-from .checkpointing import load, save  # noqa: E402
-from .grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, clip_grad_norm, get_grad_norm  # noqa: E402
-from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear  # noqa: E402
-from .loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy  # noqa: E402
-from .optimizers import Lamb  # noqa: E402
-from .parallel_state import destroy_model_parallel, initialize_model_parallel, model_parallel_is_initialized  # noqa: E402
-from .plan import Plan, parallelize  # noqa: E402
-from .random import checkpoint, get_xla_rng_tracker, model_parallel_xla_manual_seed  # noqa: E402
-from .mappings import copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region, \
-    reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region  # noqa: E402
-from .trainer import finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from .utils import copy_tensor_model_parallel_attributes, move_model_to_device, \
-    set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes, \
-    split_tensor_along_last_dim  # noqa: E402
-from . import trainer  # noqa: E402
-from .trainer import initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config  # noqa: E402
+from . import (
+    comm,
+    grads,
+    layer_norm,
+    layers,
+    loss_functions,
+    mappings,
+    optimizer,  # noqa: F401
+    optimizers,
+    pad,
+    parallel_state,
+    random,
+    spec,
+    trainer,
+    utils,
+)
+from .checkpointing import load, save
+from .grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, clip_grad_norm, get_grad_norm
+from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
+from .loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .optimizers import Lamb
+from .parallel_state import destroy_model_parallel, initialize_model_parallel, model_parallel_is_initialized
+from .plan import Plan, parallelize
+from .random import checkpoint, get_xla_rng_tracker, model_parallel_xla_manual_seed
+from .trainer import (
+    finalize_checkpoint,
+    has_checkpoint,
+    initialize_parallel_model,
+    initialize_parallel_optimizer,
+    load_checkpoint,
+    neuronx_distributed_config,
+    save_checkpoint,
+)
+from .utils import (
+    copy_tensor_model_parallel_attributes,
+    move_model_to_device,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+    split_tensor_along_last_dim,
+)
+from .version import __version__
 
 __all__ = [
     "__version__", "comm", "grads", "layer_norm", "layers", "loss_functions", "mappings", "optimizers", "pad",

@@ -22,9 +22,9 @@
 
 CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
 the training log prints it; --tag is then an error). Without --tag, the newest intact tag is read (a damaged one is
-skipped with a warning). Every file read is checked against its recorded size and checksum unless --no-verify. A successful run prints what it wrote on stdout. Bad input
-(missing or damaged files, incomplete tag, existing output directory, bad arguments) exits with status 2 and one line
-on stderr; the output directory is then left as it was.
+skipped with a warning). Every file read is checked against its recorded size and checksum unless --no-verify. A
+successful run prints what it wrote on stdout. Bad input (missing or damaged files, incomplete tag, existing output
+directory, bad arguments) exits with status 2 and one line on stderr; the output directory is then left as it was.
 """
 
 from __future__ import annotations

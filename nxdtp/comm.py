@@ -5,8 +5,8 @@ group's replica-group list; a CPU tensor goes to ``torch.distributed`` over the 
 tensor (CUDA, a PrivateUse1 device, ...) over the group's process group of the world's default backend (NCCL, or
 whatever backend the world was started with). Nothing else in nxdtp chooses a backend.
 
-All functions are functional: they return a new tensor and never modify their input, so autograd Functions can call them.
-A group of size 1 needs no communication and returns the input unchanged (as a result, not a copy).
+All functions are functional: they return a new tensor and never modify their input, so autograd Functions can call
+them. A group of size 1 needs no communication and returns the input unchanged (as a result, not a copy).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def _check_xla_world(group: ParallelGroup) -> None:
     covered = sorted(rank for ranks in group.replica_groups for rank in ranks)
     if covered != list(range(topology.world_size)):
         raise RuntimeError(
-            f"the {group.kind} group {list(group.ranks)} has replica groups {group.replica_groups_as_lists()}, which do "
-            f"not partition the world of {topology.world_size} ranks; XLA collectives need every group of the kind: "
+            f"the {group.kind} group {list(group.ranks)} has replica groups {group.replica_groups_as_lists()}, which "
+            f"do not partition the world of {topology.world_size} ranks; XLA collectives need every group of the kind: "
             "make the group with pg_options={'xla_pg_options': {'mesh': [...all groups...]}}, or use nxdtp's groups"
         )
     runtime_world, runtime_ordinal = xr.world_size(), xr.global_ordinal()
@@ -146,7 +146,8 @@ def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) ->
 def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 0) -> torch.Tensor:
     """Every rank of the group receives the tensor held by group rank ``src_group_rank``."""
     if not 0 <= src_group_rank < group.size:
-        raise ValueError(f"src_group_rank={src_group_rank} is outside the {group.kind}-parallel group of size {group.size}")
+        raise ValueError(f"src_group_rank={src_group_rank} is outside the {group.kind}-parallel group of size "
+                         f"{group.size}")
     if group.size == 1:
         return tensor
     if _is_xla(tensor):
@@ -203,7 +204,7 @@ def clear_xla_collective_token() -> None:
     torch_xla._XLAC._set_all_reduce_token(_xla_model()._get_device_context().device, None)
 
 
-# ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) --------------------------------------
+# ---- host-side coordination (always torch.distributed; gloo on XLA and NCCL runs) ------------------------------------
 
 # A thread may route its host-side collectives over a group of its own (``host_group_of_this_thread``): a background
 # checkpoint writer then never meets the training loop's collectives on a shared group.

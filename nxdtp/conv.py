@@ -2,10 +2,10 @@
 
 A convolution weight is ``[out_channels, in_channels, kH, kW]``. Splitting dim 0 (output channels) is the convolution
 analogue of ColumnParallelLinear: the input is replicated, each rank computes its block of output channels, and the
-input gradient is summed over TP in backward. Splitting dim 1 (input channels) is the analogue of RowParallelLinear: each
-rank convolves its block of input channels into a partial sum of the whole output, the partial sums are all-reduced and
-the (replicated) bias is added once afterwards. ``Output(gather_output=False) -> activation -> Input(input_is_parallel=
-True)`` is the convolution form of the Megatron MLP: one all-reduce forward and one backward.
+input gradient is summed over TP in backward. Splitting dim 1 (input channels) is the analogue of RowParallelLinear:
+each rank convolves its block of input channels into a partial sum of the whole output, the partial sums are all-reduced
+and the (replicated) bias is added once afterwards. ``Output(gather_output=False) -> activation ->
+Input(input_is_parallel=True)`` is the convolution form of the Megatron MLP: one all-reduce forward and one backward.
 
 As the linear layers do, each layer initialises the full weight the way ``torch.nn.Conv2d`` does (on the CPU generator,
 the same on every rank) and keeps this rank's slice, so under the same seed it holds exactly a slice of
@@ -299,7 +299,8 @@ class InputChannelParallelConv2d(BaseParallelConv):
 
     With ``input_is_parallel=False`` (the default) the input ``[N, in_channels, H, W]`` is full and this rank's channels
     are kept (the gradient is all-gathered in backward). With ``input_is_parallel=True`` the input is already this
-    rank's ``[N, in_channels / tp, H, W]`` block, e.g. the output of ``OutputChannelParallelConv2d(gather_output=False)``.
+    rank's ``[N, in_channels / tp, H, W]`` block, e.g. the output of
+    ``OutputChannelParallelConv2d(gather_output=False)``.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOr2, stride: IntOr2 = 1,

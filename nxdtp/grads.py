@@ -7,8 +7,8 @@ Scale rules (docs/index.md, "Gradient scale is exact"):
   every TP rank, so it is counted once. One all-reduce over the TP group combines them.
 * ``bucket_allreduce_gradients`` averages over the data-parallel group only: sum over the DP ranks, divide by the DP
   size. Never by the world size, and never over TP ranks (their gradients are different shards, or already equal).
-* ``allreduce_sequence_parallel_gradients`` sums, over the TP group, the gradients of replicated parameters used inside a
-  sequence-parallel region (each TP rank saw only its part of the sequence), except those a plan's model already sums
+* ``allreduce_sequence_parallel_gradients`` sums, over the TP group, the gradients of replicated parameters used inside
+  a sequence-parallel region (each TP rank saw only its part of the sequence), except those a plan's model already sums
   inside backward (``nxdtp.plan.sum_sequence_parallel_gradients_in_backward``).
 
 Everything is written to trace one graph on every rank under XLA: no branch depends on tensor values or on the rank;
@@ -42,10 +42,11 @@ DEFAULT_BUCKET_CAP_MB = 512
 ParamsArg = Union[torch.Tensor, Iterable[Any]]
 
 
-# ---- collecting parameters ---------------------------------------------------------------------------------------------
+# ---- collecting parameters -------------------------------------------------------------------------------------------
 
 def _unique_params(parameters: ParamsArg) -> List[torch.Tensor]:
-    """Flatten a tensor, an iterable of tensors, a module, or optimizer-style param-group dicts; drop repeats by identity.
+    """Flatten a tensor, an iterable of tensors, a module, or optimizer-style param-group dicts; drop repeats by
+    identity.
 
     A tied weight listed twice (an embedding and an LM head) is one parameter with one gradient: it counts once.
     """
@@ -115,7 +116,7 @@ def _check_norm_type(norm_type: Union[float, int, str]) -> float:
     return p
 
 
-# ---- norm and clipping -------------------------------------------------------------------------------------------------
+# ---- norm and clipping -----------------------------------------------------------------------------------------------
 
 def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, zero1_optimizer: bool = False,
                   zero1_optimizer_groups: Any = None, force_spmd: bool = True) -> torch.Tensor:
@@ -238,7 +239,7 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return not getattr(param, "shared", False)
 
 
-# ---- bucketed all-reduce -----------------------------------------------------------------------------------------------
+# ---- bucketed all-reduce ---------------------------------------------------------------------------------------------
 
 def buckets_by(items: List[Any], nbytes: Callable[[Any], int], key: Callable[[Any], Any],
                cap_bytes: float) -> List[List[Any]]:

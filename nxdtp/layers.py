@@ -2,8 +2,8 @@
 
 Each layer is built so that, with the same seed, it holds exactly the slice of the weight the dense layer would hold:
 the full master weight is initialised on the CPU generator (the same on every rank) and the rank keeps its slice. The
-default initialisation matches ``torch.nn.Linear`` / ``torch.nn.Embedding``, so ``ColumnParallelLinear(i, o)`` under seed s
-equals a slice of ``nn.Linear(i, o)`` under seed s, biases included.
+default initialisation matches ``torch.nn.Linear`` / ``torch.nn.Embedding``, so ``ColumnParallelLinear(i, o)`` under
+seed s equals a slice of ``nn.Linear(i, o)`` under seed s, biases included.
 
 Layers own their sharding spec (nxdtp.spec). Every NxD keyword is accepted; one that nxdtp does not implement at some
 value is refused at that value with an error naming it, never silently ignored.
@@ -54,8 +54,9 @@ from .utils import cast_if_autocast_enabled, initialize_fallback_parallel_state
 def _check_rank_ordering(layer: str, rank_ordering: Optional[Sequence[int]], tp: int) -> None:
     if rank_ordering is None or list(rank_ordering) == list(range(tp)):
         return
-    raise ValueError(f"{layer}: rank_ordering={list(rank_ordering)!r} is not supported by nxdtp: tensor-parallel rank r "
-                     f"holds shard r and the collectives gather in rank order; valid are None or {list(range(tp))}")
+    raise ValueError(f"{layer}: rank_ordering={list(rank_ordering)!r} is not supported by nxdtp: tensor-parallel "
+                     f"rank r holds shard r and the collectives gather in rank order; valid are None or "
+                     f"{list(range(tp))}")
 
 
 class BaseParallelLayer(ShardedModule):
@@ -64,9 +65,9 @@ class BaseParallelLayer(ShardedModule):
     Built before ``initialize_model_parallel``, it warns and sets up a world of one process on ``device``'s backend
     (``nxdtp.utils.initialize_fallback_parallel_state``), as NxD does, so the layer works unsplit.
 
-    ``tensor_model_parallel_group=None`` means the tensor-parallel group of the installed topology, looked up at each use;
-    any other value is resolved once by ``nxdtp.parallel_state.group_of`` (nxdtp's own groups, or a subgroup made by
-    ``dist.new_group``).
+    ``tensor_model_parallel_group=None`` means the tensor-parallel group of the installed topology, looked up at each
+    use; any other value is resolved once by ``nxdtp.parallel_state.group_of`` (nxdtp's own groups, or a subgroup made
+    by ``dist.new_group``).
     """
 
     def __init__(self, device=None, tensor_model_parallel_group=None):
@@ -136,8 +137,8 @@ class LinearWithAsyncCommunication:
               sequence_parallel_enabled: bool, sequence_dimension: Optional[int] = 0, save_for_backward: bool = True,
               process_group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
         if not save_for_backward:
-            raise ValueError("LinearWithAsyncCommunication: save_for_backward=False is not supported by nxdtp: autograd "
-                             "keeps what the weight gradient needs; only save_for_backward=True is valid")
+            raise ValueError("LinearWithAsyncCommunication: save_for_backward=False is not supported by nxdtp: "
+                             "autograd keeps what the weight gradient needs; only save_for_backward=True is valid")
         if sequence_parallel_enabled:
             if sequence_dimension is None:
                 raise ValueError("LinearWithAsyncCommunication: sequence_parallel_enabled=True needs a "
@@ -155,7 +156,8 @@ def linear_with_async_allreduce(input: torch.Tensor, weight: torch.Tensor, bias:
                                 async_grad_allreduce: bool, sequence_parallel_enabled: bool,
                                 sequence_dimension: Optional[int] = 0,
                                 autograd_func_class=LinearWithAsyncCommunication, save_for_backward: bool = True,
-                                process_group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+                                process_group=None,
+                                reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
     """NxD's linear entry point: under autocast the operands are cast to the autocast dtype first (as NxD does), then
     ``autograd_func_class.apply`` runs with autocast off."""
     args = cast_if_autocast_enabled(input, weight, bias)
@@ -254,7 +256,8 @@ class ColumnParallelLinear(BaseParallelLinear):
         _check_pad_arguments("ColumnParallelLinear", pad, stride, pad_alignment_size_per_rank)
         if sequence_parallel_enabled and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel_enabled=True needs gather_output=False (the "
-                             "sequence-parallel input is gathered on entry; gathering the output as well is not defined)")
+                             "sequence-parallel input is gathered on entry; gathering the output as well is not "
+                             "defined)")
         self.input_size, self.output_size = input_size, output_size
         self.arg_init_method = init_method  # NxD's name; init_weight_cpu() draws with it
         self.pad, self.keep_padded_output = pad, keep_padded_output
@@ -347,9 +350,9 @@ class RowParallelLinear(BaseParallelLinear):
             raise ValueError("RowParallelLinear: sequence_parallel_enabled=True reduce-scatters the output; "
                              "reduce_output=False cannot be combined with it")
         if not reduce_output and bias and not skip_bias_add:
-            raise ValueError("RowParallelLinear: reduce_output=False with bias=True needs skip_bias_add=True: the output "
-                             "is a partial sum, and a bias added on every rank would be counted tensor_model_parallel_size "
-                             "times once the caller reduces it")
+            raise ValueError("RowParallelLinear: reduce_output=False with bias=True needs skip_bias_add=True: the "
+                             "output is a partial sum, and a bias added on every rank would be counted "
+                             "tensor_model_parallel_size times once the caller reduces it")
         self.input_size, self.output_size = input_size, output_size
         self.pad = pad
         self.arg_init_method = init_method  # NxD's name; init_weight_cpu() draws with it
@@ -418,8 +421,8 @@ class RowParallelLinear(BaseParallelLinear):
 
 class SPMDRank(ShardedModule):
     """The rank as data: ``rank`` is an int32 parameter of one element holding this rank's position, sharded over
-    ``world_size`` ranks (its full form is ``arange(world_size)``, which is what a checkpoint stores). Code that computes
-    offsets from ``get_rank()`` instead of a Python int traces one graph for every rank.
+    ``world_size`` ranks (its full form is ``arange(world_size)``, which is what a checkpoint stores). Code that
+    computes offsets from ``get_rank()`` instead of a Python int traces one graph for every rank.
 
     ``world_size`` is the tensor-parallel size (the position is the TP rank) or the world size (the global rank).
     """
@@ -434,11 +437,12 @@ class SPMDRank(ShardedModule):
         elif world_size == world:
             position = topology.rank
         else:
-            raise ValueError(f"SPMDRank: world_size={world_size} is neither the tensor-parallel size {tp} nor the world "
-                             f"size {world}")
+            raise ValueError(f"SPMDRank: world_size={world_size} is neither the tensor-parallel size {tp} nor the "
+                             f"world size {world}")
         self.world_size, self.tensor_model_parallel_size = world_size, tp
         self.rank = nn.Parameter(torch.tensor([position], dtype=torch.int32), requires_grad=False)
-        self.register_param_spec("rank", ParamSpec(full_shape=(world_size,), partition_dim=0, num_partitions=world_size))
+        self.register_param_spec("rank", ParamSpec(full_shape=(world_size,), partition_dim=0,
+                                                   num_partitions=world_size))
 
     def get_rank(self) -> torch.Tensor:
         return self.rank
@@ -459,11 +463,11 @@ class ParallelEmbedding(BaseParallelLayer):
 
     Default: by vocabulary. Each rank holds a contiguous block of rows, looks up only the ids in its block (others read
     as zero) and the partial results are all-reduced (reduce-scattered along the sequence with
-    ``sequence_parallel_enabled``). ``shard_across_embedding=True`` splits the embedding dimension instead and all-gathers
-    the output. ``collect_output=False`` skips the collective and returns this rank's part: a partial sum (by
-    vocabulary) or its columns (across the embedding). ``pad=True`` pads the vocabulary (or, across the embedding, the
-    embedding dimension) with zeros to a multiple of the TP size; padded rows are never looked up, padded columns are cut
-    from the output.
+    ``sequence_parallel_enabled``). ``shard_across_embedding=True`` splits the embedding dimension instead and
+    all-gathers the output. ``collect_output=False`` skips the collective and returns this rank's part: a partial sum
+    (by vocabulary) or its columns (across the embedding). ``pad=True`` pads the vocabulary (or, across the embedding,
+    the embedding dimension) with zeros to a multiple of the TP size; padded rows are never looked up, padded columns
+    are cut from the output.
 
     Sequence parallelism: with ``sequence_dimension=None`` (NxD's default) the ids are batch-first ``[batch, seq]`` and
     the output is sequence-first ``[seq/tp, batch, hidden]``, as NxD's. An explicit ``sequence_dimension`` names the
@@ -547,7 +551,8 @@ class ParallelEmbedding(BaseParallelLayer):
             full[num_embeddings:].zero_()
             full[:, embedding_dim:].zero_()
 
-        weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False, group=group)
+        weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False,
+                                      group=group)
         self.weight = nn.Parameter(weight)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
                                                      real_shape=(num_embeddings, embedding_dim), **padding_record))
@@ -566,9 +571,9 @@ class ParallelEmbedding(BaseParallelLayer):
         if self.sequence_dimension is not None:
             return collective(output, self.sequence_dimension)
         if output.dim() < 3:
-            raise ValueError(f"ParallelEmbedding: sequence parallelism with sequence_dimension=None expects [batch, seq] "
-                             f"ids (output [seq/tp, batch, hidden]); got an output of shape {tuple(output.shape)}. "
-                             "Pass sequence_dimension= to name the ids' sequence dimension")
+            raise ValueError(f"ParallelEmbedding: sequence parallelism with sequence_dimension=None expects [batch, "
+                             f"seq] ids (output [seq/tp, batch, hidden]); got an output of shape "
+                             f"{tuple(output.shape)}. Pass sequence_dimension= to name the ids' sequence dimension")
         return collective(output.transpose(0, 1).contiguous(), 0)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
@@ -630,7 +635,7 @@ class LayerNorm(nn.LayerNorm, ShardedModule):
                                                          sequence_parallel=sequence_parallel_enabled))
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "SPMDRank", "BaseParallelLayer",
-           "BaseParallelLinear", "LinearWithAsyncCommunication", "linear_with_async_allreduce", "create_local_weight",
-           "shard_of", "BaseParallelConv", "Conv2dWithInputGradAllReduce", "conv2d_with_weight_grad_allreduce",
-           "OutputChannelParallelConv2d", "InputChannelParallelConv2d"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "LayerNorm", "SPMDRank",
+           "BaseParallelLayer", "BaseParallelLinear", "LinearWithAsyncCommunication", "linear_with_async_allreduce",
+           "create_local_weight", "shard_of", "BaseParallelConv", "Conv2dWithInputGradAllReduce",
+           "conv2d_with_weight_grad_allreduce", "OutputChannelParallelConv2d", "InputChannelParallelConv2d"]

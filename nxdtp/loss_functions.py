@@ -2,8 +2,8 @@
 
 The LM head of a tensor-parallel model leaves each TP rank with a contiguous slice of the vocabulary: rank ``r`` holds
 columns ``[r * V/tp, (r + 1) * V/tp)``. Gathering the full ``[tokens, V]`` logits would cost tp times the memory and one
-large all-gather per step. The softmax normaliser and the target logit are sums over the vocabulary, so each rank reduces
-its slice to a few numbers per token and two small all-reduces finish the job:
+large all-gather per step. The softmax normaliser and the target logit are sums over the vocabulary, so each rank
+reduces its slice to a few numbers per token and two small all-reduces finish the job:
 
 1. MAX of the local log-sum-exps, so every rank rescales by the same value (numerical stability);
 2. one SUM of a stacked ``[..., 2 or 3]`` tensor: the target's logit (only the rank owning the target contributes),
@@ -156,13 +156,15 @@ def _check_inputs(logits, target, label_smoothing, reduction, vocab_size, group)
 def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
                            ignore_index: int = -100, reduction: str = "none",
                            vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Cross-entropy of logits sharded over the vocab across the TP group; equals ``F.cross_entropy`` on the full logits.
+    """Cross-entropy of logits sharded over the vocab across the TP group; equals ``F.cross_entropy`` on the full
+    logits.
 
     ``target`` holds global vocabulary ids and is the same on every TP rank. ``reduction="none"`` (NxD's behaviour)
     returns the fp32 per-token loss, 0 where ``target == ignore_index``; ``"mean"`` divides the sum by the number of
-    non-ignored targets (NaN when there are none, as torch does). When the vocab was padded to a multiple of the TP size,
-    pass the real ``vocab_size`` so the padded columns (at the end of the vocab) take no part in the softmax or the
-    smoothing. Target values are not range-checked (that would need a host sync on XLA): they must be real vocab ids.
+    non-ignored targets (NaN when there are none, as torch does). When the vocab was padded to a multiple of the TP
+    size, pass the real ``vocab_size`` so the padded columns (at the end of the vocab) take no part in the softmax or
+    the smoothing. Target values are not range-checked (that would need a host sync on XLA): they must be real vocab
+    ids.
     """
     group = tensor_parallel_group()
     _check_inputs(vocab_parallel_logits, target, label_smoothing, reduction, vocab_size, group)
@@ -177,11 +179,12 @@ def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Te
 
 
 class DistributedLogprob(torch.autograd.Function):
-    """NxD's autograd Function: ``log p(target)`` at each position, from logits sharded over the vocab across the TP group.
+    """NxD's autograd Function: ``log p(target)`` at each position, from logits sharded over the vocab across the TP
+    group.
 
-    ``DistributedLogprob.apply(vocab_parallel_logits, target, inference=True, vocab_size=None)``. ``target`` holds global
-    vocabulary ids for the *same* positions (it is not shifted here) and has the logits' shape without the last dim; the
-    result has that shape too. A target that no rank holds (negative, past the vocab, or a padded column when
+    ``DistributedLogprob.apply(vocab_parallel_logits, target, inference=True, vocab_size=None)``. ``target`` holds
+    global vocabulary ids for the *same* positions (it is not shifted here) and has the logits' shape without the last
+    dim; the result has that shape too. A target that no rank holds (negative, past the vocab, or a padded column when
     ``vocab_size`` is given) gives 0 and no gradient, as in NxD. With ``inference=True`` nothing is saved for backward
     and the result does not require grad. Two small all-reduces (a MAX, then one stacked SUM), computed in fp32; the
     backward recomputes this shard's softmax from the saved logits and the log-normaliser and needs no communication.

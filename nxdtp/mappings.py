@@ -7,7 +7,8 @@ Each region is a pair of collectives, one in forward and its mirror in backward:
     scatter_to_tensor_model_parallel_region      split last dim    | all-gather last dim
     gather_from_tensor_model_parallel_region     all-gather last   | split last dim
     scatter_to_sequence_parallel_region          split seq dim     | all-gather seq dim
-    gather_from_sequence_parallel_region         all-gather seq    | reduce-scatter seq (to_model_parallel=True) or split
+    gather_from_sequence_parallel_region         all-gather seq    | reduce-scatter seq (to_model_parallel=True)
+                                                                     or split
     reduce_scatter_to_sequence_parallel_region   reduce-scatter    | all-gather seq
 
 All collectives go through nxdtp.comm over the tensor-parallel group, so the same code serves XLA, NCCL and gloo.
@@ -304,7 +305,8 @@ def _drop_and_regather_tp_duplicates(x: torch.Tensor, scatter_gather: bool) -> t
 
 
 def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
-    """NxD's expert-parallel entry, (e, c, h) -> (e/ep, ep, c, h), for nxdtp's expert-parallel size of 1: (e, 1, c, h)."""
+    """NxD's expert-parallel entry, (e, c, h) -> (e/ep, ep, c, h), for nxdtp's expert-parallel size of 1:
+    (e, 1, c, h)."""
     _check_dims(x, 3, "enter_expert_parallel_region", "(experts, capacity, hidden)")
     return _drop_and_regather_tp_duplicates(x.unsqueeze(1), scatter_gather)
 

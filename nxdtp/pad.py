@@ -77,7 +77,8 @@ def _pad_shard(layer: nn.Module, ratio: float) -> None:
         full = list(spec.full_shape)
         full[dim] = grown * spec.num_partitions
         # Each rank's shard is one group: its real rows, then its zero rows.
-        layer.register_param_spec(name, dataclasses.replace(spec, full_shape=tuple(full), real_shape=spec.unpadded_shape,
+        layer.register_param_spec(name, dataclasses.replace(spec, full_shape=tuple(full),
+                                                            real_shape=spec.unpadded_shape,
                                                             pad_groups=spec.num_partitions))
     if column:
         layer.output_size_per_partition = grown

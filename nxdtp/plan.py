@@ -5,8 +5,8 @@ existing weights into the parallel layer, so a converted model computes exactly 
 meta device too (the slices are meta tensors, to be loaded later), so no rank has to materialise the full model.
 
 Model-specific wiring (loss path, where a sequence-parallel region starts and ends, attention head counts) lives in the
-plan's ``finalize`` hook, in ``nxdtp/models/``. Helpers for it are here: ``wrap_forward`` changes what one module instance
-does around its own forward without changing its parameter names, so HF state-dict keys stay as they were.
+plan's ``finalize`` hook, in ``nxdtp/models/``. Helpers for it are here: ``wrap_forward`` changes what one module
+instance does around its own forward without changing its parameter names, so HF state-dict keys stay as they were.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def padded_size(size: int, multiple: int) -> int:
     return round_up(size, multiple)
 
 
-# ---- styles --------------------------------------------------------------------------------------------------------------
+# ---- styles ----------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class ColumnParallel:
@@ -363,7 +363,7 @@ def _forward_summing_sequence_parallel_grads(forward, *args, **kwargs):
 Style = object  # anything with convert(module, name) -> module
 
 
-# ---- the plan ------------------------------------------------------------------------------------------------------------
+# ---- the plan --------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Plan:
@@ -452,7 +452,7 @@ def broadcast_replicated_state(model: nn.Module) -> None:
             tensor.copy_(comm.broadcast(tensor, group, src_group_rank=0))
 
 
-# ---- wiring helpers for plans' finalize hooks ---------------------------------------------------------------------------
+# ---- wiring helpers for plans' finalize hooks ------------------------------------------------------------------------
 
 _WRAPPED_CLASSES: Dict[Tuple[type, str], type] = {}
 
@@ -496,9 +496,10 @@ def _wrapped_class(base: type, wrapper_name: str, wrapper: Callable) -> type:
         def forward(self, *args, **kwargs):
             return wrapper(super(cls, self).forward, *args, **kwargs)
 
-        # The wrapped forward shows the base forward's parameters: HF reads them from ``inspect.signature(model.forward)``
-        # (generate computes ``position_ids`` from a left-padded attention mask only if forward names them, Trainer keeps
-        # only the dataset columns forward names). Without this they would see ``(*args, **kwargs)``.
+        # The wrapped forward shows the base forward's parameters: HF reads them from
+        # ``inspect.signature(model.forward)`` (generate computes ``position_ids`` from a left-padded attention mask
+        # only if forward names them, Trainer keeps only the dataset columns forward names). Without this they would see
+        # ``(*args, **kwargs)``.
         try:
             forward.__signature__ = inspect.signature(base.forward)
         except (TypeError, ValueError):
@@ -527,7 +528,7 @@ def _mixed_class(base: type, mixin: type) -> type:
     return _MIXED_CLASSES[(base, mixin)]
 
 
-# ---- pickling modules whose class nxdtp swapped ------------------------------------------------------------------------
+# ---- pickling modules whose class nxdtp swapped ----------------------------------------------------------------------
 # The subclasses made by wrap_forward and for sequence-parallel parameters are made at run time, under their base's
 # name, so pickle cannot find them by name. Each records how it was made from an importable class (its recipe); a
 # module of such a class pickles as "rebuild the class from the recipe, then restore the module's state".
@@ -564,8 +565,8 @@ class _LocalWrapper:
 
     def __reduce__(self):
         raise pickle.PicklingError(
-            f"the forward wrapper {wrapper_name_of(self.function)} ({self.name!r}) is a local function, which cannot be "
-            "pickled; make it a module-level function, or make it with a factory decorated by "
+            f"the forward wrapper {wrapper_name_of(self.function)} ({self.name!r}) is a local function, which cannot "
+            "be pickled; make it a module-level function, or make it with a factory decorated by "
             "nxdtp.plan.wrapper_factory")
 
 
@@ -593,7 +594,8 @@ def _class_of_recipe(root: type, steps: tuple) -> type:
         elif step[0] == "mixin":
             cls = _mixed_class(cls, step[1])
         else:
-            raise pickle.UnpicklingError(f"unknown nxdtp class recipe step {step!r} (pickled by another nxdtp version?)")
+            raise pickle.UnpicklingError(f"unknown nxdtp class recipe step {step!r} (pickled by another nxdtp "
+                                         "version?)")
     return cls
 
 
@@ -602,7 +604,7 @@ def _new_of_recipe(root: type, steps: tuple):
     return cls.__new__(cls)
 
 
-# ---- conversion internals -----------------------------------------------------------------------------------------------
+# ---- conversion internals --------------------------------------------------------------------------------------------
 
 _SPEC_OWNING_CLASSES: Dict[type, type] = {}
 

@@ -27,7 +27,7 @@ _TP_SEED_OFFSET = 2718
 RngState = Dict[str, Any]  # backend name -> that backend's state (a ByteTensor, or XLA's int seed)
 
 
-# ---- the one place that knows the backends ----------------------------------------------------------------------------
+# ---- the one place that knows the backends ---------------------------------------------------------------------------
 
 def _xla_model():
     # Only called once torch_xla is loaded (an "xla" backend is active, or a tensor lives on XLA).

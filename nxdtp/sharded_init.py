@@ -22,7 +22,8 @@ def reject_unsupported(layer: str, **given_and_default) -> None:
     """``name=(given, default)``: NxD options nxdtp does not implement are only accepted at their default."""
     for name, (given, default) in given_and_default.items():
         if given is not default and given != default:
-            raise ValueError(f"{layer}: {name}={given!r} is not supported by nxdtp; only the default {name}={default!r} is")
+            raise ValueError(f"{layer}: {name}={given!r} is not supported by nxdtp; only the default "
+                             f"{name}={default!r} is")
 
 
 def divide_over_ranks(what: str, size: int, parts: int) -> int:
@@ -83,14 +84,16 @@ def split_size(layer: str, what: str, size: int, tp: int, stride: int) -> int:
 def init_linear_weight(layer: ShardedModule, input_size: int, output_size: int, dim: int, stride: int, dtype, device,
                        init_method: Optional[InitMethod], keep_master_weight: bool,
                        group: Optional[ParallelGroup] = None) -> None:
-    """Create ``layer.weight`` as this rank's slice of the dense [output_size, input_size] weight, split along ``dim``."""
+    """Create ``layer.weight`` as this rank's slice of the dense [output_size, input_size] weight, split along
+    ``dim``."""
     weight, master = materialise_shard((output_size, input_size), dtype, device, init_method or linear_weight_init,
                                        dim=dim, stride=stride, keep_master=keep_master_weight, group=group)
     layer.weight = nn.Parameter(weight)
     if keep_master_weight:
         layer.master_weight = master
     layer.register_param_spec("weight", ParamSpec(full_shape=(output_size, input_size), partition_dim=dim,
-                                                  stride=stride, num_partitions=(group or tensor_parallel_group()).size))
+                                                  stride=stride,
+                                                  num_partitions=(group or tensor_parallel_group()).size))
 
 
 def create_local_weight(full_weight: torch.Tensor, partition_dim: int, per_partition_size: int, stride: int,

@@ -206,7 +206,7 @@ def get_local_world_size() -> int:
     return int(value)
 
 
-# ---- the running stack --------------------------------------------------------------------------------------------------
+# ---- the running stack -----------------------------------------------------------------------------------------------
 
 def _torch_version(version: Optional[str] = None) -> Tuple[int, int]:
     match = re.match(r"(\d+)\.(\d+)", version if version is not None else torch.__version__)

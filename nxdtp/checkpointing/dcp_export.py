@@ -41,14 +41,26 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..version import __version__
 from ..spec import ParamSpec
+from ..version import __version__
 from .dense_optimizer import MASTER_PREFIX
-from .index import CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file
-from .merge import (CONFIG_FILE, TRAINER_STATE_FILE, DenseOptimizerTensor, _choose_source, _config_source,
-                    _copy_if_present, _model_file_names, _plan_optimizer, _progress, _safetensors_dtype,
-                    dense_optimizer_state, optimizer_file_names, optimizer_values)
 from .durable import write_bytes_durably
+from .index import CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file
+from .merge import (
+    CONFIG_FILE,
+    TRAINER_STATE_FILE,
+    DenseOptimizerTensor,
+    _choose_source,
+    _config_source,
+    _copy_if_present,
+    _model_file_names,
+    _plan_optimizer,
+    _progress,
+    _safetensors_dtype,
+    dense_optimizer_state,
+    optimizer_file_names,
+    optimizer_values,
+)
 from .output_dir import write_atomically
 
 OPTIMIZER_KEY = "optimizer"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Iterable, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -87,8 +87,8 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[s
     """Separate a model state dict into the tensors to store (aliases dropped) and their index entries.
 
     A tied tensor is stored under its first key that is not in ``alias_keys`` (the keys a model re-ties on loading, such
-    as an HF model's ``_tied_weights_keys``), so a merged checkpoint names it as the model's own loader expects; a key in
-    ``preferred_keys`` leads before any other (a model's plan names them where some loader needs that name).
+    as an HF model's ``_tied_weights_keys``), so a merged checkpoint names it as the model's own loader expects; a key
+    in ``preferred_keys`` leads before any other (a model's plan names them where some loader needs that name).
 
     A tensor without a spec in its module's extra state is replicated. Two keys whose tensors share storage, shape and
     offset (on XLA: that are one Parameter object) are one tied tensor, stored under its first key.

@@ -48,15 +48,22 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..rounding import round_up
-from ..version import __version__
 from ..spec import FlatShardLayout, ParamSpec
+from ..version import __version__
 from . import integrity, tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
+from .index import (
+    INDEX_FILE,
+    CheckpointIndex,
+    TensorEntry,
+    dtype_from_name,
+    is_zero1_optimizer_index,
+    model_file,
+    optim_file,
+)
 from .output_dir import check_output_dir, write_atomically
-from .index import (INDEX_FILE, CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
-                    optim_file)
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
 CONFIG_FILE = "config.json"
@@ -69,7 +76,7 @@ OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
 
-# ---- public entry points ------------------------------------------------------------------------------------------------
+# ---- public entry points ---------------------------------------------------------------------------------------------
 
 def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
           force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True,
@@ -81,8 +88,8 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
     ``config.json`` if it has one, so ``AutoModel.from_pretrained(output_dir)`` loads it. ``config`` (a config.json
     path) is copied instead: a checkpoint saved from ``model.state_dict()`` (NxD's form) has no config of its own.
     ``checkpoint_dir`` is a checkpoint directory, whose tag is ``tag`` or by default the newest complete one, or a
-    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the bin form
-    holds the whole model in memory (``torch.save`` needs the full dict).
+    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the
+    bin form holds the whole model in memory (``torch.save`` needs the full dict).
 
     Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
     the checksum of every file read (the model files, the tag's config.json) before anything is written; a mismatch
@@ -256,7 +263,7 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     return os.path.join(output_dir, tag_name)
 
 
-# ---- index and input checks ---------------------------------------------------------------------------------------------
+# ---- index and input checks ------------------------------------------------------------------------------------------
 
 def _choose_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool, verify: bool,
                    reads: Callable[[str, CheckpointIndex], List[str]]) -> Tuple[str, CheckpointIndex, Dict[str, Any]]:
@@ -343,7 +350,7 @@ def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
     return handles
 
 
-# ---- output directory ---------------------------------------------------------------------------------------------------
+# ---- output directory ------------------------------------------------------------------------------------------------
 
 def _copy_if_present(source: Optional[str], destination: str) -> None:
     if source is not None and os.path.isfile(source):
@@ -356,7 +363,7 @@ def _progress(total: int, description: str, enabled: bool):
     return tqdm(total=total, desc=description, unit="tensor", file=sys.stderr, disable=not enabled, leave=False)
 
 
-# ---- reassembling and splitting -----------------------------------------------------------------------------------------
+# ---- reassembling and splitting --------------------------------------------------------------------------------------
 
 def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
     """The full (padded) tensor from the rank files' pieces, one piece in memory at a time (the index was checked:
@@ -386,7 +393,7 @@ def _pieces(full: torch.Tensor, spec: ParamSpec, new_tp: int):
             yield rank, full.contiguous()
 
 
-# ---- resharding ---------------------------------------------------------------------------------------------------------
+# ---- resharding ------------------------------------------------------------------------------------------------------
 
 def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
     if explicit is not None:

@@ -21,16 +21,23 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..version import __version__
 from ..agreement import check_replicated_agree
 from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule
 from ..utils import move_all_tensor_to_cpu
+from ..version import __version__
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
-from .index import (CheckpointIndex, TensorEntry, dtype_from_name, is_zero1_optimizer_index, model_file,
-                    optim_file, split_model_state)
+from .index import (
+    CheckpointIndex,
+    TensorEntry,
+    dtype_from_name,
+    is_zero1_optimizer_index,
+    model_file,
+    optim_file,
+    split_model_state,
+)
 from .lock import TagLock
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
 
@@ -43,7 +50,7 @@ EXTRA_FILE = "extra/tp_rank_{:02d}.pt"
 LIVE_OR_STATE_KEYS = ("model", "optimizer", "scheduler")
 
 
-# ---- NxD's helpers -------------------------------------------------------------------------------------------------------
+# ---- NxD's helpers ---------------------------------------------------------------------------------------------------
 
 def ensure_directory_exists(filename: str) -> None:
     """Create the directory that will hold ``filename``, with its parents (NxD's name); nothing if it exists. A bare
@@ -137,7 +144,7 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
     return model_state_dict
 
 
-# ---- save ---------------------------------------------------------------------------------------------------------------
+# ---- save ------------------------------------------------------------------------------------------------------------
 
 def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True, save_xser: bool = False,
          down_cast_bf16: bool = False, master_dp_only: bool = True, *, tag: Optional[str] = None,
@@ -148,8 +155,9 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     dict), ``scheduler``, ``global_step``, and any other values: JSON ones (epoch, data position, ...) go to the trainer
     state, others (an optimizer state dict under another key, a loss tensor) to one ``torch.save`` file per TP rank,
     which ``load`` reads back with ``weights_only=True``. The tag defaults to ``step_<global_step>``, or without a
-    ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step). ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores
-    floating model tensors as bfloat16 (the optimizer keeps full precision).
+    ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step).
+    ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores floating model tensors as bfloat16 (the
+    optimizer keeps full precision).
 
     Replicated tensors are written once, from TP rank 0. So that no other rank's copy is silently dropped, ``save``
     first checks that every replicated tensor of the model is the same on every rank of the TP group (a fingerprint
@@ -162,8 +170,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
     ``save_xser=True`` and ``master_dp_only=False`` are refused (nxdtp writes its own format, once per DP group).
     """
     if not isinstance(save_serially, bool):
-        raise TypeError(f"save_serially={save_serially!r} must be True or False (it is NxD's third parameter; pass tag= "
-                        "and keep_last= by keyword)")
+        raise TypeError(f"save_serially={save_serially!r} must be True or False (it is NxD's third parameter; pass "
+                        "tag= and keep_last= by keyword)")
     _check_default("save", "save_xser", save_xser, False, "nxdtp writes its own self-describing safetensors format "
                    "(docs/checkpoints.md); NxD's xser layout is read only by nxdtp-merge --from-nxd")
     _check_default("save", "master_dp_only", master_dp_only, True, "the DP replicas of a TP rank hold the same "
@@ -453,7 +461,7 @@ def _trainer_payload(checkpoint: Dict[str, Any], pickled_keys: Tuple[str, ...] =
     return payload, extras
 
 
-# ---- optimizer ----------------------------------------------------------------------------------------------------------
+# ---- optimizer -------------------------------------------------------------------------------------------------------
 
 def _refuse_zero1(value: Any, what: str) -> None:
     """ZeRO-1 state is sharded over DP. Under ``checkpoint['optimizer']`` every rank writes its shards; any other
@@ -705,7 +713,7 @@ def _master_from_model(tag_dir: str, name: str, shape: Tuple[int, ...], model_st
     return FlatShardLayout(shape, group_size).shard_of(value.to(dtype), rank)
 
 
-# ---- RNG ----------------------------------------------------------------------------------------------------------------
+# ---- RNG -------------------------------------------------------------------------------------------------------------
 
 def _encode(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -744,7 +752,7 @@ def restore_rng(tag_dir: str, rank: int) -> None:
                                       for name, state in payload["tracker"].items()})
 
 
-# ---- load ---------------------------------------------------------------------------------------------------------------
+# ---- load ------------------------------------------------------------------------------------------------------------
 
 def _require_file(path: str) -> None:
     if not os.path.isfile(path):
@@ -798,10 +806,11 @@ def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int, verify:
     return state
 
 
-def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=None, model_key: Optional[str] = "model",
-         load_xser: bool = False, sharded: bool = True, strict: bool = True, master_dp_only: bool = True,
-         weights_only: bool = False, *, tag: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-         scheduler=None, restore_rng_states: bool = False, verify: bool = True) -> Optional[Dict[str, Any]]:
+def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=None,
+         model_key: Optional[str] = "model", load_xser: bool = False, sharded: bool = True, strict: bool = True,
+         master_dp_only: bool = True, weights_only: bool = False, *, tag: Optional[str] = None,
+         optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, restore_rng_states: bool = False,
+         verify: bool = True) -> Optional[Dict[str, Any]]:
     """Load a checkpoint saved by ``save`` into live objects; return the rest of the saved dict: the trainer state
     (step, epoch, ...) and this TP rank's other entries (NxD's ``load`` returns the saved dict less the model).
 

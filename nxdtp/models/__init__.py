@@ -27,7 +27,8 @@ from .hf_saving import save_pretrained
 
 # HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
 # (checkpoint_keys); _PLANS gives each family's plan(sequence_parallel, make_vocab_size_divisible_by).
-_FAMILIES: Dict[str, ModuleType] = {name: family for family in (bert, roberta, gpt2, llama) for name in family.SUPPORTED}
+_FAMILIES: Dict[str, ModuleType] = {name: family for family in (bert, roberta, gpt2, llama)
+                                    for name in family.SUPPORTED}
 _PLANS = {bert: bert.bert_plan, roberta: roberta.roberta_plan, gpt2: gpt2.gpt2_plan, llama: llama.decoder_plan}
 
 

@@ -148,7 +148,7 @@ def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_voc
                        broadcast_replicated=broadcast_replicated)
 
 
-# ---- validation -----------------------------------------------------------------------------------------------------------
+# ---- validation ------------------------------------------------------------------------------------------------------
 
 def _validate(family: EncoderFamily, model: nn.Module) -> None:
     name = type(model).__name__
@@ -164,7 +164,7 @@ def _validate(family: EncoderFamily, model: nn.Module) -> None:
         raise ValueError(f"{entry} supports encoder {family.name} only (config.is_decoder=False, no cross-attention)")
 
 
-# ---- wiring -----------------------------------------------------------------------------------------------------------------
+# ---- wiring ----------------------------------------------------------------------------------------------------------
 
 def _wire(family: EncoderFamily, model: nn.Module, sequence_parallel: bool) -> None:
     self_attention, outputs, encoder = (family.hf_class("SelfAttention"),
@@ -269,7 +269,7 @@ def local_head_count(model: nn.Module) -> Optional[int]:
     return None
 
 
-# ---- loading pretrained weights ---------------------------------------------------------------------------------------------
+# ---- loading pretrained weights --------------------------------------------------------------------------------------
 
 def checkpoint_keys(name: str, base_prefix: str = "bert."):
     """Checkpoint keys that may hold parameter ``name``: with or without the base-model prefix, and the legacy

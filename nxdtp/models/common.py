@@ -15,9 +15,9 @@ from ..plan import wrapper_factory
 from ..random import get_xla_rng_tracker
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
-# matrix and docs/wrapping_hf_models.md's families table say the same): BERT from 4.26 (NxD's BERT tutorial), every other
-# family from 4.48 (NxD's training examples), up to the newest 5.x. Inside the range, differences between releases are
-# handled by feature detection in this package, never by version numbers.
+# matrix and docs/wrapping_hf_models.md's families table say the same): BERT from 4.26 (NxD's BERT tutorial), every
+# other family from 4.48 (NxD's training examples), up to the newest 5.x. Inside the range, differences between releases
+# are handled by feature detection in this package, never by version numbers.
 OLDEST_TRANSFORMERS = {"BERT": (4, 26)}
 DEFAULT_OLDEST_TRANSFORMERS = (4, 48)
 NEWEST_MAJOR = 6
@@ -164,7 +164,8 @@ def scatter_sequence_of_input(sequence_dimension: int):
     def wrapper(forward, hidden_states, *args, **kwargs):
         if not splits_sequence(forward.__self__):
             return forward(hidden_states, *args, **kwargs)
-        return forward(mappings.scatter_to_sequence_parallel_region(hidden_states, sequence_dimension=sequence_dimension),
+        return forward(mappings.scatter_to_sequence_parallel_region(hidden_states,
+                                                                    sequence_dimension=sequence_dimension),
                        *args, **kwargs)
 
     return wrapper

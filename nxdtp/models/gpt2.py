@@ -4,9 +4,9 @@ GPT-2 projects with HF's ``Conv1D``, whose weight is ``[in_features, out_feature
 
 * ``attn.c_attn`` (fused Q, K, V: ``[hidden, 3 * hidden]``) is column-parallel with stride 3: each rank keeps its
   1/tp of Q, of K and of V, so the fused output splits into this rank's heads; nothing is gathered. When TP does not
-  divide the heads, Q, K and V each get zero heads at their end, and ``c_proj`` the matching zero columns. ``attn.c_proj`` is
-  row-parallel. ``mlp.c_fc`` is column-parallel, ``mlp.c_proj`` row-parallel. One all-reduce forward and one backward
-  per block.
+  divide the heads, Q, K and V each get zero heads at their end, and ``c_proj`` the matching zero columns.
+  ``attn.c_proj`` is row-parallel. ``mlp.c_fc`` is column-parallel, ``mlp.c_proj`` row-parallel. One all-reduce forward
+  and one backward per block.
 * The parallel layers keep Conv1D's weight layout, so state dicts, merged checkpoints and ``from_pretrained_sharded``
   read and write HF's shapes; the forward uses the transposed view.
 * ``transformer.wte`` and ``lm_head`` are vocab-parallel and stay tied; the loss is the vocab-parallel causal-LM loss.

@@ -61,7 +61,7 @@ def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
             "TrainingArguments(use_cpu=True) on CPUs), or nxdtp's own training loop (docs/wrapping_hf_models.md)")
 
 
-# ---- PEFT ---------------------------------------------------------------------------------------------------------------
+# ---- PEFT ------------------------------------------------------------------------------------------------------------
 # PEFT dispatches each targeted layer to a LoRA layer by its type and knows nothing of nxdtp's layers. nxdtp adds its
 # dispatch (and its checks, and the gathered save) to PEFT's entry points (nxdtp.models.peft_lora.install). PEFT takes
 # seconds to import, so nxdtp never imports it for a program that does not: it installs at once if PEFT is imported

@@ -4,8 +4,8 @@ The model is built on the meta device, sharded by its plan, materialised empty, 
 the checkpoint: a sharded parameter reads only the rows or columns its spec assigns to this rank (``safetensors``
 ``get_slice``, or slices of a memory-mapped ``pytorch_model.bin``), so a rank's peak host memory is about its shard.
 
-Checkpoint forms: ``model.safetensors``; sharded safetensors with ``model.safetensors.index.json``; ``pytorch_model.bin``
-(loaded with ``weights_only=True``).
+Checkpoint forms: ``model.safetensors``; sharded safetensors with ``model.safetensors.index.json``;
+``pytorch_model.bin`` (loaded with ``weights_only=True``).
 
 Damaged input is one :class:`PretrainedDirectoryError` naming the file and what is wrong: ``config.json`` that is not
 JSON, not an object or has a value of the wrong type; a safetensors header that does not parse or does not match the

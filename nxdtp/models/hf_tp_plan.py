@@ -8,11 +8,13 @@ HF's style strings map onto nxdtp styles:
 | --- | --- |
 | ``colwise`` | ``ColumnParallel`` (output stays split) |
 | ``rowwise`` | ``RowParallel`` (input already split) |
-| ``colwise_gather_output``, ``colwise_rep`` | ``ColumnParallel(gather_output=True)``; on the LM head, better: a vocab-parallel head whose logits stay split, and the vocab-parallel loss |
+| ``colwise_gather_output``, ``colwise_rep`` | ``ColumnParallel(gather_output=True)``; on the LM head, better: (*) |
 | ``rowwise_split_input``, ``rowwise_rep`` (its name in transformers 4.5x) | ``RowParallel(input_is_parallel=False)`` |
 | ``packed_colwise`` | ``ColumnParallel(stride=2)`` (fused gate/up: each rank keeps its share of both halves) |
 | ``embedding_rowwise`` | ``VocabParallelEmbedding`` |
 | ``replicated_with_grad_allreduce`` | ``ReplicatedWithGradAllReduce`` |
+
+(*) a vocab-parallel head whose logits stay split, and the vocab-parallel loss.
 
 The input embedding is made vocab-parallel too, so a head tied to it stays consistent, unless its class has a forward
 of its own (Gemma's scaled embedding): then it stays replicated, and so does a head tied to it (a warning says so).
@@ -141,8 +143,8 @@ def _style(style: str, module_pattern: str, model_name: str, pad: dict):
     if style == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
     raise ValueError(f"{model_name}'s tp_plan gives '{module_pattern}' the style {style!r}, which nxdtp does not map; "
-                     "supported styles: colwise, rowwise, colwise_gather_output, colwise_rep, rowwise_split_input, rowwise_rep, "
-                     "packed_colwise, embedding_rowwise, replicated_with_grad_allreduce")
+                     "supported styles: colwise, rowwise, colwise_gather_output, colwise_rep, rowwise_split_input, "
+                     "rowwise_rep, packed_colwise, embedding_rowwise, replicated_with_grad_allreduce")
 
 
 def _head_split_attention(model: nn.Module, hf_styles: Dict[str, str]) -> Dict[str, int]:

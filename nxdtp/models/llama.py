@@ -57,7 +57,8 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 LAYER = "model.layers.*."
 
 
-def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
+def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+                 pad_heads: bool = True) -> Plan:
     """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
     count) instead of refusing the model."""
     require_supported_transformers(FAMILY)

@@ -77,7 +77,7 @@ def peft_version_supported(version: str) -> bool:
     return SUPPORTED_PEFT[0] <= parts and parts[:2] < SUPPORTED_PEFT[1]
 
 
-# ---- the factors -------------------------------------------------------------------------------------------------------
+# ---- the factors -----------------------------------------------------------------------------------------------------
 
 class LoraFactor(nn.Linear, ShardedModule):
     """One LoRA factor (``lora_A`` or ``lora_B`` of one adapter) as this rank holds it: an ``nn.Linear`` without bias
@@ -149,7 +149,7 @@ def factor_specs(base: nn.Module, r: int) -> Tuple[ParamSpec, ParamSpec]:
     return a, b
 
 
-# ---- the layer ---------------------------------------------------------------------------------------------------------
+# ---- the layer -------------------------------------------------------------------------------------------------------
 
 class LoraParallelLinear(nn.Module, LoraLayer):
     """PEFT's LoRA layer for nxdtp's ``ColumnParallelLinear`` and ``RowParallelLinear`` (the module docstring says how
@@ -363,7 +363,7 @@ def _refuse_layer(target: nn.Module, adapter_name: str, config, **kwargs):
                      "remove it from target_modules")
 
 
-# ---- the checks at injection time --------------------------------------------------------------------------------------
+# ---- the checks at injection time ------------------------------------------------------------------------------------
 
 _VARIANT_NAMES = {"use_dora": "DoRA (use_dora=True)", "velora_config": "VeLoRA (velora_config)",
                   "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
@@ -446,8 +446,8 @@ def prepare_injection(tuner: BaseTuner, model: nn.Module, config) -> None:
     import peft
 
     if not peft_version_supported(peft.__version__):
-        raise ImportError(f"peft {peft.__version__} is not supported by nxdtp's LoRA on tensor-parallel models: supported "
-                          f"versions are {SUPPORTED_PEFT_PIP[4:]}; pip install '{SUPPORTED_PEFT_PIP}'")
+        raise ImportError(f"peft {peft.__version__} is not supported by nxdtp's LoRA on tensor-parallel models: "
+                          f"supported versions are {SUPPORTED_PEFT_PIP[4:]}; pip install '{SUPPORTED_PEFT_PIP}'")
     check_config(tuner, model, config)
     if config.target_modules == "all-linear":
         # PEFT's own expansion looks for nn.Linear and Conv1D only, and would miss every parallel layer.
@@ -461,7 +461,7 @@ def holds_parallel_layers(model: nn.Module) -> bool:
     return any(isinstance(module, BaseParallelLayer) for module in model.modules())
 
 
-# ---- saving: the dense adapter -----------------------------------------------------------------------------------------
+# ---- saving: the dense adapter ---------------------------------------------------------------------------------------
 
 def dense_adapter_state_dict(model: nn.Module, state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """PEFT's adapter state dict with every sharded entry gathered to the dense tensor (through its spec, one tensor at
@@ -491,7 +491,7 @@ def dense_adapter_state_dict(model: nn.Module, state_dict: Dict[str, Any]) -> Di
     return dense
 
 
-# ---- installing into PEFT ----------------------------------------------------------------------------------------------
+# ---- installing into PEFT --------------------------------------------------------------------------------------------
 
 _MARK = "_nxdtp_original"
 

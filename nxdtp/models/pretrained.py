@@ -75,5 +75,5 @@ def _initialise_missing_shards(model: nn.Module, model_dir: str, missing) -> Non
                 else:
                     sharded_missing.append(name)
     if sharded_missing:
-        raise PretrainedDirectoryError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads those only from "
-                         "the checkpoint")
+        raise PretrainedDirectoryError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads "
+                                       "those only from the checkpoint")

@@ -31,7 +31,8 @@ ROBERTA = EncoderFamily("RoBERTa", "Roberta", _roberta_modeling, SUPPORTED,
                         "lm_head.decoder", "roberta.", tied_keys_to_store=("lm_head.decoder.bias",))
 
 
-def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
+def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+                 pad_heads: bool = True) -> Plan:
     return encoder_plan(ROBERTA, sequence_parallel, make_vocab_size_divisible_by, pad_heads)
 
 
