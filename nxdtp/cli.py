@@ -116,6 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress = not args.no_progress
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
+            # dcp.load(..., no_dist=True) in a tool that is one process by design: not news, and not one line
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             if args.no_optimizer and (args.to == "dcp" or args.from_nxd or args.reshard is not None):
                 raise _BadUsage("--no-optimizer applies to dense merges (without --to dcp, --from-nxd or --reshard)")
             if args.from_dcp:

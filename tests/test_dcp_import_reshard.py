@@ -140,3 +140,41 @@ def test_dcp_import_reshard_of_a_model_without_optimizer_state(tmp_path, capsys)
     assert index["tensor_model_parallel_size"] == 2 and index.get("optimizer") is None
     assert index["tensors"]["model.embed_tokens.weight"]["spec"]["full_shape"][0] == 104  # 101 -> 8 * 13
     assert sorted(os.listdir(tmp_path)) == ["dcp", "out"]
+
+
+def _dcp_with_optimizer(directory, optimizer_class, drop=(), **kwargs):
+    """A single-process job's dcp.save of the Llama and its optimizer after one step, less the hyperparameters in
+    ``drop`` (as an older torch wrote them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = _llama(seed=4)
+    optimizer = optimizer_class(model.parameters(), **kwargs)
+    _step(model, optimizer, _llama_batch())
+    flat = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    flat = {k: v for k, v in flat.items() if k.rsplit(".", 1)[1] not in drop}
+    dcp.save({**model.state_dict(), "optimizer": flat}, checkpoint_id=str(directory), no_dist=True)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(directory)
+
+
+def test_dcp_import_reshard_optimizer_kinds(tmp_path, capsys):
+    """Hyperparameters an older torch did not save take the class's defaults; an optimizer that is not Adam, AdamW or
+    SGD is refused naming what was found (exit status 2, one line, nothing written)."""
+    import json
+
+    _dcp_with_optimizer(tmp_path / "old", torch.optim.AdamW, drop=("decoupled_weight_decay", "fused"), lr=LR)
+    status, out, err = _cli([tmp_path / "old", tmp_path / "out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 0 and "optimizer state in" in out, err
+    tag = (tmp_path / "out" / "newest").read_text().strip()
+    with open(tmp_path / "out" / tag / "optim" / "state.json") as f:
+        groups = json.load(f)["param_groups"]
+    assert len(groups) == 1 and groups[0]["decoupled_weight_decay"] is True and groups[0]["lr"] == LR, groups
+    _dcp_with_optimizer(tmp_path / "sgd", torch.optim.SGD, lr=LR, momentum=0.9)
+    status, out, err = _cli([tmp_path / "sgd", tmp_path / "sgd_out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 0 and "optimizer state in" in out, err
+    _dcp_with_optimizer(tmp_path / "adagrad", torch.optim.Adagrad, lr=LR)
+    status, out, err = _cli([tmp_path / "adagrad", tmp_path / "bad", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "cannot tell which torch optimizer" in err and "lr_decay" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["adagrad", "old", "out", "sgd", "sgd_out"]

@@ -142,8 +142,10 @@ def _optimizer_for(dense_dir: str, model: torch.nn.Module) -> torch.optim.Optimi
 
     from ..checkpointing.dense_optimizer import DENSE_OPTIMIZER_VALUES
 
-    with open(os.path.join(dense_dir, DENSE_OPTIMIZER_VALUES)) as f:
-        values = json.load(f)["values"]
+    path = os.path.join(dense_dir, DENSE_OPTIMIZER_VALUES)
+    with open(path) as f:
+        record = json.load(f)
+    values = record["values"]
     hyper: Dict[str, Dict[str, Any]] = {}
     for key, value in values.items():
         if key.startswith("param_groups."):
@@ -165,7 +167,18 @@ def _optimizer_for(dense_dir: str, model: torch.nn.Module) -> torch.optim.Optimi
     if not groups:
         raise ValueError(f"{dense_dir}: the optimizer state names none of the model's parameters")
     # lr and the rest are placeholders: load_dense_optimizer_state gives every group the checkpoint's values.
-    return optimizer_class([{"params": params} for _, params in groups], lr=1e-3)
+    optimizer = optimizer_class([{"params": params} for _, params in groups], lr=1e-3)
+    # A hyperparameter this torch's class has and the saving torch's did not (decoupled_weight_decay before 2.6, ...)
+    # keeps the class's default: torch's loader wants every group key; the file is this import's temporary copy.
+    names = {id(param): name for name, param in model.named_parameters()}
+    missing = {f"param_groups.{names[id(param)]}.{key}": list(value) if isinstance(value, tuple) else value
+               for group in optimizer.param_groups for key, value in group.items() if key != "params"
+               for param in group["params"] if f"param_groups.{names[id(param)]}.{key}" not in values}
+    if missing:
+        record["values"] = {**values, **missing}
+        with open(path, "w") as f:
+            json.dump(record, f)
+    return optimizer
 
 
 def _optimizer_class(found: List[str], hyper: Dict[str, Dict[str, Any]]) -> type:
