@@ -24,9 +24,10 @@ reshard) only at the end, so after any error it is as it was. A non-empty ``outp
 
 Cost: step 2 holds the whole model at TP size 1 in this process, in fp32, with its optimizer state: for Adam about
 12 bytes per parameter (weights and two moments), plus the dense optimizer state while it is being restored (another
-8 bytes per parameter at the peak), so about 20 bytes per parameter, against about one tensor for ``import_dcp`` and
-``reshard`` alone. Disk: the dense copy and the TP=1 checkpoint beside ``output_dir`` until the end (about two more
-copies of the model and its optimizer state).
+8 bytes per parameter at the peak) and the allocator's slack: about 25 bytes per parameter measured (a 55M-parameter
+Llama with AdamW state: peak RSS 2.24 GB against 0.91 GB for the imports alone), against about one tensor for
+``import_dcp`` and ``reshard`` alone. Disk: the dense copy and the TP=1 checkpoint beside ``output_dir`` until the
+end (about two more copies of the model and its optimizer state).
 """
 
 from __future__ import annotations
