@@ -16,6 +16,10 @@
         dense Hugging Face checkpoint from a torch.distributed.checkpoint directory a native job (DTensor TP, FSDP2,
         TorchTitan's HF-named layout) or --to dcp wrote, with its optimizer state beside it as a dense merge writes it
         (nxdtp.checkpointing.dcp_import); the config (in DCP_DIR or --config) names the model class
+    nxdtp-merge DCP_DIR OUT_DIR --from-dcp --reshard N [--pad-to-multiple-of M] [--config CONFIG_JSON] [--force]
+        sharded nxdtp checkpoint at tensor parallel size N (optimizer, step and scheduler included) from such a DCP
+        directory; holds the whole model and its optimizer state at TP size 1 in this process on the way
+        (nxdtp.converters.dcp)
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
         the family (nxdtp.converters.nxd)
@@ -112,6 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress = not args.no_progress
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
+            # dcp.load(..., no_dist=True) in a tool that is one process by design: not news, and not one line
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             if args.no_optimizer and (args.to == "dcp" or args.from_nxd or args.reshard is not None):
                 raise _BadUsage("--no-optimizer applies to dense merges (without --to dcp, --from-nxd or --reshard)")
             if args.from_dcp:
@@ -147,14 +153,26 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _from_dcp(args) -> str:
-    clashes = [flag for flag, used in (("--reshard", args.reshard is not None), ("--from-nxd", args.from_nxd),
-                                       ("--to dcp", args.to == "dcp"), ("--tag", args.tag is not None),
-                                       ("--pad-to-multiple-of", args.pad_to_multiple_of is not None),
-                                       ("--format", args.format is not None), ("--no-optimizer", args.no_optimizer))
+    clashes = [flag for flag, used in (("--from-nxd", args.from_nxd), ("--to dcp", args.to == "dcp"),
+                                       ("--tag", args.tag is not None), ("--format", args.format is not None),
+                                       ("--no-optimizer", args.no_optimizer),
+                                       ("--pad-to-multiple-of without --reshard",
+                                        args.pad_to_multiple_of is not None and args.reshard is None))
                if used]
     if clashes:
         raise _BadUsage(f"--from-dcp takes no {', '.join(clashes)}: it writes the dense HF checkpoint, which "
-                        "from_pretrained_sharded loads at any TP size")
+                        "from_pretrained_sharded loads at any TP size, or with --reshard N an nxdtp checkpoint")
+    if args.reshard is not None:
+        if args.reshard < 1:
+            raise _BadUsage(f"--reshard {args.reshard}: the tensor parallel size must be an integer >= 1")
+        if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+            raise _BadUsage(f"--pad-to-multiple-of {args.pad_to_multiple_of} must be an integer >= 1")
+        from .converters.dcp import import_dcp_resharded
+
+        tag_dir = import_dcp_resharded(args.checkpoint_dir, args.output_dir, args.reshard, config=args.config,
+                                       force=args.force, progress=not args.no_progress,
+                                       pad_to_multiple_of=args.pad_to_multiple_of)
+        return _resharded(args.output_dir, tag_dir, f"DCP checkpoint {args.checkpoint_dir}")
     from .checkpointing.dcp_import import import_dcp
 
     result = import_dcp(args.checkpoint_dir, args.output_dir, config=args.config, force=args.force,
@@ -204,8 +222,8 @@ def _merged(path: str, tag_dir: str) -> str:
             f") from tag {os.path.basename(os.path.normpath(tag_dir))} ({tag_dir})")
 
 
-def _resharded(output_dir: str, tag_dir: str) -> str:
-    """What a reshard wrote, read back from its index and reshard.json."""
+def _resharded(output_dir: str, tag_dir: str, source: Optional[str] = None) -> str:
+    """What a reshard wrote, read back from its index and reshard.json; ``source`` replaces the source it records."""
     from .checkpointing.index import CheckpointIndex
 
     index = CheckpointIndex.read(tag_dir)
@@ -217,7 +235,8 @@ def _resharded(output_dir: str, tag_dir: str) -> str:
     model_files = sum(1 for f in files if f.startswith("model" + os.sep))
     optim_files = sum(1 for f in files if f.startswith("optim" + os.sep) and f.endswith(".safetensors"))
     lines = [f"wrote checkpoint {output_dir}: tag {os.path.basename(tag_dir)} at tensor_model_parallel_size={tp} "
-             f"(from {record['source_tensor_model_parallel_size']}, {record['source']}), {len(index.tensors)} model "
+             f"(from {source or str(record['source_tensor_model_parallel_size']) + ', ' + record['source']}), "
+             f"{len(index.tensors)} model "
              f"tensors in {model_files} model files, "
              + (f"optimizer state in {optim_files} files" if index.optimizer is not None else "no optimizer state")
              + f", vocabulary padded to a multiple of {record['pad_to_multiple_of']} * {tp}; {len(files)} files"]

@@ -99,3 +99,10 @@ def initialize_single_process_world(device: Optional[torch.device] = None) -> st
             import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return backend
+
+
+def release_single_process_world() -> None:
+    """Destroy the default torch.distributed world if it is a world of 1 (``initialize_single_process_world``'s);
+    a world of several processes is left alone."""
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()

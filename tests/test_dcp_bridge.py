@@ -483,8 +483,11 @@ def test_import_refuses_what_is_not_a_dcp_checkpoint_of_the_model(trained, tmp_p
     status, _, err = _cli([tmp_path / "titan", tmp_path / "out", "--from-dcp"], capsys)
     assert status == 2 and "holds tensors the model does not have: ['tok_embeddings.weight']" in err, err
     status, _, err = _cli([tmp_path / "titan", tmp_path / "out", "--from-dcp", "--reshard", "2"], capsys)
-    assert status == 2 and "--from-dcp takes no --reshard" in err, err
+    assert status == 2 and "holds tensors the model does not have" in err and err.count("\n") == 1, err
+    status, _, err = _cli([tmp_path / "titan", tmp_path / "out", "--from-dcp", "--format", "bin"], capsys)
+    assert status == 2 and "--from-dcp takes no --format" in err, err
     assert not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path)) == ["partial", "titan"]  # no temporaries of --reshard left either
 
 
 # ---- FSDP2, 2-D TP x FSDP2 and transformers' own TP load the export --------------------------------------------------

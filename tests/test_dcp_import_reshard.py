@@ -1,0 +1,180 @@
+"""``nxdtp-merge DCP_DIR OUT --from-dcp --reshard N`` (issue 27, item 2): a native job's DCP checkpoint into an nxdtp
+sharded checkpoint at TP size N, optimizer included.
+
+A DTensor TP=2 job (tests/test_dcp_bridge.py's: a randomised Llama with one KV head for four query heads, every
+parameter randomised, norms included, an odd vocabulary) takes one AdamW step and ``dcp.save``s the model and the
+flattened optimizer state in TorchTitan's layout. The import at TP 2 and 4 is loaded by ``nxdtp.checkpointing.load``
+into an nxdtp model and AdamW built from other weights and hyperparameters at that TP size: the logits must equal the
+dense model's after the same step, each rank's exp_avg / exp_avg_sq the dense optimizer's cut by the parameter's
+layout, and the step and scheduler come across. Bad input exits with status 2, one line, nothing written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.test_dcp_bridge import (
+    LLAMA_VOCAB,
+    LR,
+    _cli,
+    _close,
+    _llama,
+    _llama_batch,
+    _logits,
+    _step,
+    case_dtensor_job_saves,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def case_load_resharded(checkpoint: str):
+    """nxdtp at this world's TP size loads the resharded import into a model and AdamW of other weights and
+    hyperparameters; returns the gathered logits, and checks the moments against a dense AdamW's after one step."""
+    from nxdtp import checkpointing
+    from nxdtp import parallel_state as ps
+    from nxdtp.checkpointing.save_load import _sharding_specs
+    from nxdtp.models import parallelize_model
+
+    tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+    model = parallelize_model(_llama(seed=99), make_vocab_size_divisible_by=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
+    state = checkpointing.load(checkpoint, model=model, optimizer=optimizer)
+    assert state["global_step"] == 1 and state["scheduler"] == {"last_epoch": 1}, state
+    assert all(g["lr"] == LR and g["weight_decay"] == 0.01 for g in optimizer.param_groups), optimizer.param_groups
+
+    reference = _llama(seed=0)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    _step(reference, reference_optimizer, _llama_batch())
+    reference_params = dict(reference.named_parameters())
+    specs = _sharding_specs(model, tp)
+    checked = 0
+    for name, param in model.named_parameters():
+        theirs = reference_optimizer.state[reference_params[name]]
+        mine = optimizer.state[param]
+        assert float(mine["step"]) == float(theirs["step"]) == 1.0, name
+        for field in ("exp_avg", "exp_avg_sq"):
+            spec = specs.get(id(param))
+            expected = spec.shard(theirs[field], rank) if spec is not None else theirs[field]
+            _close(mine[field], expected, f"tp={tp} rank {rank} {name} {field}")
+            checked += 1
+    return {"logits": _logits(model, _llama_batch(), LLAMA_VOCAB)[0], "checked": checked,
+            "kv_rows": model.model.layers[0].self_attn.k_proj.weight.shape[0]}
+
+
+@pytest.fixture(scope="module")
+def native_checkpoint(worlds, tmp_path_factory):
+    checkpoint = str(tmp_path_factory.mktemp("dcp_reshard") / "native")
+    worlds(2).run(case_dtensor_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)
+    return checkpoint
+
+
+def _dense_logits():
+    reference = _llama(seed=0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    _step(reference, optimizer, _llama_batch())
+    return _logits(reference, _llama_batch())[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dcp_import_resharded_loads_into_nxdtp_with_its_optimizer(worlds, native_checkpoint, tmp_path, capsys, tp):
+    out = tmp_path / f"tp{tp}"
+    status, stdout, err = _cli([native_checkpoint, out, "--from-dcp", "--reshard", tp], capsys)
+    assert status == 0, err
+    assert f"tensor_model_parallel_size={tp}" in stdout and "optimizer state in" in stdout, stdout
+    assert sorted(os.listdir(tmp_path)) == [f"tp{tp}"]  # no temporaries left beside it
+    assert (out / "newest").read_text().strip() == "step_000001"
+    dense = _dense_logits()
+    results = worlds(tp).run(case_load_resharded, tensor_model_parallel_size=tp, checkpoint=str(out))
+    for rank, result in enumerate(results):
+        assert result["checked"] == 2 * len(list(_llama(seed=0).parameters())), result["checked"]
+        # one KV head (8 rows) repeated on every rank
+        assert result["kv_rows"] == 8, result["kv_rows"]
+        _close(result["logits"], dense, f"tp={tp} rank {rank} logits")
+
+
+def test_dcp_import_reshard_bad_arguments_exit_2_and_write_nothing(native_checkpoint, tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    status, out, err = _cli([native_checkpoint, tmp_path / "out", "--from-dcp", "--reshard", 0], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1 and "--reshard 0" in err, err
+    model = _llama(seed=0)
+    partial = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    dcp.save(partial, checkpoint_id=str(tmp_path / "partial"), no_dist=True)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path / "partial")
+    status, out, err = _cli([tmp_path / "partial", tmp_path / "out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "lacks tensors the model needs: ['lm_head.weight']" in err, err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("old")
+    status, out, err = _cli([native_checkpoint, busy, "--from-dcp", "--reshard", 2], capsys)
+    assert status == 2 and err.count("\n") == 1 and "not empty" in err, err
+    assert os.listdir(busy) == ["keep.txt"]
+    status, out, err = _cli([native_checkpoint, tmp_path / "out", "--from-dcp", "--pad-to-multiple-of", 4], capsys)
+    assert status == 2 and err.count("\n") == 1 and "--pad-to-multiple-of without --reshard" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["busy", "partial"]
+
+
+def test_dcp_import_reshard_of_a_model_without_optimizer_state(tmp_path, capsys):
+    """A DCP checkpoint of the model alone gives a checkpoint without optimizer state, padded as asked."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    model = _llama(seed=3)
+    dcp.save(dict(model.state_dict()), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path / "dcp")
+    status, out, err = _cli([tmp_path / "dcp", tmp_path / "out", "--from-dcp", "--reshard", 2,
+                             "--pad-to-multiple-of", 4], capsys)
+    assert status == 0, err
+    assert "no optimizer state" in out and "padded to a multiple of 4 * 2" in out, out
+    tag = (tmp_path / "out" / "newest").read_text().strip()
+    with open(tmp_path / "out" / tag / "nxdtp_index.json") as f:
+        index = json.load(f)
+    assert index["tensor_model_parallel_size"] == 2 and index.get("optimizer") is None
+    assert index["tensors"]["model.embed_tokens.weight"]["spec"]["full_shape"][0] == 104  # 101 -> 8 * 13
+    assert sorted(os.listdir(tmp_path)) == ["dcp", "out"]
+
+
+def _dcp_with_optimizer(directory, optimizer_class, drop=(), **kwargs):
+    """A single-process job's dcp.save of the Llama and its optimizer after one step, less the hyperparameters in
+    ``drop`` (as an older torch wrote them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = _llama(seed=4)
+    optimizer = optimizer_class(model.parameters(), **kwargs)
+    _step(model, optimizer, _llama_batch())
+    flat = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    flat = {k: v for k, v in flat.items() if k.rsplit(".", 1)[1] not in drop}
+    dcp.save({**model.state_dict(), "optimizer": flat}, checkpoint_id=str(directory), no_dist=True)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(directory)
+
+
+def test_dcp_import_reshard_optimizer_kinds(tmp_path, capsys):
+    """Hyperparameters an older torch did not save take the class's defaults; an optimizer that is not Adam, AdamW or
+    SGD is refused naming what was found (exit status 2, one line, nothing written)."""
+    import json
+
+    _dcp_with_optimizer(tmp_path / "old", torch.optim.AdamW, drop=("decoupled_weight_decay", "fused"), lr=LR)
+    status, out, err = _cli([tmp_path / "old", tmp_path / "out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 0 and "optimizer state in" in out, err
+    tag = (tmp_path / "out" / "newest").read_text().strip()
+    with open(tmp_path / "out" / tag / "optim" / "state.json") as f:
+        groups = json.load(f)["param_groups"]
+    assert len(groups) == 1 and groups[0]["decoupled_weight_decay"] is True and groups[0]["lr"] == LR, groups
+    _dcp_with_optimizer(tmp_path / "sgd", torch.optim.SGD, lr=LR, momentum=0.9)
+    status, out, err = _cli([tmp_path / "sgd", tmp_path / "sgd_out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 0 and "optimizer state in" in out, err
+    _dcp_with_optimizer(tmp_path / "adagrad", torch.optim.Adagrad, lr=LR)
+    status, out, err = _cli([tmp_path / "adagrad", tmp_path / "bad", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "cannot tell which torch optimizer" in err and "lr_decay" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["adagrad", "old", "out", "sgd", "sgd_out"]
