@@ -49,7 +49,14 @@ Measurement details:
 
 Usage::
 
-    python tools/bench_merge.py [--workdir DIR] [--keep] [--rounds 3] [--cache cold|warm|both] [--json OUT]
+    python tools/bench_merge.py [--workdir DIR] [--keep] [--rounds 3] [--cache cold|warm|both] [--no-naive]
+                                [--models bert-large,llama-1b] [--dcp] [--json OUT]
+
+``--dcp`` adds two operations to the rounds: the export to DCP (``export_dcp``, ``nxdtp-merge --to dcp``) and the
+import of that checkpoint's own export back to an HF directory (``import_dcp``, ``nxdtp-merge --from-dcp``), made
+once before the rounds; both are held to the same targets against the raw copy. ``--models`` measures several
+checkpoints in one run (``llama-1b``: a Llama-3.2-1B shape, 1.24 B parameters, tied embeddings); with more than one,
+the JSON is ``{"models": [...]}``, one entry per model in the single-model form.
 """
 
 from __future__ import annotations
