@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from nxdtp.errors import DamagedInputError
+
 EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tp_dp_bert")
 sys.path.insert(0, EXAMPLE_DIR)
 
@@ -387,8 +389,10 @@ def test_shard_rejects_bad_data(tmp_path, case, kwargs, override, expected):
 def test_shard_rejects_a_file_that_is_not_hdf5(tmp_path):
     path = tmp_path / "x_training_0.hdf5"
     path.write_text("not hdf5")
-    with pytest.raises(data.DataError, match="cannot read as HDF5"):
+    # nxdtp's one base class for damaged input catches the example's data errors too
+    with pytest.raises(DamagedInputError, match="cannot read as HDF5") as error:
         data.PretrainingShard(str(path), max_pred_len=3)
+    assert isinstance(error.value, data.DataError)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from nxdtp.errors import DamagedInputError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "tp_zero1_llama")
 COMMON = os.path.join(REPO, "examples", "common")
@@ -201,8 +203,9 @@ def test_bad_data_is_a_data_error_naming_what_is_wrong(data_dir, tmp_path):
     with pytest.raises(data.DataError, match="does not exist"):
         data.PackedBlocks(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(data.DataError, match="holds neither packed_blocks.safetensors nor"):
+    with pytest.raises(DamagedInputError, match="holds neither packed_blocks.safetensors nor") as error:
         data.PackedBlocks(str(tmp_path / "empty"))
+    assert isinstance(error.value, data.DataError)  # nxdtp's one base class for damaged input catches it
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / data.LIGHT_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(data.DataError, match="not a readable safetensors file"):

@@ -24,12 +24,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from nxdtp.errors import DamagedInputError
+
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 SHARD_PATTERN = "*_training_*.hdf5"
 IGNORE_INDEX = -100  # label of unmasked positions; torch.nn.CrossEntropyLoss and HF BERT ignore it
 
 
-class DataError(ValueError):
+class DataError(DamagedInputError):
     """Pretraining data that cannot be used: the message names the file, key or value and what would be valid."""
 
 

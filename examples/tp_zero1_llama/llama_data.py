@@ -29,6 +29,8 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from nxdtp.errors import DamagedInputError
+
 LIGHT_FILE = "packed_blocks.safetensors"
 LIGHT_FORMAT = "nxdtp-packed-causal-lm"
 COLUMNS = ("input_ids", "labels", "attention_mask")
@@ -36,7 +38,7 @@ IGNORE_INDEX = -100
 SAFETENSORS_INTEGERS = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 
 
-class DataError(ValueError):
+class DataError(DamagedInputError):
     """Data that cannot be used: the message names the directory, file, column or row and what would be valid."""
 
 
