@@ -66,7 +66,7 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     saved = metadata.state_dict_metadata
     layout, sources = _check_model_keys(dcp_dir, saved, expected)
     optimizer_state, notes = _optimizer_state(dcp_dir, saved, expected)
-    trainer_state = _export_record_trainer_state(dcp_dir) or _torchtitan_trainer_state(dcp_dir, saved)
+    trainer_state = recorded_trainer_state(dcp_dir, saved)
 
     def write(staging: str) -> None:
         bar = _progress(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
@@ -227,6 +227,12 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dic
             value = holder[key]
             state[key[len(OPTIMIZER_PREFIX):]] = list(value) if isinstance(value, tuple) else value
     return {key: state[key] for key in sorted(state)}, []
+
+
+def recorded_trainer_state(dcp_dir: str, saved: Dict[str, Any]) -> Optional[dict]:
+    """The step and scheduler the DCP checkpoint ``dcp_dir`` (its metadata's ``saved`` entries) records: an nxdtp
+    export's record beside its files, else TorchTitan's places; None when it records neither."""
+    return _export_record_trainer_state(dcp_dir) or _torchtitan_trainer_state(dcp_dir, saved)
 
 
 def _torchtitan_trainer_state(dcp_dir: str, saved: Dict[str, Any]) -> Optional[dict]:

@@ -57,7 +57,7 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     import torch.distributed as dist
 
     from .. import parallel_state as ps
-    from ..checkpointing.dcp_import import import_dcp
+    from ..checkpointing.dcp_import import _read_metadata, import_dcp, recorded_trainer_state
     from ..checkpointing.merge import reshard
 
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
@@ -75,28 +75,22 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     try:
         dense_dir, tp1_dir = os.path.join(work, "dense"), os.path.join(work, "tp1")
         import_dcp(dcp_dir, dense_dir, config=config, progress=progress)
-        trainer_state = _trainer_state(dcp_dir)
-        _save_at_tp1(dense_dir, tp1_dir, trainer_state, pad_to_multiple_of or 1, _all_bf16(dcp_dir))
+        saved = _read_metadata(dcp_dir).state_dict_metadata  # import_dcp checked it is DCP
+        trainer_state = recorded_trainer_state(dcp_dir, saved) or {}
+        _save_at_tp1(dense_dir, tp1_dir, trainer_state, pad_to_multiple_of or 1, _all_bf16(saved))
         return reshard(tp1_dir, output_dir, new_tp, force=force, progress=progress,
                        pad_to_multiple_of=pad_to_multiple_of, verify=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _trainer_state(dcp_dir: str) -> Dict[str, Any]:
-    """The step and scheduler as ``import_dcp`` records them (an nxdtp export's record, else TorchTitan's places)."""
-    from ..checkpointing.dcp_import import _export_record_trainer_state, _read_metadata, _torchtitan_trainer_state
-
-    return (_export_record_trainer_state(dcp_dir)
-            or _torchtitan_trainer_state(dcp_dir, _read_metadata(dcp_dir).state_dict_metadata) or {})
-
-
-def _all_bf16(dcp_dir: str) -> bool:
+def _all_bf16(saved: Dict[str, Any]) -> bool:
+    """Whether every floating model tensor of the DCP metadata entries ``saved`` is bfloat16."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..checkpointing.dcp_import import NOT_MODEL_PREFIXES, _read_metadata
+    from ..checkpointing.dcp_import import NOT_MODEL_PREFIXES
 
-    dtypes = {meta.properties.dtype for key, meta in _read_metadata(dcp_dir).state_dict_metadata.items()
+    dtypes = {meta.properties.dtype for key, meta in saved.items()
               if not key.startswith(NOT_MODEL_PREFIXES) and isinstance(meta, TensorStorageMetadata)
               and meta.properties.dtype.is_floating_point}
     return dtypes == {torch.bfloat16}
