@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from . import mappings
 from .parallel_state import tensor_parallel_group
+from .record import record_of
 from .rounding import round_up
 from .sharded_init import InitMethod, linear_bias_init, materialise_shard, reject_unsupported
 from .spec import ParamSpec, ShardedModule
@@ -226,7 +227,7 @@ class BaseParallelConv(ShardedModule):
             mask = (torch.arange(start, start + self.channels_per_partition) < real).to(torch.float32)
             mask_device = "cpu" if device is None or torch.device(device).type == "meta" else device
             self.register_buffer("nxdtp_real_channels", mask.to(mask_device), persistent=False)
-            self._nxdtp_rank_local_buffers = ("nxdtp_real_channels",)
+            record_of(self).rank_local_buffers = ("nxdtp_real_channels",)
         self._forward_impl = conv2d_with_weight_grad_allreduce
 
     def _mask_padded_channels(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from torch import nn
 
 from . import comm, mappings
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
-from .parallel_state import tensor_parallel_group
+from .parallel_state import ParallelGroup, tensor_parallel_group
+from .record import peek_record, record_of
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .utils import retie_parameters, tied_parameter_names
@@ -34,10 +35,76 @@ def padded_size(size: int, multiple: int) -> int:
     return round_up(size, multiple)
 
 
+# ---- the style protocol ----------------------------------------------------------------------------------------------
+# What a style may do to the module a plan applies it to is declared, not left to its code: ``Style.effect`` says
+# whether it replaces the module or changes it in place, which regions it opens and closes, and which ParamSpec fields
+# it records for checkpoints. ``parallelize`` acts on the first (only replacing styles must name leaves), tests check
+# the declarations against what the styles do, and ``describe`` prints them for a model.
+
+TENSOR_PARALLEL = "tensor-parallel"      # activations split by features / heads across the TP group
+SEQUENCE_PARALLEL = "sequence-parallel"  # activations split along the sequence across the TP group
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """What a style does to the module it is applied to.
+
+    ``replaces``: ``convert`` returns a new module (a parallel layer) that takes the old one's place; such a style
+    must name a leaf, as its conversion would drop converted children. Otherwise it changes the module in place (a
+    forward wrapper, attributes) and may name a parent of other matches: it is applied after them.
+    ``opens`` / ``closes``: the region entered at the module's input / left at its output (``TENSOR_PARALLEL``,
+    ``SEQUENCE_PARALLEL``, or ``""`` for none). A column-parallel layer reading a region its block opened opens none.
+    ``records``: the ParamSpec fields beyond the split itself (``partition_dim``, ``num_partitions``) that the
+    converted parameters carry, so checkpoints can merge and reshard them.
+    """
+
+    replaces: bool
+    opens: str = ""
+    closes: str = ""
+    records: Tuple[str, ...] = ()
+
+
+class Style:
+    """The style protocol. A style is a frozen dataclass (plans compare and print them) with:
+
+    * ``expects``: the module class it applies to (checked for every match before anything changes);
+    * ``check(module, name)``: further refusals before anything changes (optional);
+    * ``convert(module, name, group)``: the module to put in its place (the same object for in-place styles), with
+      ``group`` the tensor-parallel group the plan is applied over, passed in by ``parallelize``;
+    * ``effect``: the declared ``Effect``.
+
+    Styles written before the protocol (any object with ``convert(module, name)``) still work: ``parallelize`` passes
+    the group only to a ``convert`` that takes it, and treats a style without ``effect`` as replacing its module.
+    """
+
+    expects: type = nn.Module
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Refuse ``module`` before anything changes; the default accepts it."""
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} is a Style without a convert method")
+
+    @property
+    def effect(self) -> Effect:
+        raise NotImplementedError(f"{type(self).__name__} is a Style without a declared effect")
+
+
+def effect_of(style) -> Effect:
+    """``style``'s declared effect; a style written before the protocol replaces its module and declares nothing."""
+    return style.effect if isinstance(style, Style) else Effect(replaces=True)
+
+
+def _convert(style, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
+    if len(inspect.signature(style.convert).parameters) >= 3:
+        return style.convert(module, name, group)
+    return style.convert(module, name)
+
+
 # ---- styles ----------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class ColumnParallel:
+class ColumnParallel(Style):
     """``nn.Linear`` → ColumnParallelLinear (output features split)."""
 
     expects = nn.Linear
@@ -47,19 +114,24 @@ class ColumnParallel:
     sequence_parallel: bool = False
     sequence_dimension: int = 0
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    @property
+    def effect(self) -> Effect:
+        return Effect(replaces=True, opens="" if self.input_in_tensor_parallel_region else TENSOR_PARALLEL,
+                      closes=TENSOR_PARALLEL if self.gather_output else "", records=("stride",))
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         _expect(module, nn.Linear, self, name)
         layer = ColumnParallelLinear(
             module.in_features, module.out_features, bias=module.bias is not None, gather_output=self.gather_output,
             dtype=module.weight.dtype, device="meta", stride=self.stride,
             sequence_parallel_enabled=self.sequence_parallel, sequence_dimension=self.sequence_dimension,
             input_in_tensor_parallel_region=self.input_in_tensor_parallel_region)
-        _load_shards(layer, module)
+        _load_shards(layer, module, group)
         return layer
 
 
 @dataclasses.dataclass(frozen=True)
-class RowParallel:
+class RowParallel(Style):
     """``nn.Linear`` → RowParallelLinear (input features split; output all-reduced or reduce-scattered)."""
 
     expects = nn.Linear
@@ -67,39 +139,48 @@ class RowParallel:
     sequence_parallel: bool = False
     sequence_dimension: int = 0
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    @property
+    def effect(self) -> Effect:
+        return Effect(replaces=True, opens="" if self.input_is_parallel else TENSOR_PARALLEL, closes=TENSOR_PARALLEL)
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         _expect(module, nn.Linear, self, name)
         layer = RowParallelLinear(
             module.in_features, module.out_features, bias=module.bias is not None,
             input_is_parallel=self.input_is_parallel, dtype=module.weight.dtype, device="meta",
             sequence_parallel_enabled=self.sequence_parallel, sequence_dimension=self.sequence_dimension)
-        _load_shards(layer, module)
+        _load_shards(layer, module, group)
         return layer
 
 
+# Split by vocabulary: a replicated input of token ids in, a replicated output out (the layer all-reduces it).
+_VOCABULARY_RECORDS = ("real_shape", "pad_to_multiple_of", "vocabulary")
+
+
 @dataclasses.dataclass(frozen=True)
-class VocabParallelEmbedding:
+class VocabParallelEmbedding(Style):
     """``nn.Embedding`` → ParallelEmbedding split by vocabulary, padded to a multiple of ``pad_to_multiple_of * tp``."""
 
     expects = nn.Embedding
     pad_to_multiple_of: int = 1
+    effect = Effect(replaces=True, records=_VOCABULARY_RECORDS)
 
     def check(self, module: nn.Module, name: str) -> None:
         if has_own_forward(module, nn.Embedding):
             raise TypeError(f"'{name}' is {type(module).__name__}, an nn.Embedding with a forward of its own (e.g. a "
                             "scaled embedding); converting it to ParallelEmbedding would drop that: keep it replicated")
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         _expect(module, nn.Embedding, self, name)
         layer = ParallelEmbedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
                                   dtype=module.weight.dtype, device="meta", pad=True,
                                   pad_to_multiple_of=self.pad_to_multiple_of)
-        _load_shards(layer, module)
+        _load_shards(layer, module, group)
         return layer
 
 
 @dataclasses.dataclass(frozen=True)
-class VocabParallelLMHead:
+class VocabParallelLMHead(Style):
     """``nn.Linear(hidden, vocab)`` → ColumnParallelLinear over the padded vocabulary, logits left vocab-parallel.
 
     A weight tied to a vocab-parallel embedding stays tied (``parallelize`` keeps the model's ties); the shard ranges
@@ -109,20 +190,21 @@ class VocabParallelLMHead:
 
     expects = nn.Linear
     pad_to_multiple_of: int = 1
+    # The logits stay split by vocabulary: the vocab-parallel loss reads them there.
+    effect = Effect(replaces=True, opens=TENSOR_PARALLEL, records=_VOCABULARY_RECORDS)
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         _expect(module, nn.Linear, self, name)
-        tp = tensor_parallel_group().size
-        padded = padded_size(module.out_features, self.pad_to_multiple_of * tp)
+        padded = padded_size(module.out_features, self.pad_to_multiple_of * group.size)
         layer = ColumnParallelLinear(module.in_features, padded, bias=module.bias is not None, gather_output=False,
                                      dtype=module.weight.dtype, device="meta")
         _record_real_rows(layer, module.out_features, self.pad_to_multiple_of)
-        _load_shards(layer, module)
+        _load_shards(layer, module, group)
         return layer
 
 
 @dataclasses.dataclass(frozen=True)
-class Replicate:
+class Replicate(Style):
     """Keep the module whole on every TP rank. With ``sequence_parallel`` its parameters are marked so their gradients
     are summed over TP (each rank normalises only its sequence shard): an ``nn.LayerNorm`` becomes nxdtp's LayerNorm,
     and any other norm (RMSNorm of any family) keeps its class and code and gains the spec of replicated,
@@ -131,17 +213,22 @@ class Replicate:
     sequence_parallel: bool = False
     expects = nn.Module
 
+    @property
+    def effect(self) -> Effect:
+        # With sequence_parallel an nn.LayerNorm is replaced by nxdtp's (another norm only gains specs in place).
+        return Effect(replaces=self.sequence_parallel, records=("sequence_parallel",) if self.sequence_parallel else ())
+
     def check(self, module: nn.Module, name: str) -> None:
         nested = [n for n, _ in module.named_parameters() if "." in n]
         if self.sequence_parallel and nested:
             raise TypeError(f"Replicate(sequence_parallel=True) marks a module's own parameters, but '{name}' "
                             f"({type(module).__name__}) has nested ones {nested[:3]}: name the norm modules themselves")
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         if not self.sequence_parallel:
             return module
         if not isinstance(module, nn.LayerNorm) or has_own_forward(module, nn.LayerNorm):
-            return _with_sequence_parallel_params(module)
+            return _with_sequence_parallel_params(module, group)
         layer = LayerNorm(module.normalized_shape, eps=module.eps, elementwise_affine=module.elementwise_affine,
                           bias=module.bias is not None, sequence_parallel_enabled=True, device="meta",
                           dtype=module.weight.dtype if module.weight is not None else None)
@@ -152,7 +239,7 @@ class Replicate:
 
 
 @dataclasses.dataclass(frozen=True)
-class KVReplicatedColumnParallel:
+class KVReplicatedColumnParallel(Style):
     """A K or V projection (``nn.Linear`` with ``heads * head_dim`` outputs) for tensor parallelism beyond its head
     count: every head is repeated ``replicas`` times, then the outputs are split column-parallel, so each rank holds the
     KV heads its query heads attend with (NxD's ``kv_size_multiplier``). The copies' gradients are summed in backward,
@@ -165,7 +252,12 @@ class KVReplicatedColumnParallel:
     input_in_tensor_parallel_region: bool = True
     expects = nn.Linear
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    @property
+    def effect(self) -> Effect:
+        return Effect(replaces=True, opens="" if self.input_in_tensor_parallel_region else TENSOR_PARALLEL,
+                      records=("real_shape", "replicas", "replica_block"))
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         block = dict(replicas=self.replicas, replica_block=self.head_dim)
         dense_spec = ParamSpec(full_shape=(module.out_features * self.replicas, module.in_features), partition_dim=0,
                                **block)
@@ -176,8 +268,8 @@ class KVReplicatedColumnParallel:
         if module.bias is not None:
             expanded.bias = nn.Parameter(dense_spec.expand_replicas(module.bias.detach()),
                                          requires_grad=module.bias.requires_grad)
-        layer = ColumnParallel(input_in_tensor_parallel_region=self.input_in_tensor_parallel_region).convert(expanded,
-                                                                                                            name)
+        layer = ColumnParallel(input_in_tensor_parallel_region=self.input_in_tensor_parallel_region).convert(
+            expanded, name, group)
         for param_name, spec in layer.param_specs().items():
             dense = (module.out_features,) + tuple(spec.full_shape[1:])
             layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=dense, **block))
@@ -188,7 +280,7 @@ class KVReplicatedColumnParallel:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadPadded:
+class HeadPadded(Style):
     """A projection whose attention heads TP does not divide: zero heads are added along ``dim`` (0: the output rows of
     Q/K/V, 1: the input columns of the output projection) until there are ``padded_heads``, then ``style`` splits it.
     With ``groups=1`` the zero heads follow all real heads; with ``groups=k`` (grouped-query attention, k KV heads)
@@ -206,7 +298,12 @@ class HeadPadded:
     groups: int = 1
     expects = nn.Linear
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    @property
+    def effect(self) -> Effect:
+        inner = effect_of(self.style)
+        return dataclasses.replace(inner, records=inner.records + ("real_shape", "pad_block", "pad_groups"))
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         padding = dict(pad_block=self.head_dim, pad_groups=self.groups)
         dense_shape = tuple(module.weight.shape)
         full_shape = list(dense_shape)
@@ -222,21 +319,21 @@ class HeadPadded:
                 bias = ParamSpec(full_shape=(full_shape[0],), partition_dim=0, real_shape=tuple(bias.shape),
                                  **padding).full_from_dense(bias)
             padded.bias = nn.Parameter(bias, requires_grad=module.bias.requires_grad)
-        layer = self.style.convert(padded, name)
+        layer = _convert(self.style, padded, name, group)
         for param_name, spec in layer.param_specs().items():
             if spec.partition_dim == self.dim:
                 dense = list(spec.full_shape)
                 dense[spec.partition_dim] = dense_shape[self.dim]
                 layer.register_param_spec(param_name, dataclasses.replace(spec, real_shape=tuple(dense), **padding))
         if self.dim == 1 and full_shape[1] != dense_shape[1]:
-            _mask_padded_input_columns(layer, module.weight)
+            _mask_padded_input_columns(layer, module.weight, group)
         return layer
 
 
-def _mask_padded_input_columns(layer: nn.Module, like: torch.Tensor) -> None:
+def _mask_padded_input_columns(layer: nn.Module, like: torch.Tensor, group: ParallelGroup) -> None:
     spec = layer.param_specs()["weight"]
     local = spec.local_shape()[1]
-    start = tensor_parallel_group().rank * local
+    start = group.rank * local
     mask = torch.zeros(local, dtype=like.dtype, device="cpu" if like.is_meta else like.device)
     for position, length, dense_start in spec.dense_segments(start, start + local):
         if dense_start is not None:
@@ -244,7 +341,7 @@ def _mask_padded_input_columns(layer: nn.Module, like: torch.Tensor) -> None:
     # Not persistent: it is derived from the spec, and state dicts stay as they were. Rank-local, so the broadcast of
     # replicated state must leave it alone.
     layer.register_buffer("nxdtp_real_columns", mask, persistent=False)
-    layer._nxdtp_rank_local_buffers = ("nxdtp_real_columns",)
+    record_of(layer).rank_local_buffers = ("nxdtp_real_columns",)
     wrap_forward(layer, "nxdtp_mask_padded_heads", _forward_with_padded_heads_masked)
 
 
@@ -268,15 +365,16 @@ def _kv_replica_forward(replicas: int, block: int) -> Callable:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicatedWithGradAllReduce:
+class ReplicatedWithGradAllReduce(Style):
     """Keep the module whole on every TP rank when it acts inside a TP region on this rank's share of the data (a
     per-head norm such as Qwen3's q_norm sees only this rank's heads): each rank then holds part of the parameters'
     gradient, and backward sums it over TP. The parameters enter the forward through a copy-to-TP region, so the sum
     happens in autograd itself, with no call to remember after backward (HF's ``replicated_with_grad_allreduce``)."""
 
     expects = nn.Module
+    effect = Effect(replaces=False)
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         wrap_forward(module, "nxdtp_replicated_with_grad_allreduce", _parameters_through_tp_region)
         return module
 
@@ -360,7 +458,86 @@ def _forward_summing_sequence_parallel_grads(forward, *args, **kwargs):
     return _call_with_parameters(forward, dict(zip(names, summed)), *args, **kwargs)
 
 
-Style = object  # anything with convert(module, name) -> module
+@dataclasses.dataclass(frozen=True)
+class WrapForward(Style):
+    """Make a module call ``wrapper(forward, *args, **kwargs)`` instead of its forward (``wrap_forward`` under
+    ``wrapper_name``), in place. This is how a plan wires what no layer swap does: the region a block's projections
+    share, where sequence parallelism starts and ends, dropout under the TP RNG fork. ``opens`` / ``closes`` declare
+    the regions the wrapper enters and leaves. ``wrapper`` must be a module-level function or made by a
+    ``wrapper_factory``, so the model pickles."""
+
+    wrapper_name: str
+    wrapper: Callable
+    opens: str = ""
+    closes: str = ""
+    expects = nn.Module
+
+    @property
+    def effect(self) -> Effect:
+        return Effect(replaces=False, opens=self.opens, closes=self.closes)
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
+        wrap_forward(module, self.wrapper_name, self.wrapper)
+        return module
+
+
+@dataclasses.dataclass(frozen=True)
+class SetAttributes(Style):
+    """Set attributes of a module in place, from ``(name, value)`` pairs: what its own forward reads and TP changes,
+    such as the number of heads a rank runs. Every attribute must exist already, so a plan naming the wrong module (or
+    a transformers release that renamed one) fails before anything changes instead of setting an unread value."""
+
+    attributes: Tuple[Tuple[str, object], ...]
+    expects = nn.Module
+    effect = Effect(replaces=False)
+
+    def check(self, module: nn.Module, name: str) -> None:
+        missing = [attribute for attribute, _ in self.attributes if not hasattr(module, attribute)]
+        if missing:
+            raise TypeError(f"SetAttributes sets {missing} on '{name}', but {type(module).__name__} has no such "
+                            "attribute: the plan names the wrong module, or this transformers release calls it "
+                            "something else")
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
+        for attribute, value in self.attributes:
+            setattr(module, attribute, value)
+        return module
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain(Style):
+    """Several styles on one module, applied in order (a plan gives each module the first pattern that matches it):
+    e.g. a final norm that is replicated with sequence-parallel parameters *and* ends the sequence-parallel region.
+    Only the first may replace the module."""
+
+    styles: Tuple[object, ...]
+
+    def __post_init__(self):
+        late = [type(style).__name__ for style in self.styles[1:] if effect_of(style).replaces]
+        if late:
+            raise ValueError(f"Chain: only the first style may replace the module, but {late} would replace what the "
+                             "styles before it made")
+
+    @property
+    def expects(self) -> type:
+        return getattr(self.styles[0], "expects", nn.Module)
+
+    @property
+    def effect(self) -> Effect:
+        effects = [effect_of(style) for style in self.styles]
+        return Effect(replaces=effects[0].replaces, opens=next((e.opens for e in effects if e.opens), ""),
+                      closes=next((e.closes for e in reversed(effects) if e.closes), ""),
+                      records=tuple(r for e in effects for r in e.records))
+
+    def check(self, module: nn.Module, name: str) -> None:
+        for style in self.styles:
+            if hasattr(style, "check"):
+                style.check(module, name)
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
+        for style in self.styles:
+            module = _convert(style, module, name, group)
+        return module
 
 
 # ---- the plan --------------------------------------------------------------------------------------------------------
@@ -370,11 +547,12 @@ class Plan:
     """``styles`` maps fnmatch patterns over dotted module names (``"*.layer.*.attention.self.query"``) to styles; the
     first matching pattern wins. ``prepare`` validates the model before anything changes and may return more styles
     for this model (heads it has, norms only some variants have); the plan itself is never modified, so one plan can
-    shard several models. ``finalize`` wires the model-specific hooks after the layers are converted."""
+    shard several models. ``finalize`` holds what no style can do, on the model as a whole (its loss, its HF
+    integration) after the modules are converted. Each hook takes ``(model)`` or ``(model, group)``, the TP group."""
 
     styles: Dict[str, Style]
-    prepare: Optional[Callable[[nn.Module], Optional[Dict[str, Style]]]] = None
-    finalize: Optional[Callable[[nn.Module], None]] = None
+    prepare: Optional[Callable[..., Optional[Dict[str, Style]]]] = None
+    finalize: Optional[Callable[..., None]] = None
 
 
 def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True) -> nn.Module:
@@ -385,19 +563,19 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     the dense model differently. Sequence-parallel parameters of the converted modules have their gradients summed
     over TP inside backward (``sum_sequence_parallel_gradients_in_backward``): no call after backward is needed.
     """
+    group = tensor_parallel_group()  # the one lookup: styles and hooks are given the group
     styles = dict(plan.styles)
     if plan.prepare is not None:
-        styles.update(plan.prepare(model) or {})
+        styles.update(_call_hook(plan.prepare, model, group) or {})
     tie_groups = tied_parameter_names(model)
-    matched = _match(model, styles)
     converted_modules = []
-    for name, style in matched:
-        converted = style.convert(model.get_submodule(name), name)
+    for name, style in _match(model, styles):
+        converted = _convert(style, model.get_submodule(name), name, group)
         _set_submodule(model, name, converted)
         converted_modules.append(converted)
     _retie_after_conversion(model, tie_groups)
     if plan.finalize is not None:
-        plan.finalize(model)
+        _call_hook(plan.finalize, model, group)
     # Only the modules this plan converted: sequence-parallel layers a model built itself keep NxD's contract (the
     # user's call after backward), which a second sum would break.
     for module in converted_modules:
@@ -407,7 +585,24 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     return model
 
 
+def _call_hook(hook: Callable, model: nn.Module, group: ParallelGroup):
+    if len(inspect.signature(hook).parameters) >= 2:
+        return hook(model, group)
+    return hook(model)
+
+
+def describe(model: nn.Module, plan: Plan) -> List[Tuple[str, str, Effect]]:
+    """(module name, style, declared effect) for every module ``plan`` would change in ``model``, in the order
+    ``parallelize`` applies them; nothing is changed (``prepare`` runs, as it only validates and adds styles)."""
+    styles = dict(plan.styles)
+    if plan.prepare is not None:
+        styles.update(_call_hook(plan.prepare, model, tensor_parallel_group()) or {})
+    return [(name, repr(style), effect_of(style)) for name, style in _match(model, styles)]
+
+
 def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]]:
+    """The (module name, style) pairs to apply, checked, in the order to apply them: modules that a style replaces
+    first, then in-place changes from the innermost module out."""
     matched, used = [], set()
     for name, _ in model.named_modules():
         if not name:
@@ -427,13 +622,14 @@ def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]
         _expect(module, getattr(style, "expects", nn.Module), style, name)
         if hasattr(style, "check"):
             style.check(module, name)
-    # Convert children before parents would be wrong (a parent's conversion would drop converted children); plans
-    # name leaves, so reject nested matches outright.
-    names = [n for n, _ in matched]
-    nested = [(a, b) for a in names for b in names if b.startswith(a + ".")]
+    # A replacing style's conversion would drop converted children, so it must name a leaf of the plan; a style that
+    # changes its module in place may name a parent, and is applied after the children.
+    replacing = [name for name, style in matched if effect_of(style).replaces]
+    nested = [(a, b) for a in replacing for b, _ in matched if b.startswith(a + ".")]
     if nested:
-        raise ValueError(f"plan matches nested modules {nested[0]}: name leaf modules only")
-    return matched
+        raise ValueError(f"plan matches nested modules {nested[0]}, and the style on '{nested[0][0]}' replaces it: "
+                         "name leaf modules, or use a style that changes the module in place on the parent")
+    return sorted(matched, key=lambda pair: (0, 0) if effect_of(pair[1]).replaces else (1, -pair[0].count(".")))
 
 
 def broadcast_replicated_state(model: nn.Module) -> None:
@@ -444,7 +640,8 @@ def broadcast_replicated_state(model: nn.Module) -> None:
         return
     per_rank = {id(getattr(m, n)) for m in model.modules() if isinstance(m, ShardedModule)
                 for n, spec in m.param_specs().items() if spec.is_sharded}
-    per_rank |= {id(getattr(m, n)) for m in model.modules() for n in getattr(m, "_nxdtp_rank_local_buffers", ())}
+    per_rank |= {id(getattr(m, n)) for m in model.modules() if peek_record(m) is not None
+                 for n in peek_record(m).rank_local_buffers}
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             if id(tensor) in per_rank or tensor.device.type == "meta":
@@ -615,15 +812,14 @@ def _spec_owning_class(base: type) -> type:
     return _SPEC_OWNING_CLASSES[base]
 
 
-def _with_sequence_parallel_params(module: nn.Module) -> nn.Module:
+def _with_sequence_parallel_params(module: nn.Module, group: ParallelGroup) -> nn.Module:
     """Give ``module`` a subclass of its own class that owns specs (state dicts and device moves keep them), and mark
     its direct parameters replicated and sequence-parallel."""
     base = type(module)
     if not isinstance(module, ShardedModule):
         module.__class__ = _spec_owning_class(base)
-    tp = tensor_parallel_group().size
     for name, param in module.named_parameters(recurse=False):
-        module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=tp,
+        module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=group.size,
                                                    sequence_parallel=True))
     return module
 
@@ -644,14 +840,13 @@ def _replace_param(layer: nn.Module, name: str, value: torch.Tensor, like: torch
         layer.reattach_spec_attributes()
 
 
-def _load_shards(layer: ShardedModule, dense: nn.Module) -> None:
+def _load_shards(layer: ShardedModule, dense: nn.Module, group: ParallelGroup) -> None:
     """Give every parameter of ``layer`` this rank's piece of ``dense``'s parameter of the same name, as the layer's
     spec lays it out (padding, stride)."""
-    rank = tensor_parallel_group().rank
     for name, spec in layer.param_specs().items():
         source = getattr(dense, name, None)
         if source is not None:
-            _replace_param(layer, name, spec.shard(source.detach(), rank), source)
+            _replace_param(layer, name, spec.shard(source.detach(), group.rank), source)
 
 
 def _record_real_rows(layer: ColumnParallelLinear, real_rows: int, pad_to_multiple_of: int) -> None:

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from . import comm, mappings
 from .parallel_state import ParallelGroup, group_of
-
-_NOTE = "_nxdtp_sequence_shard"
+from .record import peek_record, record_of
 
 
 class _Regather:
@@ -75,7 +74,7 @@ def remember_shard(full: torch.Tensor, shard: torch.Tensor, sequence_dimension: 
     keep ``shard`` for backward instead of it. Returns ``full``."""
     group = group_of(process_group)
     if group.size > 1:
-        setattr(full, _NOTE, _ShardNote(shard, _Regather(group, sequence_dimension)))
+        record_of(full).sequence_shard = _ShardNote(shard, _Regather(group, sequence_dimension))
     return full
 
 
@@ -90,15 +89,20 @@ def gather_keeping_shard(shard: torch.Tensor, sequence_dimension: int = 0, proce
 
 
 def _note_of(tensor: torch.Tensor) -> Optional[_ShardNote]:
-    note = getattr(tensor, _NOTE, None)
+    note = _own_note(tensor)
     base = tensor._base
     if note is None and base is not None:
         # A view that covers its whole base the same way (HF's ``hidden_states[:, slice(0, None), :]`` before an LM
         # head) has the base's value.
         same = (tensor.shape == base.shape and tensor.stride() == base.stride()
                 and tensor.storage_offset() == base.storage_offset() and tensor.dtype == base.dtype)
-        note = getattr(base, _NOTE, None) if same else None
+        note = _own_note(base) if same else None
     return note
+
+
+def _own_note(tensor: torch.Tensor) -> Optional[_ShardNote]:
+    record = peek_record(tensor)
+    return record.sequence_shard if record is not None else None
 
 
 def carry_note(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -108,7 +112,7 @@ def carry_note(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         if result.shape != source.shape:
             raise ValueError(f"carry_note: result of shape {tuple(result.shape)} cannot stand for a gathered tensor of "
                              f"shape {tuple(source.shape)}; only a tensor of equal value may carry the note")
-        setattr(result, _NOTE, note)
+        record_of(result).sequence_shard = note
     return result
 
 

@@ -22,7 +22,8 @@ import torch
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import checkpoint_layers, parallelize_model
-from nxdtp.models.common import DEFAULT_OLDEST_TRANSFORMERS, OLDEST_TRANSFORMERS
+from nxdtp.models.family import DEFAULT_OLDEST_TRANSFORMERS
+from nxdtp.models.registry import family_of
 from nxdtp.random import model_parallel_xla_manual_seed
 from tests.model_helpers import randomised
 from tests.test_models_bert import _close
@@ -58,7 +59,8 @@ def _unavailable(family) -> str:
     model_class, config_class, _ = FAMILIES[family]
     if not hasattr(transformers, model_class):
         return f"transformers {transformers.__version__} has no {model_class}"
-    oldest = OLDEST_TRANSFORMERS.get(family.upper(), DEFAULT_OLDEST_TRANSFORMERS)
+    registered = family_of(model_class)
+    oldest = registered.oldest_transformers if registered is not None else DEFAULT_OLDEST_TRANSFORMERS
     if _release() < oldest:
         return f"nxdtp's {family} plan needs transformers>={'.'.join(map(str, oldest))}"
     if family.endswith("(HF tp_plan)") and not getattr(getattr(transformers, config_class), "base_model_tp_plan", None):

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..record import peek_record
 from ..spec import ParamSpec
 from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durably
 
@@ -139,10 +140,16 @@ def split_model_state(model: Any, state_dict: Dict[str, Any], tp: int
     """``split_state_dict`` with the tied keys named as ``model`` names them (``model`` may be the module or, as in
     NxD's ``save({"model": model.state_dict()})``, the state dict itself, which names none): HF models list the keys
     they re-tie when loading (``_tied_weights_keys``, a dict in transformers 5, a list before), and a plan may name
-    the key a tie's owner must be stored under (``nxdtp_tied_keys_to_store``). ``save`` and ``save_pretrained`` both
-    store ties this way, so a merged checkpoint and a saved-pretrained directory name every tensor alike."""
+    the key a tie's owner must be stored under (the model record's ``tied_keys_to_store``). ``save`` and
+    ``save_pretrained`` both store ties this way, so a merged checkpoint and a saved-pretrained directory name every
+    tensor alike."""
     return split_state_dict(state_dict, tp, alias_keys=getattr(model, "_tied_weights_keys", None) or (),
-                            preferred_keys=getattr(model, "nxdtp_tied_keys_to_store", ()))
+                            preferred_keys=_tied_keys_to_store(model))
+
+
+def _tied_keys_to_store(model) -> tuple:
+    record = peek_record(model)
+    return record.tied_keys_to_store if record is not None else ()
 
 
 @dataclasses.dataclass

@@ -5,47 +5,37 @@ builds one from a local HF directory, each rank reading only its slices; ``save_
 parallelized model's own ``save_pretrained``) writes the dense HF directory back; ``gather_vocab_logits`` gives the
 full logits of a vocab-parallel head; ``generation_mode(model)`` runs a parallelized causal LM as ``model.generate``
 does (full-vocabulary logits, the sequence not split). One file per family holds its plan (``bert.py``,
-``roberta.py``, ``gpt2.py``, ``llama.py``); this module only maps model classes to families. Importing it does not
-import transformers.
+``roberta.py``, ``gpt2.py``, ``llama.py``), each ending in its ``Family`` record; ``registry.py`` lists them, and this
+module maps a model class to its family there. Importing it does not import transformers.
 """
 
 from __future__ import annotations
 
 import os
-from types import ModuleType
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..plan import parallelize
-from . import bert, gpt2, hf_tp_plan, llama, roberta
+from . import hf_tp_plan
 from .activation_checkpointing import checkpoint_layers
 from .common import attention_bias, gather_vocab_logits, require_supported_transformers
 from .generation import generation_mode
 from .hf_saving import save_pretrained
-
-# HF class name -> its family's module, which lists the classes (SUPPORTED) and maps checkpoint keys
-# (checkpoint_keys); _PLANS gives each family's plan(sequence_parallel, make_vocab_size_divisible_by).
-_FAMILIES: Dict[str, ModuleType] = {name: family for family in (bert, roberta, gpt2, llama)
-                                    for name in family.SUPPORTED}
-_PLANS = {bert: bert.bert_plan, roberta: roberta.roberta_plan, gpt2: gpt2.gpt2_plan, llama: llama.decoder_plan}
-
-
-def supported_models() -> list:
-    return sorted(_FAMILIES)
+from .registry import family_of, supported_models
 
 
 def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_vocab_size_divisible_by: int,
                    pad_heads: bool = True):
     """(a function of the model giving its plan, the checkpoint-key function): the family's hand-written plan, else
     the one HF ships in the config (base_model_tp_plan), else a TypeError naming the class."""
-    family = _FAMILIES.get(model_class.__name__)
+    family = family_of(model_class.__name__)
     if family is not None:
-        plan = _PLANS[family](sequence_parallel, make_vocab_size_divisible_by, pad_heads)
+        plan = family.plan(sequence_parallel, make_vocab_size_divisible_by, pad_heads)
         return (lambda model: plan), family.checkpoint_keys
     if hf_tp_plan.has_tp_plan(config):
-        require_supported_transformers(hf_tp_plan.FAMILY)  # before from_pretrained_sharded reads anything
+        require_supported_transformers(hf_tp_plan.NAME)  # before from_pretrained_sharded reads anything
         return ((lambda model: hf_tp_plan.tp_plan(model, sequence_parallel, make_vocab_size_divisible_by, pad_heads)),
                 hf_tp_plan.checkpoint_keys_for(model_class))
     raise TypeError(f"nxdtp cannot shard {model_class.__name__}: it has no hand-written plan (supported models are "

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..plan import add_mixin, wrap_forward
 from ..random import ReplayedOnRecompute, checkpoint, xla_tensors
+from ..record import peek_record, record_of
 
 
 def transformer_layers(model: nn.Module) -> list:
@@ -178,17 +179,17 @@ class _ReplaysNxdtpRngUnderHFCheckpointing:
 
     @property
     def _gradient_checkpointing_func(self):
-        try:
-            return self.__dict__["_nxdtp_checkpoint_function"]
-        except KeyError:
+        record = peek_record(self)
+        if record is None or record.checkpoint_function is None:
             raise AttributeError(f"{type(self).__name__} has no _gradient_checkpointing_func: gradient checkpointing "
-                                 "was never enabled") from None
+                                 "was never enabled")
+        return record.checkpoint_function
 
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, function) -> None:
         if not isinstance(function, TensorParallelCheckpoint):
             function = TensorParallelCheckpoint(function)
-        self.__dict__["_nxdtp_checkpoint_function"] = function
+        record_of(self).checkpoint_function = function
 
 
 class _RefusesOldHFCheckpointing:

@@ -26,27 +26,30 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from types import ModuleType
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import mappings
-from ..heads import padded_head_count
 from ..loss_functions import parallel_cross_entropy
-from ..parallel_state import data_parallel_group, tensor_parallel_group
+from ..parallel_state import ParallelGroup, data_parallel_group
 from ..plan import (
+    SEQUENCE_PARALLEL,
+    Chain,
     ColumnParallel,
     Plan,
     Replicate,
     RowParallel,
+    SetAttributes,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    WrapForward,
     parallelize,
     wrap_forward,
 )
+from ..record import record_of
 from .activation_checkpointing import checkpoint_layers  # noqa: F401 - re-exported
 from .attention_heads import attention_projection_styles
 from .common import (  # noqa: F401 - re-exports
@@ -55,9 +58,10 @@ from .common import (  # noqa: F401 - re-exports
     gather_vocab_logits,
     maybe_forked,
     require_supported_transformers,
-    tensor_parallel_block,
+    tensor_parallel_block_style,
     with_and_without_prefix,
 )
+from .family import Family
 from .hf_integration import finish_hf_model
 
 # HF BERT is batch-first: [batch, seq, hidden].
@@ -68,13 +72,11 @@ SUPPORTED = ("BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSeque
 
 @dataclasses.dataclass(frozen=True)
 class EncoderFamily:
-    """What differs between BERT-structured encoders (BERT, RoBERTa): class names, the HF modeling module, the base
-    model's attribute and the MLM decoder's module name. The plan and its wiring are shared."""
+    """What differs between BERT-structured encoders (BERT, RoBERTa): class names, the base model's attribute and the
+    MLM decoder's module name. The plan and its wiring are shared."""
 
     name: str                  # "BERT", for messages
-    class_prefix: str          # "Bert": BertSelfAttention, BertSelfOutput, BertOutput, BertEncoder
-    hf_modeling: Callable[[], ModuleType]  # HF's modeling module (transformers.models.bert.modeling_bert), imported
-    #                                        when a model is parallelized: importing nxdtp.models needs no transformers
+    class_prefix: str          # "Bert": names the entry point in messages (parallelize_bert)
     supported: tuple
     mlm_decoder: str           # module name of the MLM head's decoder Linear
     base_prefix: str           # "bert.": the base model's attribute in checkpoints
@@ -82,18 +84,8 @@ class EncoderFamily:
     # every supported transformers release (see RoBERTa).
     tied_keys_to_store: tuple = ()
 
-    def hf_class(self, suffix: str) -> type:
-        return getattr(self.hf_modeling(), self.class_prefix + suffix)
 
-
-def _bert_modeling() -> ModuleType:
-    from transformers.models.bert import modeling_bert
-
-    return modeling_bert
-
-
-BERT = EncoderFamily("BERT", "Bert", _bert_modeling, SUPPORTED, "cls.predictions.decoder",
-                     "bert.")
+BERT = EncoderFamily("BERT", "Bert", SUPPORTED, "cls.predictions.decoder", "bert.")
 
 
 def bert_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
@@ -119,23 +111,32 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
     if sequence_parallel:
         styles[layer + "attention.output.LayerNorm"] = Replicate(sequence_parallel=True)
         styles[layer + "output.LayerNorm"] = Replicate(sequence_parallel=True)
+        # Both output blocks (attention's and the MLP's): hidden dropout on this rank's tokens draws its own mask.
+        styles[layer + "output"] = WrapForward("nxdtp_sequence_parallel_dropout", _under_tp_rng_when_dropping)
+        styles["*encoder"] = WrapForward("nxdtp_sequence_parallel_encoder", _sequence_parallel_encoder,
+                                         opens=SEQUENCE_PARALLEL, closes=SEQUENCE_PARALLEL)
 
-    def prepare(model: nn.Module) -> dict:
-        _validate(family, model)
+    def prepare(model: nn.Module, group: ParallelGroup) -> dict:
+        _validate(family, model, group)
         config = model.config
-        heads = config.num_attention_heads
+        heads, head_size = config.num_attention_heads, config.hidden_size // config.num_attention_heads
         projections = attention_projection_styles(
-            type(model).__name__, heads, heads, config.hidden_size // heads, tensor_parallel_group().size, pad_heads,
+            type(model).__name__, heads, heads, head_size, group.size, pad_heads,
             ColumnParallel(input_in_tensor_parallel_region=True, **sp), RowParallel(**sp))
         extra = {layer + name: style for name, style in
                  zip(("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"),
                      projections)}
+        local_heads = projections[0].padded_heads // group.size
+        extra[layer + "attention.self"] = Chain((
+            SetAttributes((("num_attention_heads", local_heads), ("all_head_size", local_heads * head_size))),
+            tensor_parallel_block_style("nxdtp_tp_attention", SEQUENCE_DIM, sequence_parallel, _attention_dropping)))
         if any(name == family.mlm_decoder for name, _ in model.named_modules()):
             extra[family.mlm_decoder] = VocabParallelLMHead(pad_to_multiple_of=make_vocab_size_divisible_by)
         return extra
 
     def finalize(model: nn.Module) -> None:
-        _wire(family, model, sequence_parallel)
+        if any(name == family.mlm_decoder for name, _ in model.named_modules()):
+            _use_vocab_parallel_loss(family, model)
         finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
@@ -150,43 +151,27 @@ def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_voc
 
 # ---- validation ------------------------------------------------------------------------------------------------------
 
-def _validate(family: EncoderFamily, model: nn.Module) -> None:
+def _validate(family: EncoderFamily, model: nn.Module, group: ParallelGroup) -> None:
     name = type(model).__name__
     entry = f"parallelize_{family.class_prefix.lower()}"
     if name not in family.supported:
         raise TypeError(f"{entry} supports {list(family.supported)}, not {name}")
     config = model.config
-    tp = tensor_parallel_group().size
-    if config.intermediate_size % tp != 0:
+    if config.intermediate_size % group.size != 0:
         raise ValueError(f"{family.name} intermediate_size={config.intermediate_size} is not divisible by "
-                         f"tensor_model_parallel_size={tp}")
+                         f"tensor_model_parallel_size={group.size}")
     if config.is_decoder or getattr(config, "add_cross_attention", False):
         raise ValueError(f"{entry} supports encoder {family.name} only (config.is_decoder=False, no cross-attention)")
 
 
 # ---- wiring ----------------------------------------------------------------------------------------------------------
 
-def _wire(family: EncoderFamily, model: nn.Module, sequence_parallel: bool) -> None:
-    self_attention, outputs, encoder = (family.hf_class("SelfAttention"),
-                                        (family.hf_class("SelfOutput"), family.hf_class("Output")),
-                                        family.hf_class("Encoder"))
-    tp = tensor_parallel_group().size
-    heads = padded_head_count(model.config.num_attention_heads, model.config.num_attention_heads, tp) // tp
-    for module in model.modules():
-        if isinstance(module, self_attention):
-            module.num_attention_heads = heads
-            module.all_head_size = heads * module.attention_head_size
-            wrap_forward(module, "nxdtp_tp_attention_sp" if sequence_parallel else "nxdtp_tp_attention",
-                         tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_dropping))
-        elif sequence_parallel and isinstance(module, outputs):
-            wrap_forward(module, "nxdtp_sequence_parallel_dropout", _under_tp_rng_when_dropping)
-        elif sequence_parallel and isinstance(module, encoder):
-            wrap_forward(module, "nxdtp_sequence_parallel_encoder", _sequence_parallel_encoder)
-    if any(name == family.mlm_decoder for name, _ in model.named_modules()):
-        if family.tied_keys_to_store:
-            model.nxdtp_tied_keys_to_store = family.tied_keys_to_store  # read by nxdtp.checkpointing.save
-        model._nxdtp_forward_signature = inspect.signature(type(model).forward)
-        wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
+def _use_vocab_parallel_loss(family: EncoderFamily, model: nn.Module) -> None:
+    """The MLM (and NSP) loss on the vocab-parallel logits, in the model's own forward: what no module style can do."""
+    if family.tied_keys_to_store:
+        record_of(model).tied_keys_to_store = family.tied_keys_to_store  # read by nxdtp.checkpointing.save
+    record_of(model).forward_signature = inspect.signature(type(model).forward)
+    wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
 
 
 def _attention_dropping(attention: nn.Module) -> bool:
@@ -217,7 +202,8 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     self = forward.__self__
     mlm_denominator = kwargs.pop("mlm_denominator", None)
     nsp_denominator = kwargs.pop("nsp_denominator", None)
-    bound = self._nxdtp_forward_signature.bind(self, *args, **kwargs)
+    signature = record_of(self).forward_signature
+    bound = signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("self")
@@ -231,7 +217,7 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
         return_dict = getattr(self.config, "return_dict", True)
     output = forward(**arguments, **extra, return_dict=True)
 
-    is_pretraining = "next_sentence_label" in self._nxdtp_forward_signature.parameters
+    is_pretraining = "next_sentence_label" in signature.parameters
     if labels is None or (is_pretraining and next_sentence_label is None):
         return output if return_dict else output.to_tuple()  # HF computes no loss in these cases either
     logits = output.prediction_logits if is_pretraining else output.logits
@@ -300,3 +286,6 @@ def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel:
         model_class = getattr(transformers, architectures[0])
     return build(model_dir, model_class=model_class, sequence_parallel=sequence_parallel,
                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype, device=device, config=config)
+
+
+FAMILY = Family(BERT.name, SUPPORTED, bert_plan, checkpoint_keys, oldest_transformers=(4, 26))

@@ -11,22 +11,23 @@ from torch import nn
 
 from .. import mappings, sequence_parallel_linear
 from ..parallel_state import tensor_parallel_group
-from ..plan import wrapper_factory
+from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
+from ..record import peek_record
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
-# matrix and docs/wrapping_hf_models.md's families table say the same): BERT from 4.26 (NxD's BERT tutorial), every
-# other family from 4.48 (NxD's training examples), up to the newest 5.x. Inside the range, differences between releases
-# are handled by feature detection in this package, never by version numbers.
-OLDEST_TRANSFORMERS = {"BERT": (4, 26)}
-DEFAULT_OLDEST_TRANSFORMERS = (4, 48)
+# matrix and docs/wrapping_hf_models.md's families table say the same): from each family's ``oldest_transformers``
+# (BERT from 4.26, for NxD's BERT tutorial; every other family from 4.48, NxD's training examples) up to the newest 5.x.
+# Inside the range, differences between releases are handled by feature detection in this package, never by version
+# numbers.
 NEWEST_MAJOR = 6
 
 
 def supported_transformers(family: str) -> str:
     """The transformers versions ``family``'s plan supports, as a pip requirement range: ``">=4.48,<6"``."""
-    oldest = ".".join(map(str, OLDEST_TRANSFORMERS.get(family, DEFAULT_OLDEST_TRANSFORMERS)))
-    return f">={oldest},<{NEWEST_MAJOR}"
+    from .registry import oldest_transformers  # the registry imports every family, and they import this module
+
+    return f">={'.'.join(map(str, oldest_transformers(family)))},<{NEWEST_MAJOR}"
 
 
 def require_supported_transformers(family: str) -> None:
@@ -35,17 +36,19 @@ def require_supported_transformers(family: str) -> None:
     made, so the error comes before any model is changed."""
     import transformers
 
+    from .registry import families_with_older_transformers, oldest_transformers
+
     version = transformers.__version__
     try:
         major_minor = tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
         raise ImportError(f"cannot read the transformers version {version!r}; nxdtp's {family} plan supports "
                           f"transformers{supported_transformers(family)}") from None
-    oldest = OLDEST_TRANSFORMERS.get(family, DEFAULT_OLDEST_TRANSFORMERS)
-    if not oldest <= major_minor < (NEWEST_MAJOR, 0):
+    if not oldest_transformers(family) <= major_minor < (NEWEST_MAJOR, 0):
         supported = supported_transformers(family)
-        ranges = [f"{name}'s plan: {supported_transformers(name)}" for name in OLDEST_TRANSFORMERS if name != family]
-        if family in OLDEST_TRANSFORMERS:
+        older = [other.name for other in families_with_older_transformers()]
+        ranges = [f"{name}'s plan: {supported_transformers(name)}" for name in older if name != family]
+        if family in older:
             ranges.append(f"the other families': {supported_transformers('')}")
         raise ImportError(f"transformers {version} is not supported by nxdtp's {family} plan: supported versions are "
                           f"{supported} ({'; '.join(ranges)}); pip install 'transformers{supported}'")
@@ -105,15 +108,13 @@ def _builds_extended_attention_masks() -> bool:
     return hasattr(PreTrainedModel, "get_extended_attention_mask")
 
 
-# Set on every module of a model by ``nxdtp.models.generation.generation_mode``, which runs a sequence-parallel model
-# without splitting the sequence (a decode step has one token, which no split divides): the sequence-parallel
-# wrappers below then act as their plain TP counterparts.
-WHOLE_SEQUENCE = "_nxdtp_whole_sequence"
-
-
 def splits_sequence(module: nn.Module) -> bool:
-    """Whether ``module``'s sequence-parallel wrapper splits the sequence now (always, except in generation_mode)."""
-    return not module.__dict__.get(WHOLE_SEQUENCE, False)
+    """Whether ``module``'s sequence-parallel wrapper splits the sequence now: always, except in
+    ``nxdtp.models.generation.generation_mode``, which runs a sequence-parallel model without splitting the sequence
+    (a decode step has one token, which no split divides) by setting ``whole_sequence`` in every module's record; the
+    sequence-parallel wrappers below then act as their plain TP counterparts."""
+    record = peek_record(module)
+    return record is None or not record.whole_sequence
 
 
 def dropping(module: nn.Module) -> bool:
@@ -188,3 +189,26 @@ def gather_sequence_of_output(sequence_dimension: int):
         return sequence_parallel_linear.remember_shard(full, shard, sequence_dimension)
 
     return wrapper
+
+
+# ---- the wrappers above as plan styles -------------------------------------------------------------------------------
+
+def tensor_parallel_block_style(wrapper_name: str, sequence_dimension: int, sequence_parallel: bool,
+                                forks_dropout) -> WrapForward:
+    """The style that opens one TP region for a block's column-parallel projections (``tensor_parallel_block``);
+    with sequence parallelism its wrapper is named ``<wrapper_name>_sp``."""
+    return WrapForward(wrapper_name + ("_sp" if sequence_parallel else ""),
+                       tensor_parallel_block(sequence_dimension, sequence_parallel, forks_dropout),
+                       opens=TENSOR_PARALLEL)
+
+
+def sequence_parallel_entry(sequence_dimension: int) -> WrapForward:
+    """The style of the module whose input is where the sequence-parallel region starts (the first layer)."""
+    return WrapForward("nxdtp_sequence_parallel_entry", scatter_sequence_of_input(sequence_dimension),
+                       opens=SEQUENCE_PARALLEL)
+
+
+def sequence_parallel_exit(sequence_dimension: int) -> WrapForward:
+    """The style of the module whose output is where the sequence-parallel region ends (the final norm)."""
+    return WrapForward("nxdtp_sequence_parallel_exit", gather_sequence_of_output(sequence_dimension),
+                       closes=SEQUENCE_PARALLEL)

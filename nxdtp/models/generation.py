@@ -34,16 +34,16 @@ from torch import nn
 
 from ..layers import ColumnParallelLinear
 from ..plan import add_mixin
-from .common import WHOLE_SEQUENCE, gather_vocab_logits
+from ..record import peek_record, record_of
+from .common import gather_vocab_logits
 
-# Kept in the model's instance dictionary: how many generation_mode contexts are open on it, and whether it splits the
-# sequence outside them (it has sequence-parallel parameters).
-_DEPTH = "_nxdtp_generation_depth"
-_SEQUENCE_PARALLEL = "_nxdtp_generation_suspends_sequence_parallelism"
+# The model's record keeps how many generation_mode contexts are open on it (generation_depth), and whether it splits
+# the sequence outside them (generation_suspends_sequence_parallelism: it has sequence-parallel parameters).
 
 
 def in_generation_mode(model: nn.Module) -> bool:
-    return model.__dict__.get(_DEPTH, 0) > 0
+    record = peek_record(model)
+    return record is not None and record.generation_depth > 0
 
 
 @contextlib.contextmanager
@@ -58,28 +58,27 @@ def generation_mode(model: nn.Module):
         raise TypeError(f"generation_mode() needs a causal language model parallelized by nxdtp (parallelize_model or "
                         f"from_pretrained_sharded of a class with transformers' generate); {type(model).__name__} is "
                         "not one")
-    depth = model.__dict__.get(_DEPTH, 0)
+    record = record_of(model)
+    depth = record.generation_depth
     switched_off = _run_whole_sequence(model) if depth == 0 else None
-    model.__dict__[_DEPTH] = depth + 1
+    record.generation_depth = depth + 1
     try:
         yield model
     finally:
+        record.generation_depth = depth
         if depth == 0:
-            model.__dict__.pop(_DEPTH, None)
             _split_sequence_again(model, switched_off)
-        else:
-            model.__dict__[_DEPTH] = depth
 
 
 def _run_whole_sequence(model: nn.Module) -> list:
     """Make every sequence-parallel region of ``model`` the plain TP region: the plans' forward wrappers read
-    ``WHOLE_SEQUENCE`` on their module (``nxdtp.models.common``), nxdtp's layers their ``sequence_parallel_enabled``.
-    Returns the layers switched off."""
-    model.__dict__[_SEQUENCE_PARALLEL] = any(getattr(p, "sequence_parallel_enabled", False)
-                                             for p in model.parameters())
+    ``whole_sequence`` in their module's record (``nxdtp.models.common``), nxdtp's layers their
+    ``sequence_parallel_enabled``. Returns the layers switched off."""
+    record_of(model).generation_suspends_sequence_parallelism = any(
+        getattr(p, "sequence_parallel_enabled", False) for p in model.parameters())
     switched_off = []
     for module in model.modules():
-        module.__dict__[WHOLE_SEQUENCE] = True
+        record_of(module).whole_sequence = True
         if module.__dict__.get("sequence_parallel_enabled") is True:
             module.sequence_parallel_enabled = False
             switched_off.append(module)
@@ -88,10 +87,10 @@ def _run_whole_sequence(model: nn.Module) -> list:
 
 def _split_sequence_again(model: nn.Module, switched_off: list) -> None:
     for module in model.modules():
-        module.__dict__.pop(WHOLE_SEQUENCE, None)
+        record_of(module).whole_sequence = False
     for module in switched_off:
         module.sequence_parallel_enabled = True
-    model.__dict__.pop(_SEQUENCE_PARALLEL, None)
+    record_of(model).generation_suspends_sequence_parallelism = False
 
 
 def _vocab_parallel_head(model: nn.Module):
@@ -119,7 +118,7 @@ class _GeneratesFromFullLogits:
     def __call__(self, *args, **kwargs):
         if not in_generation_mode(self):
             return super().__call__(*args, **kwargs)
-        if self.__dict__.get(_SEQUENCE_PARALLEL) and torch.is_grad_enabled():
+        if record_of(self).generation_suspends_sequence_parallelism and torch.is_grad_enabled():
             raise RuntimeError(
                 f"{type(self).__name__} was parallelized with sequence_parallel=True and is in generation_mode, which "
                 "runs it without splitting the sequence: its forward must run under torch.no_grad() (with gradients, "

@@ -27,60 +27,72 @@ import torch
 from torch import nn
 
 from .. import mappings
-from ..heads import padded_head_count
-from ..parallel_state import tensor_parallel_group
+from ..parallel_state import ParallelGroup
 from ..plan import (
+    TENSOR_PARALLEL,
+    Chain,
     ColumnParallel,
+    Effect,
     Plan,
     Replicate,
     RowParallel,
+    SetAttributes,
+    Style,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    WrapForward,
     call_with_parameters_as,
+    effect_of,
     wrap_forward,
 )
 from .attention_heads import attention_projection_styles
 from .common import (
     check_model,
     dropping,
-    gather_sequence_of_output,
     maybe_forked,
     never_drops,
     require_supported_transformers,
-    scatter_sequence_of_input,
+    sequence_parallel_entry,
+    sequence_parallel_exit,
     splits_sequence,
     tensor_parallel_block,
     with_and_without_prefix,
 )
+from .family import Family
 from .hf_integration import finish_hf_model
 from .losses import use_vocab_parallel_causal_lm_loss
 
+NAME = "GPT-2"   # for messages
 SUPPORTED = ("GPT2Model", "GPT2LMHeadModel")
 SEQUENCE_DIM = 1
 BLOCK = "*h.*."
 
 
 @dataclasses.dataclass(frozen=True)
-class Conv1DParallel:
+class Conv1DParallel(Style):
     """HF ``Conv1D`` → the parallel layer ``linear_style`` makes from the equivalent ``nn.Linear``, with the weight
     kept in Conv1D's ``[in, out]`` layout (and its spec describing that layout)."""
 
     linear_style: object  # ColumnParallel(...) or RowParallel(...)
     expects = nn.Module
 
+    @property
+    def effect(self) -> Effect:
+        return effect_of(self.linear_style)
+
     def check(self, module: nn.Module, name: str) -> None:
         if getattr(module, "weight", None) is None or module.weight.dim() != 2 or type(module).__name__ != "Conv1D":
             raise TypeError(f"{type(self).__name__} applies to transformers' Conv1D, but '{name}' is "
                             f"{type(module).__name__}")
 
-    def convert(self, module: nn.Module, name: str) -> nn.Module:
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         in_features, out_features = module.weight.shape
         linear = nn.Linear(in_features, out_features, bias=module.bias is not None, device="meta",
                            dtype=module.weight.dtype)
         linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=module.weight.requires_grad)
         if module.bias is not None:
             linear.bias = module.bias
-        layer = self.linear_style.convert(linear, name)
+        layer = self.linear_style.convert(linear, name, group)
         spec = layer.param_specs()["weight"]
         layer.weight = nn.Parameter(layer.weight.detach().t().contiguous(), requires_grad=layer.weight.requires_grad)
         layer.register_param_spec("weight", dataclasses.replace(
@@ -97,38 +109,54 @@ def _with_conv1d_weight(forward, *args, **kwargs):
 def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True) -> Plan:
     """``pad_heads``: when TP does not divide the attention heads, add zero heads to each of Q, K and V and to
     ``c_proj`` (with a logged warning naming the count) instead of refusing the model."""
-    require_supported_transformers("GPT-2")
+    require_supported_transformers(NAME)
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
+    if sequence_parallel:
+        mlp = WrapForward("nxdtp_tp_mlp_sp", _sequence_parallel_mlp, opens=TENSOR_PARALLEL)
+    else:
+        mlp = WrapForward("nxdtp_tp_mlp", _MLP, opens=TENSOR_PARALLEL)
     styles = {
         "*wte": VocabParallelEmbedding(**pad),
         BLOCK + "attn.c_attn": Conv1DParallel(ColumnParallel(stride=3, **entry)),
         BLOCK + "attn.c_proj": Conv1DParallel(RowParallel(**sp)),
+        BLOCK + "mlp": mlp,
         BLOCK + "mlp.c_fc": Conv1DParallel(ColumnParallel(**entry)),
         BLOCK + "mlp.c_proj": Conv1DParallel(RowParallel(**sp)),
     }
     if sequence_parallel:
-        for norm in (BLOCK + "ln_1", BLOCK + "ln_2", "*ln_f"):
+        styles["*h.0"] = sequence_parallel_entry(SEQUENCE_DIM)
+        for norm in (BLOCK + "ln_1", BLOCK + "ln_2"):
             styles[norm] = Replicate(sequence_parallel=True)
+        styles["*ln_f"] = Chain((Replicate(sequence_parallel=True), sequence_parallel_exit(SEQUENCE_DIM)))
 
-    def prepare(model: nn.Module) -> dict:
+    def prepare(model: nn.Module, group: ParallelGroup) -> dict:
         _validate(model)
         config = model.config
         heads, head_dim = config.n_head, config.n_embd // config.n_head
-        q, _, _, o = attention_projection_styles(type(model).__name__, heads, heads, head_dim,
-                                                 tensor_parallel_group().size, pad_heads,
+        q, _, _, o = attention_projection_styles(type(model).__name__, heads, heads, head_dim, group.size, pad_heads,
                                                  ColumnParallel(stride=3, **entry), RowParallel(**sp))
-        # c_attn is Q|K|V fused: each part gets its own zero heads (three padding groups), then the stride-3 split.
-        extra = {BLOCK + "attn.c_attn": Conv1DParallel(dataclasses.replace(q, padded_heads=3 * q.padded_heads,
-                                                                           groups=3)),
-                 BLOCK + "attn.c_proj": Conv1DParallel(o)}
+        local_heads = q.padded_heads // group.size
+        if sequence_parallel:
+            attention = WrapForward("nxdtp_tp_attention_sp", _sequence_parallel_attention, opens=TENSOR_PARALLEL)
+        else:
+            attention = WrapForward("nxdtp_tp_attention", _tensor_parallel_attention, opens=TENSOR_PARALLEL)
+        extra = {
+            # c_attn's local output is this rank's Q, K and V heads, zero heads included.
+            BLOCK + "attn": Chain((SetAttributes((("num_heads", local_heads), ("split_size", local_heads * head_dim))),
+                                   attention)),
+            # c_attn is Q|K|V fused: each part gets its own zero heads (three padding groups), then the stride-3 split.
+            BLOCK + "attn.c_attn": Conv1DParallel(dataclasses.replace(q, padded_heads=3 * q.padded_heads, groups=3)),
+            BLOCK + "attn.c_proj": Conv1DParallel(o),
+        }
         if hasattr(model, "lm_head"):
             extra["lm_head"] = VocabParallelLMHead(**pad)
         return extra
 
     def finalize(model: nn.Module) -> None:
-        _wire(model, sequence_parallel)
+        if hasattr(model, "lm_head"):
+            use_vocab_parallel_causal_lm_loss(model)
         finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
@@ -137,7 +165,7 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
 def _validate(model: nn.Module) -> None:
     config = model.config
     inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
-    check_model(model, "GPT-2", SUPPORTED, {"n_inner": inner})
+    check_model(model, NAME, SUPPORTED, {"n_inner": inner})
     if config.add_cross_attention:
         raise ValueError(f"{type(model).__name__} with add_cross_attention=True is not supported: use a decoder-only "
                          "GPT-2")
@@ -182,28 +210,10 @@ def _sequence_parallel_mlp(forward, *args, **kwargs):
     return _MLP(forward, *args, **kwargs)
 
 
-def _wire(model: nn.Module, sequence_parallel: bool) -> None:
-    tp = tensor_parallel_group().size
-    heads = padded_head_count(model.config.n_head, model.config.n_head, tp) // tp
-    transformer = model.transformer if hasattr(model, "transformer") else model
-    for block in transformer.h:
-        # c_attn's local output is this rank's Q, K and V heads, zero heads included.
-        block.attn.num_heads = heads
-        block.attn.split_size = heads * block.attn.head_dim
-        if sequence_parallel:
-            wrap_forward(block.attn, "nxdtp_tp_attention_sp", _sequence_parallel_attention)
-            wrap_forward(block.mlp, "nxdtp_tp_mlp_sp", _sequence_parallel_mlp)
-        else:
-            wrap_forward(block.attn, "nxdtp_tp_attention", _tensor_parallel_attention)
-            wrap_forward(block.mlp, "nxdtp_tp_mlp", _MLP)
-    if sequence_parallel:
-        wrap_forward(transformer.h[0], "nxdtp_sequence_parallel_entry", scatter_sequence_of_input(SEQUENCE_DIM))
-        wrap_forward(transformer.ln_f, "nxdtp_sequence_parallel_exit", gather_sequence_of_output(SEQUENCE_DIM))
-    if hasattr(model, "lm_head"):
-        use_vocab_parallel_causal_lm_loss(model)
-
-
 def checkpoint_keys(name: str):
     """Checkpoint keys that may hold parameter ``name``: with or without the ``transformer.`` prefix (HF's own GPT-2
     checkpoints store the base model's keys without it)."""
     return with_and_without_prefix(name, "transformer.")
+
+
+FAMILY = Family(NAME, SUPPORTED, gpt2_plan, checkpoint_keys)

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..agreement import install_input_check
 from ..parallel_state import tensor_parallel_group
+from ..record import peek_record
 from .activation_checkpointing import support_hf_checkpointing
 from .generation import support_hf_generation
 from .hf_saving import support_save_pretrained
@@ -34,9 +35,6 @@ def finish_hf_model(model: nn.Module) -> None:
     install_input_check(model)
 
 
-TRAINED_BY = "_nxdtp_trained_by"   # set on the model by trainers that handle TP (nxdtp.models.trainer)
-
-
 def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
     """A forward pre-hook: refuse a training forward while an accelerate training state is live (plain
     ``transformers.Trainer``, or ``accelerate.Accelerator.prepare``) unless a TP-aware trainer marked the model. With
@@ -45,7 +43,8 @@ def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
     world) each rank trains alone with local-shard clipping: the run would finish and the model be wrong. Costs a
     dictionary lookup."""
     state = sys.modules.get("accelerate.state")
-    if state is None or not model.training or getattr(model, TRAINED_BY, None):
+    record = peek_record(model)   # a trainer that handles TP (nxdtp.models.trainer) names itself there
+    if state is None or not model.training or (record is not None and record.trained_by):
         return
     # Any live accelerate training state: with several processes it wraps the model in DDP over the TP ranks; with
     # one (torchrun on CPUs without use_cpu=True, where accelerate does not see the world) every process trains on

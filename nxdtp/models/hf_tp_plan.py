@@ -33,12 +33,13 @@ from typing import Dict
 
 from torch import nn
 
-from ..parallel_state import tensor_parallel_group
+from ..parallel_state import ParallelGroup
 from ..plan import (
     ColumnParallel,
     Plan,
     ReplicatedWithGradAllReduce,
     RowParallel,
+    SetAttributes,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     has_own_forward,
@@ -50,7 +51,7 @@ from .losses import use_vocab_parallel_causal_lm_loss
 
 logger = logging.getLogger(__name__)
 
-FAMILY = "HF tp_plan"   # for messages
+NAME = "HF tp_plan"   # for messages
 GATHERING = ("colwise_gather_output", "colwise_rep")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -64,7 +65,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
     """The nxdtp plan equivalent to ``model``'s HF tensor-parallel plan. Attention blocks whose Q, K, V are
     ``colwise`` and output ``rowwise`` get KV-head copies and zero heads when TP needs them, as the hand-written plans
     do (``pad_heads=False`` refuses zero heads)."""
-    require_supported_transformers(FAMILY)
+    require_supported_transformers(NAME)
     name = type(model).__name__
     if sequence_parallel:
         raise ValueError(f"sequence_parallel=True needs a hand-written plan; {name} is sharded from HF's tp_plan, "
@@ -104,24 +105,22 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
             styles[head_name] = VocabParallelLMHead(**pad)
             vocab_parallel_head = True
 
-    def prepare(model: nn.Module) -> dict:
+    def prepare(model: nn.Module, group: ParallelGroup) -> dict:
         _validate(model, heads_handled=bool(attention_patterns))
-        config, tp = model.config, tensor_parallel_group().size
+        config = model.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         extra = {}
         for attention_pattern, head_dim in attention_patterns.items():
-            projections = attention_projection_styles(name, config.num_attention_heads, config.num_key_value_heads,
-                                                      head_dim, tp, pad_heads, ColumnParallel(), RowParallel())
+            projections = attention_projection_styles(name, heads, kv_heads, head_dim, group.size, pad_heads,
+                                                      ColumnParallel(), RowParallel())
             extra.update({f"{attention_pattern}.{p}": style for p, style in zip(PROJECTIONS, projections)})
+            extra[attention_pattern] = SetAttributes((("num_key_value_groups",
+                                                       local_kv_groups(heads, kv_heads, group.size)),))
         return extra
 
     def finalize(model: nn.Module) -> None:
         if vocab_parallel_head:
             use_vocab_parallel_causal_lm_loss(model)
-        config, tp = model.config, tensor_parallel_group().size
-        groups = local_kv_groups(config.num_attention_heads, config.num_key_value_heads, tp)
-        for module_name, module in model.named_modules():
-            if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in attention_patterns):
-                module.num_key_value_groups = groups
         finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
@@ -170,7 +169,7 @@ def _head_split_attention(model: nn.Module, hf_styles: Dict[str, str]) -> Dict[s
 def _validate(model: nn.Module, heads_handled: bool) -> None:
     sizes = ("intermediate_size",) if heads_handled else ("num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size")
-    check_model(model, FAMILY, None, {what: getattr(model.config, what, None) for what in sizes})
+    check_model(model, NAME, None, {what: getattr(model.config, what, None) for what in sizes})
 
 
 def _module_name(model: nn.Module, module) -> str:

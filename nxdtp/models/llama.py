@@ -25,34 +25,36 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..parallel_state import tensor_parallel_group
+from ..parallel_state import ParallelGroup
 from ..plan import (
+    Chain,
     ColumnParallel,
     Plan,
     Replicate,
     ReplicatedWithGradAllReduce,
     RowParallel,
+    SetAttributes,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    wrap_forward,
 )
 from .attention_heads import attention_projection_styles, local_kv_groups
 from .common import (
     check_model,
-    gather_sequence_of_output,
     never_drops,
     require_supported_transformers,
-    scatter_sequence_of_input,
-    tensor_parallel_block,
+    sequence_parallel_entry,
+    sequence_parallel_exit,
+    tensor_parallel_block_style,
     with_and_without_prefix,
 )
+from .family import Family
 from .hf_integration import finish_hf_model
 from .losses import use_vocab_parallel_causal_lm_loss
 
 # HF decoders are batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1
 
-FAMILY = "Llama-family"   # for messages
+NAME = "Llama-family"   # for messages
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 LAYER = "model.layers.*."
 
@@ -61,7 +63,7 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
                  pad_heads: bool = True) -> Plan:
     """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
     count) instead of refusing the model."""
-    require_supported_transformers(FAMILY)
+    require_supported_transformers(NAME)
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
@@ -71,63 +73,58 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
         LAYER + "self_attn.k_proj": ColumnParallel(**entry),
         LAYER + "self_attn.v_proj": ColumnParallel(**entry),
         LAYER + "self_attn.o_proj": RowParallel(**sp),
+        LAYER + "mlp": tensor_parallel_block_style("nxdtp_tp_mlp", SEQUENCE_DIM, sequence_parallel, never_drops),
         LAYER + "mlp.gate_proj": ColumnParallel(**entry),
         LAYER + "mlp.up_proj": ColumnParallel(**entry),
         LAYER + "mlp.down_proj": RowParallel(**sp),
         "lm_head": VocabParallelLMHead(**pad),
     }
     if sequence_parallel:
-        for norm in (LAYER + "input_layernorm", LAYER + "post_attention_layernorm", "model.norm"):
+        styles["model.layers.0"] = sequence_parallel_entry(SEQUENCE_DIM)
+        for norm in (LAYER + "input_layernorm", LAYER + "post_attention_layernorm"):
             styles[norm] = Replicate(sequence_parallel=True)
+        styles["model.norm"] = Chain((Replicate(sequence_parallel=True), sequence_parallel_exit(SEQUENCE_DIM)))
 
-    def prepare(model: nn.Module) -> dict:
-        extra = _validate(model, sequence_parallel, pad_heads)
+    def prepare(model: nn.Module, group: ParallelGroup) -> dict:
+        extra = _attention_styles(model, group, sequence_parallel, pad_heads)
         if "model.layers.0.self_attn.q_norm" in {name for name, _ in model.named_modules()}:
             extra.update({LAYER + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
                           LAYER + "self_attn.k_norm": ReplicatedWithGradAllReduce()})
         return extra
 
     def finalize(model: nn.Module) -> None:
-        _wire(model, sequence_parallel)
+        use_vocab_parallel_causal_lm_loss(model)
         finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
 
-def _validate(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> dict:
-    """Check the sizes; return the attention projections' styles for this model's head counts."""
+def _attention_styles(model: nn.Module, group: ParallelGroup, sequence_parallel: bool, pad_heads: bool) -> dict:
+    """Check the sizes; return the styles of the attention block and its projections for this model's head counts."""
     config = model.config
-    check_model(model, FAMILY, SUPPORTED, {"intermediate_size": config.intermediate_size})
-    heads = config.num_attention_heads
+    check_model(model, NAME, SUPPORTED, {"intermediate_size": config.intermediate_size})
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    styles = attention_projection_styles(
-        type(model).__name__, heads, config.num_key_value_heads, head_dim, tensor_parallel_group().size, pad_heads,
+    projections = attention_projection_styles(
+        type(model).__name__, heads, kv_heads, head_dim, group.size, pad_heads,
         ColumnParallel(input_in_tensor_parallel_region=True),   # the block's wrapper opened the region already
         RowParallel(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM))
-    return {LAYER + "self_attn." + name: style for name, style in zip(("q_proj", "k_proj", "v_proj", "o_proj"), styles)}
+    styles = {LAYER + "self_attn." + name: style for name, style in zip(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                                         projections)}
+    # Each rank runs its share of the query heads against the KV heads (or copies of them) it holds.
+    styles[LAYER + "self_attn"] = Chain((
+        SetAttributes((("num_key_value_groups", local_kv_groups(heads, kv_heads, group.size)),)),
+        tensor_parallel_block_style("nxdtp_tp_attention", SEQUENCE_DIM, sequence_parallel, _attention_drops)))
+    return styles
 
 
 def _attention_drops(attention: nn.Module) -> bool:
     return attention.training and getattr(attention, "attention_dropout", 0.0) > 0
 
 
-def _wire(model: nn.Module, sequence_parallel: bool) -> None:
-    tp_attention = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, _attention_drops)
-    tp_mlp = tensor_parallel_block(SEQUENCE_DIM, sequence_parallel, never_drops)
-    suffix = "_sp" if sequence_parallel else ""
-    config = model.config
-    groups = local_kv_groups(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_group().size)
-    for layer in model.model.layers:
-        layer.self_attn.num_key_value_groups = groups
-        wrap_forward(layer.self_attn, "nxdtp_tp_attention" + suffix, tp_attention)
-        wrap_forward(layer.mlp, "nxdtp_tp_mlp" + suffix, tp_mlp)
-    if sequence_parallel:
-        wrap_forward(model.model.layers[0], "nxdtp_sequence_parallel_entry",
-                     scatter_sequence_of_input(SEQUENCE_DIM))
-        wrap_forward(model.model.norm, "nxdtp_sequence_parallel_exit", gather_sequence_of_output(SEQUENCE_DIM))
-    use_vocab_parallel_causal_lm_loss(model)
-
-
 def checkpoint_keys(name: str):
     """Checkpoint keys that may hold parameter ``name``: as named, or without / with the base model's prefix."""
     return with_and_without_prefix(name, "model.")
+
+
+FAMILY = Family(NAME, SUPPORTED, decoder_plan, checkpoint_keys)

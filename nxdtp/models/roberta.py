@@ -8,27 +8,20 @@ MLM loss on the vocab-parallel logits, and optional sequence parallelism; see ``
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from torch import nn
 
 from ..plan import Plan, parallelize
 from .bert import EncoderFamily, encoder_plan
 from .bert import checkpoint_keys as _encoder_checkpoint_keys
+from .family import Family
 
 SUPPORTED = ("RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification")
 # The MLM bias is one tensor under two names, lm_head.bias and lm_head.decoder.bias. transformers 4.48 loads it only
 # from lm_head.decoder.bias (from a directory holding just lm_head.bias, as its own save_pretrained writes, it re-ties
 # lm_head.bias to a freshly initialised decoder bias); every other supported release loads either name. So nxdtp's
 # checkpoints, and the HF directories merged from them, store it as lm_head.decoder.bias.
-def _roberta_modeling() -> ModuleType:
-    from transformers.models.roberta import modeling_roberta
-
-    return modeling_roberta
-
-
-ROBERTA = EncoderFamily("RoBERTa", "Roberta", _roberta_modeling, SUPPORTED,
-                        "lm_head.decoder", "roberta.", tied_keys_to_store=("lm_head.decoder.bias",))
+ROBERTA = EncoderFamily("RoBERTa", "Roberta", SUPPORTED, "lm_head.decoder", "roberta.",
+                        tied_keys_to_store=("lm_head.decoder.bias",))
 
 
 def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
@@ -45,3 +38,6 @@ def parallelize_roberta(model: nn.Module, sequence_parallel: bool = False, make_
 
 def checkpoint_keys(name: str):
     return _encoder_checkpoint_keys(name, base_prefix=ROBERTA.base_prefix)
+
+
+FAMILY = Family(ROBERTA.name, SUPPORTED, roberta_plan, checkpoint_keys)

@@ -7,9 +7,9 @@ Two gloo ranks (``torch.multiprocessing.spawn``, tp=2, one intra-op thread each,
 * ``inputs``: a forward of a parallelized ``LlamaForCausalLM`` in training mode (grad enabled, no backward) with the
   input check on (``set_input_check(model, every=1)``) and off (``every=0``), alternating, ``--rounds`` pairs; medians
   (of each, and of the difference within each round).
-  Also the check alone (``model._nxdtp_input_check(model, (), batch)``, same rounds). Two sizes: the tests' tiny Llama
-  (hidden 32, 2 layers, batch 2 x 8 tokens) and a bigger one (hidden 1024, 16 heads, 8 KV heads, intermediate 2816,
-  4 layers, vocabulary 32000, batch 2 x 512 tokens).
+  Also the check alone (the model record's ``input_check(model, (), batch)``, same rounds). Two sizes: the tests' tiny
+  Llama (hidden 32, 2 layers, batch 2 x 8 tokens) and a bigger one (hidden 1024, 16 heads, 8 KV heads, intermediate
+  2816, 4 layers, vocabulary 32000, batch 2 x 512 tokens).
 * ``sp``: BERT-large-shaped ``BertForPreTraining`` layers (hidden 1024, 16 heads, intermediate 4096, ``--sp-layers``
   layers, batch 2 x 128 tokens, sequence parallelism): backward with the gradients of the sequence-parallel parameters
   summed inside backward (nxdtp's way: one all-reduce per LayerNorm and per row-parallel bias) against backward with
@@ -70,6 +70,7 @@ def _llama(size: str):
 def _inputs(rank: int, rounds: int) -> list:
     from nxdtp.agreement import set_input_check
     from nxdtp.models import parallelize_model
+    from nxdtp.record import record_of
 
     lines = []
     for size in ("tiny", "bigger"):
@@ -86,7 +87,7 @@ def _inputs(rank: int, rounds: int) -> list:
                     times[every].append(elapsed)
             set_input_check(model, every=1)
             dist.barrier()
-            elapsed = _timed(lambda model=model: model._nxdtp_input_check(model, (), batch))
+            elapsed = _timed(lambda model=model: record_of(model).input_check(model, (), batch))
             if r >= 2:
                 alone.append(elapsed)
         off = statistics.median(times[0])

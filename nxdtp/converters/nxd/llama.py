@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...models.common import require_supported_transformers
-from ...models.llama import FAMILY as LLAMA_FAMILY
+from ...models.llama import NAME as LLAMA_FAMILY
 from .reader import (
     AUTO,
     DenseTensor,
