@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from . import comm
+from .forward_wrappers import wrap_forward
 from .parallel_state import ParallelGroup, tensor_parallel_group
-from .plan import wrap_forward
 from .record import peek_record, record_of
 
 # Input slots: a fixed size, so every rank gathers the same shape whatever arguments it was given (ranks that passed

@@ -4,24 +4,36 @@ A plan names *what* is split; the styles know *how*. Converting a dense ``nn.Lin
 existing weights into the parallel layer, so a converted model computes exactly what the dense one did. It works on the
 meta device too (the slices are meta tensors, to be loaded later), so no rank has to materialise the full model.
 
-Model-specific wiring (loss path, where a sequence-parallel region starts and ends, attention head counts) lives in the
-plan's ``finalize`` hook, in ``nxdtp/models/``. Helpers for it are here: ``wrap_forward`` changes what one module
-instance does around its own forward without changing its parameter names, so HF state-dict keys stay as they were.
+Wiring is styles too: ``WrapForward`` (a forward wrapper: the region a block's projections share, where a
+sequence-parallel region starts and ends), ``SetAttributes`` (the heads a rank runs), ``Chain`` (several on one
+module). Every style declares its ``Effect`` (the style protocol below). A plan's ``prepare`` hook returns the styles
+that depend on the model; its ``finalize`` hook keeps only what concerns the model as a whole, such as its loss. The
+class swaps behind the wrappers are ``nxdtp.forward_wrappers``'; they keep parameter names, so HF state-dict keys stay
+as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import inspect
-import pickle
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import comm, mappings
+from .forward_wrappers import (  # noqa: F401 - nxdtp.plan's names since before forward_wrappers existed
+    _new_of_recipe,
+    _spec_owning_class,
+    add_mixin,
+    call_with_parameters,
+    call_with_parameters_as,
+    has_own_forward,
+    wrap_forward,
+    wrapper_factory,
+    wrapper_name_of,
+)
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
 from .parallel_state import ParallelGroup, tensor_parallel_group
 from .record import peek_record, record_of
@@ -350,18 +362,13 @@ def _forward_with_padded_heads_masked(forward, input_, *args, **kwargs):
     return forward(input_ * mask.to(input_.dtype), *args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def _kv_replica_forward_uncached(replicas: int, block: int) -> Callable:
+@wrapper_factory   # one function per (replicas, block): wrap_forward keys its subclasses by wrapper name
+def _kv_replica_forward(replicas: int, block: int) -> Callable:
     def forward_with_summed_copies(forward, *args, **kwargs):
         return call_with_parameters_as(
             forward, lambda p: mappings.sum_gradients_over_replicas(p, replicas, block), *args, **kwargs)
 
     return forward_with_summed_copies
-
-
-def _kv_replica_forward(replicas: int, block: int) -> Callable:
-    # One function per (replicas, block): wrap_forward keys its subclasses by wrapper name.
-    return _made_by(_kv_replica_forward, (replicas, block), _kv_replica_forward_uncached(replicas, block))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,28 +389,6 @@ class ReplicatedWithGradAllReduce(Style):
 def _parameters_through_tp_region(forward, *args, **kwargs):
     # Identity forward, all-reduce of the gradient backward; the gradient flows on to the real parameter.
     return call_with_parameters_as(forward, mappings.copy_to_tensor_model_parallel_region, *args, **kwargs)
-
-
-def call_with_parameters_as(forward, transform: Callable[[torch.Tensor], torch.Tensor], *args, **kwargs):
-    """Call a module's ``forward`` while its own parameters read as ``transform(parameter)``: a differentiable view
-    (a transpose, an autograd region) that the forward uses in their place, so gradients reach the real parameters.
-    The module's code is unchanged; parameter names and state dicts are too. The swap lives on the module for the
-    duration of the call, so one module must not run this forward from two threads at once."""
-    module = forward.__self__
-    return _call_with_parameters(forward, {name: transform(param) for name, param in module._parameters.items()
-                                           if param is not None}, *args, **kwargs)
-
-
-def _call_with_parameters(forward, replacements: Dict[str, torch.Tensor], *args, **kwargs):
-    """``forward(*args, **kwargs)`` with the module's parameters named in ``replacements`` read as the given tensors."""
-    module = forward.__self__
-    originals = dict(module._parameters)
-    try:
-        # Direct dict access: the transformed tensor is not a leaf, so it cannot be registered as a Parameter.
-        module._parameters.update(replacements)
-        return forward(*args, **kwargs)
-    finally:
-        module._parameters.update(originals)
 
 
 # ---- sequence-parallel gradients, summed inside backward -------------------------------------------------------------
@@ -455,7 +440,7 @@ def _forward_summing_sequence_parallel_grads(forward, *args, **kwargs):
     if not names:
         return forward(*args, **kwargs)
     summed = mappings.sum_gradients_over_tensor_parallel(*(module._parameters[name] for name in names))
-    return _call_with_parameters(forward, dict(zip(names, summed)), *args, **kwargs)
+    return call_with_parameters(forward, dict(zip(names, summed)), *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -649,168 +634,7 @@ def broadcast_replicated_state(model: nn.Module) -> None:
             tensor.copy_(comm.broadcast(tensor, group, src_group_rank=0))
 
 
-# ---- wiring helpers for plans' finalize hooks ------------------------------------------------------------------------
-
-_WRAPPED_CLASSES: Dict[Tuple[type, str], type] = {}
-
-
-def wrapper_factory(factory: Callable) -> Callable:
-    """Decorate a module-level factory of forward wrappers (closures): cached, so equal arguments give the same
-    function (``wrap_forward`` requires one function per wrapper name), and each wrapper remembers the factory and its
-    arguments, so a module wrapped with it can be pickled (``torch.save(model)``) and rebuilt in another process."""
-    cached = functools.lru_cache(maxsize=None)(factory)
-
-    @functools.wraps(factory)
-    def make(*args):
-        return _made_by(make, args, cached(*args))
-
-    return make
-
-
-def _made_by(factory: Callable, args: tuple, wrapper: Callable) -> Callable:
-    wrapper._nxdtp_made_by = (factory, args)
-    return wrapper
-
-
-def wrap_forward(module: nn.Module, wrapper_name: str, wrapper: Callable) -> None:
-    """Make ``module`` call ``wrapper(super_forward, *args, **kwargs)`` instead of its forward.
-
-    The module's class is swapped for a subclass (cached per class and wrapper), so parameter names, ``state_dict``
-    keys, ``deepcopy`` and ``isinstance`` checks are all unchanged. The module pickles (``torch.save(model)``) when
-    ``wrapper`` is a module-level function or made by a ``wrapper_factory``: the subclass is rebuilt on load.
-    """
-    module.__class__ = _wrapped_class(type(module), wrapper_name, wrapper)
-
-
-def _wrapped_class(base: type, wrapper_name: str, wrapper: Callable) -> type:
-    if getattr(base, "_nxdtp_wrapper", None) == wrapper_name:
-        return base
-    key = (base, wrapper_name)
-    if key in _WRAPPED_CLASSES and _WRAPPED_CLASSES[key]._nxdtp_wrapper_function is not wrapper:
-        raise ValueError(f"wrapper name {wrapper_name!r} is already used for {base.__name__} with another function; "
-                         "give each wrapper function its own name")
-    if key not in _WRAPPED_CLASSES:
-        def forward(self, *args, **kwargs):
-            return wrapper(super(cls, self).forward, *args, **kwargs)
-
-        # The wrapped forward shows the base forward's parameters: HF reads them from
-        # ``inspect.signature(model.forward)`` (generate computes ``position_ids`` from a left-padded attention mask
-        # only if forward names them, Trainer keeps only the dataset columns forward names). Without this they would see
-        # ``(*args, **kwargs)``.
-        try:
-            forward.__signature__ = inspect.signature(base.forward)
-        except (TypeError, ValueError):
-            pass
-        cls = _dynamic_subclass(base, ("wrap", wrapper_name, wrapper), {
-            "forward": forward, "_nxdtp_wrapper": wrapper_name, "_nxdtp_wrapper_function": wrapper})
-        _WRAPPED_CLASSES[key] = cls
-    return _WRAPPED_CLASSES[key]
-
-
-_MIXED_CLASSES: Dict[Tuple[type, type], type] = {}
-
-
-def add_mixin(module: nn.Module, mixin: type) -> None:
-    """Put ``mixin`` (a module-level class) first in ``module``'s class, for what a forward wrapper cannot change:
-    attributes and properties other code reads and writes on the module. Like ``wrap_forward``, the class is swapped
-    for a cached subclass, so names, ``state_dict`` keys, ``deepcopy``, pickling and ``isinstance`` are unchanged."""
-    module.__class__ = _mixed_class(type(module), mixin)
-
-
-def _mixed_class(base: type, mixin: type) -> type:
-    if issubclass(base, mixin):
-        return base
-    if (base, mixin) not in _MIXED_CLASSES:
-        _MIXED_CLASSES[(base, mixin)] = _dynamic_subclass(base, ("mixin", mixin), {})
-    return _MIXED_CLASSES[(base, mixin)]
-
-
-# ---- pickling modules whose class nxdtp swapped ----------------------------------------------------------------------
-# The subclasses made by wrap_forward and for sequence-parallel parameters are made at run time, under their base's
-# name, so pickle cannot find them by name. Each records how it was made from an importable class (its recipe); a
-# module of such a class pickles as "rebuild the class from the recipe, then restore the module's state".
-
-def _dynamic_subclass(base: type, step: tuple, namespace: dict) -> type:
-    root, steps = getattr(base, "_nxdtp_recipe", (base, ()))
-    namespace = dict(namespace, _nxdtp_recipe=(root, steps + (step,)), __reduce_ex__=_reduce_dynamic_instance,
-                     __module__=base.__module__, __qualname__=base.__qualname__)
-    bases = (base,) if step[0] == "wrap" else (step[1], base) if step[0] == "mixin" else (base, ShardedModule)
-    return type(base.__name__, bases, namespace)
-
-
-def _picklable_step(step: tuple) -> tuple:
-    if step[0] != "wrap":
-        return step
-    _, name, wrapper = step
-    made_by = getattr(wrapper, "_nxdtp_made_by", None)
-    if made_by is not None:
-        return ("wrap_made_by", name) + made_by
-    if "<locals>" in getattr(wrapper, "__qualname__", "<locals>"):
-        return ("wrap", name, _LocalWrapper(name, wrapper))
-    return step
-
-
-class _LocalWrapper:
-    """A local forward wrapper in a class recipe: ``copy.deepcopy`` keeps it, pickling it is refused with a clear
-    message (pickle itself would only say "Can't pickle local object")."""
-
-    def __init__(self, name: str, function: Callable):
-        self.name, self.function = name, function
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        raise pickle.PicklingError(
-            f"the forward wrapper {wrapper_name_of(self.function)} ({self.name!r}) is a local function, which cannot "
-            "be pickled; make it a module-level function, or make it with a factory decorated by "
-            "nxdtp.plan.wrapper_factory")
-
-
-def wrapper_name_of(wrapper: Callable) -> str:
-    return f"{getattr(wrapper, '__module__', '?')}.{getattr(wrapper, '__qualname__', repr(wrapper))}"
-
-
-def _reduce_dynamic_instance(self, protocol):
-    reduced = object.__reduce_ex__(self, max(protocol, 2))  # (copyreg.__newobj__, (cls,), state, ...)
-    root, steps = type(self)._nxdtp_recipe
-    return (_new_of_recipe, (root, tuple(_picklable_step(s) for s in steps))) + tuple(reduced[2:])
-
-
-def _class_of_recipe(root: type, steps: tuple) -> type:
-    cls = root
-    for step in steps:
-        if step[0] == "wrap":
-            wrapper = step[2].function if isinstance(step[2], _LocalWrapper) else step[2]
-            cls = _wrapped_class(cls, step[1], wrapper)
-        elif step[0] == "wrap_made_by":
-            _, name, factory, args = step
-            cls = _wrapped_class(cls, name, factory(*args))
-        elif step[0] == "spec_owning":
-            cls = _spec_owning_class(cls)
-        elif step[0] == "mixin":
-            cls = _mixed_class(cls, step[1])
-        else:
-            raise pickle.UnpicklingError(f"unknown nxdtp class recipe step {step!r} (pickled by another nxdtp "
-                                         "version?)")
-    return cls
-
-
-def _new_of_recipe(root: type, steps: tuple):
-    cls = _class_of_recipe(root, steps)
-    return cls.__new__(cls)
-
-
 # ---- conversion internals --------------------------------------------------------------------------------------------
-
-_SPEC_OWNING_CLASSES: Dict[type, type] = {}
-
-
-def _spec_owning_class(base: type) -> type:
-    if base not in _SPEC_OWNING_CLASSES:
-        _SPEC_OWNING_CLASSES[base] = _dynamic_subclass(base, ("spec_owning",), {})
-    return _SPEC_OWNING_CLASSES[base]
-
 
 def _with_sequence_parallel_params(module: nn.Module, group: ParallelGroup) -> nn.Module:
     """Give ``module`` a subclass of its own class that owns specs (state dicts and device moves keep them), and mark
@@ -822,11 +646,6 @@ def _with_sequence_parallel_params(module: nn.Module, group: ParallelGroup) -> n
         module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=group.size,
                                                    sequence_parallel=True))
     return module
-
-
-def has_own_forward(module: nn.Module, base: type) -> bool:
-    """Whether ``module``'s class (a subclass of ``base``) computes something other than ``base.forward``."""
-    return type(module).forward is not base.forward
 
 
 def _expect(module: nn.Module, kind: type, style, name: str) -> None:

@@ -27,7 +27,7 @@ class NxdtpRecord:
     tied_keys_to_store: Tuple[str, ...] = ()
     # The model class's forward signature, for the encoder plan's loss wrapper to bind the user's arguments.
     forward_signature: Optional[inspect.Signature] = None
-    # The input check of ``nxdtp.agreement.check_inputs_agree`` on a model.
+    # The input check of ``nxdtp.agreement.install_input_check`` on a model.
     input_check: Any = None
     # ``generation_mode`` runs a sequence-parallel model with the sequence whole: set on every module meanwhile, it
     # makes the sequence-parallel wrappers act as plain TP ones.

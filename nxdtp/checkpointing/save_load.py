@@ -479,9 +479,11 @@ ZERO1_MASTER_FIELD = "zero1_master"
 
 
 def _is_zero1(optimizer: Any) -> bool:
-    from ..optimizer import NeuronZero1Optimizer
-
-    return isinstance(optimizer, NeuronZero1Optimizer) or (isinstance(optimizer, dict) and "base_state" in optimizer)
+    """A ZeRO-1 optimizer (it declares ``shards_state_over_data_parallel``, as NeuronZero1Optimizer does) or its state
+    dict."""
+    if isinstance(optimizer, dict):
+        return "base_state" in optimizer
+    return getattr(type(optimizer), "shards_state_over_data_parallel", False) is True
 
 
 def _kind(optimizer: Any) -> str:

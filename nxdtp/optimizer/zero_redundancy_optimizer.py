@@ -102,6 +102,9 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     sharding and TP groups).
     """
 
+    # Read by nxdtp.checkpointing, which sits below the optimizers and so tells this state's kind by it, not by class.
+    shards_state_over_data_parallel = True
+
     def __init__(self, params, optimizer_class, optimizer_dtype: Optional[torch.dtype] = None,
                  grad_clipping: bool = True, max_norm: Optional[float] = None, pin_layout: bool = True,
                  sharding_groups: Any = None, grad_norm_groups: Any = None, lazy_init: bool = False,
