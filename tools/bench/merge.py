@@ -62,11 +62,22 @@ def _inside_current_world():
 
 
 def create_checkpoint(config: Dict[str, int], checkpoint_dir: str) -> str:
-    """Runs on every rank of the nxdtp workers (tp = world = 2): bench_merge.worker_create with the given config."""
+    """Runs on every rank of the nxdtp workers (tp = world = 2): bench_merge.worker_create with the given config.
+    Section 1 leaves its tp=world topology installed on these workers; without section 1 (``--sections merge``) it is
+    installed here for the call."""
     import torch.distributed as dist
 
-    with _bench_merge_model(config, dist.get_world_size()) as bench_merge, _inside_current_world():
-        bench_merge.worker_create(argparse.Namespace(checkpoint_dir=checkpoint_dir))
+    from nxdtp import parallel_state
+
+    installed_here = not parallel_state.model_parallel_is_initialized()
+    if installed_here:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    try:
+        with _bench_merge_model(config, dist.get_world_size()) as bench_merge, _inside_current_world():
+            bench_merge.worker_create(argparse.Namespace(checkpoint_dir=checkpoint_dir))
+    finally:
+        if installed_here:
+            parallel_state.destroy_model_parallel()
     return checkpoint_dir
 
 
