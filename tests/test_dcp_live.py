@@ -10,8 +10,8 @@
   head by TP rank 0 only); (b) nxdtp at tp=4 loads it with ``dcp.load`` + ``set_state_dict``: the saved logits, step and
   scheduler epoch, and its next step equals the dense run's next step. And the other way: nxdtp at tp=2 x dp=2 loads a
   DTensor TP=2 job's own ``dcp.save``.
-* The same save in a world whose default backend refuses CPU tensors (the NCCL stand-in), through
-  ``process_group=dcp_process_group()``: the same checkpoint.
+* The same save in worlds whose default backend refuses CPU tensors (the NCCL stand-in, and torch_xla's "xla"
+  backend), through ``process_group=dcp_process_group()``: the same checkpoint.
 * GPT-2 with 6 heads at tp=4: its fused Q|K|V ``c_attn`` is split with stride 3 and padded with zero heads per part.
   Saved live, it loads into the dense model (the logits) and back into nxdtp at tp=2 × dp=2 (the logits).
 * The layout algebra: each rank's kept runs and copy runs cover every non-padding row of its piece once.
@@ -300,20 +300,22 @@ def test_nxdtp_loads_a_native_dtensor_jobs_checkpoint(worlds, tmp_path):
         _close(logits, job_logits, f"nxdtp tp=2 x dp=2 rank {rank} logits after loading the DTensor job's save")
 
 
-def test_live_save_on_a_world_that_refuses_cpu_tensors(worlds, live_llama, tmp_path):
-    """The NCCL stand-in as the default backend: DCP's plan exchange goes over nxdtp's gloo group; same checkpoint."""
+@pytest.mark.parametrize("backend", ["cpu_refusing", "xla"])
+def test_live_save_on_a_world_that_refuses_cpu_tensors(worlds, live_llama, tmp_path, backend):
+    """A default backend that refuses CPU tensors, as NCCL's does (the stand-in) and torch_xla's "xla" does: DCP's plan
+    exchange goes over nxdtp's gloo group; the same checkpoint."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     checkpoint, _, results = live_llama
     refusing = str(tmp_path / "dcp")
-    worlds(4, "cpu_refusing").run(case_live_save, tensor_model_parallel_size=2, checkpoint=refusing)
+    worlds(4, backend).run(case_live_save, tensor_model_parallel_size=2, checkpoint=refusing)
     ours, gloo = _metadata(refusing), _metadata(checkpoint)
     assert sorted(ours) == sorted(gloo)
     for key, meta in gloo.items():
         if isinstance(meta, TensorStorageMetadata):
             assert ours[key].size == meta.size and ours[key].chunks == meta.chunks, key
     model, _ = _load_dense(refusing)
-    _close(_logits(model, _llama_batch())[0], results[0]["logits"], "dense logits from the cpu_refusing world's save")
+    _close(_logits(model, _llama_batch())[0], results[0]["logits"], f"dense logits from the {backend} world's save")
 
 
 # ---- ZeRO-1: the flat shards over DP of each TP piece ----------------------------------------------------------------
