@@ -271,23 +271,7 @@ class ParamSpec:
         rows it copies. A replicated tensor is one run over its dim 0 (none for a 0-dim tensor)."""
         if not self.is_sharded:
             return [(0, self.unpadded_shape[0], 0)] if self.unpadded_shape else []
-        if not 0 <= rank < self.num_partitions:
-            raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
-        dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
-        block = self.full_shape[dim] // (parts * stride)
-        runs: List[Tuple[int, int, Optional[int]]] = []
-        for chunk in range(stride):
-            first = (chunk * parts + rank) * block
-            for start, length, dense_start in self._rows_of_full(first, first + block):
-                piece_start = chunk * block + start - first
-                last = runs[-1] if runs else None
-                if last is not None and last[0] + last[1] == piece_start and (
-                        (last[2] is None and dense_start is None)
-                        or (last[2] is not None and dense_start is not None and last[2] + last[1] == dense_start)):
-                    runs[-1] = (last[0], last[1] + length, last[2])
-                else:
-                    runs.append((piece_start, length, dense_start))
-        return runs
+        return _merged(self._classified_runs(rank), (_FIRST, _COPY, _PADDING))
 
     def read_piece(self, read_rows: Callable[[int, int], torch.Tensor], rank: int,
                    dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -313,23 +297,6 @@ class ParamSpec:
         if tuple(dense.shape) != tuple(self.unpadded_shape):
             raise ValueError(f"a dense tensor of shape {list(dense.shape)} given to a spec whose dense shape is "
                              f"{list(self.unpadded_shape)}")
-
-    def _rows_of_full(self, start: int, stop: int):
-        """``(full_start, length, dense_start)`` runs for rows ``[start, stop)`` of the full tensor: every copy of a
-        repeated block at the dense rows it copies, padding rows with ``dense_start`` None."""
-        if self.replicas == 1:
-            yield from self._padding_runs(start, stop)
-            return
-        copy = self.replica_block * self.replicas
-        position = start
-        while position < stop:
-            head, offset = divmod(position, copy)
-            inside = offset % self.replica_block
-            end = min(stop, position + self.replica_block - inside)
-            collapsed = head * self.replica_block + inside
-            for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
-                yield position + run_start - collapsed, length, dense_start
-            position = end
 
     def _real_per_group(self) -> int:
         return self.unpadded_shape[self.partition_dim] // self.pad_groups
@@ -364,7 +331,7 @@ class ParamSpec:
         tensor. A replicated tensor is one run of rank 0 (none for other ranks)."""
         if not self.is_sharded:
             return [(0, self.unpadded_shape[0], 0)] if rank == 0 and self.unpadded_shape else []
-        return self._piece_runs(rank, copies=False)
+        return _merged(self._classified_runs(rank), (_FIRST,))
 
     def copy_runs_of_piece(self, rank: int):
         """The rows of TP rank ``rank``'s piece that ``dense_runs_of_piece`` leaves out because they are a later copy
@@ -374,9 +341,13 @@ class ParamSpec:
         (padding rows hold none). A rank never holds two copies of one dense row, so no two of its runs overlap."""
         if not self.is_sharded:
             return [(0, self.unpadded_shape[0], 0)] if rank != 0 and self.unpadded_shape else []
-        return self._piece_runs(rank, copies=True)
+        return _merged(self._classified_runs(rank), (_COPY,))
 
-    def _piece_runs(self, rank: int, copies: bool):
+    def _classified_runs(self, rank: int) -> List[Tuple[int, int, Optional[int], str]]:
+        """Every row of TP rank ``rank``'s piece once, in piece order, as ``(piece_start, length, dense_start, kind)``
+        runs along partition_dim: ``kind`` is ``_FIRST`` (the dense rows, or the first copy of a repeated block),
+        ``_COPY`` (a later copy, at the dense rows it copies) or ``_PADDING`` (``dense_start`` None). The one walk
+        ``read_ranges``, ``dense_runs_of_piece`` and ``copy_runs_of_piece`` select from."""
         if not 0 <= rank < self.num_partitions:
             raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
         dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
@@ -384,24 +355,17 @@ class ParamSpec:
         runs = []
         for chunk in range(stride):
             first = (chunk * parts + rank) * block
-            for start, length, dense_start in self._dense_runs_of_full(first, first + block, copies):
-                piece_start = chunk * block + start - first
-                last = runs[-1] if runs else None
-                if last is not None and last[0] + last[1] == piece_start and last[2] + last[1] == dense_start:
-                    runs[-1] = (last[0], last[1] + length, last[2])
-                else:
-                    runs.append((piece_start, length, dense_start))
+            for start, length, dense_start, kind in self._classified_runs_of_full(first, first + block):
+                runs.append((chunk * block + start - first, length, dense_start, kind))
         return runs
 
-    def _dense_runs_of_full(self, start: int, stop: int, copies: bool = False):
-        """``(full_start, length, dense_start)`` for the rows of ``[start, stop)`` of the full tensor that are dense
-        rows: the first copy of each repeated block (with ``copies``: every later copy instead, at the dense rows of
-        the block it copies), then its real (not padding) rows."""
-        if self.replicas == 1:  # no copies: one pass over the padding, not one step per row
-            if not copies:
-                for run_start, length, dense_start in self._padding_runs(start, stop):
-                    if dense_start is not None:
-                        yield run_start, length, dense_start
+    def _classified_runs_of_full(self, start: int, stop: int):
+        """``_classified_runs`` for rows ``[start, stop)`` of the full tensor, as ``(full_start, length, dense_start,
+        kind)``: each copy of a repeated block at the rows of the replica-free tensor it holds, then past its
+        padding."""
+        if self.replicas == 1:  # no copies: one pass over the padding, not one step per block
+            for run_start, length, dense_start in self._padding_runs(start, stop):
+                yield run_start, length, dense_start, _PADDING if dense_start is None else _FIRST
             return
         copy = self.replica_block * self.replicas
         position = start
@@ -409,11 +373,10 @@ class ParamSpec:
             head, offset = divmod(position, copy)
             which, inside = divmod(offset, self.replica_block)
             end = min(stop, head * copy + (which + 1) * self.replica_block)
-            if (which > 0) == copies:  # the copy asked for: its rows in the replica-free tensor, then past its padding
-                collapsed = head * self.replica_block + inside
-                for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
-                    if dense_start is not None:
-                        yield position + run_start - collapsed, length, dense_start
+            collapsed = head * self.replica_block + inside
+            for run_start, length, dense_start in self._padding_runs(collapsed, collapsed + end - position):
+                kind = _PADDING if dense_start is None else _COPY if which > 0 else _FIRST
+                yield position + run_start - collapsed, length, dense_start, kind
             position = end
 
     def _padding_runs(self, start: int, stop: int):
@@ -450,6 +413,27 @@ class ParamSpec:
                    replica_block=d.get("replica_block", 1), pad_block=d.get("pad_block", 1),
                    pad_groups=d.get("pad_groups", 1), pad_to_multiple_of=d.get("pad_to_multiple_of"),
                    vocabulary=bool(d.get("vocabulary", False)))
+
+
+# The kinds of rows of a TP piece (ParamSpec._classified_runs).
+_FIRST, _COPY, _PADDING = "first", "copy", "padding"
+
+
+def _merged(runs, kinds) -> List[Tuple[int, int, Optional[int]]]:
+    """The ``(piece_start, length, dense_start)`` runs of ``runs`` whose kind is in ``kinds``, adjacent ones merged
+    where both the piece rows and the dense rows continue (padding runs, with no dense rows, merge with padding)."""
+    merged: List[Tuple[int, int, Optional[int]]] = []
+    for piece_start, length, dense_start, kind in runs:
+        if kind not in kinds:
+            continue
+        last = merged[-1] if merged else None
+        if last is not None and last[0] + last[1] == piece_start and (
+                (last[2] is None and dense_start is None)
+                or (last[2] is not None and dense_start is not None and last[2] + last[1] == dense_start)):
+            merged[-1] = (last[0], last[1] + length, last[2])
+        else:
+            merged.append((piece_start, length, dense_start))
+    return merged
 
 
 @dataclasses.dataclass(frozen=True)

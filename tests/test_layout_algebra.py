@@ -139,6 +139,22 @@ def test_dense_runs_of_all_ranks_cover_every_dense_row_once(layout, tp):
 
 
 @SETTINGS
+@given(layouts(), degrees)
+def test_kept_and_copy_runs_are_the_rows_read_ranges_fills_from_dense(layout, tp):
+    _, base, dense = layout
+    spec = base.at_degree(tp)
+
+    def rows(runs):   # piece row -> dense row, for every row the runs name
+        return {start + i: dense_start + i for start, length, dense_start in runs if dense_start is not None
+                for i in range(length)}
+
+    for rank in range(tp):
+        kept, copies = rows(spec.dense_runs_of_piece(rank)), rows(spec.copy_runs_of_piece(rank))
+        assert not kept.keys() & copies.keys(), rank
+        assert {**kept, **copies} == rows(spec.read_ranges(rank)), rank
+
+
+@SETTINGS
 @given(layouts())
 def test_the_padding_record_survives_the_index_round_trip(layout):
     _, base, _ = layout
