@@ -14,6 +14,7 @@ from ..parallel_state import tensor_parallel_group
 from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
 from ..record import peek_record
+from .family import families_with_older_transformers, oldest_transformers
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
 # matrix and docs/wrapping_hf_models.md's families table say the same): from each family's ``oldest_transformers``
@@ -25,8 +26,6 @@ NEWEST_MAJOR = 6
 
 def supported_transformers(family: str) -> str:
     """The transformers versions ``family``'s plan supports, as a pip requirement range: ``">=4.48,<6"``."""
-    from .registry import oldest_transformers  # the registry imports every family, and they import this module
-
     return f">={'.'.join(map(str, oldest_transformers(family)))},<{NEWEST_MAJOR}"
 
 
@@ -36,8 +35,6 @@ def require_supported_transformers(family: str) -> None:
     made, so the error comes before any model is changed."""
     import transformers
 
-    from .registry import families_with_older_transformers, oldest_transformers
-
     version = transformers.__version__
     try:
         major_minor = tuple(int(part) for part in version.split(".")[:2])
@@ -46,7 +43,7 @@ def require_supported_transformers(family: str) -> None:
                           f"transformers{supported_transformers(family)}") from None
     if not oldest_transformers(family) <= major_minor < (NEWEST_MAJOR, 0):
         supported = supported_transformers(family)
-        older = [other.name for other in families_with_older_transformers()]
+        older = families_with_older_transformers()
         ranges = [f"{name}'s plan: {supported_transformers(name)}" for name in older if name != family]
         if family in older:
             ranges.append(f"the other families': {supported_transformers('')}")

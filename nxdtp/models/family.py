@@ -6,11 +6,16 @@ to nxdtp's handling of it reads this record, so a new family is its file plus on
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from ..plan import Plan
 
 DEFAULT_OLDEST_TRANSFORMERS = (4, 48)
+
+# Family name -> the oldest transformers release its plan supports, filled as each family file defines its FAMILY
+# (the package imports every family file, through the registry, before any plan is made): the version check reads it
+# here, below the family files, which it is called from.
+_OLDEST_TRANSFORMERS: Dict[str, Tuple[int, int]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,3 +34,17 @@ class Family:
     plan: Callable[..., Plan]
     checkpoint_keys: Callable[[str], List[str]]
     oldest_transformers: Tuple[int, int] = DEFAULT_OLDEST_TRANSFORMERS
+
+    def __post_init__(self):
+        _OLDEST_TRANSFORMERS[self.name] = self.oldest_transformers
+
+
+def oldest_transformers(family_name: str) -> Tuple[int, int]:
+    """The oldest transformers release the plan of the family named ``family_name`` supports (the default for plans
+    that are not a family's, such as HF's own tp_plan)."""
+    return _OLDEST_TRANSFORMERS.get(family_name, DEFAULT_OLDEST_TRANSFORMERS)
+
+
+def families_with_older_transformers() -> List[str]:
+    """The names of the families whose plans also support releases older than the default (for messages)."""
+    return [name for name, oldest in _OLDEST_TRANSFORMERS.items() if oldest < DEFAULT_OLDEST_TRANSFORMERS]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from . import bert, gpt2, llama, roberta
-from .family import DEFAULT_OLDEST_TRANSFORMERS, Family
+from .family import Family
 
 FAMILIES: Tuple[Family, ...] = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY)
 
@@ -21,15 +21,3 @@ def family_of(model_class_name: str) -> Optional[Family]:
 def supported_models() -> list:
     """Every HF model class name a hand-written plan supports, sorted."""
     return sorted(_BY_CLASS)
-
-
-def oldest_transformers(family_name: str) -> Tuple[int, int]:
-    """The oldest transformers release the plan of the family named ``family_name`` supports (the default for plans
-    that are not a registered family, such as HF's own tp_plan)."""
-    return next((family.oldest_transformers for family in FAMILIES if family.name == family_name),
-                DEFAULT_OLDEST_TRANSFORMERS)
-
-
-def families_with_older_transformers() -> Tuple[Family, ...]:
-    """The families whose plans also support releases older than the default (for messages)."""
-    return tuple(family for family in FAMILIES if family.oldest_transformers < DEFAULT_OLDEST_TRANSFORMERS)
