@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import mappings, sequence_parallel_linear
-from ..parallel_state import tensor_parallel_group
+from ..parallel_state import ParallelGroup
 from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
 from ..record import peek_record
@@ -51,13 +51,13 @@ def require_supported_transformers(family: str) -> None:
                           f"{supported} ({'; '.join(ranges)}); pip install 'transformers{supported}'")
 
 
-def check_model(model: nn.Module, plan_name: str, supported, sizes) -> None:
+def check_model(model: nn.Module, plan_name: str, supported, sizes, group: ParallelGroup) -> None:
     """Refuse, before anything changes, a class outside ``supported`` and any of ``sizes`` (name → value) that the
-    tensor-parallel size does not divide, naming the value."""
+    size of ``group`` (the plan's TP group) does not divide, naming the value."""
     name = type(model).__name__
     if supported is not None and name not in supported:
         raise TypeError(f"the {plan_name} plan supports {list(supported)}, not {name}")
-    tp = tensor_parallel_group().size
+    tp = group.size
     for what, value in sizes.items():
         if isinstance(value, int) and value % tp != 0:
             raise ValueError(f"{name} {what}={value} is not divisible by tensor_model_parallel_size={tp}; choose a "

@@ -132,7 +132,7 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
         styles["*ln_f"] = Chain((Replicate(sequence_parallel=True), sequence_parallel_exit(SEQUENCE_DIM)))
 
     def prepare(model: nn.Module, group: ParallelGroup) -> dict:
-        _validate(model)
+        _validate(model, group)
         config = model.config
         heads, head_dim = config.n_head, config.n_embd // config.n_head
         q, _, _, o = attention_projection_styles(type(model).__name__, heads, heads, head_dim, group.size, pad_heads,
@@ -162,10 +162,10 @@ def gpt2_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
 
-def _validate(model: nn.Module) -> None:
+def _validate(model: nn.Module, group: ParallelGroup) -> None:
     config = model.config
     inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
-    check_model(model, NAME, SUPPORTED, {"n_inner": inner})
+    check_model(model, NAME, SUPPORTED, {"n_inner": inner}, group)
     if config.add_cross_attention:
         raise ValueError(f"{type(model).__name__} with add_cross_attention=True is not supported: use a decoder-only "
                          "GPT-2")

@@ -106,7 +106,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
             vocab_parallel_head = True
 
     def prepare(model: nn.Module, group: ParallelGroup) -> dict:
-        _validate(model, heads_handled=bool(attention_patterns))
+        _validate(model, group, heads_handled=bool(attention_patterns))
         config = model.config
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         extra = {}
@@ -166,10 +166,10 @@ def _head_split_attention(model: nn.Module, hf_styles: Dict[str, str]) -> Dict[s
     return found
 
 
-def _validate(model: nn.Module, heads_handled: bool) -> None:
+def _validate(model: nn.Module, group: ParallelGroup, heads_handled: bool) -> None:
     sizes = ("intermediate_size",) if heads_handled else ("num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size")
-    check_model(model, NAME, None, {what: getattr(model.config, what, None) for what in sizes})
+    check_model(model, NAME, None, {what: getattr(model.config, what, None) for what in sizes}, group)
 
 
 def _module_name(model: nn.Module, module) -> str:

@@ -102,7 +102,7 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
 def _attention_styles(model: nn.Module, group: ParallelGroup, sequence_parallel: bool, pad_heads: bool) -> dict:
     """Check the sizes; return the styles of the attention block and its projections for this model's head counts."""
     config = model.config
-    check_model(model, NAME, SUPPORTED, {"intermediate_size": config.intermediate_size})
+    check_model(model, NAME, SUPPORTED, {"intermediate_size": config.intermediate_size}, group)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     projections = attention_projection_styles(
