@@ -708,10 +708,14 @@ def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, Tenso
 
 @dataclasses.dataclass
 class DenseOptimizerTensor:
-    """One tensor of the dense model's optimizer state; ``read()`` reassembles it from the rank files."""
+    """One tensor of the dense model's optimizer state; ``read()`` reassembles it from the rank files. State shaped
+    like its parameter also gives the parameter's ``spec`` and ``read_piece(tp_rank)``, one TP piece of it, for a
+    writer that takes the tensor piece by piece (the DCP export)."""
     shape: Tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[], torch.Tensor]
+    spec: Optional[ParamSpec] = None
+    read_piece: Optional[Callable[[int], torch.Tensor]] = None
 
 
 def optimizer_file_names(index: CheckpointIndex) -> List[str]:
@@ -791,7 +795,8 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
 
                 shape = tuple(spec.unpadded_shape)
             flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"
-            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read)
+            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read,
+                                                   **({} if kind == "copy" else {"spec": spec, "read_piece": piece}))
     state.update(optimizer_values(tag_dir))
     return state, handles, None
 
