@@ -18,14 +18,15 @@
 The files are written by torch's own ``FileSystemWriter`` through ``dcp.save(..., no_dist=True)``; only the save
 planner is nxdtp's: instead of whole tensors it plans one chunk per run of rows a TP rank's piece contributes to the
 dense tensor (``ParamSpec.dense_runs_of_piece``, so fused/strided weights, padding and repeated heads are the layout
-algebra's business, not this module's), at its offset in the dense tensor, and reads that run from the rank file only
-when the writer asks for it. No full tensor is ever assembled. DCP's global plan check (chunks inside the tensor,
-no overlap, full coverage) runs on the result.
+algebra's business, not this module's), at its offset in the dense tensor, cut along dim 0 into row ranges of at most
+``CHUNK_BYTES``, and reads each from the rank file only when the writer asks for it. No full tensor is ever assembled.
+DCP's global plan check (chunks inside the tensor, no overlap, full coverage) runs on the result.
 
 Memory: ``FileSystemWriter`` keeps every tensor it wrote to a file until that file is closed, so with its default of
 one file per rank the whole checkpoint would sit in memory. The export therefore writes one file per chunk
-(``single_file_per_rank=False``): the peak is one chunk (at most one rank's piece of one tensor) plus the reader's
-buffers, at the cost of many small files (``__0_<n>.distcp``; every DCP reader handles them).
+(``single_file_per_rank=False``), at the cost of many small files (``__0_<n>.distcp``; every DCP reader handles them),
+and collects the chunks ``torch.save`` leaves in reference cycles as it goes (``ChunkedSavePlanner._collect``): the peak
+is one chunk (at most ``CHUNK_BYTES``) plus ``COLLECT_BYTES`` of written ones and the reader's buffers.
 
 Safety is ``nxdtp-merge``'s: the source is checked (and its files verified) before anything is written, the output is
 written into a temporary sibling and renamed into place, a non-empty ``output_dir`` is refused unless ``force``.

@@ -6,9 +6,10 @@ or TorchTitan's HF-named layout saves with ``dcp.save``: the model's tensors at 
 (``optimizer.state.<param>.<field>``, ``optimizer.param_groups.<param>.<hyperparameter>``), which is also what
 ``nxdtp-merge --to dcp`` writes. It writes
 
-* ``model.safetensors`` with every tensor of the model (each tied tensor once), read from DCP one tensor at a time
-  (``dcp.load`` of that key alone, so DCP reassembles the saved chunks, whatever sharding wrote them), and the
-  ``config.json`` the model is built from;
+* ``model.safetensors`` with every tensor of the model (each tied tensor once), read through torch's
+  ``FileSystemReader`` (``RowReader``: DCP's resharding read, whatever sharding wrote the saved chunks): small tensors
+  several at a time, a tensor over ``BATCH_BYTES`` in row ranges of at most that size, streamed into the file range by
+  range, so no large tensor is ever whole in memory; and the ``config.json`` the model is built from;
 * the optimizer state, if there is one, beside it as ``nxdtp-merge`` writes it for a merged nxdtp checkpoint
   (``optimizer.safetensors`` / ``optimizer.json``, module ``dense_optimizer``), which
   ``nxdtp.checkpointing.load_dense_optimizer_state`` restores into a dense model's optimizer or, cut by each
