@@ -346,12 +346,24 @@ def case_dcp_export_loads(out: str):
             torch.testing.assert_close(opt.state[p][field], value, **tol, msg=lambda m: f"{name} {field}: {m}")
 
 
-def test_dcp_export_of_zero1_state_loads_into_dense_adamw(saved, worlds, tmp_path):
+@pytest.mark.parametrize("chunk_bytes", [None, 256])
+def test_dcp_export_of_zero1_state_loads_into_dense_adamw(saved, worlds, tmp_path, monkeypatch, chunk_bytes):
+    """Also with the export's chunks cut to 256 bytes: ZeRO-1 state is then read one TP piece at a time and written
+    as many row ranges per tensor, and still loads exactly."""
+    from nxdtp.checkpointing import dcp_export
     from nxdtp.cli import main
 
+    if chunk_bytes is not None:
+        monkeypatch.setattr(dcp_export, "CHUNK_BYTES", chunk_bytes)
     directory, _ = saved
     out = str(tmp_path / "dcp")
     assert main([directory, out, "--to", "dcp", "--no-progress"]) == 0
+    if chunk_bytes is not None:
+        import torch.distributed.checkpoint as dcp
+
+        metadata = dcp.FileSystemReader(out).read_metadata().state_dict_metadata
+        moments = [meta for key, meta in metadata.items() if key.endswith(".exp_avg")]
+        assert moments and max(len(meta.chunks) for meta in moments) > 4  # more chunks than TP pieces
     worlds(1).run(case_dcp_export_loads, out=out)
 
 

@@ -6,9 +6,10 @@ or TorchTitan's HF-named layout saves with ``dcp.save``: the model's tensors at 
 (``optimizer.state.<param>.<field>``, ``optimizer.param_groups.<param>.<hyperparameter>``), which is also what
 ``nxdtp-merge --to dcp`` writes. It writes
 
-* ``model.safetensors`` with every tensor of the model (each tied tensor once), read from DCP one tensor at a time
-  (``dcp.load`` of that key alone, so DCP reassembles the saved chunks, whatever sharding wrote them), and the
-  ``config.json`` the model is built from;
+* ``model.safetensors`` with every tensor of the model (each tied tensor once), read through torch's
+  ``FileSystemReader`` (``RowReader``: DCP's resharding read, whatever sharding wrote the saved chunks): small tensors
+  several at a time, a tensor over ``BATCH_BYTES`` in row ranges of at most that size, streamed into the file range by
+  range, so no large tensor is ever whole in memory; and the ``config.json`` the model is built from;
 * the optimizer state, if there is one, beside it as ``nxdtp-merge`` writes it for a merged nxdtp checkpoint
   (``optimizer.safetensors`` / ``optimizer.json``, module ``dense_optimizer``), which
   ``nxdtp.checkpointing.load_dense_optimizer_state`` restores into a dense model's optimizer or, cut by each
@@ -24,10 +25,11 @@ refused unless ``force``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -39,7 +41,11 @@ OPTIMIZER_PREFIX = "optimizer."
 # What TorchTitan and torch's own examples keep beside the model in the same DCP checkpoint; not model tensors.
 NOT_MODEL_PREFIXES = (OPTIMIZER_PREFIX, "lr_scheduler", "train_state", "dataloader", "extra_state")
 EXPORT_RECORD_FILE = "nxdtp_dcp_export.json"
-BATCH_BYTES = 64 << 20  # tensors read per dcp.load: the import's memory beyond one tensor
+# Small tensors are read together, up to this many bytes per read; a tensor larger than this is read and written in
+# row ranges (along dim 0) of at most this many bytes, so none is ever in memory whole (tests lower it).
+BATCH_BYTES = 64 << 20
+# Chunks torch.load left for the garbage collector (below) are collected once they add up to this many bytes.
+COLLECT_BYTES = 16 << 20
 
 __all__ = ["import_dcp", "ImportResult"]
 
@@ -57,6 +63,7 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     """Write the dense HF directory of the DCP checkpoint ``dcp_dir`` (module docstring); return what was written.
     ``config`` is the model's config.json when ``dcp_dir`` has none beside its files."""
     metadata = _read_metadata(dcp_dir)
+    rows = RowReader(dcp_dir, metadata)
     config_path = config if config is not None else os.path.join(dcp_dir, CONFIG_FILE)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path} is missing: the import builds the model from its config; pass "
@@ -65,16 +72,19 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     expected = _model_tensors(config_path)
     saved = metadata.state_dict_metadata
     layout, sources = _check_model_keys(dcp_dir, saved, expected)
-    optimizer_state, notes = _optimizer_state(dcp_dir, saved, expected)
+    optimizer_state, notes = _optimizer_state(dcp_dir, saved, expected, rows)
     trainer_state = recorded_trainer_state(dcp_dir, saved)
 
     def write(staging: str) -> None:
         bar = _progress(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
-        reader = _BatchedReader(dcp_dir, [(sources[key], dtype, shape) for key, dtype, shape in layout])
+        reader = _BatchedReader(rows, [sources[key] for key, _, _ in layout])
         try:
             with DenseWeightsWriter(staging, layout, metadata={"format": "pt"}) as writer:
                 for key, dtype, shape in layout:
-                    writer.write(key, reader.read(sources[key]))
+                    if reader.in_ranges(sources[key]):
+                        writer.write_parts(key, rows.ranges(sources[key]))
+                    else:
+                        writer.write(key, reader.read(sources[key]))
                     bar.update(1)
         finally:
             bar.close()
@@ -158,31 +168,117 @@ def _check_model_keys(dcp_dir: str, saved: Dict[str, Any], expected):
     return layout, sources
 
 
-class _BatchedReader:
-    """Reads the tensors ``items`` [(DCP key, dtype, shape)] in that order, ``dcp.load``-ing the next ones together
-    up to ``budget_bytes`` (at least one) and handing each out once: one ``dcp.load`` per tensor costs a planning round
-    and a metadata read each (most of an import's time for small tensors), and loading everything at once would hold
-    the whole checkpoint."""
+class RowReader:
+    """Reads row ranges (along dim 0) of the checkpoint's tensors through torch's own ``FileSystemReader``: for each
+    range, DCP's ``create_read_items_for_chunk_list`` names the saved chunks it overlaps and the part of each it needs
+    (DCP's resharding read, with a range of rows as the "local shard"), and the reader copies each part into a tensor
+    of just those rows. So a tensor is never in memory whole, only a range of it and the saved chunk being read:
+    ``FileSystemReader`` loads each saved chunk it needs whole (with ``torch.load``), which for an nxdtp export is at
+    most ``dcp_export.CHUNK_BYTES``, and for a native job's checkpoint whatever chunk it saved.
 
-    def __init__(self, dcp_dir: str, items: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
-                 budget_bytes: int = BATCH_BYTES):
-        self.dcp_dir, self.items, self.budget = dcp_dir, list(items), budget_bytes
-        self.position = {key: i for i, (key, _, _) in enumerate(self.items)}
+    ``reads`` counts the ``read_data`` calls made (tests check that a large tensor took several)."""
+
+    def __init__(self, dcp_dir: str, metadata, budget_bytes: Optional[int] = None):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.metadata = metadata.state_dict_metadata
+        self.budget = BATCH_BYTES if budget_bytes is None else budget_bytes
+        self.storage = FileSystemReader(dcp_dir)
+        self.storage.set_up_storage_reader(metadata, is_coordinator=True)
+        self.reads = 0
+
+    def nbytes(self, key: str) -> int:
+        meta = self.metadata[key]
+        return meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
+
+    def read(self, ranges: Dict[str, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
+        """``{key: (start, stop)}`` -> ``{key: rows [start, stop) of that tensor}`` in one ``read_data`` (a 0-dim
+        tensor: ``(0, 1)``, the tensor)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        out: Dict[str, torch.Tensor] = {}
+        items = []
+        for key, (start, stop) in ranges.items():
+            meta = self.metadata[key]
+            offsets, sizes = [0] * len(meta.size), list(meta.size)
+            if sizes:
+                offsets[0], sizes[0] = start, stop - start
+            out[key] = torch.empty(sizes, dtype=meta.properties.dtype)
+            items += create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(
+                offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
+        plan = self.storage.prepare_global_plan([self.storage.prepare_local_plan(LoadPlan(items))])[0]
+        self.storage.read_data(plan, _into_tensors_planner()(out)).wait()
+        self.reads += 1
+        return out
+
+    def ranges(self, key: str) -> Iterator[torch.Tensor]:
+        """Tensor ``key`` as consecutive row ranges of at most the budget's bytes, cut where its saved chunks begin
+        and end along dim 0 so that each saved chunk is read once where it fits the budget."""
+        meta = self.metadata[key]
+        rows = meta.size[0]
+        step = max(1, self.budget * rows // max(1, self.nbytes(key)))
+        cuts = sorted({0, rows} | {edge for c in meta.chunks for edge in (c.offsets[0], c.offsets[0] + c.sizes[0])})
+        for first, last in zip(cuts, cuts[1:]):
+            for start in range(first, last, step):
+                yield self.read({key: (start, min(last, start + step))})[key]
+
+
+def _into_tensors_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class IntoTensors(DefaultLoadPlanner):
+        """What ``FileSystemReader.read_data`` asks of a planner, for reads into ``out`` (key -> the tensor of the
+        rows asked for): where each read item goes, and, after each, a young-generation garbage collection once
+        ``COLLECT_BYTES`` have been read. ``torch.load`` leaves every chunk it loaded in a reference cycle (its
+        unpickler class and closures), which Python's collector, left to itself, frees too rarely: measured on the
+        Llama-1B shape, 125 MiB chunks piled up."""
+
+        def __init__(self, out: Dict[str, torch.Tensor]):
+            super().__init__()
+            self.out, self.uncollected = out, 0
+
+        def resolve_tensor(self, read_item):
+            tensor = self.out[read_item.dest_index.fqn]
+            for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                tensor = tensor.narrow(dim, offset, length)
+            return tensor
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            self.uncollected += tensor.numel() * tensor.element_size()
+            if self.uncollected >= COLLECT_BYTES:
+                gc.collect(1)
+                self.uncollected = 0
+
+    return IntoTensors
+
+
+class _BatchedReader:
+    """Reads the tensors ``keys`` in that order, the next ones together up to the budget's bytes and handing each
+    out once: a read per tensor costs a planning round each (most of an import's time for small tensors), and reading
+    everything at once would hold the whole checkpoint. A tensor over the budget is not batched: the caller streams
+    it in row ranges (``in_ranges``, ``RowReader.ranges``)."""
+
+    def __init__(self, rows: RowReader, keys: List[str]):
+        self.rows, self.keys = rows, list(keys)
+        self.position = {key: i for i, key in enumerate(self.keys)}
         self.cache: Dict[str, torch.Tensor] = {}
 
-    def read(self, key: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
+    def in_ranges(self, key: str) -> bool:
+        return self.rows.nbytes(key) > self.rows.budget and len(self.rows.metadata[key].size) > 0
 
+    def read(self, key: str) -> torch.Tensor:
         if key not in self.cache:
-            batch, size = {}, 0
-            for name, dtype, shape in self.items[self.position[key]:]:
-                nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                if batch and size + nbytes > self.budget:
+            batch, total = {}, 0
+            for name in self.keys[self.position[key]:]:
+                nbytes = self.rows.nbytes(name)
+                if batch and (total + nbytes > self.rows.budget or self.in_ranges(name)):
                     break
-                batch[name] = torch.empty(shape, dtype=dtype)
-                size += nbytes
-            dcp.load(batch, checkpoint_id=self.dcp_dir, no_dist=True)
-            self.cache.update(batch)
+                shape = self.rows.metadata[name].size
+                batch[name] = (0, shape[0] if len(shape) else 1)
+                total += nbytes
+            self.cache.update(self.rows.read(batch))
         return self.cache.pop(key)
 
 
@@ -194,9 +290,11 @@ def _load_values(dcp_dir: str, keys: List[str]) -> Dict[str, Any]:
     return holder
 
 
-def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dict[str, Any], List[str]]:
-    """The optimizer's flattened state: tensors read when written, other values read now. Keys must name model
-    parameters by their first name, as torch's flattened optimizer state dict does."""
+def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected, rows: RowReader
+                     ) -> Tuple[Dict[str, Any], List[str]]:
+    """The optimizer's flattened state: tensors read when written (one over the budget in row ranges, streamed),
+    other values read now. Keys must name model parameters by their first name, as torch's flattened optimizer state
+    dict does."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     state: Dict[str, Any] = {}
@@ -205,8 +303,7 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dic
         return state, ["the checkpoint holds no optimizer state under 'optimizer'"]
     # write_dense_optimizer reads the tensors in this order
     values: List[str] = []
-    reader = _BatchedReader(dcp_dir, [(key, saved[key].properties.dtype, tuple(saved[key].size)) for key in keys
-                                      if isinstance(saved[key], TensorStorageMetadata)])
+    reader = _BatchedReader(rows, [key for key in keys if isinstance(saved[key], TensorStorageMetadata)])
     for key in keys:
         flat = key[len(OPTIMIZER_PREFIX):]
         kind, _, rest = flat.partition(".")
@@ -218,7 +315,9 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected) -> Tuple[Dic
         meta = saved[key]
         if isinstance(meta, TensorStorageMetadata):
             shape, dtype = tuple(meta.size), meta.properties.dtype
-            state[flat] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=lambda key=key: reader.read(key))
+            parts = (lambda key=key: rows.ranges(key)) if reader.in_ranges(key) else None
+            state[flat] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=lambda key=key: reader.read(key),
+                                               read_parts=parts)
         else:
             values.append(key)
     if values:  # small pickled values (hyperparameters, 'step' of some optimizers): all in one dcp.load

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -83,6 +83,13 @@ class DenseWeightsWriter:
         self._closed = False
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
+        self._writer_for(key).write(key, tensor)
+
+    def write_parts(self, key: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write tensor ``key`` from consecutive row ranges of it (``StreamingSafetensorsWriter.write_parts``)."""
+        self._writer_for(key).write_parts(key, parts)
+
+    def _writer_for(self, key: str) -> StreamingSafetensorsWriter:
         name, expected = next(self._order, (None, None))
         if key != expected:
             raise ValueError(f"{self.directory}: expected '{expected}' next, got '{key}'")
@@ -90,7 +97,7 @@ class DenseWeightsWriter:
             self._finish_file()
             self._writer = StreamingSafetensorsWriter(self._temporary[name], self._layouts[name], self._metadata)
             self._file = name
-        self._writer.write(key, tensor)
+        return self._writer
 
     def _finish_file(self) -> None:
         if self._writer is not None:

@@ -43,7 +43,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -708,10 +708,16 @@ def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, Tenso
 
 @dataclasses.dataclass
 class DenseOptimizerTensor:
-    """One tensor of the dense model's optimizer state; ``read()`` reassembles it from the rank files."""
+    """One tensor of the dense model's optimizer state; ``read()`` reassembles it from the rank files. State shaped
+    like its parameter also gives the parameter's ``spec`` and ``read_piece(tp_rank)``, one TP piece of it, for a
+    writer that takes the tensor piece by piece (the DCP export). A source that can give a large tensor in row ranges
+    gives ``read_parts()``, those ranges in order, which ``write_dense_optimizer`` then streams (the DCP import)."""
     shape: Tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[], torch.Tensor]
+    spec: Optional[ParamSpec] = None
+    read_piece: Optional[Callable[[int], torch.Tensor]] = None
+    read_parts: Optional[Callable[[], Iterable[torch.Tensor]]] = None
 
 
 def optimizer_file_names(index: CheckpointIndex) -> List[str]:
@@ -791,7 +797,8 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
 
                 shape = tuple(spec.unpadded_shape)
             flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"
-            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read)
+            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read,
+                                                   **({} if kind == "copy" else {"spec": spec, "read_piece": piece}))
     state.update(optimizer_values(tag_dir))
     return state, handles, None
 
@@ -817,7 +824,10 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
         with StreamingSafetensorsWriter(os.path.join(directory, DENSE_OPTIMIZER_TENSORS), layout,
                                         metadata={"format": "pt"}) as writer:
             for key, t in tensors.items():
-                writer.write(key, t.read())
+                if t.read_parts is not None:
+                    writer.write_parts(key, t.read_parts())
+                else:
+                    writer.write(key, t.read())
                 bar.update(1)
     finally:
         bar.close()

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import xxhash
@@ -75,16 +75,37 @@ class StreamingSafetensorsWriter:
         if name != expected_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{self.path}: expected '{expected_name}' {dtype} {list(shape)} next, got '{name}' "
                              f"{tensor.dtype} {list(tensor.shape)}")
-        data = tensor.detach().to("cpu").contiguous()
-        digest = xxhash.xxh3_64()
+        self.write_parts(name, [tensor])
+
+    def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write the next tensor, ``name``, from ``parts``: consecutive row ranges (along dim 0) that together are
+        the tensor, each written and let go before the next is taken, so a large tensor never has to be in memory
+        whole (a 0-dim tensor is one part). The file is left incomplete (and the caller abandons it) when the parts do
+        not add up to the tensor."""
+        expected_name, dtype, shape = self._expected[self._position]
+        if name != expected_name:
+            raise ValueError(f"{self.path}: expected '{expected_name}' next, got '{name}'")
+        digest, rows = xxhash.xxh3_64(), 0
+        for part in parts:
+            if part.dtype != dtype or tuple(part.shape[1:]) != tuple(shape[1:]) or part.dim() != len(shape) \
+                    or rows + (part.shape[0] if shape else 1) > (shape[0] if shape else 1):
+                raise ValueError(f"{self.path}: '{name}' is {dtype} {list(shape)}; a part of {part.dtype} "
+                                 f"{list(part.shape)} after {rows} rows does not fit it")
+            rows += part.shape[0] if shape else 1
+            self._write_data(part.detach().to("cpu").contiguous(), digest)
+            del part
+        if rows != (shape[0] if shape else 1):
+            raise ValueError(f"{self.path}: '{name}' is {list(shape)}; its parts gave {rows} rows")
+        self._tensor_digests[name] = digest.hexdigest()
+        self._position += 1
+
+    def _write_data(self, data: torch.Tensor, digest) -> None:
         if data.numel():
             view = tensor_bytes(data)
             for start in range(0, view.nbytes, _WRITE_CHUNK_BYTES):
                 chunk = view[start:start + _WRITE_CHUNK_BYTES]
                 digest.update(chunk)
                 self._file.write(chunk)
-        self._tensor_digests[name] = digest.hexdigest()
-        self._position += 1
 
     def close(self) -> None:
         if self._position != len(self._expected):

@@ -33,8 +33,10 @@ What it does:
 
 Measurement details:
 
-* Every measuring process imports the same modules (torch, safetensors, tqdm, nxdtp, nxdtp.checkpointing.merge)
-  before its baseline, so baselines match. baseline = VmRSS after the imports.
+* Every measuring process imports the same modules (torch, safetensors, tqdm, nxdtp, nxdtp.checkpointing.merge,
+  and the HF model classes, which ``import transformers`` loads lazily and the DCP import builds on the meta device)
+  before its baseline, so baselines match. baseline = VmRSS after the imports. What importing the model classes cost
+  is recorded (``model_code_import``) and printed beside the tables.
 * Before the timed call the peak-RSS watermark is reset (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0);
   peak = VmHWM after the call. ``getrusage`` ``ru_maxrss`` is recorded too (it can also hold the watermark of an
   earlier exited thread, which ``clear_refs`` does not reset, so it can only be higher). increase = peak - baseline.
@@ -182,6 +184,24 @@ def _import_everything() -> None:
     import nxdtp.checkpointing.dcp_import  # noqa: F401
     import nxdtp.checkpointing.merge  # noqa: F401
 
+    MODEL_CODE_IMPORT.update(_import_model_code())
+
+
+# What importing the HF model classes cost the measuring process (set by _import_everything).
+MODEL_CODE_IMPORT: dict = {}
+
+
+def _import_model_code() -> dict:
+    """Import the model classes the DCP import builds on the meta device, and say what that cost (seconds, RSS MiB).
+    ``import transformers`` loads them lazily, so without this the import's figures would count the loading of
+    transformers' model code (about 230 MiB of RSS and 1.5-5 s on the development machine), which any process that
+    builds the model pays once, as it pays ``import torch``; the benchmark reports it beside the figures instead."""
+    before, start = _proc_status_kib(), time.perf_counter()
+    from transformers import BertForPreTraining, LlamaForCausalLM  # noqa: F401
+
+    after = _proc_status_kib()
+    return {"seconds": time.perf_counter() - start, "rss_mib": (after["VmRSS"] - before["VmRSS"]) / 1024}
+
 
 def checkpoint_name(model: str) -> str:
     return CHECKPOINT_NAME if model == "bert-large" else f"{model}-tp{TP}"
@@ -299,6 +319,7 @@ def worker_measure(args) -> None:
 
     result = _measure(run)
     result["kind"] = args.worker
+    result["model_code_import"] = dict(MODEL_CODE_IMPORT)
     if args.worker in DCP_KINDS:
         result["output_bytes"] = _directory_bytes(args.output_dir)
     elif args.worker == "merge":
@@ -514,6 +535,14 @@ def _measure_round(me: str, kind: str, cache: str, checkpoint_dir: str, dcp_dir:
     return r
 
 
+def _print_model_code_import(results) -> None:
+    imports = [r["model_code_import"] for b in results.values() for r in b["runs"] if r.get("model_code_import")]
+    if imports:
+        print(f"Importing the HF model classes before each baseline (not in the figures) took "
+              f"{statistics.median(i['seconds'] for i in imports):.2f} s and "
+              f"{statistics.median(i['rss_mib'] for i in imports):.1f} MiB of RSS (medians over the processes).")
+
+
 def _files_under(path: str):
     return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
 
@@ -589,6 +618,7 @@ def _bench_model(model: str, args, workdir: str) -> dict:
     print("increase = peak RSS of the call (VmHWM after resetting it) - RSS before it. anon = private memory; "
           "file-backed = pages of memory-mapped files (the checkpoint's), which sit in the page cache and are "
           "reclaimable. cold: page cache dropped before each measurement; warm: inputs read just before.")
+    _print_model_code_import(results)
     for cache, block in results.items():
         for kind, t in block["summary"]["targets"].items():
             print(f"{cache}: {kind} / raw wall per round: {', '.join(f'{x:.2f}' for x in t['wall_ratio_per_round'])}")

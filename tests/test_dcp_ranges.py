@@ -1,0 +1,189 @@
+"""The DCP bridge reads and writes large tensors in bounded row ranges (issue 27, item 6).
+
+``nxdtp-merge --to dcp`` cuts every run of a TP piece into chunks of at most ``dcp_export.CHUNK_BYTES``, and
+``nxdtp-merge --from-dcp`` reads every tensor over ``dcp_import.BATCH_BYTES`` in row ranges of at most that size and
+streams them into the output file, so neither holds a large tensor whole. Here both budgets are lowered to a few
+hundred bytes, so a small tied Llama (padded vocabulary, one KV head repeated on both TP ranks, AdamW state) takes
+several chunks and several range reads per tensor, and the round trip must still be exact: bitwise the tensors and
+optimizer state of a plain merge, and the same logits from the dense HF model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import WorkerGroup  # noqa: F401  (the worlds fixture lives in conftest)
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH, LR = 101, 8, 2, 1e-3
+BUDGET = 512  # bytes: 4 rows of the hidden size 32 in fp32
+
+
+def _tied_llama():
+    from tests.model_helpers import randomised
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0,
+        tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    return randomised(transformers.LlamaForCausalLM(config), 1)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    input_ids[0, 3] = VOCAB - 1  # next to the vocabulary padding
+    return dict(input_ids=input_ids, attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long), labels=input_ids)
+
+
+def _logits(model, tp_vocab=None):
+    from nxdtp.models import gather_vocab_logits
+
+    with torch.no_grad():
+        logits = model(input_ids=_batch()["input_ids"]).logits
+    return (gather_vocab_logits(logits, tp_vocab) if tp_vocab else logits).clone()
+
+
+def case_train_save(root: str):
+    """One AdamW step at tp=2 (vocabulary 101 padded to 104; the one KV head repeated), save; the logits then."""
+    from nxdtp import checkpointing
+    from nxdtp.models import parallelize_model
+
+    model = parallelize_model(_tied_llama(), make_vocab_size_divisible_by=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model(**_batch()).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 1}, root)
+    return _logits(model, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tied_llama_tp2"))
+    return root, worlds(2).run(case_train_save, tensor_model_parallel_size=2, root=root)[0]
+
+
+def _spy_writes(monkeypatch):
+    """Record the bytes of every tensor or part handed to the safetensors writer, per tensor name."""
+    from nxdtp.checkpointing.safetensors_stream import StreamingSafetensorsWriter
+
+    sizes = {}
+    write_parts = StreamingSafetensorsWriter.write_parts
+
+    def spy(self, name, parts):
+        def recorded():
+            for part in parts:
+                sizes.setdefault(name, []).append(part.numel() * part.element_size())
+                yield part
+
+        return write_parts(self, name, recorded())
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write_parts", spy)
+    return sizes
+
+
+def test_small_budget_round_trip_is_exact(saved, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing import dcp_export, dcp_import
+    from nxdtp.checkpointing.merge import merge
+
+    root, tp_logits = saved
+    merge(root, str(tmp_path / "merged"), progress=False)
+    monkeypatch.setattr(dcp_export, "CHUNK_BYTES", BUDGET)
+    monkeypatch.setattr(dcp_export, "COLLECT_BYTES", BUDGET)
+    dcp_export.export_dcp(root, str(tmp_path / "dcp"), progress=False)
+
+    # The export: every chunk within the budget; the embedding (4 x 128-byte rows per chunk), its tie and its AdamW
+    # moments many chunks each, more than the 2 TP pieces; the repeated KV head written once.
+    metadata = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    for key, meta in metadata.items():
+        if hasattr(meta, "chunks"):
+            itemsize = torch.empty((), dtype=meta.properties.dtype).element_size()
+            assert all(max(c.sizes.numel(), 1) * itemsize <= max(BUDGET, _row_bytes(meta)) for c in meta.chunks), key
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "optimizer.state.model.embed_tokens.weight.exp_avg",
+                "optimizer.state.model.embed_tokens.weight.exp_avg_sq"):
+        assert len(metadata[key].chunks) == 13 + 13, key  # 4 rows a chunk: rank 0's 52 rows, rank 1's 49 real ones
+    assert tuple(metadata["model.layers.0.self_attn.k_proj.weight"].size) == (8, 32)
+
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    loaded = {key: torch.zeros_like(value) for key, value in merged.items()}
+    loaded["lm_head.weight"] = torch.zeros_like(merged["model.embed_tokens.weight"])
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for key, value in merged.items():
+        assert torch.equal(loaded[key], value), key
+    assert torch.equal(loaded["lm_head.weight"], merged["model.embed_tokens.weight"])
+
+    # The import: tensors over the budget read in several ranges and written in parts, none over the budget.
+    monkeypatch.setattr(dcp_import, "BATCH_BYTES", BUDGET)
+    monkeypatch.setattr(dcp_import, "COLLECT_BYTES", BUDGET)
+    parts = _spy_writes(monkeypatch)
+    ranges = {}
+    read = dcp_import.RowReader.read
+
+    def counted(self, wanted):
+        for key in wanted:
+            ranges[key] = ranges.get(key, 0) + 1
+        return read(self, wanted)
+
+    monkeypatch.setattr(dcp_import.RowReader, "read", counted)
+    dcp_import.import_dcp(str(tmp_path / "dcp"), str(tmp_path / "imported"), progress=False)
+    assert ranges["model.embed_tokens.weight"] >= VOCAB // 4 and ranges["model.layers.0.mlp.down_proj.weight"] > 1
+    assert ranges["optimizer.state.model.embed_tokens.weight.exp_avg"] >= VOCAB // 4
+    embedding = parts["model.embed_tokens.weight"]
+    assert len(embedding) >= VOCAB // 4 and max(embedding) <= BUDGET, embedding
+    assert max(max(sizes) for sizes in parts.values()) <= max(BUDGET, 32 * 4)
+
+    imported = load_file(tmp_path / "imported" / "model.safetensors")
+    assert sorted(imported) == sorted(merged)
+    for key in merged:
+        assert torch.equal(imported[key], merged[key]), key
+    imported_optimizer = load_file(tmp_path / "imported" / "optimizer.safetensors")
+    merged_optimizer = load_file(tmp_path / "merged" / "optimizer.safetensors")
+    assert sorted(imported_optimizer) == sorted(merged_optimizer)
+    for key in merged_optimizer:
+        assert torch.equal(imported_optimizer[key], merged_optimizer[key]), key
+
+    dense = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "imported")
+    assert dense.lm_head.weight is dense.model.embed_tokens.weight  # still tied
+    logits = _logits(dense)
+    assert torch.equal(logits, _logits(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")))
+    torch.testing.assert_close(logits, tp_logits, rtol=1e-5, atol=1e-5)
+
+
+def _row_bytes(meta) -> int:
+    """Bytes of one row (dim 0) of a tensor: the least a chunk cut along dim 0 can hold."""
+    itemsize = torch.empty((), dtype=meta.properties.dtype).element_size()
+    return max(meta.size[1:].numel(), 1) * itemsize
+
+
+def test_zero1_export_is_chunked_like_the_parameter(monkeypatch):
+    """ZeRO-1 state shaped like its parameter is written one TP piece at a time, cut like the parameter, not
+    reassembled whole: ``_zero1_optimizer_state`` chunks a tensor that has its spec and piece reader."""
+    from nxdtp.checkpointing import dcp_export
+    from nxdtp.checkpointing.merge import DenseOptimizerTensor
+    from nxdtp.spec import ParamSpec
+
+    spec = ParamSpec(full_shape=(12, 4), partition_dim=0, num_partitions=2, real_shape=(11, 4))
+    dense = torch.arange(44, dtype=torch.float32).reshape(11, 4)
+    pieces = [spec.shard(dense, rank) for rank in range(2)]
+    reads = []
+
+    def piece(rank):
+        reads.append(rank)
+        return pieces[rank]
+
+    state = {"state.w.exp_avg": DenseOptimizerTensor(shape=(11, 4), dtype=torch.float32, read=lambda: dense,
+                                                     spec=spec, read_piece=piece)}
+    monkeypatch.setattr(dcp_export, "CHUNK_BYTES", 2 * 4 * 4)  # two rows
+    chunks = dcp_export._zero1_optimizer_state(state, [])["state.w.exp_avg"].chunks
+    assert len(chunks) == 6  # rank 0: rows 0-5 in 3 chunks; rank 1: real rows 6-10 in 3
+    rebuilt = torch.zeros_like(dense)
+    for chunk in chunks:
+        rebuilt[chunk.offsets[0]:chunk.offsets[0] + chunk.sizes[0]] = chunk.read()
+    assert torch.equal(rebuilt, dense) and sorted(set(reads)) == [0, 1]
