@@ -15,6 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ...spec import ParamSpec
 from .reader import (
     AUTO,
     DenseTensor,
@@ -125,7 +126,7 @@ def _validate(shards: Sequence[RankShard], files: RankFiles, shapes: Dict[str, T
                 if dim >= len(expected) or expected[dim] % tp:
                     raise NxdCheckpointError(f"'{key}' of shape {list(expected)} cannot be split along dim {dim} "
                                              f"over {tp} TP ranks")
-                want = expected[:dim] + (expected[dim] // tp,) + expected[dim + 1:]
+                want = _split_spec(expected, dim, tp).local_shape()
                 how = f"its 1/{tp} slice along dim {dim} of the full {list(expected)}"
             if shape != want:
                 raise NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' has shape {list(shape)}, but the config "
@@ -133,12 +134,21 @@ def _validate(shards: Sequence[RankShard], files: RankFiles, shapes: Dict[str, T
     return sources, dropped
 
 
+def _split_spec(full_shape: Tuple[int, ...], dim: int, tp: int) -> ParamSpec:
+    """NxD's split of a BERT tensor in the layout algebra: a plain split along ``dim``, no padding or copies."""
+    return ParamSpec(full_shape=tuple(full_shape), partition_dim=dim, num_partitions=tp)
+
+
 def _merged(shards: Sequence[RankShard], key: str, plan: Mapping[str, int]) -> torch.Tensor:
-    """The full tensor: TP slices concatenated, or TP rank 0's copy of a replicated tensor (warning if ranks differ)."""
+    """The dense tensor: the TP slices unsharded, or TP rank 0's copy of a replicated tensor (warning if ranks
+    differ)."""
     dim = nxd_partition_dim(key, plan)
-    if dim is not None:
-        return torch.cat([shard.get(key) for shard in shards], dim=dim)
-    return replicated(shards, key)
+    if dim is None:
+        return replicated(shards, key)
+    pieces = [shard.get(key) for shard in shards]
+    full = list(pieces[0].shape)
+    full[dim] *= len(pieces)
+    return _split_spec(tuple(full), dim, len(pieces)).unshard(pieces)
 
 
 def _check_ties(shards: Sequence[RankShard], tied: Dict[str, str], plan: Mapping[str, int]) -> None:
