@@ -86,53 +86,12 @@ def neuronx_distributed_config(
     None keeps it where it was built (CPU), except on a world whose default backend is XLA, where it goes to the XLA
     device as NxD's does.
     """
-    _refuse_size("pipeline_parallel_size", pipeline_parallel_size, "pipeline parallelism")
-    _refuse_size("expert_parallel_size", expert_parallel_size, "expert parallelism")
-    _refuse_size("context_parallel_size", context_parallel_size, "context parallelism")
-    if lnc_size != 1:
-        raise ValueError(f"neuronx_distributed_config: lnc_size={lnc_size!r} is not supported: it selects Trainium's "
-                         "logical-core replica-group layouts, which nxdtp does not use; the valid value is lnc_size=1")
-    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
-        raise ValueError(f"neuronx_distributed_config: tensor_parallel_size={tensor_parallel_size!r} must be an int "
-                         ">= 1")
-    if lora_config is not None:
-        raise ValueError(
-            f"neuronx_distributed_config: lora_config={lora_config!r} is not supported: NxD's LoraModel (its own "
-            "LoRA layers, adapter-only checkpoints, merge_lora) is not reproduced. nxdtp trains LoRA through Hugging "
-            "Face PEFT on the parallelized model: peft.get_peft_model(nxd_model.module, peft.LoraConfig(...)) "
-            "(docs/wrapping_hf_models.md); pass lora_config=None")
-
-    if optimizer_config is None:
-        optimizer_config = {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
-    else:
-        _check_dict("optimizer_config", optimizer_config)
-        _fill_default(optimizer_config, "zero_one_enabled", False, "automatically set it to False.")
-        _fill_default(optimizer_config, "grad_clipping", True, "automatically set it to True.")
-        if optimizer_config["grad_clipping"]:
-            _fill_default(optimizer_config, "max_grad_norm", DEFAULT_MAX_GRAD_NORM, "automatically set it to one.")
-
-    zero_one = optimizer_config["zero_one_enabled"]
-    if mixed_precision_config is None:
-        mixed_precision_config = {"use_master_weights": zero_one, "use_fp32_grad_acc": zero_one,
-                                  "use_master_weights_in_ckpt": False}
-    else:
-        _check_dict("mixed_precision_config", mixed_precision_config)
-        _fill_default(mixed_precision_config, "use_master_weights", zero_one, "automatically set it.")
-        _fill_default(mixed_precision_config, "use_fp32_grad_acc", zero_one, "automatically set it.")
-        _fill_default(mixed_precision_config, "use_master_weights_in_ckpt", False, "automatically set it to False.")
-
-    if model_init_config is None:
-        model_init_config = {"sequential_move_factor": sequential_move_factor, "meta_device_init": False,
-                             "param_init_fn": None}
-    else:
-        _check_dict("model_init_config", model_init_config)
-        _fill_default(model_init_config, "sequential_move_factor", sequential_move_factor,
-                      f"automatically set it to {sequential_move_factor}.")
-        _fill_default(model_init_config, "meta_device_init", False, "automatically set it to False.")
-        # NxD checks only that the key is there; nxdtp also refuses an explicit None, which NxD would fail on later.
-        if model_init_config["meta_device_init"] and model_init_config.get("param_init_fn") is None:
-            raise ValueError("param_init_fn must be provided when meta_device_init is True: the model is built "
-                             "without values, and param_init_fn(module, device) gives them")
+    _refuse_unsupported(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, context_parallel_size,
+                        lnc_size, lora_config)
+    optimizer_config = _filled_optimizer_config(optimizer_config)
+    mixed_precision_config = _filled_mixed_precision_config(mixed_precision_config,
+                                                            optimizer_config["zero_one_enabled"])
+    model_init_config = _filled_model_init_config(model_init_config, sequential_move_factor)
 
     config = {
         "tensor_parallel_size": tensor_parallel_size,
@@ -156,6 +115,64 @@ def neuronx_distributed_config(
         if parallel_state.is_global_rank_zero():
             logger.info("NxD config: %s", config)
     return config
+
+
+def _refuse_unsupported(tensor_parallel_size: Any, pipeline_parallel_size: Any, expert_parallel_size: Any,
+                        context_parallel_size: Any, lnc_size: Any, lora_config: Any) -> None:
+    """Refuse by name the parallelisms and options of NxD that nxdtp does not have, and a bad TP size."""
+    _refuse_size("pipeline_parallel_size", pipeline_parallel_size, "pipeline parallelism")
+    _refuse_size("expert_parallel_size", expert_parallel_size, "expert parallelism")
+    _refuse_size("context_parallel_size", context_parallel_size, "context parallelism")
+    if lnc_size != 1:
+        raise ValueError(f"neuronx_distributed_config: lnc_size={lnc_size!r} is not supported: it selects Trainium's "
+                         "logical-core replica-group layouts, which nxdtp does not use; the valid value is lnc_size=1")
+    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
+        raise ValueError(f"neuronx_distributed_config: tensor_parallel_size={tensor_parallel_size!r} must be an int "
+                         ">= 1")
+    if lora_config is not None:
+        raise ValueError(
+            f"neuronx_distributed_config: lora_config={lora_config!r} is not supported: NxD's LoraModel (its own "
+            "LoRA layers, adapter-only checkpoints, merge_lora) is not reproduced. nxdtp trains LoRA through Hugging "
+            "Face PEFT on the parallelized model: peft.get_peft_model(nxd_model.module, peft.LoraConfig(...)) "
+            "(docs/wrapping_hf_models.md); pass lora_config=None")
+
+
+def _filled_optimizer_config(optimizer_config: Optional[dict]) -> dict:
+    """NxD's optimizer_config defaults: the whole dict for None, else the missing keys filled in place."""
+    if optimizer_config is None:
+        return {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
+    _check_dict("optimizer_config", optimizer_config)
+    _fill_default(optimizer_config, "zero_one_enabled", False, "automatically set it to False.")
+    _fill_default(optimizer_config, "grad_clipping", True, "automatically set it to True.")
+    if optimizer_config["grad_clipping"]:
+        _fill_default(optimizer_config, "max_grad_norm", DEFAULT_MAX_GRAD_NORM, "automatically set it to one.")
+    return optimizer_config
+
+
+def _filled_mixed_precision_config(mixed_precision_config: Optional[dict], zero_one: Any) -> dict:
+    """NxD's mixed_precision_config defaults (master weights and fp32 gradient accumulation follow ZeRO-1)."""
+    if mixed_precision_config is None:
+        return {"use_master_weights": zero_one, "use_fp32_grad_acc": zero_one, "use_master_weights_in_ckpt": False}
+    _check_dict("mixed_precision_config", mixed_precision_config)
+    _fill_default(mixed_precision_config, "use_master_weights", zero_one, "automatically set it.")
+    _fill_default(mixed_precision_config, "use_fp32_grad_acc", zero_one, "automatically set it.")
+    _fill_default(mixed_precision_config, "use_master_weights_in_ckpt", False, "automatically set it to False.")
+    return mixed_precision_config
+
+
+def _filled_model_init_config(model_init_config: Optional[dict], sequential_move_factor: int) -> dict:
+    """NxD's model_init_config defaults; meta-device init without a param_init_fn is refused."""
+    if model_init_config is None:
+        return {"sequential_move_factor": sequential_move_factor, "meta_device_init": False, "param_init_fn": None}
+    _check_dict("model_init_config", model_init_config)
+    _fill_default(model_init_config, "sequential_move_factor", sequential_move_factor,
+                  f"automatically set it to {sequential_move_factor}.")
+    _fill_default(model_init_config, "meta_device_init", False, "automatically set it to False.")
+    # NxD checks only that the key is there; nxdtp also refuses an explicit None, which NxD would fail on later.
+    if model_init_config["meta_device_init"] and model_init_config.get("param_init_fn") is None:
+        raise ValueError("param_init_fn must be provided when meta_device_init is True: the model is built "
+                         "without values, and param_init_fn(module, device) gives them")
+    return model_init_config
 
 
 def _initialize_model_parallel(nxd_config: Dict[str, Any]) -> None:
