@@ -239,11 +239,10 @@ class Lamb(torch.optim.Optimizer):
 
     def _squared_norms(self, p: torch.Tensor, state: Dict[str, Any],
                        group: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(||w||^2, ||u||^2)`` of what this rank holds of ``p``, in fp32; u is dropped at once."""
+        """``(||w||^2, ||u||^2)`` of what this rank holds of ``p``, in fp32; u is dropped on return."""
         u = self._direction(p, state, group)
         w_sq = torch.linalg.vector_norm(p.detach(), dtype=torch.float32).square()
         u_sq = torch.linalg.vector_norm(u, dtype=torch.float32).square()
-        del u
         return w_sq, u_sq
 
     @staticmethod
