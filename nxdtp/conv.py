@@ -24,7 +24,7 @@ communication.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,20 @@ def conv2d_with_weight_grad_allreduce(input: torch.Tensor, weight: torch.Tensor,
                                                   allreduce_weight_grad, dilation)
 
 
+def _check_conv_arguments(layer: str, in_channels: int, out_channels: int, groups: int, padding_mode: str,
+                          partition_dim: int) -> None:
+    """Refuse what NxD's parallel convolutions do not support, and channel counts that are not positive ints."""
+    reject_unsupported(layer, groups=(groups, 1))
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"{layer}: padding_mode={padding_mode!r} is not one of {list(PADDING_MODES)}")
+    if partition_dim not in (CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION, CONV_KERNEL_INPUT_CHANNEL_DIMENSION):
+        raise ValueError(f"{layer}: partition_dim={partition_dim!r} must be 0 (output channels) or 1 (input "
+                         "channels)")
+    for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{layer}: {name}={value!r} must be a positive int")
+
+
 class BaseParallelConv(ShardedModule):
     """What both parallel convolutions share: argument checks, the channel split (with ``partition_pad``), the same-seed
     initialisation of weight and bias, their ParamSpecs, and NxD's attributes.
@@ -134,15 +148,7 @@ class BaseParallelConv(ShardedModule):
                  keep_master_params: bool = False, partition_pad: bool = False):
         super().__init__()
         layer = type(self).__name__
-        reject_unsupported(layer, groups=(groups, 1))
-        if padding_mode not in PADDING_MODES:
-            raise ValueError(f"{layer}: padding_mode={padding_mode!r} is not one of {list(PADDING_MODES)}")
-        if partition_dim not in (CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION, CONV_KERNEL_INPUT_CHANNEL_DIMENSION):
-            raise ValueError(f"{layer}: partition_dim={partition_dim!r} must be 0 (output channels) or 1 (input "
-                             "channels)")
-        for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{layer}: {name}={value!r} must be a positive int")
+        _check_conv_arguments(layer, in_channels, out_channels, groups, padding_mode, partition_dim)
         self.kernel_size = _as_tuple2(layer, "kernel_size", kernel_size, 1)
         self.stride = _as_tuple2(layer, "stride", stride, 1)
         self.padding = _as_tuple2(layer, "padding", padding, 0)
@@ -153,23 +159,44 @@ class BaseParallelConv(ShardedModule):
         self.keep_master_params, self.partition_pad = keep_master_params, partition_pad
 
         group = tensor_parallel_group()
-        tp = group.size
-        split_name = "out_channels" if partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION else "in_channels"
-        real = out_channels if partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION else in_channels
+        real = self._split_channels(layer, in_channels, out_channels, group.size)
+        kh, kw = self.kernel_size
+        # partition_pad's rule (a multiple of the degree) is recorded, so a reshard pads the channels for another
+        # degree as this layer would be built there, whatever other tensors of the model are padded to.
+        padding_record = dict(pad_to_multiple_of=1) if partition_pad else {}
+        self._make_weight((out_channels, in_channels, kh, kw), real, device, init_method or _conv_weight_init,
+                          group.size, padding_record)
+        if bias:
+            # The dense fan-in, as torch.nn.Conv2d computes it.
+            self._make_bias(out_channels, in_channels * kh * kw, device, group.size, padding_record)
+        else:
+            self.register_parameter("bias", None)
+        if self.partition_pad_size:
+            self._register_real_channel_mask(real, group.rank, device)
+        self._forward_impl = conv2d_with_weight_grad_allreduce
+
+    def _split_channels(self, layer: str, in_channels: int, out_channels: int, tp: int) -> int:
+        """Set the channel counts NxD's attributes give (the split one padded to a multiple of ``tp`` with
+        ``partition_pad``, refused otherwise); return the real count of the split channels."""
+        output_split = self.partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
+        split_name = "out_channels" if output_split else "in_channels"
+        real = out_channels if output_split else in_channels
         padded = round_up(real, tp)
-        if padded != real and not partition_pad:
+        if padded != real and not self.partition_pad:
             raise ValueError(f"{layer}: {split_name}={real} is not divisible by tensor_model_parallel_size={tp}; pass "
                              f"partition_pad=True to pad it to {padded}")
         # As in NxD: the split channel count attribute is the padded one, partition_pad_size the zero channels added.
         self.partition_pad_size = padded - real
-        self.in_channels = padded if partition_dim == CONV_KERNEL_INPUT_CHANNEL_DIMENSION else in_channels
-        self.out_channels = padded if partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION else out_channels
+        self.in_channels = in_channels if output_split else padded
+        self.out_channels = padded if output_split else out_channels
         self.channels_per_partition = padded // tp
+        return real
 
-        kh, kw = self.kernel_size
-        real_shape = (out_channels, in_channels, kh, kw)
-        full_shape = (self.out_channels, self.in_channels, kh, kw)
-        weight_init = init_method or _conv_weight_init
+    def _make_weight(self, real_shape: Tuple[int, int, int, int], real: int, device, weight_init: InitMethod,
+                     tp: int, padding_record: Dict[str, int]) -> None:
+        """This rank's slice of the weight, initialised as nn.Conv2d's (the padded channels zero), and its spec."""
+        partition_dim = self.partition_dim
+        full_shape = (self.out_channels, self.in_channels) + tuple(real_shape[2:])
 
         def init_weight(full: torch.Tensor) -> None:
             if tuple(full.shape) == real_shape:
@@ -181,54 +208,49 @@ class BaseParallelConv(ShardedModule):
             full.zero_()
             full.narrow(partition_dim, 0, real).copy_(dense)
 
-        weight, master = materialise_shard(full_shape, dtype, device, init_weight, dim=partition_dim, stride=1,
-                                           keep_master=keep_master_params)
+        weight, master = materialise_shard(full_shape, self.dtype, device, init_weight, dim=partition_dim, stride=1,
+                                           keep_master=self.keep_master_params)
         self.weight = nn.Parameter(weight)
-        if keep_master_params:
+        if self.keep_master_params:
             self.master_weight = master
-        # partition_pad's rule (a multiple of the degree) is recorded, so a reshard pads the channels for another
-        # degree as this layer would be built there, whatever other tensors of the model are padded to.
-        padding_record = dict(pad_to_multiple_of=1) if partition_pad else {}
         spec = dict(num_partitions=tp, real_shape=real_shape if self.partition_pad_size else None, **padding_record)
         self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=partition_dim, **spec))
 
-        if bias:
-            fan_in = in_channels * kh * kw  # the dense fan-in, as torch.nn.Conv2d computes it
+    def _make_bias(self, out_channels: int, fan_in: int, device, tp: int, padding_record: Dict[str, int]) -> None:
+        """The bias (this rank's slice when the output channels are split, else whole), as nn.Conv2d's, and its spec."""
 
-            def init_bias(full: torch.Tensor) -> None:
-                if full.shape[0] == out_channels:
-                    linear_bias_init(full, fan_in)
-                    return
-                dense = torch.empty(out_channels, dtype=full.dtype)
-                linear_bias_init(dense, fan_in)
-                full.zero_()
-                full[:out_channels].copy_(dense)
+        def init_bias(full: torch.Tensor) -> None:
+            if full.shape[0] == out_channels:
+                linear_bias_init(full, fan_in)
+                return
+            dense = torch.empty(out_channels, dtype=full.dtype)
+            linear_bias_init(dense, fan_in)
+            full.zero_()
+            full[:out_channels].copy_(dense)
 
-            sharded = partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
-            b, master_bias = materialise_shard((self.out_channels,), dtype, device, init_bias,
-                                               dim=0 if sharded else None, stride=1, keep_master=keep_master_params)
-            self.bias = nn.Parameter(b)
-            if keep_master_params:
-                self.master_bias = master_bias
-            if sharded:
-                self.register_param_spec("bias", ParamSpec(
-                    full_shape=(self.out_channels,), partition_dim=0, num_partitions=tp,
-                    real_shape=(out_channels,) if self.partition_pad_size else None, **padding_record))
-            else:
-                self.register_param_spec("bias", ParamSpec(full_shape=(out_channels,), num_partitions=tp))
+        sharded = self.partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
+        b, master_bias = materialise_shard((self.out_channels,), self.dtype, device, init_bias,
+                                           dim=0 if sharded else None, stride=1, keep_master=self.keep_master_params)
+        self.bias = nn.Parameter(b)
+        if self.keep_master_params:
+            self.master_bias = master_bias
+        if sharded:
+            self.register_param_spec("bias", ParamSpec(
+                full_shape=(self.out_channels,), partition_dim=0, num_partitions=tp,
+                real_shape=(out_channels,) if self.partition_pad_size else None, **padding_record))
         else:
-            self.register_parameter("bias", None)
+            self.register_param_spec("bias", ParamSpec(full_shape=(out_channels,), num_partitions=tp))
 
-        if self.partition_pad_size:
-            # 1 for this rank's real channels, 0 for its padded ones. A buffer (data, not a Python constant), so every
-            # rank traces the same graph; derived from the arguments, so not saved; rank-local, so the broadcast of
-            # replicated state leaves it alone.
-            start = group.rank * self.channels_per_partition
-            mask = (torch.arange(start, start + self.channels_per_partition) < real).to(torch.float32)
-            mask_device = "cpu" if device is None or torch.device(device).type == "meta" else device
-            self.register_buffer("nxdtp_real_channels", mask.to(mask_device), persistent=False)
-            record_of(self).rank_local_buffers = ("nxdtp_real_channels",)
-        self._forward_impl = conv2d_with_weight_grad_allreduce
+    def _register_real_channel_mask(self, real: int, rank: int, device) -> None:
+        """The buffer ``_mask_padded_channels`` multiplies by: 1 for this rank's real channels, 0 for its padded
+        ones."""
+        # A buffer (data, not a Python constant), so every rank traces the same graph; derived from the arguments, so
+        # not saved; rank-local, so the broadcast of replicated state leaves it alone.
+        start = rank * self.channels_per_partition
+        mask = (torch.arange(start, start + self.channels_per_partition) < real).to(torch.float32)
+        mask_device = "cpu" if device is None or torch.device(device).type == "meta" else device
+        self.register_buffer("nxdtp_real_channels", mask.to(mask_device), persistent=False)
+        record_of(self).rank_local_buffers = ("nxdtp_real_channels",)
 
     def _mask_padded_channels(self, tensor: torch.Tensor) -> torch.Tensor:
         """Zero this rank's padded channels (dim 1) of ``tensor``, and with them their gradients."""

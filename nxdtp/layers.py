@@ -12,7 +12,7 @@ value is refused at that value with an error naming it, never silently ignored.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -458,6 +458,18 @@ class SPMDRank(ShardedModule):
         return self.local_expert_indices
 
 
+def _check_embedding_arguments(unsupported: Dict[str, Any], pad_to_multiple_of: int, max_norm: Optional[float],
+                               norm_type: float, scale_grad_by_freq: bool, sparse: bool) -> None:
+    if unsupported:
+        raise TypeError(f"ParallelEmbedding got unexpected keyword arguments {sorted(unsupported)}")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"ParallelEmbedding: pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
+    # max_norm renormalises looked-up rows in place, which on a vocabulary shard would need the full rows' norms;
+    # the others change the gradient's layout or scale per id, which nxdtp's shards do not reproduce.
+    reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
+                       scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False))
+
+
 class ParallelEmbedding(BaseParallelLayer):
     """Embedding split over TP ranks.
 
@@ -483,14 +495,7 @@ class ParallelEmbedding(BaseParallelLayer):
                  rank_ordering: Optional[Sequence[int]] = None, collect_output: bool = True,
                  pad_to_multiple_of: int = 1, **unsupported):
         super().__init__(device, tensor_model_parallel_group)
-        if unsupported:
-            raise TypeError(f"ParallelEmbedding got unexpected keyword arguments {sorted(unsupported)}")
-        if pad_to_multiple_of < 1:
-            raise ValueError(f"ParallelEmbedding: pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
-        # max_norm renormalises looked-up rows in place, which on a vocabulary shard would need the full rows' norms;
-        # the others change the gradient's layout or scale per id, which nxdtp's shards do not reproduce.
-        reject_unsupported("ParallelEmbedding", max_norm=(max_norm, None), norm_type=(norm_type, 2.0),
-                           scale_grad_by_freq=(scale_grad_by_freq, False), sparse=(sparse, False))
+        _check_embedding_arguments(unsupported, pad_to_multiple_of, max_norm, norm_type, scale_grad_by_freq, sparse)
         group = self._group()
         tp = group.size
         _check_rank_ordering("ParallelEmbedding", rank_ordering, tp)
@@ -510,8 +515,19 @@ class ParallelEmbedding(BaseParallelLayer):
         self.rank_util = SPMDRank(tp) if use_spmd_rank else None
         self.init_method = init_method  # NxD's name; init_weight_cpu() draws with it
 
+        dim, padding_record = self._pad_for_split(tp, pad_to_multiple_of)
+        rows_per_rank = self.padded_num_embeddings // tp
+        self.num_embeddings_per_partition = self.padded_num_embeddings if shard_across_embedding else rows_per_rank
+        self.vocab_start_index = 0 if shard_across_embedding else group.rank * rows_per_rank
+        self.vocab_end_index = num_embeddings if shard_across_embedding else self.vocab_start_index + rows_per_rank
+        self._make_weight(dtype, device, dim, padding_record, group)
+
+    def _pad_for_split(self, tp: int, pad_to_multiple_of: int) -> Tuple[int, Dict[str, Any]]:
+        """Set the padded table size (``pad``, or refused when the split dimension does not divide); return the
+        split dimension and the padding rule the weight's spec records."""
+        num_embeddings, embedding_dim, pad = self.num_embeddings, self.embedding_dim, self.pad
         self.padded_num_embeddings, self.padded_embedding_dim = num_embeddings, embedding_dim
-        if shard_across_embedding:
+        if self.shard_across_embedding:
             if embedding_dim % tp != 0 and not pad:
                 raise ValueError(f"ParallelEmbedding: embedding_dim={embedding_dim} is not divisible by "
                                  f"tensor_model_parallel_size={tp}; pass pad=True to pad it to "
@@ -533,15 +549,15 @@ class ParallelEmbedding(BaseParallelLayer):
             dim = 0
             # The vocabulary's rule, so a reshard pads it for another degree as this layer would be built there.
             padding_record = dict(pad_to_multiple_of=pad_to_multiple_of, vocabulary=True) if pad else {}
-        self.pad_size = (self.padded_embedding_dim - embedding_dim if shard_across_embedding
+        self.pad_size = (self.padded_embedding_dim - embedding_dim if self.shard_across_embedding
                          else self.padded_num_embeddings - num_embeddings)
-        rows_per_rank = self.padded_num_embeddings // tp
-        self.num_embeddings_per_partition = self.padded_num_embeddings if shard_across_embedding else rows_per_rank
-        self.vocab_start_index = 0 if shard_across_embedding else group.rank * rows_per_rank
-        self.vocab_end_index = num_embeddings if shard_across_embedding else self.vocab_start_index + rows_per_rank
+        return dim, padding_record
 
+    def _make_weight(self, dtype: torch.dtype, device, dim: int, padding_record: Dict[str, Any], group) -> None:
+        """This rank's slice of the table, initialised as the dense one would be (padding zero), and its spec."""
+        num_embeddings, embedding_dim, padding_idx = self.num_embeddings, self.embedding_dim, self.padding_idx
         full_shape = (self.padded_num_embeddings, self.padded_embedding_dim)
-        user_init = init_method
+        user_init = self.init_method
 
         def init(full: torch.Tensor) -> None:
             real = full[:num_embeddings, :embedding_dim]
@@ -554,7 +570,8 @@ class ParallelEmbedding(BaseParallelLayer):
         weight, _ = materialise_shard(full_shape, dtype, device, init, dim=dim, stride=1, keep_master=False,
                                       group=group)
         self.weight = nn.Parameter(weight)
-        self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim, num_partitions=tp,
+        self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=dim,
+                                                     num_partitions=group.size,
                                                      real_shape=(num_embeddings, embedding_dim), **padding_record))
 
     def init_weight_cpu(self) -> None:

@@ -14,6 +14,7 @@ the other ranks hold their own shards and one piece at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -140,7 +141,7 @@ class DenseWeightsWriter:
             if os.path.exists(temporary):
                 os.remove(temporary)
 
-    def __enter__(self) -> "DenseWeightsWriter":
+    def __enter__(self) -> DenseWeightsWriter:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
@@ -175,62 +176,99 @@ def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[st
     """
     group = tensor_parallel_group()
     error: Optional[BaseException] = None
-    tensors: Dict[str, torch.Tensor] = {}
-    entries: Dict[str, TensorEntry] = {}
-    order: List[str] = []
-    files: Dict[str, List[str]] = {}
-    layout: Layout = []
+    plan: Optional[_DensePlan] = None
     try:
         if check is not None:
             check()
-        live = model.state_dict(keep_vars=True)
-        if state_dict is None:
-            state = live
-        else:
-            # The user's tensors with the model's specs, so a dict that lost its '_extra_state' entries still splits
-            # as the model does (or is refused by shape), never written as if each rank's piece were a full tensor.
-            state = {key: value for key, value in state_dict.items() if not key.endswith("_extra_state")}
-            state.update({key: value for key, value in live.items() if key.endswith("_extra_state")})
-        # Before only the writer reads tensors to the host: on XLA a read of a pending tensor would run the step's
-        # graph on the writer alone.
-        comm.materialize(list(state.values()))
-        try:
-            tensors, entries = split_model_state(model, state, group.size)
-        except (ValueError, TypeError) as e:
-            if state_dict is None:
-                raise
-            raise type(e)(f"{what}: the state_dict passed is not this rank's shards of the model ({e}); pass "
-                          "model.state_dict(), or None to save the model's own weights") from None
-        for key, entry in entries.items():
-            if entry.spec.is_sharded and entry.spec.num_partitions != group.size:
-                raise ValueError(f"'{key}' is split into {entry.spec.num_partitions} pieces, but the tensor-parallel "
-                                 f"group has {group.size} ranks")
-        layout = dense_layout(entries)
-        files = plan_files(layout) if plan_files is not None else single_file(layout)
-        order = write_order(files)
+        plan = _plan_dense(model, state_dict, group.size, plan_files, what)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         error = e
     comm.raise_on_every_rank_if_any_failed(error, what)
+    writer: Optional[DenseWeightsWriter] = None
+    if _is_the_writer(is_writer, what):
+        try:
+            writer = _open_dense_writer(directory, plan, index_metadata, what)
+        except Exception as e:  # noqa: BLE001 - raised on every rank at the end, once every gather has run
+            error = e
+    writer, write_error = _gather_and_write(plan, group, writer)
+    if writer is not None:
+        write_error = _close_dense_writer(writer, directory, write_beside)
+    comm.raise_on_every_rank_if_any_failed(error if error is not None else write_error, what)
+
+
+@dataclasses.dataclass
+class _DensePlan:
+    """What ``save_dense`` writes, decided on every rank before any gather: this rank's tensors and their index
+    entries (specs), the dense files' layout and shard plan, and the order the tensors are gathered in."""
+
+    tensors: Dict[str, torch.Tensor]
+    entries: Dict[str, TensorEntry]
+    layout: Layout
+    files: Dict[str, List[str]]
+    order: List[str]
+
+
+def _plan_dense(model: nn.Module, state_dict: Optional[Dict[str, Any]], tp_size: int,
+                plan_files: Optional[Callable[[Layout], Dict[str, List[str]]]], what: str) -> _DensePlan:
+    state = _state_to_save(model, state_dict)
+    # Before only the writer reads tensors to the host: on XLA a read of a pending tensor would run the step's
+    # graph on the writer alone.
+    comm.materialize(list(state.values()))
+    try:
+        tensors, entries = split_model_state(model, state, tp_size)
+    except (ValueError, TypeError) as e:
+        if state_dict is None:
+            raise
+        raise type(e)(f"{what}: the state_dict passed is not this rank's shards of the model ({e}); pass "
+                      "model.state_dict(), or None to save the model's own weights") from None
+    for key, entry in entries.items():
+        if entry.spec.is_sharded and entry.spec.num_partitions != tp_size:
+            raise ValueError(f"'{key}' is split into {entry.spec.num_partitions} pieces, but the tensor-parallel "
+                             f"group has {tp_size} ranks")
+    layout = dense_layout(entries)
+    files = plan_files(layout) if plan_files is not None else single_file(layout)
+    return _DensePlan(tensors, entries, layout, files, write_order(files))
+
+
+def _state_to_save(model: nn.Module, state_dict: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The model's state dict, or the user's ``state_dict`` with the model's ``_extra_state`` entries (its specs)."""
+    live = model.state_dict(keep_vars=True)
+    if state_dict is None:
+        return live
+    # The user's tensors with the model's specs, so a dict that lost its '_extra_state' entries still splits
+    # as the model does (or is refused by shape), never written as if each rank's piece were a full tensor.
+    state = {key: value for key, value in state_dict.items() if not key.endswith("_extra_state")}
+    state.update({key: value for key, value in live.items() if key.endswith("_extra_state")})
+    return state
+
+
+def _is_the_writer(is_writer: Any, what: str) -> bool:
+    """Collective: whether this rank writes, the lowest global rank whose ``is_writer`` is true."""
     writers = comm.all_gather_object(bool(is_writer))
     if not any(writers):
         raise ValueError(f"{what}: no rank is the main process (is_main_process=False on all {len(writers)} ranks); "
                          "pass True on the rank that should write (by default every rank passes True, and global "
                          "rank 0 writes)")
-    writing = writers.index(True) == get_topology().rank
+    return writers.index(True) == get_topology().rank
 
-    writer: Optional[DenseWeightsWriter] = None
-    try:
-        if writing:
-            if os.path.exists(directory) and not os.path.isdir(directory):
-                raise NotADirectoryError(f"{what}: {directory} exists and is not a directory; pass a directory path")
-            make_directories(directory)
-            writer = DenseWeightsWriter(directory, layout, files, metadata={"format": "pt"},
-                                        index_metadata=index_metadata(layout) if index_metadata else None)
-    except Exception as e:  # noqa: BLE001
-        error, writer = e, None
-    for key in order:
+
+def _open_dense_writer(directory: str, plan: _DensePlan, index_metadata: Optional[Callable[[Layout], Dict[str, Any]]],
+                       what: str) -> DenseWeightsWriter:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"{what}: {directory} exists and is not a directory; pass a directory path")
+    make_directories(directory)
+    return DenseWeightsWriter(directory, plan.layout, plan.files, metadata={"format": "pt"},
+                              index_metadata=index_metadata(plan.layout) if index_metadata else None)
+
+
+def _gather_and_write(plan: _DensePlan, group, writer: Optional[DenseWeightsWriter]
+                      ) -> Tuple[Optional[DenseWeightsWriter], Optional[BaseException]]:
+    """Gather every tensor in the plan's order, and on the writer write each. Returns the writer (None once a write
+    failed, its files abandoned) and that failure."""
+    error: Optional[BaseException] = None
+    for key in plan.order:
         # Every rank runs every gather, whatever failed on the writer, so no rank waits alone in a collective.
-        dense, gather_error = _gather_dense(tensors[key], entries[key], group, keep=writer is not None)
+        dense, gather_error = _gather_dense(plan.tensors[key], plan.entries[key], group, keep=writer is not None)
         if writer is None:
             continue
         try:
@@ -242,16 +280,20 @@ def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[st
             writer.abandon()
             writer = None
         del dense
+    return writer, error
+
+
+def _close_dense_writer(writer: DenseWeightsWriter, directory: str,
+                        write_beside: Optional[Callable[[str], None]]) -> Optional[BaseException]:
+    """Finish the files, then write what goes beside them; on failure abandon the files and return the error."""
     try:
-        if writer is not None:
-            writer.close()
-            if write_beside is not None:
-                write_beside(directory)
+        writer.close()
+        if write_beside is not None:
+            write_beside(directory)
     except Exception as e:  # noqa: BLE001
-        error = e
-        if writer is not None:
-            writer.abandon()
-    comm.raise_on_every_rank_if_any_failed(error, what)
+        writer.abandon()
+        return e
+    return None
 
 
 def _gather_dense(local: torch.Tensor, entry: TensorEntry, group, keep: bool

@@ -177,90 +177,153 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     ``verify`` are as for ``merge`` (every file of the source tag is verified). The new tag records the size and
     checksum of each of its files, as ``save`` does.
     """
+    _check_reshard_arguments(new_tp, pad_to_multiple_of)
+    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify,
+                                                 lambda tag_dir, index: sorted(index.files or {}))
+    config_path = _config_source(tag_dir, config)
+    multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
+    new_entries = _resharded_entries(index, new_tp, multiple, _config_vocab_size(config_path), pad_to_multiple_of)
+    job = _ReshardJob(tag_dir=tag_dir, index=index, new_tp=new_tp, new_entries=new_entries, model_files=model_files,
+                      config_path=config_path, multiple=multiple, multiple_source=multiple_source, progress=progress)
+    try:
+        job.plan_optimizer()
+        job.plan_rng()
+        write_atomically(output_dir, job.write)
+    finally:
+        model_files.clear()
+        job.optim_files.clear()
+    return os.path.join(output_dir, job.tag_name)
+
+
+def _check_reshard_arguments(new_tp: Any, pad_to_multiple_of: Any) -> None:
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
         raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
     if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
-    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify,
-                                                 lambda tag_dir, index: sorted(index.files or {}))
-    tag_name = os.path.basename(os.path.normpath(tag_dir))
-    old_tp = index.tensor_model_parallel_size
-    config_path = _config_source(tag_dir, config)
 
-    notes: List[str] = []
-    multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
-    vocab_size = _config_vocab_size(config_path)
-    new_entries = {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size,
-                                                                  pad_to_multiple_of),
-                                    aliases=list(e.aliases))
-                   for key, e in index.tensors.items()}
 
-    optimizer_plan = None
-    optim_files: Dict[str, Any] = {}
-    try:
-        zero1 = is_zero1_optimizer_index(index.optimizer)
-        if index.optimizer is not None:
-            try:
-                planner = _plan_zero1_optimizer if zero1 else _plan_optimizer
-                optimizer_plan, optim_files, why_not = planner(tag_dir, index, new_entries)
-            except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
-                raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") \
-                    from None
-            if optimizer_plan is None:
-                message = f"{tag_dir}: optimizer state dropped: {why_not}"
-                warnings.warn(message, stacklevel=2)
-                notes.append(message)
-        rng_dir = os.path.join(tag_dir, "rng")
-        copy_rng = new_tp == old_tp and os.path.isdir(rng_dir)
-        if os.path.isdir(rng_dir) and not copy_rng:
-            notes.append(f"RNG states (rng/) dropped: they belong to tensor_model_parallel_size={old_tp}; resume with "
-                         f"restore_rng_states=False")
+def _resharded_entries(index: CheckpointIndex, new_tp: int, multiple: int, vocab_size: Optional[int],
+                       pad_to_multiple_of: Optional[int]) -> Dict[str, TensorEntry]:
+    """The source's index entries with each spec moved to ``new_tp`` (and padded again by its rule)."""
+    return {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size,
+                                                           pad_to_multiple_of),
+                             aliases=list(e.aliases))
+            for key, e in index.tensors.items()}
 
-        def write(staging: str) -> str:
-            new_tag_dir = os.path.join(staging, tag_name)
-            os.makedirs(new_tag_dir)
-            total = len(new_entries) + sum(len(fields) for _, (_, fields) in optimizer_plan or [])
-            bar = _progress(total, f"reshard {tag_name} tp {old_tp}->{new_tp}", progress)
-            files: Dict[str, dict] = {}  # the new tag's file records
-            contents: Dict[str, dict] = {}  # and its rank files' header and tensor records
-            try:
-                writers = _reshard_model(new_tag_dir, index, new_entries, model_files, new_tp, bar)
-                if optimizer_plan is not None:
-                    reshard_optimizer = _reshard_zero1_optimizer if zero1 else _reshard_optimizer
-                    writers += reshard_optimizer(new_tag_dir, index, new_entries, optimizer_plan, optim_files,
-                                                 new_tp, bar)
-            finally:
-                bar.close()
-            for writer in writers:
-                relative = os.path.relpath(writer.path, new_tag_dir)
-                files[relative], contents[relative] = writer.record(), writer.contents_record()
-            copies = [TRAINER_STATE_FILE] + ([OPTIMIZER_STATE_FILE] if optimizer_plan is not None else [])
-            if copy_rng:
-                copies += sorted(os.path.relpath(os.path.join(rng_dir, name), tag_dir) for name in os.listdir(rng_dir))
-            for relative in copies:
-                if os.path.isfile(os.path.join(tag_dir, relative)):
-                    files[relative] = copy_durably(os.path.join(tag_dir, relative), os.path.join(new_tag_dir, relative))
-            if config_path is not None:
-                files[CONFIG_FILE] = copy_durably(config_path, os.path.join(new_tag_dir, CONFIG_FILE))
-            files[RESHARD_FILE] = write_bytes_durably(os.path.join(new_tag_dir, RESHARD_FILE), json.dumps(
-                {"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size": old_tp,
-                 "tensor_model_parallel_size": new_tp, "pad_to_multiple_of": multiple,
-                 "pad_to_multiple_of_source": multiple_source, "notes": notes}, indent=1).encode())
-            new_index = CheckpointIndex(tensor_model_parallel_size=new_tp, data_parallel_size=index.data_parallel_size,
-                                        tensors=new_entries,
-                                        optimizer=(_new_optimizer_index(index.optimizer, new_entries, optimizer_plan)
-                                                   if optimizer_plan else None),
-                                        nxdtp_version=__version__, files=dict(sorted(files.items())),
-                                        tensor_checksums=dict(sorted(contents.items())))
-            tags.mark_done(new_tag_dir, new_index.write(new_tag_dir))
-            tags.set_newest(staging, tag_name)
-            return tag_name
 
-        write_atomically(output_dir, write)
-    finally:
-        model_files.clear()
-        optim_files.clear()
-    return os.path.join(output_dir, tag_name)
+@dataclasses.dataclass
+class _ReshardJob:
+    """One reshard: the source tag and what its tensors become, then what is done with its optimizer state and RNG
+    files (``plan_optimizer``, ``plan_rng``), all decided before ``write`` writes the new tag into the staging
+    directory of ``write_atomically``."""
+
+    tag_dir: str
+    index: CheckpointIndex
+    new_tp: int
+    new_entries: Dict[str, TensorEntry]
+    model_files: Dict[str, Any]
+    config_path: Optional[str]
+    multiple: int
+    multiple_source: str
+    progress: bool
+    optimizer_plan: Any = None  # None: no optimizer state is written
+    optim_files: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    copy_rng: bool = False
+    notes: List[str] = dataclasses.field(default_factory=list)  # what was dropped and why, for reshard.json
+
+    @property
+    def tag_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.tag_dir))
+
+    @property
+    def old_tp(self) -> int:
+        return self.index.tensor_model_parallel_size
+
+    @property
+    def zero1(self) -> bool:
+        return is_zero1_optimizer_index(self.index.optimizer)
+
+    def plan_optimizer(self) -> None:
+        """Plan the optimizer state's reshard, or drop it with a warning (and a note) saying why it cannot be."""
+        if self.index.optimizer is None:
+            return
+        try:
+            planner = _plan_zero1_optimizer if self.zero1 else _plan_optimizer
+            self.optimizer_plan, self.optim_files, why_not = planner(self.tag_dir, self.index, self.new_entries)
+        except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
+            raise ValueError(f"{os.path.join(self.tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") \
+                from None
+        if self.optimizer_plan is None:
+            message = f"{self.tag_dir}: optimizer state dropped: {why_not}"
+            warnings.warn(message, stacklevel=3)  # attributed to reshard's caller
+            self.notes.append(message)
+
+    def plan_rng(self) -> None:
+        """Copy the RNG states when the degree is unchanged; otherwise drop them (a TP rank's tracker state has no
+        counterpart at another degree) with a note."""
+        rng_dir = os.path.join(self.tag_dir, "rng")
+        self.copy_rng = self.new_tp == self.old_tp and os.path.isdir(rng_dir)
+        if os.path.isdir(rng_dir) and not self.copy_rng:
+            self.notes.append(f"RNG states (rng/) dropped: they belong to tensor_model_parallel_size={self.old_tp}; "
+                              f"resume with restore_rng_states=False")
+
+    def write(self, staging: str) -> str:
+        """Write the new tag (and ``newest``) into ``staging``; return the tag's name."""
+        new_tag_dir = os.path.join(staging, self.tag_name)
+        os.makedirs(new_tag_dir)
+        files, contents = self._write_rank_files(new_tag_dir)
+        for relative in self._copied_files():
+            if os.path.isfile(os.path.join(self.tag_dir, relative)):
+                files[relative] = copy_durably(os.path.join(self.tag_dir, relative),
+                                               os.path.join(new_tag_dir, relative))
+        if self.config_path is not None:
+            files[CONFIG_FILE] = copy_durably(self.config_path, os.path.join(new_tag_dir, CONFIG_FILE))
+        files[RESHARD_FILE] = self._write_reshard_record(new_tag_dir)
+        tags.mark_done(new_tag_dir, self._new_index(files, contents).write(new_tag_dir))
+        tags.set_newest(staging, self.tag_name)
+        return self.tag_name
+
+    def _write_rank_files(self, new_tag_dir: str) -> Tuple[Dict[str, dict], Dict[str, dict]]:
+        """Write the model's (and the optimizer's) rank files at the new degree; return the new tag's file records
+        and the rank files' header and tensor records."""
+        total = len(self.new_entries) + sum(len(fields) for _, (_, fields) in self.optimizer_plan or [])
+        bar = _progress(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
+        try:
+            writers = _reshard_model(new_tag_dir, self.index, self.new_entries, self.model_files, self.new_tp, bar)
+            if self.optimizer_plan is not None:
+                reshard_optimizer = _reshard_zero1_optimizer if self.zero1 else _reshard_optimizer
+                writers += reshard_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
+                                             self.optim_files, self.new_tp, bar)
+        finally:
+            bar.close()
+        files: Dict[str, dict] = {}
+        contents: Dict[str, dict] = {}
+        for writer in writers:
+            relative = os.path.relpath(writer.path, new_tag_dir)
+            files[relative], contents[relative] = writer.record(), writer.contents_record()
+        return files, contents
+
+    def _copied_files(self) -> List[str]:
+        """The source's files that go to the new tag as they are (those that exist), relative to the tag."""
+        copies = [TRAINER_STATE_FILE] + ([OPTIMIZER_STATE_FILE] if self.optimizer_plan is not None else [])
+        if self.copy_rng:
+            rng_dir = os.path.join(self.tag_dir, "rng")
+            copies += sorted(os.path.relpath(os.path.join(rng_dir, name), self.tag_dir) for name in os.listdir(rng_dir))
+        return copies
+
+    def _write_reshard_record(self, new_tag_dir: str) -> dict:
+        """``reshard.json``: where the tag came from, the padding multiple used and why, and what was dropped."""
+        return write_bytes_durably(os.path.join(new_tag_dir, RESHARD_FILE), json.dumps(
+            {"source": os.path.abspath(self.tag_dir), "source_tensor_model_parallel_size": self.old_tp,
+             "tensor_model_parallel_size": self.new_tp, "pad_to_multiple_of": self.multiple,
+             "pad_to_multiple_of_source": self.multiple_source, "notes": self.notes}, indent=1).encode())
+
+    def _new_index(self, files: Dict[str, dict], contents: Dict[str, dict]) -> CheckpointIndex:
+        optimizer = (_new_optimizer_index(self.index.optimizer, self.new_entries, self.optimizer_plan)
+                     if self.optimizer_plan else None)
+        return CheckpointIndex(tensor_model_parallel_size=self.new_tp, data_parallel_size=self.index.data_parallel_size,
+                               tensors=self.new_entries, optimizer=optimizer, nxdtp_version=__version__,
+                               files=dict(sorted(files.items())), tensor_checksums=dict(sorted(contents.items())))
 
 
 # ---- index and input checks ------------------------------------------------------------------------------------------

@@ -597,108 +597,195 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
     (any DP size), or gathered into whole TP-local tensors for a plain optimizer; plain state keyed by name is cut
     into a ZeRO-1 optimizer's shards, with the master weights from the checkpoint's model tensors."""
     index = checkpoint_index.optimizer
-    saved_zero, live_zero = is_zero1_optimizer_index(index), _is_zero1(optimizer)
+    saved_zero, target = is_zero1_optimizer_index(index), _Zero1Target.of(optimizer)
+    _check_convertible(tag_dir, index, saved_zero, optimizer)
+    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
+        saved = json.load(f)
+    position = _positions_by_name(index, optimizer, model)
+    live_params = [p for group in optimizer.param_groups for p in group["params"]]
+    files = _OptimizerFiles(tag_dir, checkpoint_index, tp_rank, verify)
+    state: Dict[int, Dict[str, Any]] = {}
+    masters: Dict[int, torch.Tensor] = {}
+    for name, info in index["params"].items():
+        slot = _slot_of(tag_dir, name, info, index["keyed_by"] == "name", position, len(live_params))
+        shape = tuple(live_params[slot].shape)
+        if saved_zero:
+            fields, master = _read_zero1_state(tag_dir, name, info, shape, files, target)
+        else:
+            fields, master = _read_plain_state(tag_dir, name, info, shape, files, target, model_state)
+        if master is not None:
+            masters[slot] = master
+        fields.update(saved["scalars"].get(name, {}))
+        state[slot] = fields
+    groups = _param_groups(tag_dir, optimizer, saved["param_groups"], position)
+    if target is None:
+        return {"state": state, "param_groups": groups}
+    _complete_masters(tag_dir, masters, live_params, position, saved_zero, model_state, target)
+    return {"state": {}, "param_groups": groups, "base_state": state, "sharded_master_weights": masters,
+            "shape_info": {i: tuple(p.shape) for i, p in enumerate(live_params)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Zero1Target:
+    """The layout a live ZeRO-1 optimizer keeps its state in: its sharding group's size, this rank's place in it, and
+    the dtype of its master weights."""
+
+    group_size: int
+    rank: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> Optional["_Zero1Target"]:
+        """The target of a ZeRO-1 optimizer; None for a plain one, which takes whole TP-local tensors."""
+        if not _is_zero1(optimizer):
+            return None
+        return cls(optimizer.sharding_group.size, optimizer.sharding_group.rank, optimizer.optimizer_dtype)
+
+    def shard_of(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's flat shard of a whole TP-local tensor, in the master weights' dtype."""
+        return FlatShardLayout(tuple(value.shape), self.group_size).shard_of(value.to(self.dtype), self.rank)
+
+    def master_from_model(self, tag_dir: str, name: str, shape: Tuple[int, ...],
+                          model_state: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        return _master_from_model(tag_dir, name, shape, model_state, self.group_size, self.rank, self.dtype)
+
+
+class _OptimizerFiles:
+    """This TP rank's optimizer files of a tag, each opened (and its header verified) once, when first needed."""
+
+    def __init__(self, tag_dir: str, index: CheckpointIndex, tp_rank: int, verify: bool):
+        self._tag_dir, self._index, self._tp_rank, self._verify = tag_dir, index, tp_rank, verify
+        self._open: Dict[str, _RankFile] = {}
+
+    def file(self, dp_rank: Optional[int] = None) -> _RankFile:
+        """The plain optimizer's file, or (``dp_rank`` given) the ZeRO-1 file of that DP shard."""
+        relative = optim_file(self._tp_rank, dp_rank)
+        if relative not in self._open:
+            self._open[relative] = _RankFile(self._tag_dir, self._index, relative, self._verify)
+        return self._open[relative]
+
+
+def _check_convertible(tag_dir: str, index: Dict[str, Any], saved_zero: bool, optimizer: torch.optim.Optimizer
+                       ) -> None:
+    """Refuse plain state keyed by index for a ZeRO-1 optimizer, before any file is read: its master weights would
+    come from the model's tensors, and without names nothing says which tensor belongs to which parameter."""
     saved_kind = "a ZeRO-1 optimizer (NeuronZero1Optimizer)" if saved_zero else "a non-ZeRO optimizer"
-    if live_zero and not saved_zero and index["keyed_by"] != "name":
+    if _is_zero1(optimizer) and not saved_zero and index["keyed_by"] != "name":
         raise ValueError(f"{tag_dir}: the checkpoint holds the state of {saved_kind} keyed by parameter index, which "
                          f"cannot be cut for {_kind(optimizer)}: its master weights cannot be matched to the model's "
                          "tensors. Save live objects (save({'model': model, 'optimizer': optimizer})) to convert, or "
                          "load it into the same kind of optimizer")
-    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
-        saved = json.load(f)
-    position: Dict[str, int] = {}
-    if index["keyed_by"] == "name":
-        if model is None:
-            raise ValueError("this optimizer state is keyed by parameter name: pass the model to load() as well")
-        by_identity = {id(p): n for n, p in model.named_parameters()}
-        flat = [p for group in optimizer.param_groups for p in group["params"]]
-        position = {by_identity[id(p)]: i for i, p in enumerate(flat) if id(p) in by_identity}
-    live_params = [p for group in optimizer.param_groups for p in group["params"]]
-    if live_zero:
-        group_size, my_rank = optimizer.sharding_group.size, optimizer.sharding_group.rank
-        dtype = optimizer.optimizer_dtype
-    files: Dict[str, _RankFile] = {}
 
-    def open_file(relative: str) -> "_RankFile":
-        if relative not in files:
-            files[relative] = _RankFile(tag_dir, checkpoint_index, relative, verify)
-        return files[relative]
 
-    state: Dict[int, Dict[str, Any]] = {}
-    masters: Dict[int, torch.Tensor] = {}
-    for name, info in index["params"].items():
-        if index["keyed_by"] == "name" and name not in position:
-            raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter '{name}', which the "
-                             "model passed to load() does not have (or the optimizer does not hold)")
-        slot = position.get(name, info["param_index"])
-        if not 0 <= slot < len(live_params):
-            raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter index {slot}, but the "
-                             f"optimizer holds {len(live_params)} parameters")
-        shape = tuple(live_params[slot].shape)
-        fields: Dict[str, Any] = {}
-        if saved_zero:
-            saved_layout = FlatShardLayout.from_dict(info["layout"])
-            if tuple(saved_layout.shape) != shape:
-                raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
-                                 f"{list(saved_layout.shape)}, the optimizer's parameter has {list(shape)}; reshard "
-                                 "the checkpoint to this tensor parallel size first (nxdtp-merge CKPT OUT --reshard N)")
+def _positions_by_name(index: Dict[str, Any], optimizer: torch.optim.Optimizer, model: Optional[nn.Module]
+                       ) -> Dict[str, int]:
+    """For state keyed by parameter name: each model parameter's position among the optimizer's parameters (empty
+    for state keyed by index, which is loaded by position)."""
+    if index["keyed_by"] != "name":
+        return {}
+    if model is None:
+        raise ValueError("this optimizer state is keyed by parameter name: pass the model to load() as well")
+    by_identity = {id(p): n for n, p in model.named_parameters()}
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    return {by_identity[id(p)]: i for i, p in enumerate(flat) if id(p) in by_identity}
 
-            def read(field: str, k: int, name=name) -> torch.Tensor:
-                return open_file(optim_file(tp_rank, k)).get_tensor(f"{name}/{field}")
 
-            if live_zero:
-                layout = FlatShardLayout(shape, group_size)
-                sources = layout.source_ranks(saved_layout, my_rank)
-                first = sources[0] if len(sources) else 0
-                for field in info["tensors"]:
-                    if field in info["flat"]:
-                        fields[field] = layout.shard_from(saved_layout, lambda k, f=field: read(f, k), my_rank, dtype)
-                    else:
-                        fields[field] = read(field, first)
-                masters[slot] = layout.shard_from(saved_layout, lambda k: read(info["master"], k), my_rank, dtype)
+def _slot_of(tag_dir: str, name: str, info: Dict[str, Any], keyed_by_name: bool, position: Dict[str, int],
+             n_live: int) -> int:
+    """The position among the optimizer's parameters that saved parameter ``name`` loads into, checked."""
+    if keyed_by_name and name not in position:
+        raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter '{name}', which the "
+                         "model passed to load() does not have (or the optimizer does not hold)")
+    slot = position.get(name, info["param_index"])
+    if not 0 <= slot < n_live:
+        raise ValueError(f"{tag_dir}: the checkpoint has optimizer state for parameter index {slot}, but the "
+                         f"optimizer holds {n_live} parameters")
+    return slot
+
+
+def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...], files: _OptimizerFiles,
+                      target: Optional[_Zero1Target]) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+    """One parameter's saved ZeRO-1 state (flat shards over the saved DP size): re-cut to a live ZeRO-1 optimizer's
+    layout, with its master shard; or, for a plain optimizer, gathered into whole TP-local tensors (and no master)."""
+    saved_layout = FlatShardLayout.from_dict(info["layout"])
+    if tuple(saved_layout.shape) != shape:
+        raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
+                         f"{list(saved_layout.shape)}, the optimizer's parameter has {list(shape)}; reshard "
+                         "the checkpoint to this tensor parallel size first (nxdtp-merge CKPT OUT --reshard N)")
+
+    def read(field: str, k: int) -> torch.Tensor:
+        return files.file(k).get_tensor(f"{name}/{field}")
+
+    fields: Dict[str, Any] = {}
+    if target is None:
+        for field in info["tensors"]:
+            if field in info["flat"]:
+                fields[field] = saved_layout.full_from_shards([read(field, k) for k in range(saved_layout.group_size)])
             else:
-                for field in info["tensors"]:
-                    if field in info["flat"]:
-                        fields[field] = saved_layout.full_from_shards(
-                            [read(field, k) for k in range(saved_layout.group_size)])
-                    else:
-                        fields[field] = read(field, 0)
+                fields[field] = read(field, 0)
+        return fields, None
+    layout = FlatShardLayout(shape, target.group_size)
+    sources = layout.source_ranks(saved_layout, target.rank)
+    # A field that is not flat (such as a step counter) is whole in every shard: read it from a file this rank opens
+    # anyway.
+    first = sources[0] if len(sources) else 0
+    for field in info["tensors"]:
+        if field in info["flat"]:
+            fields[field] = layout.shard_from(saved_layout, lambda k, f=field: read(f, k), target.rank, target.dtype)
         else:
-            f = open_file(optim_file(tp_rank))
-            for field in info["tensors"]:
-                value = f.get_tensor(f"{name}/{field}")
-                if live_zero and tuple(value.shape) == shape:
-                    value = FlatShardLayout(shape, group_size).shard_of(value.to(dtype), my_rank)
-                fields[field] = value
-            if live_zero:
-                masters[slot] = _master_from_model(tag_dir, name, shape, model_state, group_size, my_rank, dtype)
-        fields.update(saved["scalars"].get(name, {}))
-        state[slot] = fields
-    if len(optimizer.param_groups) != len(saved["param_groups"]):
+            fields[field] = read(field, first)
+    master = layout.shard_from(saved_layout, lambda k: read(info["master"], k), target.rank, target.dtype)
+    return fields, master
+
+
+def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...], files: _OptimizerFiles,
+                      target: Optional[_Zero1Target], model_state: Optional[Dict[str, torch.Tensor]]
+                      ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+    """One parameter's saved plain state: as saved for a plain optimizer; for a ZeRO-1 optimizer, its
+    parameter-shaped tensors cut to this rank's flat shard, with the master shard from the saved model tensor."""
+    f = files.file()
+    fields: Dict[str, Any] = {}
+    for field in info["tensors"]:
+        value = f.get_tensor(f"{name}/{field}")
+        if target is not None and tuple(value.shape) == shape:
+            value = target.shard_of(value)
+        fields[field] = value
+    if target is None:
+        return fields, None
+    return fields, target.master_from_model(tag_dir, name, shape, model_state)
+
+
+def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: List[Dict[str, Any]],
+                  position: Dict[str, int]) -> List[Dict[str, Any]]:
+    """The saved parameter groups, matched one to one with the optimizer's, their parameters given as positions."""
+    if len(optimizer.param_groups) != len(saved_groups):
         raise ValueError(f"{tag_dir}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
-                         f"{len(saved['param_groups'])}")
+                         f"{len(saved_groups)}")
     groups = []
-    for live, group in zip(optimizer.param_groups, saved["param_groups"]):
+    for live, group in zip(optimizer.param_groups, saved_groups):
         # JSON turned tuples (Adam's betas) into lists: give them back the live optimizer's type.
         group = {k: tuple(v) if isinstance(v, list) and isinstance(live.get(k), tuple) else v for k, v in group.items()}
         groups.append({**group, "params": [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p)
                                            for p in group["params"]]})
-    if not live_zero:
-        return {"state": state, "param_groups": groups}
+    return groups
+
+
+def _complete_masters(tag_dir: str, masters: Dict[int, torch.Tensor], live_params: List[torch.Tensor],
+                      position: Dict[str, int], saved_zero: bool, model_state: Optional[Dict[str, torch.Tensor]],
+                      target: _Zero1Target) -> None:
+    """Give every parameter of a ZeRO-1 optimizer a master shard, or raise naming those left without one."""
     missing = [i for i in range(len(live_params)) if i not in masters]
+    if not missing:
+        return
+    if not saved_zero:  # parameters without optimizer state: their masters come from the model all the same
+        names = {i: n for n, i in position.items()}
+        for i in missing:
+            if i in names:
+                masters[i] = target.master_from_model(tag_dir, names[i], tuple(live_params[i].shape), model_state)
+        missing = [i for i in missing if i not in masters]
     if missing:
-        if not saved_zero:  # parameters without optimizer state: their masters come from the model all the same
-            names = {i: n for n, i in position.items()}
-            for i in missing:
-                if i in names:
-                    masters[i] = _master_from_model(tag_dir, names[i], tuple(live_params[i].shape), model_state,
-                                                    group_size, my_rank, dtype)
-            missing = [i for i in missing if i not in masters]
-        if missing:
-            raise ValueError(f"{tag_dir}: the checkpoint has no master weights for the optimizer's parameters "
-                             f"{missing[:5]} (by position); it was saved from another model or optimizer")
-    return {"state": {}, "param_groups": groups, "base_state": state, "sharded_master_weights": masters,
-            "shape_info": {i: tuple(p.shape) for i, p in enumerate(live_params)}}
+        raise ValueError(f"{tag_dir}: the checkpoint has no master weights for the optimizer's parameters "
+                         f"{missing[:5]} (by position); it was saved from another model or optimizer")
 
 
 def _master_from_model(tag_dir: str, name: str, shape: Tuple[int, ...], model_state: Optional[Dict[str, torch.Tensor]],
@@ -834,29 +921,8 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     ``model_key=None``). Pickles are read with ``weights_only=True`` whatever ``weights_only`` says.
     ``load_xser=True`` and ``master_dp_only=False`` are refused.
     """
-    _check_default("load", "load_xser", load_xser, False, "nxdtp checkpoints are safetensors files; NxD's xser "
-                   "checkpoints are imported with nxdtp-merge --from-nxd")
-    _check_default("load", "master_dp_only", master_dp_only, True, "nxdtp writes each TP shard once, from DP rank 0, "
-                   "and every DP rank reads that file")
-    _check_bool("sharded", sharded)
-    _check_bool("weights_only", weights_only)
-    _check_bool("restore_rng_states", restore_rng_states)
-    _check_bool("verify", verify)
-    candidates, model = (("model", model), ("model_or_optimizer", model_or_optimizer)), None
-    for argument, value in candidates:
-        # NxD's ``model`` is an older name of model_or_optimizer: an optimizer passed there is the optimizer.
-        if value is None:
-            continue
-        if isinstance(value, torch.optim.Optimizer):
-            if optimizer is not None and optimizer is not value:
-                raise ValueError(f"load() got two optimizers: {argument}= and optimizer=")
-            optimizer = value
-        elif isinstance(value, nn.Module):
-            if model is not None and model is not value:
-                raise ValueError("load() got two models: model= and model_or_optimizer=")
-            model = value
-        else:
-            raise TypeError(f"{argument} must be an nn.Module or an optimizer, got {type(value).__name__}")
+    _check_load_flags(load_xser, master_dp_only, sharded, weights_only, restore_rng_states, verify)
+    model, optimizer = _model_and_optimizer(model, model_or_optimizer, optimizer)
     if not sharded:
         return _load_full(chkpt_path, model, model_key, strict, tag=tag, optimizer=optimizer, scheduler=scheduler,
                           restore_rng_states=restore_rng_states)
@@ -877,20 +943,64 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
         _agree(error, f"loading {output_dir}")
     if error is None:
         try:
-            if model is not None:
-                model.load_state_dict(read.model_state, strict=strict)
-            if zero1:
-                _agree(None, f"loading {output_dir}")
-            if optimizer is not None:
-                optimizer.load_state_dict(read.optimizer_state)
-            trainer_state = read.trainer_state
-            if scheduler is not None and "scheduler" in trainer_state:
-                scheduler.load_state_dict(trainer_state["scheduler"])
-            if restore_rng_states:
-                restore_rng(tag_dir, get_topology().rank)
+            trainer_state = _load_into_live_objects(read, tag_dir, output_dir, model, optimizer, scheduler, strict,
+                                                    restore_rng_states)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
             error = e
     _agree(error, f"loading {output_dir}")
+    return trainer_state
+
+
+def _check_load_flags(load_xser: Any, master_dp_only: Any, sharded: Any, weights_only: Any, restore_rng_states: Any,
+                      verify: Any) -> None:
+    """Refuse NxD's options nxdtp has no use for, and flags that are not bools, before anything is read."""
+    _check_default("load", "load_xser", load_xser, False, "nxdtp checkpoints are safetensors files; NxD's xser "
+                   "checkpoints are imported with nxdtp-merge --from-nxd")
+    _check_default("load", "master_dp_only", master_dp_only, True, "nxdtp writes each TP shard once, from DP rank 0, "
+                   "and every DP rank reads that file")
+    _check_bool("sharded", sharded)
+    _check_bool("weights_only", weights_only)
+    _check_bool("restore_rng_states", restore_rng_states)
+    _check_bool("verify", verify)
+
+
+def _model_and_optimizer(model: Any, model_or_optimizer: Any, optimizer: Optional[torch.optim.Optimizer]
+                         ) -> Tuple[Optional[nn.Module], Optional[torch.optim.Optimizer]]:
+    """The model and the optimizer among ``load``'s NxD-style arguments, refusing two different ones of a kind."""
+    candidates, model = (("model", model), ("model_or_optimizer", model_or_optimizer)), None
+    for argument, value in candidates:
+        # NxD's ``model`` is an older name of model_or_optimizer: an optimizer passed there is the optimizer.
+        if value is None:
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            if optimizer is not None and optimizer is not value:
+                raise ValueError(f"load() got two optimizers: {argument}= and optimizer=")
+            optimizer = value
+        elif isinstance(value, nn.Module):
+            if model is not None and model is not value:
+                raise ValueError("load() got two models: model= and model_or_optimizer=")
+            model = value
+        else:
+            raise TypeError(f"{argument} must be an nn.Module or an optimizer, got {type(value).__name__}")
+    return model, optimizer
+
+
+def _load_into_live_objects(read: "_Read", tag_dir: str, output_dir: str, model: Optional[nn.Module],
+                            optimizer: Optional[torch.optim.Optimizer], scheduler: Any, strict: bool,
+                            restore_rng_states: bool) -> Dict[str, Any]:
+    """Put what this rank read into the model, optimizer, scheduler and RNGs; return the trainer state."""
+    if model is not None:
+        model.load_state_dict(read.model_state, strict=strict)
+    if _is_zero1(optimizer):
+        # Its load_state_dict is a collective: no rank enters it unless every rank's model loaded.
+        _agree(None, f"loading {output_dir}")
+    if optimizer is not None:
+        optimizer.load_state_dict(read.optimizer_state)
+    trainer_state = read.trainer_state
+    if scheduler is not None and "scheduler" in trainer_state:
+        scheduler.load_state_dict(trainer_state["scheduler"])
+    if restore_rng_states:
+        restore_rng(tag_dir, get_topology().rank)
     return trainer_state
 
 

@@ -154,8 +154,41 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # (group, param) pairs that have a gradient, in a fixed order (the same on every rank). Checked before any
-        # state changes, so that an error leaves the optimizer as it was.
+        active = self._active_parameters()
+        self.last_trust_ratios = {}
+        self.last_grad_norm = None
+        if not active:
+            return loss
+
+        zero1_group = _zero1_group([p for _, p in active])
+        coefficient = self._clip_coefficient(active, zero1_group)
+
+        # Pass 1: moments, then the squared norms of w and u. u is not kept (it is recomputed in pass 2), so the
+        # step needs at most one parameter-sized temporary at a time instead of one per parameter.
+        local_sq: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, (group, p) in enumerate(active):
+            self._advance_moments(p, group, coefficient)
+            if self._adapts(group):
+                local_sq[i] = self._squared_norms(p, self.state[p], group)
+        dense_sq = self._dense_squared_norms(active, local_sq, zero1_group)
+
+        # Pass 2: trust ratio and the update.
+        for i, (group, p) in enumerate(active):
+            if self._adapts(group):
+                ratio = self._trust_ratio(*dense_sq[i], group)
+            else:
+                ratio = torch.ones((), dtype=torch.float32, device=p.device)
+            self.last_trust_ratios[p] = ratio
+            u = self._direction(p, self.state[p], group)
+            scale = (ratio * -group["lr"]).to(device=p.device, dtype=u.dtype)
+            p.add_(u.mul_(scale))
+        return loss
+
+    def _active_parameters(self) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
+        """(group, param) pairs that have a gradient, in a fixed order (the same on every rank).
+
+        Checked before any state changes, so that an error leaves the optimizer as it was.
+        """
         active: List[Tuple[Dict[str, Any], torch.Tensor]] = []
         seen = set()
         for group in self.param_groups:
@@ -169,52 +202,59 @@ class Lamb(torch.optim.Optimizer):
                                      "be updated twice")
                 seen.add(id(p))
                 active.append((group, p))
-        self.last_trust_ratios = {}
-        self.last_grad_norm = None
-        if not active:
-            return loss
+        return active
 
-        zero1_group = _zero1_group([p for _, p in active])
-        coefficient: Optional[torch.Tensor] = None
-        if self.max_grad_norm is not None:
-            # Dense-model norm over every parameter with a gradient (a tied one counts once), and clip_grad_norm's
-            # coefficient (the same epsilon, nxdtp.grads.CLIP_EPS); no branch on its value.
-            self.last_grad_norm = get_grad_norm([p for _, p in active], zero1_optimizer=zero1_group is not None,
-                                                zero1_optimizer_groups=zero1_group)
-            coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+    def _clip_coefficient(self, active: List[Tuple[Dict[str, Any], torch.Tensor]],
+                          zero1_group) -> Optional[torch.Tensor]:
+        """The gradient-clipping factor (and ``last_grad_norm``), or None without ``max_grad_norm``.
 
-        # Pass 1: moments, then the squared norms of w and u. u is not kept (it is recomputed in pass 2), so the
-        # step needs at most one parameter-sized temporary at a time instead of one per parameter.
-        sharded_sq: List[torch.Tensor] = []      # ||w||^2 of the sharded params (local slices)
-        sharded_u_sq: List[torch.Tensor] = []    # ||u||^2 of the same, in the same order
-        sharded_index: Dict[int, int] = {}      # position in `active` -> index in the sharded vector
-        local_sq: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, (group, p) in enumerate(active):
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
-                # load_state_dict leaves 'step' where it was loaded (the CPU): keep the counter on the device.
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-            beta1, beta2 = group["betas"]
-            grad = p.grad.detach()
-            if coefficient is not None:
-                # As clip_grad_norm applies it (an fp32 0-dim factor, the product in the gradient's dtype), so the
-                # clipped gradient is clip_grad_norm's to the bit.
-                grad = grad * coefficient.to(device=grad.device)
-            state["step"].add_(1)
-            state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            if not self._adapts(group):
-                continue
-            u = self._direction(p, state, group)
-            w_sq = torch.linalg.vector_norm(p.detach(), dtype=torch.float32).square()
-            u_sq = torch.linalg.vector_norm(u, dtype=torch.float32).square()
-            del u
-            local_sq[i] = (w_sq, u_sq)
+        Dense-model norm over every parameter with a gradient (a tied one counts once), and clip_grad_norm's
+        coefficient (the same epsilon, nxdtp.grads.CLIP_EPS); no branch on its value.
+        """
+        if self.max_grad_norm is None:
+            return None
+        self.last_grad_norm = get_grad_norm([p for _, p in active], zero1_optimizer=zero1_group is not None,
+                                            zero1_optimizer_groups=zero1_group)
+        return clip_coefficient(self.last_grad_norm, self.max_grad_norm)
 
+    def _advance_moments(self, p: torch.Tensor, group: Dict[str, Any], coefficient: Optional[torch.Tensor]) -> None:
+        """One step of the counter and of both Adam moments of ``p``, from its (clipped) gradient."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+            # load_state_dict leaves 'step' where it was loaded (the CPU): keep the counter on the device.
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        beta1, beta2 = group["betas"]
+        grad = p.grad.detach()
+        if coefficient is not None:
+            # As clip_grad_norm applies it (an fp32 0-dim factor, the product in the gradient's dtype), so the
+            # clipped gradient is clip_grad_norm's to the bit.
+            grad = grad * coefficient.to(device=grad.device)
+        state["step"].add_(1)
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+    def _squared_norms(self, p: torch.Tensor, state: Dict[str, Any],
+                       group: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(||w||^2, ||u||^2)`` of what this rank holds of ``p``, in fp32; u is dropped on return."""
+        u = self._direction(p, state, group)
+        w_sq = torch.linalg.vector_norm(p.detach(), dtype=torch.float32).square()
+        u_sq = torch.linalg.vector_norm(u, dtype=torch.float32).square()
+        return w_sq, u_sq
+
+    @staticmethod
+    def _dense_squared_norms(active: List[Tuple[Dict[str, Any], torch.Tensor]],
+                             local_sq: Dict[int, Tuple[torch.Tensor, torch.Tensor]],
+                             zero1_group) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+        """The local ``(||w||^2, ||u||^2)`` per position in ``active``, made those of the dense tensors.
+
+        At most two all-reduces whatever the number of parameters: one over the ZeRO-1 sharding group, one over TP
+        for the sharded parameters. Replicated parameters keep their local norms.
+        """
+        local_sq = dict(local_sq)
         if zero1_group is not None and local_sq and zero1_group.size > 1:
             # ZeRO-1 shards: each rank of the sharding group holds a piece of every tensor; one all-reduce of
             # [||w_1||^2 .. ||w_n||^2, ||u_1||^2 .. ||u_n||^2] gives the norms of the whole (TP-local) tensors.
@@ -224,44 +264,28 @@ class Lamb(torch.optim.Optimizer):
                                   + [local_sq[i][1].to(device) for i in order])
             summed = comm.all_reduce(stacked, zero1_group, op="sum")
             local_sq = {i: (summed[k], summed[len(order) + k]) for k, i in enumerate(order)}
-        for i in list(local_sq):
-            if _is_tp_sharded(active[i][1]):
-                w_sq, u_sq = local_sq.pop(i)
-                sharded_index[i] = len(sharded_sq)
-                sharded_sq.append(w_sq)
-                sharded_u_sq.append(u_sq)
-
-        # One all-reduce for every sharded parameter: [||w_1||^2 .. ||w_n||^2, ||u_1||^2 .. ||u_n||^2] over TP.
-        n_sharded = len(sharded_sq)
-        dense_sq: Optional[torch.Tensor] = None
-        if n_sharded:
-            device = sharded_sq[0].device
-            stacked = torch.stack([t.to(device) for t in sharded_sq + sharded_u_sq])
+        sharded = [i for i in local_sq if _is_tp_sharded(active[i][1])]
+        if sharded:
+            # One all-reduce for every sharded parameter: [||w_1||^2 .. ||w_n||^2, ||u_1||^2 .. ||u_n||^2] over TP.
+            device = local_sq[sharded[0]][0].device
+            stacked = torch.stack([local_sq[i][0].to(device) for i in sharded]
+                                  + [local_sq[i][1].to(device) for i in sharded])
             dense_sq = comm.all_reduce(stacked, tensor_parallel_group(), op="sum")
+            for k, i in enumerate(sharded):
+                local_sq[i] = (dense_sq[k], dense_sq[len(sharded) + k])
+        return local_sq
 
-        # Pass 2: trust ratio and the update.
-        for i, (group, p) in enumerate(active):
-            state = self.state[p]
-            if self._adapts(group):
-                if i in sharded_index:
-                    k = sharded_index[i]
-                    w_sq, u_sq = dense_sq[k], dense_sq[n_sharded + k]
-                else:
-                    w_sq, u_sq = local_sq[i]
-                w_norm, u_norm = w_sq.sqrt(), u_sq.sqrt()
-                one = torch.ones_like(w_norm)
-                usable = (w_norm > 0) & (u_norm > 0)
-                # The division never sees a zero denominator, so no inf/NaN is produced even where it is not selected.
-                ratio = torch.where(usable, w_norm / torch.where(usable, u_norm, one), one)
-                if group["trust_clip"]:
-                    ratio = torch.clamp(ratio, max=1.0)
-            else:
-                ratio = torch.ones((), dtype=torch.float32, device=p.device)
-            self.last_trust_ratios[p] = ratio
-            u = self._direction(p, state, group)
-            scale = (ratio * -group["lr"]).to(device=p.device, dtype=u.dtype)
-            p.add_(u.mul_(scale))
-        return loss
+    @staticmethod
+    def _trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
+        """``||w|| / ||u||``, or 1 where either norm is 0, clamped to 1 under ``trust_clip``; no branch on values."""
+        w_norm, u_norm = w_sq.sqrt(), u_sq.sqrt()
+        one = torch.ones_like(w_norm)
+        usable = (w_norm > 0) & (u_norm > 0)
+        # The division never sees a zero denominator, so no inf/NaN is produced even where it is not selected.
+        ratio = torch.where(usable, w_norm / torch.where(usable, u_norm, one), one)
+        if group["trust_clip"]:
+            ratio = torch.clamp(ratio, max=1.0)
+        return ratio
 
 
 __all__ = ["Lamb"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,53 +86,12 @@ def neuronx_distributed_config(
     None keeps it where it was built (CPU), except on a world whose default backend is XLA, where it goes to the XLA
     device as NxD's does.
     """
-    _refuse_size("pipeline_parallel_size", pipeline_parallel_size, "pipeline parallelism")
-    _refuse_size("expert_parallel_size", expert_parallel_size, "expert parallelism")
-    _refuse_size("context_parallel_size", context_parallel_size, "context parallelism")
-    if lnc_size != 1:
-        raise ValueError(f"neuronx_distributed_config: lnc_size={lnc_size!r} is not supported: it selects Trainium's "
-                         "logical-core replica-group layouts, which nxdtp does not use; the valid value is lnc_size=1")
-    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
-        raise ValueError(f"neuronx_distributed_config: tensor_parallel_size={tensor_parallel_size!r} must be an int "
-                         ">= 1")
-    if lora_config is not None:
-        raise ValueError(
-            f"neuronx_distributed_config: lora_config={lora_config!r} is not supported: NxD's LoraModel (its own "
-            "LoRA layers, adapter-only checkpoints, merge_lora) is not reproduced. nxdtp trains LoRA through Hugging "
-            "Face PEFT on the parallelized model: peft.get_peft_model(nxd_model.module, peft.LoraConfig(...)) "
-            "(docs/wrapping_hf_models.md); pass lora_config=None")
-
-    if optimizer_config is None:
-        optimizer_config = {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
-    else:
-        _check_dict("optimizer_config", optimizer_config)
-        _fill_default(optimizer_config, "zero_one_enabled", False, "automatically set it to False.")
-        _fill_default(optimizer_config, "grad_clipping", True, "automatically set it to True.")
-        if optimizer_config["grad_clipping"]:
-            _fill_default(optimizer_config, "max_grad_norm", DEFAULT_MAX_GRAD_NORM, "automatically set it to one.")
-
-    zero_one = optimizer_config["zero_one_enabled"]
-    if mixed_precision_config is None:
-        mixed_precision_config = {"use_master_weights": zero_one, "use_fp32_grad_acc": zero_one,
-                                  "use_master_weights_in_ckpt": False}
-    else:
-        _check_dict("mixed_precision_config", mixed_precision_config)
-        _fill_default(mixed_precision_config, "use_master_weights", zero_one, "automatically set it.")
-        _fill_default(mixed_precision_config, "use_fp32_grad_acc", zero_one, "automatically set it.")
-        _fill_default(mixed_precision_config, "use_master_weights_in_ckpt", False, "automatically set it to False.")
-
-    if model_init_config is None:
-        model_init_config = {"sequential_move_factor": sequential_move_factor, "meta_device_init": False,
-                             "param_init_fn": None}
-    else:
-        _check_dict("model_init_config", model_init_config)
-        _fill_default(model_init_config, "sequential_move_factor", sequential_move_factor,
-                      f"automatically set it to {sequential_move_factor}.")
-        _fill_default(model_init_config, "meta_device_init", False, "automatically set it to False.")
-        # NxD checks only that the key is there; nxdtp also refuses an explicit None, which NxD would fail on later.
-        if model_init_config["meta_device_init"] and model_init_config.get("param_init_fn") is None:
-            raise ValueError("param_init_fn must be provided when meta_device_init is True: the model is built "
-                             "without values, and param_init_fn(module, device) gives them")
+    _refuse_unsupported(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, context_parallel_size,
+                        lnc_size, lora_config)
+    optimizer_config = _filled_optimizer_config(optimizer_config)
+    mixed_precision_config = _filled_mixed_precision_config(mixed_precision_config,
+                                                            optimizer_config["zero_one_enabled"])
+    model_init_config = _filled_model_init_config(model_init_config, sequential_move_factor)
 
     config = {
         "tensor_parallel_size": tensor_parallel_size,
@@ -156,6 +115,64 @@ def neuronx_distributed_config(
         if parallel_state.is_global_rank_zero():
             logger.info("NxD config: %s", config)
     return config
+
+
+def _refuse_unsupported(tensor_parallel_size: Any, pipeline_parallel_size: Any, expert_parallel_size: Any,
+                        context_parallel_size: Any, lnc_size: Any, lora_config: Any) -> None:
+    """Refuse by name the parallelisms and options of NxD that nxdtp does not have, and a bad TP size."""
+    _refuse_size("pipeline_parallel_size", pipeline_parallel_size, "pipeline parallelism")
+    _refuse_size("expert_parallel_size", expert_parallel_size, "expert parallelism")
+    _refuse_size("context_parallel_size", context_parallel_size, "context parallelism")
+    if lnc_size != 1:
+        raise ValueError(f"neuronx_distributed_config: lnc_size={lnc_size!r} is not supported: it selects Trainium's "
+                         "logical-core replica-group layouts, which nxdtp does not use; the valid value is lnc_size=1")
+    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
+        raise ValueError(f"neuronx_distributed_config: tensor_parallel_size={tensor_parallel_size!r} must be an int "
+                         ">= 1")
+    if lora_config is not None:
+        raise ValueError(
+            f"neuronx_distributed_config: lora_config={lora_config!r} is not supported: NxD's LoraModel (its own "
+            "LoRA layers, adapter-only checkpoints, merge_lora) is not reproduced. nxdtp trains LoRA through Hugging "
+            "Face PEFT on the parallelized model: peft.get_peft_model(nxd_model.module, peft.LoraConfig(...)) "
+            "(docs/wrapping_hf_models.md); pass lora_config=None")
+
+
+def _filled_optimizer_config(optimizer_config: Optional[dict]) -> dict:
+    """NxD's optimizer_config defaults: the whole dict for None, else the missing keys filled in place."""
+    if optimizer_config is None:
+        return {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
+    _check_dict("optimizer_config", optimizer_config)
+    _fill_default(optimizer_config, "zero_one_enabled", False, "automatically set it to False.")
+    _fill_default(optimizer_config, "grad_clipping", True, "automatically set it to True.")
+    if optimizer_config["grad_clipping"]:
+        _fill_default(optimizer_config, "max_grad_norm", DEFAULT_MAX_GRAD_NORM, "automatically set it to one.")
+    return optimizer_config
+
+
+def _filled_mixed_precision_config(mixed_precision_config: Optional[dict], zero_one: Any) -> dict:
+    """NxD's mixed_precision_config defaults (master weights and fp32 gradient accumulation follow ZeRO-1)."""
+    if mixed_precision_config is None:
+        return {"use_master_weights": zero_one, "use_fp32_grad_acc": zero_one, "use_master_weights_in_ckpt": False}
+    _check_dict("mixed_precision_config", mixed_precision_config)
+    _fill_default(mixed_precision_config, "use_master_weights", zero_one, "automatically set it.")
+    _fill_default(mixed_precision_config, "use_fp32_grad_acc", zero_one, "automatically set it.")
+    _fill_default(mixed_precision_config, "use_master_weights_in_ckpt", False, "automatically set it to False.")
+    return mixed_precision_config
+
+
+def _filled_model_init_config(model_init_config: Optional[dict], sequential_move_factor: int) -> dict:
+    """NxD's model_init_config defaults; meta-device init without a param_init_fn is refused."""
+    if model_init_config is None:
+        return {"sequential_move_factor": sequential_move_factor, "meta_device_init": False, "param_init_fn": None}
+    _check_dict("model_init_config", model_init_config)
+    _fill_default(model_init_config, "sequential_move_factor", sequential_move_factor,
+                  f"automatically set it to {sequential_move_factor}.")
+    _fill_default(model_init_config, "meta_device_init", False, "automatically set it to False.")
+    # NxD checks only that the key is there; nxdtp also refuses an explicit None, which NxD would fail on later.
+    if model_init_config["meta_device_init"] and model_init_config.get("param_init_fn") is None:
+        raise ValueError("param_init_fn must be provided when meta_device_init is True: the model is built "
+                         "without values, and param_init_fn(module, device) gives them")
+    return model_init_config
 
 
 def _initialize_model_parallel(nxd_config: Dict[str, Any]) -> None:
@@ -277,26 +294,10 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
     classes) makes those modules recompute in backward through ``nxdtp.random.checkpoint``, which replays the RNG
     tracker. Module names and state_dict keys do not change.
     """
-    if not isinstance(include_buffers, bool) and include_buffers not in (0, 1):
-        # NxD's signature puts include_buffers third: initialize_parallel_model(nxd_config, get_model, config) would
-        # take config for it and call get_model() without arguments.
-        raise TypeError(f"initialize_parallel_model(): include_buffers must be True or False, got a "
-                        f"{type(include_buffers).__name__}; it is the third parameter, as in NxD, and model_fn's "
-                        "arguments come after it: "
-                        "initialize_parallel_model(nxd_config, model_fn, False, *model_args, **model_kwargs)")
+    _check_include_buffers(include_buffers)
     _initialize_model_parallel(nxd_config)
-    for key in ("pipeline_parallel_size", "expert_parallel_size", "context_parallel_size"):
-        _refuse_size(key, nxd_config.get(key, 1), key.replace("_size", "").replace("_", " "))
-    init_config = nxd_config["model_init_config"]
-    meta_init = init_config["meta_device_init"]
-    param_init_fn = init_config.get("param_init_fn")
-    if meta_init and param_init_fn is None:
-        raise ValueError("param_init_fn must be provided when meta_device_init is True")
-    factor = init_config.get("sequential_move_factor", DEFAULT_SEQUENTIAL_MOVE_FACTOR)
-    if not (isinstance(factor, int) and factor >= 1):
-        raise ValueError(f"model_init_config['sequential_move_factor']={factor!r} must be an int >= 1")
+    meta_init, param_init_fn, factor = _model_init_settings(nxd_config)
     sequence_parallel = nxd_config["sequence_parallel"]
-    tp = parallel_state.get_tensor_model_parallel_size()
 
     # Local ranks take turns in waves of `factor` (NxD's sequential move), so at most `factor` processes of a host
     # hold a model being built on CPU at once.
@@ -312,31 +313,7 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
                 model = model_fn(*model_args, **model_kwargs)
             base_model = model
             parallelized_here = _is_hf_model(model) and not _is_parallelized(model)
-            if parallelized_here:
-                from ..models import parallelize_model
-
-                # Replicated state is broadcast after the waves: the ranks of a TP group may build in different ones.
-                from ..models.attention_heads import HeadsNotDivisibleError
-
-                try:
-                    model = parallelize_model(model, sequence_parallel=sequence_parallel, broadcast_replicated=False,
-                                              pad_heads=bool(nxd_config["pad_model"]))
-                except HeadsNotDivisibleError as e:   # its advice names parallelize_model's pad_heads
-                    raise HeadsNotDivisibleError(
-                        str(e).replace("pass pad_heads=True", "pass pad_model=True to neuronx_distributed_config (zero "
-                                       "heads are added, as NxD's pad_model does)")) from None
-            if param_init_fn is not None:
-                _materialise(model, param_init_fn)
-            if nxd_config["pad_model"] and not parallelized_here:
-                if not _is_hf_model(base_model):
-                    raise ValueError("pad_model=True is only supported for Hugging Face models (it reads "
-                                     "config.num_attention_heads), as in NxD")
-                from ..pad import pad_model
-
-                model = pad_model(model, tp, model.config.num_attention_heads)
-            device = _target_device(nxd_config)
-            if device is not None and device.type != "cpu":
-                model = move_model_to_device(model, device)
+            model = _made_parallel(model, nxd_config, param_init_fn, parallelized_here, sequence_parallel)
         if waves > 1:
             comm.barrier()
     if parallelized_here:
@@ -351,6 +328,68 @@ def initialize_parallel_model(nxd_config: Dict[str, Any], model_fn: Callable[...
 
         checkpoint_modules(model, _activation_checkpoint_classes(ac_config, base_model, model))
     return nxd_model
+
+
+def _check_include_buffers(include_buffers: Any) -> None:
+    if not isinstance(include_buffers, bool) and include_buffers not in (0, 1):
+        # NxD's signature puts include_buffers third: initialize_parallel_model(nxd_config, get_model, config) would
+        # take config for it and call get_model() without arguments.
+        raise TypeError(f"initialize_parallel_model(): include_buffers must be True or False, got a "
+                        f"{type(include_buffers).__name__}; it is the third parameter, as in NxD, and model_fn's "
+                        "arguments come after it: "
+                        "initialize_parallel_model(nxd_config, model_fn, False, *model_args, **model_kwargs)")
+
+
+def _model_init_settings(nxd_config: Dict[str, Any]) -> Tuple[bool, Optional[Callable], int]:
+    """``(meta_device_init, param_init_fn, sequential_move_factor)`` of the config, checked (a config dict may have
+    been written by hand rather than by neuronx_distributed_config)."""
+    for key in ("pipeline_parallel_size", "expert_parallel_size", "context_parallel_size"):
+        _refuse_size(key, nxd_config.get(key, 1), key.replace("_size", "").replace("_", " "))
+    init_config = nxd_config["model_init_config"]
+    meta_init = init_config["meta_device_init"]
+    param_init_fn = init_config.get("param_init_fn")
+    if meta_init and param_init_fn is None:
+        raise ValueError("param_init_fn must be provided when meta_device_init is True")
+    factor = init_config.get("sequential_move_factor", DEFAULT_SEQUENTIAL_MOVE_FACTOR)
+    if not (isinstance(factor, int) and factor >= 1):
+        raise ValueError(f"model_init_config['sequential_move_factor']={factor!r} must be an int >= 1")
+    return meta_init, param_init_fn, factor
+
+
+def _made_parallel(model: nn.Module, nxd_config: Dict[str, Any], param_init_fn: Optional[Callable],
+                   parallelize: bool, sequence_parallel: bool) -> nn.Module:
+    """The built model made what NxD's trainer hands over: parallelized (a plain HF model), given its values
+    (``param_init_fn``), its heads padded (``pad_model`` on a model that came parallel), on the config's device."""
+    base_model = model
+    if parallelize:
+        model = _parallelize_hf_model(model, sequence_parallel, bool(nxd_config["pad_model"]))
+    if param_init_fn is not None:
+        _materialise(model, param_init_fn)
+    if nxd_config["pad_model"] and not parallelize:
+        if not _is_hf_model(base_model):
+            raise ValueError("pad_model=True is only supported for Hugging Face models (it reads "
+                             "config.num_attention_heads), as in NxD")
+        from ..pad import pad_model
+
+        model = pad_model(model, parallel_state.get_tensor_model_parallel_size(), model.config.num_attention_heads)
+    device = _target_device(nxd_config)
+    if device is not None and device.type != "cpu":
+        model = move_model_to_device(model, device)
+    return model
+
+
+def _parallelize_hf_model(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> nn.Module:
+    from ..models import parallelize_model
+    from ..models.attention_heads import HeadsNotDivisibleError
+
+    try:
+        # Replicated state is broadcast after the waves: the ranks of a TP group may build in different ones.
+        return parallelize_model(model, sequence_parallel=sequence_parallel, broadcast_replicated=False,
+                                 pad_heads=pad_heads)
+    except HeadsNotDivisibleError as e:   # its advice names parallelize_model's pad_heads
+        raise HeadsNotDivisibleError(
+            str(e).replace("pass pad_heads=True", "pass pad_model=True to neuronx_distributed_config (zero "
+                           "heads are added, as NxD's pad_model does)")) from None
 
 
 # ---- the optimizer --------------------------------------------------------------------------------------------------

@@ -146,6 +146,32 @@ def _load_config(config_json):
     return config, model_class
 
 
+@dataclass(frozen=True)
+class _QKVKeys:
+    """One layer's Q, K and V keys in an NxD checkpoint, and how a rank's tensors under them split into its Q, K and V
+    rows."""
+
+    names: Tuple[str, ...]  # one fused key (Q rows, then K, then V), or the Q, K and V keys
+    q_rows: int  # Q rows per rank
+    hidden: int
+
+    @property
+    def fused(self) -> bool:
+        return len(self.names) == 1
+
+    def shapes(self, kv_rows: int) -> Tuple[Tuple[int, ...], ...]:
+        """The shape of each key on every rank, with ``kv_rows`` K (and V) rows per rank."""
+        if self.fused:
+            return ((self.q_rows + 2 * kv_rows, self.hidden),)
+        return (self.q_rows, self.hidden), (kv_rows, self.hidden), (kv_rows, self.hidden)
+
+    def blocks(self, shard: RankShard, kv_rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A rank's Q, K and V rows."""
+        if self.fused:
+            return torch.split(shard.get(self.names[0]), [self.q_rows, kv_rows, kv_rows])
+        return shard.get(self.names[0]), shard.get(self.names[1]), shard.get(self.names[2])
+
+
 class _Planner:
     """Checks an NxD Llama checkpoint against the config and says how to build each dense tensor."""
 
@@ -269,92 +295,123 @@ class _Planner:
         form = self._form(layer)
         if form is None:
             return  # the HF keys are then reported missing
-        names = [layer + "self_attn." + k for k in form.keys]
+        qkv = _QKVKeys(tuple(layer + "self_attn." + k for k in form.keys), self.heads * self.head_dim // self.tp,
+                       self.hidden)
         o_key = layer + "self_attn.o_proj.weight"
-        q_rows = self.heads * self.head_dim // self.tp
+        options = self._layouts_of(layer, form, qkv)
+        kv_rows = self._kv_rows(qkv, options)
+        multiplier = self._one_multiplier(qkv, options[kv_rows])
+        self._check_o_proj(o_key, qkv.q_rows)
+        dtype = self._one_attention_dtype(qkv.names + (o_key,))
+        q_sources, kv_copies = head_layout(self.heads, self.kv_heads, self.tp, multiplier)
+        self._check_kv_copies_equal(qkv, kv_rows, kv_copies, multiplier)
+        self._produce_attention(layer, qkv, kv_rows, o_key, q_sources, kv_copies, dtype)
+
+    def _layouts_of(self, layer: str, form: AttentionForm, qkv: _QKVKeys) -> Dict[int, int]:
+        """``_multipliers`` of this form: KV rows per rank -> kv_size_multiplier; raise if the form cannot hold the
+        config's heads at all."""
         options = self._multipliers(form)
         if form.equal_heads and self.heads != self.kv_heads:
-            raise NxdCheckpointError(f"{self.shards[0].path}: '{names[0]}' is NxD's {form.name}, which holds equal "
+            raise NxdCheckpointError(f"{self.shards[0].path}: '{qkv.names[0]}' is NxD's {form.name}, which holds equal "
                                      f"numbers of query and KV heads, but the config has {self.heads} query and "
                                      f"{self.kv_heads} KV heads")
         if not options:
             raise NxdCheckpointError(f"{self.shards[0].path}: {layer}self_attn: NxD's {form.name} cannot split "
                                      f"{self.heads} query and {self.kv_heads} KV heads over {self.tp} TP ranks")
+        return options
 
-        def expected(kv_rows: int) -> Tuple[Tuple[int, ...], ...]:
-            if len(names) == 3:
-                return (q_rows, self.hidden), (kv_rows, self.hidden), (kv_rows, self.hidden)
-            return ((q_rows + 2 * kv_rows, self.hidden),)
-
-        def describe() -> str:
-            if len(names) == 3:
-                parts = [f"{[q_rows, self.hidden]} for Q and {[rows, self.hidden]} for K and V (kv_size_multiplier "
-                         f"{m})" for rows, m in options.items()]
-            else:
-                parts = [f"{[q_rows + 2 * rows, self.hidden]}: {q_rows} Q rows, then {rows} K and {rows} V rows "
-                         f"(kv_size_multiplier {m})" for rows, m in options.items()]
-            return (" or ".join(parts) + f"; from {self.heads} query and {self.kv_heads} KV heads of size "
-                    f"{self.head_dim} over {self.tp} TP ranks")
-
+    def _kv_rows(self, qkv: _QKVKeys, options: Dict[int, int]) -> int:
+        """The K (and V) rows per rank, read from TP rank 0's shapes, which must be one of the layouts ``options``
+        allows and those of every other rank."""
         first = self.shards[0]
-        found = [tuple(first.get(n).shape) for n in names]
-        if len(names) == 3:
-            kv_rows = found[1][0] if found[1] else 0
+        found = [tuple(first.get(n).shape) for n in qkv.names]
+        if qkv.fused:
+            kv_rows = (found[0][0] - qkv.q_rows) / 2 if found[0] else 0  # not whole when the rows fit no layout
         else:
-            kv_rows = (found[0][0] - q_rows) / 2 if found[0] else 0  # not whole when the rows fit no layout
-        if kv_rows not in options or found != list(expected(int(kv_rows))):
-            if len(names) == 1 or found[0] != (q_rows, self.hidden):
+            kv_rows = found[1][0] if found[1] else 0
+        if kv_rows not in options or found != list(qkv.shapes(int(kv_rows))):
+            # Name the key that is wrong: the fused one, else Q, else K if its rows fit no layout, else V.
+            if qkv.fused or found[0] != (qkv.q_rows, self.hidden):
                 wrong = 0
             else:
                 wrong = 1 if found[1] not in {(rows, self.hidden) for rows in options} else 2
-            raise self._shape_error(first, names[wrong], found[wrong], describe())
+            raise self._shape_error(first, qkv.names[wrong], found[wrong], self._describe_layouts(qkv, options))
         kv_rows = int(kv_rows)
         for shard in self.shards[1:]:
-            for name, want in zip(names, expected(kv_rows)):
+            for name, want in zip(qkv.names, qkv.shapes(kv_rows)):
                 if tuple(shard.get(name).shape) != want:
                     raise self._shape_error(shard, name, shard.get(name).shape, f"{list(want)}, as on TP rank 0")
-        multiplier = options[kv_rows]
+        return kv_rows
+
+    def _describe_layouts(self, qkv: _QKVKeys, options: Dict[int, int]) -> str:
+        """The shapes the config allows for the layer's keys, for an error message."""
+        q_rows = qkv.q_rows
+        if not qkv.fused:
+            parts = [f"{[q_rows, self.hidden]} for Q and {[rows, self.hidden]} for K and V (kv_size_multiplier "
+                     f"{m})" for rows, m in options.items()]
+        else:
+            parts = [f"{[q_rows + 2 * rows, self.hidden]}: {q_rows} Q rows, then {rows} K and {rows} V rows "
+                     f"(kv_size_multiplier {m})" for rows, m in options.items()]
+        return (" or ".join(parts) + f"; from {self.heads} query and {self.kv_heads} KV heads of size "
+                f"{self.head_dim} over {self.tp} TP ranks")
+
+    def _one_multiplier(self, qkv: _QKVKeys, multiplier: int) -> int:
+        """The layer's kv_size_multiplier, which must be that of every earlier layer (NxD uses one per model)."""
         if self.multiplier is not None and multiplier != self.multiplier:
-            raise NxdCheckpointError(f"{first.path}: '{names[0]}' holds each KV head {multiplier} time(s) over the "
-                                     f"ranks, but earlier layers hold them {self.multiplier} time(s)")
+            raise NxdCheckpointError(f"{self.shards[0].path}: '{qkv.names[0]}' holds each KV head {multiplier} "
+                                     f"time(s) over the ranks, but earlier layers hold them {self.multiplier} time(s)")
         self.multiplier = multiplier
+        return multiplier
+
+    def _check_o_proj(self, o_key: str, q_rows: int) -> None:
         o_want = (self.hidden, q_rows)
         for shard in self.shards:
             if tuple(shard.get(o_key).shape) != o_want:
                 raise self._shape_error(shard, o_key, shard.get(o_key).shape,
                                         f"{list(o_want)} (its 1/{self.tp} slice along dim 1 of the full "
                                         f"{list(self.shapes[o_key])})")
+
+    def _one_attention_dtype(self, names: Tuple[str, ...]) -> torch.dtype:
+        """The dtype the layer's attention weights share (each on every rank); a layer that mixes dtypes is refused."""
         dtype = one_dtype(self.shards, names[0])
-        for name in names[1:] + [o_key]:
+        for name in names[1:]:
             if one_dtype(self.shards, name) != dtype:
                 raise NxdCheckpointError(f"'{name}' is {one_dtype(self.shards, name)}, but '{names[0]}' is {dtype}")
+        return dtype
 
-        def blocks(rank: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            shard = self.shards[rank]
-            if len(names) == 3:
-                return shard.get(names[0]), shard.get(names[1]), shard.get(names[2])
-            return torch.split(shard.get(names[0]), [q_rows, kv_rows, kv_rows])
-
-        q_sources, kv_copies = head_layout(self.heads, self.kv_heads, self.tp, multiplier)
+    def _check_kv_copies_equal(self, qkv: _QKVKeys, kv_rows: int, kv_copies: List[List[Tuple[int, int]]],
+                               multiplier: int) -> None:
+        """Every copy of a KV head (kv_size_multiplier > 1) equals the first: the dense model can hold only one."""
         d = self.head_dim
         for part, label in ((1, "K"), (2, "V")):
-            key = names[part if len(names) == 3 else 0]
+            key = qkv.names[0 if qkv.fused else part]
             for head, copies in enumerate(kv_copies):
                 rank0, slot0 = copies[0]
-                reference = blocks(rank0)[part][slot0 * d:(slot0 + 1) * d]
+                reference = qkv.blocks(self.shards[rank0], kv_rows)[part][slot0 * d:(slot0 + 1) * d]
                 for rank, slot in copies[1:]:
-                    if not torch.equal(blocks(rank)[part][slot * d:(slot + 1) * d], reference):
+                    if not torch.equal(qkv.blocks(self.shards[rank], kv_rows)[part][slot * d:(slot + 1) * d],
+                                       reference):
                         raise NxdCheckpointError(
                             f"{self.shards[rank].tensor_file(key)}: the {label} weights of KV head {head} in '{key}' "
                             f"differ between TP rank {rank0} and TP rank {rank}. NxD holds kv_size_multiplier="
                             f"{multiplier} copies of each KV head, which must stay equal, and the dense model can "
                             "hold only one: this checkpoint is damaged, or its copies were never equal")
 
+    def _produce_attention(self, layer: str, qkv: _QKVKeys, kv_rows: int, o_key: str,
+                           q_sources: List[Optional[Tuple[int, int]]], kv_copies: List[List[Tuple[int, int]]],
+                           dtype: torch.dtype) -> None:
+        """Say how HF's q_proj, k_proj, v_proj and o_proj are built (when written): each head from the (rank, slot)
+        ``head_layout`` gives it, the first copy of each KV head."""
+        d = self.head_dim
+
+        def block(rank: int, part: int) -> torch.Tensor:
+            return qkv.blocks(self.shards[rank], kv_rows)[part]
+
         def q() -> torch.Tensor:
-            return torch.cat([blocks(r)[0][s * d:(s + 1) * d] for r, s in q_sources])
+            return torch.cat([block(r, 0)[s * d:(s + 1) * d] for r, s in q_sources])
 
         def kv(part: int) -> torch.Tensor:
-            return torch.cat([blocks(r)[part][s * d:(s + 1) * d] for r, s in (c[0] for c in kv_copies)])
+            return torch.cat([block(r, part)[s * d:(s + 1) * d] for r, s in (c[0] for c in kv_copies)])
 
         def o() -> torch.Tensor:
             return torch.cat([self.shards[r].get(o_key)[:, s * d:(s + 1) * d] for r, s in q_sources], dim=1)
@@ -364,7 +421,7 @@ class _Planner:
         self.producers[hf + "k_proj.weight"] = (dtype, lambda: kv(1))
         self.producers[hf + "v_proj.weight"] = (dtype, lambda: kv(2))
         self.producers[o_key] = (dtype, o)
-        self.consumed.update(names + [o_key])
+        self.consumed.update(list(qkv.names) + [o_key])
 
     # -- the whole model --
 
