@@ -43,6 +43,7 @@ import torch
 
 from ...models.common import require_supported_transformers
 from ...models.llama import NAME as LLAMA_FAMILY
+from ...spec import ParamSpec
 from .reader import (
     AUTO,
     DenseTensor,
@@ -220,19 +221,26 @@ class _Planner:
         if full[dim] % self.tp:
             raise NxdCheckpointError(f"'{key}' of shape {list(full)} cannot be split along dim {dim} over {self.tp} "
                                      "TP ranks, so NxD cannot have written it at this degree")
-        want = full[:dim] + (full[dim] // self.tp,) + full[dim + 1:]
+        spec = ParamSpec(full_shape=full, partition_dim=dim, num_partitions=self.tp)
+        want = spec.local_shape()
         for shard in self.shards:
             if tuple(shard.get(key).shape) != want:
                 raise self._shape_error(shard, key, shard.get(key).shape, f"{list(want)} (its 1/{self.tp} slice along "
                                                                           f"dim {dim} of the full {list(full)})")
-        self.producers[key] = (one_dtype(self.shards, key),
-                               lambda: torch.cat([s.get(key) for s in self.shards], dim=dim))
+        self.producers[key] = (one_dtype(self.shards, key), lambda: self._unshard(spec, key))
         self.consumed.add(key)
+
+    def _unshard(self, spec: ParamSpec, key: str) -> torch.Tensor:
+        """The dense tensor of ``key`` from every rank's piece, as ``spec`` (NxD's layout of it) lays them out."""
+        return spec.unshard([shard.get(key) for shard in self.shards])
 
     def _vocab(self, key: str) -> None:
         vocab, width = self.shapes[key]
         rows = math.ceil(vocab / self.tp)
         padding = rows * self.tp - vocab
+        # NxD pads the vocabulary at its end to a multiple of tp.
+        spec = ParamSpec(full_shape=(rows * self.tp, width), partition_dim=0, num_partitions=self.tp,
+                         real_shape=(vocab, width))
         how = f"its 1/{self.tp} slice of the {vocab}-token vocabulary" + (
             f" padded to {rows * self.tp}" if padding else "")
         for shard in self.shards:
@@ -240,8 +248,7 @@ class _Planner:
                 raise self._shape_error(shard, key, shard.get(key).shape, f"{[rows, width]} ({how})")
         if padding:
             say(self.progress, f"'{key}': dropping the {padding} padding row(s) past the vocabulary size {vocab}")
-        self.producers[key] = (one_dtype(self.shards, key),
-                               lambda: torch.cat([s.get(key) for s in self.shards], dim=0)[:vocab])
+        self.producers[key] = (one_dtype(self.shards, key), lambda: self._unshard(spec, key))
         self.consumed.add(key)
 
     def _gate_up(self, layer: str) -> None:
@@ -260,8 +267,10 @@ class _Planner:
                                         f"{[2 * local, hidden]} (this rank's {local} gate rows, then its {local} up "
                                         f"rows, of intermediate_size {intermediate})")
         dtype = one_dtype(self.shards, key)
-        self.producers[gate] = (dtype, lambda: torch.cat([s.get(key)[:local] for s in self.shards]))
-        self.producers[up] = (dtype, lambda: torch.cat([s.get(key)[local:] for s in self.shards]))
+        # Gate and up fused with stride 2: each rank's piece is its gate rows, then its up rows.
+        spec = ParamSpec(full_shape=(2 * intermediate, hidden), partition_dim=0, num_partitions=self.tp, stride=2)
+        self.producers[gate] = (dtype, lambda: self._unshard(spec, key)[:intermediate])
+        self.producers[up] = (dtype, lambda: self._unshard(spec, key)[intermediate:])
         self.consumed.add(key)
 
     # -- attention --
