@@ -37,7 +37,7 @@ from torch import nn
 from . import comm
 from .forward_wrappers import wrap_forward
 from .parallel_state import ParallelGroup, tensor_parallel_group
-from .record import peek_record, record_of
+from .record import read_record, record_of
 
 # Input slots: a fixed size, so every rank gathers the same shape whatever arguments it was given (ranks that passed
 # different arguments must meet in the collective, then be told, rather than hang). Names are hashed to slots; two
@@ -108,7 +108,7 @@ def install_input_check(model: nn.Module, every: Optional[int] = None) -> nn.Mod
     docstring). ``every`` defaults to ``NXDTP_INPUT_CHECK_EVERY`` (1: every forward). Every plan in
     ``nxdtp.models`` installs it; call it (or ``set_input_check``) for a model of your own. Returns the model."""
     every = _every_from_environment() if every is None else _check_every(every)
-    if _input_check_of(model) is not None:   # installed already: a second wrapper would gather twice
+    if read_record(model).input_check is not None:   # installed already: a second wrapper would gather twice
         set_input_check(model, every)
         return model
     record_of(model).input_check = _InputCheck(every)
@@ -116,16 +116,11 @@ def install_input_check(model: nn.Module, every: Optional[int] = None) -> nn.Mod
     return model
 
 
-def _input_check_of(model: nn.Module) -> Optional["_InputCheck"]:
-    record = peek_record(model)
-    return record.input_check if record is not None else None
-
-
 def set_input_check(model: nn.Module, every: int) -> None:
     """Check the inputs of the first forward of ``model`` from now on and of every ``every``-th after it; ``every=0``
     turns the check off. Installs the check on a model that has none (``install_input_check``)."""
     every = _check_every(every)
-    check = _input_check_of(model)
+    check = read_record(model).input_check
     if check is None:
         install_input_check(model, every)
     else:
@@ -135,13 +130,13 @@ def set_input_check(model: nn.Module, every: int) -> None:
 def pending_input_checks(model: nn.Module) -> List[torch.Tensor]:
     """The gathered fingerprint tables of ``model``'s checked forwards not yet read (XLA only: elsewhere they are read
     at once). For tracing: they are outputs of the forward's graph (``tests/test_rank_independent_graphs.py``)."""
-    check = _input_check_of(model)
+    check = read_record(model).input_check
     return [] if check is None else [entry.gathered for entry in check.pending]
 
 
 def _forward_checking_inputs(forward, *args, **kwargs):
     module = forward.__self__
-    check = _input_check_of(module)
+    check = read_record(module).input_check
     if check is not None:
         check(module, args, kwargs)
     return forward(*args, **kwargs)

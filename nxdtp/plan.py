@@ -8,7 +8,7 @@ Wiring is styles too: ``WrapForward`` (a forward wrapper: the region a block's p
 sequence-parallel region starts and ends), ``SetAttributes`` (the heads a rank runs), ``Chain`` (several on one
 module). Every style declares its ``Effect`` (the style protocol below). A plan's ``prepare`` hook returns the styles
 that depend on the model; its ``finalize`` hook keeps only what concerns the model as a whole, such as its loss. The
-class swaps behind the wrappers are ``nxdtp.forward_wrappers``'; they keep parameter names, so HF state-dict keys stay
+class swaps behind the wrappers are in ``nxdtp.forward_wrappers``; they keep parameter names, so HF state-dict keys stay
 as they were.
 """
 
@@ -36,7 +36,7 @@ from .forward_wrappers import (  # noqa: F401 - nxdtp.plan's names since before 
 )
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
 from .parallel_state import ParallelGroup, tensor_parallel_group
-from .record import peek_record, record_of
+from .record import read_record, record_of
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .utils import retie_parameters, tied_parameter_names
@@ -549,12 +549,10 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     over TP inside backward (``sum_sequence_parallel_gradients_in_backward``): no call after backward is needed.
     """
     group = tensor_parallel_group()  # the one lookup: styles and hooks are given the group
-    styles = dict(plan.styles)
-    if plan.prepare is not None:
-        styles.update(_call_hook(plan.prepare, model, group) or {})
+    matched = _match(model, _styles_for(model, plan, group))
     tie_groups = tied_parameter_names(model)
     converted_modules = []
-    for name, style in _match(model, styles):
+    for name, style in matched:
         converted = _convert(style, model.get_submodule(name), name, group)
         _set_submodule(model, name, converted)
         converted_modules.append(converted)
@@ -570,6 +568,14 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     return model
 
 
+def _styles_for(model: nn.Module, plan: Plan, group: ParallelGroup) -> Dict[str, Style]:
+    """The plan's styles with those its ``prepare`` adds for ``model`` (the plan itself is left as it is)."""
+    styles = dict(plan.styles)
+    if plan.prepare is not None:
+        styles.update(_call_hook(plan.prepare, model, group) or {})
+    return styles
+
+
 def _call_hook(hook: Callable, model: nn.Module, group: ParallelGroup):
     if len(inspect.signature(hook).parameters) >= 2:
         return hook(model, group)
@@ -579,10 +585,8 @@ def _call_hook(hook: Callable, model: nn.Module, group: ParallelGroup):
 def describe(model: nn.Module, plan: Plan) -> List[Tuple[str, str, Effect]]:
     """(module name, style, declared effect) for every module ``plan`` would change in ``model``, in the order
     ``parallelize`` applies them; nothing is changed (``prepare`` runs, as it only validates and adds styles)."""
-    styles = dict(plan.styles)
-    if plan.prepare is not None:
-        styles.update(_call_hook(plan.prepare, model, tensor_parallel_group()) or {})
-    return [(name, repr(style), effect_of(style)) for name, style in _match(model, styles)]
+    matched = _match(model, _styles_for(model, plan, tensor_parallel_group()))
+    return [(name, repr(style), effect_of(style)) for name, style in matched]
 
 
 def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]]:
@@ -625,8 +629,7 @@ def broadcast_replicated_state(model: nn.Module) -> None:
         return
     per_rank = {id(getattr(m, n)) for m in model.modules() if isinstance(m, ShardedModule)
                 for n, spec in m.param_specs().items() if spec.is_sharded}
-    per_rank |= {id(getattr(m, n)) for m in model.modules() if peek_record(m) is not None
-                 for n in peek_record(m).rank_local_buffers}
+    per_rank |= {id(getattr(m, n)) for m in model.modules() for n in read_record(m).rank_local_buffers}
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             if id(tensor) in per_rank or tensor.device.type == "meta":

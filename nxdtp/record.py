@@ -52,7 +52,9 @@ def record_of(target: Any) -> NxdtpRecord:
     return record
 
 
-def peek_record(target: Any) -> Optional[NxdtpRecord]:
-    """``target``'s record if it has one, without making one (for reads on hot paths and on objects nxdtp never
-    touched)."""
-    return getattr(target, "__dict__", {}).get(_KEY)
+def read_record(target: Any) -> NxdtpRecord:
+    """``target``'s record for reading: its own, or, when it has none (an object nxdtp never touched, or one without a
+    ``__dict__`` such as a plain state dict), a new empty one that is not attached to it, so every field reads as its
+    default and nothing is made on ``target``. Write through ``record_of``."""
+    record = getattr(target, "__dict__", {}).get(_KEY)
+    return record if record is not None else NxdtpRecord()

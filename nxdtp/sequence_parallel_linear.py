@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from . import comm, mappings
 from .parallel_state import ParallelGroup, group_of
-from .record import peek_record, record_of
+from .record import read_record, record_of
 
 
 class _Regather:
@@ -89,20 +89,15 @@ def gather_keeping_shard(shard: torch.Tensor, sequence_dimension: int = 0, proce
 
 
 def _note_of(tensor: torch.Tensor) -> Optional[_ShardNote]:
-    note = _own_note(tensor)
+    note = read_record(tensor).sequence_shard
     base = tensor._base
     if note is None and base is not None:
         # A view that covers its whole base the same way (HF's ``hidden_states[:, slice(0, None), :]`` before an LM
         # head) has the base's value.
         same = (tensor.shape == base.shape and tensor.stride() == base.stride()
                 and tensor.storage_offset() == base.storage_offset() and tensor.dtype == base.dtype)
-        note = _own_note(base) if same else None
+        note = read_record(base).sequence_shard if same else None
     return note
-
-
-def _own_note(tensor: torch.Tensor) -> Optional[_ShardNote]:
-    record = peek_record(tensor)
-    return record.sequence_shard if record is not None else None
 
 
 def carry_note(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ DCP's global plan check (chunks inside the tensor, no overlap, full coverage) ru
 Memory: ``FileSystemWriter`` keeps every tensor it wrote to a file until that file is closed, so with its default of
 one file per rank the whole checkpoint would sit in memory. The export therefore writes one file per chunk
 (``single_file_per_rank=False``), at the cost of many small files (``__0_<n>.distcp``; every DCP reader handles them),
-and collects the chunks ``torch.save`` leaves in reference cycles as it goes (``ChunkedSavePlanner._collect``): the peak
+and collects the chunks ``torch.save`` leaves in reference cycles as it goes (``nxdtp.checkpointing.cycles``): the peak
 is one chunk (at most ``CHUNK_BYTES``) plus ``COLLECT_BYTES`` of written ones and the reader's buffers.
 
 Safety is ``nxdtp-merge``'s: the source is checked (and its files verified) before anything is written, the output is
@@ -35,7 +35,6 @@ written into a temporary sibling and renamed into place, a non-empty ``output_di
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -46,6 +45,7 @@ import torch
 
 from ..spec import ParamSpec
 from ..version import __version__
+from .cycles import CycleCollector
 from .dense_optimizer import MASTER_PREFIX
 from .durable import write_bytes_durably
 from .index import CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file
@@ -375,16 +375,7 @@ def _chunked_save_planner_class():
             self._chunked = chunked
             self._reads: Dict[Tuple[str, Tuple[int, ...]], _Chunk] = {}
             self._bar = bar
-            self._uncollected = 0
-
-        def _collect(self) -> None:
-            """Free the chunks already written before reading the next. The writer serialises each with
-            ``torch.save``, which leaves the tensor in a reference cycle (its pickler class and closures), so only
-            the garbage collector frees it, and on its own it runs too rarely: measured on the Llama-1B shape, eight
-            125 MiB chunks (1 GB) piled up between its runs. A young-generation collection costs about 0.5 ms."""
-            if self._uncollected >= COLLECT_BYTES:
-                gc.collect(1)
-                self._uncollected = 0
+            self._written = CycleCollector(COLLECT_BYTES)   # the chunks the writer's torch.save leaves in cycles
 
         def create_local_plan(self):
             missing = sorted(set(self._chunked) - set(self.state_dict))
@@ -411,9 +402,8 @@ def _chunked_save_planner_class():
             chunk = self._reads.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
             if chunk is None:
                 return super().resolve_data(write_item)
-            self._collect()
             data = chunk.read()
-            self._uncollected += data.numel() * data.element_size()
+            self._written.passed(data)
             if tuple(data.shape) != tuple(chunk.sizes):
                 raise ValueError(f"'{write_item.index.fqn}': a chunk read {list(data.shape)} rows, the plan says "
                                  f"{list(chunk.sizes)}")

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..record import peek_record
+from ..record import read_record
 from ..spec import ParamSpec
 from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durably
 
@@ -144,12 +144,7 @@ def split_model_state(model: Any, state_dict: Dict[str, Any], tp: int
     ``save_pretrained`` both store ties this way, so a merged checkpoint and a saved-pretrained directory name every
     tensor alike."""
     return split_state_dict(state_dict, tp, alias_keys=getattr(model, "_tied_weights_keys", None) or (),
-                            preferred_keys=_tied_keys_to_store(model))
-
-
-def _tied_keys_to_store(model) -> tuple:
-    record = peek_record(model)
-    return record.tied_keys_to_store if record is not None else ()
+                            preferred_keys=read_record(model).tied_keys_to_store)
 
 
 @dataclasses.dataclass

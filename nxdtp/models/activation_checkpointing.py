@@ -26,7 +26,7 @@ from torch import nn
 
 from ..plan import add_mixin, wrap_forward
 from ..random import ReplayedOnRecompute, checkpoint, xla_tensors
-from ..record import peek_record, record_of
+from ..record import read_record, record_of
 
 
 def transformer_layers(model: nn.Module) -> list:
@@ -179,11 +179,11 @@ class _ReplaysNxdtpRngUnderHFCheckpointing:
 
     @property
     def _gradient_checkpointing_func(self):
-        record = peek_record(self)
-        if record is None or record.checkpoint_function is None:
+        function = read_record(self).checkpoint_function
+        if function is None:
             raise AttributeError(f"{type(self).__name__} has no _gradient_checkpointing_func: gradient checkpointing "
                                  "was never enabled")
-        return record.checkpoint_function
+        return function
 
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, function) -> None:

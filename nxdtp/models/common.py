@@ -13,7 +13,7 @@ from .. import mappings, sequence_parallel_linear
 from ..parallel_state import ParallelGroup
 from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
-from ..record import peek_record
+from ..record import read_record
 from .family import families_with_older_transformers, oldest_transformers
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
@@ -110,8 +110,7 @@ def splits_sequence(module: nn.Module) -> bool:
     ``nxdtp.models.generation.generation_mode``, which runs a sequence-parallel model without splitting the sequence
     (a decode step has one token, which no split divides) by setting ``whole_sequence`` in every module's record; the
     sequence-parallel wrappers below then act as their plain TP counterparts."""
-    record = peek_record(module)
-    return record is None or not record.whole_sequence
+    return not read_record(module).whole_sequence
 
 
 def dropping(module: nn.Module) -> bool:

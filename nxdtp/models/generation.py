@@ -34,7 +34,7 @@ from torch import nn
 
 from ..layers import ColumnParallelLinear
 from ..plan import add_mixin
-from ..record import peek_record, record_of
+from ..record import read_record, record_of
 from .common import gather_vocab_logits
 
 # The model's record keeps how many generation_mode contexts are open on it (generation_depth), and whether it splits
@@ -42,8 +42,7 @@ from .common import gather_vocab_logits
 
 
 def in_generation_mode(model: nn.Module) -> bool:
-    record = peek_record(model)
-    return record is not None and record.generation_depth > 0
+    return read_record(model).generation_depth > 0
 
 
 @contextlib.contextmanager
@@ -118,7 +117,7 @@ class _GeneratesFromFullLogits:
     def __call__(self, *args, **kwargs):
         if not in_generation_mode(self):
             return super().__call__(*args, **kwargs)
-        if record_of(self).generation_suspends_sequence_parallelism and torch.is_grad_enabled():
+        if read_record(self).generation_suspends_sequence_parallelism and torch.is_grad_enabled():
             raise RuntimeError(
                 f"{type(self).__name__} was parallelized with sequence_parallel=True and is in generation_mode, which "
                 "runs it without splitting the sequence: its forward must run under torch.no_grad() (with gradients, "

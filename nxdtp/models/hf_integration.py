@@ -11,7 +11,7 @@ from torch import nn
 
 from ..agreement import install_input_check
 from ..parallel_state import tensor_parallel_group
-from ..record import peek_record
+from ..record import read_record
 from .activation_checkpointing import support_hf_checkpointing
 from .generation import support_hf_generation
 from .hf_saving import support_save_pretrained
@@ -43,8 +43,8 @@ def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
     world) each rank trains alone with local-shard clipping: the run would finish and the model be wrong. Costs a
     dictionary lookup."""
     state = sys.modules.get("accelerate.state")
-    record = peek_record(model)   # a trainer that handles TP (nxdtp.models.trainer) names itself there
-    if state is None or not model.training or (record is not None and record.trained_by):
+    # A trainer that handles TP (nxdtp.models.trainer) names itself in the model's record.
+    if state is None or not model.training or read_record(model).trained_by:
         return
     # Any live accelerate training state: with several processes it wraps the model in DDP over the TP ranks; with
     # one (torchrun on CPUs without use_cpu=True, where accelerate does not see the world) every process trains on
