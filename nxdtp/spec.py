@@ -39,13 +39,16 @@ drop them, and ``nxdtp.utils.move_model_to_device`` puts them back from the modu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .heads import kv_replicas, padded_rows
 from .rounding import round_up
+
+# A box of a tensor: (offsets, sizes), one of each per dimension.
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 SPEC_FORMAT_VERSION = 1
 
@@ -182,9 +185,10 @@ class ParamSpec:
     def full_from_pieces(self, read_piece: Callable[[int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The full (padded, copies kept) tensor from its TP pieces. ``read_piece(rank)`` is called once per rank, in
         rank order 0, 1, ..., and each piece is copied in and dropped before the next is read, so the peak is the full
-        tensor plus one piece. A replicated tensor is rank 0's piece. The full tensor is made on the pieces' device."""
-        if not self.is_sharded:
-            return read_piece(0).to(dtype)
+        tensor plus one piece. A replicated tensor, or one split into one partition, is rank 0's piece. The full
+        tensor is made on the pieces' device."""
+        if not self.is_sharded or self.num_partitions == 1:
+            return read_piece(0).to(dtype)  # the one piece is the full tensor
         full = None
         for rank in range(self.num_partitions):
             piece = read_piece(rank)
@@ -292,6 +296,39 @@ class ParamSpec:
             else:
                 parts[i] = part.to(dtype)
         return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+    def piece_parts(self, rank: int, read_boxes: Callable[[List[Box]], List[torch.Tensor]], rows_per_part: int,
+                    dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """TP rank ``rank``'s piece as consecutive slabs along dim 0 of at most ``rows_per_part`` rows each (in
+        ``dtype``), each slab made from one call ``read_boxes([(offsets, sizes), ...])`` that returns those boxes of
+        the dense tensor, with zeros for padding: so neither the piece nor the dense tensor is ever whole in memory
+        (for a writer that takes a tensor in row ranges). A 0-dim tensor is one part."""
+        dense = tuple(self.unpadded_shape)
+        if not dense:
+            yield read_boxes([((), ())])[0].to(dtype)
+            return
+        dim = self.partition_dim if self.is_sharded else 0
+        runs = self.read_ranges(rank)  # along ``dim``, in piece order
+        rows = self.local_shape()[0]
+        for start in range(0, rows, max(1, rows_per_part)):
+            stop = min(rows, start + max(1, rows_per_part))
+            segments = []  # (shape of the segment, box of the dense tensor or None for zeros), in piece order
+            for piece_start, length, dense_start in runs:
+                if dim == 0:  # the runs are rows: the parts of those inside [start, stop)
+                    first, last = max(start, piece_start), min(stop, piece_start + length)
+                    if first >= last:
+                        continue
+                    offsets = [dense_start + first - piece_start if dense_start is not None else 0] + [0] * (
+                        len(dense) - 1)
+                    sizes = [last - first, *dense[1:]]
+                else:  # the runs are columns (along dim): every run, rows [start, stop)
+                    offsets, sizes = [start] + [0] * (len(dense) - 1), [stop - start, *dense[1:]]
+                    offsets[dim], sizes[dim] = dense_start or 0, length
+                segments.append((tuple(sizes), None if dense_start is None else (tuple(offsets), tuple(sizes))))
+            read = iter(read_boxes([box for _, box in segments if box is not None]))
+            parts = [torch.zeros(shape, dtype=dtype) if box is None else next(read).to(dtype)
+                     for shape, box in segments]
+            yield torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
     def _check_dense(self, dense: torch.Tensor) -> None:
         if tuple(dense.shape) != tuple(self.unpadded_shape):

@@ -187,3 +187,56 @@ def test_zero1_export_is_chunked_like_the_parameter(monkeypatch):
     for chunk in chunks:
         rebuilt[chunk.offsets[0]:chunk.offsets[0] + chunk.sizes[0]] = chunk.read()
     assert torch.equal(rebuilt, dense) and sorted(set(reads)) == [0, 1]
+
+
+def test_resharding_import_reads_pieces_in_bounded_slabs_and_equals_nxdtps_own_reshard(saved, tmp_path, monkeypatch):
+    """``--from-dcp --reshard 4`` of the export, with the import's budget lowered so every tensor over it is read
+    piece by piece in slabs (box reads of the dense tensor: rows of the embedding, columns of the row-parallel
+    down_proj): its index and every rank file of model and AdamW state equal bitwise what nxdtp's own reshard of the
+    saved tp=2 checkpoint writes, with no part handed to the writer over the budget."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing import dcp_export, dcp_import
+    from nxdtp.checkpointing.index import CheckpointIndex, model_file, optim_file
+    from nxdtp.checkpointing.merge import reshard
+    from nxdtp.converters.dcp import import_dcp_resharded
+
+    root, _ = saved
+    expected_tag = reshard(root, str(tmp_path / "resharded"), 4, pad_to_multiple_of=4, progress=False)
+    monkeypatch.setattr(dcp_export, "CHUNK_BYTES", BUDGET)
+    dcp_export.export_dcp(root, str(tmp_path / "dcp"), progress=False)
+    monkeypatch.setattr(dcp_import, "BATCH_BYTES", BUDGET)
+    monkeypatch.setattr(dcp_import, "COLLECT_BYTES", BUDGET)
+    parts = _spy_writes(monkeypatch)
+    boxes = {}
+    read_boxes = dcp_import.RowReader.read_boxes
+
+    def counted(self, key, wanted):
+        boxes.setdefault(key, []).extend(wanted)
+        return read_boxes(self, key, wanted)
+
+    monkeypatch.setattr(dcp_import.RowReader, "read_boxes", counted)
+    tag = import_dcp_resharded(str(tmp_path / "dcp"), str(tmp_path / "imported"), 4, pad_to_multiple_of=4,
+                               progress=False)
+
+    # The embedding (rows) and down_proj (columns: split along dim 1) were read in boxes, never whole.
+    embedding, down = boxes["model.embed_tokens.weight"], boxes["model.layers.0.mlp.down_proj.weight"]
+    assert len(embedding) >= VOCAB // 4 and all(sizes[0] <= 4 for _, sizes in embedding), embedding
+    assert {sizes[1] for _, sizes in down} == {16} and len({offsets[1] for offsets, _ in down}) == 4, down
+    assert "optimizer.state.model.embed_tokens.weight.exp_avg" in boxes
+    assert max(max(sizes) for sizes in parts.values()) <= BUDGET
+    assert len(parts["model.embed_tokens.weight"]) >= 4 * 2  # 104 rows over 4 ranks: 26 rows, 7 slabs each
+
+    mine, theirs = CheckpointIndex.read(tag), CheckpointIndex.read(expected_tag)
+    assert {k: e.to_json() for k, e in mine.tensors.items()} == {k: e.to_json() for k, e in theirs.tensors.items()}
+
+    def fields(index):  # the same parameters at the same positions with the same state (in DCP's field order)
+        params = index.optimizer["params"]
+        return {name: (info["param_index"], sorted(info["tensors"])) for name, info in params.items()}
+
+    assert mine.optimizer["keyed_by"] == theirs.optimizer["keyed_by"] == "name" and fields(mine) == fields(theirs)
+    for relative in [model_file(r) for r in range(4)] + [optim_file(r) for r in range(4)]:
+        got, want = load_file(f"{tag}/{relative}"), load_file(f"{expected_tag}/{relative}")
+        assert sorted(got) == sorted(want), relative
+        for key in want:
+            assert torch.equal(got[key], want[key]), (relative, key)

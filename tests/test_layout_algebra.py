@@ -127,6 +127,44 @@ def test_read_ranges_build_the_shard_from_dense_reads(layout, tp):
 
 
 @SETTINGS
+@given(layouts(), degrees, st.integers(1, 5), st.booleans())
+def test_piece_parts_build_the_shard_from_box_reads_in_slabs(layout, tp, rows_per_part, replicated):
+    """Each rank's piece in slabs of at most ``rows_per_part`` rows along dim 0, each from one call of box reads of the
+    dense tensor, concatenate to ``shard``; no read reaches outside the slab's rows (so no slab holds more)."""
+    _, base, dense = layout
+    spec = base.at_degree(tp)
+    if replicated:
+        spec = ParamSpec(full_shape=tuple(dense.shape), num_partitions=tp)
+    calls = []
+
+    def read_boxes(boxes):
+        calls.append(boxes)
+        out = []
+        for offsets, sizes in boxes:
+            box = dense
+            for d, (o, n) in enumerate(zip(offsets, sizes)):
+                box = box.narrow(d, o, n)
+            out.append(box.clone())
+        return out
+
+    for rank in range(tp):
+        calls.clear()
+        parts = list(spec.piece_parts(rank, read_boxes, rows_per_part, torch.float32))
+        assert len(parts) == len(calls) == -(-spec.local_shape()[0] // rows_per_part), rank
+        assert all(p.shape[0] <= rows_per_part and p.dtype == torch.float32 for p in parts)
+        assert torch.equal(torch.cat(parts), spec.shard(dense, rank).float()), rank
+        for boxes, part in zip(calls, parts):
+            assert sum(torch.Size(sizes).numel() for _, sizes in boxes) <= part.numel()
+
+
+def test_piece_parts_of_a_0_dim_tensor_is_one_read():
+    spec = ParamSpec(full_shape=(), num_partitions=2)
+    parts = list(spec.piece_parts(1, lambda boxes: [torch.tensor(3.0, dtype=torch.float64)] * len(boxes), 4,
+                                  torch.float32))
+    assert len(parts) == 1 and parts[0].dtype == torch.float32 and parts[0].item() == 3.0
+
+
+@SETTINGS
 @given(layouts(), degrees)
 def test_dense_runs_of_all_ranks_cover_every_dense_row_once(layout, tp):
     _, base, dense = layout

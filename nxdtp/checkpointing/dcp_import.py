@@ -58,26 +58,55 @@ class ImportResult:
     notes: List[str]
 
 
-def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, force: bool = False,
-               progress: bool = True) -> ImportResult:
-    """Write the dense HF directory of the DCP checkpoint ``dcp_dir`` (module docstring); return what was written.
-    ``config`` is the model's config.json when ``dcp_dir`` has none beside its files."""
+@dataclasses.dataclass
+class DcpCheckpoint:
+    """A DCP checkpoint as the import reads it, checked against the model its config names (``read_checkpoint``):
+    the model's tensors to write ``layout`` [(first name, dtype, shape)], the DCP key holding each (``sources``), the
+    model's tensors as the config's class builds them (``expected``: first name -> (shape, tied names)), the
+    flattened optimizer state (``optimizer_state``: tensors as ``DenseOptimizerTensor`` read when asked, other values
+    read), what was left out (``notes``) and the recorded step and scheduler (``trainer_state``, None if none);
+    ``rows`` reads it."""
+    dcp_dir: str
+    config_path: str
+    metadata: Any
+    rows: "RowReader"
+    layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]]
+    sources: Dict[str, str]
+    expected: Dict[str, Tuple[Tuple[int, ...], List[str]]]
+    optimizer_state: Dict[str, Any]
+    notes: List[str]
+    trainer_state: Optional[dict]
+
+
+def read_checkpoint(dcp_dir: str, config: Optional[str] = None) -> DcpCheckpoint:
+    """Open the DCP checkpoint ``dcp_dir`` and check it holds every tensor of the model its config (beside it, or
+    ``config``) names, with the model's shapes, and nothing else (module docstring); read nothing large yet."""
     metadata = _read_metadata(dcp_dir)
     rows = RowReader(dcp_dir, metadata)
     config_path = config if config is not None else os.path.join(dcp_dir, CONFIG_FILE)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path} is missing: the import builds the model from its config; pass "
                                 "--config CONFIG_JSON (the config.json of the model the job trained)")
-    check_output_dir(dcp_dir, output_dir, force)
     expected = _model_tensors(config_path)
     saved = metadata.state_dict_metadata
     layout, sources = _check_model_keys(dcp_dir, saved, expected)
     optimizer_state, notes = _optimizer_state(dcp_dir, saved, expected, rows)
-    trainer_state = recorded_trainer_state(dcp_dir, saved)
+    return DcpCheckpoint(dcp_dir=dcp_dir, config_path=config_path, metadata=metadata, rows=rows, layout=layout,
+                         sources=sources, expected=expected, optimizer_state=optimizer_state, notes=notes,
+                         trainer_state=recorded_trainer_state(dcp_dir, saved))
+
+
+def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, force: bool = False,
+               progress: bool = True) -> ImportResult:
+    """Write the dense HF directory of the DCP checkpoint ``dcp_dir`` (module docstring); return what was written.
+    ``config`` is the model's config.json when ``dcp_dir`` has none beside its files."""
+    checkpoint = read_checkpoint(dcp_dir, config)
+    check_output_dir(dcp_dir, output_dir, force)
+    layout, sources, rows = checkpoint.layout, checkpoint.sources, checkpoint.rows
 
     def write(staging: str) -> None:
         bar = _progress(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
-        reader = _BatchedReader(rows, [sources[key] for key, _, _ in layout])
+        reader = BatchedReader(rows, [sources[key] for key, _, _ in layout])
         try:
             with DenseWeightsWriter(staging, layout, metadata={"format": "pt"}) as writer:
                 for key, dtype, shape in layout:
@@ -88,13 +117,13 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
                     bar.update(1)
         finally:
             bar.close()
-        shutil.copyfile(config_path, os.path.join(staging, CONFIG_FILE))
-        if optimizer_state:
-            write_dense_optimizer(staging, optimizer_state, "dcp", trainer_state, progress)
+        shutil.copyfile(checkpoint.config_path, os.path.join(staging, CONFIG_FILE))
+        if checkpoint.optimizer_state:
+            write_dense_optimizer(staging, checkpoint.optimizer_state, "dcp", checkpoint.trainer_state, progress)
 
     write_atomically(output_dir, write)
-    return ImportResult(output_dir=output_dir, model_keys=len(layout), optimizer_keys=len(optimizer_state),
-                        notes=notes)
+    return ImportResult(output_dir=output_dir, model_keys=len(layout), optimizer_keys=len(checkpoint.optimizer_state),
+                        notes=checkpoint.notes)
 
 
 def _read_metadata(dcp_dir: str):
@@ -114,18 +143,7 @@ def _read_metadata(dcp_dir: str):
 def _model_tensors(config_path: str) -> Dict[str, Tuple[Tuple[int, ...], List[str]]]:
     """The model's state_dict as the config's class builds it: {first name of each tensor: (shape, its other
     (tied) names)}."""
-    import transformers
-
-    with open(config_path) as f:
-        config_dict = json.load(f)
-    architectures = config_dict.get("architectures") or []
-    if not architectures or not hasattr(transformers, architectures[0]):
-        raise ValueError(f"{config_path} names no model class transformers {transformers.__version__} has "
-                         f"(architectures={architectures}); the import needs it to know the model's tensors: a config "
-                         "the model's save_pretrained wrote names it, or add e.g. \"architectures\": "
-                         "[\"LlamaForCausalLM\"]")
-    model_class = getattr(transformers, architectures[0])
-    model_config = transformers.AutoConfig.for_model(**config_dict)
+    model_class, model_config = model_class_and_config(config_path)
     with torch.device("meta"):
         model = model_class(model_config)
     tensors: Dict[str, Tuple[Tuple[int, ...], List[str]]] = {}
@@ -137,6 +155,22 @@ def _model_tensors(config_path: str) -> Dict[str, Tuple[Tuple[int, ...], List[st
             first_name[id(tensor)] = name
             tensors[name] = (tuple(tensor.shape), [])
     return tensors
+
+
+def model_class_and_config(config_path: str):
+    """The transformers class the config names (``architectures[0]``) and the config object, or a ValueError saying
+    what to add."""
+    import transformers
+
+    with open(config_path) as f:
+        config_dict = json.load(f)
+    architectures = config_dict.get("architectures") or []
+    if not architectures or not hasattr(transformers, architectures[0]):
+        raise ValueError(f"{config_path} names no model class transformers {transformers.__version__} has "
+                         f"(architectures={architectures}); the import needs it to know the model's tensors: a config "
+                         "the model's save_pretrained wrote names it, or add e.g. \"architectures\": "
+                         "[\"LlamaForCausalLM\"]")
+    return getattr(transformers, architectures[0]), transformers.AutoConfig.for_model(**config_dict)
 
 
 def _check_model_keys(dcp_dir: str, saved: Dict[str, Any], expected):
@@ -194,20 +228,33 @@ class RowReader:
     def read(self, ranges: Dict[str, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
         """``{key: (start, stop)}`` -> ``{key: rows [start, stop) of that tensor}`` in one ``read_data`` (a 0-dim
         tensor: ``(0, 1)``, the tensor)."""
+        boxes = {}
+        for key, (start, stop) in ranges.items():
+            sizes = list(self.metadata[key].size)
+            offsets = [0] * len(sizes)
+            if sizes:
+                offsets[0], sizes[0] = start, stop - start
+            boxes[key] = [(tuple(offsets), tuple(sizes))]
+        return {key: tensors[0] for key, tensors in self._read_boxes(boxes).items()}
+
+    def read_boxes(self, key: str, boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> List[torch.Tensor]:
+        """The boxes ``[(offsets, sizes), ...]`` of tensor ``key``, in one ``read_data``."""
+        return self._read_boxes({key: boxes})[key]
+
+    def _read_boxes(self, boxes: Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...]]]]
+                    ) -> Dict[str, List[torch.Tensor]]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-        out: Dict[str, torch.Tensor] = {}
+        out: Dict[str, List[torch.Tensor]] = {}
         items = []
-        for key, (start, stop) in ranges.items():
+        for key, wanted in boxes.items():
             meta = self.metadata[key]
-            offsets, sizes = [0] * len(meta.size), list(meta.size)
-            if sizes:
-                offsets[0], sizes[0] = start, stop - start
-            out[key] = torch.empty(sizes, dtype=meta.properties.dtype)
+            out[key] = [torch.empty(sizes, dtype=meta.properties.dtype) for _, sizes in wanted]
+            # Each box is a "local chunk": DCP's resharding read names the saved chunks it overlaps.
             items += create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(
-                offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
+                offsets=torch.Size(offsets), sizes=torch.Size(sizes)) for offsets, sizes in wanted])
         plan = self.storage.prepare_global_plan([self.storage.prepare_local_plan(LoadPlan(items))])[0]
         self.storage.read_data(plan, _into_tensors_planner()(out)).wait()
         self.reads += 1
@@ -229,16 +276,16 @@ def _into_tensors_planner():
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class IntoTensors(DefaultLoadPlanner):
-        """What ``FileSystemReader.read_data`` asks of a planner, for reads into ``out`` (key -> the tensor of the
-        rows asked for): where each read item goes, and, after each, the chunks ``torch.load`` left in reference
-        cycles collected once ``COLLECT_BYTES`` have been read (``nxdtp.checkpointing.cycles``)."""
+        """What ``FileSystemReader.read_data`` asks of a planner, for reads into ``out`` (key -> the tensors of the
+        boxes asked for, in the order asked): where each read item goes, and, after each, the chunks ``torch.load``
+        left in reference cycles collected once ``COLLECT_BYTES`` have been read (``nxdtp.checkpointing.cycles``)."""
 
-        def __init__(self, out: Dict[str, torch.Tensor]):
+        def __init__(self, out: Dict[str, List[torch.Tensor]]):
             super().__init__()
             self.out, self.loaded = out, CycleCollector(COLLECT_BYTES)
 
         def resolve_tensor(self, read_item):
-            tensor = self.out[read_item.dest_index.fqn]
+            tensor = self.out[read_item.dest_index.fqn][read_item.dest_index.index]
             for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
                 tensor = tensor.narrow(dim, offset, length)
             return tensor
@@ -249,7 +296,7 @@ def _into_tensors_planner():
     return IntoTensors
 
 
-class _BatchedReader:
+class BatchedReader:
     """Reads the tensors ``keys`` in that order, the next ones together up to the budget's bytes and handing each
     out once: a read per tensor costs a planning round each (most of an import's time for small tensors), and reading
     everything at once would hold the whole checkpoint. A tensor over the budget is not batched: the caller streams
@@ -298,7 +345,7 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected, rows: RowRea
         return state, ["the checkpoint holds no optimizer state under 'optimizer'"]
     # write_dense_optimizer reads the tensors in this order
     values: List[str] = []
-    reader = _BatchedReader(rows, [key for key in keys if isinstance(saved[key], TensorStorageMetadata)])
+    reader = BatchedReader(rows, [key for key in keys if isinstance(saved[key], TensorStorageMetadata)])
     for key in keys:
         flat = key[len(OPTIMIZER_PREFIX):]
         kind, _, rest = flat.partition(".")

@@ -75,10 +75,9 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def _alias_identity(key: str, value: torch.Tensor) -> object:
     """Equal for two state-dict entries that are one tied tensor."""
-    if value.device.type == "meta":
-        return key
-    if value.device.type == "xla":
-        # XLA tensors expose no storage: ties show as one Parameter object in a ``state_dict(keep_vars=True)``.
+    if value.device.type in ("meta", "xla"):
+        # XLA and meta tensors expose no storage: ties show as one Parameter object in a
+        # ``state_dict(keep_vars=True)`` (a plain state_dict's meta entries are distinct tensors: no ties).
         return id(value)
     return value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype
 

@@ -180,11 +180,27 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     _check_reshard_arguments(new_tp, pad_to_multiple_of)
     tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify,
                                                  lambda tag_dir, index: sorted(index.files or {}))
+    return reshard_source(tag_dir, index, model_files, output_dir, new_tp, progress=progress,
+                          pad_to_multiple_of=pad_to_multiple_of, config=config)
+
+
+def reshard_source(tag_dir: str, index: CheckpointIndex, model_files: Dict[str, Any], output_dir: str, new_tp: int, *,
+                   progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None,
+                   open_file: Optional[Callable[[str], Any]] = None, source: Optional[str] = None) -> str:
+    """``reshard`` of a source already chosen and checked (``output_dir`` too): the tag directory ``tag_dir`` with its
+    ``index`` and open model files (rank file name -> reader). A converter gives a source that is not on disk as
+    readers of its own (``keys()``, ``get_slice(key).get_shape()``, ``dtype(key)``, ``get_tensor(key)``, as
+    ``SafetensorsFileReader``): ``model_files`` and ``open_file(rank file name)`` for the optimizer's, with only the
+    JSON files (trainer state, optimizer groups, config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as
+    the source (default ``tag_dir``)."""
+    _check_reshard_arguments(new_tp, pad_to_multiple_of)
     config_path = _config_source(tag_dir, config)
     multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
     new_entries = _resharded_entries(index, new_tp, multiple, _config_vocab_size(config_path), pad_to_multiple_of)
     job = _ReshardJob(tag_dir=tag_dir, index=index, new_tp=new_tp, new_entries=new_entries, model_files=model_files,
-                      config_path=config_path, multiple=multiple, multiple_source=multiple_source, progress=progress)
+                      config_path=config_path, multiple=multiple, multiple_source=multiple_source, progress=progress,
+                      open_file=open_file or _opener(tag_dir),
+                      source=source or os.path.abspath(tag_dir))
     try:
         job.plan_optimizer()
         job.plan_rng()
@@ -226,6 +242,8 @@ class _ReshardJob:
     multiple: int
     multiple_source: str
     progress: bool
+    open_file: Callable[[str], Any]  # an optimizer rank file's name -> its reader
+    source: str  # what reshard.json names as the source
     optimizer_plan: Any = None  # None: no optimizer state is written
     optim_files: Dict[str, Any] = dataclasses.field(default_factory=dict)
     copy_rng: bool = False
@@ -249,7 +267,8 @@ class _ReshardJob:
             return
         try:
             planner = _plan_zero1_optimizer if self.zero1 else _plan_optimizer
-            self.optimizer_plan, self.optim_files, why_not = planner(self.tag_dir, self.index, self.new_entries)
+            self.optimizer_plan, self.optim_files, why_not = planner(self.tag_dir, self.index, self.new_entries,
+                                                                     self.open_file)
         except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
             raise ValueError(f"{os.path.join(self.tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") \
                 from None
@@ -314,7 +333,7 @@ class _ReshardJob:
     def _write_reshard_record(self, new_tag_dir: str) -> dict:
         """``reshard.json``: where the tag came from, the padding multiple used and why, and what was dropped."""
         return write_bytes_durably(os.path.join(new_tag_dir, RESHARD_FILE), json.dumps(
-            {"source": os.path.abspath(self.tag_dir), "source_tensor_model_parallel_size": self.old_tp,
+            {"source": self.source, "source_tensor_model_parallel_size": self.old_tp,
              "tensor_model_parallel_size": self.new_tp, "pad_to_multiple_of": self.multiple,
              "pad_to_multiple_of_source": self.multiple_source, "notes": self.notes}, indent=1).encode())
 
@@ -394,6 +413,11 @@ def _open_safetensors(path: str) -> SafetensorsFileReader:
         raise ValueError(f"checkpoint file {path} is damaged or truncated: {e}") from None
 
 
+def _opener(tag_dir: str) -> Callable[[str], SafetensorsFileReader]:
+    """A rank file's name -> its reader, for the files of ``tag_dir``."""
+    return lambda relative: _open_safetensors(os.path.join(tag_dir, relative))
+
+
 def _check_piece(handle, path: str, key: str, expected: Tuple[int, ...]) -> None:
     if key not in handle.keys():
         raise ValueError(f"checkpoint file {path} lacks '{key}', which the index places there")
@@ -445,15 +469,6 @@ def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
     """The real part of ``full`` (old padding and copies dropped) in the new layout: padded with zeros to the new full
     shape, or with its blocks repeated, as the new degree needs."""
     return new.full_from_dense(old.dense_from_full(full))
-
-
-def _pieces(full: torch.Tensor, spec: ParamSpec, new_tp: int):
-    """Each new rank's piece of ``full`` (None where the rank's file holds no copy of a replicated tensor)."""
-    for rank in range(new_tp):
-        if spec.is_sharded:
-            yield rank, spec.piece_of_full(full, rank)
-        elif rank == 0:
-            yield rank, full.contiguous()
 
 
 # ---- resharding ------------------------------------------------------------------------------------------------------
@@ -553,12 +568,27 @@ def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[s
                 layouts[rank].append((key, dtype_from_name(entry.dtype), entry.spec.local_shape()))
     with _open_writers([os.path.join(new_tag_dir, model_file(r)) for r in range(new_tp)], layouts) as writers:
         for key, entry in index.tensors.items():
-            full = _repad(_assemble(model_files, key, entry, index), entry.spec, new_entries[key].spec)
-            for rank, piece in _pieces(full, new_entries[key].spec, new_tp):
-                writers[rank].write(key, piece)
-            del full
+            new_spec = new_entries[key].spec
+            reader = model_files[entry.files(index.tensor_model_parallel_size)[0]]
+            ranks = range(new_tp) if new_spec.is_sharded else [0]  # a replicated tensor lives in rank 0's file
+            for rank, parts in _new_pieces(reader, key, new_spec, ranks, lambda key=key, entry=entry, new_spec=new_spec:
+                                           _repad(_assemble(model_files, key, entry, index), entry.spec, new_spec)):
+                writers[rank].write_parts(key, parts)
             bar.update(1)
     return writers  # completed: their records are ready
+
+
+def _new_pieces(reader, key: str, new_spec: ParamSpec, ranks: Iterable[int], read_full: Callable[[], torch.Tensor]):
+    """``(rank, parts)`` for each rank in ``ranks``: its piece at ``new_spec`` as row ranges for ``write_parts``. A
+    reader that cuts pieces itself (``pieces(key, new_spec, ranks)``: a converter's view of a checkpoint in another
+    format, which reads each piece in parts) is asked for them; otherwise they are cut from the full tensor
+    ``read_full()`` gives (at the new layout), which is held until every piece is written."""
+    if hasattr(reader, "pieces"):
+        yield from reader.pieces(key, new_spec, ranks)
+        return
+    full = read_full()
+    for rank in ranks:
+        yield rank, [new_spec.piece_of_full(full, rank)]
 
 
 @contextlib.contextmanager
@@ -587,7 +617,8 @@ def _optimizer_params(tag_dir: str, index: CheckpointIndex):
     return primary, params, None
 
 
-def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry]):
+def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
+                    open_file: Optional[Callable[[str], Any]] = None):
     """How each optimizer tensor reshards: [(param key, [(field, kind, old shape)])], the open files, or why not.
 
     kind is "shard" (the param's local shape, param sharded: split like the param), "replicate" (the param's shape,
@@ -602,8 +633,9 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
     if why_not:
         return None, {}, why_not
     handles: Dict[str, Any] = {}
+    open_file = open_file or _opener(tag_dir)
     for rank in range(tp):
-        handles[optim_file(rank)] = _open_safetensors(os.path.join(tag_dir, optim_file(rank)))
+        handles[optim_file(rank)] = open_file(optim_file(rank))
     plan = []
     for name, fields in params.items():
         entry = index.tensors[primary[name]]
@@ -643,21 +675,27 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
             old_spec, new_spec = index.tensors[key].spec, new_entries[key].spec
             for field, kind, _ in fields:
                 tensor_key = f"{name}/{field}"
-                if kind == "shard":
-                    full = old_spec.full_from_pieces(lambda r: handles[optim_file(r)].get_tensor(tensor_key),
-                                                     _safetensors_dtype(rank0, tensor_key))
-                    full = _repad(full, old_spec, new_spec)
-                    for rank in range(new_tp):
-                        writers[rank].write(tensor_key, new_spec.piece_of_full(full, rank))
-                else:
+                if kind == "copy":
                     value = rank0.get_tensor(tensor_key)
                     for rank in range(new_tp):
                         writers[rank].write(tensor_key, value)
+                else:  # "shard" is laid out and cut as its parameter; "replicate" is whole in every rank's file
+
+                    def read_full(tensor_key=tensor_key, kind=kind):
+                        if kind == "replicate":
+                            return rank0.get_tensor(tensor_key)
+                        return _repad(old_spec.full_from_pieces(lambda r: handles[optim_file(r)].get_tensor(tensor_key),
+                                                                _safetensors_dtype(rank0, tensor_key)),
+                                      old_spec, new_spec)
+
+                    for rank, parts in _new_pieces(rank0, tensor_key, new_spec, range(new_tp), read_full):
+                        writers[rank].write_parts(tensor_key, parts)
                 bar.update(1)
     return writers  # completed: their records are ready
 
 
-def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry]):
+def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
+                          open_file: Optional[Callable[[str], Any]] = None):
     """How ZeRO-1 state reshards: [(param name, (model key, [(field, kind, dtype)]))], the open files (every TP x DP
     rank's), or why not. kind is "flat" (a flat shard of the TP-local tensor: the DP shards are gathered into the
     TP-local tensor, which is resharded like the parameter and cut again over the same DP size) or "copy" ('step':
@@ -671,10 +709,11 @@ def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dic
     if why_not:
         return None, {}, why_not
     dp = int(info["zero1"]["sharding_group_size"])
+    open_file = open_file or _opener(tag_dir)
     handles: Dict[str, Any] = {}
     for rank in range(tp):
         for k in range(dp):
-            handles[optim_file(rank, k)] = _open_safetensors(os.path.join(tag_dir, optim_file(rank, k)))
+            handles[optim_file(rank, k)] = open_file(optim_file(rank, k))
     plan = []
     for name, fields in params.items():
         entry = index.tensors[primary[name]]

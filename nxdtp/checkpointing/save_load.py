@@ -757,7 +757,9 @@ def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tupl
 
 def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: List[Dict[str, Any]],
                   position: Dict[str, int]) -> List[Dict[str, Any]]:
-    """The saved parameter groups, matched one to one with the optimizer's, their parameters given as positions."""
+    """The saved parameter groups, matched one to one with the optimizer's, their parameters given as positions. A
+    hyperparameter the saved group lacks (one the saving torch did not have, such as ``decoupled_weight_decay`` before
+    torch 2.6) keeps the live group's value."""
     if len(optimizer.param_groups) != len(saved_groups):
         raise ValueError(f"{tag_dir}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
                          f"{len(saved_groups)}")
@@ -765,8 +767,9 @@ def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: 
     for live, group in zip(optimizer.param_groups, saved_groups):
         # JSON turned tuples (Adam's betas) into lists: give them back the live optimizer's type.
         group = {k: tuple(v) if isinstance(v, list) and isinstance(live.get(k), tuple) else v for k, v in group.items()}
-        groups.append({**group, "params": [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p)
-                                           for p in group["params"]]})
+        kept = {k: v for k, v in live.items() if k != "params"}
+        params = [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p) for p in group["params"]]
+        groups.append({**kept, **group, "params": params})
     return groups
 
 

@@ -5,46 +5,45 @@
 flattened under ``optimizer``, a TorchTitan step and scheduler) and writes a complete nxdtp checkpoint directory
 (``newest``, one tag, index, rank files, trainer state, config) at tensor parallel size ``new_tp``, optimizer included,
 that ``nxdtp.checkpointing.load`` reads into a model ``from_pretrained_sharded`` / ``parallelize_model`` built at that
-size (with ``make_vocab_size_divisible_by=pad_to_multiple_of``, 1 by default).
+size (with ``make_vocab_size_divisible_by=pad_to_multiple_of``, 1 by default) and an optimizer of the class that saved
+the state.
 
-It is made only of existing public pieces, in three steps, each into a temporary directory beside ``output_dir``:
+The DCP checkpoint is handed to ``merge.reshard_source`` as the TP=1 nxdtp checkpoint that model would save at TP size
+1, without building the model's weights or writing that checkpoint:
 
-1. ``import_dcp`` writes the dense HF directory (model and, if any, ``optimizer.safetensors`` / ``optimizer.json``);
-2. in this process, a torch.distributed world of 1 (the in-process world behind ``initialize_fallback_parallel_state``)
-   at TP size 1: ``from_pretrained_sharded`` builds the model in fp32, an optimizer of the kind the hyperparameters name
-   (Adam / AdamW, SGD; one param group per distinct set of hyperparameters) gets the state through
-   ``load_dense_optimizer_state``, and ``nxdtp.checkpointing.save`` writes a TP=1 checkpoint with the step and scheduler
-   the DCP recorded; a DCP checkpoint whose floating model tensors are all bfloat16 is saved with ``down_cast_bf16``
-   (the model stays bfloat16, the optimizer state full precision: nothing is rounded);
-3. ``merge.reshard`` cuts it to ``new_tp`` (each tensor's padding and repeated heads follow its recorded layout, so
-   this is exact) into ``output_dir``.
+1. the model the config names is built with its parameters on the meta device and sharded by its plan at TP size 1, in
+   a world of one process of its own: its index entries (each tensor's spec with its padding and head-layout records,
+   ties) are what ``save`` would write for it, with each tensor's dtype as the DCP checkpoint holds it;
+2. its rank files are readers over the DCP checkpoint (``TensorParallelOneView``): asked for a tensor, one reads it
+   through the import's ``BatchedReader`` and lays it out by its spec (the vocabulary padded for TP 1); the optimizer's
+   rank file does the same for state shaped like its parameter and gives other state ('step') as saved. Only the
+   small JSON files (trainer state, the optimizer's groups) are written, into a temporary directory beside
+   ``output_dir`` that is removed in every case;
+3. ``reshard_source`` cuts every tensor for ``new_tp`` (its padding and repeated KV heads by its recorded layout, so
+   exactly) into ``output_dir``, one tensor at a time, atomically at the end: after any error it is as it was.
 
-The world is torn down and the temporaries removed in every case; ``output_dir`` is written (atomically, by the
-reshard) only at the end, so after any error it is as it was. A non-empty ``output_dir`` is refused unless ``force``.
+The optimizer's groups come from torch's flattened hyperparameters (``param_groups.<param>.<name>``): one group per
+distinct set of values, in the order of the model's parameters, so per-parameter weight decay survives. Every torch
+optimizer's state comes across (Adam, AdamW, SGD, Adagrad, ...: nothing is rebuilt); load it into an optimizer of the
+saving class. A hyperparameter the saving torch did not have (``decoupled_weight_decay`` before torch 2.6) keeps the
+loading optimizer's own value (``nxdtp.checkpointing.load``).
 
-Cost: step 2 holds the whole model at TP size 1 in this process, in fp32, with its optimizer state: for Adam about
-12 bytes per parameter (weights and two moments), plus the dense optimizer state while it is being restored (another
-8 bytes per parameter at the peak) and the allocator's slack: about 25 bytes per parameter measured (a 55M-parameter
-Llama with AdamW state: peak RSS 2.24 GB against 0.91 GB for the imports alone), against about one tensor for
-``import_dcp`` and ``reshard`` alone. Disk: the dense copy and the TP=1 checkpoint beside ``output_dir`` until the
-end (about two more copies of the model and its optimizer state).
+Cost: about the largest tensor in memory (read whole, laid out, cut: merge's reshard), not the model; on disk only
+``output_dir``. A non-empty ``output_dir`` is refused unless ``force``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
 from ..checkpointing.output_dir import check_output_dir
 
-__all__ = ["import_dcp_resharded"]
-
-ADAM_KEYS = ("betas", "eps", "weight_decay", "amsgrad")
-SGD_KEYS = ("momentum", "dampening", "nesterov")
+__all__ = ["import_dcp_resharded", "TensorParallelOneView"]
 
 
 def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Optional[str] = None,
@@ -57,8 +56,9 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     import torch.distributed as dist
 
     from .. import parallel_state as ps
-    from ..checkpointing.dcp_import import _read_metadata, import_dcp, recorded_trainer_state
-    from ..checkpointing.merge import reshard
+    from ..checkpointing.dcp_import import read_checkpoint
+    from ..checkpointing.index import model_file
+    from ..checkpointing.merge import reshard_source
 
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
         raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
@@ -66,45 +66,82 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
                                            or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
     if ps.model_parallel_is_initialized() or (dist.is_initialized() and dist.get_world_size() != 1):
-        raise RuntimeError("import_dcp_resharded builds the model in a world of one process of its own: call it "
-                           "outside a distributed job (nxdtp-merge does)")
+        raise RuntimeError("import_dcp_resharded shards the model's description in a world of one process of its own: "
+                           "call it outside a distributed job (nxdtp-merge does)")
+    checkpoint = read_checkpoint(dcp_dir, config)
     check_output_dir(dcp_dir, output_dir, force)
+    view = TensorParallelOneView(checkpoint, pad_to_multiple_of or 1)
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.nxdtp-dcp-", dir=parent)
     try:
-        dense_dir, tp1_dir = os.path.join(work, "dense"), os.path.join(work, "tp1")
-        import_dcp(dcp_dir, dense_dir, config=config, progress=progress)
-        saved = _read_metadata(dcp_dir).state_dict_metadata  # import_dcp checked it is DCP
-        trainer_state = recorded_trainer_state(dcp_dir, saved) or {}
-        _save_at_tp1(dense_dir, tp1_dir, trainer_state, pad_to_multiple_of or 1, _all_bf16(saved))
-        return reshard(tp1_dir, output_dir, new_tp, force=force, progress=progress,
-                       pad_to_multiple_of=pad_to_multiple_of, verify=False)
+        tag_dir = view.write_json_files(work)
+        return reshard_source(tag_dir, view.index, {model_file(0): view.model_reader}, output_dir, new_tp,
+                              progress=progress, pad_to_multiple_of=pad_to_multiple_of,
+                              config=checkpoint.config_path, open_file=view.open_file,
+                              source=os.path.abspath(dcp_dir))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _all_bf16(saved: Dict[str, Any]) -> bool:
-    """Whether every floating model tensor of the DCP metadata entries ``saved`` is bfloat16."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+class TensorParallelOneView:
+    """A checked DCP checkpoint (``dcp_import.read_checkpoint``) as the TP=1 nxdtp checkpoint of the model its config
+    names, built at TP size 1 with vocabulary multiple ``multiple``: ``index`` (what ``save`` would record), the model
+    rank file (``model_reader``) and the optimizer's (``open_file``) as readers that read the DCP checkpoint when asked,
+    and the JSON files (``write_json_files``). Module docstring, steps 1 and 2."""
 
-    from ..checkpointing.dcp_import import NOT_MODEL_PREFIXES
+    def __init__(self, checkpoint, multiple: int):
+        from ..checkpointing.index import CheckpointIndex
+        from ..version import __version__
 
-    dtypes = {meta.properties.dtype for key, meta in saved.items()
-              if not key.startswith(NOT_MODEL_PREFIXES) and isinstance(meta, TensorStorageMetadata)
-              and meta.properties.dtype.is_floating_point}
-    return dtypes == {torch.bfloat16}
+        self.checkpoint = checkpoint
+        entries, parameter_names = _entries_at_tensor_parallel_one(checkpoint.config_path, multiple)
+        self.model_reader = _DcpRankFile(checkpoint, _model_tensors(checkpoint, entries))
+        primary = {alias: key for key, entry in entries.items() for alias in [key] + entry.aliases}
+        self.optimizer_reader, optimizer_index, self.optimizer_json = _optimizer(checkpoint, entries, primary,
+                                                                               parameter_names)
+        self.index = CheckpointIndex(tensor_model_parallel_size=1, data_parallel_size=1, tensors=entries,
+                                     optimizer=optimizer_index, nxdtp_version=__version__)
+
+    def open_file(self, relative: str):
+        from ..checkpointing.index import optim_file
+
+        if relative != optim_file(0) or self.optimizer_reader is None:
+            raise FileNotFoundError(f"{self.checkpoint.dcp_dir} as a TP=1 nxdtp checkpoint has no {relative}")
+        return self.optimizer_reader
+
+    def write_json_files(self, directory: str) -> str:
+        """Write the tag directory's JSON files (trainer state, the optimizer's groups) into ``directory``, in the tag
+        directory a save of the recorded step would make; return that tag directory."""
+        from ..checkpointing import tags
+        from ..checkpointing.save_load import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
+
+        trainer_state = {key: value for key, value in (self.checkpoint.trainer_state or {}).items()
+                         if key in ("global_step", "scheduler") and value is not None}
+        step = trainer_state.get("global_step")
+        tag_dir = os.path.join(directory, tags.tag_for_step(step) if step is not None else "checkpoint")
+        files = {TRAINER_STATE_FILE: trainer_state}
+        if self.optimizer_json is not None:
+            files[OPTIMIZER_STATE_FILE] = self.optimizer_json
+        for relative, payload in files.items():
+            path = os.path.join(tag_dir, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(payload, f, indent=1)
+        return tag_dir
 
 
-def _save_at_tp1(dense_dir: str, checkpoint_dir: str, trainer_state: Dict[str, Any], multiple: int,
-                 down_cast_bf16: bool) -> None:
-    """Build the dense directory's model (and optimizer) at TP size 1 in a world of one, and save it with nxdtp."""
+def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
+    """The index entries ``save`` would write for the config's model sharded at TP size 1 (vocabulary multiple
+    ``multiple``), and its parameter names in order: the model is built with its parameters on the meta device, in a
+    world of one process made for it and torn down after."""
     import torch.distributed as dist
 
     from .. import parallel_state as ps
-    from ..checkpointing import save
-    from ..checkpointing.dense_optimizer import DENSE_OPTIMIZER_VALUES, load_dense_optimizer_state
-    from ..models import from_pretrained_sharded
+    from ..checkpointing.dcp_import import model_class_and_config
+    from ..checkpointing.index import split_model_state
+    from ..models import parallelize_model
+    from ..models.hf_loading import parameters_on_meta
     from ..process_groups import initialize_single_process_world, release_single_process_world
 
     made_world = not dist.is_initialized()
@@ -112,17 +149,12 @@ def _save_at_tp1(dense_dir: str, checkpoint_dir: str, trainer_state: Dict[str, A
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=1)
         try:
-            model = from_pretrained_sharded(dense_dir, make_vocab_size_divisible_by=multiple)
-            checkpoint: Dict[str, Any] = {"model": model}
-            if os.path.isfile(os.path.join(dense_dir, DENSE_OPTIMIZER_VALUES)):
-                optimizer = _optimizer_for(dense_dir, model)
-                recorded = load_dense_optimizer_state(dense_dir, model, optimizer)
-                trainer_state = {**trainer_state, **recorded}
-                checkpoint["optimizer"] = optimizer
-            for key in ("global_step", "scheduler"):
-                if trainer_state.get(key) is not None:
-                    checkpoint[key] = trainer_state[key]
-            save(checkpoint, checkpoint_dir, down_cast_bf16=down_cast_bf16)
+            model_class, model_config = model_class_and_config(config_path)
+            with parameters_on_meta():
+                model = model_class(model_config)
+            parallelize_model(model, make_vocab_size_divisible_by=multiple, broadcast_replicated=False)
+            _, entries = split_model_state(model, model.state_dict(keep_vars=True), 1)
+            return entries, [name for name, _ in model.named_parameters()]
         finally:
             ps.destroy_model_parallel()
     finally:
@@ -130,61 +162,126 @@ def _save_at_tp1(dense_dir: str, checkpoint_dir: str, trainer_state: Dict[str, A
             release_single_process_world()
 
 
-def _optimizer_for(dense_dir: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """An optimizer of the kind the saved hyperparameters name over the parameters that have saved state, with one
-    param group per distinct set of hyperparameters (torch restores a group's values from its first parameter)."""
-    import json
+def _model_tensors(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
+    """{index key: (DCP key, spec)} for every model tensor; each entry takes the DCP tensor's dtype. The plan's model
+    and the config's class must hold the same tensors (a plan renaming one would be a defect: refused, naming it)."""
+    from ..checkpointing.index import dtype_name
 
-    from ..checkpointing.dense_optimizer import DENSE_OPTIMIZER_VALUES
+    saved = checkpoint.metadata.state_dict_metadata
+    first_name = {alias: name for name, (_, aliases) in checkpoint.expected.items() for alias in [name] + aliases}
+    tensors: Dict[str, Tuple[str, Any]] = {}
+    for key, entry in entries.items():
+        name = next((first_name[k] for k in [key] + entry.aliases if k in first_name), None)
+        if name is None:
+            raise ValueError(f"the sharded model of {checkpoint.config_path} holds '{key}', which the dense model "
+                             "does not: nxdtp cannot map it to the DCP checkpoint's tensors")
+        source = checkpoint.sources[name]
+        meta = saved[source]
+        if tuple(meta.size) != tuple(entry.spec.unpadded_shape):
+            raise ValueError(f"{checkpoint.dcp_dir}: '{source}' has shape {list(meta.size)}, but the sharded model's "
+                             f"'{key}' is {list(entry.spec.unpadded_shape)} unpadded")
+        entry.dtype = dtype_name(meta.properties.dtype)
+        tensors[key] = (source, entry.spec)
+    covered = {first_name[k] for key, entry in entries.items() for k in [key] + entry.aliases if k in first_name}
+    left = [name for name in checkpoint.expected if name not in covered]
+    if left:
+        raise ValueError(f"the sharded model of {checkpoint.config_path} holds no tensor for {left[:5]} of the dense "
+                         "model: nxdtp cannot place them in its checkpoint")
+    return tensors
 
-    path = os.path.join(dense_dir, DENSE_OPTIMIZER_VALUES)
-    with open(path) as f:
-        record = json.load(f)
-    values = record["values"]
+
+def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: List[str]):
+    """The optimizer's rank file at TP 1 (a reader), its index part and its JSON part, as ``save`` writes them for a
+    live optimizer keyed by parameter name (all None without optimizer state)."""
+    from ..checkpointing.merge import DenseOptimizerTensor
+
+    tensors: Dict[str, Tuple[str, Any]] = {}
+    fields: Dict[str, List[str]] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
     hyper: Dict[str, Dict[str, Any]] = {}
-    for key, value in values.items():
-        if key.startswith("param_groups."):
-            param, name = key[len("param_groups."):].rsplit(".", 1)
-            hyper.setdefault(param, {})[name] = value
-    found = sorted({name for names in hyper.values() for name in names})
-    optimizer_class = _optimizer_class(found, hyper)
-    groups: List[Tuple[str, List[torch.nn.Parameter]]] = []
-    for name, param in model.named_parameters():
-        if name not in hyper:
-            continue
-        signature = repr(sorted(hyper[name].items()))
-        for seen, params in groups:
-            if seen == signature:
-                params.append(param)
-                break
+    for flat, value in checkpoint.optimizer_state.items():  # sorted: each parameter's fields together
+        kind, _, rest = flat.partition(".")
+        param, field = rest.rsplit(".", 1)
+        if kind == "param_groups":
+            hyper.setdefault(param, {})[field] = value
+        elif isinstance(value, DenseOptimizerTensor):
+            spec = entries[primary[param]].spec
+            # State shaped like its parameter is laid out as the parameter; other state ('step') as saved.
+            tensors[f"{param}/{field}"] = (f"optimizer.{flat}", spec if value.shape == spec.unpadded_shape else None)
+            fields.setdefault(param, []).append(field)
         else:
-            groups.append((signature, [param]))
-    if not groups:
-        raise ValueError(f"{dense_dir}: the optimizer state names none of the model's parameters")
-    # lr and the rest are placeholders: load_dense_optimizer_state gives every group the checkpoint's values.
-    optimizer = optimizer_class([{"params": params} for _, params in groups], lr=1e-3)
-    # A hyperparameter this torch's class has and the saving torch's did not (decoupled_weight_decay before 2.6, ...)
-    # keeps the class's default: torch's loader wants every group key; the file is this import's temporary copy.
-    names = {id(param): name for name, param in model.named_parameters()}
-    missing = {f"param_groups.{names[id(param)]}.{key}": list(value) if isinstance(value, tuple) else value
-               for group in optimizer.param_groups for key, value in group.items() if key != "params"
-               for param in group["params"] if f"param_groups.{names[id(param)]}.{key}" not in values}
-    if missing:
-        record["values"] = {**values, **missing}
-        with open(path, "w") as f:
-            json.dump(record, f)
-    return optimizer
+            scalars.setdefault(param, {})[field] = value
+    if not hyper:
+        return None, None, None
+    stateful = sorted(set(fields) | set(scalars))
+    without_group = [param for param in stateful if param not in hyper]
+    if without_group:
+        raise ValueError(f"{checkpoint.dcp_dir}: the optimizer holds state for {without_group[:5]} but no "
+                         "hyperparameters (optimizer.param_groups.<param>.*): not torch's flattened optimizer state")
+    groups: List[Dict[str, Any]] = []
+    signatures: Dict[str, int] = {}
+    for name in (n for n in parameter_names if n in hyper):
+        signature = json.dumps(sorted(hyper[name].items()), default=repr)
+        if signature not in signatures:
+            signatures[signature] = len(groups)
+            groups.append({**hyper[name], "params": []})
+        groups[signatures[signature]]["params"].append(name)
+    position = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}
+    index = {"keyed_by": "name", "params": {param: {"param_index": position[param], "tensors": fields.get(param, [])}
+                                            for param in stateful}}
+    return _DcpRankFile(checkpoint, tensors), index, {"param_groups": groups, "scalars": scalars}
 
 
-def _optimizer_class(found: List[str], hyper: Dict[str, Dict[str, Any]]) -> type:
-    names = set(found)
-    if set(ADAM_KEYS) <= names:
-        # torch >= 2.6 records which one (AdamW is Adam with decoupled weight decay); before, both held the same
-        # state and hyperparameters, and either restores them alike.
-        decoupled = {values.get("decoupled_weight_decay", True) for values in hyper.values()}
-        return torch.optim.AdamW if decoupled == {True} else torch.optim.Adam
-    if set(SGD_KEYS) <= names:
-        return torch.optim.SGD
-    raise ValueError(f"cannot tell which torch optimizer saved this state from its hyperparameters {found}: the DCP "
-                     "import with --reshard rebuilds Adam, AdamW or SGD; import without --reshard and load the state "
-                     "with load_dense_optimizer_state into your own optimizer")
+class _TensorShape:
+    """What merge asks of ``get_slice``: the shape, without reading the tensor."""
+
+    def __init__(self, shape):
+        self.shape = list(shape)
+
+    def get_shape(self) -> List[int]:
+        return list(self.shape)
+
+
+class _DcpRankFile:
+    """A TP=1 rank file's reader over the DCP checkpoint (what merge reads of a ``SafetensorsFileReader``):
+    ``tensors`` maps each of its keys to (DCP key, spec or None); ``get_tensor`` reads the DCP tensor (batched with
+    the keys after it, in this order, which is the order merge reads them) and lays it out by its spec."""
+
+    def __init__(self, checkpoint, tensors: Dict[str, Tuple[str, Any]]):
+        from ..checkpointing.dcp_import import BatchedReader
+
+        self.saved = checkpoint.metadata.state_dict_metadata
+        self.tensors = tensors
+        self.reader = BatchedReader(checkpoint.rows, [source for source, _ in tensors.values()])
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_slice(self, key: str) -> _TensorShape:
+        source, spec = self.tensors[key]
+        return _TensorShape(spec.full_shape if spec is not None else self.saved[source].size)
+
+    def dtype(self, key: str):
+        return self.saved[self.tensors[key][0]].properties.dtype
+
+    def get_tensor(self, key: str):
+        source, spec = self.tensors[key]
+        value = self.reader.read(source)
+        return value if spec is None else spec.full_from_dense(value)
+
+    def pieces(self, key: str, new_spec, ranks):
+        """``(rank, parts)``: each rank's piece of ``key`` at ``new_spec`` (``merge._new_pieces``). A tensor within
+        the import's read budget is read whole once (with those after it) and cut; a larger one is read piece by piece
+        in slabs of at most the budget's bytes (``ParamSpec.piece_parts``), so it is never whole in memory."""
+        source, _ = self.tensors[key]
+        rows = self.reader.rows
+        if not self.reader.in_ranges(source):
+            full = new_spec.full_from_dense(self.reader.read(source))
+            for rank in ranks:
+                yield rank, [new_spec.piece_of_full(full, rank)]
+            return
+        local = new_spec.local_shape()
+        row_bytes = max(1, math.prod(local[1:]) * self.dtype(key).itemsize)
+        for rank in ranks:
+            yield rank, new_spec.piece_parts(rank, lambda boxes: rows.read_boxes(source, boxes),
+                                             max(1, rows.budget // row_bytes), self.dtype(key))

@@ -54,9 +54,10 @@ Usage::
     python tools/bench_merge.py [--workdir DIR] [--keep] [--rounds 3] [--cache cold|warm|both] [--no-naive]
                                 [--models bert-large,llama-1b] [--dcp] [--json OUT]
 
-``--dcp`` adds two operations to the rounds: the export to DCP (``export_dcp``, ``nxdtp-merge --to dcp``) and the
-import of that checkpoint's own export back to an HF directory (``import_dcp``, ``nxdtp-merge --from-dcp``), made
-once before the rounds; both are held to the same targets against the raw copy. ``--models`` measures several
+``--dcp`` adds three operations to the rounds: the export to DCP (``export_dcp``, ``nxdtp-merge --to dcp``), and two
+imports of that checkpoint's own export, made once before the rounds: back to an HF directory (``import_dcp``,
+``nxdtp-merge --from-dcp``) and to an nxdtp checkpoint at the same TP size (``import_dcp_resharded``, ``nxdtp-merge
+--from-dcp --reshard 8``); all three are held to the same targets against the raw copy. ``--models`` measures several
 checkpoints in one run (``llama-1b``: a Llama-3.2-1B shape, 1.24 B parameters, tied embeddings); with more than one,
 the JSON is ``{"models": [...]}``, one entry per model in the single-model form.
 """
@@ -94,14 +95,15 @@ SAMPLE_INTERVAL_S = 0.002
 TARGET_WALL_RATIO = 2.0
 TARGET_RSS_FRACTION = 0.25
 KINDS = ("raw", "merge", "naive")
-DCP_KINDS = ("to_dcp", "from_dcp")  # with --dcp
+DCP_KINDS = ("to_dcp", "from_dcp", "from_dcp_reshard")  # with --dcp
 ALL_KINDS = KINDS + DCP_KINDS
 # The operations held to the targets against the raw copy.
 TARGET_KINDS = ("merge",) + DCP_KINDS
 KIND_LABELS = {"raw": "raw copy (stream, 16 MiB buffer, fsync)", "merge": "merge -> model.safetensors",
                "naive": "naive copy (read whole file, write, fsync)",
                "to_dcp": "export -> DCP (nxdtp-merge --to dcp)",
-               "from_dcp": "import DCP -> HF dir (nxdtp-merge --from-dcp)"}
+               "from_dcp": "import DCP -> HF dir (nxdtp-merge --from-dcp)",
+               "from_dcp_reshard": f"import DCP -> nxdtp checkpoint at tp={TP} (nxdtp-merge --from-dcp --reshard {TP})"}
 
 MIB = 1 << 20
 
@@ -183,6 +185,8 @@ def _import_everything() -> None:
     import nxdtp.checkpointing.dcp_export  # noqa: F401
     import nxdtp.checkpointing.dcp_import  # noqa: F401
     import nxdtp.checkpointing.merge  # noqa: F401
+    import nxdtp.converters.dcp  # noqa: F401
+    import nxdtp.models  # noqa: F401 - the resharding import shards the model's description by its plan
 
     MODEL_CODE_IMPORT.update(_import_model_code())
 
@@ -310,6 +314,11 @@ def worker_measure(args) -> None:
 
         def run():
             import_dcp(args.dcp_dir, args.output_dir, config=config, progress=False)
+    elif args.worker == "from_dcp_reshard":
+        from nxdtp.converters.dcp import import_dcp_resharded
+
+        def run():
+            import_dcp_resharded(args.dcp_dir, args.output_dir, TP, config=config, progress=False)
     else:
         os.makedirs(args.output_dir)
         copy = _copy_stream if args.worker == "raw" else _copy_naive
@@ -471,7 +480,8 @@ def _parser() -> argparse.ArgumentParser:
                              f"tp={TP} and measured in turn")
     parser.add_argument("--dcp", action="store_true",
                         help="also measure the DCP bridge: export to DCP (nxdtp-merge --to dcp) and import of that "
-                             "export back to an HF directory (nxdtp-merge --from-dcp)")
+                             "export back to an HF directory (nxdtp-merge --from-dcp) and to an nxdtp checkpoint "
+                             "(--from-dcp --reshard 8)")
     parser.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     # Internal: how this file runs as a worker process.
     parser.add_argument("--worker", choices=("create",) + ALL_KINDS, help=argparse.SUPPRESS)
@@ -521,7 +531,7 @@ def _measure_round(me: str, kind: str, cache: str, checkpoint_dir: str, dcp_dir:
     output_dir = os.path.join(scratch, f"{cache}-{kind}-{round_}")
     result_path = os.path.join(scratch, f"{cache}-{kind}-{round_}.json")
     if cache == "warm":
-        _warm(sources if kind != "from_dcp" else _files_under(dcp_dir))
+        _warm(_files_under(dcp_dir) if kind.startswith("from_dcp") else sources)
     _run([sys.executable, me, "--worker", kind, "--model", model, "--checkpoint-dir", checkpoint_dir,
           "--dcp-dir", dcp_dir, "--output-dir", output_dir, "--result", result_path],
          f"{cache} {kind} round {round_ + 1}", quiet=True)
