@@ -18,8 +18,7 @@
         (nxdtp.checkpointing.dcp_import); the config (in DCP_DIR or --config) names the model class
     nxdtp-merge DCP_DIR OUT_DIR --from-dcp --reshard N [--pad-to-multiple-of M] [--config CONFIG_JSON] [--force]
         sharded nxdtp checkpoint at tensor parallel size N (optimizer, step and scheduler included) from such a DCP
-        directory; holds the whole model and its optimizer state at TP size 1 in this process on the way
-        (nxdtp.converters.dcp)
+        directory, each new rank's piece read from it in bounded slabs (nxdtp.converters.dcp)
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
         dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
         the family (nxdtp.converters.nxd)

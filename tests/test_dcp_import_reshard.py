@@ -96,6 +96,54 @@ def test_dcp_import_resharded_loads_into_nxdtp_with_its_optimizer(worlds, native
         _close(result["logits"], dense, f"tp={tp} rank {rank} logits")
 
 
+def case_fsdp2_job_saves(checkpoint: str):
+    """A native FSDP2 job over this world (every parameter cut along dim 0 across the ranks, so the saved chunks are
+    row blocks): the dense Llama, one AdamW step on the same batch everywhere (FSDP2's average is that batch's
+    gradient), then ``dcp.save`` of the model, the flattened optimizer state and TorchTitan's step and scheduler."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.test_dcp_bridge import _flat_options
+
+    model = _llama(seed=0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+    _step(model, optimizer, _llama_batch())
+    dcp.save({**model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer, options=_flat_options()),
+              "lr_scheduler": {"last_epoch": 1}, "train_state": {"step": 1}}, checkpoint_id=checkpoint)
+    if dist.get_rank() == 0:
+        model.config.architectures = ["LlamaForCausalLM"]
+        model.config.save_pretrained(checkpoint)
+
+
+def test_an_fsdp2_jobs_checkpoint_imports_resharded_in_bounded_slabs(worlds, tmp_path, capsys, monkeypatch):
+    """An FSDP2 job's own save (row blocks of every tensor over 2 ranks) with ``--reshard 4`` and the import's read
+    budget lowered to 512 bytes, so each large tensor's pieces are read in slabs that cross the saved blocks: nxdtp at
+    TP 4 loads the dense model's logits after the step and the dense AdamW's moments cut by each layout."""
+    from nxdtp.checkpointing import dcp_import
+
+    checkpoint = str(tmp_path / "fsdp2")
+    worlds(2).run(case_fsdp2_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)
+    monkeypatch.setattr(dcp_import, "BATCH_BYTES", 512)
+    boxes = []
+    read_boxes = dcp_import.RowReader.read_boxes
+    monkeypatch.setattr(dcp_import.RowReader, "read_boxes",
+                        lambda self, key, wanted: boxes.append(key) or read_boxes(self, key, wanted))
+    status, out, err = _cli([checkpoint, tmp_path / "out", "--from-dcp", "--reshard", 4], capsys)
+    assert status == 0 and "optimizer state in 4 files" in out, err
+    assert boxes.count("model.embed_tokens.weight") > 4 and "optimizer.state.lm_head.weight.exp_avg" in boxes
+    dense = _dense_logits()
+    for rank, result in enumerate(worlds(4).run(case_load_resharded, tensor_model_parallel_size=4,
+                                                checkpoint=str(tmp_path / "out"))):
+        _close(result["logits"], dense, f"rank {rank} logits")
+
+
 def test_dcp_import_reshard_bad_arguments_exit_2_and_write_nothing(native_checkpoint, tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
@@ -115,9 +163,17 @@ def test_dcp_import_reshard_bad_arguments_exit_2_and_write_nothing(native_checkp
     status, out, err = _cli([native_checkpoint, busy, "--from-dcp", "--reshard", 2], capsys)
     assert status == 2 and err.count("\n") == 1 and "not empty" in err, err
     assert os.listdir(busy) == ["keep.txt"]
+    distilbert = transformers.DistilBertModel(transformers.DistilBertConfig(
+        vocab_size=50, dim=16, hidden_dim=32, n_layers=1, n_heads=2, max_position_embeddings=16))
+    dcp.save(dict(distilbert.state_dict()), checkpoint_id=str(tmp_path / "unplanned"), no_dist=True)
+    distilbert.config.architectures = ["DistilBertModel"]
+    distilbert.config.save_pretrained(tmp_path / "unplanned")
+    status, out, err = _cli([tmp_path / "unplanned", tmp_path / "out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "cannot shard DistilBertModel" in err and "import without --reshard" in err, err
     status, out, err = _cli([native_checkpoint, tmp_path / "out", "--from-dcp", "--pad-to-multiple-of", 4], capsys)
     assert status == 2 and err.count("\n") == 1 and "--pad-to-multiple-of without --reshard" in err, err
-    assert sorted(os.listdir(tmp_path)) == ["busy", "partial"]
+    assert sorted(os.listdir(tmp_path)) == ["busy", "partial", "unplanned"]
 
 
 def test_dcp_import_reshard_of_a_model_without_optimizer_state(tmp_path, capsys):

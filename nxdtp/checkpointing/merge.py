@@ -190,9 +190,9 @@ def reshard_source(tag_dir: str, index: CheckpointIndex, model_files: Dict[str, 
     """``reshard`` of a source already chosen and checked (``output_dir`` too): the tag directory ``tag_dir`` with its
     ``index`` and open model files (rank file name -> reader). A converter gives a source that is not on disk as
     readers of its own (``keys()``, ``get_slice(key).get_shape()``, ``dtype(key)``, ``get_tensor(key)``, as
-    ``SafetensorsFileReader``): ``model_files`` and ``open_file(rank file name)`` for the optimizer's, with only the
-    JSON files (trainer state, optimizer groups, config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as
-    the source (default ``tag_dir``)."""
+    ``SafetensorsFileReader``; and ``pieces``, to cut each new rank's piece itself: ``_new_pieces``): ``model_files``
+    and ``open_file(rank file name)`` for the optimizer's, with only the JSON files (trainer state, optimizer groups,
+    config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as the source (default ``tag_dir``)."""
     _check_reshard_arguments(new_tp, pad_to_multiple_of)
     config_path = _config_source(tag_dir, config)
     multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)

@@ -152,7 +152,10 @@ def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
             model_class, model_config = model_class_and_config(config_path)
             with parameters_on_meta():
                 model = model_class(model_config)
-            parallelize_model(model, make_vocab_size_divisible_by=multiple, broadcast_replicated=False)
+            try:
+                parallelize_model(model, make_vocab_size_divisible_by=multiple, broadcast_replicated=False)
+            except TypeError as e:  # a model nxdtp has no plan for: bad input to this command, not a fault
+                raise ValueError(f"{config_path}: {e}; import without --reshard for a dense HF directory") from None
             _, entries = split_model_state(model, model.state_dict(keep_vars=True), 1)
             return entries, [name for name, _ in model.named_parameters()]
         finally:
