@@ -330,6 +330,40 @@ class ParamSpec:
                      for shape, box in segments]
             yield torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
+    def dense_parts(self, read_piece_rows: Callable[[int, int, int], torch.Tensor], rows_per_part: int,
+                    dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """The dense tensor (padding and copies dropped) as consecutive slabs along dim 0 of at most ``rows_per_part``
+        rows each (in ``dtype``), built from reads of the pieces: ``read_piece_rows(rank, start, stop)`` gives rows
+        ``[start, stop)`` along dim 0 of TP rank ``rank``'s piece. Only the piece rows a slab needs are read, so
+        neither a piece nor the dense tensor is ever whole in memory (the inverse of ``piece_parts``). For tensors
+        of at least one dimension."""
+        dense = tuple(self.unpadded_shape)
+        step = max(1, rows_per_part)
+        dim = self.partition_dim
+        runs = [(rank, *run) for rank in range(self.num_partitions) for run in self.dense_runs_of_piece(rank)] \
+            if self.is_sharded else []
+        for start in range(0, dense[0], step):
+            stop = min(dense[0], start + step)
+            if not self.is_sharded:  # rank 0's copy, cut to the dense shape
+                yield _leading_block(read_piece_rows(0, start, stop), (stop - start, *dense[1:])).to(dtype)
+                continue
+            slab = torch.empty((stop - start, *dense[1:]), dtype=dtype)
+            if dim == 0:  # the runs are rows: copy those inside [start, stop)
+                for rank, piece_start, length, dense_start in runs:
+                    first, last = max(start, dense_start), min(stop, dense_start + length)
+                    if first < last:
+                        offset = piece_start - dense_start
+                        rows = read_piece_rows(rank, first + offset, last + offset)
+                        slab[first - start:last - start] = _leading_block(rows, (last - first, *dense[1:]))
+            else:  # the runs are columns (along dim): rows [start, stop) of every rank's piece
+                for rank in range(self.num_partitions):
+                    rows = read_piece_rows(rank, start, stop)
+                    for run_rank, piece_start, length, dense_start in runs:
+                        if run_rank == rank:
+                            slab.narrow(dim, dense_start, length).copy_(rows.narrow(dim, piece_start, length))
+                    del rows
+            yield slab
+
     def _check_dense(self, dense: torch.Tensor) -> None:
         if tuple(dense.shape) != tuple(self.unpadded_shape):
             raise ValueError(f"a dense tensor of shape {list(dense.shape)} given to a spec whose dense shape is "

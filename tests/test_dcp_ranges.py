@@ -240,3 +240,27 @@ def test_resharding_import_reads_pieces_in_bounded_slabs_and_equals_nxdtps_own_r
         assert sorted(got) == sorted(want), relative
         for key in want:
             assert torch.equal(got[key], want[key]), (relative, key)
+
+
+def test_merge_streams_large_tensors_in_slabs_of_piece_rows(saved, tmp_path, monkeypatch):
+    """With ``merge.PART_BYTES`` lowered to 512 bytes, the merge writes every tensor over it (the padded, tied
+    embedding split along rows, the row-parallel down_proj split along columns, their AdamW moments) in slabs built from
+    the rows of the pieces each needs, none over the budget, and the files are bitwise those of a merge that
+    reassembles each tensor whole."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing import merge as merge_module
+
+    root, _ = saved
+    merge_module.merge(root, str(tmp_path / "whole"), progress=False)
+    monkeypatch.setattr(merge_module, "PART_BYTES", BUDGET)
+    parts = _spy_writes(monkeypatch)
+    merge_module.merge(root, str(tmp_path / "parts"), progress=False)
+    for key in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight",
+                "state.model.embed_tokens.weight.exp_avg", "state.model.layers.1.mlp.down_proj.weight.exp_avg_sq"):
+        assert len(parts[key]) > 4 and max(parts[key]) <= BUDGET, (key, parts[key])
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        whole, sliced = load_file(tmp_path / "whole" / name), load_file(tmp_path / "parts" / name)
+        assert sorted(whole) == sorted(sliced), name
+        for key in whole:
+            assert torch.equal(whole[key], sliced[key]), (name, key)

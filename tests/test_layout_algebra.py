@@ -157,6 +157,30 @@ def test_piece_parts_build_the_shard_from_box_reads_in_slabs(layout, tp, rows_pe
             assert sum(torch.Size(sizes).numel() for _, sizes in boxes) <= part.numel()
 
 
+@SETTINGS
+@given(layouts(), degrees, st.integers(1, 5), st.booleans())
+def test_dense_parts_rebuild_the_dense_tensor_from_piece_rows_in_slabs(layout, tp, rows_per_part, replicated):
+    """The dense tensor in slabs of at most ``rows_per_part`` rows, each from reads of rows of the pieces, equals
+    ``unshard``; a slab reads only the piece rows it needs (rows of its own range along dim 0 when the split is
+    along another dim)."""
+    _, base, dense = layout
+    spec = base.at_degree(tp)
+    if replicated:
+        spec = ParamSpec(full_shape=tuple(dense.shape), num_partitions=tp)
+    pieces = [spec.shard(dense, rank) for rank in range(tp if spec.is_sharded else 1)]
+    reads = []
+
+    def read_piece_rows(rank, start, stop):
+        reads.append((rank, start, stop))
+        return pieces[rank][start:stop].clone()
+
+    parts = list(spec.dense_parts(read_piece_rows, rows_per_part, torch.float32))
+    assert len(parts) == -(-dense.shape[0] // rows_per_part)
+    assert all(p.shape[0] <= rows_per_part and p.dtype == torch.float32 for p in parts)
+    assert torch.equal(torch.cat(parts), dense.float())
+    assert all(stop - start <= rows_per_part for _, start, stop in reads)
+
+
 def test_piece_parts_of_a_0_dim_tensor_is_one_read():
     spec = ParamSpec(full_shape=(), num_partitions=2)
     parts = list(spec.piece_parts(1, lambda boxes: [torch.tensor(3.0, dtype=torch.float64)] * len(boxes), 4,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import warnings
@@ -72,6 +73,9 @@ OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
+# A dense tensor over this many bytes is merged in slabs of rows of at most this size, read from the pieces' rows
+# (ParamSpec.dense_parts), so it is never whole in memory; smaller ones are reassembled whole (tests lower it).
+PART_BYTES = 64 << 20
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
@@ -137,7 +141,10 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
                     # The writer save_pretrained uses too, so both write the same directory for the same weights.
                     with DenseWeightsWriter(staging, dense_layout(index.tensors), metadata={"format": "pt"}) as writer:
                         for key, entry in entries:
-                            writer.write(key, _dense(model_files, key, entry, index))
+                            if _in_parts(entry.spec.unpadded_shape, dtype_from_name(entry.dtype)):
+                                writer.write_parts(key, _dense_parts(model_files, key, entry, index))
+                            else:
+                                writer.write(key, _dense(model_files, key, entry, index))
                             bar.update(1)
                 else:
                     state = {}
@@ -463,6 +470,24 @@ def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: 
 def _dense(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
     """The dense tensor: the full one without its replicated copies and padding, in the index dtype."""
     return entry.spec.dense_from_full(_assemble(model_files, key, entry, index)).contiguous()
+
+
+def _in_parts(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether a dense tensor of ``shape`` is merged in slabs of rows (``PART_BYTES``) rather than whole."""
+    return bool(shape) and math.prod(shape) * dtype.itemsize > PART_BYTES
+
+
+def _rows_per_part(spec: ParamSpec, dtype: torch.dtype) -> int:
+    return max(1, PART_BYTES // max(1, math.prod(spec.unpadded_shape[1:]) * dtype.itemsize))
+
+
+def _dense_parts(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex):
+    """The dense tensor in slabs of rows of at most ``PART_BYTES``, each from the rows of the rank files' pieces it
+    needs (``ParamSpec.dense_parts``)."""
+    files = entry.files(index.tensor_model_parallel_size)
+    dtype = dtype_from_name(entry.dtype)
+    return entry.spec.dense_parts(lambda rank, start, stop: model_files[files[rank]].get_rows(key, start, stop - start),
+                                  _rows_per_part(entry.spec, dtype), dtype)
 
 
 def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
@@ -898,9 +923,16 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
                     return spec.dense_from_full(full).contiguous()
 
                 shape = tuple(spec.unpadded_shape)
+                if not zero1 and _in_parts(shape, dtype):  # plain state is stored as its parameter: rows can be read
+
+                    def read_parts(spec=spec, dtype=dtype, tensor_key=tensor_key):
+                        return spec.dense_parts(lambda rank, start, stop: handles[optim_file(rank)].get_rows(
+                            tensor_key, start, stop - start), _rows_per_part(spec, dtype), dtype)
+                else:
+                    read_parts = None
             flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"
-            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read,
-                                                   **({} if kind == "copy" else {"spec": spec, "read_piece": piece}))
+            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read, **(
+                {} if kind == "copy" else {"spec": spec, "read_piece": piece, "read_parts": read_parts}))
     state.update(optimizer_values(tag_dir))
     return state, handles, None
 
