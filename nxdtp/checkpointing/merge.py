@@ -15,9 +15,11 @@ Safety rules shared by both:
 * The output is written into a temporary sibling directory and renamed into place at the end: after any error,
   ``output_dir`` is exactly as it was before (absent, or the old contents when ``force`` was given).
 
-Memory: tensors are reassembled and written one at a time (``dense.DenseWeightsWriter``), so the peak is about one
-full tensor (plus one rank's piece), not the model. ``output_format="pytorch_bin"`` is the exception: ``torch.save``
-needs the whole state dict, so it holds the full dense model in memory.
+Memory: tensors are written one at a time (``dense.DenseWeightsWriter``). One over ``PART_BYTES`` (64 MiB) is written
+in slabs of rows of at most that size, each built from the rows of the pieces it needs (``ParamSpec.dense_parts``), so
+it is never whole in memory; a smaller one is reassembled whole. A reshard holds one tensor at a time (its pieces cut
+from the full one), unless its source cuts pieces itself (``_new_pieces``). ``output_format="pytorch_bin"`` is the
+exception: ``torch.save`` needs the whole state dict, so it holds the full dense model in memory.
 
 Padding when resharding: every tensor is padded for the new degree by its own recorded rule (the layout algebra,
 ``nxdtp.spec.ParamSpec.at_degree``): a vocabulary to ``round_up(real, pad_to_multiple_of * new_tp)``, the rule
