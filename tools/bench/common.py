@@ -10,7 +10,6 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,10 +41,26 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def hosted_store(world_size: int, timeout_s: float = 1800):
+    """A rendezvous store this process hosts on a port the kernel picks, listening from now on: workers join it with
+    ``join_hosted_world``. Keep it until they are done. A port merely found free and bound by a worker seconds later
+    can be taken meanwhile (by another benchmark's or test session's world, which would then share the store)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_hosted_world(backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join the world whose store ``hosted_store`` listens on ``port``: every rank, rank 0 included, as a client of
+    it (``env://`` with ``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun, whose agent hosts the store)."""
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    del os.environ["TORCHELASTIC_USE_AGENT_STORE"]  # only this rendezvous is the host's
 
 
 def run_worker_script(worker: str, args: Dict[str, Any], out_path: str, env: Optional[Dict[str, str]] = None,
@@ -194,8 +209,7 @@ def serve_in_gloo_world(conn, handlers: Dict[str, Callable], rank: int, world: i
 
     from nxdtp import parallel_state
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    join_hosted_world("gloo", rank, world, port, timeout_s)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
         if before_serving is not None:
@@ -290,7 +304,8 @@ class WorkerGroup:
     """The ranks of one competitor: every command goes to all of them, and the answers come back as a list by rank."""
 
     def __init__(self, name: str, target: Callable, world_size: int, extra_args: tuple = ()):
-        port = free_port()
+        self._store = hosted_store(world_size)  # the workers' rendezvous, held until they are closed
+        port = self._store.port
         self.name = name
         self.world_size = world_size
         self.workers: List[Worker] = [
@@ -318,3 +333,4 @@ class WorkerGroup:
                 sent.append(False)
         for w, quit_sent in zip(self.workers, sent):
             w.close(quit_sent=quit_sent)
+        self._store = None

@@ -201,8 +201,9 @@ def _save(rank: int, rounds: int, workdir: str) -> list:
 
 def _worker(rank: int, args, port: int) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from .common import join_hosted_world
+
+    join_hosted_world("gloo", rank, 2, port, 1800)
     from nxdtp import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -231,11 +232,10 @@ def main() -> None:
     parser.add_argument("--sp-layers", type=int, default=4)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    import socket
+    from .common import hosted_store
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = hosted_store(2)  # the ranks' rendezvous, held until they are done
+    port = store.port
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         args.workdir = workdir
         print(f"# bench_divergence: torch {torch.__version__}, {os.cpu_count()} CPUs, load average "

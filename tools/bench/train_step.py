@@ -653,8 +653,9 @@ def worker_main(conn, name: str, rank: int, world: int, port: int, kind: str = N
     if distributed:
         import torch.distributed as dist
 
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+        from .common import join_hosted_world
+
+        join_hosted_world(backend, rank, world, port, GLOO_TIMEOUT_S)
     try:
         serve(conn, HANDLERS, state)
     finally:
