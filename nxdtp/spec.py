@@ -188,7 +188,11 @@ class ParamSpec:
         tensor plus one piece. A replicated tensor, or one split into one partition, is rank 0's piece. The full
         tensor is made on the pieces' device."""
         if not self.is_sharded or self.num_partitions == 1:
-            return read_piece(0).to(dtype)  # the one piece is the full tensor
+            piece = read_piece(0)  # the one piece is the full tensor
+            if self.is_sharded and tuple(piece.shape) != tuple(self.full_shape):
+                raise ValueError(f"a piece of shape {list(piece.shape)} given for a tensor whose full shape is "
+                                 f"{list(self.full_shape)}")
+            return piece.to(dtype)
         full = None
         for rank in range(self.num_partitions):
             piece = read_piece(rank)

@@ -122,22 +122,31 @@ def case_fsdp2_job_saves(checkpoint: str):
         model.config.save_pretrained(checkpoint)
 
 
-def test_an_fsdp2_jobs_checkpoint_imports_resharded_in_bounded_slabs(worlds, tmp_path, capsys, monkeypatch):
-    """An FSDP2 job's own save (row blocks of every tensor over 2 ranks) with ``--reshard 4`` and the import's read
-    budget lowered to 512 bytes, so each large tensor's pieces are read in slabs that cross the saved blocks: nxdtp at
-    TP 4 loads the dense model's logits after the step and the dense AdamW's moments cut by each layout."""
+def _count_box_reads(monkeypatch):
+    """The keys of every ``RowReader.read_boxes`` call, in order."""
     from nxdtp.checkpointing import dcp_import
 
-    checkpoint = str(tmp_path / "fsdp2")
-    worlds(2).run(case_fsdp2_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)
-    monkeypatch.setattr(dcp_import, "BATCH_BYTES", 512)
     boxes = []
     read_boxes = dcp_import.RowReader.read_boxes
     monkeypatch.setattr(dcp_import.RowReader, "read_boxes",
                         lambda self, key, wanted: boxes.append(key) or read_boxes(self, key, wanted))
+    return boxes
+
+
+def test_an_fsdp2_jobs_checkpoint_imports_resharded_in_bounded_slabs(worlds, tmp_path, capsys, monkeypatch):
+    """An FSDP2 job's own save (row blocks of every tensor over 2 ranks: the embedding's 101 rows as 51 + 50) with
+    ``--reshard 4`` and the import's read budget lowered to 8 KiB, under the embedding (12.6 KiB) and over its saved
+    blocks, so each TP piece of it is read in its own box reads, some across the blocks' edge: nxdtp at TP 4 loads the
+    dense model's logits after the step and the dense AdamW's moments cut by each layout."""
+    from nxdtp.checkpointing import dcp_import
+
+    checkpoint = str(tmp_path / "fsdp2")
+    worlds(2).run(case_fsdp2_job_saves, tensor_model_parallel_size=None, checkpoint=checkpoint)
+    monkeypatch.setattr(dcp_import, "BATCH_BYTES", 8192)
+    boxes = _count_box_reads(monkeypatch)
     status, out, err = _cli([checkpoint, tmp_path / "out", "--from-dcp", "--reshard", 4], capsys)
     assert status == 0 and "optimizer state in 4 files" in out, err
-    assert boxes.count("model.embed_tokens.weight") > 4 and "optimizer.state.lm_head.weight.exp_avg" in boxes
+    assert boxes.count("model.embed_tokens.weight") == 4 and "optimizer.state.lm_head.weight.exp_avg" in boxes
     dense = _dense_logits()
     for rank, result in enumerate(worlds(4).run(case_load_resharded, tensor_model_parallel_size=4,
                                                 checkpoint=str(tmp_path / "out"))):
@@ -271,3 +280,46 @@ def test_dcp_import_reshard_any_torch_optimizer(worlds, tmp_path, capsys, optimi
         assert result["fields"] == fields, result["fields"]
         _close(result["logits"], dense, f"{optimizer_class} rank {rank} logits")
     assert sorted(os.listdir(tmp_path)) == ["dcp", "out"]
+
+
+def test_a_tensor_saved_in_chunks_over_the_budget_is_read_once(tmp_path, capsys, monkeypatch):
+    """A one-process save holds each tensor in one chunk, which a DCP read loads whole whatever part of it is asked
+    for: with the budget lowered under it, the resharding import reads such a tensor whole once instead of once per
+    slab, and the result is that of the default budget, bitwise."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing import dcp_import
+    from nxdtp.checkpointing.index import model_file, optim_file
+
+    _dcp_with_optimizer(tmp_path / "dcp", torch.optim.AdamW, lr=LR)
+    status, out, err = _cli([tmp_path / "dcp", tmp_path / "default", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 0, err
+    monkeypatch.setattr(dcp_import, "BATCH_BYTES", 512)
+    boxes = _count_box_reads(monkeypatch)
+    reads = []
+    read = dcp_import.RowReader.read
+    monkeypatch.setattr(dcp_import.RowReader, "read", lambda self, wanted: reads.extend(wanted) or read(self, wanted))
+    status, out, err = _cli([tmp_path / "dcp", tmp_path / "small", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 0, err
+    embedding_reads = reads.count("model.embed_tokens.weight")
+    assert boxes == [] and embedding_reads == 1, (boxes, embedding_reads)
+    tag = (tmp_path / "default" / "newest").read_text().strip()
+    for relative in [model_file(r) for r in range(2)] + [optim_file(r) for r in range(2)]:
+        want, got = load_file(tmp_path / "default" / tag / relative), load_file(tmp_path / "small" / tag / relative)
+        assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want), relative
+
+
+@pytest.mark.parametrize("optimizer_class, kwargs, message", [
+    # Adafactor's row and column factors of a matrix have no layout to cut by
+    ("Adafactor", {"lr": LR}, "cannot be cut by the parameter's tensor-parallel layout"),
+    # the groups are written as JSON
+    ("Adam", {"lr": torch.tensor(LR), "foreach": False}, "is a DenseOptimizerTensor, not a plain value"),
+])
+def test_dcp_import_reshard_refuses_state_it_cannot_carry(tmp_path, capsys, optimizer_class, kwargs, message):
+    """Optimizer state it could only carry wrongly is refused: exit status 2, one line naming the entry, nothing
+    written."""
+    _dcp_with_optimizer(tmp_path / "dcp", getattr(torch.optim, optimizer_class), **kwargs)
+    status, out, err = _cli([tmp_path / "dcp", tmp_path / "out", "--from-dcp", "--reshard", 2], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert message in err and "optimizer." in err and "import without --reshard" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]

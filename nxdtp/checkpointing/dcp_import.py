@@ -225,6 +225,14 @@ class RowReader:
         meta = self.metadata[key]
         return meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
 
+    def chunks_over_budget(self, key: str) -> bool:
+        """Whether the job saved tensor ``key`` in a chunk larger than the budget. A DCP read loads every saved chunk
+        it touches whole, once per part asked of it, so reading such a tensor in budget-sized parts would load that
+        chunk again for each part without holding less: it is read a chunk (or the tensor) at a time instead."""
+        meta = self.metadata[key]
+        itemsize = torch.empty((), dtype=meta.properties.dtype).element_size()
+        return any(chunk.sizes.numel() * itemsize > self.budget for chunk in meta.chunks)
+
     def read(self, ranges: Dict[str, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
         """``{key: (start, stop)}`` -> ``{key: rows [start, stop) of that tensor}`` in one ``read_data`` (a 0-dim
         tensor: ``(0, 1)``, the tensor)."""
@@ -262,13 +270,15 @@ class RowReader:
 
     def ranges(self, key: str) -> Iterator[torch.Tensor]:
         """Tensor ``key`` as consecutive row ranges of at most the budget's bytes, cut where its saved chunks begin
-        and end along dim 0 so that each saved chunk is read once where it fits the budget."""
+        and end along dim 0 so that each saved chunk is read once where it fits the budget; a tensor saved in chunks
+        over the budget is read from one chunk edge along dim 0 to the next (``chunks_over_budget``)."""
         meta = self.metadata[key]
         rows = meta.size[0]
         step = max(1, self.budget * rows // max(1, self.nbytes(key)))
         cuts = sorted({0, rows} | {edge for c in meta.chunks for edge in (c.offsets[0], c.offsets[0] + c.sizes[0])})
+        whole_intervals = self.chunks_over_budget(key)  # then each read between two chunk edges is one range
         for first, last in zip(cuts, cuts[1:]):
-            for start in range(first, last, step):
+            for start in range(first, last, max(step, last - first) if whole_intervals else step):
                 yield self.read({key: (start, min(last, start + step))})[key]
 
 

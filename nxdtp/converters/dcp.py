@@ -14,22 +14,28 @@ The DCP checkpoint is handed to ``merge.reshard_source`` as the TP=1 nxdtp check
 1. the model the config names is built with its parameters on the meta device and sharded by its plan at TP size 1, in
    a world of one process of its own: its index entries (each tensor's spec with its padding and head-layout records,
    ties) are what ``save`` would write for it, with each tensor's dtype as the DCP checkpoint holds it;
-2. its rank files are readers over the DCP checkpoint (``TensorParallelOneView``): asked for a tensor, one reads it
-   through the import's ``BatchedReader`` and lays it out by its spec (the vocabulary padded for TP 1); the optimizer's
-   rank file does the same for state shaped like its parameter and gives other state ('step') as saved. Only the
-   small JSON files (trainer state, the optimizer's groups) are written, into a temporary directory beside
-   ``output_dir`` that is removed in every case;
+2. its rank files are readers over the DCP checkpoint (``TensorParallelOneView``) that cut each new rank's piece
+   themselves (``pieces``): a tensor within the import's budget (``dcp_import.BATCH_BYTES``) is read whole, with the
+   small tensors after it, and cut; a larger one is read piece by piece in slabs of at most the budget
+   (``ParamSpec.piece_parts``: one DCP read of boxes of the dense tensor per slab), unless the job saved it in chunks
+   larger than the budget, which a DCP read loads whole whatever part of them is asked for: then it is read whole
+   once. The optimizer's rank file does the same for state shaped like its parameter and gives scalar state ('step')
+   to every rank as saved. Only the small JSON files (trainer state, the optimizer's groups) are written, into a
+   temporary directory beside ``output_dir`` that is removed in every case;
 3. ``reshard_source`` cuts every tensor for ``new_tp`` (its padding and repeated KV heads by its recorded layout, so
    exactly) into ``output_dir``, one tensor at a time, atomically at the end: after any error it is as it was.
 
 The optimizer's groups come from torch's flattened hyperparameters (``param_groups.<param>.<name>``): one group per
-distinct set of values, in the order of the model's parameters, so per-parameter weight decay survives. Every torch
-optimizer's state comes across (Adam, AdamW, SGD, Adagrad, ...: nothing is rebuilt); load it into an optimizer of the
-saving class. A hyperparameter the saving torch did not have (``decoupled_weight_decay`` before torch 2.6) keeps the
-loading optimizer's own value (``nxdtp.checkpointing.load``).
+distinct set of values, in the order of the model's parameters, so per-parameter weight decay survives (build the
+loading optimizer's groups in that order). Nothing is rebuilt: the state of any torch optimizer whose state is shaped
+like its parameter, plus scalars, comes across (Adam, AdamW, SGD, Adagrad, RMSprop, ...); load it into an optimizer
+of the saving class. State of another shape (Adafactor's factored moments) has no layout to cut by and is refused, as
+is a hyperparameter that is a tensor. A hyperparameter the saving torch did not have (``decoupled_weight_decay`` before
+torch 2.6) keeps the loading optimizer's own value (``nxdtp.checkpointing.load``).
 
-Cost: about the largest tensor in memory (read whole, laid out, cut: merge's reshard), not the model; on disk only
-``output_dir``. A non-empty ``output_dir`` is refused unless ``force``.
+Cost: a slab of at most the budget per large tensor plus the saved chunk being read (a tensor saved in larger chunks:
+the tensor and its chunk), and the small tensors read together; not the model. On disk only ``output_dir``. A
+non-empty ``output_dir`` is refused unless ``force``.
 """
 
 from __future__ import annotations
@@ -53,9 +59,7 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     docstring); return its tag directory. ``config`` is the model's config.json when ``dcp_dir`` has none; the
     vocabulary is padded to a multiple of ``pad_to_multiple_of * new_tp`` (the model's
     ``make_vocab_size_divisible_by``; default 1)."""
-    import torch.distributed as dist
 
-    from .. import parallel_state as ps
     from ..checkpointing.dcp_import import read_checkpoint
     from ..checkpointing.index import model_file
     from ..checkpointing.merge import reshard_source
@@ -65,9 +69,7 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
                                            or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
-    if ps.model_parallel_is_initialized() or (dist.is_initialized() and dist.get_world_size() != 1):
-        raise RuntimeError("import_dcp_resharded shards the model's description in a world of one process of its own: "
-                           "call it outside a distributed job (nxdtp-merge does)")
+    _refuse_distributed_job("import_dcp_resharded")
     checkpoint = read_checkpoint(dcp_dir, config)
     check_output_dir(dcp_dir, output_dir, force)
     view = TensorParallelOneView(checkpoint, pad_to_multiple_of or 1)
@@ -144,6 +146,7 @@ def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
     from ..models.hf_loading import parameters_on_meta
     from ..process_groups import initialize_single_process_world, release_single_process_world
 
+    _refuse_distributed_job("TensorParallelOneView")
     made_world = not dist.is_initialized()
     initialize_single_process_world()
     try:
@@ -163,6 +166,16 @@ def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
     finally:
         if made_world:
             release_single_process_world()
+
+
+def _refuse_distributed_job(what: str) -> None:
+    import torch.distributed as dist
+
+    from .. import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() or (dist.is_initialized() and dist.get_world_size() != 1):
+        raise RuntimeError(f"{what} shards the model's description in a world of one process of its own: call it "
+                           "outside a distributed job (nxdtp-merge does)")
 
 
 def _model_tensors(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
@@ -206,11 +219,18 @@ def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: Li
         kind, _, rest = flat.partition(".")
         param, field = rest.rsplit(".", 1)
         if kind == "param_groups":
+            _check_hyperparameter(checkpoint.dcp_dir, flat, value)
             hyper.setdefault(param, {})[field] = value
         elif isinstance(value, DenseOptimizerTensor):
             spec = entries[primary[param]].spec
-            # State shaped like its parameter is laid out as the parameter; other state ('step') as saved.
-            tensors[f"{param}/{field}"] = (f"optimizer.{flat}", spec if value.shape == spec.unpadded_shape else None)
+            shaped = tuple(value.shape) == tuple(spec.unpadded_shape)
+            if not shaped and math.prod(value.shape) > 1 and spec.is_sharded:
+                raise ValueError(f"{checkpoint.dcp_dir}: optimizer state 'optimizer.{flat}' has shape "
+                                 f"{list(value.shape)}, neither its parameter's {list(spec.unpadded_shape)} nor a "
+                                 "scalar, so it cannot be cut by the parameter's tensor-parallel layout (a factored "
+                                 "optimizer such as Adafactor); import without --reshard for a dense HF directory")
+            # State shaped like its parameter is laid out as the parameter; scalar state ('step') goes as saved.
+            tensors[f"{param}/{field}"] = (f"optimizer.{flat}", spec if shaped else None)
             fields.setdefault(param, []).append(field)
         else:
             scalars.setdefault(param, {})[field] = value
@@ -221,10 +241,14 @@ def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: Li
     if without_group:
         raise ValueError(f"{checkpoint.dcp_dir}: the optimizer holds state for {without_group[:5]} but no "
                          "hyperparameters (optimizer.param_groups.<param>.*): not torch's flattened optimizer state")
+    not_parameters = sorted(set(hyper) - set(parameter_names))
+    if not_parameters:
+        raise ValueError(f"{checkpoint.dcp_dir}: the optimizer names {not_parameters[:5]}, which are not parameter "
+                         "names of the model (a tied tensor's state goes under its first name)")
     groups: List[Dict[str, Any]] = []
     signatures: Dict[str, int] = {}
     for name in (n for n in parameter_names if n in hyper):
-        signature = json.dumps(sorted(hyper[name].items()), default=repr)
+        signature = json.dumps(sorted(hyper[name].items()))
         if signature not in signatures:
             signatures[signature] = len(groups)
             groups.append({**hyper[name], "params": []})
@@ -233,6 +257,16 @@ def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: Li
     index = {"keyed_by": "name", "params": {param: {"param_index": position[param], "tensors": fields.get(param, [])}
                                             for param in stateful}}
     return _DcpRankFile(checkpoint, tensors), index, {"param_groups": groups, "scalars": scalars}
+
+
+def _check_hyperparameter(dcp_dir: str, flat: str, value: Any) -> None:
+    """The groups go into a JSON file, as ``save`` writes them: a hyperparameter must be a JSON value."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{dcp_dir}: hyperparameter 'optimizer.{flat}' is a {type(value).__name__}, not a plain "
+                         "value (a tensor learning rate or betas); --reshard writes the groups as JSON: import "
+                         "without --reshard and restore the state with load_dense_optimizer_state") from None
 
 
 class _TensorShape:
@@ -275,10 +309,11 @@ class _DcpRankFile:
     def pieces(self, key: str, new_spec, ranks):
         """``(rank, parts)``: each rank's piece of ``key`` at ``new_spec`` (``merge._new_pieces``). A tensor within
         the import's read budget is read whole once (with those after it) and cut; a larger one is read piece by piece
-        in slabs of at most the budget's bytes (``ParamSpec.piece_parts``), so it is never whole in memory."""
+        in slabs of at most the budget's bytes (``ParamSpec.piece_parts``), so it is never whole in memory, unless
+        the job saved it in chunks over the budget, which every slab would load again: it is read whole once."""
         source, _ = self.tensors[key]
         rows = self.reader.rows
-        if not self.reader.in_ranges(source):
+        if not self.reader.in_ranges(source) or rows.chunks_over_budget(source):
             full = new_spec.full_from_dense(self.reader.read(source))
             for rank in ranks:
                 yield rank, [new_spec.piece_of_full(full, rank)]
