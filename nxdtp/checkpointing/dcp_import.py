@@ -34,7 +34,7 @@ import torch
 
 from .cycles import CycleCollector
 from .dense import DenseWeightsWriter
-from .merge import CONFIG_FILE, DenseOptimizerTensor, _progress, write_dense_optimizer
+from .merge import CONFIG_FILE, DenseOptimizerTensor, _progress, rows_within, write_dense_optimizer
 from .output_dir import check_output_dir, write_atomically
 
 OPTIMIZER_PREFIX = "optimizer."
@@ -274,7 +274,7 @@ class RowReader:
         over the budget is read from one chunk edge along dim 0 to the next (``chunks_over_budget``)."""
         meta = self.metadata[key]
         rows = meta.size[0]
-        step = max(1, self.budget * rows // max(1, self.nbytes(key)))
+        step = rows_within(self.budget, tuple(meta.size), meta.properties.dtype)
         cuts = sorted({0, rows} | {edge for c in meta.chunks for edge in (c.offsets[0], c.offsets[0] + c.sizes[0])})
         whole_intervals = self.chunks_over_budget(key)  # then each read between two chunk edges is one range
         for first, last in zip(cuts, cuts[1:]):

@@ -186,7 +186,7 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     ``verify`` are as for ``merge`` (every file of the source tag is verified). The new tag records the size and
     checksum of each of its files, as ``save`` does.
     """
-    _check_reshard_arguments(new_tp, pad_to_multiple_of)
+    check_reshard_arguments(new_tp, pad_to_multiple_of)
     tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify,
                                                  lambda tag_dir, index: sorted(index.files or {}))
     return reshard_source(tag_dir, index, model_files, output_dir, new_tp, progress=progress,
@@ -202,7 +202,7 @@ def reshard_source(tag_dir: str, index: CheckpointIndex, model_files: Dict[str, 
     ``SafetensorsFileReader``; and ``pieces``, to cut each new rank's piece itself: ``_new_pieces``): ``model_files``
     and ``open_file(rank file name)`` for the optimizer's, with only the JSON files (trainer state, optimizer groups,
     config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as the source (default ``tag_dir``)."""
-    _check_reshard_arguments(new_tp, pad_to_multiple_of)
+    check_reshard_arguments(new_tp, pad_to_multiple_of)
     config_path = _config_source(tag_dir, config)
     multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
     new_entries = _resharded_entries(index, new_tp, multiple, _config_vocab_size(config_path), pad_to_multiple_of)
@@ -220,10 +220,12 @@ def reshard_source(tag_dir: str, index: CheckpointIndex, model_files: Dict[str, 
     return os.path.join(output_dir, job.tag_name)
 
 
-def _check_reshard_arguments(new_tp: Any, pad_to_multiple_of: Any) -> None:
+def check_reshard_arguments(new_tp: Any, pad_to_multiple_of: Any) -> None:
+    """Refuse a TP size or vocabulary multiple that is not an integer >= 1 (a bool neither), naming it."""
     if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
         raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
-    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+    if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
+                                           or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
 
 
@@ -479,8 +481,9 @@ def _in_parts(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
     return bool(shape) and math.prod(shape) * dtype.itemsize > PART_BYTES
 
 
-def _rows_per_part(spec: ParamSpec, dtype: torch.dtype) -> int:
-    return max(1, PART_BYTES // max(1, math.prod(spec.unpadded_shape[1:]) * dtype.itemsize))
+def rows_within(budget: int, shape, dtype: torch.dtype) -> int:
+    """How many rows (along dim 0) of a tensor of ``shape`` fit ``budget`` bytes: at least one."""
+    return max(1, budget // max(1, math.prod(shape[1:]) * dtype.itemsize))
 
 
 def _dense_parts(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex):
@@ -489,7 +492,7 @@ def _dense_parts(model_files: Dict[str, Any], key: str, entry: TensorEntry, inde
     files = entry.files(index.tensor_model_parallel_size)
     dtype = dtype_from_name(entry.dtype)
     return entry.spec.dense_parts(lambda rank, start, stop: model_files[files[rank]].get_rows(key, start, stop - start),
-                                  _rows_per_part(entry.spec, dtype), dtype)
+                                  rows_within(PART_BYTES, entry.spec.unpadded_shape, dtype), dtype)
 
 
 def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
@@ -928,8 +931,9 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
                 if not zero1 and _in_parts(shape, dtype):  # plain state is stored as its parameter: rows can be read
 
                     def read_parts(spec=spec, dtype=dtype, tensor_key=tensor_key):
+                        rows = rows_within(PART_BYTES, spec.unpadded_shape, dtype)
                         return spec.dense_parts(lambda rank, start, stop: handles[optim_file(rank)].get_rows(
-                            tensor_key, start, stop - start), _rows_per_part(spec, dtype), dtype)
+                            tensor_key, start, stop - start), rows, dtype)
                 else:
                     read_parts = None
             flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"

@@ -62,13 +62,9 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
 
     from ..checkpointing.dcp_import import read_checkpoint
     from ..checkpointing.index import model_file
-    from ..checkpointing.merge import reshard_source
+    from ..checkpointing.merge import check_reshard_arguments, reshard_source
 
-    if isinstance(new_tp, bool) or not isinstance(new_tp, int) or new_tp < 1:
-        raise ValueError(f"new tensor parallel size {new_tp!r} must be an integer >= 1")
-    if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
-                                           or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
+    check_reshard_arguments(new_tp, pad_to_multiple_of)
     _refuse_distributed_job("import_dcp_resharded")
     checkpoint = read_checkpoint(dcp_dir, config)
     check_output_dir(dcp_dir, output_dir, force)
@@ -98,7 +94,7 @@ class TensorParallelOneView:
 
         self.checkpoint = checkpoint
         entries, parameter_names = _entries_at_tensor_parallel_one(checkpoint.config_path, multiple)
-        self.model_reader = _DcpRankFile(checkpoint, _model_tensors(checkpoint, entries))
+        self.model_reader = _DcpRankFile(checkpoint, _model_sources(checkpoint, entries))
         primary = {alias: key for key, entry in entries.items() for alias in [key] + entry.aliases}
         self.optimizer_reader, optimizer_index, self.optimizer_json = _optimizer(checkpoint, entries, primary,
                                                                                parameter_names)
@@ -178,7 +174,7 @@ def _refuse_distributed_job(what: str) -> None:
                            "outside a distributed job (nxdtp-merge does)")
 
 
-def _model_tensors(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
+def _model_sources(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
     """{index key: (DCP key, spec)} for every model tensor; each entry takes the DCP tensor's dtype. The plan's model
     and the config's class must hold the same tensors (a plan renaming one would be a defect: refused, naming it)."""
     from ..checkpointing.index import dtype_name
@@ -311,6 +307,8 @@ class _DcpRankFile:
         the import's read budget is read whole once (with those after it) and cut; a larger one is read piece by piece
         in slabs of at most the budget's bytes (``ParamSpec.piece_parts``), so it is never whole in memory, unless
         the job saved it in chunks over the budget, which every slab would load again: it is read whole once."""
+        from ..checkpointing.merge import rows_within
+
         source, _ = self.tensors[key]
         rows = self.reader.rows
         if not self.reader.in_ranges(source) or rows.chunks_over_budget(source):
@@ -318,8 +316,7 @@ class _DcpRankFile:
             for rank in ranks:
                 yield rank, [new_spec.piece_of_full(full, rank)]
             return
-        local = new_spec.local_shape()
-        row_bytes = max(1, math.prod(local[1:]) * self.dtype(key).itemsize)
+        dtype = self.dtype(key)
+        slab_rows = rows_within(rows.budget, new_spec.local_shape(), dtype)
         for rank in ranks:
-            yield rank, new_spec.piece_parts(rank, lambda boxes: rows.read_boxes(source, boxes),
-                                             max(1, rows.budget // row_bytes), self.dtype(key))
+            yield rank, new_spec.piece_parts(rank, lambda boxes: rows.read_boxes(source, boxes), slab_rows, dtype)
