@@ -19,14 +19,14 @@ elements but keeps all of its storage:
 
 * the storage bytes its parameters hold (``nxdtp.storage.held_bytes``: each distinct storage once, whole), on meta;
 * the RSS a rank gains: in a fresh process (glibc told to map large blocks on their own and trimmed before each
-  reading, so freed memory leaves the RSS), a CPU BertForPreTraining is built, then parallelized in place at the
-  last rank of a simulated topology; the RSS after parallelizing minus the RSS before building, next to the bytes its
-  parameters hold and the RSS the dense model took.
+  reading, so freed memory leaves the RSS), for each TP size in turn a CPU BertForPreTraining is built, then
+  parallelized in place at the last rank of a simulated topology, then freed; the RSS after parallelizing minus the
+  RSS before building, next to the bytes its parameters hold and the RSS the dense model took.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from .common import fmt, fmt_bytes, markdown_table, verdict
 
@@ -163,9 +163,9 @@ QUICK_CFG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_atte
 RSS_TPS = {False: (1, 2, 8), True: (1, 2)}
 
 
-def rss_worker(args: Dict[str, Any]) -> Dict[str, Any]:
-    """In a fresh process: build the dense model on CPU, parallelize it in place at the last rank of a simulated
-    topology of ``args["tp"]`` ranks, and report RSS and the bytes held."""
+def rss_worker(args: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """In a fresh process, for each TP size in ``args["tps"]`` in turn: build the dense model on CPU, parallelize it in
+    place at the last rank of a simulated topology, report RSS and the bytes held, and free it before the next."""
     import gc
 
     import torch
@@ -181,31 +181,33 @@ def rss_worker(args: Dict[str, Any]) -> Dict[str, Any]:
         malloc_trim()
         return proc_status_kib()["VmRSS"] * 1024
 
-    tp = args["tp"]
-    torch.manual_seed(0)
     config = BertConfig(**args["cfg"])
-    start = rss()
-    model = BertForPreTraining(config)
-    dense_bytes, dense_rss = _held_bytes(model), rss() - start
-    with simulated_topology(world_size=tp, rank=tp - 1, tensor_model_parallel_size=tp):
-        parallelize_bert(model, broadcast_replicated=False)   # no collective: the rank's own values are kept
-    return {"tp": tp, "dense_parameter_bytes": dense_bytes, "dense_rss_gain": dense_rss, "rss_gain": rss() - start,
-            "storage_bytes_held": _held_bytes(model), "parameter_bytes": _parameter_count(model) * BYTES_PER_PARAMETER}
+    rows = []
+    for tp in args["tps"]:
+        torch.manual_seed(0)
+        start = rss()
+        model = BertForPreTraining(config)
+        dense_bytes, dense_rss = _held_bytes(model), rss() - start
+        with simulated_topology(world_size=tp, rank=tp - 1, tensor_model_parallel_size=tp):
+            parallelize_bert(model, broadcast_replicated=False)   # no collective: the rank's own values are kept
+        rows.append({"tp": tp, "dense_parameter_bytes": dense_bytes, "dense_rss_gain": dense_rss,
+                     "rss_gain": rss() - start, "storage_bytes_held": _held_bytes(model),
+                     "parameter_bytes": _parameter_count(model) * BYTES_PER_PARAMETER})
+        del model
+    return rows
 
 
 def add_rss(result: Dict[str, Any], quick: bool) -> None:
-    """``rss_worker`` for each TP size, each in a process of its own; its rows and numbers go into ``result``."""
+    """``rss_worker`` in a process of its own; its rows and numbers go into ``result``."""
     import os
     import tempfile
 
     from .common import MALLOC_ENV, run_worker_script
 
     cfg = QUICK_CFG if quick else BERT_LARGE
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for tp in RSS_TPS[quick]:
-            rows.append(run_worker_script("memory-rss", {"cfg": cfg, "tp": tp}, os.path.join(tmp, "rss.json"),
-                                          env=MALLOC_ENV))
+        rows = run_worker_script("memory-rss", {"cfg": cfg, "tps": list(RSS_TPS[quick])}, os.path.join(tmp, "rss.json"),
+                                 env=MALLOC_ENV)
     result["rss"] = {"config": cfg, "rows": rows}
     result["numbers"].update({f"rss_{key}_tp{r['tp']}": r[key] for r in rows
                               for key in ("rss_gain", "storage_bytes_held", "parameter_bytes")})
