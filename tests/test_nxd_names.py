@@ -1,6 +1,7 @@
 """Every public name of NxD 2.29's ``neuronx_distributed.parallel_layers`` (and of its trainer API,
-``neuronx_distributed.trainer``, including ``trainer/checkpoint.py`` at ``nxdtp.trainer.checkpoint``) is in nxdtp at the
-matching path, with NxD's positional parameters, or is listed in docs/nxd_migration.md as not provided, with the reason.
+``neuronx_distributed.trainer``, including ``trainer/checkpoint.py`` at ``nxdtp.trainer.checkpoint``, and of
+``neuronx_distributed.utils.batch_utils`` at ``nxdtp.utils.batch_utils``) is in nxdtp at the matching path, with NxD's
+positional parameters, or is listed in docs/nxd_migration.md as not provided, with the reason.
 
 The list below was read from NxD's source at release 2.29 (``parallel_layers/<module>.py``: every top-level function
 and class whose name does not start with an underscore, with the parameters of the function or of the class's
@@ -247,6 +248,11 @@ NXD_2_29 = {
         "finalize_checkpoint": [],
         "CheckpointIOState": None,
     },
+    # utils/batch_utils.py (not parallel_layers): NxD's per-batch helpers for context parallelism.
+    "utils.batch_utils": {
+        "shift_labels": ["batch"],
+        "get_batch_on_this_context_parallel_rank": ["batch"],
+    },
     "pad": {
         "get_number_of_extra_heads": ["n_head", "tp_degree"],
         "pad_model": ["model", "tp_degree", "n_heads", "wrapped_classes", "pad_hook_fn"],
@@ -337,3 +343,33 @@ def test_nxd_top_level_trainer_names_are_nxdtp_top_level_names():
     for name in NXD_TOP_LEVEL_TRAINER_NAMES:
         assert getattr(nxdtp, name) is getattr(nxdtp.trainer, name), name
         assert name in nxdtp.__all__, name
+
+
+# The neuronx_distributed imports at the top of NxD 2.29's Llama pretraining script
+# (examples/training/llama/tp_zero1_llama_hf_pretrain/tp_zero1_llama_hf_pretrain.py), as its user writes them.
+NXD_LLAMA_PRETRAINING_IMPORTS = """
+import neuronx_distributed as nxd
+from neuronx_distributed.parallel_layers import parallel_state
+from neuronx_distributed.parallel_layers.utils import requires_init_pg_override
+from neuronx_distributed.utils.adamw_fp32_optim_params import AdamW_FP32OptimParams
+from neuronx_distributed.utils.batch_utils import get_batch_on_this_context_parallel_rank
+"""
+# The prefix change docs/nxd_migration.md describes: parallel_layers' modules are nxdtp's, the rest keep their path.
+NXD_PREFIXES = [(r"\bneuronx_distributed\.parallel_layers\b", "nxdtp"), (r"\bneuronx_distributed\b", "nxdtp")]
+
+
+def test_nxd_llama_pretraining_imports_change_only_their_prefix():
+    source = NXD_LLAMA_PRETRAINING_IMPORTS
+    for pattern, replacement in NXD_PREFIXES:
+        source = re.sub(pattern, replacement, source)
+    assert "neuronx_distributed" not in source and "from nxdtp.utils.batch_utils import" in source
+    names = {}
+    exec(compile(source, "<NxD's imports, prefix changed>", "exec"), names)
+
+    from nxdtp.optimizer import AdamW_FP32OptimParams
+    from nxdtp.utils import batch_utils
+
+    assert names["nxd"] is nxdtp and names["parallel_state"] is nxdtp.parallel_state
+    assert names["requires_init_pg_override"] is nxdtp.utils.requires_init_pg_override
+    assert names["AdamW_FP32OptimParams"] is AdamW_FP32OptimParams
+    assert names["get_batch_on_this_context_parallel_rank"] is batch_utils.get_batch_on_this_context_parallel_rank

@@ -406,3 +406,55 @@ def test_move_model_to_device_keeps_hand_set_attributes():
     assert model.weight is not original, "the move did not replace the Parameter: nothing was tested"
     assert (model.weight.tensor_model_parallel, model.weight.partition_dim, model.weight.num_partitions) == (True, 0, 2)
     assert not hasattr(model.bias, "tensor_model_parallel")
+
+
+# ---- NxD's neuronx_distributed.utils.batch_utils (nxdtp.utils.batch_utils) -------------------------------------------
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return {"input_ids": torch.randint(0, 50, (2, 8), generator=g),
+            "attention_mask": torch.ones(2, 8, dtype=torch.long), "labels": torch.randint(0, 50, (2, 8), generator=g)}
+
+
+def test_get_batch_on_this_context_parallel_rank_is_the_identity_at_context_parallel_size_1():
+    from nxdtp.utils.batch_utils import get_batch_on_this_context_parallel_rank
+
+    check_nxd_signature(get_batch_on_this_context_parallel_rank, [("batch", REQUIRED)])
+    batch = _batch()
+    tensors = dict(batch)
+    with ps.simulated_topology(world_size=4, rank=3, tensor_model_parallel_size=2):
+        assert ps.get_context_model_parallel_size() == 1
+        result = get_batch_on_this_context_parallel_rank(batch)
+    # NxD returns the batch it was given at size 1: the same dict holding the same tensors, labels not shifted.
+    assert result is batch and all(result[k] is tensors[k] for k in tensors) and result.keys() == tensors.keys()
+    with pytest.raises(RuntimeError, match="model parallel is not initialized"):
+        get_batch_on_this_context_parallel_rank(batch)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_get_batch_on_this_context_parallel_rank_refuses_a_larger_context_parallel_size(monkeypatch, size):
+    # nxdtp's topology cannot have context parallelism, so the getter is made to report it: the function must read the
+    # size from parallel_state (not assume 1) and refuse, naming the size, instead of returning the uncut batch.
+    from nxdtp.utils.batch_utils import get_batch_on_this_context_parallel_rank
+
+    monkeypatch.setattr(ps, "get_context_model_parallel_size", lambda: size)
+    batch = _batch()
+    with ps.simulated_topology(world_size=4, rank=0, tensor_model_parallel_size=2):
+        with pytest.raises(ValueError, match=rf"context_parallel_size={size}: nxdtp has no context parallelism"):
+            get_batch_on_this_context_parallel_rank(batch)
+    assert torch.equal(batch["labels"], _batch()["labels"]), "the refused call changed the batch"
+
+
+def test_shift_labels_moves_labels_one_position_left():
+    from nxdtp.utils.batch_utils import shift_labels
+
+    check_nxd_signature(shift_labels, [("batch", REQUIRED)])
+    batch = _batch()
+    shifted = shift_labels(batch)
+    expected = torch.full_like(batch["labels"], -100)
+    for position in range(batch["labels"].shape[1] - 1):   # position i gets the label of token i + 1
+        expected[:, position] = batch["labels"][:, position + 1]
+    assert torch.equal(shifted["labels"], expected) and shifted["labels"].dtype == batch["labels"].dtype
+    assert shifted is not batch and shifted["input_ids"] is batch["input_ids"]
+    assert torch.equal(batch["labels"], _batch()["labels"]), "the input batch was changed"
+    assert shift_labels({"input_ids": batch["input_ids"]}) == {"input_ids": batch["input_ids"]}

@@ -1,5 +1,10 @@
 """NxD's small helpers (``neuronx_distributed.parallel_layers.utils``), plus moving a sharded model between devices
-without losing its specs or weight ties."""
+without losing its specs or weight ties.
+
+The package is also NxD's ``neuronx_distributed.utils`` package, so that its module paths change only their prefix:
+``nxdtp.utils.batch_utils`` (``get_batch_on_this_context_parallel_rank``, ``shift_labels``) and
+``nxdtp.utils.adamw_fp32_optim_params`` (``AdamW_FP32OptimParams``, which lives in ``nxdtp.optimizer``). Neither is
+imported here: the optimizer sits in a layer above this one."""
 
 from __future__ import annotations
 
@@ -13,16 +18,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import comm
-from .parallel_state import (
+from .. import comm
+from ..parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_size,
     initialize_model_parallel,
     initialize_single_process_world,
     model_parallel_is_initialized,
 )
-from .rounding import round_up
-from .spec import ShardedModule
+from ..rounding import round_up
+from ..spec import ShardedModule
 
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
                     "sequence_parallel_enabled", "num_replicas", "grad_allreduced_in_backward")
@@ -248,7 +253,7 @@ def initialize_fallback_parallel_state(device: Optional[torch.device] = None) ->
     backend = initialize_single_process_world(device)
     initialize_model_parallel(tensor_model_parallel_size=1)
     if backend == "xla":
-        from .random import model_parallel_xla_manual_seed
+        from ..random import model_parallel_xla_manual_seed
 
         _python_random.seed(0)
         try:
