@@ -54,9 +54,12 @@ Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 SPEC_FORMAT_VERSION = 1
 
 
-def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, stride: int = 1) -> torch.Tensor:
+def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, stride: int = 1, *,
+                own: bool = True) -> torch.Tensor:
     """Rank ``rank``'s piece of ``full`` cut along ``dim`` into ``num_partitions`` pieces of ``stride`` blocks each
-    (see the module docstring); a tensor of its own (not a view of ``full``, whose storage it would keep alive)."""
+    (see the module docstring); a tensor of its own (not a view of ``full``, whose storage it would keep alive).
+    ``own=False`` lets it be a view where the cut allows one, for a piece that is written out or copied and dropped
+    while ``full`` is held anyway (a merge, a load): no copy."""
     size = full.shape[dim]
     if stride < 1 or size % (num_partitions * stride) != 0:
         raise ValueError(f"dimension {dim} of size {size} cannot be split into {num_partitions} partitions with "
@@ -65,7 +68,8 @@ def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, st
         raise ValueError(f"rank={rank} is outside the {num_partitions} partitions; use 0 to {num_partitions - 1}")
     block = size // (num_partitions * stride)
     if stride == 1:
-        return owning(full.narrow(dim, rank * block, block))
+        piece = full.narrow(dim, rank * block, block)
+        return owning(piece) if own else piece.contiguous()
     return torch.cat([full.narrow(dim, (chunk * num_partitions + rank) * block, block) for chunk in range(stride)],
                      dim=dim)
 
@@ -203,11 +207,12 @@ class ParamSpec:
             del piece
         return full
 
-    def piece_of_full(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """TP rank ``rank``'s piece of the full (padded, copies kept) tensor; the whole tensor when replicated."""
+    def piece_of_full(self, full: torch.Tensor, rank: int, *, own: bool = True) -> torch.Tensor:
+        """TP rank ``rank``'s piece of the full (padded, copies kept) tensor; the whole tensor when replicated. The
+        piece owns its storage unless ``own=False`` (``split_along``)."""
         if not self.is_sharded:
             return full
-        return split_along(full, self.partition_dim, rank, self.num_partitions, self.stride)
+        return split_along(full, self.partition_dim, rank, self.num_partitions, self.stride, own=own)
 
     def shard(self, dense: torch.Tensor, rank: int) -> torch.Tensor:
         """TP rank ``rank``'s piece of the dense tensor: laid out (copies, zero padding) and cut as this spec says."""

@@ -618,7 +618,7 @@ def _new_pieces(reader, key: str, new_spec: ParamSpec, ranks: Iterable[int], rea
         return
     full = read_full()
     for rank in ranks:
-        yield rank, [new_spec.piece_of_full(full, rank)]
+        yield rank, [new_spec.piece_of_full(full, rank, own=False)]   # written out while full is held
 
 
 @contextlib.contextmanager
@@ -809,7 +809,7 @@ def _reshard_zero1_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entri
 
                 if old_spec.is_sharded:
                     full = _repad(old_spec.full_from_pieces(local, dtype), old_spec, new_spec)
-                    pieces = {rank: new_spec.piece_of_full(full, rank) for rank in range(new_tp)}
+                    pieces = {rank: new_spec.piece_of_full(full, rank, own=False) for rank in range(new_tp)}
                 else:
                     whole = local(0)
                     pieces = {rank: whole for rank in range(new_tp)}

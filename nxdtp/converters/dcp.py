@@ -314,7 +314,7 @@ class _DcpRankFile:
         if not self.reader.in_ranges(source) or rows.chunks_over_budget(source):
             full = new_spec.full_from_dense(self.reader.read(source))
             for rank in ranks:
-                yield rank, [new_spec.piece_of_full(full, rank)]
+                yield rank, [new_spec.piece_of_full(full, rank, own=False)]   # written out while full is held
             return
         dtype = self.dtype(key)
         slab_rows = rows_within(rows.budget, new_spec.local_shape(), dtype)
