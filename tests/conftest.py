@@ -1,6 +1,24 @@
+import collections
+import os
+
 import pytest
 
 from tests.harness import BACKENDS, WorkerGroup
+
+# Worker processes alive at once, over all pools (each holds about 450 MiB once torch and transformers are imported):
+# past it the least recently used pools are closed, and start again when a test asks for them. Every pool kept for
+# the whole session would hold about 14 GiB, so two test sessions at once exhausted a 24 GiB machine.
+MAX_WORKERS = int(os.environ.get("NXDTP_TEST_MAX_WORKERS", "16"))
+
+
+def _make_room(pools, key, needed: int) -> None:
+    """Close the least recently used running pools, other than ``key``'s, until ``needed`` more workers fit."""
+    for other in list(pools):
+        running = sum(pool.world_size for pool in pools.values() if pool.running)
+        if running + needed <= MAX_WORKERS:
+            return
+        if other != key and pools[other].running:
+            pools[other].close()
 
 
 def pytest_report_header(config):
@@ -20,7 +38,7 @@ def worlds():
     "cpu_refusing" give worlds whose default torch.distributed backend is torch_xla's "xla" (XLA:CPU) or a stand-in for
     NCCL that refuses CPU tensors (tests/cpu_refusing_backend.py); every other name is a gloo world.
     """
-    pools = {}
+    pools = collections.OrderedDict()   # least recently used first
 
     def get(world_size: int, name: str = "gloo") -> WorkerGroup:
         key = (world_size, name)
@@ -28,6 +46,9 @@ def worlds():
             env = {"PJRT_DEVICE": "CPU"} if name.startswith("xla") else {}
             backend = name if name in BACKENDS else "gloo"
             pools[key] = WorkerGroup(world_size, env=env, backend=backend)
+        pools.move_to_end(key)
+        if not pools[key].running:
+            _make_room(pools, key, world_size)
         return pools[key]
 
     yield get

@@ -60,8 +60,24 @@ def _init_world(backend: str, rank: int, world_size: int, port: int) -> None:
     del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
 
 
+def _exit_with_parent() -> None:
+    """Have the kernel kill this worker when the test session that started it dies (Linux's PR_SET_PDEATHSIG):
+    multiprocessing's daemon flag ends workers only when the session exits normally, and a session killed (by the
+    OOM killer, a timeout, a user) would leave its pools running and holding their memory."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # not Linux: the daemon flag is all there is
+        return
+    if os.getppid() == 1:   # the session died before the request was made
+        os._exit(1)
+
+
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str], env: Dict[str, str],
                  backend: str):
+    _exit_with_parent()
     os.environ.update(env)
     sys.path[:] = sys_path
     import torch
@@ -98,6 +114,11 @@ class WorkerGroup:
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._processes: List[mp.Process] = []
         self._store = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the pool's workers are up (a pool starts them on its first case, and again after a failure)."""
+        return bool(self._processes) and all(p.is_alive() for p in self._processes)
 
     @property
     def store_port(self) -> Optional[int]:
@@ -144,7 +165,7 @@ class WorkerGroup:
     def run(self, case: Callable, tensor_model_parallel_size: Optional[int] = 1, **kwargs) -> List[Any]:
         """Run ``case(**kwargs)`` on every rank; return the per-rank results, or raise with the failing ranks'
         tracebacks."""
-        if not self._processes or not all(p.is_alive() for p in self._processes):
+        if not self.running:
             self.close()
             self._start()
         for q in self._tasks:

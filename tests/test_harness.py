@@ -52,3 +52,69 @@ def test_the_rendezvous_port_is_taken_before_the_workers_start():
         intruder.close()
         group.close()
     assert group.store_port is None, "a closed pool still holds its store"
+
+
+# ---- the pools' footprint --------------------------------------------------------------------------------------------
+
+class _FakePool:
+    def __init__(self, world_size: int, running: bool):
+        self.world_size, self.running = world_size, running
+
+    def close(self):
+        self.running = False
+
+
+def test_the_least_recently_used_pools_make_room_for_a_new_one(monkeypatch):
+    import collections
+
+    from tests import conftest
+
+    monkeypatch.setattr(conftest, "MAX_WORKERS", 8)
+    pools = collections.OrderedDict((key, _FakePool(size, True)) for key, size in
+                                    [("old-4", 4), ("idle-2", 2), ("recent-2", 2)])
+    pools["idle-2"].running = False
+    pools["new-4"] = _FakePool(4, False)
+    conftest._make_room(pools, "new-4", 4)
+    assert [k for k, p in pools.items() if p.running] == ["recent-2"], "only the oldest running pool had to go"
+    conftest._make_room(pools, "new-4", 4)
+    assert pools["recent-2"].running, "a pool is not closed when the new one fits"
+
+
+SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+from tests.harness import WorkerGroup
+from tests.test_harness import case_pid
+group = WorkerGroup(2)
+print("PIDS", *group.run(case_pid, tensor_model_parallel_size=None), flush=True)
+os._exit(0)   # as a killed session ends: no atexit, no pool.close()
+"""
+
+
+def case_pid():
+    import os
+
+    return os.getpid()
+
+
+def test_workers_die_with_a_session_that_is_killed(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Output to a file, not a pipe: workers that outlive the session would keep a pipe open and hang the read.
+    with open(tmp_path / "out", "w") as out:
+        done = subprocess.run([sys.executable, "-c", SCRIPT.format(root=root)], stdout=out, stderr=subprocess.STDOUT,
+                              timeout=300, cwd=root)
+    output = (tmp_path / "out").read_text()
+    assert done.returncode == 0, output[-3000:]
+    pids = [int(p) for line in output.splitlines() if line.startswith("PIDS ") for p in line.split()[1:]]
+    assert len(pids) == 2, output[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        time.sleep(0.2)
+    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")
+             and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert not alive, f"workers {alive} outlived the session that started them"
