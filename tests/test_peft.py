@@ -6,8 +6,9 @@ calls ``peft.get_peft_model`` on both with the same LoraConfig. Every adapter pa
 randomised too (LoRA B included, which PEFT initialises to zero, so that A's gradient is not trivially zero), and the
 TP model's adapters are set to their slices, cut here by the test's own slicing (``_expected_local``), independent of
 the library's. Compared within fp32 1e-5: the loss, the gathered logits, every adapter gradient (the dense gradient's
-slice), the TP-aware gradient norm, and the same after a few AdamW steps; the adapter saved by ``save_pretrained``
-loads on the dense model with the TP model's logits; ``merge_and_unload`` gives the dense merged model's logits.
+slice), the TP-aware gradient norm, and the same at the adapters a few AdamW steps reach (each step from equal values;
+``_step_on_dense_gradients`` says why); the adapter saved by ``save_pretrained`` loads on the dense model with the TP
+model's logits; ``merge_and_unload`` gives the dense merged model's logits.
 """
 
 from __future__ import annotations
@@ -119,6 +120,32 @@ def _check_adapter_grads(dense, tp_peft, what):
     assert not frozen, f"{what}: frozen base parameters got gradients {frozen[:3]}"
 
 
+def _step_on_dense_gradients(dense, tp_peft, dense_opt, tp_opt, what):
+    """One AdamW step of each model, the TP one on the dense gradients' slices (its own were compared just before);
+    then the stepped adapters are compared.
+
+    The two models' gradients differ by the fp32 rounding of their summation orders (up to ~1e-6 here; run in float64,
+    TP and dense agree within 6e-15 after every step, so this is rounding, not a difference in what they compute). AdamW
+    scales each element's update by its own gradient's size (lr * m / (sqrt(v) + eps)), so a rounding difference d in
+    a gradient element g moves that element's update by about lr * d / |g| (SGD: lr * d), which is large for the small
+    elements. Stepped on their own gradients, the models drift apart a little more each step: after 3 steps (lr=1e-2)
+    GPT-2's logits differ by 1.2e-5, and the dense fp32 model is itself 5.8e-6 away from the float64 one, so 1e-5 there
+    would test the rounding, not the TP model. From equal adapters and equal optimizer state, on equal gradients,
+    AdamW's elementwise arithmetic gives equal adapters, so each step's loss, logits, gradients and norm are compared
+    from the same values; their largest difference over every case is 2.4e-6 (logits at tp=4), so an error of the TP
+    model's forward or backward still fails the 1e-5 comparison, while what the optimizer did is checked here."""
+    specs = _specs(tp_peft)
+    pairs = list(zip(_trainable(dense), _trainable(tp_peft)))
+    with torch.no_grad():
+        for (name, d), (_, t) in pairs:
+            t.grad.copy_(_expected_local(d.grad, t, specs.get(id(t)), name))
+    dense_opt.step(), tp_opt.step()
+    dense_opt.zero_grad(), tp_opt.zero_grad()
+    for (name, d), (_, t) in pairs:
+        expected = _expected_local(d.detach(), t, specs.get(id(t)), f"{what} {name}")
+        torch.testing.assert_close(t.detach(), expected, **TOL, msg=lambda m: f"{what} {name} after the step: {m}")
+
+
 def _dense_norm(dense):
     grads = [p.grad for _, p in _trainable(dense)]
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -146,8 +173,7 @@ def case_lora_equals_dense(family: str, sequence_parallel: bool, kv_heads: int, 
         torch.testing.assert_close(norm, _dense_norm(dense), **TOL, msg=lambda m: f"{what} step {step} norm: {m}")
         losses.append(out.loss.item())
         if step < steps:
-            dense_opt.step(), tp_opt.step()
-            dense_opt.zero_grad(), tp_opt.zero_grad()
+            _step_on_dense_gradients(dense, tp_peft, dense_opt, tp_opt, f"{what} step {step}")
     return losses
 
 
