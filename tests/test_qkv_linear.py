@@ -69,7 +69,7 @@ def case_gqa_block_equals_dense(heads, kv_heads, head_dim, multiplier, fuse_qkv,
              "v": kv_rows(weights["v"])}
     local_bias = {"q": biases["q"][rank * q_local:(rank + 1) * q_local], "k": kv_rows(biases["k"]),
                   "v": kv_rows(biases["v"])}
-    if fuse_qkv:   # NxD's fused state dict keys load into the three parameters
+    if fuse_qkv:   # NxD's fused state dict keys
         state = {"weight_qkv": torch.cat([local[p] for p in "qkv"]),
                  "bias_qkv": torch.cat([local_bias[p] for p in "qkv"])}
     else:
@@ -109,15 +109,36 @@ def case_gqa_block_equals_dense(heads, kv_heads, head_dim, multiplier, fuse_qkv,
              "v": kv_rows(dense_params["w_v"].grad)}
     bias_grads = {"q": dense_params["b_q"].grad[rank * q_local:(rank + 1) * q_local],
                   "k": kv_rows(dense_params["b_k"].grad), "v": kv_rows(dense_params["b_v"].grad)}
-    for p in "qkv":
-        torch.testing.assert_close(getattr(qkv, "weight_" + p).grad, grads[p], **TOL,
-                                   msg=lambda m: f"{what} weight_{p} grad: {m}")
-        torch.testing.assert_close(getattr(qkv, "bias_" + p).grad, bias_grads[p], **TOL,
-                                   msg=lambda m: f"{what} bias_{p} grad: {m}")
+    if not fuse_qkv:
+        for p in "qkv":
+            torch.testing.assert_close(getattr(qkv, "weight_" + p).grad, grads[p], **TOL,
+                                       msg=lambda m: f"{what} weight_{p} grad: {m}")
+            torch.testing.assert_close(getattr(qkv, "bias_" + p).grad, bias_grads[p], **TOL,
+                                       msg=lambda m: f"{what} bias_{p} grad: {m}")
     dense_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in dense_params.values()))
     norm = get_grad_norm(list(qkv.parameters()) + list(o_proj.parameters()))
     torch.testing.assert_close(norm, dense_norm, **TOL, msg=lambda m: f"{what} grad norm: {m}")
+    if fuse_qkv:
+        _check_fused_parameters_are_trained(qkv, local, local_bias, grads, bias_grads, what)
     return what
+
+
+def _check_fused_parameters_are_trained(qkv, local, local_bias, grads, bias_grads, what):
+    """NxD's fused layer: weight_qkv and bias_qkv are the parameters, in storage of their own (not views of a dense
+    tensor); backward leaves the dense gradient's rows of this rank's Q, K and V in their .grad (NxD's test reads
+    weight_qkv.grad); an optimizer step on them moves weight_q/_k/_v (their row blocks) by those gradients."""
+    assert [name for name, _ in qkv.named_parameters()] == ["weight_qkv", "bias_qkv"], what
+    for name, parts in (("weight_qkv", grads), ("bias_qkv", bias_grads)):
+        param = getattr(qkv, name)
+        assert param.untyped_storage().nbytes() == param.numel() * param.element_size(), f"{what}: {name} is a view"
+        torch.testing.assert_close(param.grad, torch.cat([parts[p] for p in "qkv"]), **TOL,
+                                   msg=lambda m: f"{what} {name}.grad: {m}")
+    torch.optim.SGD(qkv.parameters(), lr=0.5).step()
+    for p in "qkv":
+        torch.testing.assert_close(getattr(qkv, "weight_" + p), local[p] - 0.5 * grads[p], **TOL,
+                                   msg=lambda m: f"{what} weight_{p} after a step: {m}")
+        torch.testing.assert_close(getattr(qkv, "bias_" + p), local_bias[p] - 0.5 * bias_grads[p], **TOL,
+                                   msg=lambda m: f"{what} bias_{p} after a step: {m}")
 
 
 @pytest.mark.parametrize("multiplier,fuse,sp", [pytest.param(2, True, False, id="m2-fused"),
@@ -128,6 +149,14 @@ def test_gqa_block_equals_dense_at_tp4(worlds, multiplier, fuse, sp):
     kv_heads = 2 if multiplier == 2 else 4
     assert len(worlds(4).run(case_gqa_block_equals_dense, tensor_model_parallel_size=4, heads=8, kv_heads=kv_heads,
                              head_dim=4, multiplier=multiplier, fuse_qkv=fuse, sequence_parallel=sp)) == 4
+
+
+@pytest.mark.parametrize("tp,sp", [pytest.param(1, False, id="tp1"), pytest.param(2, True, id="tp2-sp")])
+def test_fused_weight_qkv_is_the_trained_parameter_at_tp1_and_tp2(worlds, tp, sp):
+    # NxD's test_qkv_linear_with_kv_multipler_1[fuse] at the sizes above and below tp=4 (whose fused cases are above):
+    # 8 query heads over 2 KV heads, no copies, weight_qkv.grad against the dense Q|K|V gradients.
+    assert len(worlds(tp).run(case_gqa_block_equals_dense, tensor_model_parallel_size=tp, heads=8, kv_heads=2,
+                              head_dim=4, multiplier=1, fuse_qkv=True, sequence_parallel=sp)) == tp
 
 
 def test_two_kv_copies_per_rank_need_head_dim(worlds):
@@ -229,6 +258,40 @@ def test_master_weights_on_meta_and_without_keep_master_weight():
         assert not [name for name in vars(plain) if name.startswith("master_")]
 
 
+def test_fused_parameters_and_their_parts_in_state_dicts():
+    """Fused: the parameters are weight_qkv / bias_qkv, the state dict holds the parts (the objects weight_q, ... are,
+    views of the fused storage, as code pairing specs with state dicts by identity needs), and either layout loads
+    into either form, a partial dict reporting the parts it lacks and a wrong shape naming the key."""
+    import copy
+
+    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=4):
+        torch.manual_seed(2)
+        fused = GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False, kv_size_multiplier=2)
+        torch.manual_seed(3)
+        separate = GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False, kv_size_multiplier=2,
+                                              fuse_qkv=False)
+    parts = ["weight_q", "bias_q", "weight_k", "bias_k", "weight_v", "bias_v"]
+    assert [name for name, _ in fused.named_parameters()] == ["weight_qkv", "bias_qkv"]
+    assert list(fused.state_dict()) == list(separate.state_dict()) == parts + ["_extra_state"]
+    kept = fused.state_dict(keep_vars=True)
+    assert all(kept[name] is getattr(fused, name) for name in parts)
+    assert fused.weight_k.untyped_storage().data_ptr() == fused.weight_qkv.untyped_storage().data_ptr()
+    assert (fused.weight_qkv.replica_segments, fused.weight_qkv.fused_parts) == \
+        (((8, 1), (4, 2), (4, 2)), ("weight_q", "weight_k", "weight_v"))
+    separate.load_state_dict(fused.state_dict())
+    assert torch.equal(separate.weight_qkv, fused.weight_qkv) and torch.equal(separate.bias_qkv, fused.bias_qkv)
+    before = fused.weight_qkv.detach().clone()
+    result = fused.load_state_dict({"weight_k": torch.ones(4, HIDDEN)}, strict=False)
+    assert sorted(result.missing_keys) == sorted(set(parts) - {"weight_k"}), result
+    assert torch.equal(fused.weight_qkv, torch.cat([before[:8], torch.ones(4, HIDDEN), before[12:]]))
+    with pytest.raises(RuntimeError, match=r"weight_k has shape \[3, 32\], but this rank's part has shape \[4, 32\]"):
+        fused.load_state_dict({"weight_k": torch.ones(3, HIDDEN)}, strict=False)
+    copied = copy.deepcopy(fused).double()   # new fused parameters: the views follow them
+    assert copied.weight_v.dtype == torch.float64 and torch.equal(copied.weight_v, fused.weight_v.double())
+    assert copied.weight_v.untyped_storage().data_ptr() == copied.weight_qkv.untyped_storage().data_ptr()
+    assert copied.weight_qkv.replica_segments == fused.weight_qkv.replica_segments
+
+
 class _Block(nn.Module):
     def __init__(self, multiplier):
         super().__init__()
@@ -242,7 +305,7 @@ def case_save(directory):
     torch.manual_seed(9)
     block = _Block(multiplier=2)   # tp=4: each of the 2 KV heads twice
     checkpointing.save({"model": block, "global_step": 1}, directory)
-    return {name: p.detach() for name, p in block.named_parameters()}
+    return _parts(block)
 
 
 def case_load(directory):
@@ -251,7 +314,14 @@ def case_load(directory):
     torch.manual_seed(10)
     block = _Block(multiplier=1)   # tp=2: the KV heads split evenly
     checkpointing.load(directory, model=block)
-    return {name: p.detach() for name, p in block.named_parameters()}
+    return _parts(block)
+
+
+def _parts(block):
+    """Q, K and V's weights and biases as the state dict (and so the checkpoint) holds them; the parameters are the
+    fused weight_qkv / bias_qkv."""
+    assert sorted(name for name, _ in block.named_parameters()) == ["qkv_proj.bias_qkv", "qkv_proj.weight_qkv"]
+    return {key: value.clone() for key, value in block.state_dict().items() if isinstance(value, torch.Tensor)}
 
 
 def test_checkpoint_merges_to_dense_and_reshards(worlds, tmp_path):
@@ -292,3 +362,99 @@ def test_bad_arguments_are_named():
         layer = GQAQKVColumnParallelLinear(HIDDEN, [32, 8], gather_output=False)
         with pytest.raises(RuntimeError, match=r"weight_qkv has 9 rows, but this rank's Q, K and V have \[8, 2, 2\]"):
             layer.load_state_dict({"weight_qkv": torch.zeros(9, HIDDEN)}, strict=False)
+
+
+# ---- the fused parameters under ZeRO-1 and in checkpoints ---------------------------------------------------------
+
+class _Attention(nn.Module):
+    """NxD's Llama attention in small: the fused Q|K|V layer, grouped-query causal attention, the output projection."""
+
+    def __init__(self, heads, kv_heads, head_dim, multiplier):
+        super().__init__()
+        self.head_dim = head_dim
+        self.qkv_proj = GQAQKVColumnParallelLinear(HIDDEN, [heads * head_dim, kv_heads * head_dim], gather_output=False,
+                                                   kv_size_multiplier=multiplier)
+        self.o_proj = RowParallelLinear(heads * head_dim, HIDDEN, input_is_parallel=True)
+
+    def forward(self, x):
+        q, k, v = self.qkv_proj(x)
+        return self.o_proj(_attention(q, k, v, self.head_dim, q.shape[-1] // k.shape[-1]))   # this rank's groups
+
+
+def _dense_attention_loss(params, batches, head_dim, groups):
+    """The dense model's loss: the mean over the data-parallel ranks' batches of (output * upstream).sum()."""
+    total = 0
+    for x, upstream in batches:
+        q, k, v = (x @ params[f"w_{p}"].t() + params[f"b_{p}"] for p in "qkv")
+        out = _attention(q, k, v, head_dim, groups) @ params["w_o"].t() + params["b_o"]
+        total = total + (out * upstream).sum()
+    return total / len(batches)
+
+
+def case_zero1_trains_the_fused_parameters(directory):
+    """ZeRO-1 (SGD with momentum) over weight_qkv with KV copies (6 query heads over 1 KV head at tp=2: m=2), each DP
+    rank on its own batch. Its pre-clip norm counts each KV copy once and its step equals the dense model's; a
+    checkpoint of model and optimizer resumes bit-exactly; DCP's live state refuses the fused parameter by name."""
+    from nxdtp import checkpointing
+    from nxdtp.checkpointing.dcp_state import get_state_dict
+    from nxdtp.optimizer import NeuronZero1Optimizer
+
+    rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_size()
+    dp, dp_rank = ps.get_data_parallel_size(), ps.get_data_parallel_rank()
+    heads, kv_heads, head_dim, lr = 6, 1, 4, 0.1
+    weights, biases = _dense(heads, kv_heads, head_dim, seed=7)
+    dense = {f"{kind}_{n}": nn.Parameter(t.clone()) for kind, d in (("w", weights), ("b", biases))
+             for n, t in d.items()}
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randn(BATCH, SEQ, HIDDEN, generator=g))
+               for _ in range(dp)]
+    q_local = heads * head_dim // tp
+    cut = {"q": lambda t: t[rank * q_local:(rank + 1) * q_local], "k": lambda t: t[:head_dim],
+           "v": lambda t: t[:head_dim]}   # the one KV head, copied on every rank
+
+    def build():
+        block = _Attention(heads, kv_heads, head_dim, multiplier=tp)
+        # nxdtp's per-part keys load into the fused parameters.
+        block.qkv_proj.load_state_dict({**{f"weight_{p}": cut[p](weights[p]) for p in "qkv"},
+                                        **{f"bias_{p}": cut[p](biases[p]) for p in "qkv"}})
+        block.o_proj.load_state_dict({"weight": weights["o"][:, rank * q_local:(rank + 1) * q_local],
+                                      "bias": biases["o"]})
+        return block, NeuronZero1Optimizer(block.parameters(), torch.optim.SGD, lr=lr, momentum=0.9, max_norm=1e9)
+
+    def step(block, zero):
+        x, upstream = batches[dp_rank]
+        zero.zero_grad()
+        (block(x) * upstream).sum().backward()
+        zero.step()
+
+    block, zero = build()
+    step(block, zero)
+    _dense_attention_loss(dense, batches, head_dim, heads // kv_heads).backward()
+    dense_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in dense.values()))
+    torch.testing.assert_close(zero.grad_norm, dense_norm, **TOL, msg=lambda m: f"ZeRO-1 grad norm: {m}")
+    for p in "qkv":   # SGD's first step with momentum moves by lr * gradient
+        for kind, name in (("w", "weight"), ("b", "bias")):
+            expected = cut[p](dense[f"{kind}_{p}"] - lr * dense[f"{kind}_{p}"].grad).detach()
+            torch.testing.assert_close(getattr(block.qkv_proj, f"{name}_{p}"), expected, **TOL,
+                                       msg=lambda m: f"{name}_{p} after the ZeRO-1 step: {m}")
+    with pytest.raises(ValueError, match=r"'qkv_proj.weight_qkv', a fused parameter whose parts \['weight_q'"):
+        get_state_dict(block, zero)
+    checkpointing.save({"model": block, "optimizer": zero, "global_step": 1}, directory)
+    resumed, resumed_zero = build()
+    checkpointing.load(directory, model=resumed, optimizer=resumed_zero)
+    step(block, zero)
+    step(resumed, resumed_zero)   # the momentum buffers must have come back for this step to match
+    return {name: torch.equal(a, b) for (name, a), (_, b) in zip(block.named_parameters(), resumed.named_parameters())}
+
+
+def test_zero1_trains_and_checkpoints_the_fused_parameters(worlds, tmp_path):
+    from nxdtp.checkpointing.merge import merge
+
+    directory = str(tmp_path / "ckpt")
+    results = worlds(4).run(case_zero1_trains_the_fused_parameters, tensor_model_parallel_size=2, directory=directory)
+    assert results == [dict.fromkeys(["qkv_proj.weight_qkv", "qkv_proj.bias_qkv", "o_proj.weight", "o_proj.bias"],
+                                     True)] * 4, results
+    # The model merges to dense projections; the fused parameter's optimizer state has no model tensor of its name
+    # (the checkpoint holds Q, K and V), so the merge leaves the optimizer state out and says why.
+    with pytest.warns(UserWarning, match=r"optimizer state not written .*'qkv_proj.weight_qkv'"):
+        merge(directory, str(tmp_path / "merged"), progress=False)

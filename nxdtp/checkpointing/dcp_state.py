@@ -196,6 +196,14 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
                 raise ValueError(f"{what}: parameter {i} of the optimizer's param group {g} (shape {list(p.shape)}) is "
                                  f"not a parameter of the model ({type(model).__name__}): the optimizer belongs to "
                                  "another model")
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    fused = [(name, p) for name, p in model.named_parameters() if id(p) in optimized and hasattr(p, "fused_parts")]
+    if fused:
+        # Its optimizer state is shaped like the fused rows, and no one spec lays those out as a dense tensor.
+        raise ValueError(f"{what}: the optimizer holds '{fused[0][0]}', a fused parameter whose parts "
+                         f"{list(fused[0][1].fused_parts)} have the specs: its state has no dense layout for DCP. "
+                         "Build the layer with fuse_qkv=False, or save with nxdtp.checkpointing.save (resumable at the "
+                         "same tensor-parallel size)")
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

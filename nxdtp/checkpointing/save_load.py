@@ -83,7 +83,9 @@ def _invoke_preshard_hooks(module: nn.Module, state_dict: Dict[str, Any], prefix
 
 def _sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
     """The spec of every TP-sharded tensor of ``model``, by tensor identity (so tied keys share it): from the
-    modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``)."""
+    modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``). A fused
+    parameter (``fused_parts``: GQAQKVColumnParallelLinear's ``weight_qkv``) has none: its parts, which its module's
+    state dict holds, have theirs."""
     specs: Dict[int, ParamSpec] = {}
     for module in model.modules():
         if isinstance(module, ShardedModule):
@@ -92,6 +94,8 @@ def _sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
                 if tensor is not None and spec.is_sharded:
                     specs[id(tensor)] = spec
     for tensor in list(model.parameters()) + list(model.buffers()):
+        if hasattr(tensor, "fused_parts"):
+            continue
         if id(tensor) not in specs and getattr(tensor, "tensor_model_parallel", False):
             dim = tensor.partition_dim % tensor.dim()
             full = list(tensor.shape)
