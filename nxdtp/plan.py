@@ -39,6 +39,7 @@ from .parallel_state import ParallelGroup, tensor_parallel_group
 from .record import read_record, record_of
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
+from .storage import owning
 from .utils import retie_parameters, tied_parameter_names
 
 
@@ -660,7 +661,7 @@ def _expect(module: nn.Module, kind: type, style, name: str) -> None:
 
 
 def _replace_param(layer: nn.Module, name: str, value: torch.Tensor, like: torch.Tensor) -> None:
-    setattr(layer, name, nn.Parameter(value.contiguous(), requires_grad=like.requires_grad))
+    setattr(layer, name, nn.Parameter(owning(value), requires_grad=like.requires_grad))
     if isinstance(layer, ShardedModule):
         layer.reattach_spec_attributes()
 

@@ -46,6 +46,7 @@ from torch import nn
 
 from .heads import kv_replicas, padded_rows
 from .rounding import round_up
+from .storage import owning
 
 # A box of a tensor: (offsets, sizes), one of each per dimension.
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
@@ -55,7 +56,7 @@ SPEC_FORMAT_VERSION = 1
 
 def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, stride: int = 1) -> torch.Tensor:
     """Rank ``rank``'s piece of ``full`` cut along ``dim`` into ``num_partitions`` pieces of ``stride`` blocks each
-    (see the module docstring); contiguous."""
+    (see the module docstring); a tensor of its own (not a view of ``full``, whose storage it would keep alive)."""
     size = full.shape[dim]
     if stride < 1 or size % (num_partitions * stride) != 0:
         raise ValueError(f"dimension {dim} of size {size} cannot be split into {num_partitions} partitions with "
@@ -64,9 +65,9 @@ def split_along(full: torch.Tensor, dim: int, rank: int, num_partitions: int, st
         raise ValueError(f"rank={rank} is outside the {num_partitions} partitions; use 0 to {num_partitions - 1}")
     block = size // (num_partitions * stride)
     if stride == 1:
-        return full.narrow(dim, rank * block, block).contiguous()
+        return owning(full.narrow(dim, rank * block, block))
     return torch.cat([full.narrow(dim, (chunk * num_partitions + rank) * block, block) for chunk in range(stride)],
-                     dim=dim).contiguous()
+                     dim=dim)
 
 
 def to_rank_order(full: torch.Tensor, dim: int, num_partitions: int, stride: int) -> torch.Tensor:

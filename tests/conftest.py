@@ -31,5 +31,7 @@ def worlds():
         return pools[key]
 
     yield get
+    for pool in pools.values():   # every pool's workers exit at once, instead of one pool after another
+        pool.request_stop()
     for pool in pools.values():
         pool.close()

@@ -125,10 +125,14 @@ class WorkerGroup:
         for p in self._processes:
             p.start()
 
-    def close(self) -> None:
+    def request_stop(self) -> None:
+        """Tell every worker to leave its world and exit, without waiting: pools told together wind down together."""
         for q, p in zip(getattr(self, "_tasks", []), self._processes):
             if p.is_alive():
                 q.put(None)
+
+    def close(self) -> None:
+        self.request_stop()
         for p in self._processes:
             p.join(timeout=10)
             if p.is_alive():

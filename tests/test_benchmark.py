@@ -6,7 +6,9 @@ instrument is checked too: it counts each saved storage once and attributes ever
 Megatron's.
 
 No timing is asserted: --quick uses tiny models and shares the machine with the rest of the suite. The benchmark runs
-once per session, as a subprocess, like a user would run it.
+once per session, as a subprocess, like a user would run it, in the slow set: its own processes (three train-step
+competitors, ZeRO-1, merge, activation-memory and XLA workers) take about 3 minutes on 2 cores, a quarter of the
+default command's budget. The activation-memory formula and classifier tests need no run and stay in the default set.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def quick(tmp_path_factory):
     return json.loads(out.read_text()), run.stdout
 
 
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
 def test_every_section_reports_finite_numbers(quick):
     report, _ = quick
     assert report["quick"] is True
@@ -54,6 +57,7 @@ def test_every_section_reports_finite_numbers(quick):
     assert report["machine"]["cpu_model"] and report["machine"]["torch"]
 
 
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
 def test_train_step_losses_agree(quick):
     report, _ = quick
     train = report["sections"]["train_step"]
@@ -70,6 +74,7 @@ def test_train_step_losses_agree(quick):
         assert competitor["last_loss_ranks_equal"], kind
 
 
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
 def test_train_step_llama_rows(quick):
     """The Llama-shaped decoder's rounds (issue 25 item 4): dense and nxdtp TP=2 trained the same GQA Llama (each TP
     rank half the query heads and one of the two KV heads, half the parameters) to the same loss, every round timed,
@@ -96,6 +101,7 @@ def test_train_step_llama_rows(quick):
     assert "LlamaForCausalLM (Llama-shaped decoder)" in stdout and "Llama step time b/a (nxdtp / dense)" in stdout
 
 
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
 def test_report_has_a_table_per_section(quick):
     _, stdout = quick
     titles = {"train": "## 1. Train step, CPU", "memory": "## 2. Memory per rank", "comm": "## 3. Communication",
@@ -107,6 +113,7 @@ def test_report_has_a_table_per_section(quick):
     assert stdout.count("|---|") >= len(RUN)
 
 
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
 def test_activation_memory_counts_each_saved_storage_once(quick):
     """Terms whose size PyTorch's CPU kernels and Megatron agree on (fp32, dense and TP: no kernel upcasts, no float
     dropout masks, no sequence parallelism) must come out exactly as the formula says. Q, K and V read one input and
@@ -133,6 +140,7 @@ def test_activation_memory_counts_each_saved_storage_once(quick):
     assert checked == 3  # dense sdpa, dense eager, TP
 
 
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
 def test_zero1_section_counts_through_the_layout_and_both_paths_agree(quick):
     """Section 7 under --quick: every counted row holds exactly what FlatShardLayout's shards imply (fp32 master and
     AdamW's exp_avg, exp_avg_sq over the padded shard, a 4-byte step counter per tensor) and meets 6 + 12/d plus 1 %;

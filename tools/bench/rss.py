@@ -1,6 +1,6 @@
 """Memory probes for the benchmarks in this folder (Linux): RSS from /proc, the peak watermark, and a sampler.
 
-Used by the merge and pretrained-loading benchmarks (``merge_timing``, ``pretrained_loading``).
+Used by the merge, pretrained-loading, train-step and memory benchmarks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,19 @@ def proc_status_kib() -> dict:
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 fields[key] = int(value.split()[0])
     return fields
+
+
+def malloc_trim() -> None:
+    """Give the heap's free pages back to the kernel (glibc), so that RSS measured next counts what is alive, not what
+    the allocator kept of freed memory (a model built next in a worker then starts from an RSS without the last one's
+    freed memory in it)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure then also counts what the heap kept
+        pass
 
 
 def maxrss_kib() -> int:

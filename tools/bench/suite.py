@@ -63,6 +63,8 @@ def _run_worker(name: str, worker_args: str, out_path: str) -> int:
         from .communication import hlo_worker as fn
     elif name == "xla-graphs":
         from .xla_graphs import worker as fn
+    elif name == "memory-rss":
+        from .memory import rss_worker as fn
     else:
         raise SystemExit(f"unknown worker {name!r}")
     result = fn(args)
@@ -164,6 +166,10 @@ def main(argv=None) -> int:
                 timed("memory", lambda: competitors.get("dense").call("call", target="bench.memory:run")[0])
         finally:
             competitors.close()
+        if "memory" in sections:  # fresh processes of its own, after section 1's workers are gone
+            t0 = time.perf_counter()
+            memory.add_rss(results[KEYS["memory"]], args.quick)
+            seconds["memory"] += time.perf_counter() - t0
         if "actmem" in sections:  # gloo worlds of its own, after section 1's workers are gone
             timed("actmem", lambda: activation_memory.run(args.quick))
         if "zero1" in sections:  # gloo worlds of its own, one at a time

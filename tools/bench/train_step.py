@@ -39,6 +39,7 @@ import time
 from typing import Any, Dict, List
 
 from .common import SINGLE_THREAD_ENV, WorkerGroup, fmt, fmt_bytes, fmt_range, log, markdown_table, summary, verdict
+from .rss import malloc_trim
 
 COMPETITORS = ("dense", "nxdtp", "dtensor")
 LABELS = {"dense": "(a) dense, 1 process x 1 thread",
@@ -349,20 +350,7 @@ def h_release(state) -> None:
     for key in ("model", "clip", "optimizer", "batch", "params"):
         state.pop(key, None)
     gc.collect()
-    _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    """Give the heap's free pages back to the kernel (glibc), so that a model built next in this worker (the Llama
-    rounds after BERT's) starts from an RSS without BERT's freed memory in it, and its peak over that RSS counts what
-    its steps allocate instead of reusing what the allocator kept."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the figure then counts only what the steps add beyond the heap
-        pass
+    malloc_trim()
 
 
 # ---- profiling (--profile) -------------------------------------------------------------------------------------------
