@@ -369,11 +369,11 @@ def test_bad_arguments_are_named():
 class _Attention(nn.Module):
     """NxD's Llama attention in small: the fused Q|K|V layer, grouped-query causal attention, the output projection."""
 
-    def __init__(self, heads, kv_heads, head_dim, multiplier):
+    def __init__(self, heads, kv_heads, head_dim, multiplier, fuse_qkv=True):
         super().__init__()
         self.head_dim = head_dim
         self.qkv_proj = GQAQKVColumnParallelLinear(HIDDEN, [heads * head_dim, kv_heads * head_dim], gather_output=False,
-                                                   kv_size_multiplier=multiplier)
+                                                   kv_size_multiplier=multiplier, fuse_qkv=fuse_qkv)
         self.o_proj = RowParallelLinear(heads * head_dim, HIDDEN, input_is_parallel=True)
 
     def forward(self, x):
@@ -437,7 +437,8 @@ def case_zero1_trains_the_fused_parameters(directory):
             expected = cut[p](dense[f"{kind}_{p}"] - lr * dense[f"{kind}_{p}"].grad).detach()
             torch.testing.assert_close(getattr(block.qkv_proj, f"{name}_{p}"), expected, **TOL,
                                        msg=lambda m: f"{name}_{p} after the ZeRO-1 step: {m}")
-    with pytest.raises(ValueError, match=r"'qkv_proj.weight_qkv', a fused parameter whose parts \['weight_q'"):
+    with pytest.raises(ValueError, match=r"ZeRO-1 optimizer holds 'qkv_proj.weight_qkv', a fused parameter whose "
+                                         r"parts \['qkv_proj.weight_q'"):
         get_state_dict(block, zero)
     checkpointing.save({"model": block, "optimizer": zero, "global_step": 1}, directory)
     resumed, resumed_zero = build()
@@ -448,13 +449,186 @@ def case_zero1_trains_the_fused_parameters(directory):
 
 
 def test_zero1_trains_and_checkpoints_the_fused_parameters(worlds, tmp_path):
-    from nxdtp.checkpointing.merge import merge
+    from nxdtp.checkpointing.merge import merge, reshard
 
     directory = str(tmp_path / "ckpt")
     results = worlds(4).run(case_zero1_trains_the_fused_parameters, tensor_model_parallel_size=2, directory=directory)
     assert results == [dict.fromkeys(["qkv_proj.weight_qkv", "qkv_proj.bias_qkv", "o_proj.weight", "o_proj.bias"],
                                      True)] * 4, results
-    # The model merges to dense projections; the fused parameter's optimizer state has no model tensor of its name
-    # (the checkpoint holds Q, K and V), so the merge leaves the optimizer state out and says why.
-    with pytest.warns(UserWarning, match=r"optimizer state not written .*'qkv_proj.weight_qkv'"):
-        merge(directory, str(tmp_path / "merged"), progress=False)
+    # ZeRO-1's flat shards of the fused parameter mix Q's, K's and V's rows: merge and reshard refuse them by name
+    # (never a merge without them); the model alone merges.
+    for move in (lambda: merge(directory, str(tmp_path / "merged"), progress=False),
+                 lambda: reshard(directory, str(tmp_path / "tp1"), 1, progress=False)):
+        with pytest.raises(ValueError, match=r"ZeRO-1 optimizer state of the fused parameter 'qkv_proj.weight_qkv' "
+                                             r"\(parts \['qkv_proj.weight_q', 'qkv_proj.weight_k', 'qkv_proj.weight_v"):
+            move()
+    merge(directory, str(tmp_path / "merged"), progress=False, optimizer=False)
+
+
+# ---- a plain optimizer's state of the fused parameters merges, reshards and goes through DCP as the parts' ----------
+
+_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM = 4, 2, 4
+
+
+def _adam_block(fuse_qkv, multiplier, weights, biases):
+    """The attention block at this TP size, every weight and bias from the dense ones, and its AdamW."""
+    def shard_of(spec, dense, rank):
+        return spec.piece_of_full(spec.full_from_dense(dense), rank)
+
+    block = _Attention(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, multiplier, fuse_qkv=fuse_qkv)
+    specs = {**block.qkv_proj.param_specs(), **{"o_" + k: v for k, v in block.o_proj.param_specs().items()}}
+    rank = ps.get_tensor_model_parallel_rank()
+    state = {}
+    for p in "qkv":
+        state[f"qkv_proj.weight_{p}"] = shard_of(specs[f"weight_{p}"], weights[p], rank)
+        state[f"qkv_proj.bias_{p}"] = shard_of(specs[f"bias_{p}"], biases[p], rank)
+    state["o_proj.weight"] = shard_of(specs["o_weight"], weights["o"], rank)
+    state["o_proj.bias"] = biases["o"]
+    block.load_state_dict(state, strict=False)
+    return block, torch.optim.AdamW(block.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _adam_batches(steps):
+    g = torch.Generator().manual_seed(12)
+    return [(torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randn(BATCH, SEQ, HIDDEN, generator=g))
+            for _ in range(steps)]
+
+
+def _part_state(block, optimizer):
+    """The optimizer's exp_avg / exp_avg_sq of Q, K and V's weights and biases, by part name, fused or not."""
+    out = {}
+    layer = block.qkv_proj
+    for kind in ("weight", "bias"):
+        if layer.fuse_qkv:
+            fused = optimizer.state[getattr(layer, kind + "_qkv")]
+            rows = [layer.q_output_size_per_partition] + [layer.kv_output_size_per_partition] * 2
+            for field in ("exp_avg", "exp_avg_sq"):
+                for p, piece in zip("qkv", fused[field].split(rows)):
+                    out[f"{kind}_{p}.{field}"] = piece.clone()
+        else:
+            for p in "qkv":
+                for field in ("exp_avg", "exp_avg_sq"):
+                    out[f"{kind}_{p}.{field}"] = optimizer.state[getattr(layer, f"{kind}_{p}")][field].clone()
+    return out
+
+
+def case_adamw_fused_and_not(directory, fuse_qkv, multiplier, steps=2):
+    """Two AdamW steps of the block (fused or not), saved with nxdtp.checkpointing.save; its state by part name."""
+    from nxdtp import checkpointing
+
+    weights, biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=11)
+    block, adam = _adam_block(fuse_qkv, multiplier, weights, biases)
+    for x, upstream in _adam_batches(steps):
+        adam.zero_grad()
+        (block(x) * upstream).sum().backward()
+        adam.step()
+    checkpointing.save({"model": block, "optimizer": adam, "global_step": steps}, directory)
+    return _part_state(block, adam)
+
+
+def case_adamw_load(directory, fuse_qkv, multiplier):
+    """A fresh block (fused or not) at this TP size loads a checkpoint: its optimizer state by part name."""
+    from nxdtp import checkpointing
+
+    weights, biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=13)   # other values: all are loaded
+    block, adam = _adam_block(fuse_qkv, multiplier, weights, biases)
+    checkpointing.load(directory, model=block, optimizer=adam)
+    return _part_state(block, adam)
+
+
+def _dense_adamw_state(steps=2):
+    """Dense AdamW's moments of Q, K and V's weights and biases after the same steps on the same batches."""
+    weights, biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=11)
+    params = {f"{kind}_{n}": nn.Parameter(t.clone()) for kind, d in (("w", weights), ("b", biases))
+              for n, t in d.items()}
+    adam = torch.optim.AdamW(params.values(), lr=0.01, weight_decay=0.1)
+    for batch in _adam_batches(steps):
+        adam.zero_grad()
+        _dense_attention_loss(params, [batch], _ADAM_HEAD_DIM, _ADAM_HEADS // _ADAM_KV_HEADS).backward()
+        adam.step()
+    return {f"qkv_proj.{'weight' if kind == 'w' else 'bias'}_{p}.{field}": adam.state[params[f"{kind}_{p}"]][field]
+            for kind in "wb" for p in "qkv" for field in ("exp_avg", "exp_avg_sq")}
+
+
+def test_fused_adamw_state_merges_and_reshards_as_the_unfused_layers(worlds, tmp_path):
+    """AdamW over the fused weight_qkv / bias_qkv at tp=2: the checkpoint's optimizer state is Q's, K's and V's, so
+    the merge writes the dense AdamW's moments (equal to the unfused layer's merge), and a reshard to tp=4 (each KV
+    head on two ranks) loads into a fused layer there with the moments the unfused layer's reshard gives."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.merge import merge, reshard
+
+    saved = {}
+    for fuse in (True, False):
+        saved[fuse] = worlds(2).run(case_adamw_fused_and_not, tensor_model_parallel_size=2,
+                                    directory=str(tmp_path / f"fused{fuse}"), fuse_qkv=fuse, multiplier=1)
+        merge(str(tmp_path / f"fused{fuse}"), str(tmp_path / f"merged{fuse}"), progress=False)
+    for a, b in zip(saved[True], saved[False]):
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-6, msg=lambda m: f"{key} live: {m}")
+    merged = {fuse: load_file(str(tmp_path / f"merged{fuse}" / "optimizer.safetensors")) for fuse in (True, False)}
+    assert merged[True].keys() == merged[False].keys()
+    for key in merged[False]:
+        torch.testing.assert_close(merged[True][key], merged[False][key], atol=1e-6, rtol=1e-6,
+                                   msg=lambda m: f"merged {key}: {m}")
+    for key, expected in _dense_adamw_state().items():
+        torch.testing.assert_close(merged[True]["state." + key], expected, **TOL, msg=lambda m: f"dense {key}: {m}")
+    models = {fuse: load_file(str(tmp_path / f"merged{fuse}" / "model.safetensors")) for fuse in (True, False)}
+    assert all(torch.equal(models[True][k], models[False][k]) for k in models[False]) and \
+        models[True].keys() == models[False].keys()
+    loaded = {}
+    for fuse in (True, False):
+        reshard(str(tmp_path / f"fused{fuse}"), str(tmp_path / f"tp4{fuse}"), 4, progress=False)
+        loaded[fuse] = worlds(4).run(case_adamw_load, tensor_model_parallel_size=4,
+                                     directory=str(tmp_path / f"tp4{fuse}"), fuse_qkv=fuse, multiplier=2)
+    # The fused checkpoint, resharded, into an unfused layer too: one layout.
+    across = worlds(4).run(case_adamw_load, tensor_model_parallel_size=4, directory=str(tmp_path / "tp4True"),
+                           fuse_qkv=False, multiplier=2)
+    for fused_rank, unfused_rank, across_rank in zip(loaded[True], loaded[False], across):
+        for key in unfused_rank:
+            assert torch.equal(fused_rank[key], unfused_rank[key]), key
+            assert torch.equal(across_rank[key], unfused_rank[key]), key
+    # At the saved size, the unfused layer's checkpoint loads into the fused layer: its moments, bit for bit.
+    back = worlds(2).run(case_adamw_load, tensor_model_parallel_size=2, directory=str(tmp_path / "fusedFalse"),
+                         fuse_qkv=True, multiplier=1)
+    for got, want in zip(back, saved[False]):
+        assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def case_adamw_dcp_round_trip(checkpoint):
+    """Live DCP of the fused block's AdamW state: dcp.save(get_state_dict) from the fused layer, dcp.load into a fresh
+    fused layer and a fresh unfused one; each one's moments by part name."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxdtp.checkpointing.dcp_state import dcp_process_group, get_state_dict, set_state_dict
+
+    weights, biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=11)
+    block, adam = _adam_block(True, 1, weights, biases)
+    for x, upstream in _adam_batches(2):
+        adam.zero_grad()
+        (block(x) * upstream).sum().backward()
+        adam.step()
+    state = get_state_dict(block, adam)
+    assert "state.qkv_proj.weight_k.exp_avg" in state["optimizer"]
+    dcp.save(state, checkpoint_id=checkpoint, process_group=dcp_process_group())
+    results = {"saved": _part_state(block, adam)}
+    for fuse in (True, False):
+        other_weights, other_biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=14)
+        fresh, fresh_adam = _adam_block(fuse, 1, other_weights, other_biases)
+        state = get_state_dict(fresh, fresh_adam)
+        dcp.load(state, checkpoint_id=checkpoint, process_group=dcp_process_group())
+        set_state_dict(fresh, fresh_adam, state)
+        results[fuse] = _part_state(fresh, fresh_adam)
+        results[f"step{fuse}"] = [float(s["step"]) for s in fresh_adam.state.values()]
+    return results
+
+
+def test_fused_adamw_state_round_trips_through_live_dcp(worlds, tmp_path):
+    results = worlds(2).run(case_adamw_dcp_round_trip, tensor_model_parallel_size=2,
+                            checkpoint=str(tmp_path / "dcp"))
+    for rank in results:
+        for fuse in (True, False):
+            assert rank[fuse].keys() == rank["saved"].keys()
+            assert all(torch.equal(rank[fuse][key], rank["saved"][key]) for key in rank["saved"]), fuse
+            assert set(rank[f"step{fuse}"]) == {2.0}

@@ -223,6 +223,15 @@ class GQAQKVColumnParallelLinear(ShardedModule):
             if len({spec.replicas for spec in parts}) > 1:
                 fused.replica_segments = tuple((spec.local_shape()[0], spec.replicas) for spec in parts)
 
+    def fused_parameters(self) -> Dict[str, Tuple[Tuple[str, int], ...]]:
+        """``weight_qkv`` / ``bias_qkv`` (when fused and present): Q's rows, then K's, then V's, as this rank holds
+        them (ShardedModule.fused_parameters)."""
+        if not self._fused():
+            return {}
+        rows = self._part_rows()
+        return {kind + "_qkv": tuple((f"{kind}_{part}", n) for part, n in zip(PROJECTIONS, rows))
+                for kind in KINDS if self._parameters.get(kind + "_qkv") is not None}
+
     def reattach_spec_attributes(self) -> None:
         super().reattach_spec_attributes()
         self._attach_fused_attributes()
