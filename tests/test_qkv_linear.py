@@ -596,6 +596,20 @@ def test_fused_adamw_state_merges_and_reshards_as_the_unfused_layers(worlds, tmp
         assert all(torch.equal(got[key], want[key]) for key in want)
 
 
+def test_fused_adamw_state_with_kv_copies_merges_to_the_dense_moments(worlds, tmp_path):
+    """At tp=4 with each KV head on two ranks (m=2), the merged state of the fused layer's AdamW is the dense one's."""
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.merge import merge
+
+    worlds(4).run(case_adamw_fused_and_not, tensor_model_parallel_size=4, directory=str(tmp_path / "tp4"),
+                  fuse_qkv=True, multiplier=2)
+    merge(str(tmp_path / "tp4"), str(tmp_path / "merged"), progress=False)
+    merged = load_file(str(tmp_path / "merged" / "optimizer.safetensors"))
+    for key, expected in _dense_adamw_state().items():
+        torch.testing.assert_close(merged["state." + key], expected, **TOL, msg=lambda m: f"dense {key}: {m}")
+
+
 def case_adamw_dcp_round_trip(checkpoint):
     """Live DCP of the fused block's AdamW state: dcp.save(get_state_dict) from the fused layer, dcp.load into a fresh
     fused layer and a fresh unfused one; each one's moments by part name."""
