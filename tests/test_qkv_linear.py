@@ -536,6 +536,17 @@ def case_adamw_load(directory, fuse_qkv, multiplier):
     return _part_state(block, adam)
 
 
+def case_adamw_load_dense(directory, fuse_qkv, multiplier):
+    """A fresh block (fused or not) at this TP size restores the dense optimizer state a merge wrote beside the model
+    (load_dense_optimizer_state): its optimizer state by part name."""
+    from nxdtp.checkpointing import load_dense_optimizer_state
+
+    weights, biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=13)
+    block, adam = _adam_block(fuse_qkv, multiplier, weights, biases)
+    load_dense_optimizer_state(directory, block, adam)
+    return _part_state(block, adam)
+
+
 def _dense_adamw_state(steps=2):
     """Dense AdamW's moments of Q, K and V's weights and biases after the same steps on the same batches."""
     weights, biases = _dense(_ADAM_HEADS, _ADAM_KV_HEADS, _ADAM_HEAD_DIM, seed=11)
@@ -589,6 +600,11 @@ def test_fused_adamw_state_merges_and_reshards_as_the_unfused_layers(worlds, tmp
         for key in unfused_rank:
             assert torch.equal(fused_rank[key], unfused_rank[key]), key
             assert torch.equal(across_rank[key], unfused_rank[key]), key
+    # The merged dense optimizer state restores into a fused layer at tp=4 as the reshard does.
+    dense_loaded = worlds(4).run(case_adamw_load_dense, tensor_model_parallel_size=4,
+                                 directory=str(tmp_path / "mergedTrue"), fuse_qkv=True, multiplier=2)
+    for got, want in zip(dense_loaded, loaded[False]):
+        assert all(torch.equal(got[key], want[key]) for key in want)
     # At the saved size, the unfused layer's checkpoint loads into the fused layer: its moments, bit for bit.
     back = worlds(2).run(case_adamw_load, tensor_model_parallel_size=2, directory=str(tmp_path / "fusedFalse"),
                          fuse_qkv=True, multiplier=1)
