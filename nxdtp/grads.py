@@ -18,7 +18,7 @@ per-rank differences enter as data (a weight tensor), not as graph structure.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Union
+from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
 
 import torch
 from torch import nn
@@ -84,6 +84,24 @@ def _is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def _counted_pieces(param: torch.Tensor, p: float) -> List[Tuple[torch.Tensor, float]]:
+    """A TP-sharded parameter's gradient as (piece, copies) pairs, copies being how many times the TP group holds each
+    piece (KV heads repeated across ranks), so that each counts once in the p-norm. One piece with ``num_replicas``; or,
+    for a fused parameter whose rows hold different numbers of copies (``replica_segments``, (rows, copies) along dim
+    0: GQAQKVColumnParallelLinear's Q|K|V), one per segment. A ZeRO-1 shard of such a parameter carries
+    ``replica_weights`` instead, 1 / copies per element: they scale its elements' |g|^p, folded in as
+    ``g * weights ** (1 / p)`` (the max norm needs none: a copy does not change a max)."""
+    grad = param.grad.detach()
+    weights = getattr(param, "replica_weights", None)
+    if weights is not None:
+        return [(grad if math.isinf(p) else grad * weights.pow(1.0 / p), 1.0)]
+    segments = getattr(param, "replica_segments", None)
+    if segments is None:
+        return [(grad, float(getattr(param, "num_replicas", 1)))]
+    pieces = grad.split([rows for rows, _ in segments])
+    return [(piece, float(count)) for piece, (_, count) in zip(pieces, segments)]
+
+
 def zero1_sharding_group(sharding_groups: Any = None) -> ParallelGroup:
     """The ParallelGroup of NxD's ZeRO-1 ``sharding_groups`` / ``zero1_optimizer_groups`` argument.
 
@@ -147,9 +165,12 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     copies: List[float] = []
     for param in _unique_params(parameters):
         if param.grad is not None and param_is_not_shared(param):
-            (grads_sharded if _is_tp_sharded(param) else grads_replicated).append(param.grad.detach())
             if _is_tp_sharded(param):
-                copies.append(float(getattr(param, "num_replicas", 1)))
+                for piece, count in _counted_pieces(param, p):
+                    grads_sharded.append(piece)
+                    copies.append(count)
+            else:
+                grads_replicated.append(param.grad.detach())
     all_grads = grads_sharded + grads_replicated
     device = all_grads[0].device if all_grads else torch.device("cpu")
     group = tensor_parallel_group()

@@ -630,6 +630,9 @@ def broadcast_replicated_state(model: nn.Module) -> None:
         return
     per_rank = {id(getattr(m, n)) for m in model.modules() if isinstance(m, ShardedModule)
                 for n, spec in m.param_specs().items() if spec.is_sharded}
+    # Parameters marked TP-sharded whose module holds no spec under their name: NxD attributes set by hand, and the
+    # fused weight_qkv of GQAQKVColumnParallelLinear, whose specs are its parts'.
+    per_rank |= {id(p) for p in model.parameters() if getattr(p, "tensor_model_parallel", False)}
     per_rank |= {id(getattr(m, n)) for m in model.modules() for n in read_record(m).rank_local_buffers}
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):

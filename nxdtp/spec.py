@@ -749,6 +749,13 @@ class ShardedModule(nn.Module):
     def param_specs(self) -> Dict[str, ParamSpec]:
         return dict(self.__dict__.get("_nxdtp_specs", {}))
 
+    def fused_parameters(self) -> Dict[str, Tuple[Tuple[str, int], ...]]:
+        """The parameters this module trains as row blocks of tensors its state dict holds under their own keys and
+        specs: {parameter name: ((part name, rows), ...)}, the parts in order along dim 0 (GQAQKVColumnParallelLinear's
+        ``weight_qkv``: Q's rows, then K's, then V's). Their optimizer state is saved as the parts' (split along dim 0)
+        so that it merges and reshards as they do. Empty for a module whose parameters have specs of their own."""
+        return {}
+
     def reattach_spec_attributes(self) -> None:
         for name, spec in self.param_specs().items():
             param = getattr(self, name, None)

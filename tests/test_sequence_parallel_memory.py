@@ -236,8 +236,8 @@ def case_qkv(seq_dim):
     shard = _slice(x, seq_dim, rank, tp).clone().requires_grad_()
     with _Saved() as saved:
         outputs = qkv(shard)
-    weights = [qkv.weight_q, qkv.weight_k, qkv.weight_v]
-    _check_saved_is_shard(saved, shard, weights, seq_dim, seq, what)
+    # Fused (the default): Q, K and V's weights are row blocks of the one parameter weight_qkv, saved once.
+    _check_saved_is_shard(saved, shard, [qkv.weight_qkv], seq_dim, seq, what)
     dense_outputs = [dense[p](xd) for p in "qkv"]
     grads = [_randn(o.shape, _data_seed(60 + i)) for i, o in enumerate(dense_outputs)]
     torch.autograd.backward(dense_outputs, grads)
@@ -248,9 +248,11 @@ def case_qkv(seq_dim):
     # One re-gather for the three weight gradients, one reduce-scatter of the summed input gradient.
     assert counts == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0}, f"{what}: {counts}"
     _close(shard.grad, _slice(xd.grad, seq_dim, rank, tp), f"{what} input grad")
-    for p, layer in dense.items():
-        _close(getattr(qkv, "weight_" + p).grad, _slice(layer.weight.grad, 0, rank, tp), f"{what} {p} weight grad")
-        _close(getattr(qkv, "bias_" + p).grad, _slice(layer.bias.grad, 0, rank, tp), f"{what} {p} bias grad")
+    rows = [heads * head_dim // tp] + [kv_heads * head_dim // tp] * 2
+    for p, layer, grad, bias_grad in zip("qkv", dense.values(), qkv.weight_qkv.grad.split(rows),
+                                         qkv.bias_qkv.grad.split(rows)):
+        _close(grad, _slice(layer.weight.grad, 0, rank, tp), f"{what} {p} weight grad")
+        _close(bias_grad, _slice(layer.bias.grad, 0, rank, tp), f"{what} {p} bias grad")
     return True
 
 

@@ -39,6 +39,7 @@ from .. import comm
 from ..parallel_state import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
 from .dcp_export import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY
+from .fused_state import fused_by_position, fused_parameters_of, split_state
 from .save_load import _is_zero1, _sharding_specs
 
 __all__ = ["get_state_dict", "set_state_dict", "dcp_process_group", "DenseView", "OPTIMIZER_KEY", "LR_SCHEDULER_KEY",
@@ -196,6 +197,16 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
                 raise ValueError(f"{what}: parameter {i} of the optimizer's param group {g} (shape {list(p.shape)}) is "
                                  f"not a parameter of the model ({type(model).__name__}): the optimizer belongs to "
                                  "another model")
+    fused = list(fused_by_position(optimizer, model).values())
+    if fused and _is_zero1(optimizer):
+        # A plain optimizer's state of a fused parameter is offered as its parts' (row blocks, each with its spec);
+        # a ZeRO-1 flat shard of it mixes the parts' rows, which no one spec lays out as a dense tensor.
+        name, parts = fused[0]
+        raise ValueError(f"{what}: the ZeRO-1 optimizer holds '{name}', a fused parameter whose parts "
+                         f"{[part for part, _ in parts]} have the specs: its flat shards have no dense layout for DCP. "
+                         "Use a plain optimizer (its state is offered as the parts'), build the layer with "
+                         "fuse_qkv=False, or save with nxdtp.checkpointing.save (resumable at the same "
+                         "tensor-parallel size)")
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -241,16 +252,29 @@ class _Entry:
     and whether this rank writes its flat state (ZeRO-1: the first rank of its replica group, which holds the same
     shard under hybrid sharding)."""
 
-    def __init__(self, name, param, groups, state, flat=None, writes_flat=False):
+    def __init__(self, name, param, groups, state, flat=None, writes_flat=False, owner=None):
         self.name, self.param, self.groups, self.state, self.flat = name, param, groups, state, flat
         self.writes_flat = writes_flat
+        self.owner = state if owner is None else owner   # the optimizer's dict that non-tensor values are set in
 
 
 def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]:
     names = _first_names(model)
     if not _is_zero1(optimizer):
-        return [_Entry(names[id(p)], p, [group], optimizer.state.get(p, {}), None)
-                for group in optimizer.param_groups for p in group["params"]]
+        fused = fused_parameters_of(model)
+        live = model.state_dict(keep_vars=True) if fused else {}
+        entries = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                if id(p) not in fused:
+                    entries.append(_Entry(names[id(p)], p, [group], state))
+                    continue
+                # A fused parameter's state as its parts' (row blocks of its tensors, each with the part's spec):
+                # the keys and layout a layer of separate parameters has.
+                for part, fields in split_state(state, tuple(p.shape), fused[id(p)][1]):
+                    entries.append(_Entry(part, live[part], [group], fields, owner=state))
+        return entries
     shards = iter(optimizer.shards())
     shard_rank = optimizer.sharding_group.rank
     writes = optimizer.replica_group.rank == 0
@@ -375,7 +399,7 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                         spec = None
                     copies.append((current, flat[key], spec, f"{OPTIMIZER_KEY}.{key}"))
                 else:
-                    settings.append((entry.state, field, flat[key]))
+                    settings.append((entry.owner, field, flat[key]))
             for hyperparameter in entry.groups[0]:
                 if hyperparameter != "params":
                     key = f"{_GROUPS}.{entry.name}.{hyperparameter}"
@@ -411,7 +435,7 @@ def _local_value(value: Any, tensor: torch.Tensor, spec: Optional[ParamSpec], tp
     """What to copy into the live ``tensor`` for ``value``: nothing for a DenseView of it (DCP loaded it in place),
     this rank's cut of a dense tensor."""
     if isinstance(value, DenseView):
-        if value._local is not tensor:
+        if not _same_tensor(value._local, tensor):
             raise ValueError(f"set_state_dict: '{key}' is a DenseView of another tensor than this model's (a state "
                              "dict of another model or optimizer?); call get_state_dict(model, optimizer) on these")
         return None
@@ -426,3 +450,10 @@ def _local_value(value: Any, tensor: torch.Tensor, spec: Optional[ParamSpec], tp
                          f"{list(spec.unpadded_shape)}")
     full = spec.full_from_dense(value.to(tensor.device))
     return spec.piece_of_full(full, tp_rank)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a view of the same elements (a fused parameter's state is offered as row blocks, made anew
+    by each call)."""
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+                      and a.shape == b.shape and a.stride() == b.stride())

@@ -81,6 +81,7 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
     if len(names) != len(held):
         raise ValueError(f"the optimizer holds {len(held) - len(names)} parameters that are not parameters of the "
                          "model passed: pass the model the optimizer was built on")
+    _fuse_parts(model, flat, masters)
     saved = {key.split(".", 1)[1].rsplit(".", 1)[0] for key in flat if key.startswith("param_groups.")}
     missing = [name for name in names if name not in saved]
     if missing:
@@ -98,6 +99,43 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
             for name in names:
                 parameters[name].copy_(masters[name].view_as(parameters[name]))
     return record.get("trainer_state") or {}
+
+
+def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch.Tensor]) -> None:
+    """A fused parameter (``ShardedModule.fused_parameters``: GQAQKVColumnParallelLinear's ``weight_qkv``) has its
+    dense state under its parts' names, as the dense model's separate Q, K and V: each part's state is cut to this TP
+    rank's piece (repeated KV heads included) and the pieces joined under the fused name, which the optimizer holds."""
+    from .. import parallel_state as ps
+    from .fused_state import fused_parameters_of
+    from .save_load import _sharding_specs
+
+    fused = fused_parameters_of(model)
+    if not fused:
+        return
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    specs = _sharding_specs(model, ps.get_tensor_model_parallel_size() if ps.model_parallel_is_initialized() else 1)
+    live = model.state_dict(keep_vars=True)
+
+    def piece(part: str, dense: Any) -> Any:
+        spec = specs.get(id(live[part]))
+        if not isinstance(dense, torch.Tensor) or spec is None or tuple(dense.shape) != tuple(spec.unpadded_shape):
+            return dense
+        return spec.shard(dense, tp_rank)
+
+    for name, parts in fused.values():
+        names = [part for part, _ in parts]
+        if not all(any(key.startswith(f"param_groups.{part}.") for key in flat) for part in names):
+            continue   # not all of its parts are in the state: the missing-parameter check names the fused one
+        for prefix in ("state", "param_groups"):
+            fields = {key[len(f"{prefix}.{names[0]}."):] for key in flat if key.startswith(f"{prefix}.{names[0]}.")}
+            for field in fields:
+                values = [piece(part, flat.pop(f"{prefix}.{part}.{field}", None)) if prefix == "state"
+                          else flat.pop(f"{prefix}.{part}.{field}", None) for part in names]
+                rows_of = [tuple(v.shape[:1]) == (rows,) and v.dim() > 0 if isinstance(v, torch.Tensor) else False
+                           for v, (_, rows) in zip(values, parts)]
+                flat[f"{prefix}.{name}.{field}"] = torch.cat(values) if all(rows_of) else values[0]
+        if all(part in masters for part in names):
+            masters[name] = torch.cat([piece(part, masters.pop(part)) for part in names])
 
 
 def _cut_for_tensor_parallelism(model: nn.Module, names, flat: Dict[str, Any],

@@ -639,6 +639,16 @@ def _optimizer_params(tag_dir: str, index: CheckpointIndex):
             primary[alias] = key
     params = index.optimizer.get("params", {})
     unknown = [name for name in params if name not in primary]
+    fused = [name for name in unknown if "fused_parts" in params[name]]
+    if fused:
+        # ZeRO-1 flat shards of a fused parameter mix its parts' rows, which the parts' specs do not lay out.
+        parts = [part for part, _ in params[fused[0]]["fused_parts"]]
+        raise ValueError(f"{tag_dir}: the ZeRO-1 optimizer state of the fused parameter '{fused[0]}' (parts {parts}) "
+                         "is flat shards of its rows, which no model tensor of the checkpoint lays out: it cannot be "
+                         "merged, resharded or exported. It resumes at tensor_model_parallel_size="
+                         f"{index.tensor_model_parallel_size}; to move it, load the checkpoint into a plain "
+                         "(non-ZeRO) optimizer with nxdtp.checkpointing.load and save again (a plain optimizer's "
+                         "state is saved as the parts'), or merge the model alone (--no-optimizer)")
     if unknown:
         return primary, params, f"its parameters {unknown[:3]} are not tensors of the model index"
     state_path = os.path.join(tag_dir, OPTIMIZER_STATE_FILE)

@@ -29,6 +29,7 @@ from ..utils import move_all_tensor_to_cpu
 from ..version import __version__
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
+from .fused_state import Fused, fuse_state, fused_by_position, split_state, with_fused_tensors
 from .index import (
     CheckpointIndex,
     TensorEntry,
@@ -83,7 +84,9 @@ def _invoke_preshard_hooks(module: nn.Module, state_dict: Dict[str, Any], prefix
 
 def _sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
     """The spec of every TP-sharded tensor of ``model``, by tensor identity (so tied keys share it): from the
-    modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``)."""
+    modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``). A fused
+    parameter (``fused_parts``: GQAQKVColumnParallelLinear's ``weight_qkv``) has none: its parts, which its module's
+    state dict holds, have theirs."""
     specs: Dict[int, ParamSpec] = {}
     for module in model.modules():
         if isinstance(module, ShardedModule):
@@ -92,6 +95,8 @@ def _sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
                 if tensor is not None and spec.is_sharded:
                     specs[id(tensor)] = spec
     for tensor in list(model.parameters()) + list(model.buffers()):
+        if hasattr(tensor, "fused_parts"):
+            continue
         if id(tensor) not in specs and getattr(tensor, "tensor_model_parallel", False):
             dim = tensor.partition_dim % tensor.dim()
             full = list(tensor.shape)
@@ -491,7 +496,7 @@ def _kind(optimizer: Any) -> str:
             else f"a non-ZeRO optimizer ({type(optimizer).__name__})")
 
 
-def _zero1_payload(optimizer, names: Dict[int, str]):
+def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
     """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (the inner optimizer's state and the master
     weights, keyed ``<param>/<field>``), the index (per parameter its TP-local shape and ``FlatShardLayout``, and which
     fields are flat shards), the JSON part (groups, scalars), and this rank's (sharding rank, replica rank). The
@@ -517,6 +522,10 @@ def _zero1_payload(optimizer, names: Dict[int, str]):
                              "the name nxdtp stores ZeRO-1 master weights under")
         entry = {"param_index": i, "shape": list(layout.shape), "layout": layout.to_dict(),
                  "master": ZERO1_MASTER_FIELD, "tensors": [], "flat": []}
+        if i in fused:
+            # Its flat shards mix the parts' rows, which no model tensor's spec lays out: it resumes at this TP size,
+            # and merge and reshard refuse it by name (the parts are recorded for their message).
+            entry["fused_parts"] = [[part, rows] for part, rows in fused[i][1]]
         tensors[f"{name}/{ZERO1_MASTER_FIELD}"] = masters[i] if i in masters else masters[str(i)]
         for field, value in fields.items():
             if isinstance(value, torch.Tensor):
@@ -564,29 +573,41 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
     if optimizer is None:
         return None, None, None, None
     names: Dict[int, str] = {}
+    fused: Dict[int, Fused] = {}
     if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
         by_identity = {id(p): n for n, p in model.named_parameters()}
         flat = [p for group in optimizer.param_groups for p in group["params"]]
         names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
+        fused = fused_by_position(optimizer, model)
     if _is_zero1(optimizer):
-        return _zero1_payload(optimizer, names)
+        return _zero1_payload(optimizer, names, fused)
     state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
     tensors: Dict[str, torch.Tensor] = {}
     index: Dict[str, Dict[str, Any]] = {}
     scalars: Dict[str, Dict[str, Any]] = {}
     for param_id, fields in state_dict["state"].items():
-        name = names.get(int(param_id), str(param_id))
-        index[name] = {"param_index": int(param_id), "tensors": []}
-        for field, value in fields.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{name}/{field}"] = value
-                index[name]["tensors"].append(field)
-            else:
-                scalars.setdefault(name, {})[field] = value
+        i = int(param_id)
+        # A fused parameter's state is saved as its parts', which the checkpoint's model tensors describe.
+        pieces = (split_state(fields, tuple(flat[i].shape), fused[i][1]) if i in fused
+                  else [(names.get(i, str(param_id)), fields)])
+        for name, part_fields in pieces:
+            index[name] = {"param_index": i, "tensors": []}
+            for field, value in part_fields.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{name}/{field}"] = value
+                    index[name]["tensors"].append(field)
+                else:
+                    scalars.setdefault(name, {})[field] = value
     groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
+               "params": [name for i in g["params"] for name in _saved_names(int(i), names, fused)]}
+              for g in state_dict["param_groups"]]
     return tensors, {"keyed_by": "name" if names else "index", "params": index}, {"param_groups": groups,
                                                                                   "scalars": scalars}, None
+
+
+def _saved_names(i: int, names: Dict[int, str], fused: Dict[int, Fused]) -> List[str]:
+    """The names a parameter's optimizer state is saved under: its own, or a fused parameter's parts'."""
+    return [part for part, _ in fused[i][1]] if i in fused else [names.get(i, str(i))]
 
 
 def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_rank: int,
@@ -603,10 +624,23 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
         saved = json.load(f)
     position = _positions_by_name(index, optimizer, model)
     live_params = [p for group in optimizer.param_groups for p in group["params"]]
+    # Fused parameters' state is saved as their parts' (fused_state): each part's is read whole and they are joined.
+    fused = fused_by_position(optimizer, model) if position else {}
+    part_slots = {part: slot for slot, (_, parts) in fused.items() for part, _ in parts if part not in position}
+    model_state = with_fused_tensors(model_state, fused)
     files = _OptimizerFiles(tag_dir, checkpoint_index, tp_rank, verify)
     state: Dict[int, Dict[str, Any]] = {}
     masters: Dict[int, torch.Tensor] = {}
+    given: Dict[int, Dict[str, Dict[str, Any]]] = {}
     for name, info in index["params"].items():
+        if name in part_slots:
+            slot = part_slots[name]
+            rows = dict(fused[slot][1])[name]
+            shape = (rows,) + tuple(live_params[slot].shape[1:])
+            fields = (_read_zero1_state(tag_dir, name, info, shape, files, None) if saved_zero
+                      else _read_plain_state(tag_dir, name, info, shape, files, None, None))[0]
+            given.setdefault(slot, {})[name] = {**fields, **saved["scalars"].get(name, {})}
+            continue
         slot = _slot_of(tag_dir, name, info, index["keyed_by"] == "name", position, len(live_params))
         shape = tuple(live_params[slot].shape)
         if saved_zero:
@@ -617,12 +651,28 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
             masters[slot] = master
         fields.update(saved["scalars"].get(name, {}))
         state[slot] = fields
-    groups = _param_groups(tag_dir, optimizer, saved["param_groups"], position)
+    for slot, parts in given.items():
+        state[slot] = _fused_fields(tag_dir, fused[slot], parts, tuple(live_params[slot].shape), target, masters,
+                                    slot, model_state)
+    groups = _param_groups(tag_dir, optimizer, saved["param_groups"], {**part_slots, **position})
     if target is None:
         return {"state": state, "param_groups": groups}
     _complete_masters(tag_dir, masters, live_params, position, saved_zero, model_state, target)
     return {"state": {}, "param_groups": groups, "base_state": state, "sharded_master_weights": masters,
             "shape_info": {i: tuple(p.shape) for i, p in enumerate(live_params)}}
+
+
+def _fused_fields(tag_dir: str, fused: Fused, parts: Dict[str, Dict[str, Any]], shape: Tuple[int, ...],
+                  target: Optional["_Zero1Target"], masters: Dict[int, torch.Tensor], slot: int,
+                  model_state: Optional[Dict[str, torch.Tensor]]) -> Dict[str, Any]:
+    """A fused parameter's state joined from its parts' whole TP-local state; for a ZeRO-1 optimizer cut to this
+    rank's flat shard, with its master shard (into ``masters``) from the checkpoint's model tensors of the parts."""
+    fields = fuse_state(tag_dir, fused, parts, shape)
+    if target is None:
+        return fields
+    masters[slot] = target.master_from_model(tag_dir, fused[0], shape, model_state)
+    return {field: target.shard_of(value) if isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+            else value for field, value in fields.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -769,6 +819,12 @@ def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: 
         group = {k: tuple(v) if isinstance(v, list) and isinstance(live.get(k), tuple) else v for k, v in group.items()}
         kept = {k: v for k, v in live.items() if k != "params"}
         params = [position.get(p, p if isinstance(p, int) else int(p) if p.isdigit() else p) for p in group["params"]]
+        # A fused parameter's parts are saved as three names of its one position; and torch pairs a group's saved
+        # parameters with its live ones in order, so the positions go in the live order (the saved one differs where
+        # a fused layer's parts, Q's weight, K's, V's, then the biases, load into separate parameters).
+        params = list(dict.fromkeys(params))
+        if all(isinstance(p, int) for p in params):
+            params.sort()
         groups.append({**kept, **group, "params": params})
     return groups
 

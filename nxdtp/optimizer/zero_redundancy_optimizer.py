@@ -65,6 +65,17 @@ DEFAULT_BUCKET_CAP_MB = 512
 ZERO1_STATE_FORMAT = 1
 
 
+def _replica_weights(param: torch.Tensor, layout: FlatShardLayout, segments, rank: torch.Tensor) -> torch.Tensor:
+    """For a parameter whose row segments the TP group holds different numbers of times (``replica_segments``: a
+    fused Q|K|V with repeated KV heads), 1 / copies for each element of this rank's shard, cut as the shard is with
+    the rank as data (one graph for every rank); 0 on the padding. The norm rules weigh the shard's elements by it,
+    since a flat shard has no rows to segment."""
+    per_row = torch.cat([torch.full((rows,), 1.0 / copies, dtype=torch.float32, device=param.device)
+                         for rows, copies in segments])
+    per_element = per_row[:, None].expand(param.shape[0], param[0].numel()).reshape(param.shape)
+    return layout.rows(per_element).index_select(0, rank).reshape(-1)
+
+
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"NeuronZero1Optimizer: {name}={value!r} must be True or False")
@@ -200,6 +211,9 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         for name in _COPIED_ATTRIBUTES:
             if hasattr(param, name):
                 setattr(shard, name, getattr(param, name))
+        segments = getattr(param, "replica_segments", None)
+        if segments is not None:
+            shard.replica_weights = _replica_weights(param, layout, segments, rank_tensor(self._group, param.device))
         shard.zero1_sharding_group = self._group
         return shard
 

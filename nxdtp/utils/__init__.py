@@ -29,8 +29,10 @@ from ..parallel_state import (
 from ..rounding import round_up
 from ..spec import ShardedModule
 
+# replica_segments: a fused parameter's copies per row segment (GQAQKVColumnParallelLinear's weight_qkv), which the
+# gradient norm needs as much as num_replicas.
 _SPEC_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions",
-                    "sequence_parallel_enabled", "num_replicas", "grad_allreduced_in_backward")
+                    "sequence_parallel_enabled", "num_replicas", "grad_allreduced_in_backward", "replica_segments")
 
 
 # NxD's defaults for the attribute cache of a parameter that no parallel layer made.
