@@ -5,10 +5,18 @@ import pytest
 
 from tests.harness import BACKENDS, WorkerGroup
 
+
 # Worker processes alive at once, over all pools (each holds about 450 MiB once torch and transformers are imported):
 # past it the least recently used pools are closed, and start again when a test asks for them. Every pool kept for
 # the whole session would hold about 14 GiB, so two test sessions at once exhausted a 24 GiB machine.
-MAX_WORKERS = int(os.environ.get("NXDTP_TEST_MAX_WORKERS", "16"))
+def _max_workers() -> int:
+    value = os.environ.get("NXDTP_TEST_MAX_WORKERS", "16")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NXDTP_TEST_MAX_WORKERS={value!r} must be a positive integer (the default is 16)")
+    return int(value)
+
+
+MAX_WORKERS = _max_workers()
 
 
 def _make_room(pools, key, needed: int) -> None:
