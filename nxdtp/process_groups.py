@@ -9,6 +9,7 @@ after a creation that failed part-way. Also here: the in-process world of one ra
 
 from __future__ import annotations
 
+import atexit
 from typing import List, Optional
 
 import torch
@@ -16,6 +17,8 @@ import torch.distributed as dist
 
 # Every process group made here (by initialize_model_parallel or zero1_groups), this rank's or not.
 _OWNED_PROCESS_GROUPS: List[object] = []
+# The default group of the world of 1 made here, while it is the default group.
+_SINGLE_PROCESS_WORLD: List[object] = []
 
 
 def needs_cpu_twins() -> bool:
@@ -98,7 +101,20 @@ def initialize_single_process_world(device: Optional[torch.device] = None) -> st
         if backend == "xla":
             import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if not _SINGLE_PROCESS_WORLD:
+            # The user did not make this world, so nxdtp ends it. Left to interpreter shutdown, gloo's worker threads
+            # outlive the interpreter and abort the process after its work is done ("terminate called without an
+            # active exception").
+            atexit.register(_release_single_process_world_at_exit)
+        _SINGLE_PROCESS_WORLD[:] = [dist.group.WORLD]
     return backend
+
+
+def _release_single_process_world_at_exit() -> None:
+    if _SINGLE_PROCESS_WORLD and dist.is_initialized() and dist.group.WORLD is _SINGLE_PROCESS_WORLD[0]:
+        release_owned_groups()
+        dist.destroy_process_group()
+    _SINGLE_PROCESS_WORLD.clear()
 
 
 def release_single_process_world() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 
@@ -278,6 +281,37 @@ def test_a_layer_built_before_initialisation_falls_back_to_one_process():
     out = _run_fallback_script("cpu", {}, script="_implicit_fallback_script")
     assert out["world"] == 1 and out["tp"] == 1 and out["equal"], out
     assert any("model parallel is not initialized: falling back to a world of one process" in w for w in out["warned"])
+
+
+def _fallback_world_at_exit_script(device_kind: str) -> dict:
+    """Runs in a fresh process: reports, from an exit handler that runs after nxdtp's, whether the world of one that
+    the fallback made is still up when the interpreter ends."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from nxdtp import layers
+
+    atexit.register(lambda: print("AT_EXIT_INITIALIZED" + str(dist.is_initialized())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        layers.ColumnParallelLinear(6, 10)
+    return dict(world=dist.get_world_size())
+
+
+def test_the_fallback_world_is_destroyed_before_the_interpreter_ends():
+    """Left to interpreter shutdown, gloo's threads outlive it and abort a finished process (SIGABRT, "terminate called
+    without an active exception"), which a loaded machine made likely: the world nxdtp made, nxdtp ends at exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "from tests.test_utils import _fallback_world_at_exit_script as f; print('RESULT', f('cpu'))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "RESULT {'world': 1}" in run.stdout and "AT_EXIT_INITIALIZEDFalse" in run.stdout, run.stdout + run.stderr
 
 
 ALREADY = ("initialize_fallback_parallel_state: model parallel is already initialized; call "
