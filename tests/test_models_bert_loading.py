@@ -77,7 +77,7 @@ def case_load_equals_dense(root: str, forms):
 
     from nxdtp import comm, parallel_state
     from nxdtp.layers import shard_of
-    from nxdtp.models.bert import from_pretrained_sharded, gather_vocab_logits
+    from nxdtp.models import from_pretrained_sharded, gather_vocab_logits
 
     rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_size()
     dense = _dense_randomised()
@@ -157,7 +157,7 @@ def test_from_pretrained_sharded_equals_from_pretrained(worlds, tmp_path, world,
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    from nxdtp.models.bert import from_pretrained_sharded
+    from nxdtp.models import from_pretrained_sharded
     from nxdtp.parallel_state import simulated_topology
 
     _config().save_pretrained(tmp_path)

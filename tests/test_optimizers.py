@@ -40,7 +40,7 @@ from nxdtp import comm
 from nxdtp import grads as nxg
 from nxdtp import parallel_state as ps
 from nxdtp.layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear, shard_of
-from nxdtp.optimizers import Lamb
+from nxdtp.optimizer import Lamb
 from nxdtp.utils import move_model_to_device
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -275,9 +275,13 @@ def test_a_parameter_listed_twice_is_rejected_before_any_change(single_rank):
 
 
 def test_exported():
-    import nxdtp.optimizers
+    import nxdtp
+    from nxdtp.optimizer import Lamb as lamb
 
-    assert nxdtp.optimizers.__all__ == ["Lamb"]
+    assert nxdtp.Lamb is lamb and "Lamb" in nxdtp.optimizer.__all__
+    # The old module path works one more release, with a DeprecationWarning naming the new one.
+    with pytest.warns(DeprecationWarning, match="use nxdtp.optimizer"):
+        assert nxdtp.optimizers.Lamb is lamb
 
 
 # ---- multi-rank: TP model vs dense model ----------------------------------------------------------------------------

@@ -94,8 +94,7 @@ def _optimizer(kind: str, params, zero1: bool, zero1_sharding: int = 0):
     import torch
 
     from nxdtp import parallel_state
-    from nxdtp.optimizer import NeuronZero1Optimizer
-    from nxdtp.optimizers import Lamb
+    from nxdtp.optimizer import Lamb, NeuronZero1Optimizer
 
     optimizer_class, options = (Lamb, dict(lr=1e-3, trust_clip=True)) if kind == "lamb" else \
         (torch.optim.AdamW, dict(lr=1e-3))

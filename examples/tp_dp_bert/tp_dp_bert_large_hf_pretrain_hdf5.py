@@ -38,8 +38,10 @@ from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_state  # noqa: E402
 from nxdtp.models.bert import attention_bias  # noqa: E402
-from nxdtp.optimizer import NeuronZero1Optimizer  # noqa: E402
-from nxdtp.optimizers import Lamb  # noqa: E402
+from nxdtp.optimizer import (
+    Lamb,  # noqa: E402
+    NeuronZero1Optimizer,  # noqa: E402
+)
 from nxdtp.random import model_parallel_xla_manual_seed  # noqa: E402
 
 
@@ -245,7 +247,7 @@ def build_model(args: argparse.Namespace, config, device: torch.device, pretrain
     keeps its slices, so TP equals dense at step 0."""
     from transformers import BertForPreTraining
 
-    from nxdtp.models.bert import checkpoint_layers, from_pretrained_sharded, parallelize_bert
+    from nxdtp.models import checkpoint_layers, from_pretrained_sharded, parallelize_model
 
     torch.manual_seed(args.seed)
     if pretrained:
@@ -254,8 +256,8 @@ def build_model(args: argparse.Namespace, config, device: torch.device, pretrain
                                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     else:
         model = BertForPreTraining(config)
-        parallelize_bert(model, sequence_parallel=args.sequence_parallel,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        parallelize_model(model, sequence_parallel=args.sequence_parallel,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     if args.activation_checkpointing:
         checkpoint_layers(model)
     move_model_to_device(model, device)
@@ -378,7 +380,7 @@ class Trainer:
                 self.master.gradients_to_master()  # accumulate in fp32, micro-batch by micro-batch
             step_loss = step_loss + loss.detach()
         if self.args.sequence_parallel:
-            # NxD's call, kept: parallelize_bert's model sums these gradients inside backward already, and the call
+            # NxD's call, kept: parallelize_model's BERT sums these gradients inside backward already, and the call
             # skips parameters marked so (grad_allreduced_in_backward).
             grads.allreduce_sequence_parallel_gradients(self.weights)
         if self.args.use_zero_1:

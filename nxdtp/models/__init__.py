@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..plan import parallelize
+from ..plan import Plan, parallelize
 from . import hf_tp_plan
 from .activation_checkpointing import checkpoint_layers
 from .common import attention_bias, gather_vocab_logits, require_supported_transformers
@@ -42,23 +42,37 @@ def _plan_and_keys(model_class: type, config, sequence_parallel: bool, make_voca
                     f"{supported_models()}) and its config has no base_model_tp_plan")
 
 
-def parallelize_model(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
-                      broadcast_replicated: bool = True, pad_heads: bool = True) -> nn.Module:
-    """Shard a supported HF model in place over the tensor-parallel group and return it.
+def parallelize_model(model: nn.Module, plan: Optional[Plan] = None, *, sequence_parallel: bool = False,
+                      make_vocab_size_divisible_by: int = 1, broadcast_replicated: bool = True,
+                      pad_heads: bool = True) -> nn.Module:
+    """Shard a model in place over the tensor-parallel group and return it: the one way to shard a model.
 
-    Families with a hand-written plan use it; any other model whose config carries HF's ``base_model_tp_plan`` is
-    sharded from that (``nxdtp.models.hf_tp_plan``). ``make_vocab_size_divisible_by`` pads the vocabulary to a multiple
-    of it times the TP size (merging strips the padding). ``broadcast_replicated`` makes replicated parameters equal to
-    TP rank 0's. ``pad_heads`` (Llama family, models without grouped KV heads) appends zero attention heads when TP
-    does not divide them, with a logged warning; ``False`` makes that an error. A model nxdtp cannot shard raises
-    ``TypeError`` naming its class, before anything changes.
+    With ``plan=None`` the model's family picks the plan: the hand-written one of a supported HF family, else the one
+    HF ships in the config (``base_model_tp_plan``, ``nxdtp.models.hf_tp_plan``); a model nxdtp cannot shard raises
+    ``TypeError`` naming its class, before anything changes. Three options shape that plan: ``sequence_parallel``;
+    ``make_vocab_size_divisible_by`` (the vocabulary padded to a multiple of it times the TP size; merging strips the
+    padding); ``pad_heads`` (zero attention heads appended when TP does not divide them, with a logged warning;
+    ``False`` makes that an error). A ``Plan`` of your own (``nxdtp.Plan``) is applied as it is, and those three
+    options are then refused, as they would have no effect. ``broadcast_replicated`` makes replicated parameters equal
+    to TP rank 0's.
     """
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"parallelize_model: plan={plan!r} is not an nxdtp.Plan; pass a Plan, or None for the "
+                            f"model family's plan")
+        shaping = dict(sequence_parallel=(sequence_parallel, False),
+                       make_vocab_size_divisible_by=(make_vocab_size_divisible_by, 1), pad_heads=(pad_heads, True))
+        given = sorted(f"{name}={value!r}" for name, (value, default) in shaping.items() if value != default)
+        if given:
+            raise ValueError(f"parallelize_model: {', '.join(given)} shape a model family's plan and would be ignored "
+                             f"with plan= given; build them into your Plan, or pass plan=None")
+        return parallelize(model, plan, broadcast_replicated=broadcast_replicated)
     plan_of, _ = _plan_and_keys(type(model), getattr(model, "config", None), sequence_parallel,
                                 make_vocab_size_divisible_by, pad_heads)
     return parallelize(model, plan_of(model), broadcast_replicated=broadcast_replicated)
 
 
-def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, sequence_parallel: bool = False,
+def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, *, sequence_parallel: bool = False,
                             make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
                             config=None, pad_heads: bool = True) -> nn.Module:
     """Build a TP-sharded model from a local HF model directory; each rank reads only its own slices of the weights.

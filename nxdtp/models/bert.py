@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -142,9 +142,10 @@ def encoder_plan(family: EncoderFamily, sequence_parallel: bool = False, make_vo
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
 
 
-def parallelize_bert(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
+def parallelize_bert(model: nn.Module, *, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
                      broadcast_replicated: bool = True, pad_heads: bool = True) -> nn.Module:
-    """Shard an HF BERT model in place over the tensor-parallel group and return it."""
+    """``nxdtp.models.parallelize_model`` for a BERT model, under the name NxD's BERT tutorials use: shard it in place
+    with the BERT plan and return it."""
     return parallelize(model, bert_plan(sequence_parallel, make_vocab_size_divisible_by, pad_heads),
                        broadcast_replicated=broadcast_replicated)
 
@@ -269,23 +270,23 @@ def checkpoint_keys(name: str, base_prefix: str = "bert."):
     return variants
 
 
-def from_pretrained_sharded(model_dir: str, model_class=None, sequence_parallel: bool = False,
-                            make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32,
-                            device="cpu", config=None) -> nn.Module:
-    """``nxdtp.models.from_pretrained_sharded`` for BERT directories: the config is read as a BertConfig and the class
-    defaults to the first of ``config.architectures``, else BertForPreTraining."""
+def from_pretrained_sharded(model_dir: str, model_class=None, **options) -> nn.Module:
+    """Deprecated: ``nxdtp.models.from_pretrained_sharded``, which shards every supported family. This alias keeps its
+    BERT defaults for one release: the config read as a BertConfig, and the class the first of
+    ``config.architectures``, else BertForPreTraining."""
     import transformers
 
     from . import from_pretrained_sharded as build  # the package imports this module first
     from .hf_loading import read_config
 
-    if config is None:
-        config = read_config(model_dir, transformers.BertConfig)
+    warnings.warn("nxdtp.models.bert.from_pretrained_sharded is deprecated and goes in the next release: call "
+                  "nxdtp.models.from_pretrained_sharded(model_dir, model_class=...), which shards every supported "
+                  "family", DeprecationWarning, stacklevel=2)
+    config = options.pop("config", None) or read_config(model_dir, transformers.BertConfig)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
         model_class = getattr(transformers, architectures[0])
-    return build(model_dir, model_class=model_class, sequence_parallel=sequence_parallel,
-                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype, device=device, config=config)
+    return build(model_dir, model_class=model_class, config=config, **options)
 
 
 FAMILY = Family(BERT.name, SUPPORTED, bert_plan, checkpoint_keys, oldest_transformers=(4, 26))

@@ -8,9 +8,7 @@ MLM loss on the vocab-parallel logits, and optional sequence parallelism; see ``
 
 from __future__ import annotations
 
-from torch import nn
-
-from ..plan import Plan, parallelize
+from ..plan import Plan
 from .bert import EncoderFamily, encoder_plan
 from .bert import checkpoint_keys as _encoder_checkpoint_keys
 from .family import Family
@@ -27,13 +25,6 @@ ROBERTA = EncoderFamily("RoBERTa", "Roberta", SUPPORTED, "lm_head.decoder", "rob
 def roberta_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
                  pad_heads: bool = True) -> Plan:
     return encoder_plan(ROBERTA, sequence_parallel, make_vocab_size_divisible_by, pad_heads)
-
-
-def parallelize_roberta(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1,
-                        broadcast_replicated: bool = True, pad_heads: bool = True) -> nn.Module:
-    """Shard an HF RoBERTa model in place over the tensor-parallel group and return it."""
-    return parallelize(model, roberta_plan(sequence_parallel, make_vocab_size_divisible_by, pad_heads),
-                       broadcast_replicated=broadcast_replicated)
 
 
 def checkpoint_keys(name: str):

@@ -1,5 +1,5 @@
 """Optimizers (NxD's ``neuronx_distributed.optimizer``): ``NeuronZero1Optimizer`` (ZeRO-1: optimizer state and fp32
-master weights sharded over data parallelism), ``Lamb`` (also importable as ``nxdtp.optimizers.Lamb``) and NxD's
+master weights sharded over data parallelism), ``Lamb`` (also ``nxdtp.Lamb``) and NxD's
 ``AdamW_FP32OptimParams`` (HF's former AdamW, moments in fp32)."""
 
 from .adamw_fp32_optim_params import AdamW_FP32OptimParams
