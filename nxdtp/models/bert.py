@@ -6,7 +6,7 @@ Everything that can be split is split, Megatron-style:
 * Q, K and V are column-parallel and share one entry region, and attention output is row-parallel: one all-reduce
   forward and one backward per attention block. Intermediate is column-parallel, output dense row-parallel: the same
   for the MLP. Each rank runs ``num_attention_heads / tp`` heads; when TP does not divide them, zero heads are added
-  (``pad_heads``, as for the decoders: ``attention_heads.py``).
+  (``pad_heads``, as for the decoders: ``attention_styles.py``).
 * The word embedding is vocab-parallel, padded to a multiple of ``make_vocab_size_divisible_by * tp``. The MLM decoder
   is vocab-parallel, tied to the embedding shard, with a sharded bias. Its logits are never gathered for the loss:
   ``outputs.loss`` comes from ``parallel_cross_entropy`` with the real vocabulary size, so padded columns take no part.
@@ -51,7 +51,7 @@ from ..plan import (
 )
 from ..record import record_of
 from .activation_checkpointing import checkpoint_layers  # noqa: F401 - re-exported
-from .attention_heads import attention_projection_styles
+from .attention_styles import attention_projection_styles
 from .common import (  # noqa: F401 - re-exports
     attention_bias,
     dropping,

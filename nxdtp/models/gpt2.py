@@ -45,7 +45,7 @@ from ..plan import (
     effect_of,
     wrap_forward,
 )
-from .attention_heads import attention_projection_styles
+from .attention_styles import attention_projection_styles
 from .common import (
     check_model,
     dropping,

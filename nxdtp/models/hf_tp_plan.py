@@ -22,7 +22,7 @@ Any other style is an error naming the style and the module. Sequence parallelis
 
 Attention blocks whose Q, K and V are ``colwise`` and whose output projection is ``rowwise`` (each rank runs whole
 heads) get what HF's plan lacks: KV heads repeated when TP exceeds or does not divide them, and zero heads when TP does
-not divide the query heads (``attention_heads.py``, as in the hand-written plans).
+not divide the query heads (``attention_styles.py``, as in the hand-written plans).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ..plan import (
     VocabParallelLMHead,
     has_own_forward,
 )
-from .attention_heads import attention_projection_styles, local_kv_groups
+from .attention_styles import attention_projection_styles, local_kv_groups
 from .common import check_model, require_supported_transformers
 from .hf_integration import finish_hf_model
 from .losses import use_vocab_parallel_causal_lm_loss

@@ -9,7 +9,7 @@ Megatron-style, as for BERT:
   row-parallel. Each rank runs ``num_attention_heads / tp`` query heads and ``num_key_value_heads / tp`` KV heads;
   rotary embeddings apply per head, so they need nothing. With fewer KV heads than TP ranks (or a count TP does not
   divide) each KV head is repeated until TP divides them (``KVReplicatedColumnParallel``); query heads TP does not
-  divide get zero heads (``HeadPadded``, ``pad_heads``). ``attention_heads.py`` chooses these styles.
+  divide get zero heads (``HeadPadded``, ``pad_heads``). ``attention_styles.py`` chooses these styles.
 * ``embed_tokens`` and ``lm_head`` are vocab-parallel (padded to ``make_vocab_size_divisible_by * tp``), tied when the
   config ties them. The loss is the vocab-parallel causal-LM loss (``nxdtp.models.losses``); ``logits`` stay
   vocab-parallel (``gather_vocab_logits`` gives the full ones).
@@ -37,7 +37,7 @@ from ..plan import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from .attention_heads import attention_projection_styles, local_kv_groups
+from .attention_styles import attention_projection_styles, local_kv_groups
 from .common import (
     check_model,
     never_drops,

@@ -380,7 +380,7 @@ def _made_parallel(model: nn.Module, nxd_config: Dict[str, Any], param_init_fn: 
 
 def _parallelize_hf_model(model: nn.Module, sequence_parallel: bool, pad_heads: bool) -> nn.Module:
     from ..models import parallelize_model
-    from ..models.attention_heads import HeadsNotDivisibleError
+    from ..models.attention_styles import HeadsNotDivisibleError
 
     try:
         # Replicated state is broadcast after the waves: the ranks of a TP group may build in different ones.
