@@ -119,21 +119,7 @@ def generate_padding_mask(num_heads: int, num_heads_with_pad: int, num_kv_heads:
     outside the degree) raise ``ValueError``, where NxD returns an arbitrary mask.
     """
     kind = _hardware_kind(hardware_type)
-    for name, value, nxd_divides in (("num_heads", num_heads, False), ("num_heads_with_pad", num_heads_with_pad, False),
-                                     ("num_kv_heads", num_kv_heads, True), ("tp_degree", tp_degree, True)):
-        _require_positive("generate_padding_mask", name, value, nxd_divides)
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"generate_padding_mask: num_heads={num_heads} is not a multiple of "
-                         f"num_kv_heads={num_kv_heads}")
-    if num_heads_with_pad < num_heads:
-        raise ValueError(f"generate_padding_mask: num_heads_with_pad={num_heads_with_pad} is fewer than "
-                         f"num_heads={num_heads}")
-    if num_heads_with_pad % tp_degree != 0:
-        raise ValueError(f"generate_padding_mask: num_heads_with_pad={num_heads_with_pad} is not a multiple of "
-                         f"tp_degree={tp_degree}, so the ranks cannot hold whole heads")
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_degree:
-        raise ValueError(f"generate_padding_mask: tp_rank={tp_rank!r} is outside tensor parallel degree {tp_degree}: "
-                         f"use 0 to {tp_degree - 1}")
+    _check_padding_mask_arguments(num_heads, num_heads_with_pad, num_kv_heads, tp_degree, tp_rank)
     per_rank, group = num_heads_with_pad // tp_degree, num_heads // num_kv_heads
     if kind == "trn2":
         block_ranks = max(tp_degree // num_kv_heads, 1)
@@ -151,6 +137,26 @@ def generate_padding_mask(num_heads: int, num_heads_with_pad: int, num_kv_heads:
                       f"{' or a divisor' if kind == 'trn2' else ''}); its mask, returned here as NxD returns it, does "
                       f"not mark num_heads={num_heads} real heads over the ranks", UserWarning, stacklevel=2)
     return torch.arange(first, first + per_rank) < real
+
+
+def _check_padding_mask_arguments(num_heads: int, num_heads_with_pad: int, num_kv_heads: int, tp_degree: int,
+                                  tp_rank: int) -> None:
+    """Refuse, by name, arguments of ``generate_padding_mask`` that describe no padded model."""
+    for name, value, nxd_divides in (("num_heads", num_heads, False), ("num_heads_with_pad", num_heads_with_pad, False),
+                                     ("num_kv_heads", num_kv_heads, True), ("tp_degree", tp_degree, True)):
+        _require_positive("generate_padding_mask", name, value, nxd_divides)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"generate_padding_mask: num_heads={num_heads} is not a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if num_heads_with_pad < num_heads:
+        raise ValueError(f"generate_padding_mask: num_heads_with_pad={num_heads_with_pad} is fewer than "
+                         f"num_heads={num_heads}")
+    if num_heads_with_pad % tp_degree != 0:
+        raise ValueError(f"generate_padding_mask: num_heads_with_pad={num_heads_with_pad} is not a multiple of "
+                         f"tp_degree={tp_degree}, so the ranks cannot hold whole heads")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_degree:
+        raise ValueError(f"generate_padding_mask: tp_rank={tp_rank!r} is outside tensor parallel degree {tp_degree}: "
+                         f"use 0 to {tp_degree - 1}")
 
 
 class UnexpectedHardwareTypeError(ValueError, RuntimeError):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Dict
+from typing import Dict, Tuple
 
 from torch import nn
 
@@ -71,17 +71,50 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
         raise ValueError(f"sequence_parallel=True needs a hand-written plan; {name} is sharded from HF's tp_plan, "
                          "which has none: use sequence_parallel=False")
     pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
-    head_name = _output_embedding_name(model)
-    styles: Dict[str, object] = {}
-    prefix = model.base_model_prefix
-    base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    head_plan = dict(getattr(type(model), "_tp_plan", None) or getattr(model, "_tp_plan", None) or {})
-    hf_styles = {}
-    for pattern, style in base_plan.items():
-        full = f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
-        styles[full] = _style(style, full, name, pad)
-        hf_styles[full] = style
+    styles, hf_styles = _base_model_styles(model, pad)
     attention_patterns = _head_split_attention(model, hf_styles)
+    vocab_parallel_head = _add_vocabulary_styles(model, styles, pad)
+
+    def prepare(model: nn.Module, group: ParallelGroup) -> dict:
+        _validate(model, group, heads_handled=bool(attention_patterns))
+        config = model.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        extra = {}
+        for attention_pattern, head_dim in attention_patterns.items():
+            projections = attention_projection_styles(name, heads, kv_heads, head_dim, group.size, pad_heads,
+                                                      ColumnParallel(), RowParallel())
+            extra.update({f"{attention_pattern}.{p}": style for p, style in zip(PROJECTIONS, projections)})
+            extra[attention_pattern] = SetAttributes((("num_key_value_groups",
+                                                       local_kv_groups(heads, kv_heads, group.size)),))
+        return extra
+
+    def finalize(model: nn.Module) -> None:
+        if vocab_parallel_head:
+            use_vocab_parallel_causal_lm_loss(model)
+        finish_hf_model(model)
+
+    return Plan(styles=styles, prepare=prepare, finalize=finalize)
+
+
+def _base_model_styles(model: nn.Module, pad: dict) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """(nxdtp's style, HF's style name) of every module pattern of the config's ``base_model_tp_plan``, prefixed with
+    the base model's attribute where the model wraps one."""
+    prefix = model.base_model_prefix
+    styles: Dict[str, object] = {}
+    hf_styles: Dict[str, str] = {}
+    for pattern, style in dict(getattr(model.config, "base_model_tp_plan", None) or {}).items():
+        full = f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
+        styles[full] = _style(style, full, type(model).__name__, pad)
+        hf_styles[full] = style
+    return styles, hf_styles
+
+
+def _add_vocabulary_styles(model: nn.Module, styles: Dict[str, object], pad: dict) -> bool:
+    """Add the styles of the class's own ``_tp_plan`` (the LM head) and of the input embedding to ``styles``; return
+    whether the head ends vocab-parallel (then the loss must take vocab-parallel logits)."""
+    name = type(model).__name__
+    head_name = _output_embedding_name(model)
+    head_plan = dict(getattr(type(model), "_tp_plan", None) or getattr(model, "_tp_plan", None) or {})
     embedding_module = model.get_input_embeddings()
     embedding = _module_name(model, embedding_module)
     shard_embedding = embedding is not None and not has_own_forward(embedding_module, nn.Embedding)
@@ -104,26 +137,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
             # The head holds the embedding's weight: it must be split the same way, or it would compute garbage.
             styles[head_name] = VocabParallelLMHead(**pad)
             vocab_parallel_head = True
-
-    def prepare(model: nn.Module, group: ParallelGroup) -> dict:
-        _validate(model, group, heads_handled=bool(attention_patterns))
-        config = model.config
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        extra = {}
-        for attention_pattern, head_dim in attention_patterns.items():
-            projections = attention_projection_styles(name, heads, kv_heads, head_dim, group.size, pad_heads,
-                                                      ColumnParallel(), RowParallel())
-            extra.update({f"{attention_pattern}.{p}": style for p, style in zip(PROJECTIONS, projections)})
-            extra[attention_pattern] = SetAttributes((("num_key_value_groups",
-                                                       local_kv_groups(heads, kv_heads, group.size)),))
-        return extra
-
-    def finalize(model: nn.Module) -> None:
-        if vocab_parallel_head:
-            use_vocab_parallel_causal_lm_loss(model)
-        finish_hf_model(model)
-
-    return Plan(styles=styles, prepare=prepare, finalize=finalize)
+    return vocab_parallel_head
 
 
 def _style(style: str, module_pattern: str, model_name: str, pad: dict):
