@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import (
+from .topology import (
     ParallelGroup,
     data_parallel_group,
     get_topology,

@@ -35,11 +35,11 @@ from .forward_wrappers import (  # noqa: F401 - nxdtp.plan's names since before 
     wrapper_name_of,
 )
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
-from .parallel_state import ParallelGroup, tensor_parallel_group
 from .record import read_record, record_of
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .storage import owning
+from .topology import ParallelGroup, tensor_parallel_group
 from .utils import retie_parameters, tied_parameter_names
 
 

@@ -25,11 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INDEX_MD = os.path.join(REPO, "docs", "index.md")
 
 # (importer, imported): why the edge goes up.
-KNOWN_UPWARD_IMPORTS = {
-    ("nxdtp.parallel_state", "nxdtp.nxd_parallel_state"):
-        "nxdtp.parallel_state is NxD's path for every parallel_state name: its last lines re-export the NxD facade, "
-        "which is built over the core above it",
-}
+KNOWN_UPWARD_IMPORTS: Dict[Tuple[str, str], str] = {}
 
 # torch.distributed functions that talk to a backend or make / break groups: comm's business.
 BACKEND_CALLS = {
@@ -45,7 +41,7 @@ KNOWN_BACKEND_USES = {
         "initialize_model_parallel and zero1_groups create the topology's process groups through it",
     ("nxdtp.process_groups", "dist.all_reduce"):
         "the barrier after group creation (no rank leaves before every rank has made every group); comm sits above "
-        "parallel_state and cannot be used there",
+        "the topology core and cannot be used there",
     ("nxdtp.process_groups", "dist.init_process_group"):
         "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state",
     ("nxdtp.process_groups", "dist.destroy_process_group"):

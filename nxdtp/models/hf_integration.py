@@ -10,8 +10,8 @@ import sys
 from torch import nn
 
 from ..agreement import install_input_check
-from ..parallel_state import tensor_parallel_group
 from ..record import read_record
+from ..topology import tensor_parallel_group
 from .activation_checkpointing import support_hf_checkpointing
 from .generation import support_hf_generation
 from .hf_saving import support_save_pretrained

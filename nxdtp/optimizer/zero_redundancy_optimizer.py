@@ -48,14 +48,14 @@ import torch
 
 from .. import comm
 from ..grads import _check_norm_type, buckets_by, clip_grads_with_norm, get_grad_norm
-from ..parallel_state import (
+from ..spec import FlatShardLayout
+from ..topology import (
     ParallelGroup,
     model_parallel_is_initialized,
     rank_tensor,
     tensor_parallel_group,
     zero1_groups,
 )
-from ..spec import FlatShardLayout
 
 # Attributes of a parameter that its shard carries, so the norm rules (and Lamb) treat the shard as the parameter.
 _COPIED_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "num_replicas",
