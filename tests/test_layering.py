@@ -226,6 +226,27 @@ def test_no_importlib_hides_an_edge():
     assert not hiding, f"imports by name: {hiding}"
 
 
+def test_no_import_machinery_or_generated_globals():
+    """Names a reader can grep and imports the graph above sees: no module of nxdtp imports importlib, calls
+    __import__, touches sys.meta_path (an import hook), or writes names through globals()[...]."""
+    found = []
+    for module, path in module_files(REPO).items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            imported = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "importlib" for name in imported):
+                found.append(f"{module}:{node.lineno}: imports importlib")
+            elif isinstance(node, ast.Name) and node.id == "__import__":
+                found.append(f"{module}:{node.lineno}: __import__")
+            elif isinstance(node, ast.Attribute) and node.attr == "meta_path":
+                found.append(f"{module}:{node.lineno}: sys.meta_path")
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "globals()":
+                found.append(f"{module}:{node.lineno}: globals()[...]")
+    assert not found, "\n".join(found)
+
+
 def test_only_comm_talks_to_a_backend():
     found = {(module, use) for module, uses in backend_uses(REPO).items() for use in uses if module != "nxdtp.comm"}
     unexpected = sorted(found - set(KNOWN_BACKEND_USES))
