@@ -21,7 +21,7 @@ from torch import nn
 from .. import comm
 from ..process_groups import initialize_single_process_world
 from ..rounding import round_up
-from ..spec import ShardedModule
+from ..spec import ShardedModule, split_along
 from ..topology import initialize_model_parallel, model_parallel_is_initialized, tensor_parallel_group
 
 # replica_segments: a fused parameter's copies per row segment (GQAQKVColumnParallelLinear's weight_qkv), which the
@@ -77,12 +77,16 @@ def get_padding_length(numerator: int, denominator: int) -> int:
 
 def split_tensor_along_dim(tensor: torch.Tensor, dim: int, num_partitions: int,
                            contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
+    """``tensor`` split evenly along ``dim`` into ``num_partitions`` pieces, piece r being TP rank r's. With
+    ``contiguous_split_chunks`` each piece is the layout algebra's cut (``nxdtp.spec.split_along``), a tensor of its own
+    (a tuple); otherwise, as NxD's, ``torch.split``'s views of ``tensor`` (a list), which copy nothing."""
     size = tensor.shape[dim]
     if num_partitions <= 0 or size % num_partitions != 0:
         raise ValueError(f"dimension {dim} of shape {tuple(tensor.shape)} is not divisible by "
                          f"num_partitions={num_partitions}")
-    chunks = torch.split(tensor, size // num_partitions, dim=dim)
-    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else list(chunks)
+    if contiguous_split_chunks:
+        return tuple(split_along(tensor, dim, rank, num_partitions) for rank in range(num_partitions))
+    return list(torch.split(tensor, size // num_partitions, dim=dim))
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
