@@ -7,9 +7,9 @@ token-shuffle, kv-shared and speculative-draft groups) return NxD's values for s
 is the rank alone (the topology's singleton group), and the expert data-parallel group of a world without expert
 parallelism is the data-parallel group. NxD's set_* functions accept only the value the fixed topology already has.
 
-This module imports the core and nothing else of nxdtp's, and the core never imports it; nxdtp's own modules may read
-either (the getters here are NxD's spelling of the core's fields: ``get_tensor_model_parallel_rank()`` is
-``tensor_parallel_group().rank``).
+This module imports only the core (and the in-process world of nxdtp.process_groups, which NxD users call here), and
+the core never imports it; nxdtp's own modules may read either (the getters here are NxD's spelling of the core's
+fields: ``get_tensor_model_parallel_rank()`` is ``tensor_parallel_group().rank``).
 """
 
 from __future__ import annotations
