@@ -157,7 +157,7 @@ def _class_of_recipe(root: type, steps: tuple) -> type:
             _, name, factory, args = step
             cls = _wrapped_class(cls, name, factory(*args))
         elif step[0] == "spec_owning":
-            cls = _spec_owning_class(cls)
+            cls = spec_owning_class(cls)
         elif step[0] == "mixin":
             cls = _mixed_class(cls, step[1])
         else:
@@ -201,7 +201,9 @@ def call_with_parameters(forward, replacements: Dict[str, torch.Tensor], *args, 
 _SPEC_OWNING_CLASSES: Dict[type, type] = {}
 
 
-def _spec_owning_class(base: type) -> type:
+def spec_owning_class(base: type) -> type:
+    """``base`` with ShardedModule mixed in (one class per base, made once): what a module of ``base`` becomes when a
+    style records specs on it, keeping its parameter names."""
     if base not in _SPEC_OWNING_CLASSES:
         _SPEC_OWNING_CLASSES[base] = _dynamic_subclass(base, ("spec_owning",), {})
     return _SPEC_OWNING_CLASSES[base]

@@ -18,13 +18,13 @@ per-rank differences enter as data (a weight tensor), not as graph structure.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from . import comm
-from .parallel_state import (
+from .topology import (
     ParallelGroup,
     data_parallel_group,
     get_topology,
@@ -124,7 +124,8 @@ def _check_nxd_defaults(zero1_optimizer: bool, zero1_optimizer_groups: Any) -> A
     return zero1_sharding_group(zero1_optimizer_groups)
 
 
-def _check_norm_type(norm_type: Union[float, int, str]) -> float:
+def checked_norm_type(norm_type: Union[float, int, str]) -> float:
+    """``norm_type`` as the float p of a p-norm (``float('inf')`` included); ValueError naming it unless p > 0."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
@@ -158,19 +159,8 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     the replicas. Every rank of the world must then call it.
     """
     extra_group = _check_nxd_defaults(zero1_optimizer, zero1_optimizer_groups)
-    p = _check_norm_type(norm_type)
-    grads_sharded: List[torch.Tensor] = []
-    grads_replicated: List[torch.Tensor] = []
-    # A shard of a tensor whose blocks the full tensor holds several times (replicated KV heads) counts once per copy.
-    copies: List[float] = []
-    for param in _unique_params(parameters):
-        if param.grad is not None and param_is_not_shared(param):
-            if _is_tp_sharded(param):
-                for piece, count in _counted_pieces(param, p):
-                    grads_sharded.append(piece)
-                    copies.append(count)
-            else:
-                grads_replicated.append(param.grad.detach())
+    p = checked_norm_type(norm_type)
+    grads_sharded, copies, grads_replicated = _gradients_by_kind(parameters, p)
     all_grads = grads_sharded + grads_replicated
     device = all_grads[0].device if all_grads else torch.device("cpu")
     group = tensor_parallel_group()
@@ -182,16 +172,7 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
         return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
 
     if math.isinf(p):
-        # max is idempotent: replicated gradients may appear on every rank, the TP-wide max is unchanged. A NaN must
-        # win as it does in torch, but a MAX all-reduce need not propagate it (gloo's drops it): the NaN travels as a
-        # flag in the same all-reduce, [max of the non-NaN norms, 1 if any NaN], and is put back after.
-        local = per_tensor_norms(all_grads).max()
-        is_nan = torch.isnan(local)
-        reduced = comm.all_reduce(torch.stack([torch.where(is_nan, zero, local), is_nan.to(torch.float32)]), group,
-                                  op="max")
-        if extra_group is not None:
-            reduced = comm.all_reduce(reduced, extra_group, op="max")
-        return torch.where(reduced[1] > 0, torch.full_like(reduced[0], math.nan), reduced[0])
+        return _max_norm(per_tensor_norms(all_grads).max(), group, extra_group)
 
     # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. Which rank this is comes from the rank as
     # data (rank_tensor), not a Python branch or constant, so every rank traces the same graph.
@@ -205,6 +186,38 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     if extra_group is not None:
         total = comm.all_reduce(total, extra_group, op="sum")
     return total.pow(1.0 / p)
+
+
+def _gradients_by_kind(parameters: ParamsArg, p: float
+                       ) -> Tuple[List[torch.Tensor], List[float], List[torch.Tensor]]:
+    """(the TP-sharded gradient pieces, how many copies of each the full tensor holds, the replicated gradients) of
+    ``parameters`` that have a gradient and are not ``shared``, each parameter once."""
+    grads_sharded: List[torch.Tensor] = []
+    grads_replicated: List[torch.Tensor] = []
+    # A shard of a tensor whose blocks the full tensor holds several times (replicated KV heads) counts once per copy.
+    copies: List[float] = []
+    for param in _unique_params(parameters):
+        if param.grad is not None and param_is_not_shared(param):
+            if _is_tp_sharded(param):
+                for piece, count in _counted_pieces(param, p):
+                    grads_sharded.append(piece)
+                    copies.append(count)
+            else:
+                grads_replicated.append(param.grad.detach())
+    return grads_sharded, copies, grads_replicated
+
+
+def _max_norm(local: torch.Tensor, group: ParallelGroup, extra_group: Optional[ParallelGroup]) -> torch.Tensor:
+    """The inf-norm over ``group`` (then ``extra_group``) from this rank's largest gradient norm ``local``."""
+    # max is idempotent: replicated gradients may appear on every rank, the TP-wide max is unchanged. A NaN must win as
+    # it does in torch, but a MAX all-reduce need not propagate it (gloo's drops it): the NaN travels as a flag in the
+    # same all-reduce, [max of the non-NaN norms, 1 if any NaN], and is put back after.
+    is_nan = torch.isnan(local)
+    flagged = torch.stack([torch.where(is_nan, torch.zeros_like(local), local), is_nan.to(torch.float32)])
+    reduced = comm.all_reduce(flagged, group, op="max")
+    if extra_group is not None:
+        reduced = comm.all_reduce(reduced, extra_group, op="max")
+    return torch.where(reduced[1] > 0, torch.full_like(reduced[0], math.nan), reduced[0])
 
 
 def clip_grad_norm(parameters: ParamsArg, max_norm: float, norm_type: Union[float, int, str] = 2,

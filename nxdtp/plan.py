@@ -23,23 +23,22 @@ import torch
 from torch import nn
 
 from . import comm, mappings
-from .forward_wrappers import (  # noqa: F401 - nxdtp.plan's names since before forward_wrappers existed
-    _new_of_recipe,
-    _spec_owning_class,
+from .forward_wrappers import (  # noqa: F401 - also nxdtp.plan's names, where plans and users import them
     add_mixin,
     call_with_parameters,
     call_with_parameters_as,
     has_own_forward,
+    spec_owning_class,
     wrap_forward,
     wrapper_factory,
     wrapper_name_of,
 )
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
-from .parallel_state import ParallelGroup, tensor_parallel_group
 from .record import read_record, record_of
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .storage import owning
+from .topology import ParallelGroup, tensor_parallel_group
 from .utils import retie_parameters, tied_parameter_names
 
 
@@ -648,7 +647,7 @@ def _with_sequence_parallel_params(module: nn.Module, group: ParallelGroup) -> n
     its direct parameters replicated and sequence-parallel."""
     base = type(module)
     if not isinstance(module, ShardedModule):
-        module.__class__ = _spec_owning_class(base)
+        module.__class__ = spec_owning_class(base)
     for name, param in module.named_parameters(recurse=False):
         module.register_param_spec(name, ParamSpec(full_shape=tuple(param.shape), num_partitions=group.size,
                                                    sequence_parallel=True))

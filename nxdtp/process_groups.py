@@ -1,6 +1,6 @@
 """The torch.distributed groups behind a topology: made collectively by every rank, owned until released.
 
-nxdtp.parallel_state decides which groups a topology has; this module makes them. Each group gets a process group of
+nxdtp.topology decides which groups a topology has; this module makes them. Each group gets a process group of
 the world's default backend (with the full mesh on an "xla" world) and, where that backend refuses CPU tensors, a gloo
 twin. Every group made here is owned from the moment it exists, so ``release_owned_groups`` frees all of them, even
 after a creation that failed part-way. Also here: the in-process world of one rank behind NxD's

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from .parallel_state import get_tensor_model_parallel_rank
+from .topology import tensor_parallel_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Added to the seed for the per-TP-rank state, so it never equals the replicated seed of any rank.
@@ -189,7 +189,7 @@ def model_parallel_xla_manual_seed(seed: int) -> None:
 
     Call it on every rank with the same ``seed``, after ``initialize_model_parallel``.
     """
-    tp_rank = get_tensor_model_parallel_rank()
+    tp_rank = tensor_parallel_group().rank
     torch.manual_seed(seed)
     if "torch_xla" in sys.modules:
         _seed("xla", seed)

@@ -1,7 +1,7 @@
 """Rank lists of a tensor-parallel x data-parallel world: pure arithmetic on global ranks, no process groups.
 
 Tensor-parallel (TP) groups are blocks of contiguous ranks, data-parallel (DP) groups take one rank from each TP group
-(strided). A ZeRO-1 sharding is DP-aligned when it cuts every DP group into groups of one size. nxdtp.parallel_state
+(strided). A ZeRO-1 sharding is DP-aligned when it cuts every DP group into groups of one size. nxdtp.topology
 builds its groups from these lists.
 """
 

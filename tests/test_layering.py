@@ -25,11 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INDEX_MD = os.path.join(REPO, "docs", "index.md")
 
 # (importer, imported): why the edge goes up.
-KNOWN_UPWARD_IMPORTS = {
-    ("nxdtp.parallel_state", "nxdtp.nxd_parallel_state"):
-        "nxdtp.parallel_state is NxD's path for every parallel_state name: its last lines re-export the NxD facade, "
-        "which is built over the core above it",
-}
+KNOWN_UPWARD_IMPORTS: Dict[Tuple[str, str], str] = {}
 
 # torch.distributed functions that talk to a backend or make / break groups: comm's business.
 BACKEND_CALLS = {
@@ -45,7 +41,7 @@ KNOWN_BACKEND_USES = {
         "initialize_model_parallel and zero1_groups create the topology's process groups through it",
     ("nxdtp.process_groups", "dist.all_reduce"):
         "the barrier after group creation (no rank leaves before every rank has made every group); comm sits above "
-        "parallel_state and cannot be used there",
+        "the topology core and cannot be used there",
     ("nxdtp.process_groups", "dist.init_process_group"):
         "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state",
     ("nxdtp.process_groups", "dist.destroy_process_group"):
@@ -228,6 +224,27 @@ def test_no_importlib_hides_an_edge():
                                                                           "import_module"):
                 hiding.append(f"{module}:{node.lineno}")
     assert not hiding, f"imports by name: {hiding}"
+
+
+def test_no_import_machinery_or_generated_globals():
+    """Names a reader can grep and imports the graph above sees: no module of nxdtp imports importlib, calls
+    __import__, touches sys.meta_path (an import hook), or writes names through globals()[...]."""
+    found = []
+    for module, path in module_files(REPO).items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            imported = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "importlib" for name in imported):
+                found.append(f"{module}:{node.lineno}: imports importlib")
+            elif isinstance(node, ast.Name) and node.id == "__import__":
+                found.append(f"{module}:{node.lineno}: __import__")
+            elif isinstance(node, ast.Attribute) and node.attr == "meta_path":
+                found.append(f"{module}:{node.lineno}: sys.meta_path")
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "globals()":
+                found.append(f"{module}:{node.lineno}: globals()[...]")
+    assert not found, "\n".join(found)
 
 
 def test_only_comm_talks_to_a_backend():

@@ -416,3 +416,35 @@ def test_all_linear_targets_the_parallel_projections():
     with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
         model, targets = _simulated_tp_llama()
         assert _all_linear_names(model) == set(targets)   # lm_head, the output layer, is left out as PEFT does
+
+
+_PEFT_AFTER_NXDTP = """
+import sys
+import transformers
+from nxdtp.models import parallelize_model
+from nxdtp.utils import initialize_fallback_parallel_state
+assert "peft" not in sys.modules
+initialize_fallback_parallel_state()
+config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2)
+model = parallelize_model(transformers.LlamaForCausalLM(config))
+import peft
+wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+print(type(wrapped.base_model.model.model.layers[0].self_attn.q_proj).__name__)
+print(sorted({type(finder).__module__.split(".")[0] for finder in sys.meta_path}))
+"""
+
+
+def test_peft_imported_after_parallelizing_shards_the_adapters():
+    """The user's order: parallelize first, import PEFT after. The install happens at the parallelize call (no import
+    hook is left on sys.meta_path), and get_peft_model dispatches nxdtp's layers to the sharded LoRA layer."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _PEFT_AFTER_NXDTP], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": root}, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    layer, finder_packages = run.stdout.strip().split("\n")[-2:]   # after gloo's own lines
+    assert layer == "LoraParallelLinear", run.stdout
+    assert "nxdtp" not in finder_packages, finder_packages

@@ -92,7 +92,7 @@ def _split_sequence_again(model: nn.Module, switched_off: list) -> None:
     record_of(model).generation_suspends_sequence_parallelism = False
 
 
-def _vocab_parallel_head(model: nn.Module):
+def vocab_parallel_head(model: nn.Module):
     """The model's LM head if its logits are vocab-parallel (a column-parallel layer that does not gather), else None
     (a head HF's tp_plan left replicated gives full logits already)."""
     get_head = getattr(model, "get_output_embeddings", None)
@@ -128,7 +128,7 @@ class _GeneratesFromFullLogits:
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         outputs = super().__call__(*args, return_dict=True, **kwargs)
-        head = _vocab_parallel_head(self)
+        head = vocab_parallel_head(self)
         logits = outputs.get("logits") if hasattr(outputs, "get") else None
         if head is not None and logits is not None:
             outputs["logits"] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))

@@ -3,15 +3,14 @@ on it as on the dense model (or refuse loudly): one call from each plan's ``fina
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
+import warnings
 
 from torch import nn
 
 from ..agreement import install_input_check
-from ..parallel_state import tensor_parallel_group
 from ..record import read_record
+from ..topology import tensor_parallel_group
 from .activation_checkpointing import support_hf_checkpointing
 from .generation import support_hf_generation
 from .hf_saving import support_save_pretrained
@@ -62,51 +61,24 @@ def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
 
 # ---- PEFT ------------------------------------------------------------------------------------------------------------
 # PEFT dispatches each targeted layer to a LoRA layer by its type and knows nothing of nxdtp's layers. nxdtp adds its
-# dispatch (and its checks, and the gathered save) to PEFT's entry points (nxdtp.models.peft_lora.install). PEFT takes
-# seconds to import, so nxdtp never imports it for a program that does not: it installs at once if PEFT is imported
-# already, else just after PEFT's own import finishes, and not at all if PEFT is not installed.
+# dispatch (and its checks, and the gathered save) to PEFT's entry points (nxdtp.models.peft_lora.install) when a model
+# is parallelized, the call that comes before any get_peft_model on it, whichever of nxdtp and PEFT was imported first.
+# Once transformers is loaded (as it is for any HF model), importing PEFT takes about 0.1 s (peft 0.21.2), so the
+# install imports it at that call rather than watching imports for it.
 
 def support_peft() -> None:
-    """Make ``peft.get_peft_model`` (and ``PeftModel.from_pretrained``) work on nxdtp's parallelized models."""
-    if "peft" in sys.modules:
-        _install_into_peft()
-    elif not any(isinstance(finder, _InstallAfterPeftImport) for finder in sys.meta_path):
-        if importlib.util.find_spec("peft") is not None:
-            sys.meta_path.insert(0, _InstallAfterPeftImport())
-
-
-def _install_into_peft() -> None:
-    from . import peft_lora
-
+    """Make ``peft.get_peft_model`` (and ``PeftModel.from_pretrained``) work on nxdtp's parallelized models: wrap
+    PEFT's entry points, once per process. Nothing happens where PEFT is not installed; every plan's ``finalize``
+    calls it (through ``finish_hf_model``), and calling it again does nothing."""
+    try:
+        from . import peft_lora  # imports PEFT
+    except ImportError as error:
+        if error.name == "peft":
+            return   # not installed: no get_peft_model to prepare for
+        # A PEFT release that cannot be imported here, or whose modules moved: parallelizing still works; LoRA on the
+        # model is not prepared, and the warning says why.
+        warnings.warn(f"PEFT is installed but nxdtp cannot wrap it ({error}): peft.get_peft_model will not shard LoRA "
+                      "adapters on tensor-parallel models; install a supported release (docs/wrapping_hf_models.md, "
+                      "LoRA with PEFT)", stacklevel=2)
+        return
     peft_lora.install()
-
-
-class _InstallAfterPeftImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``peft`` is imported it lets the other finders find it, and runs the install once
-    PEFT's package has executed."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "peft":
-            return None
-        sys.meta_path.remove(self)   # one use; the other finders find the real package
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ThenInstall(spec.loader)
-        return spec
-
-
-class _ThenInstall(importlib.abc.Loader):
-    """PEFT's own loader, followed by the install."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _install_into_peft()
-
-    def __getattr__(self, name):   # resource readers and the like: PEFT's loader answers
-        return getattr(self._loader, name)

@@ -33,8 +33,8 @@ rank); ``merge`` adds ``scaling * B_shard @ A`` (column) or ``scaling * B @ A_sh
 Supported: plain LoRA (``LoraConfig``) with ``r``, ``lora_alpha``, ``use_rslora``, ``rank_pattern`` /
 ``alpha_pattern``, ``lora_dropout``, ``init_lora_weights`` True / False / ``"gaussian"``, several adapters,
 ``disable_adapter()``, merge / unmerge / ``merge_and_unload``. Everything else is refused by name when the adapter is
-injected, before any layer changes (``check_config``). This module imports PEFT; ``hf_integration`` installs it into
-PEFT once PEFT is imported.
+injected, before any layer changes (``check_config``). This module imports PEFT; ``hf_integration.support_peft``
+installs it into PEFT when a plan finishes a model.
 """
 
 from __future__ import annotations

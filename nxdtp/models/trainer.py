@@ -36,7 +36,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from .. import checkpointing, comm, grads, parallel_state
 from ..record import record_of
 from .common import gather_vocab_logits
-from .generation import _vocab_parallel_head
+from .generation import vocab_parallel_head
 
 # The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
 # saved by save_model() alone (save_only_model, or a user's trainer.save_model(dir)) go to MODEL_TAG.
@@ -264,7 +264,7 @@ class TensorParallelTrainer(transformers.Trainer):
 def _full_vocabulary_logits(model, args, outputs):
     """Forward hook for prediction: the model's vocab-parallel ``logits`` (or BERT's ``prediction_logits``) become the
     full-vocabulary logits, the same on every TP rank (``gather_vocab_logits``; padded vocabulary columns dropped)."""
-    head = _vocab_parallel_head(model)
+    head = vocab_parallel_head(model)
     if head is None or not hasattr(outputs, "keys"):
         return outputs
     for key in ("logits", "prediction_logits"):

@@ -47,15 +47,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import comm
-from ..grads import _check_norm_type, buckets_by, clip_grads_with_norm, get_grad_norm
-from ..parallel_state import (
+from ..grads import buckets_by, checked_norm_type, clip_grads_with_norm, get_grad_norm
+from ..spec import FlatShardLayout
+from ..topology import (
     ParallelGroup,
     model_parallel_is_initialized,
     rank_tensor,
     tensor_parallel_group,
     zero1_groups,
 )
-from ..spec import FlatShardLayout
 
 # Attributes of a parameter that its shard carries, so the norm rules (and Lamb) treat the shard as the parameter.
 _COPIED_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "num_replicas",
@@ -138,7 +138,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self.max_norm = 1.0 if max_norm is None else float(max_norm)
         if self.grad_clipping and not self.max_norm > 0:
             raise ValueError(f"NeuronZero1Optimizer: max_norm={max_norm!r} must be > 0 (or None for 1.0)")
-        self.norm_type = _check_norm_type(norm_type)
+        self.norm_type = checked_norm_type(norm_type)
         self.pin_layout = _check_bool("pin_layout", pin_layout)
         self.lazy_init = _check_bool("lazy_init", lazy_init)
         self.use_grad_acc_hook = _check_bool("use_grad_acc_hook", use_grad_acc_hook)

@@ -19,15 +19,10 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..parallel_state import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_size,
-    initialize_model_parallel,
-    initialize_single_process_world,
-    model_parallel_is_initialized,
-)
+from ..process_groups import initialize_single_process_world
 from ..rounding import round_up
-from ..spec import ShardedModule
+from ..spec import ShardedModule, split_along
+from ..topology import initialize_model_parallel, model_parallel_is_initialized, tensor_parallel_group
 
 # replica_segments: a fused parameter's copies per row segment (GQAQKVColumnParallelLinear's weight_qkv), which the
 # gradient norm needs as much as num_replicas.
@@ -82,12 +77,16 @@ def get_padding_length(numerator: int, denominator: int) -> int:
 
 def split_tensor_along_dim(tensor: torch.Tensor, dim: int, num_partitions: int,
                            contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
+    """``tensor`` split evenly along ``dim`` into ``num_partitions`` pieces, piece r being TP rank r's. With
+    ``contiguous_split_chunks`` each piece is the layout algebra's cut (``nxdtp.spec.split_along``), a tensor of its own
+    (a tuple); otherwise, as NxD's, ``torch.split``'s views of ``tensor`` (a list), which copy nothing."""
     size = tensor.shape[dim]
     if num_partitions <= 0 or size % num_partitions != 0:
         raise ValueError(f"dimension {dim} of shape {tuple(tensor.shape)} is not divisible by "
                          f"num_partitions={num_partitions}")
-    chunks = torch.split(tensor, size // num_partitions, dim=dim)
-    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else list(chunks)
+    if contiguous_split_chunks:
+        return tuple(split_along(tensor, dim, rank, num_partitions) for rank in range(num_partitions))
+    return list(torch.split(tensor, size // num_partitions, dim=dim))
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
@@ -273,13 +272,13 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     means the TP size, as in NxD. ``rank_ordering`` may be None or the identity ``[0, ..., tp - 1]``: nxdtp's TP rank
     r always holds shard r."""
     if rank_ordering is not None:
-        tp = get_tensor_model_parallel_size()
+        tp = tensor_parallel_group().size
         if list(rank_ordering) != list(range(tp)):
             raise ValueError(f"set_tensor_model_parallel_attributes: rank_ordering={list(rank_ordering)!r} is not "
                              f"supported by nxdtp: tensor-parallel rank r holds shard r; valid are None or "
                              f"{list(range(tp))}")
     if num_partitions == -1:
-        num_partitions = get_tensor_model_parallel_size()
+        num_partitions = tensor_parallel_group().size
     tensor.tensor_model_parallel = bool(is_parallel)
     tensor.partition_dim = dim
     tensor.partition_stride = stride
@@ -302,7 +301,7 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tensor_parallel_
     """True where this rank's copy of ``param`` should count once in a TP-wide sum (sharded, or TP rank 0). NxD's
     form takes only ``param`` and reads the TP rank from the parallel state."""
     if tensor_parallel_rank is None:
-        tensor_parallel_rank = get_tensor_model_parallel_rank()
+        tensor_parallel_rank = tensor_parallel_group().rank
     return bool(getattr(param, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
 
 
