@@ -26,6 +26,7 @@ it writes replicated tensors from TP rank 0 only and would silently keep rank 0'
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import zlib
@@ -37,7 +38,7 @@ from torch import nn
 from . import comm
 from .forward_wrappers import wrap_forward
 from .parallel_state import ParallelGroup, tensor_parallel_group
-from .record import read_record, record_of
+from .record import note_of, read_note
 
 # Input slots: a fixed size, so every rank gathers the same shape whatever arguments it was given (ranks that passed
 # different arguments must meet in the collective, then be told, rather than hang). Names are hashed to slots; two
@@ -45,6 +46,20 @@ from .record import read_record, record_of
 INPUT_SLOTS = 64
 EVERY_ENVIRONMENT_VARIABLE = "NXDTP_INPUT_CHECK_EVERY"
 _BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+@dataclasses.dataclass
+class InputCheckNote:
+    """On a model: the input check ``install_input_check`` gave it."""
+    check: Optional["_InputCheck"] = None
+
+
+@dataclasses.dataclass
+class RankLocalBuffers:
+    """On a module: the names of its buffers that differ by TP rank on purpose (masks of real heads or channels), so
+    ``nxdtp.plan.broadcast_replicated_state`` leaves them alone. Written by ``HeadPadded`` and the parallel Conv2d
+    layers."""
+    names: Tuple[str, ...] = ()
 
 
 class DivergenceError(ValueError):
@@ -108,10 +123,10 @@ def install_input_check(model: nn.Module, every: Optional[int] = None) -> nn.Mod
     docstring). ``every`` defaults to ``NXDTP_INPUT_CHECK_EVERY`` (1: every forward). Every plan in
     ``nxdtp.models`` installs it; call it (or ``set_input_check``) for a model of your own. Returns the model."""
     every = _every_from_environment() if every is None else _check_every(every)
-    if read_record(model).input_check is not None:   # installed already: a second wrapper would gather twice
+    if read_note(model, InputCheckNote).check is not None:   # installed already: a second wrapper would gather twice
         set_input_check(model, every)
         return model
-    record_of(model).input_check = _InputCheck(every)
+    note_of(model, InputCheckNote).check = _InputCheck(every)
     wrap_forward(model, "nxdtp_input_check", _forward_checking_inputs)
     return model
 
@@ -120,7 +135,7 @@ def set_input_check(model: nn.Module, every: int) -> None:
     """Check the inputs of the first forward of ``model`` from now on and of every ``every``-th after it; ``every=0``
     turns the check off. Installs the check on a model that has none (``install_input_check``)."""
     every = _check_every(every)
-    check = read_record(model).input_check
+    check = read_note(model, InputCheckNote).check
     if check is None:
         install_input_check(model, every)
     else:
@@ -130,13 +145,13 @@ def set_input_check(model: nn.Module, every: int) -> None:
 def pending_input_checks(model: nn.Module) -> List[torch.Tensor]:
     """The gathered fingerprint tables of ``model``'s checked forwards not yet read (XLA only: elsewhere they are read
     at once). For tracing: they are outputs of the forward's graph (``tests/test_rank_independent_graphs.py``)."""
-    check = read_record(model).input_check
+    check = read_note(model, InputCheckNote).check
     return [] if check is None else [entry.gathered for entry in check.pending]
 
 
 def _forward_checking_inputs(forward, *args, **kwargs):
     module = forward.__self__
-    check = read_record(module).input_check
+    check = read_note(module, InputCheckNote).check
     if check is not None:
         check(module, args, kwargs)
     return forward(*args, **kwargs)

@@ -32,8 +32,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import mappings
+from .agreement import RankLocalBuffers
 from .parallel_state import tensor_parallel_group
-from .record import record_of
+from .record import note_of
 from .rounding import round_up
 from .sharded_init import InitMethod, linear_bias_init, materialise_shard, reject_unsupported
 from .spec import ParamSpec, ShardedModule
@@ -250,7 +251,7 @@ class BaseParallelConv(ShardedModule):
         mask = (torch.arange(start, start + self.channels_per_partition) < real).to(torch.float32)
         mask_device = "cpu" if device is None or torch.device(device).type == "meta" else device
         self.register_buffer("nxdtp_real_channels", mask.to(mask_device), persistent=False)
-        record_of(self).rank_local_buffers = ("nxdtp_real_channels",)
+        note_of(self, RankLocalBuffers).names = ("nxdtp_real_channels",)
 
     def _mask_padded_channels(self, tensor: torch.Tensor) -> torch.Tensor:
         """Zero this rank's padded channels (dim 1) of ``tensor``, and with them their gradients."""

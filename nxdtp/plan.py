@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import comm, mappings
+from .agreement import RankLocalBuffers
 from .forward_wrappers import (  # noqa: F401 - also nxdtp.plan's names, where plans and users import them
     add_mixin,
     call_with_parameters,
@@ -34,7 +35,7 @@ from .forward_wrappers import (  # noqa: F401 - also nxdtp.plan's names, where p
     wrapper_name_of,
 )
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
-from .record import read_record, record_of
+from .record import note_of, read_note
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .storage import owning
@@ -353,7 +354,7 @@ def _mask_padded_input_columns(layer: nn.Module, like: torch.Tensor, group: Para
     # Not persistent: it is derived from the spec, and state dicts stay as they were. Rank-local, so the broadcast of
     # replicated state must leave it alone.
     layer.register_buffer("nxdtp_real_columns", mask, persistent=False)
-    record_of(layer).rank_local_buffers = ("nxdtp_real_columns",)
+    note_of(layer, RankLocalBuffers).names = ("nxdtp_real_columns",)
     wrap_forward(layer, "nxdtp_mask_padded_heads", _forward_with_padded_heads_masked)
 
 
@@ -632,7 +633,7 @@ def broadcast_replicated_state(model: nn.Module) -> None:
     # Parameters marked TP-sharded whose module holds no spec under their name: NxD attributes set by hand, and the
     # fused weight_qkv of GQAQKVColumnParallelLinear, whose specs are its parts'.
     per_rank |= {id(p) for p in model.parameters() if getattr(p, "tensor_model_parallel", False)}
-    per_rank |= {id(getattr(m, n)) for m in model.modules() for n in read_record(m).rank_local_buffers}
+    per_rank |= {id(getattr(m, n)) for m in model.modules() for n in read_note(m, RankLocalBuffers).names}
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             if id(tensor) in per_rank or tensor.device.type == "meta":

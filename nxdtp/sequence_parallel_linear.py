@@ -18,6 +18,7 @@ still flows through whatever produced the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from . import comm, mappings
 from .parallel_state import ParallelGroup, group_of
-from .record import read_record, record_of
+from .record import note_of, read_note
 
 
 class _Regather:
@@ -68,13 +69,20 @@ class _ShardNote:
         return self._shards[dtype]
 
 
+@dataclasses.dataclass
+class SequenceShardNote:
+    """On an activation gathered along the sequence: the shard it was gathered from and how to gather it again, so a
+    column-parallel layer may keep only the shard for backward."""
+    shard: Optional[_ShardNote] = None
+
+
 def remember_shard(full: torch.Tensor, shard: torch.Tensor, sequence_dimension: int = 0,
                    process_group=None) -> torch.Tensor:
     """Note on ``full``, the all-gather of ``shard`` along ``sequence_dimension`` over the group, that ``linear`` may
     keep ``shard`` for backward instead of it. Returns ``full``."""
     group = group_of(process_group)
     if group.size > 1:
-        record_of(full).sequence_shard = _ShardNote(shard, _Regather(group, sequence_dimension))
+        note_of(full, SequenceShardNote).shard = _ShardNote(shard, _Regather(group, sequence_dimension))
     return full
 
 
@@ -89,14 +97,14 @@ def gather_keeping_shard(shard: torch.Tensor, sequence_dimension: int = 0, proce
 
 
 def _note_of(tensor: torch.Tensor) -> Optional[_ShardNote]:
-    note = read_record(tensor).sequence_shard
+    note = read_note(tensor, SequenceShardNote).shard
     base = tensor._base
     if note is None and base is not None:
         # A view that covers its whole base the same way (HF's ``hidden_states[:, slice(0, None), :]`` before an LM
         # head) has the base's value.
         same = (tensor.shape == base.shape and tensor.stride() == base.stride()
                 and tensor.storage_offset() == base.storage_offset() and tensor.dtype == base.dtype)
-        note = read_record(base).sequence_shard if same else None
+        note = read_note(base, SequenceShardNote).shard if same else None
     return note
 
 
@@ -107,7 +115,7 @@ def carry_note(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         if result.shape != source.shape:
             raise ValueError(f"carry_note: result of shape {tuple(result.shape)} cannot stand for a gathered tensor of "
                              f"shape {tuple(source.shape)}; only a tensor of equal value may carry the note")
-        record_of(result).sequence_shard = note
+        note_of(result, SequenceShardNote).shard = note
     return result
 
 

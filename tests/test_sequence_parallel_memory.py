@@ -25,7 +25,7 @@ from nxdtp import comm, mappings, sequence_parallel_linear
 from nxdtp.grads import allreduce_sequence_parallel_gradients
 from nxdtp.layers import ColumnParallelLinear, LinearWithAsyncCommunication
 from nxdtp.modules.qkv_linear import GQAQKVColumnParallelLinear
-from nxdtp.record import record_of
+from nxdtp.record import note_of
 from nxdtp.sharded_init import shard_of
 from tests.test_layers import _close, _data_seed, _randn, _randomise_, _slice, _tp
 
@@ -331,7 +331,7 @@ def test_bert_with_sequence_parallelism_saves_shards_and_equals_dense(worlds, wo
 
 def test_carry_note_refuses_a_tensor_of_another_shape():
     full = torch.zeros(4, 2)
-    record_of(full).sequence_shard = object()
+    note_of(full, sequence_parallel_linear.SequenceShardNote).shard = object()
     with pytest.raises(ValueError, match=r"result of shape \(2, 2\) cannot stand for a gathered tensor of shape "
                                          r"\(4, 2\)"):
         sequence_parallel_linear.carry_note(full, torch.zeros(2, 2))

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..record import read_record
+from ..record import read_note
 from ..spec import ParamSpec
 from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durably
 
@@ -134,16 +134,23 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[s
     return tensors, entries
 
 
+@dataclasses.dataclass
+class TiedKeysNote:
+    """On a model: the checkpoint keys its ties' owners are stored under, where HF's own choice does not load in every
+    supported release (RoBERTa's MLM bias). Written by the encoder plan, read by ``split_model_state``."""
+    keys: Tuple[str, ...] = ()
+
+
 def split_model_state(model: Any, state_dict: Dict[str, Any], tp: int
                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
     """``split_state_dict`` with the tied keys named as ``model`` names them (``model`` may be the module or, as in
     NxD's ``save({"model": model.state_dict()})``, the state dict itself, which names none): HF models list the keys
     they re-tie when loading (``_tied_weights_keys``, a dict in transformers 5, a list before), and a plan may name
-    the key a tie's owner must be stored under (the model record's ``tied_keys_to_store``). ``save`` and
+    the key a tie's owner must be stored under (the model's ``TiedKeysNote``). ``save`` and
     ``save_pretrained`` both store ties this way, so a merged checkpoint and a saved-pretrained directory name every
     tensor alike."""
     return split_state_dict(state_dict, tp, alias_keys=getattr(model, "_tied_weights_keys", None) or (),
-                            preferred_keys=read_record(model).tied_keys_to_store)
+                            preferred_keys=read_note(model, TiedKeysNote).keys)
 
 
 @dataclasses.dataclass

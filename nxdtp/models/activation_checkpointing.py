@@ -17,16 +17,18 @@ out would change the result and keeping it would append the recompute's keys to 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..plan import add_mixin, wrap_forward
 from ..random import ReplayedOnRecompute, checkpoint, xla_tensors
-from ..record import read_record, record_of
+from ..record import note_of, read_note
 
 
 def transformer_layers(model: nn.Module) -> list:
@@ -171,6 +173,12 @@ def _layer_name(function) -> str:
     return type(owner).__name__
 
 
+@dataclasses.dataclass
+class CheckpointFunctionNote:
+    """On a module: the checkpoint function HF's gradient checkpointing assigned it, wrapped to replay nxdtp's RNG."""
+    function: Any = None
+
+
 class _ReplaysNxdtpRngUnderHFCheckpointing:
     """Mixed into every module of a parallelized model that carries HF's ``gradient_checkpointing`` switch: whatever
     checkpoint function HF's ``_set_gradient_checkpointing`` assigns there is stored wrapped in
@@ -179,7 +187,7 @@ class _ReplaysNxdtpRngUnderHFCheckpointing:
 
     @property
     def _gradient_checkpointing_func(self):
-        function = read_record(self).checkpoint_function
+        function = read_note(self, CheckpointFunctionNote).function
         if function is None:
             raise AttributeError(f"{type(self).__name__} has no _gradient_checkpointing_func: gradient checkpointing "
                                  "was never enabled")
@@ -189,7 +197,7 @@ class _ReplaysNxdtpRngUnderHFCheckpointing:
     def _gradient_checkpointing_func(self, function) -> None:
         if not isinstance(function, TensorParallelCheckpoint):
             function = TensorParallelCheckpoint(function)
-        record_of(self).checkpoint_function = function
+        note_of(self, CheckpointFunctionNote).function = function
 
 
 class _RefusesOldHFCheckpointing:

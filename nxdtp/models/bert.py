@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import mappings
+from ..checkpointing.index import TiedKeysNote
 from ..loss_functions import parallel_cross_entropy
 from ..parallel_state import ParallelGroup, data_parallel_group
 from ..plan import (
@@ -49,7 +50,7 @@ from ..plan import (
     parallelize,
     wrap_forward,
 )
-from ..record import record_of
+from ..record import note_of, read_note
 from .activation_checkpointing import checkpoint_layers  # noqa: F401 - re-exported
 from .attention_styles import attention_projection_styles
 from .common import (  # noqa: F401 - re-exports
@@ -167,11 +168,17 @@ def _validate(family: EncoderFamily, model: nn.Module, group: ParallelGroup) -> 
 
 # ---- wiring ----------------------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class EncoderForwardNote:
+    """On an encoder model: its class's forward signature, for the loss wrapper to bind the user's arguments."""
+    signature: Optional[inspect.Signature] = None
+
+
 def _use_vocab_parallel_loss(family: EncoderFamily, model: nn.Module) -> None:
     """The MLM (and NSP) loss on the vocab-parallel logits, in the model's own forward: what no module style can do."""
     if family.tied_keys_to_store:
-        record_of(model).tied_keys_to_store = family.tied_keys_to_store  # read by nxdtp.checkpointing.save
-    record_of(model).forward_signature = inspect.signature(type(model).forward)
+        note_of(model, TiedKeysNote).keys = family.tied_keys_to_store
+    note_of(model, EncoderForwardNote).signature = inspect.signature(type(model).forward)
     wrap_forward(model, "nxdtp_vocab_parallel_loss", _vocab_parallel_loss)
 
 
@@ -203,7 +210,7 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     self = forward.__self__
     mlm_denominator = kwargs.pop("mlm_denominator", None)
     nsp_denominator = kwargs.pop("nsp_denominator", None)
-    signature = record_of(self).forward_signature
+    signature = read_note(self, EncoderForwardNote).signature
     bound = signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)

@@ -6,6 +6,8 @@ They are forward wrappers (``nxdtp.plan.wrap_forward``) and small functions; non
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -13,7 +15,7 @@ from .. import mappings, sequence_parallel_linear
 from ..parallel_state import ParallelGroup
 from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
-from ..record import read_record
+from ..record import read_note
 from .family import families_with_older_transformers, oldest_transformers
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI
@@ -105,12 +107,18 @@ def _builds_extended_attention_masks() -> bool:
     return hasattr(PreTrainedModel, "get_extended_attention_mask")
 
 
+@dataclasses.dataclass
+class WholeSequenceNote:
+    """On every module of a model in ``generation_mode``: its sequence-parallel wrapper runs without the split."""
+    whole: bool = False
+
+
 def splits_sequence(module: nn.Module) -> bool:
     """Whether ``module``'s sequence-parallel wrapper splits the sequence now: always, except in
     ``nxdtp.models.generation.generation_mode``, which runs a sequence-parallel model without splitting the sequence
-    (a decode step has one token, which no split divides) by setting ``whole_sequence`` in every module's record; the
+    (a decode step has one token, which no split divides) by setting every module's ``WholeSequenceNote``; the
     sequence-parallel wrappers below then act as their plain TP counterparts."""
-    return not read_record(module).whole_sequence
+    return not read_note(module, WholeSequenceNote).whole
 
 
 def dropping(module: nn.Module) -> bool:

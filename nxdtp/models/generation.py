@@ -28,21 +28,27 @@ metrics that need them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
 
 from ..layers import ColumnParallelLinear
 from ..plan import add_mixin
-from ..record import read_record, record_of
-from .common import gather_vocab_logits
+from ..record import note_of, read_note
+from .common import WholeSequenceNote, gather_vocab_logits
 
-# The model's record keeps how many generation_mode contexts are open on it (generation_depth), and whether it splits
-# the sequence outside them (generation_suspends_sequence_parallelism: it has sequence-parallel parameters).
+
+@dataclasses.dataclass
+class GenerationNote:
+    """On a model: how many ``generation_mode`` contexts are open on it, and whether it splits the sequence outside
+    them (it has sequence-parallel parameters, so its forward must then run without gradients)."""
+    depth: int = 0
+    suspends_sequence_parallelism: bool = False
 
 
 def in_generation_mode(model: nn.Module) -> bool:
-    return read_record(model).generation_depth > 0
+    return read_note(model, GenerationNote).depth > 0
 
 
 @contextlib.contextmanager
@@ -57,27 +63,27 @@ def generation_mode(model: nn.Module):
         raise TypeError(f"generation_mode() needs a causal language model parallelized by nxdtp (parallelize_model or "
                         f"from_pretrained_sharded of a class with transformers' generate); {type(model).__name__} is "
                         "not one")
-    record = record_of(model)
-    depth = record.generation_depth
+    note = note_of(model, GenerationNote)
+    depth = note.depth
     switched_off = _run_whole_sequence(model) if depth == 0 else None
-    record.generation_depth = depth + 1
+    note.depth = depth + 1
     try:
         yield model
     finally:
-        record.generation_depth = depth
+        note.depth = depth
         if depth == 0:
             _split_sequence_again(model, switched_off)
 
 
 def _run_whole_sequence(model: nn.Module) -> list:
     """Make every sequence-parallel region of ``model`` the plain TP region: the plans' forward wrappers read
-    ``whole_sequence`` in their module's record (``nxdtp.models.common``), nxdtp's layers their
+    their module's ``WholeSequenceNote`` (``nxdtp.models.common``), nxdtp's layers their
     ``sequence_parallel_enabled``. Returns the layers switched off."""
-    record_of(model).generation_suspends_sequence_parallelism = any(
+    note_of(model, GenerationNote).suspends_sequence_parallelism = any(
         getattr(p, "sequence_parallel_enabled", False) for p in model.parameters())
     switched_off = []
     for module in model.modules():
-        record_of(module).whole_sequence = True
+        note_of(module, WholeSequenceNote).whole = True
         if module.__dict__.get("sequence_parallel_enabled") is True:
             module.sequence_parallel_enabled = False
             switched_off.append(module)
@@ -86,10 +92,10 @@ def _run_whole_sequence(model: nn.Module) -> list:
 
 def _split_sequence_again(model: nn.Module, switched_off: list) -> None:
     for module in model.modules():
-        record_of(module).whole_sequence = False
+        note_of(module, WholeSequenceNote).whole = False
     for module in switched_off:
         module.sequence_parallel_enabled = True
-    record_of(model).generation_suspends_sequence_parallelism = False
+    note_of(model, GenerationNote).suspends_sequence_parallelism = False
 
 
 def vocab_parallel_head(model: nn.Module):
@@ -117,7 +123,7 @@ class _GeneratesFromFullLogits:
     def __call__(self, *args, **kwargs):
         if not in_generation_mode(self):
             return super().__call__(*args, **kwargs)
-        if read_record(self).generation_suspends_sequence_parallelism and torch.is_grad_enabled():
+        if read_note(self, GenerationNote).suspends_sequence_parallelism and torch.is_grad_enabled():
             raise RuntimeError(
                 f"{type(self).__name__} was parallelized with sequence_parallel=True and is in generation_mode, which "
                 "runs it without splitting the sequence: its forward must run under torch.no_grad() (with gradients, "

@@ -3,13 +3,15 @@ on it as on the dense model (or refuse loudly): one call from each plan's ``fina
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
+from typing import Optional
 
 from torch import nn
 
 from ..agreement import install_input_check
-from ..record import read_record
+from ..record import read_note
 from ..topology import tensor_parallel_group
 from .activation_checkpointing import support_hf_checkpointing
 from .generation import support_hf_generation
@@ -34,6 +36,13 @@ def finish_hf_model(model: nn.Module) -> None:
     install_input_check(model)
 
 
+@dataclasses.dataclass
+class TrainedByNote:
+    """On a model: the class name of the trainer that handles TP for it (``nxdtp.models.trainer``), so the guard
+    against trainers that do not lets its forward pass."""
+    trainer: Optional[str] = None
+
+
 def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
     """A forward pre-hook: refuse a training forward while an accelerate training state is live (plain
     ``transformers.Trainer``, or ``accelerate.Accelerator.prepare``) unless a TP-aware trainer marked the model. With
@@ -42,8 +51,7 @@ def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
     world) each rank trains alone with local-shard clipping: the run would finish and the model be wrong. Costs a
     dictionary lookup."""
     state = sys.modules.get("accelerate.state")
-    # A trainer that handles TP (nxdtp.models.trainer) names itself in the model's record.
-    if state is None or not model.training or read_record(model).trained_by:
+    if state is None or not model.training or read_note(model, TrainedByNote).trainer:
         return
     # Any live accelerate training state: with several processes it wraps the model in DDP over the TP ranks; with
     # one (torchrun on CPUs without use_cpu=True, where accelerate does not see the world) every process trains on

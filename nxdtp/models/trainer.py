@@ -34,9 +34,10 @@ import transformers
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpointing, comm, grads, parallel_state
-from ..record import record_of
+from ..record import note_of
 from .common import gather_vocab_logits
 from .generation import vocab_parallel_head
+from .hf_integration import TrainedByNote
 
 # The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
 # saved by save_model() alone (save_only_model, or a user's trainer.save_model(dir)) go to MODEL_TAG.
@@ -117,7 +118,7 @@ class TensorParallelTrainer(transformers.Trainer):
         # (get_peft_model) hands attribute reads to the HF model it wraps: both get them.
         for target in _model_and_wrapped(model):
             target._tp_size = tp
-            record_of(target).trained_by = type(self).__name__   # the forward's guard against plain Trainer
+            note_of(target, TrainedByNote).trainer = type(self).__name__   # the forward's guard against plain Trainer
         model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
         super().__init__(model, args, *positional, compute_metrics=compute_metrics,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, **keywords)
