@@ -2,7 +2,7 @@
 gradient sum inside backward, and the replicated-parameter check of ``checkpointing.save``. It prints markdown; it is a
 benchmark, not a test (it asserts nothing). docs/performance.md ("Divergence checks") holds the figures.
 
-Two gloo ranks (``torch.multiprocessing.spawn``, tp=2, one intra-op thread each, ``OMP_NUM_THREADS=1``), CPU tensors:
+Two gloo ranks (a worker pool, tp=2, one intra-op thread each, ``OMP_NUM_THREADS=1``), CPU tensors:
 
 * ``inputs``: a forward of a parallelized ``LlamaForCausalLM`` in training mode (grad enabled, no backward) with the
   input check on (``set_input_check(model, every=1)``) and off (``every=0``), alternating, ``--rounds`` pairs; medians
@@ -19,9 +19,7 @@ Two gloo ranks (``torch.multiprocessing.spawn``, tp=2, one intra-op thread each,
 * ``save``: ``BertForPreTraining`` at BERT-large size (24 layers) at tp=2: ``check_replicated_agree`` on the model's
   replicated tensors alone (``--rounds``; median), and one ``save`` with ``check_replicated`` on and one off.
 
-Usage::
-
-    python tools/bench_divergence.py [--parts inputs,sp,save] [--rounds 20] [--sp-layers 4] [--workdir DIR]
+``python -m tools.bench divergence [--parts inputs,sp,save] [--rounds 20] [--sp-layers 4] [--workdir DIR]``
 """
 
 from __future__ import annotations
@@ -32,10 +30,10 @@ import statistics
 import tempfile
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from .common import Pool, log
 
 
 def _timed(function) -> float:
@@ -67,7 +65,7 @@ def _llama(size: str):
     return model, dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
 
 
-def _inputs(rank: int, rounds: int) -> list:
+def _inputs(rounds: int) -> list:
     from nxdtp.agreement import set_input_check
     from nxdtp.models import parallelize_model
     from nxdtp.record import record_of
@@ -110,7 +108,7 @@ def _bert(layers: int):
     return transformers.BertForPreTraining(config)
 
 
-def _sp(rank: int, rounds: int, layers: int) -> list:
+def _sp(rounds: int, layers: int) -> list:
     from unittest import mock
 
     from nxdtp import comm, grads, mappings
@@ -171,7 +169,7 @@ def _sp(rank: int, rounds: int, layers: int) -> list:
             f"| one all-reduce of their {sum(per_module)} elements | {_median_ms(together)} |"]
 
 
-def _save(rank: int, rounds: int, workdir: str) -> list:
+def _save(rounds: int, workdir: str) -> list:
     from nxdtp import checkpointing
     from nxdtp.agreement import check_replicated_agree
     from nxdtp.checkpointing.index import split_state_dict
@@ -199,47 +197,31 @@ def _save(rank: int, rounds: int, workdir: str) -> list:
             f"| save, check off (2 saves) | {_median_ms(saves[False])} |"]
 
 
-def _worker(rank: int, args, port: int) -> None:
-    torch.set_num_threads(1)
-    from .common import join_hosted_world
-
-    join_hosted_world("gloo", rank, 2, port, 1800)
-    from nxdtp import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+def case_parts(parts: str, rounds: int, sp_layers: int, workdir: str) -> list:
+    """The report's lines (rank 0's are printed)."""
     report = []
-    parts = args.parts.split(",")
     if "inputs" in parts:
         report += ["### Input check per forward (tp=2, gloo, CPU, training mode, no backward)", "",
                    "| model | forward, check on: median ms (min-max) | check off | on - off, median of rounds | "
-                   "the check alone |",
-                   "|---|---|---|---|---|"] + _inputs(rank, args.rounds) + [""]
+                   "the check alone |", "|---|---|---|---|---|"] + _inputs(rounds) + [""]
     if "sp" in parts:
-        report += ["### Sequence-parallel gradients summed in backward", ""] + _sp(rank, args.rounds, args.sp_layers) \
-            + [""]
+        report += ["### Sequence-parallel gradients summed in backward", ""] + _sp(rounds, sp_layers) + [""]
     if "save" in parts:
-        report += ["### Replicated-tensor check of save", ""] + _save(rank, min(args.rounds, 10), args.workdir) + [""]
-    if rank == 0:
-        print("\n".join(report), flush=True)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+        report += ["### Replicated-tensor check of save", ""] + _save(min(rounds, 10), workdir) + [""]
+    return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench divergence", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="inputs,sp,save")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sp-layers", type=int, default=4)
     parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    from .common import hosted_store
-
-    store = hosted_store(2)  # the ranks' rendezvous, held until they are done
-    port = store.port
-    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-        args.workdir = workdir
-        print(f"# bench_divergence: torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
-              f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
-        torch.multiprocessing.spawn(_worker, args=(args, port), nprocs=2)
-        print(f"load average at the end {os.getloadavg()[0]:.1f}")
-
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir, Pool(2, tp=2) as pool:
+        log(f"divergence: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        report = pool.call(case_parts, parts=args.parts.split(","), rounds=args.rounds, sp_layers=args.sp_layers,
+                           workdir=workdir)[0]
+    print("\n".join(report))
+    log(f"divergence: load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
