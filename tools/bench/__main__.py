@@ -135,8 +135,11 @@ def _non_finite(numbers: dict) -> list:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in TOOLS:
-        return _run_tool(argv[0], argv[1:])
+    with common.report_on_stdout():
+        return _run_tool(argv[0], argv[1:]) if argv and argv[0] in TOOLS else _suite(argv)
+
+
+def _suite(argv) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     sections = _sections(args, parser)

@@ -1,37 +1,22 @@
-"""Section 6: activation memory per rank of a BERT-large layer stack, measured, next to Megatron's formula.
-
-What is measured: an HF ``BertModel`` (no pooler) with BERT-large's layer shape (hidden 1024, 16 heads, intermediate
-4096) and a few layers, sequence 512, batch 4, dropout 0.1 (HF's default; the formula counts dropout masks), fp32 and
-bf16, one forward in training mode, in each of these configurations:
-
-* dense: the unsharded model, one process;
-* TP: ``parallelize_bert(model)`` in a real gloo world of tp processes;
-* TP+SP: ``parallelize_bert(model, sequence_parallel=True)``;
-* TP+SP+checkpoint: the same, each encoder layer wrapped by ``checkpoint_layers`` (nxdtp.random's ``checkpoint``,
-  the way a user recomputes layers).
-
-Per rank:
-
-* **bytes autograd saves**: every tensor ``torch.autograd.graph.saved_tensors_hooks`` packs during the forward,
-  counted once per storage (Q, K and V save the same input; a view saves its base's storage), parameters left out.
-  A storage belongs to the encoder layer whose module saved it; one saved by several layers (the attention mask a
-  checkpointed layer keeps) is *shared* and reported apart. Per layer = the mean over the measured layers.
-* **breakdown**: each saved storage is tagged with the module that was running when it was packed (module forward
-  hooks) and the autograd nodes that hold it (a walk of the graph from the output, reading each node's saved
-  tensors), and mapped to a term of the formula (QKV input, softmax output, GELU input, ...) or to "other".
-* **peak RSS increase** during the forward (``VmHWM`` after the forward minus ``VmRSS`` before it, the watermark
-  reset first) and the RSS still held after it. The workers run with a fixed glibc mmap threshold, so freed tensors
-  go back to the kernel and RSS follows the live tensors.
-
-Next to it, Megatron's formula (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models") per layer, generalised to an activation size of e bytes (1-byte dropout masks): see ``megatron_terms``.
-"""
+"""Section 6: activation memory per rank of BERT-large layers (HF BertModel, a few layers, seq 512, batch 4, dropout
+0.1, fp32 and bf16, one training-mode forward): dense, TP, TP+SP, TP+SP+``checkpoint_layers`` in real gloo worlds,
+next to Megatron's formula (Korthikanti et al. 2022). Per rank: the bytes autograd's saved-tensor hooks pack, each
+storage once, parameters left out, attributed to the encoder layer that saved it (several layers: *shared*) and to a
+term of the formula by the module that packed it and the autograd nodes holding it; and the peak RSS of the forward
+(workers with a fixed glibc mmap threshold). docs/performance.md, section 6."""
 
 from __future__ import annotations
 
 import gc
 import re
 from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertModel
+
+from nxdtp.models.bert import checkpoint_layers, parallelize_bert
+from nxdtp.random import model_parallel_xla_manual_seed
 
 from .common import Pool, log, proc_status_kib, reset_peak_rss, table
 
@@ -65,21 +50,11 @@ TERM_ORDER = (T_INPUT, T_Q, T_K, T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V, T_PROJ,
 def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, checkpoint: bool,
                    heads_seq_over_hidden: float, mask_bytes: int = MASK_BYTES,
                    attention_bytes: Optional[int] = None) -> Dict[str, float]:
-    """Megatron's per-layer activation bytes, term by term, in units of s*b*h (full sequence, batch, hidden).
-
-    Korthikanti et al. count 2-byte activations and 1-byte dropout masks: 34 sbh + 5 a s^2 b per layer. Of the 34,
-    16 terms of 2 bytes are activations (QKV input 1, Q and K 2, V 1, output-dense input 1, MLP input 1, GELU input
-    4, second MLP linear input 4, two LayerNorm inputs 2) and 2 are 1-byte masks (the two hidden dropouts); of the 5
-    a s^2 b, the softmax output and the dropout output are 2-byte activations and the attention dropout mask 1 byte.
-    With e-byte activations: sbh(16e + 2) + a s^2 b (2e + 1); e = 4 (fp32): sbh(66 + 9as/h).
-    Tensor parallelism divides Q, K, V, the output-dense input, the GELU and second-linear inputs and the attention
-    terms by t (sbh(4e + 2 + 12e/t) + a s^2 b (2e + 1)/t; e = 2: sbh(10 + 24/t + 5as/(ht))); sequence parallelism
-    divides the rest too. Full recomputation keeps only the layer input: e sbh, / t with sequence parallelism.
-
-    ``mask_bytes`` and ``attention_bytes`` (Q, K, V, the softmax and dropout outputs and the attention dropout mask;
-    default: as the other activations) describe kernels that store other sizes than the paper assumes (see
-    ``cpu_kernel_terms``).
-    """
+    """Megatron's per-layer activation bytes, term by term, in units of s*b*h. The paper's 34 sbh + 5as^2b (2-byte
+    activations, 1-byte masks) generalised to e-byte activations: sbh(16e + 2) + as^2b(2e + 1). TP divides Q, K, V,
+    the output-dense, GELU and second-linear inputs and the attention terms by t; SP divides the rest too; full
+    recomputation keeps e sbh (/ t with SP). ``mask_bytes`` and ``attention_bytes`` (Q, K, V, softmax and dropout
+    outputs, attention dropout mask) describe kernels that store other sizes (``cpu_kernel_terms``)."""
     e, t, r = activation_bytes, tp, heads_seq_over_hidden
     m, a = mask_bytes, activation_bytes if attention_bytes is None else attention_bytes
     attention_mask = m if attention_bytes is None else a
@@ -105,16 +80,9 @@ def formula_terms(mode: str, tp: int, dtype: str, shape: Dict[str, int]) -> Dict
 
 
 def cpu_kernel_terms(mode: str, tp: int, dtype: str, attention: str, shape: Dict[str, int]) -> Dict[str, float]:
-    """The formula with the sizes PyTorch's CPU kernels store (torch 2.9), so that what remains between it and the
-    measurement is the library's own:
-
-    * dropout on CPU is ``input * mask`` with a mask of the input's dtype (the fused ``native_dropout``, whose mask is
-      1-byte bool as the paper assumes, runs on CUDA only): masks take e bytes;
-    * ``scaled_dot_product_attention`` with dropout in training has no fused CPU kernel and runs its math fallback,
-      which computes bf16/fp16 inputs in fp32 (unless
-      ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``): with sdpa, Q, K, V, the softmax and dropout
-      outputs and the attention dropout mask take 4 bytes.
-    """
+    """The formula at the sizes PyTorch's CPU kernels store (torch 2.9), so what remains is the library's own: CPU
+    dropout is ``input * mask`` with a mask in the input's dtype (e bytes); sdpa with dropout runs its math fallback,
+    which computes bf16 in fp32 (4 bytes for Q, K, V, softmax and dropout outputs and the attention mask)."""
     e = ACTIVATION_BYTES[dtype]
     r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
     return megatron_terms(e, 1 if mode == "dense" else tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", r,
@@ -166,8 +134,6 @@ def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, h
 
 def _saved_tensor_holders(root) -> Dict[int, List[str]]:
     """Storage address -> 'Node.attribute' of every autograd node reachable from ``root`` that saved it."""
-    import torch
-
     holders: Dict[int, List[str]] = {}
 
     def note(tensor, label):
@@ -203,8 +169,6 @@ class _SavedTensorRecorder:
     """Records each storage autograd saves during a forward, with the module running when it was saved."""
 
     def __init__(self, model):
-        import torch
-
         self.model = model
         self.parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.stack = ["(outside any module)"]
@@ -243,11 +207,6 @@ class _SavedTensorRecorder:
 
 
 def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from nxdtp.models.bert import checkpoint_layers, parallelize_bert
-
     config = BertConfig(**spec["layer"], num_hidden_layers=spec["layers"], vocab_size=VOCAB,
                         max_position_embeddings=spec["seq"], type_vocab_size=2, hidden_dropout_prob=DROPOUT,
                         attention_probs_dropout_prob=DROPOUT, attn_implementation=attention)
@@ -261,8 +220,6 @@ def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
 
 
 def _batch(spec: Dict[str, Any]):
-    import torch
-
     generator = torch.Generator().manual_seed(SEED + 1)
     input_ids = torch.randint(0, VOCAB, (spec["batch"], spec["seq"]), generator=generator)
     attention_mask = torch.ones_like(input_ids)
@@ -295,10 +252,6 @@ def _attribute(recorder, holders, spec) -> Dict[str, Any]:
 
 def case_measure(spec: Dict[str, Any], mode: str, dtype: str, attention: str = ATTENTION) -> Optional[dict]:
     """One forward of the layer stack in ``mode`` on this rank: what autograd saved and how RSS moved."""
-    import torch.distributed as dist
-
-    from nxdtp.random import model_parallel_xla_manual_seed
-
     if mode == "dense" and dist.get_rank() != 0:
         return None
     model_parallel_xla_manual_seed(SEED)  # dropout inside TP regions draws from the tracker's per-rank state

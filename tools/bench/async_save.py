@@ -1,18 +1,8 @@
-"""Section 8: the training loop's stall while a checkpoint is written, ``save_checkpoint`` synchronous against
-``async_save=True`` (``nxdtp.trainer.checkpoint``, issue 25).
-
-A gloo world of tp=2 x dp=1 (2 processes, one thread each) trains an fp32 Llama-shaped model with ZeRO-1 AdamW (the
-optimizer of NxD's Llama example). A round is: ``pre`` timed steps, ``save_checkpoint(dir, tag, model, optimizer,
-scheduler, user_content, async_save=...)`` timed, ``post`` timed steps, ``finalize_checkpoint()`` timed; every step and
-call starts after a barrier and its time is the slowest rank's. Rounds alternate sync and async (the order swapped
-each time); the checkpoint directory is removed after each round, so every save writes the same bytes.
-
-* baseline step: the median of every round's ``pre`` steps;
-* sync stall: the ``save_checkpoint`` call (the whole save) plus the ``post`` steps' excess over the baseline;
-* async stall: the call (prepare: state dicts, replicated check, lock; and the host copy), plus the ``post`` steps'
-  excess over the baseline (the writer thread shares the core), plus what ``finalize_checkpoint`` waited;
-* the async call's share of the sync save, and async stall / sync stall; medians over rounds.
-"""
+"""Section 8: the step loop's stall while a checkpoint is written, ``save_checkpoint`` synchronous against
+``async_save=True`` (tp2 x dp1 gloo world, ZeRO-1 AdamW, a Llama shape; docs/performance.md). A round: ``pre`` steps,
+the save call, ``post`` steps, ``finalize_checkpoint``, each timed after a barrier by the slowest rank; modes
+alternate, the order swapped each round. Stall = the call + the post steps' excess over the baseline step + what
+finalize waited; medians."""
 
 from __future__ import annotations
 
@@ -21,6 +11,11 @@ import shutil
 import tempfile
 import time
 from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from nxdtp.trainer import finalize_checkpoint, save_checkpoint
 
 from .common import Pool, alternate, barrier, log, median, table
 from .zero1 import SEED, TINY_LLAMA, llama_batch, make_optimizer, model_text, real_model
@@ -43,8 +38,6 @@ def _step() -> float:
 
 
 def case_setup(spec: Dict[str, Any]) -> int:
-    import torch
-
     model = real_model(spec["model"])
     optimizer = make_optimizer(model, "zero1")
     STATE.update(model=model, optimizer=optimizer, batch=llama_batch(spec), step=0,
@@ -55,10 +48,6 @@ def case_setup(spec: Dict[str, Any]) -> int:
 
 
 def case_round(mode: str, directory: str, pre: int, post: int) -> Dict[str, Any]:
-    import torch.distributed as dist
-
-    from nxdtp.trainer import finalize_checkpoint, save_checkpoint
-
     out: Dict[str, Any] = {"pre": [_step() for _ in range(pre)]}
     STATE["step"] += 1
     tag = f"step_{STATE['step']}"

@@ -1,13 +1,13 @@
-"""What the benchmark sections share: worker pools (the test harness's), the environment of measuring processes, the
-machine description, statistics, memory probes, and the one renderer that turns a section's tables into markdown.
+"""What the sections share: worker pools (the test harness's), the machine description, statistics, memory probes,
+and the one renderer that turns a section's tables (plain data) into markdown.
 
-The sections import torch only inside functions: workers import it themselves, after their thread counts are set,
-so every competitor's memory baseline is taken after the same imports."""
+Sections import torch only inside functions: workers import it themselves, after their thread counts are set."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import math
 import os
 import platform
@@ -19,58 +19,50 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from tests.harness import WorkerGroup
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 1 << 20
-# Every measuring process runs with one intra-op thread (these are set before torch is imported).
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                      "TOKENIZERS_PARALLELISM": "false"}
-# A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is its own mapping, returned to
-# the kernel when freed, so a worker's RSS tracks its live tensors. glibc reads it at process start.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
 # ---- worker pools ----------------------------------------------------------------------------------------------------
 
-def case_started() -> int:
+def case_started(fixed_mmap_threshold: bool) -> int:
+    """A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is then its own mapping,
+    returned to the kernel when freed, so RSS tracks live tensors (M_MMAP_THRESHOLD = -3)."""
+    if fixed_mmap_threshold:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
     return os.getpid()
 
 
 @contextlib.contextmanager
-def environ(values: Dict[str, str]):
-    """This process's environment with ``values`` set for a while (processes started meanwhile inherit them)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-
-
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """File descriptor 1 sent to stderr for a while (child processes inherit it): the report on stdout stays clean."""
+def report_on_stdout():
+    """Within: file descriptor 1 goes to stderr (what workers print stays out of the report) and what this process
+    prints is held, then printed on stdout."""
+    held, saved = io.StringIO(), os.dup(1)
     sys.stdout.flush()
-    saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        yield
+        with contextlib.redirect_stdout(held):
+            yield
     finally:
-        sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+        sys.stdout.write(held.getvalue())
+        sys.stdout.flush()
 
 
 class Pool:
-    """A started ``tests.harness.WorkerGroup`` of ``world`` ranks that keeps its topology (TP size ``tp``; None: no
-    nxdtp topology) and its cases' module state between calls. ``malloc``: the workers start with ``MALLOC_ENV``."""
+    """A started ``tests.harness.WorkerGroup`` of ``world`` single-threaded ranks that keeps its topology (TP size
+    ``tp``; None: no nxdtp topology) and its cases' module state between calls; ``malloc``: glibc's mmap threshold
+    fixed (``case_started``)."""
 
     def __init__(self, world: int, tp: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  backend: str = "gloo", malloc: bool = False):
         self.world, self.tp = world, tp
         self.group = WorkerGroup(world, env={**SINGLE_THREAD_ENV, **(env or {})}, backend=backend, keep_topology=True)
-        with environ(MALLOC_ENV if malloc else {}), stdout_to_stderr():
-            self.group.run(case_started, tensor_model_parallel_size=None)
+        self.group.run(case_started, tensor_model_parallel_size=None, fixed_mmap_threshold=malloc)
 
     def call(self, case: Callable, **kwargs) -> List[Any]:
         """``case(**kwargs)`` on every rank; the answers by rank."""
@@ -86,18 +78,10 @@ class Pool:
         self.close()
 
 
-def fresh(case: Callable, world: int = 1, tp: Optional[int] = None, malloc: bool = False,
-          env: Optional[Dict[str, str]] = None, **kwargs) -> List[Any]:
-    """``case(**kwargs)`` in new processes (a world of ``world``), which end after it: a measurement that needs a
-    process of its own (memory baselines, cold imports)."""
-    with Pool(world, tp, env=env, malloc=malloc) as pool:
+def fresh(case: Callable, world: int = 1, tp: Optional[int] = None, malloc: bool = False, **kwargs) -> List[Any]:
+    """``case(**kwargs)`` in new processes that end after it (memory baselines, cold imports)."""
+    with Pool(world, tp, malloc=malloc) as pool:
         return pool.call(case, **kwargs)
-
-
-def rank_and_world() -> tuple:
-    import torch.distributed as dist
-
-    return dist.get_rank(), dist.get_world_size()
 
 
 def barrier() -> None:
@@ -112,31 +96,26 @@ def barrier() -> None:
 def version(package: str) -> Optional[str]:
     from importlib import metadata
 
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def _proc_field(path: str, prefix: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)), None)
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path) as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)), None)
+    return None
 
 
 def machine() -> Dict[str, Any]:
     memory = _proc_field("/proc/meminfo", "MemTotal")
-    return {
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?",
-        "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-        "memory_gib": int(memory.split()[0]) / (1 << 20) if memory else None,
-        "platform": platform.platform(), "python": platform.python_version(),
-        **{name.replace("-", "_"): version(name) for name in ("torch", "torch-xla", "transformers", "safetensors")},
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "load_average_at_start": list(os.getloadavg()),
-    }
+    return {"cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?",
+            "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+            "memory_gib": int(memory.split()[0]) / (1 << 20) if memory else None, "platform": platform.platform(),
+            "python": platform.python_version(),
+            **{p.replace("-", "_"): version(p) for p in ("torch", "torch-xla", "transformers", "safetensors")},
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def summary(values: Iterable[float]) -> Dict[str, Any]:
@@ -148,17 +127,16 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
-def verdict(value: Optional[float], target: float, lower_is_better: bool = True) -> str:
+def verdict(value: Optional[float], target: float) -> str:
     if value is None:
         return "-"
-    met = value <= target if lower_is_better else value >= target
-    return "met" if met else f"MISSED by {abs(value - target) / target * 100:.1f} %"
+    return "met" if value <= target else f"MISSED by {(value - target) / target * 100:.1f} %"
 
 
 def alternate(variants: Sequence[str], rounds: int, run_one: Callable[[str], Any], warmup: int = 0,
               swap: bool = False, what: str = "") -> Dict[str, List[Any]]:
     """``run_one(variant)`` for each variant in turn, ``warmup + rounds`` times (the order reversed every other round
-    when ``swap``, so drift hits every variant alike); the results of the timed rounds by variant."""
+    when ``swap``, so drift hits all alike); the results of the timed rounds by variant."""
     out: Dict[str, List[Any]] = {v: [] for v in variants}
     for index in range(warmup + rounds):
         for variant in (list(reversed(variants)) if swap and index % 2 else variants):
@@ -177,7 +155,7 @@ def log(message: str) -> None:
 # ---- memory probes (Linux) -------------------------------------------------------------------------------------------
 
 def proc_status_kib() -> Dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile of this process, in KiB."""
+    """VmRSS, VmHWM (the peak), RssAnon, RssFile of this process, in KiB."""
     with open("/proc/self/status") as f:
         fields = (line.partition(":") for line in f)
         return {k: int(v.split()[0]) for k, _, v in fields if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
@@ -202,68 +180,43 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def maxrss_kib() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-class RssSampler:
-    """The highest RssAnon / RssFile a background thread saw while running (it can miss short spikes)."""
-
-    def __init__(self, interval_s: float = 0.002):
-        self.interval_s, self.peak = interval_s, {"RssAnon": 0, "RssFile": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
+def _sample_peaks(peak: Dict[str, int], stop: threading.Event, interval_s: float) -> None:
+    while True:
         status = proc_status_kib()
-        self.peak = {k: max(v, status.get(k, 0)) for k, v in self.peak.items()}
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> "RssSampler":
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        peak.update({k: max(v, status.get(k, 0)) for k, v in peak.items()})
+        if stop.wait(interval_s):
+            return
 
 
 def measure_rss(run: Callable[[], Any]) -> tuple:
     """``(run()'s value, figures)``: wall time and memory (MiB) over the RSS just before the call. The peak is VmHWM
-    after resetting it (``ru_maxrss`` where the kernel refuses the reset; it can hold an earlier peak)."""
+    after resetting it (``ru_maxrss`` where the kernel refuses); a thread samples RssAnon / RssFile every 2 ms (they
+    explain the peak; they can miss short spikes)."""
     import gc
+    import resource
 
     gc.collect()
-    before = proc_status_kib()
-    peak_reset = reset_peak_rss()
+    before, peak_reset = proc_status_kib(), reset_peak_rss()
+    peak, stop = {"RssAnon": 0, "RssFile": 0}, threading.Event()
+    sampler = threading.Thread(target=_sample_peaks, args=(peak, stop, 0.002), daemon=True)
     start = time.perf_counter()
-    with RssSampler() as sampler:
-        value = run()
+    sampler.start()
+    value = run()
     seconds = time.perf_counter() - start
-    after = proc_status_kib()
-    peak = after["VmHWM"] if peak_reset else maxrss_kib()
-    return value, {
-        "seconds": seconds, "baseline_mib": before["VmRSS"] / 1024, "peak_reset": peak_reset, "peak_mib": peak / 1024,
-        "increase_mib": (peak - before["VmRSS"]) / 1024, "maxrss_increase_mib": (maxrss_kib() - before["VmRSS"]) / 1024,
-        **{f"sampled_peak_{k[3:].lower()}_increase_mib": (sampler.peak[k] - before.get(k, 0)) / 1024
-           for k in ("RssAnon", "RssFile")},
-        **{f"after_{k[3:].lower()}_increase_mib": (after.get(k, 0) - before.get(k, 0)) / 1024
-           for k in ("RssAnon", "RssFile")}}
+    stop.set()
+    sampler.join()
+    after, maxrss = proc_status_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    top = after["VmHWM"] if peak_reset else maxrss
+    return value, {"seconds": seconds, "baseline_mib": before["VmRSS"] / 1024, "peak_reset": peak_reset,
+                   "peak_mib": top / 1024, "increase_mib": (top - before["VmRSS"]) / 1024,
+                   "maxrss_increase_mib": (maxrss - before["VmRSS"]) / 1024,
+                   **{f"sampled_peak_{k[3:].lower()}_increase_mib": (max(peak[k], after.get(k, 0)) - before.get(k, 0))
+                      / 1024 for k in peak}}
 
 
 # ---- the one renderer ------------------------------------------------------------------------------------------------
 
-def fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
+def fmt_bytes(n: float) -> str:
     if abs(n) < 1024:
         return f"{n:,.0f} B"
     if abs(n) < MIB:
@@ -272,22 +225,18 @@ def fmt_bytes(n: Optional[float]) -> str:
 
 
 def cell(value: Any, spec: str = "") -> str:
-    """One table cell: numbers by ``spec`` ("bytes", a format spec, or a readable default), a median/min/max dict as
+    """One table cell: a number by ``spec`` ("bytes", a format spec, or a readable default), a median/min/max dict as
     "median (min-max)", a list as "a / b", a bool as yes / no, None or NaN as "-"."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, str):
-        return value
+    if isinstance(value, (bool, str)):
+        return {True: "yes", False: "no"}.get(value, value) if isinstance(value, bool) else value
     if isinstance(value, dict):
         return f"{cell(value['median'], spec)} ({cell(value['min'], spec)}-{cell(value['max'], spec)})"
     if isinstance(value, (list, tuple)):
         return " / ".join(cell(v, spec) for v in value)
-    if spec == "bytes":
-        return fmt_bytes(value)
     if spec:
-        return format(value, spec)
+        return fmt_bytes(value) if spec == "bytes" else format(value, spec)
     if isinstance(value, int) or abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.3g}" if abs(value) >= 0.001 or value == 0 else f"{value:.2e}"
@@ -305,9 +254,8 @@ def render(blocks: Iterable[Any]) -> str:
         if isinstance(block, str):
             out.append(block)
             continue
-        columns = block["columns"]
-        specs = [block["formats"].get(c, "") for c in columns]
-        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        specs = [block["formats"].get(c, "") for c in block["columns"]]
+        lines = ["| " + " | ".join(block["columns"]) + " |", "|" + "---|" * len(specs)]
         lines += ["| " + " | ".join(cell(v, s) for v, s in zip(row, specs)) + " |" for row in block["rows"]]
         out.append("\n".join(lines))
     return "\n\n".join(out)

@@ -1,30 +1,32 @@
-"""Section 3: collectives per BERT layer per train step (forward + backward), counted two ways, next to Megatron's.
+"""Section 3: collectives per BERT layer per train step, counted two ways, next to Megatron-LM's (docs/performance.md).
 
-(i) XLA HLO of a simulated rank: in a process of its own (PJRT_DEVICE=CPU) that executes nothing, rank 1 of a
-    simulated world of 2 (tp=2, ``xr.world_size`` / ``xr.global_ordinal`` patched so ``xm`` does not short-circuit
-    collectives) shards BertForPreTraining with ``parallelize_bert`` and traces one step: the loss, ``backward()``,
-    the sequence-parallel gradient sum (when on) and ``clip_grad_norm``. The HLO text of growing sets of outputs is
-    read with ``_get_xla_tensors_hlo`` (nothing compiled or executed; the collective token reset before each step), so
-    differences give each phase's share. The batch goes in without its all-ones attention_mask (transformers' SDPA
-    mask code would execute a graph on it); the worker checks that no graph was executed.
-(ii) A counting gloo run: the nxdtp workers of section 1 (2 ranks) wrap the torch.distributed functions nxdtp.comm
-    calls and count each call by phase over the second of two steps; the DTensor workers count their functional
-    collectives the same way (TP without sequence parallelism).
-
-Bytes are those of the full tensor a collective handles (an all-reduce's buffer, an all-gather's output, a
-reduce-scatter's input: Megatron's message size). Per layer = (L+1 layers) - (L layers); the rest is the L-layer count
-minus L x per layer. Megatron-LM per layer, from its design: without SP 2 all-reduces forward and 2 backward; with SP
-forward 2 all-gathers + 2 reduce-scatters, backward 2 reduce-scatters + 4 all-gathers (its column layers re-gather
-their sequence shard for the weight gradient; nxdtp's Q, K and V share one re-gather), each of batch x seq x hidden.
-"""
+(i) The XLA HLO of rank 1 of a simulated tp=2 world, traced in a process of its own that executes nothing (the
+    runtime's world size patched so ``xm`` does not short-circuit collectives; the all-ones attention_mask left out,
+    since transformers' mask code would execute a graph on it); growing sets of outputs give each phase's share.
+(ii) A counting gloo run: section 1's nxdtp and DTensor workers count each torch.distributed call (functional
+    collectives for DTensor) by phase over the second of two steps.
+Bytes are the full tensor's (Megatron's message size). Per layer = (L+1 layers) - (L layers). Megatron per layer:
+without SP 2 all-reduces forward and 2 backward; with SP 2 all-gathers + 2 reduce-scatters forward, 4 all-gathers + 2
+reduce-scatters backward (its column layers re-gather their sequence shard for the weight gradient)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Dict, List
+from unittest import mock
 
-from .common import Pool, log, table
-from .train_step import SEED, build_dense, case_count_comm, make_batch
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nxdtp import parallel_state
+from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
+from nxdtp.models.bert import parallelize_bert
+from nxdtp.utils import move_model_to_device
+
+from .common import Pool, fmt_bytes, log, table
+from .train_step import ADAMW, FULL, QUICK, SEED, build_dense, make_batch, shard
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 HLO_WORLD, HLO_RANK, HLO_TP = 2, 1, 2
@@ -62,10 +64,6 @@ def _subtract(a: Dict[str, List[int]], b: Dict[str, List[int]], k: int = 1) -> D
 def _trace_step(cfg, args, sequence_parallel: bool, hlo) -> Dict[str, Any]:
     import torch_xla
 
-    from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
-    from nxdtp.models.bert import parallelize_bert
-    from nxdtp.utils import move_model_to_device
-
     device = torch_xla.device()
     model = parallelize_bert(build_dense(cfg, SEED), sequence_parallel=sequence_parallel, broadcast_replicated=False)
     model = move_model_to_device(model, device)
@@ -89,14 +87,10 @@ def _trace_step(cfg, args, sequence_parallel: bool, hlo) -> Dict[str, Any]:
 
 def case_hlo(**args) -> Dict[str, Any]:
     """Part (i), in a process of its own (PJRT_DEVICE=CPU); never executes a graph."""
-    from unittest import mock
-
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     import torch_xla.runtime as xr
-
-    from nxdtp import parallel_state
 
     def hlo(tensors):
         return hlo_collectives(torch_xla._XLAC._get_xla_tensors_hlo(list(tensors)))
@@ -115,6 +109,93 @@ def case_hlo(**args) -> Dict[str, Any]:
     if executed:
         raise AssertionError(f"the HLO worker executed {executed} graphs; it must only trace")
     return {"results": results, "executed_graphs": executed}
+
+
+# ---- (ii) the counting gloo run, in section 1's nxdtp and DTensor workers -------------------------------------------
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Counter:
+    """{phase: {op: [count, bytes of the full tensor]}}, with the op's measured argument (an all-reduce's buffer, an
+    all-gather's output, a reduce-scatter's input) by torch.distributed function, or by functional collective."""
+
+    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),
+            "all_gather_into_tensor": ("all-gather", 0, "output_tensor"),
+            "all_gather": ("all-gather", 0, "tensor_list"), "reduce_scatter_tensor": ("reduce-scatter", 1, "input"),
+            "reduce_scatter": ("reduce-scatter", 1, "input_list")}
+    FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
+                  "reduce_scatter_tensor": "reduce-scatter", "broadcast": "broadcast"}
+
+    def __init__(self):
+        self.phase, self.counts = "setup", {}
+
+    def add(self, op: str, nbytes: int) -> None:
+        entry = self.counts.setdefault(self.phase, {}).setdefault(op, [0, 0])
+        entry[0] += 1
+        entry[1] += int(nbytes)
+
+    @contextlib.contextmanager
+    def torch_distributed(self):
+        originals = {name: getattr(dist, name) for name in self.DIST}
+
+        def wrap(name, fn):
+            op, index, keyword = self.DIST[name]
+
+            def wrapper(*args, **kwargs):
+                value = args[index] if len(args) > index else kwargs[keyword]
+                self.add(op, sum(map(_nbytes, value)) if isinstance(value, list) else _nbytes(value))
+                return fn(*args, **kwargs)
+            return wrapper
+
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+    def functional(self):
+        """A dispatch mode counting DTensor's functional collectives (torch.ops._c10d_functional.*)."""
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                op = name.split(".", 1)[1] if name.startswith("_c10d_functional.") else "wait_tensor"
+                if not op.startswith("wait_tensor"):
+                    kind = next((k for k in counter.FUNCTIONAL if op.startswith(k)), None)  # unknown: 0 bytes
+                    scale = int(args[1]) if kind == "all_gather_into_tensor" else 1
+                    counter.add(counter.FUNCTIONAL.get(kind, op), _nbytes(args[0]) * scale if kind else 0)
+                return func(*args, **(kwargs or {}))
+
+        return Mode()
+
+
+def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_parallel: bool = False) -> Dict[str, Any]:
+    """Collectives of the second of two train steps of a freshly sharded BERT, by phase and kind."""
+    model = build_dense(model_cfg, SEED)
+    clip = shard(kind, model, sequence_parallel=sequence_parallel)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    inputs, counter = make_batch(model_cfg, seq, batch, SEED), _Counter()
+    for _ in range(2):  # the first step creates AdamW's state; count the second
+        counter.counts.clear()
+        with counter.functional() if kind == "dtensor" else counter.torch_distributed():
+            optimizer.zero_grad(set_to_none=True)
+            counter.phase = "forward"
+            loss = model(**inputs).loss
+            counter.phase = "backward"
+            loss.backward()
+            if sequence_parallel:
+                counter.phase = "sequence-parallel gradient sum"
+                allreduce_sequence_parallel_gradients(optimizer)
+            counter.phase = "clip"
+            clip(list(model.parameters()))
+            counter.phase = "optimizer"
+            optimizer.step()
+    return {"counts": counter.counts, "loss": loss.item()}
 
 
 def trace_hlo(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -152,8 +233,6 @@ def _gloo_counts(pool: Pool, kind: str, spec, sp: bool) -> Dict[int, Any]:
 
 def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
     """Both parts; ``hlo``: trace_hlo's result when it already ran (beside section 1, under --quick)."""
-    from .train_step import FULL, QUICK
-
     spec = QUICK if ctx.quick else FULL
     hlo = hlo or trace_hlo(spec)
     sources = {f"hlo,sp={sp}": _per_layer({n: hlo["results"][f"sp={sp},layers={n}"]
@@ -178,8 +257,6 @@ def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
 
 
 def _cells(counts: Dict[str, List[int]]) -> List[str]:
-    from .common import fmt_bytes
-
     # A bucketed collective grows with the layers without adding calls (the SP gradient sum).
     return [f"{c} ({fmt_bytes(b)})" if c else ("0" if not b else f"0 (+{fmt_bytes(b)} in an existing call)")
             for c, b in (counts.get(op, [0, 0]) for op in OPS)]

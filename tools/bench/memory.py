@@ -1,21 +1,21 @@
-"""Section 2: parameter and AdamW-state bytes per rank of BERT-large BertForPreTraining at TP = 1, 2, 4, 8.
-
-Counted: the model is built on the meta device and sharded by ``parallelize_bert`` under ``simulated_topology``
-(ranks 0 and tp-1 counted; they differ only if the vocabulary padding did), next to dense / tp (every parameter split)
-and NxD's attention-only recipe computed from the config (NxD's BERT example shards only Q, K, V and the attention
-output dense; everything else is replicated). fp32 AdamW: parameters 4 B, gradients 4 B, state 8 B per parameter.
-
-Measured, since a shard that is a view of the dense tensor has 1/tp of its elements but keeps all its storage: the
-storage bytes the parameters hold (``nxdtp.storage.held_bytes``), and the RSS a rank gains, in a fresh process with
-glibc's mmap threshold fixed and the heap trimmed before each reading: for each TP size a CPU model is built, then
-parallelized in place at the last rank of a simulated topology; RSS after parallelizing minus RSS before building.
-"""
+"""Section 2: parameter and AdamW bytes per rank of BERT-large at TP 1, 2, 4, 8 (docs/performance.md). Counted on the
+meta device under a simulated topology, next to dense / tp and NxD's attention-only recipe from the config; measured:
+the storage the parameters hold (a view of the dense tensor keeps all of it) and the RSS a rank gains, in a fresh
+process with a fixed mmap threshold, building on CPU and parallelizing in place at the last rank."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Dict, List
 
-from .common import fresh, table, verdict
+import torch
+from transformers import BertConfig, BertForPreTraining
+
+from nxdtp.models.bert import parallelize_bert
+from nxdtp.parallel_state import simulated_topology
+from nxdtp.storage import held_bytes
+
+from .common import fresh, malloc_trim, proc_status_kib, table, verdict
 
 BERT_LARGE = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                   intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
@@ -38,23 +38,15 @@ def analytic_counts(cfg: Dict[str, int], tp: int) -> Dict[str, int]:
 
 
 def _bert(cfg, device=None):
-    import torch
-    from transformers import BertConfig, BertForPreTraining
-
     with torch.device(device or "cpu"):
         return BertForPreTraining(BertConfig(**cfg))
 
 
 def _counts(model) -> tuple:
-    from nxdtp.storage import held_bytes
-
     return sum(p.numel() for p in model.parameters()), held_bytes(model.parameters())
 
 
 def case_count(cfg: Dict[str, int]) -> Dict[str, Any]:
-    from nxdtp.models.bert import parallelize_bert
-    from nxdtp.parallel_state import simulated_topology
-
     dense = _counts(_bert(cfg, "meta"))[0]
     if analytic_counts(cfg, 1)["dense"] != dense:
         raise AssertionError(f"the analytic parameter count {analytic_counts(cfg, 1)['dense']:,} differs from the "
@@ -81,15 +73,6 @@ def case_count(cfg: Dict[str, int]) -> Dict[str, Any]:
 
 def case_rss(cfg: Dict[str, int], tps: List[int]) -> List[Dict[str, Any]]:
     """For each TP size in turn: build the dense model on CPU, parallelize it in place at the last rank, free it."""
-    import gc
-
-    import torch
-
-    from nxdtp.models.bert import parallelize_bert
-    from nxdtp.parallel_state import simulated_topology
-
-    from .common import malloc_trim, proc_status_kib
-
     def rss() -> int:
         gc.collect()
         malloc_trim()

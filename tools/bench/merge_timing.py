@@ -1,26 +1,11 @@
-"""Wall time and peak host memory of merging a tp=8 checkpoint, next to a raw copy of the same bytes (section 5 of the
-suite, and ``python -m tools.bench merge_timing`` with more options). It prints figures and asserts nothing.
-
-Targets: merge wall time <= 2 x the raw copy's, and a peak RSS increase <= 25 % of the checkpoint size.
-
-1. Creates the checkpoint in ``WORKDIR/bert-large-tp8`` unless that holds a complete one: 8 gloo ranks
-   (``initialize_model_parallel(8)``) build BertForPreTraining (BERT-large) on the meta device, shard it with
-   ``parallelize_model(broadcast_replicated=False)``, materialise it, fill every parameter with N(0, 0.02) (sharded ones
-   from a per-rank seed, replicated ones from one shared seed, so replicas agree) and ``nxdtp.checkpointing.save`` it.
-2. Measures, each in a fresh process, ``--rounds`` times, alternating: raw (a streaming copy of the tag's ``model/``
-   files through one 16 MiB buffer, then ``fsync``: the floor of any streaming merge), merge
-   (``merge(checkpoint_dir, out, tag=...)``), naive (each rank file read whole, written, ``fsync``: for context);
-   with ``--dcp`` also the export to DCP and two imports of that export (to an HF directory, and resharded to an
-   nxdtp checkpoint at tp=8), held to the same targets. Medians over rounds.
-3. ``--cache cold`` drops the page cache before each measurement (needs root; where refused it says so), ``warm``
-   reads the inputs just before; ``both`` (default) does each.
-
-Every measuring process imports the same modules (nxdtp's checkpointing, the DCP modules and the HF model classes,
-which the DCP import builds on the meta device) before its baseline; importing the model classes is reported beside
-the figures. Peak = VmHWM after resetting it (``ru_maxrss`` kept too); increase = peak - RSS before the call. RSS counts
-file-backed pages of mapped checkpoints (reclaimable page cache) as well as private memory; a sampling thread records
-the highest of each. Written output goes to the page cache, not the writer's RSS; both sides ``fsync``.
-"""
+"""Wall time and peak host memory of merging a tp=8 checkpoint next to a raw copy of the same bytes: section 5 of the
+suite, and ``python -m tools.bench merge_timing`` (docs/performance.md). Targets: merge <= 2 x the raw copy's wall
+time, peak RSS increase <= 25 % of the checkpoint. The checkpoint (BERT-large, or a Llama-3.2-1B shape) is made by
+a world of 8 ranks (meta build, ``parallelize_model``, N(0, 0.02) values, replicas equal) unless present. Each
+measurement runs in a fresh process after the same imports: raw (stream through a 16 MiB buffer, fsync), merge,
+naive (whole files), and with ``--dcp`` the export to DCP and two imports of it; alternating over rounds, medians;
+the page cache dropped (``cold``, needs root) or the inputs read just before (``warm``). Peak = VmHWM after a reset;
+a thread samples private and file-backed RSS (mapped checkpoint pages are reclaimable page cache)."""
 
 from __future__ import annotations
 
@@ -31,6 +16,18 @@ import shutil
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+
+import nxdtp.checkpointing
+from nxdtp.checkpointing.dcp_export import export_dcp
+from nxdtp.checkpointing.dcp_import import import_dcp
+from nxdtp.checkpointing.merge import merge
+from nxdtp.converters.dcp import import_dcp_resharded
+from nxdtp.models import parallelize_model
+from nxdtp.models.hf_loading import materialize_meta_model
 
 from .common import fresh, log, measure_rss, median, render, summary, table, version
 
@@ -84,14 +81,6 @@ def safetensors_tensor_bytes(path: str) -> tuple:
 
 def case_create(model: str, checkpoint_dir: str, config: Optional[Dict[str, Any]] = None) -> None:
     """On every rank of a world of tp ranks (tp = world): build, shard, fill and save the checkpoint."""
-    import torch
-    import torch.distributed as dist
-    import transformers as tf
-
-    import nxdtp.checkpointing
-    from nxdtp.models import parallelize_model
-    from nxdtp.models.hf_loading import materialize_meta_model
-
     bert = model == "bert-large"
     cls, config_cls = (tf.BertForPreTraining, tf.BertConfig) if bert else (tf.LlamaForCausalLM, tf.LlamaConfig)
     hf_config = config_cls(**(config or MODELS[model]), architectures=[cls.__name__])
@@ -155,20 +144,12 @@ def _operation(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, re
     tag = os.path.basename(tag_dir(checkpoint_dir))
     config = os.path.join(checkpoint_dir, CONFIG_NAME)
     if kind == "merge":
-        from nxdtp.checkpointing.merge import merge
-
         return lambda: merge(checkpoint_dir, output_dir, tag=tag, progress=False)
     if kind == "to_dcp":
-        from nxdtp.checkpointing.dcp_export import export_dcp
-
         return lambda: export_dcp(checkpoint_dir, output_dir, tag=tag, progress=False, config=config)
     if kind == "from_dcp":
-        from nxdtp.checkpointing.dcp_import import import_dcp
-
         return lambda: import_dcp(dcp_dir, output_dir, config=config, progress=False)
     if kind == "from_dcp_reshard":
-        from nxdtp.converters.dcp import import_dcp_resharded
-
         return lambda: import_dcp_resharded(dcp_dir, output_dir, reshard_tp, config=config,
                                                           progress=False)
     os.makedirs(output_dir)

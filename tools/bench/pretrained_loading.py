@@ -1,21 +1,8 @@
-"""Peak host memory of loading a pretrained Hugging Face BERT: nxdtp's per-rank sharded loading vs. plain HF
-(``python -m tools.bench pretrained_loading --config base --tp 4 [--workdir DIR] [--json OUT]``). It prints figures
-and asserts nothing.
-
-``from_pretrained_sharded`` builds the model on the meta device, shards it, materialises only this rank's shard and
-reads only this rank's slices of the checkpoint, so a rank's peak should be about its shard, not the full model.
-
-1. Writes an HF BERT checkpoint with random weights (``save_pretrained``) into ``WORKDIR/bert-<config>``, in a process
-   of its own, unless one is there.
-2. A gloo world of TP ranks (``initialize_model_parallel(TP)``), each importing torch / transformers / nxdtp first,
-   calls ``from_pretrained_sharded(dir)``; then plain ``BertForPreTraining.from_pretrained(dir)`` in one process.
-
-Baseline = VmRSS after the imports and world setup; the peak watermark is reset before the load; increase = peak -
-baseline. RSS counts file-backed pages of the mapped checkpoint (page cache, shared by every rank mapping the file,
-reclaimable) as well as private memory; a sampling thread records the highest of each. After the load every parameter
-is read once (as a first forward would): a loader that leaves lazily faulted views of a mapped file shows its cost
-only then. Own shard = bytes of this rank's unique parameters; full checkpoint = tensor bytes of its safetensors files.
-"""
+"""Peak host memory of loading a pretrained HF BERT, nxdtp's per-rank ``from_pretrained_sharded`` (a world of TP
+ranks) against plain ``from_pretrained`` (``python -m tools.bench pretrained_loading --config base --tp 4 [--workdir
+DIR] [--json OUT]``). A rank should hold about its shard. Baseline = RSS after the imports; the peak watermark is reset
+before the load; after it every parameter is read once (lazily faulted mapped views show their cost only then); a
+thread samples private and file-backed RSS (the mapped checkpoint: shared, reclaimable page cache)."""
 
 from __future__ import annotations
 
@@ -26,7 +13,14 @@ import shutil
 import tempfile
 from typing import Any, Dict
 
-from .common import Pool, fresh, proc_status_kib, render, table, version
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForPreTraining
+
+from nxdtp.models.bert import from_pretrained_sharded
+
+from .common import Pool, fresh, measure_rss, proc_status_kib, render, table, version
+from .merge_timing import files_under, safetensors_tensor_bytes
 
 CONFIGS = {  # BERT-Large, BERT-Base (Devlin et al.), BERT-Small (Turc et al.'s miniatures)
     "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
@@ -37,15 +31,10 @@ COMMON = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
 
 def checkpoint_tensor_bytes(model_dir: str) -> int:
     """Bytes of tensor data in the safetensors files of ``model_dir`` (from their headers)."""
-    from .merge_timing import files_under, safetensors_tensor_bytes
-
     return sum(safetensors_tensor_bytes(p)[1] for p in files_under(model_dir) if p.endswith(".safetensors"))
 
 
 def case_create(config: str, model_dir: str) -> None:
-    import torch
-    from transformers import BertConfig, BertForPreTraining
-
     torch.manual_seed(0)
     BertForPreTraining(BertConfig(**COMMON, **CONFIGS[config], architectures=["BertForPreTraining"])).save_pretrained(
         model_dir)
@@ -53,14 +42,6 @@ def case_create(config: str, model_dir: str) -> None:
 
 def case_load(model_dir: str, sharded: bool) -> Dict[str, Any]:
     """Import what either loader imports (the baselines hold the same modules), load, then read every parameter."""
-    import torch
-    import torch.distributed as dist
-    from transformers import BertForPreTraining
-
-    from nxdtp.models.bert import from_pretrained_sharded
-
-    from .common import measure_rss
-
     dist.barrier()
     model, result = measure_rss(lambda: from_pretrained_sharded(model_dir) if sharded
                                 else BertForPreTraining.from_pretrained(model_dir))

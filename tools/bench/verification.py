@@ -1,30 +1,9 @@
-"""What checksum verification costs: merge and load of a BERT-large tp=8 checkpoint with and without it.
-
-Every measurement runs in a fresh process, with the input files read once just before (warm page cache), and the
-four kinds alternate round by round (merge verified, merge unverified, load verified, load unverified, ...), so a
-disturbance of the machine hits all alike. Figures are medians over ``--rounds``. It prints a markdown table; it is a
-benchmark, not a test.
-
-* merge: ``merge(checkpoint_dir, fresh_out, verify=...)``, which with ``verify=True`` reads every model file once more
-  to check its checksum before writing anything.
-* load: what ``load`` reads on one rank, in one process without a world: ``integrity.read_index``, the checks
-  ``load`` makes before reading (``integrity.verify_files(..., tensors_as_read=True)``: sizes, and whole-file
-  checksums of files without per-tensor records), then ``read_model_shard`` for TP rank ``--load-rank`` (its own file
-  and TP rank 0's replicated tensors, memory-mapped; verified, each tensor is hashed right after it is read, and each
-  file's header before it is parsed), and last every tensor copied once (``clone``) after the ranks would agree that
-  nothing is damaged.
-* load-live: the same, but the copy goes into tensors allocated and written before the clock starts (``copy_``), as
-  ``load_state_dict`` copies into a live model's parameters. ``clone`` also pays for fresh memory (page faults and
-  zeroing, most of its time here), so "load" understates what verification adds to a real load and "load-live"
-  shows it.
-
-"time in verification" is the time spent inside ``verify_files`` and ``TensorChecks`` (the hashing, measured in the
-run), which is free of the run-to-run noise of the machine. The CPU time of each measurement (the process's, so it
-leaves out waiting for a core on a busy machine) is reported beside the wall time.
-
-The checkpoint is the one ``merge_timing`` creates (``bert-large-tp8`` in ``--workdir``), created the same way when
-absent.
-"""
+"""What checksum verification costs (``python -m tools.bench verify --workdir DIR [--rounds 5] [--operations
+merge,load,load-live] [--load-rank 1] [--json OUT]``): merge and load of the BERT-large tp=8 checkpoint of
+merge_timing with and without it, each in a fresh process after the inputs were read (warm page cache), pairs
+alternating ABBA, medians. load: what ``load`` reads on one rank (the index, the pre-read checks, ``read_model_shard``
+with per-tensor hashing, each tensor cloned); load-live copies into tensors allocated before the clock starts, as
+``load_state_dict`` does. "time in verification" is the time inside ``verify_files`` and ``TensorChecks``."""
 
 from __future__ import annotations
 
@@ -35,7 +14,14 @@ import shutil
 import time
 from typing import Any, Dict
 
-from .common import fresh, log, median, render, table
+import torch
+
+from nxdtp.checkpointing import integrity
+from nxdtp.checkpointing.index import dtype_from_name, model_file
+from nxdtp.checkpointing.merge import merge
+from nxdtp.checkpointing.save_load import read_model_shard
+
+from .common import fresh, log, median, render, summary, table
 from .merge_timing import ensure_checkpoint, files_under, tag_dir, warm
 
 OPERATIONS = ("merge", "load", "load-live")
@@ -44,8 +30,6 @@ TARGET_OVERHEAD = 0.10
 
 def _timing_verification(spent: list) -> None:
     """Time every call of the verification functions (the direct cost, free of the machine's run-to-run noise)."""
-    from nxdtp.checkpointing import integrity
-
     def timed(function):
         def measured(*args, **kwargs):
             began = time.perf_counter()
@@ -61,12 +45,6 @@ def _timing_verification(spent: list) -> None:
 
 
 def _load(tag: str, load_rank: int, verify: bool, live) -> None:
-    import torch
-
-    from nxdtp.checkpointing import integrity
-    from nxdtp.checkpointing.index import model_file
-    from nxdtp.checkpointing.save_load import read_model_shard
-
     index = integrity.read_index(tag, verify)
     if verify:  # as load() checks before reading
         integrity.verify_files(tag, index, sorted({model_file(load_rank), model_file(0)}), tensors_as_read=True)
@@ -82,12 +60,6 @@ def _load(tag: str, load_rank: int, verify: bool, live) -> None:
 
 def case_verify(kind: str, checkpoint_dir: str, output_dir: str, load_rank: int) -> Dict[str, float]:
     """One measurement, in a fresh process: ``kind`` is an operation, ``-unverified`` for the run without checks."""
-    import torch
-
-    from nxdtp.checkpointing import integrity
-    from nxdtp.checkpointing.index import dtype_from_name
-    from nxdtp.checkpointing.merge import merge
-
     tag, verify, spent = tag_dir(checkpoint_dir), not kind.endswith("unverified"), []
     _timing_verification(spent)
     live = None
@@ -147,8 +119,6 @@ def _figures(on: list, off: list) -> Dict[str, Any]:
 
 
 def _tables(figures: Dict[str, Any], size: int, args) -> list:
-    from .common import summary
-
     labels = {"merge": "merge (all 8 files)",
               "load": f"load, TP rank {args.load_rank} (its file + rank 0's), copied with clone",
               "load-live": f"load, TP rank {args.load_rank}, copied into live tensors"}

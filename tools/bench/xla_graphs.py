@@ -1,26 +1,28 @@
-"""Section 4: XLA graphs. (a) Graphs compiled and executed per train step on XLA:CPU (tp=1, one process). (b) Distinct
-graphs over all ranks of simulated worlds, and the compile time of one graph.
-
-(a) A process of its own (PJRT_DEVICE=CPU, a gloo world of 1, ``initialize_model_parallel(1)``) shards a small
-BertForPreTraining with ``parallelize_bert``, moves it with ``move_model_to_device`` and runs 10 steps: ``zero_grad``,
-forward, ``backward()``, ``clip_grad_norm``, AdamW, ``torch_xla.sync()``, ``xm.wait_device_ops()`` (executions are
-counted when they finish). Per step: the deltas of the counters UncachedCompile, CachedCompile, ExecuteComputation.
-Target: from step 2 on, 1 executed graph and 0 new compiles per step. Three batches: without attention_mask, with the
-all-ones mask, and with it as ``nxdtp.models.bert.attention_bias(mask)`` (what the pretraining example passes).
-
-(b) Another process, which executes nothing, traces one step (forward with dropout, backward, the SP and DP gradient
-all-reduces, ``clip_grad_norm``, the optimizer step) for every rank of a simulated tp=8 x dp=4 world with
-``nxdtp.xla_graphs.trace_every_rank`` and counts the distinct graph hashes of the forward, the gradients and the whole
-step: BERT-large-shaped layers with AdamW and a Llama-shaped decoder (4 KV heads: each copied on 2 TP ranks) with
-nxdtp's LAMB, SP off and on. Then it compiles, without executing, BERT's whole-step graph at tp=1
-(``_xla_warm_up_cache``) and reads the CompileTime metric. Target: 1 graph for every rank.
-"""
+"""Section 4: XLA graphs (docs/performance.md). (a) In a process of its own (XLA:CPU, tp=1): compiled and executed
+graphs per train step of a small BERT over 10 steps, from torch_xla's counters, for batches without attention_mask,
+with it, and with ``attention_bias(mask)``; target from step 2 on: 1 execution, 0 compiles. (b) In another, which
+executes nothing: distinct graph hashes of forward, gradients and whole step over every rank of a simulated tp=8 x
+dp=4 world (``trace_every_rank``; BERT-large-shaped layers with AdamW, a Llama shape with LAMB; SP off and on; target
+1), and the compile time of BERT's whole-step graph at tp=1 (compiled, not executed)."""
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 import time
 from typing import Any, Dict, List
+
+import torch
+import transformers as tf
+
+from nxdtp import comm, grads, parallel_state
+from nxdtp.grads import clip_grad_norm
+from nxdtp.models import parallelize_model
+from nxdtp.models.bert import attention_bias, parallelize_bert
+from nxdtp.optimizers import Lamb
+from nxdtp.random import model_parallel_xla_manual_seed
+from nxdtp.utils import move_model_to_device
 
 from .common import Pool, log, table
 from .train_step import ADAMW, MAX_GRAD_NORM, SEED, build_dense, make_batch
@@ -46,14 +48,9 @@ FAMILIES, PHASES = ("bert", "llama"), ("forward", "gradients", "step")
 
 
 def _variant_steps(variant: str, spec: Dict[str, Any]) -> Dict[str, Any]:
-    import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
-
-    from nxdtp.grads import clip_grad_norm
-    from nxdtp.models.bert import attention_bias, parallelize_bert
-    from nxdtp.utils import move_model_to_device
 
     device = torch_xla.device()
     model = move_model_to_device(parallelize_bert(build_dense(spec["model"], SEED)), device)
@@ -87,9 +84,6 @@ def case_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _dense_model(family: str, cfg: Dict[str, Any]):
-    import torch
-    import transformers as tf
-
     torch.manual_seed(SEED)
     if family == "bert":
         return tf.BertForPreTraining(tf.BertConfig(**cfg, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
@@ -97,10 +91,6 @@ def _dense_model(family: str, cfg: Dict[str, Any]):
 
 
 def _batch(family: str, cfg: Dict[str, Any], seq: int, batch: int, device) -> Dict[str, Any]:
-    import torch
-
-    from nxdtp.models.bert import attention_bias
-
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(SEED))
     if family == "llama":
         return {"input_ids": ids.to(device), "labels": ids.to(device)}
@@ -116,16 +106,7 @@ def _batch(family: str, cfg: Dict[str, Any], seq: int, batch: int, device) -> Di
 
 def _traced_step(family: str, dense, batch: Dict[str, Any], sequence_parallel: bool) -> Dict[str, List[Any]]:
     """One rank's train step as the BERT example takes it; its phases' tensors (nothing is executed)."""
-    import copy
-
-    import torch
     import torch_xla
-
-    from nxdtp import comm, grads, parallel_state
-    from nxdtp.models import parallelize_model
-    from nxdtp.optimizers import Lamb
-    from nxdtp.random import model_parallel_xla_manual_seed
-    from nxdtp.utils import move_model_to_device
 
     model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel, broadcast_replicated=False)
     model_parallel_xla_manual_seed(SEED)
@@ -155,8 +136,6 @@ def _compile_one(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Compile, without executing, BERT's whole-step graph at tp=1 (a world of one: no collectives)."""
     import torch_xla
     import torch_xla.debug.metrics as met
-
-    from nxdtp import parallel_state
 
     device = torch_xla.device()
     batch = _batch("bert", spec["bert"], spec["seq"], spec["batch"], device)
@@ -192,8 +171,6 @@ def case_ranks(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run(ctx) -> Dict[str, Any]:
-    import os
-
     spec, ranks_spec = (TINY, RANKS_QUICK) if ctx.quick else (SMALL, RANKS_FULL)
     env = {"PJRT_DEVICE": "CPU"}
     if ctx.quick:

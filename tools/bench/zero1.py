@@ -1,29 +1,9 @@
-"""Section 7: ZeRO-1 (``nxdtp.optimizer.NeuronZero1Optimizer``, issue 24): bytes per parameter per rank, peak RSS of a
-real step, and step time against the plain DP all-reduce path.
-
-1. **Bytes per parameter per rank, counted.** BERT-large (``BertForPreTraining``, the BERT plan) at tp = 1 and 8 and a
-   Llama-3-8B-shaped ``LlamaForCausalLM`` (vocabulary 128256, hidden 4096, intermediate 14336, 32 layers, 32 heads,
-   8 KV heads, untied embeddings) at tp = 8, at dp = 1, 2, 4, 8. Each model is built on the meta device in bf16 and
-   sharded by ``parallelize_model`` under ``simulated_topology(world_size=tp*dp, rank=r)`` (r = the first and the last
-   rank; the largest is reported); ``NeuronZero1Optimizer(..., torch.optim.AdamW, use_grad_acc_hook=True)`` makes its
-   fp32 master shards through ``FlatShardLayout`` (padding included), every shard gets a meta gradient and the inner
-   AdamW takes one real step, so its state exists; then ``state_bytes()`` counts master shards, AdamW state (exp_avg,
-   exp_avg_sq and the per-tensor step counters) and the fp32 ``main_grad`` accumulators. Per parameter means per
-   TP-local parameter of the rank (unpadded). Next to it, NxD's / Megatron's ``6 + 12/d``: bf16 parameters 2 + fp32
-   gradient buffer 4, plus fp32 master 4 + Adam m, v 8 sharded over d.
-2. **Peak RSS of a real step**, tp2 x dp2 on CPU (4 gloo processes, fp32 Llama-shaped model): plain AdamW with
-   ``nxdtp.grads.allreduce_gradients`` + ``clip_grad_norm`` against ``NeuronZero1Optimizer`` (AdamW, clipping at 1.0),
-   one after the other in the same processes. Per rank: RSS before the optimizer is made (after a warm-up forward and
-   backward), the peak over the optimizer's construction and two steps (``VmHWM``, reset first) and the RSS held after
-   them, next to the counted optimizer bytes (plain: ``optimizer_state_bytes``; ZeRO-1: ``state_bytes()``). The workers
-   run with a fixed glibc mmap threshold, so freed tensors go back to the kernel and RSS follows live tensors.
-3. **Step time**, tp1 x dp2 and tp2 x dp2 in one run: both paths (a copy of the same seeded model each, the same
-   batches) in the same processes, one step of each in turn (the order swapped every round, to cancel drift), after a
-   barrier; a step's time is its slowest rank's; ratio = the median over rounds of ZeRO-1 step / plain step of the same
-   round (back to back, so drift cancels), with the ratio of the two medians as a check. The step after backward
-   (gradient sync, norm and clip, AdamW, all-gather) is timed apart. After the rounds, both copies must hold the same
-   weights (the two paths compute the same update). The DP collectives of both paths are also timed alone.
-"""
+"""Section 7: ZeRO-1 (``NeuronZero1Optimizer``), docs/performance.md section 7. (1) Bytes per parameter per rank,
+counted: BERT-large at tp 1 and 8 and a Llama-3-8B shape at tp 8, dp 1-8, bf16 on the meta device under a simulated
+topology (first and last rank), the optimizer's own ``state_bytes()`` after one inner AdamW step, next to NxD's /
+Megatron's 6 + 12/d. (2) Peak RSS of a real step, plain AdamW + DP all-reduce + clip against ZeRO-1 (tp2 x dp2, a
+fixed glibc mmap threshold). (3) Step time, both paths alternating on copies of one model, the order swapped each
+round; the ratio is the median of per-round ratios; both must end with the same weights; the DP collectives alone."""
 
 from __future__ import annotations
 
@@ -32,7 +12,18 @@ import gc
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import Pool, barrier, cell, log, median, proc_status_kib, reset_peak_rss, table, verdict
+import torch
+import torch.distributed as dist
+import transformers
+
+from nxdtp import comm
+from nxdtp import parallel_state as ps
+from nxdtp.grads import allreduce_gradients, clip_grad_norm
+from nxdtp.models import parallelize_model
+from nxdtp.optimizer import NeuronZero1Optimizer, optimizer_state_bytes
+from nxdtp.spec import FlatShardLayout
+
+from .common import Pool, alternate, barrier, cell, log, median, proc_status_kib, reset_peak_rss, table, verdict
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -68,32 +59,17 @@ QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("
              worlds=((2, 2), (1, 2)))
 
 
-def reference_bytes_per_parameter(dp: int) -> float:
-    """NxD's / Megatron's bytes per parameter per rank: bf16 weights, fp32 gradients, sharded fp32 master + Adam."""
-    return 6 + 12 / dp
-
-
 # ---- counting (part 1): meta models under a simulated topology --------------------------------------------------
 
 def _build_model(cfg: Dict[str, Any]):
-    import transformers
-
-    cfg = dict(cfg)
-    kind = cfg.pop("kind")
-    if kind == "bert":
-        return transformers.BertForPreTraining(transformers.BertConfig(**cfg))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    config = {k: v for k, v in cfg.items() if k != "kind"}
+    if cfg["kind"] == "bert":
+        return transformers.BertForPreTraining(transformers.BertConfig(**config))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
 
 
 def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any]:
     """The bytes one rank of a tp x dp world holds with bf16 parameters and ZeRO-1 AdamW (fp32 master shards)."""
-    import torch
-
-    from nxdtp import parallel_state as ps
-    from nxdtp.models import parallelize_model
-    from nxdtp.optimizer import NeuronZero1Optimizer
-    from nxdtp.spec import FlatShardLayout
-
     with torch.device("meta"):
         model = _build_model(cfg).to(torch.bfloat16)
     with ps.simulated_topology(world_size=tp * dp, rank=rank, tensor_model_parallel_size=tp):
@@ -111,15 +87,13 @@ def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any
         counted = zero.state_bytes()
     numel = sum(p.numel() for p in params)
     layout_padding = sum(FlatShardLayout(tuple(p.shape), dp).padding for p in params)
-    master_elements = counted["master"] // 4
-    padding = master_elements * dp - numel  # what the optimizer's own shards hold beyond the parameters
+    padding = counted["master"] // 4 * dp - numel  # what the optimizer's own shards hold beyond the parameters
     if padding != layout_padding:
         raise AssertionError(f"master shards hold {padding} padding elements, FlatShardLayout says {layout_padding}")
     param_bytes = sum(p.numel() * p.element_size() for p in params)
+    # grad: autograd's .grad in the parameters' dtype (bf16); main_grad: the fp32 accumulators of use_grad_acc_hook
     return {"rank": rank, "tensors": len(params), "parameters": numel, "padding_elements": padding,
-            "parameter_bytes": param_bytes,
-            "grad_bytes": param_bytes,             # autograd's .grad, in the parameters' dtype (bf16)
-            "main_grad_bytes": counted["main_grad"],  # fp32 accumulators of use_grad_acc_hook
+            "parameter_bytes": param_bytes, "grad_bytes": param_bytes, "main_grad_bytes": counted["main_grad"],
             "master_bytes": counted["master"], "state_bytes": counted["state"]}
 
 
@@ -130,24 +104,17 @@ def count_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
             world = tp * dp
             per_rank = [count_one(cfg, tp, dp, r) for r in sorted({0, world - 1})]
             worst = max(per_rank, key=lambda r: r["parameter_bytes"] + r["master_bytes"] + r["state_bytes"])
-            n = worst["parameters"]
-            row = {"model": label, "tp": tp, "dp": dp, "ranks_counted": [r["rank"] for r in per_rank],
-                   "ranks_equal": len({tuple(sorted((k, v) for k, v in r.items() if k != "rank"))
-                                       for r in per_rank}) == 1, **{k: v for k, v in worst.items() if k != "rank"}}
+            n, pad = worst["parameters"], worst["padding_elements"]
             per = {k: worst[f"{k}_bytes"] / n for k in ("parameter", "grad", "main_grad", "master", "state")}
-            row.update({
-                "bpp_parameters": per["parameter"], "bpp_grads_bf16": per["grad"], "bpp_grads_fp32": per["main_grad"],
-                "bpp_master": per["master"], "bpp_state": per["state"],
-                "bpp_total_bf16_grads": per["parameter"] + per["grad"] + per["master"] + per["state"],
-                "bpp_total_fp32_grads": per["parameter"] + per["main_grad"] + per["master"] + per["state"],
-                "bpp_reference": reference_bytes_per_parameter(dp),
-                "bpp_goal": 6 + 12 / dp * (1 + PADDING_ALLOWANCE),
-                "padding_percent": 100 * worst["padding_elements"] / n,
-                # the step counters: 4 bytes per tensor on every rank, not sharded
-                "step_counter_bytes": worst["state_bytes"] - 8 * (n + worst["padding_elements"]) // dp,
-            })
-            row["goal_met"] = row["bpp_total_fp32_grads"] <= row["bpp_goal"]
-            rows.append(row)
+            common = per["parameter"] + per["master"] + per["state"]
+            # bpp_reference: NxD's / Megatron's bf16 weights, fp32 gradients, sharded fp32 master + Adam m, v
+            rows.append({"model": label, "tp": tp, "dp": dp, **{k: v for k, v in worst.items() if k != "rank"},
+                         "ranks_equal": len({tuple(sorted((k, v) for k, v in r.items() if k != "rank"))
+                                             for r in per_rank}) == 1,
+                         **{f"bpp_{k}": v for k, v in per.items()}, "bpp_total_bf16_grads": common + per["grad"],
+                         "bpp_total_fp32_grads": common + per["main_grad"], "bpp_reference": 6 + 12 / dp,
+                         "padding_percent": 100 * pad / n, "step_counter_bytes": worst["state_bytes"] - 8 * (n + pad)
+                         // dp, "goal_met": common + per["main_grad"] <= 6 + 12 / dp * (1 + PADDING_ALLOWANCE)})
     return rows
 
 
@@ -157,29 +124,17 @@ STATE: Dict[str, Any] = {}  # part 3's two models, optimizers and batch between 
 
 
 def real_model(cfg: Dict[str, Any]):
-    import torch
-
-    from nxdtp.models import parallelize_model
-
     torch.manual_seed(SEED)  # the same dense model on every rank, then this rank's shards
     return parallelize_model(_build_model(cfg)).train()
 
 
 def llama_batch(spec: Dict[str, Any]) -> Dict[str, Any]:
-    import torch
-
-    from nxdtp import parallel_state as ps
-
     generator = torch.Generator().manual_seed(SEED + 1 + ps.get_data_parallel_rank())  # each DP rank its own rows
     ids = torch.randint(0, spec["model"]["vocab_size"], (spec["batch"], spec["seq"]), generator=generator)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
 def make_optimizer(model, variant: str):
-    import torch
-
-    from nxdtp.optimizer import NeuronZero1Optimizer
-
     if variant == "zero1":
         return NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, max_norm=MAX_NORM, **ADAMW)
     return torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -193,8 +148,6 @@ def _forward_backward(model, optimizer, batch) -> float:
 
 
 def _update(model, optimizer, variant: str) -> None:
-    from nxdtp.grads import allreduce_gradients, clip_grad_norm
-
     if variant == "plain":   # bucketed all-reduce, clip over TP x DP, AdamW on whole tensors
         allreduce_gradients(model)
         clip_grad_norm(model.parameters(), MAX_NORM)
@@ -202,15 +155,11 @@ def _update(model, optimizer, variant: str) -> None:
 
 
 def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-    import torch.distributed as dist
-
     return count_rows(spec) if dist.get_rank() == 0 else None
 
 
 def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
     """A warm-up forward and backward, then the optimizer and ``steps`` steps under the peak-RSS watermark."""
-    from nxdtp.optimizer import optimizer_state_bytes
-
     model, batch = real_model(spec["model"]), llama_batch(spec)
     model(**batch).loss.backward()   # warm-up: lazily built state is not counted below
     for p in model.parameters():
@@ -255,11 +204,6 @@ def case_step(variant: str) -> Dict[str, float]:
 def case_collectives(reps: int) -> Dict[str, Any]:
     """The DP collectives of both paths alone, on a buffer of this rank's fp32 gradient size: plain DP's all-reduce
     against ZeRO-1's reduce-scatter + all-gather (``nxdtp.comm``, the optimizer's row shapes), in turn."""
-    import torch
-
-    from nxdtp import comm
-    from nxdtp import parallel_state as ps
-
     group = ps.data_parallel_group()
     numel = sum(p.numel() for p in STATE["models"]["plain"].parameters())
     shard = -(-numel // group.size)
@@ -306,8 +250,6 @@ def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def _timing(pool: Pool, spec: Dict[str, Any], tp: int, dp: int) -> Dict[str, Any]:
-    from .common import alternate
-
     log(f"zero1: step time at tp={tp} x dp={dp}")
     pool.call(case_time_setup, spec=spec)
     keys = ("forward_backward_s", "update_s", "step_s")
@@ -394,8 +336,8 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
     spec, rss, m, t = out["spec"], out["rss"], out["spec"]["rss"], out["spec"]["time"]
     count_columns = {"model": "model", "tp": "tp", "dp": "dp", "parameters / rank": "parameters",
                      "padding elements": "padding_elements", "padding %": "padding_percent",
-                     "params (bf16)": "bpp_parameters", "grads: bf16 .grad": "bpp_grads_bf16",
-                     "grads: fp32 main_grad": "bpp_grads_fp32", "fp32 master": "bpp_master",
+                     "params (bf16)": "bpp_parameter", "grads: bf16 .grad": "bpp_grad",
+                     "grads: fp32 main_grad": "bpp_main_grad", "fp32 master": "bpp_master",
                      "AdamW state": "bpp_state", "total, bf16 grads": "bpp_total_bf16_grads",
                      "total, fp32 main_grad": "bpp_total_fp32_grads", "NxD / Megatron 6 + 12/d": "bpp_reference",
                      "goal <= 6 + 1.01 x 12/d met": "goal_met"}
