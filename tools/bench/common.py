@@ -29,6 +29,10 @@ SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_N
 def case_started(fixed_mmap_threshold: bool) -> int:
     """A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is then its own mapping,
     returned to the kernel when freed, so RSS tracks live tensors (M_MMAP_THRESHOLD = -3)."""
+    import torch
+
+    with contextlib.suppress(RuntimeError):  # one inter-op thread too, where none has started yet
+        torch.set_num_interop_threads(1)
     if fixed_mmap_threshold:
         import ctypes
 
