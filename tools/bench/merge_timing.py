@@ -29,7 +29,7 @@ from nxdtp.converters.dcp import import_dcp_resharded
 from nxdtp.models import parallelize_model
 from nxdtp.models.hf_loading import materialize_meta_model
 
-from .common import fresh, log, measure_rss, median, render, summary, table, version
+from .common import fresh, log, measure_rss, median, proc_status_kib, render, summary, table, version
 
 TP = 8
 BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
@@ -99,29 +99,17 @@ def case_create(model: str, checkpoint_dir: str, config: Optional[Dict[str, Any]
         hf_config.to_json_file(os.path.join(checkpoint_dir, CONFIG_NAME))
 
 
-def _import_everything() -> Dict[str, float]:
-    """What the merge and the DCP bridge import, in every measuring process before its baseline; what importing the
-    HF model classes cost (``import transformers`` loads them lazily; any process building the model pays it once)."""
-    import safetensors.torch  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import tqdm  # noqa: F401
-
-    import nxdtp.checkpointing.dcp_export  # noqa: F401
-    import nxdtp.checkpointing.dcp_import  # noqa: F401
-    import nxdtp.checkpointing.merge  # noqa: F401
-    import nxdtp.converters.dcp  # noqa: F401
-    import nxdtp.models  # noqa: F401
-
-    from .common import proc_status_kib
-
+def _import_model_classes() -> Dict[str, float]:
+    """Load the HF model classes the DCP import builds on the meta device (this module imported the rest) before the
+    baseline, and say what that cost: ``import transformers`` loads them lazily, once per process."""
     before, start = proc_status_kib()["VmRSS"], time.perf_counter()
-    from transformers import BertForPreTraining, LlamaForCausalLM  # noqa: F401
-
-    return {"seconds": time.perf_counter() - start, "rss_mib": (proc_status_kib()["VmRSS"] - before) / 1024}
+    classes = [tf.BertForPreTraining.__name__, tf.LlamaForCausalLM.__name__]
+    return {"seconds": time.perf_counter() - start, "rss_mib": (proc_status_kib()["VmRSS"] - before) / 1024,
+            "classes": classes}
 
 
 def _copy(sources: List[str], destination: str, whole: bool) -> int:
-    buffer, total = bytearray(COPY_BUFFER_BYTES), 0
+    buffer, total = None if whole else bytearray(COPY_BUFFER_BYTES), 0
     for source in sources:
         with open(source, "rb", buffering=0) as src, \
                 open(os.path.join(destination, os.path.basename(source)), "wb", buffering=0) as dst:
@@ -158,7 +146,7 @@ def _operation(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, re
 
 def case_measure(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, reshard_tp: int) -> Dict[str, Any]:
     """One operation in this (fresh) process: its wall time and memory over the RSS before it."""
-    imported = _import_everything()
+    imported = _import_model_classes()
     value, result = measure_rss(_operation(kind, checkpoint_dir, dcp_dir, output_dir, reshard_tp))
     result.update(kind=kind, model_code_import=imported)
     if kind == "merge":

@@ -13,10 +13,12 @@ import shutil
 import tempfile
 from typing import Any, Dict
 
+import safetensors.torch  # noqa: F401 - what either loader imports, before both baselines
 import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertForPreTraining
 
+from nxdtp.models import hf_loading  # noqa: F401
 from nxdtp.models.bert import from_pretrained_sharded
 
 from .common import Pool, fresh, measure_rss, proc_status_kib, render, table, version

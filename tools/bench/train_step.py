@@ -256,17 +256,16 @@ def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu") -
     base = QUICK if ctx.quick else FULL
     rounds, warmup = ctx.rounds or base["rounds"], base["warmup"] if ctx.warmup is None else ctx.warmup
     log(f"train step ({arch}): building {', '.join(pools)} (config {spec['model']}, seq {spec['seq']})")
-    builds = {k: p.call(case_build, kind=k[4:] if k.startswith("gpu-") else k, model_cfg=spec["model"],
-                        seq=spec["seq"], batch=spec["batch"], arch=arch, device=device,
-                        vocab_multiple=ctx.vocab_multiple if k == "nxdtp" else 1) for k, p in pools.items()}
+    builds = {k: p.call(case_build, kind=k, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"], arch=arch,
+                        device=device, vocab_multiple=ctx.vocab_multiple if k == "nxdtp" else 1)
+              for k, p in pools.items()}
     steps: Dict[str, List[List[dict]]] = {k: [] for k in pools}
     for index in range(warmup + rounds):
         for kind, pool in pools.items():
             steps[kind].append(pool.call(case_step))
         log(f"train step ({arch}) round {index + 1}/{warmup + rounds}: " + ", ".join(
             f"{k} {max(r['seconds'] for r in s[-1]):.3f} s" for k, s in steps.items()))
-    c = {k[4:] if k.startswith("gpu-") else k: _competitor(k[4:] if k.startswith("gpu-") else k, builds[k], steps[k],
-                                                           p.call(case_memory), warmup) for k, p in pools.items()}
+    c = {k: _competitor(k, builds[k], steps[k], p.call(case_memory), warmup) for k, p in pools.items()}
     losses = {k: v["last_loss"] for k, v in c.items()}
     worst = max(abs(v - losses["dense"]) / abs(losses["dense"]) for v in losses.values())
     per_round = {f"nxdtp/{o}": [b / a for b, a in zip(c["nxdtp"]["step_s_per_round"], c[o]["step_s_per_round"])]
@@ -333,7 +332,7 @@ def run_gpu(ctx) -> Dict[str, Any]:
     the ratio is nxdtp's overhead where nothing is split. ``ctx.gpu_device == "cpu"`` runs it over gloo."""
     device = ctx.gpu_device
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    pools = {"gpu-dense": ctx.competitors.get("gpu-dense"), "gpu-nxdtp": ctx.competitors.get("gpu-nxdtp", backend)}
+    pools = {"dense": ctx.competitors.get("gpu-dense"), "nxdtp": ctx.competitors.get("gpu-nxdtp", backend)}
     out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device)
     _release(pools)
     c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]
