@@ -31,16 +31,15 @@ from typing import Any, Callable, Dict
 
 from . import common
 
-SECTIONS = ("train", "memory", "comm", "xla", "merge", "actmem", "zero1", "async_save")
-KEYS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-        "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save",
-        "gpu": "gpu_train_step"}
-TITLES = {"train": "1. Train step, CPU", "memory": "2. Memory per rank, BERT-large",
-          "comm": "3. Communication per BERT layer", "xla": "4. XLA graphs per step", "merge": "5. Checkpoint merge",
-          "actmem": "6. Activation memory per rank, BERT-large layers",
-          "zero1": "7. ZeRO-1: bytes per parameter, peak RSS, step time",
-          "async_save": "8. Checkpoint stall: save_checkpoint, sync against async_save",
-          "gpu": "GPU: train step, dense vs nxdtp tp=1"}
+# section: (its key in the JSON, its title in the report)
+SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", "2. Memory per rank, BERT-large"),
+            "comm": ("communication", "3. Communication per BERT layer"),
+            "xla": ("xla_graphs", "4. XLA graphs per step"), "merge": ("checkpoint_merge", "5. Checkpoint merge"),
+            "actmem": ("activation_memory", "6. Activation memory per rank, BERT-large layers"),
+            "zero1": ("zero1", "7. ZeRO-1: bytes per parameter, peak RSS, step time"),
+            "async_save": ("async_save", "8. Checkpoint stall: save_checkpoint, sync against async_save"),
+            "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
+KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
 TOOLS = ("merge_timing", "pretrained_loading", "verify", "divergence")
 
 
@@ -73,7 +72,7 @@ def _run_tool(name: str, argv) -> int:
 
 def _sections(args, parser) -> list:
     named = list(args.section) + [s.strip() for s in (args.sections or "").split(",") if s.strip()]
-    sections = named or list(SECTIONS)
+    sections = named or [s for s in SECTIONS if s != "gpu"]
     sections += ["gpu"] if args.gpu and "gpu" not in sections else []
     unknown = sorted(set(sections) - set(KEYS))
     if unknown:
