@@ -30,8 +30,9 @@ COLLECTIVE_TIMEOUT_S = 90
 CASE_TIMEOUT_S = 600
 
 
-# The worlds a pool can be: the default torch.distributed backend its processes start with.
-BACKENDS = ("gloo", "xla", "cpu_refusing")
+# The worlds a pool can be: the default torch.distributed backend its processes start with ("nccl": the benchmark's
+# GPU section, tools/bench).
+BACKENDS = ("gloo", "xla", "cpu_refusing", "nccl")
 
 
 def _init_world(backend: str, rank: int, world_size: int, port: int) -> None:
@@ -76,7 +77,7 @@ def _exit_with_parent() -> None:
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str], env: Dict[str, str],
-                 backend: str):
+                 backend: str, keep_topology: bool = False):
     _exit_with_parent()
     os.environ.update(env)
     sys.path[:] = sys_path
@@ -94,23 +95,29 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
         module_name, function_name, tp, kwargs = message
         try:
             function = getattr(importlib.import_module(module_name), function_name)
-            if tp is not None:
+            if tp is not None and not (keep_topology and parallel_state.model_parallel_is_initialized()):
                 parallel_state.initialize_model_parallel(
                     tensor_model_parallel_size=tp, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             results.put((rank, "ok", function(**kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test as text
             results.put((rank, "error", traceback.format_exc()))
         finally:
-            parallel_state.destroy_model_parallel()
+            if not keep_topology:
+                parallel_state.destroy_model_parallel()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
 class WorkerGroup:
-    def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None, backend: str = "gloo"):
+    def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None, backend: str = "gloo",
+                 keep_topology: bool = False):
+        """``keep_topology``: the topology the first case makes stays, with what the cases keep in their modules'
+        globals, until the pool closes (the benchmark's workers keep a model and its optimizer between calls)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         self.world_size = world_size
         self.backend = backend
+        self.keep_topology = keep_topology
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._processes: List[mp.Process] = []
         self._store = None
@@ -140,7 +147,7 @@ class WorkerGroup:
         self._processes = [
             ctx.Process(target=_worker_main, daemon=True,
                         args=(rank, self.world_size, port, self._tasks[rank], self._results, list(sys.path), self.env,
-                              self.backend))
+                              self.backend, self.keep_topology))
             for rank in range(self.world_size)
         ]
         for p in self._processes:

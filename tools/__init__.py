@@ -1,3 +1,2 @@
-"""Command-line tools over nxdtp (merge_checkpoints.py, benchmark.py, bench_*.py) and their benchmark package,
-``bench``. The CLIs run as scripts (``python tools/benchmark.py``), which puts this folder on the import path; the
-tests import the package as ``tools.bench``."""
+"""Command-line tools over nxdtp: merge_checkpoints.py (the merge CLI), benchmark.py and the benchmark package
+``tools.bench`` (``python -m tools.bench``)."""

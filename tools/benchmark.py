@@ -1,18 +1,16 @@
 #!/usr/bin/env python
-"""nxdtp benchmark (issue 6): train-step time, memory, communication, XLA graphs, checkpoint merge, activation
-memory, ZeRO-1 and the checkpoint stall, as markdown tables; with ``--json OUT`` every figure goes to a JSON file.
+"""nxdtp benchmark: the suite of ``python -m tools.bench`` (its ``--help`` lists the sections and options).
 
-    python tools/benchmark.py [--quick] [--json OUT] [--sections train,memory,...] [--gpu]   (--help: every option)
+    python tools/benchmark.py [--quick] [--json OUT] [--sections train,memory,...] [--gpu]
 
-The sections are modules of the ``bench`` package beside this file (``bench/suite.py`` runs them in order and prints
-the report); docs/performance.md says how each is measured.
-
-nxdtp must be importable: installed (``pip install -e .``) or on PYTHONPATH. ``bench`` is found beside this file.
+nxdtp must be importable (``pip install -e .`` or PYTHONPATH); the repository root is put on the path for ``tools``.
 """
 
+import os
 import sys
 
-from bench.suite import main
-
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools.bench.__main__ import main
+
     sys.exit(main())

@@ -1,153 +1,226 @@
-"""Helpers shared by the benchmark sections: paths, environment, machine description, statistics, formatting, and
-long-lived worker processes that answer commands over a pipe."""
+"""What the sections share: worker pools (the test harness's), the machine description, statistics, memory probes,
+and the one renderer that turns a section's tables (plain data) into markdown.
+
+Sections import torch only inside functions: workers import it themselves, after their thread counts are set."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
+import io
 import math
-import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
+import threading
 import time
-import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-TOOLS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARK_SCRIPT = os.path.join(TOOLS_DIR, "benchmark.py")
+from tests.harness import WorkerGroup
+
 MIB = 1 << 20
-
-# Every measuring process runs with one intra-op thread (and these variables set before torch is imported).
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                      "TOKENIZERS_PARALLELISM": "false"}
 
 
-def tool_script(name: str) -> str:
-    """The path of one of the CLIs in tools/ (``bench_merge.py``, ...): how a benchmark starts itself as a worker."""
-    return os.path.join(TOOLS_DIR, name)
+# ---- worker pools ----------------------------------------------------------------------------------------------------
+
+def case_started(fixed_mmap_threshold: bool) -> int:
+    """A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is then its own mapping,
+    returned to the kernel when freed, so RSS tracks live tensors (M_MMAP_THRESHOLD = -3)."""
+    import torch
+
+    with contextlib.suppress(RuntimeError):  # one inter-op thread too, where none has started yet
+        torch.set_num_interop_threads(1)
+    if fixed_mmap_threshold:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
+    return os.getpid()
 
 
-def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The environment of a measuring subprocess: single-threaded, with ``bench`` importable. nxdtp comes from where
-    this process found it: the installed package or the inherited PYTHONPATH."""
-    env = dict(os.environ)
-    env.update(SINGLE_THREAD_ENV)
-    env["PYTHONPATH"] = os.pathsep.join([TOOLS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(extra or {})
-    return env
+@contextlib.contextmanager
+def report_on_stdout():
+    """Within: file descriptor 1 goes to stderr (what workers print stays out of the report) and what this process
+    prints is held, then printed on stdout."""
+    held, saved = io.StringIO(), os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        sys.stdout.write(held.getvalue())
+        sys.stdout.flush()
 
 
-def hosted_store(world_size: int, timeout_s: float = 1800):
-    """A rendezvous store this process hosts on a port the kernel picks, listening from now on: workers join it with
-    ``join_hosted_world``. Keep it until they are done. A port merely found free and bound by a worker seconds later
-    can be taken meanwhile (by another benchmark's or test session's world, which would then share the store)."""
+class Pool:
+    """A started ``tests.harness.WorkerGroup`` of ``world`` single-threaded ranks that keeps its topology (TP size
+    ``tp``; None: no nxdtp topology) and its cases' module state between calls; ``malloc``: glibc's mmap threshold
+    fixed (``case_started``)."""
+
+    def __init__(self, world: int, tp: Optional[int] = None, env: Optional[Dict[str, str]] = None,
+                 backend: str = "gloo", malloc: bool = False):
+        self.world, self.tp = world, tp
+        self.group = WorkerGroup(world, env={**SINGLE_THREAD_ENV, **(env or {})}, backend=backend, keep_topology=True)
+        self.group.run(case_started, tensor_model_parallel_size=None, fixed_mmap_threshold=malloc)
+
+    def call(self, case: Callable, **kwargs) -> List[Any]:
+        """``case(**kwargs)`` on every rank; the answers by rank."""
+        return self.group.run(case, tensor_model_parallel_size=self.tp, **kwargs)
+
+    def close(self) -> None:
+        self.group.close()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fresh(case: Callable, world: int = 1, tp: Optional[int] = None, malloc: bool = False, **kwargs) -> List[Any]:
+    """``case(**kwargs)`` in new processes that end after it (memory baselines, cold imports)."""
+    with Pool(world, tp, malloc=malloc) as pool:
+        return pool.call(case, **kwargs)
+
+
+def barrier() -> None:
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.get_world_size() > 1:
+        dist.barrier()
 
 
-def join_hosted_world(backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:
-    """Join the world whose store ``hosted_store`` listens on ``port``: every rank, rank 0 included, as a client of
-    it (``env://`` with ``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun, whose agent hosts the store)."""
-    import torch.distributed as dist
+# ---- machine, statistics, log ----------------------------------------------------------------------------------------
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    del os.environ["TORCHELASTIC_USE_AGENT_STORE"]  # only this rendezvous is the host's
-
-
-def run_worker_script(worker: str, args: Dict[str, Any], out_path: str, env: Optional[Dict[str, str]] = None,
-                      timeout: float = 900, launcher: Sequence[str] = ()) -> Dict[str, Any]:
-    """Run ``tools/benchmark.py --worker NAME`` in a fresh process (optionally under a launcher such as torchrun) and
-    return the JSON it wrote to ``out_path``."""
-    cmd = [sys.executable] + list(launcher) + [BENCHMARK_SCRIPT, "--worker", worker, "--worker-args", json.dumps(args),
-                                               "--worker-out", out_path]
-    run = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True, timeout=timeout)
-    if run.returncode != 0:
-        raise RuntimeError(f"worker {worker!r} failed (exit {run.returncode}): {' '.join(cmd)}\n"
-                           f"--- stdout ---\n{run.stdout[-4000:]}\n--- stderr ---\n{run.stderr[-8000:]}")
-    with open(out_path) as f:
-        return json.load(f)
-
-
-# ---- machine description ---------------------------------------------------------------------------------------------
-
-def _version(package: str) -> Optional[str]:
+def version(package: str) -> Optional[str]:
     from importlib import metadata
 
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+    return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def _mem_total_gib() -> Optional[float]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
+def _proc_field(path: str, prefix: str) -> Optional[str]:
+    with contextlib.suppress(OSError), open(path) as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)), None)
     return None
 
 
 def machine() -> Dict[str, Any]:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu_model": _cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": usable,
-        "memory_gib": _mem_total_gib(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": _version("torch"),
-        "torch_xla": _version("torch-xla") or _version("torch_xla"),
-        "transformers": _version("transformers"),
-        "safetensors": _version("safetensors"),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+    memory = _proc_field("/proc/meminfo", "MemTotal")
+    return {"cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?",
+            "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+            "memory_gib": int(memory.split()[0]) / (1 << 20) if memory else None, "platform": platform.platform(),
+            "python": platform.python_version(),
+            **{p.replace("-", "_"): version(p) for p in ("torch", "torch-xla", "transformers", "safetensors")},
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-# ---- statistics and formatting ---------------------------------------------------------------------------------------
-
-def summary(values: Sequence[float]) -> Dict[str, Any]:
+def summary(values: Iterable[float]) -> Dict[str, Any]:
     values = list(values)
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def fmt(value: Optional[float], digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def verdict(value: Optional[float], target: float) -> str:
+    if value is None:
         return "-"
-    return f"{value:.{digits}f}"
+    return "met" if value <= target else f"MISSED by {(value - target) / target * 100:.1f} %"
 
 
-def fmt_range(s: Dict[str, Any], digits: int = 3) -> str:
-    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}-{fmt(s['max'], digits)})"
+def alternate(variants: Sequence[str], rounds: int, run_one: Callable[[str], Any], warmup: int = 0,
+              swap: bool = False, what: str = "") -> Dict[str, List[Any]]:
+    """``run_one(variant)`` for each variant in turn, ``warmup + rounds`` times (the order reversed every other round
+    when ``swap``, so drift hits all alike); the results of the timed rounds by variant."""
+    out: Dict[str, List[Any]] = {v: [] for v in variants}
+    for index in range(warmup + rounds):
+        for variant in (list(reversed(variants)) if swap and index % 2 else variants):
+            result = run_one(variant)
+            if index >= warmup:
+                out[variant].append(result)
+        if what:
+            log(f"{what}: round {index + 1}/{warmup + rounds}")
+    return out
 
 
-def fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
+def log(message: str) -> None:
+    print(f"# [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---- memory probes (Linux) -------------------------------------------------------------------------------------------
+
+def proc_status_kib() -> Dict[str, int]:
+    """VmRSS, VmHWM (the peak), RssAnon, RssFile of this process, in KiB."""
+    with open("/proc/self/status") as f:
+        fields = (line.partition(":") for line in f)
+        return {k: int(v.split()[0]) for k, _, v in fields if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
+def malloc_trim() -> None:
+    """Give the heap's free pages back to the kernel (glibc), so RSS measured next counts what is alive."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the figure then also counts what the heap kept
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS watermark (VmHWM) to its current RSS; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _sample_peaks(peak: Dict[str, int], stop: threading.Event, interval_s: float) -> None:
+    while True:
+        status = proc_status_kib()
+        peak.update({k: max(v, status.get(k, 0)) for k, v in peak.items()})
+        if stop.wait(interval_s):
+            return
+
+
+def measure_rss(run: Callable[[], Any]) -> tuple:
+    """``(run()'s value, figures)``: wall time and memory (MiB) over the RSS just before the call. The peak is VmHWM
+    after resetting it (``ru_maxrss`` where the kernel refuses); a thread samples RssAnon / RssFile every 2 ms (they
+    explain the peak; they can miss short spikes)."""
+    import gc
+    import resource
+
+    gc.collect()
+    before, peak_reset = proc_status_kib(), reset_peak_rss()
+    peak, stop = {"RssAnon": 0, "RssFile": 0}, threading.Event()
+    sampler = threading.Thread(target=_sample_peaks, args=(peak, stop, 0.002), daemon=True)
+    start = time.perf_counter()
+    sampler.start()
+    value = run()
+    seconds = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    after, maxrss = proc_status_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    top = after["VmHWM"] if peak_reset else maxrss
+    return value, {"seconds": seconds, "baseline_mib": before["VmRSS"] / 1024, "peak_reset": peak_reset,
+                   "peak_mib": top / 1024, "increase_mib": (top - before["VmRSS"]) / 1024,
+                   "maxrss_increase_mib": (maxrss - before["VmRSS"]) / 1024,
+                   **{f"sampled_peak_{k[3:].lower()}_increase_mib": (max(peak[k], after.get(k, 0)) - before.get(k, 0))
+                      / 1024 for k in peak}}
+
+
+# ---- the one renderer ------------------------------------------------------------------------------------------------
+
+def fmt_bytes(n: float) -> str:
     if abs(n) < 1024:
         return f"{n:,.0f} B"
     if abs(n) < MIB:
@@ -155,182 +228,38 @@ def fmt_bytes(n: Optional[float]) -> str:
     return f"{n / MIB:,.1f} MiB" if abs(n) < (1 << 30) else f"{n / (1 << 30):,.2f} GiB"
 
 
-def verdict(value: Optional[float], target: float, lower_is_better: bool = True) -> str:
-    if value is None:
+def cell(value: Any, spec: str = "") -> str:
+    """One table cell: a number by ``spec`` ("bytes", a format spec, or a readable default), a median/min/max dict as
+    "median (min-max)", a list as "a / b", a bool as yes / no, None or NaN as "-"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    met = value <= target if lower_is_better else value >= target
-    return "met" if met else f"MISSED by {abs(value - target) / target * 100:.1f} %"
+    if isinstance(value, (bool, str)):
+        return {True: "yes", False: "no"}.get(value, value) if isinstance(value, bool) else value
+    if isinstance(value, dict):
+        return f"{cell(value['median'], spec)} ({cell(value['min'], spec)}-{cell(value['max'], spec)})"
+    if isinstance(value, (list, tuple)):
+        return " / ".join(cell(v, spec) for v in value)
+    if spec:
+        return fmt_bytes(value) if spec == "bytes" else format(value, spec)
+    if isinstance(value, int) or abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) >= 0.001 or value == 0 else f"{value:.2e}"
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], formats: Optional[Dict[str, str]] = None):
+    """A table as data: ``formats`` maps a column name to a ``cell`` spec."""
+    return {"columns": list(columns), "rows": [list(r) for r in rows], "formats": formats or {}}
 
 
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """Send file descriptor 1 to stderr for a while (child processes inherit it), so the report on stdout stays
-    clean."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def log(message: str) -> None:
-    print(f"# [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# ---- long-lived worker processes -------------------------------------------------------------------------------------
-
-class WorkerError(RuntimeError):
-    pass
-
-
-def serve_in_gloo_world(conn, handlers: Dict[str, Callable], rank: int, world: int, port: int, tp: int,
-                        timeout_s: float, before_serving: Optional[Callable[[], None]] = None) -> None:
-    """The body of a benchmark worker in a gloo world: one thread, gloo's connection lines to stderr, torch and
-    transformers imported, the world joined and nxdtp's groups made (TP size ``tp``), ``before_serving()``, then
-    ``serve`` until the driver closes the pipe; the groups destroyed and the process ended without torch's teardown."""
-    os.dup2(2, 1)  # gloo's connection lines go to stderr, not into the report
-    os.environ.update(SINGLE_THREAD_ENV)
-    import torch
-
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    import torch.distributed as dist
-    import transformers  # noqa: F401
-
-    from nxdtp import parallel_state
-
-    join_hosted_world("gloo", rank, world, port, timeout_s)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    try:
-        if before_serving is not None:
-            before_serving()
-        serve(conn, handlers, {"rank": rank, "world": world})
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # everything went back over the pipe; skip torch's slow interpreter teardown
-
-
-def serve(conn, handlers: Dict[str, Callable], state: Dict[str, Any]) -> None:
-    """The command loop of a worker process: receive ``(command, kwargs)``, answer ``("ok", value)`` or
-    ``("error", traceback)``; ``"quit"`` ends it."""
-    while True:
-        try:
-            command, kwargs = conn.recv()
-        except EOFError:
-            return
-        if command == "quit":
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", handlers[command](state, **kwargs)))
-        except BaseException:  # noqa: BLE001 - everything goes back to the driver as text
-            conn.send(("error", traceback.format_exc()))
-
-
-class Worker:
-    """One spawned process running ``target(conn, *args)``, which is expected to call :func:`serve`."""
-
-    def __init__(self, name: str, target: Callable, args: tuple):
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child,) + tuple(args), name=name, daemon=True)
-        self.process.start()
-        child.close()
-
-    def send(self, command: str, **kwargs) -> None:
-        self.conn.send((command, kwargs))
-
-    def receive(self, timeout: float = 1800) -> Any:
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(1.0):
-            if not self.process.is_alive():
-                raise WorkerError(f"{self.name} died (exit code {self.process.exitcode})")
-            if time.monotonic() > deadline:
-                raise WorkerError(f"{self.name}: no answer within {timeout:.0f} s")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise WorkerError(f"{self.name} failed:\n{value}")
-        return value
-
-    def close(self, quit_sent: bool = False) -> None:
-        if self.process.is_alive():
-            try:
-                if not quit_sent:
-                    self.send("quit")
-                self.receive(timeout=60)
-            except (WorkerError, OSError, EOFError):
-                pass
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=10)
-
-
-# A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is its own mapping, returned to
-# the kernel when freed, so a worker's RSS tracks its live tensors instead of what the heap happened to keep.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-
-
-def memory_measuring_workers(name: str, target: Callable, world_size: int, extra_args: tuple = ()) -> "WorkerGroup":
-    """A ``WorkerGroup`` whose processes start with ``MALLOC_ENV`` (read by each spawned worker's C library at start),
-    for sections that measure RSS; this process's environment is restored after."""
-    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
-    os.environ.update(MALLOC_ENV)
-    try:
-        return WorkerGroup(name, target, world_size, extra_args=extra_args)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-class WorkerGroup:
-    """The ranks of one competitor: every command goes to all of them, and the answers come back as a list by rank."""
-
-    def __init__(self, name: str, target: Callable, world_size: int, extra_args: tuple = ()):
-        self._store = hosted_store(world_size)  # the workers' rendezvous, held until they are closed
-        port = self._store.port
-        self.name = name
-        self.world_size = world_size
-        self.workers: List[Worker] = [
-            Worker(f"{name}[rank {rank}]", target, (name, rank, world_size, port) + tuple(extra_args))
-            for rank in range(world_size)]
-
-    def send(self, command: str, **kwargs) -> None:
-        for w in self.workers:
-            w.send(command, **kwargs)
-
-    def receive(self, timeout: float = 1800) -> List[Any]:
-        return [w.receive(timeout) for w in self.workers]
-
-    def call(self, command: str, timeout: float = 1800, **kwargs) -> List[Any]:
-        self.send(command, **kwargs)
-        return self.receive(timeout)
-
-    def close(self) -> None:
-        sent = []
-        for w in self.workers:
-            try:
-                w.send("quit")
-                sent.append(True)
-            except (OSError, ValueError):
-                sent.append(False)
-        for w, quit_sent in zip(self.workers, sent):
-            w.close(quit_sent=quit_sent)
-        self._store = None
+def render(blocks: Iterable[Any]) -> str:
+    """Markdown of a report: each block is a paragraph (a string) or a ``table``."""
+    out = []
+    for block in blocks:
+        if isinstance(block, str):
+            out.append(block)
+            continue
+        specs = [block["formats"].get(c, "") for c in block["columns"]]
+        lines = ["| " + " | ".join(block["columns"]) + " |", "|" + "---|" * len(specs)]
+        lines += ["| " + " | ".join(cell(v, s) for v, s in zip(row, specs)) + " |" for row in block["rows"]]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)

@@ -1,0 +1,170 @@
+"""nxdtp benchmark: ``python -m tools.bench SECTION [SECTION ...] [--quick] [--json OUT] [...]`` runs sections of the
+suite and prints them as markdown (``python tools/benchmark.py [--sections a,b]`` is the same); ``python -m tools.bench
+TOOL [...]`` runs a measurement with options of its own (``TOOL --help``). docs/performance.md says how each measures.
+
+Suite sections:
+  train       train step on CPU: BERT, dense vs nxdtp TP=2 vs DTensor TP=2; a Llama-shaped decoder, dense vs nxdtp
+  memory      parameter and AdamW bytes per rank of BERT-large at TP = 1, 2, 4, 8, counted and measured
+  comm        collectives per BERT layer per step, from the XLA HLO and a counting gloo run, next to Megatron's
+  xla         XLA graphs per step on XLA:CPU; distinct graphs over every rank of simulated worlds; a compile time
+  merge       checkpoint merge time and memory against a raw copy (the merge_timing tool, warm page cache)
+  actmem      activation memory per rank of BERT-large layers, dense / TP / TP+SP / +checkpointing, vs Megatron
+  zero1       ZeRO-1 bytes per parameter, peak RSS of a step, step time against plain DP
+  async_save  the step loop's stall while a checkpoint is written, sync against async_save=True
+  gpu         (only when named, or --gpu) section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL
+Tools: merge_timing, pretrained_loading, verify, divergence.
+
+Progress goes to stderr, the report to stdout; ``--json OUT`` writes every figure (and the tables as data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import sys
+import time
+import types
+from typing import Any, Callable, Dict
+
+from . import common
+
+# section: (its key in the JSON, its title in the report)
+SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", "2. Memory per rank, BERT-large"),
+            "comm": ("communication", "3. Communication per BERT layer"),
+            "xla": ("xla_graphs", "4. XLA graphs per step"), "merge": ("checkpoint_merge", "5. Checkpoint merge"),
+            "actmem": ("activation_memory", "6. Activation memory per rank, BERT-large layers"),
+            "zero1": ("zero1", "7. ZeRO-1: bytes per parameter, peak RSS, step time"),
+            "async_save": ("async_save", "8. Checkpoint stall: save_checkpoint, sync against async_save"),
+            "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
+KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
+TOOLS = ("merge_timing", "pretrained_loading", "verify", "divergence")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("section", nargs="*", help="suite sections to run (default: all but gpu)")
+    parser.add_argument("--sections", help="the same, comma-separated (tools/benchmark.py's form)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks that all works")
+    parser.add_argument("--json", metavar="OUT", help="write every figure to this JSON file")
+    parser.add_argument("--rounds", type=int, help="timed alternating rounds of section 1 (default 10, --quick 3)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per competitor of section 1 (default 2)")
+    parser.add_argument("--nxdtp-vocab-multiple", dest="vocab_multiple", type=int, default=128, metavar="N",
+                        help="section 1: make_vocab_size_divisible_by for nxdtp (default 128, as the example uses)")
+    parser.add_argument("--profile", action="store_true", help="section 1: also profile one step of each competitor")
+    parser.add_argument("--gpu", action="store_true", help="also run the gpu section")
+    parser.add_argument("--gpu-device", default="cuda:0", help=argparse.SUPPRESS)  # "cpu" checks that code path
+    parser.add_argument("--merge-rounds", type=int, help="rounds of section 5 (default 3, --quick 1)")
+    parser.add_argument("--merge-workdir", help="where section 5 keeps its checkpoint (reused when present)")
+    return parser
+
+
+def _run_tool(name: str, argv) -> int:
+    from . import divergence, merge_timing, pretrained_loading, verification
+
+    tools = {"merge_timing": merge_timing, "pretrained_loading": pretrained_loading, "verify": verification,
+             "divergence": divergence}
+    return tools[name].main(argv)
+
+
+def _sections(args, parser) -> list:
+    named = list(args.section) + [s.strip() for s in (args.sections or "").split(",") if s.strip()]
+    sections = named or [s for s in SECTIONS if s != "gpu"]
+    sections += ["gpu"] if args.gpu and "gpu" not in sections else []
+    unknown = sorted(set(sections) - set(KEYS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(KEYS)}, or a tool of {list(TOOLS)}")
+    return [s for s in KEYS if s in sections]
+
+
+def _runners(ctx) -> Dict[str, Callable[[], Any]]:
+    from . import activation_memory, async_save, communication, memory, merge_timing, train_step, xla_graphs, zero1
+
+    spec = train_step.QUICK if ctx.quick else train_step.FULL
+    # Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
+    # run does everything one after the other, so nothing disturbs the timed sections.
+    hlo = ctx.later(lambda: communication.trace_hlo(spec), "comm" in ctx.sections)
+    xla = ctx.later(lambda: xla_graphs.run(ctx), "xla" in ctx.sections)
+    return {"train": lambda: train_step.run(ctx), "gpu": lambda: train_step.run_gpu(ctx),
+            "comm": lambda: communication.run(ctx, hlo()), "memory": lambda: memory.run(ctx),
+            "actmem": lambda: activation_memory.run(ctx), "zero1": lambda: zero1.run(ctx),
+            "async_save": lambda: async_save.run(ctx), "xla": xla, "merge": lambda: merge_timing.run(ctx)}
+
+
+def _later(pool):
+    def later(fn, wanted: bool):
+        if pool is None or not wanted:
+            return fn
+        return pool.submit(fn).result
+    return later
+
+
+def run_suite(args, sections) -> Dict[str, Any]:
+    from .train_step import Competitors
+
+    background = concurrent.futures.ThreadPoolExecutor(max_workers=2) if args.quick else None
+    ctx = types.SimpleNamespace(**{**vars(args), "sections": sections, "competitors": Competitors(),
+                                   "later": _later(background)})
+    results, seconds = {}, {}
+    try:
+        runners = _runners(ctx)
+        # Sections 1, gpu and 3 share the competitors' workers; the others start worlds of their own after those end.
+        shared = ("train", "gpu", "comm")
+        for name in [s for s in shared if s in sections] + [s for s in sections if s not in shared]:
+            if name not in shared:
+                ctx.competitors.close()
+            started = time.perf_counter()
+            results[KEYS[name]] = runners[name]()
+            seconds[name] = time.perf_counter() - started
+            common.log(f"{TITLES[name]}: done in {seconds[name]:.1f} s")
+    finally:
+        ctx.competitors.close()
+        if background is not None:
+            background.shutdown()
+    return {"sections": results, "section_wall_s": seconds}
+
+
+def _non_finite(numbers: dict) -> list:
+    return [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+            or not math.isfinite(v)]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with common.report_on_stdout():
+        return _run_tool(argv[0], argv[1:]) if argv and argv[0] in TOOLS else _suite(argv)
+
+
+def _suite(argv) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sections = _sections(args, parser)
+    started, machine = time.perf_counter(), common.machine()
+    out = run_suite(args, sections)
+    machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    wall = time.perf_counter() - started
+    command = "python -m tools.bench " + " ".join(argv)
+    print(f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}\n\n"
+          f"{machine['date_utc']}; {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "
+          f"({machine['usable_cpus']} usable), {common.cell(machine['memory_gib'], '.1f')} GiB; {machine['platform']}; "
+          f"Python {machine['python']}, torch {machine['torch']}, torch-xla {machine['torch_xla']}, transformers "
+          f"{machine['transformers']}; load average at start {machine['load_average_at_start']}, at end "
+          f"{machine['load_average_at_end']}. Command: `{command.strip()}`; {wall:.0f} s.")
+    for name in sections:
+        print(f"\n## {TITLES[name]}\n\n{common.render(out['sections'][KEYS[name]]['tables'])}")
+    problems = {KEYS[n]: bad for n in sections if (bad := _non_finite(out["sections"][KEYS[n]]["numbers"]))}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command.strip(), "quick": args.quick, "sections_run": sections, "machine": machine,
+                       "wall_s": wall, **out, "non_finite_numbers": problems}, f, indent=1, default=str)
+        common.log(f"wrote {args.json}")
+    if problems:
+        common.log(f"sections with missing or non-finite numbers: {problems}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
