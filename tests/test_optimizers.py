@@ -1,4 +1,4 @@
-"""nxdtp.optimizers.Lamb against a float64 reference, and a TP model against the dense model on gloo ranks.
+"""nxdtp.optimizer.Lamb against a float64 reference, and a TP model against the dense model on gloo ranks.
 
 Single process (under a simulated TP-size-1 topology): three steps of ``Lamb`` equal a plain float64 reference written
 below (per tensor, Python branches, no torch.where), for decay / no-decay / always-adapt groups, trust_clip on and off,
@@ -406,7 +406,7 @@ def case_lamb_tp_equals_dense(seed, config):
 
         dense_opt.step()
         calls.clear()
-        comm.all_reduce = counted  # nxdtp.optimizers and nxdtp.grads both call comm.all_reduce
+        comm.all_reduce = counted  # nxdtp.optimizer and nxdtp.grads both call comm.all_reduce
         try:
             tp_opt.step()
         finally:

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import transformers as tf
 
 from nxdtp import checkpointing, comm, grads, mappings
-from nxdtp.agreement import check_replicated_agree, set_input_check
+from nxdtp.agreement import InputCheckNote, check_replicated_agree, set_input_check
 from nxdtp.checkpointing.index import split_state_dict
 from nxdtp.models import parallelize_model
 from nxdtp.parallel_state import tensor_parallel_group
-from nxdtp.record import record_of
+from nxdtp.record import read_note
 
 from .common import Pool, log, median, render, summary, table
 
@@ -71,7 +71,7 @@ def _inputs(rounds: int) -> List[Any]:
                 set_input_check(model, every=every)
                 times[every].append(_timed(lambda: model(**batch)))
             set_input_check(model, every=1)
-            times[2].append(_timed(lambda: record_of(model).input_check(model, (), batch)))
+            times[2].append(_timed(lambda: read_note(model, InputCheckNote).check(model, (), batch)))
         times = {k: v[2:] for k, v in times.items()}
         rows.append([f"{size} Llama, batch {tuple(batch['input_ids'].shape)}", _ms(times[1]), _ms(times[0]),
                      _paired(times[1], times[0]), _ms(times[2])])

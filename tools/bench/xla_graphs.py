@@ -20,7 +20,7 @@ from nxdtp import comm, grads, parallel_state
 from nxdtp.grads import clip_grad_norm
 from nxdtp.models import parallelize_model
 from nxdtp.models.bert import attention_bias, parallelize_bert
-from nxdtp.optimizers import Lamb
+from nxdtp.optimizer import Lamb
 from nxdtp.random import model_parallel_xla_manual_seed
 from nxdtp.utils import move_model_to_device
 
