@@ -27,14 +27,8 @@ Padding when resharding: every tensor is padded for the new degree by its own re
 partition-padded convolution or linear layer to its layer's multiple, zero heads and repeated KV heads as the plan lays
 them out; so the model built at the new degree with the same arguments has exactly these shapes, whatever else the
 model pads. The ``pad_to_multiple_of`` argument replaces the vocabulary multiple (pass the model's new
-``make_vocab_size_divisible_by`` when it changes). Checkpoints written before specs recorded the rule are read as
-before: a tensor padded along its partition dim (real shape smaller than the full shape in the index), or whose
-partition dim equals ``vocab_size`` in the tag's ``config.json``, is a vocab-parallel tensor, padded with one
-checkpoint-wide multiple: the argument; the value recorded in the source tag's ``reshard.json`` (written by an earlier
-reshard); the smallest multiple m that reproduces the source's padding (m = 1 whenever the source's padding is just "a
-multiple of tp"). The padding cannot tell every m apart (53 padded to 64 at tp=2 fits m = 16 and m = 32), so pass the
-model's ``make_vocab_size_divisible_by`` for such checkpoints when it was not 1. The value used is recorded in the new
-tag's ``reshard.json``, and each tensor's rule in its spec, which later reshards read.
+``make_vocab_size_divisible_by`` when it changes). A tensor without a padding record is not padded again: a degree
+its split dim does not divide is refused, naming the tensor. ``reshard.json`` records the vocabulary multiple used.
 """
 
 from __future__ import annotations
@@ -50,7 +44,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from ..rounding import round_up
 from ..spec import FlatShardLayout, ParamSpec
 from ..version import __version__
 from . import integrity, tags
@@ -204,8 +197,8 @@ def reshard_source(tag_dir: str, index: CheckpointIndex, model_files: Dict[str, 
     config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as the source (default ``tag_dir``)."""
     check_reshard_arguments(new_tp, pad_to_multiple_of)
     config_path = _config_source(tag_dir, config)
-    multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
-    new_entries = _resharded_entries(index, new_tp, multiple, _config_vocab_size(config_path), pad_to_multiple_of)
+    multiple, multiple_source = _pad_multiple(index, pad_to_multiple_of)
+    new_entries = _resharded_entries(index, new_tp, pad_to_multiple_of)
     job = _ReshardJob(tag_dir=tag_dir, index=index, new_tp=new_tp, new_entries=new_entries, model_files=model_files,
                       config_path=config_path, multiple=multiple, multiple_source=multiple_source, progress=progress,
                       open_file=open_file or _opener(tag_dir),
@@ -229,11 +222,10 @@ def check_reshard_arguments(new_tp: Any, pad_to_multiple_of: Any) -> None:
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
 
 
-def _resharded_entries(index: CheckpointIndex, new_tp: int, multiple: int, vocab_size: Optional[int],
-                       pad_to_multiple_of: Optional[int]) -> Dict[str, TensorEntry]:
+def _resharded_entries(index: CheckpointIndex, new_tp: int, pad_to_multiple_of: Optional[int]
+                       ) -> Dict[str, TensorEntry]:
     """The source's index entries with each spec moved to ``new_tp`` (and padded again by its rule)."""
-    return {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size,
-                                                           pad_to_multiple_of),
+    return {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, pad_to_multiple_of),
                              aliases=list(e.aliases))
             for key, e in index.tensors.items()}
 
@@ -503,32 +495,14 @@ def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
 
 # ---- resharding ------------------------------------------------------------------------------------------------------
 
-def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
+def _pad_multiple(index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
+    """The vocabulary multiple of the reshard, and where it comes from (for ``reshard.json``)."""
     if explicit is not None:
         return explicit, "argument"
-    recorded = os.path.join(tag_dir, RESHARD_FILE)
-    if os.path.isfile(recorded):
-        try:
-            with open(recorded) as f:
-                value = json.load(f).get("pad_to_multiple_of")
-            if isinstance(value, int) and value >= 1:
-                return value, f"recorded in {recorded}"
-        except (ValueError, AttributeError):
-            pass
-    tp = index.tensor_model_parallel_size
-    # Only tensors without a padding record of their own (checkpoints written before specs recorded it) are read.
-    padded = {(e.spec.unpadded_shape[e.spec.partition_dim], e.spec.full_shape[e.spec.partition_dim])
-              for e in index.tensors.values() if e.spec.is_sharded and e.spec.replicas == 1 and e.spec.pad_block == 1
-              and e.spec.pad_to_multiple_of is None
-              and e.spec.unpadded_shape[e.spec.partition_dim] != e.spec.full_shape[e.spec.partition_dim]}
-    if not padded:
-        return 1, "default (the source checkpoint has no padding)"
-    per_rank_max = max(full for _, full in padded) // tp
-    for m in range(1, per_rank_max + 1):
-        if all(round_up(real, m * tp) == full for real, full in padded):
-            return m, "inferred from the source checkpoint's padding"
-    raise ValueError(f"{tag_dir}: the vocabulary padding {sorted(padded)} (real, padded) is not round_up(real, m * "
-                     f"{tp}) for any m; pass pad_to_multiple_of (--pad-to-multiple-of) explicitly")
+    recorded = sorted({e.spec.pad_to_multiple_of for e in index.tensors.values() if e.spec.vocabulary})
+    if recorded:
+        return recorded[0], "recorded in the source's index"
+    return 1, "default (the source records no vocabulary padding)"
 
 
 def _config_source(tag_dir: str, explicit: Optional[str]) -> Optional[str]:
@@ -547,46 +521,16 @@ def _config_source(tag_dir: str, explicit: Optional[str]) -> Optional[str]:
     return path
 
 
-def _config_vocab_size(config_path: Optional[str]) -> Optional[int]:
-    if config_path is None:
-        return None
-    with open(config_path) as f:
-        value = json.load(f).get("vocab_size")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size: Optional[int],
-              explicit_multiple: Optional[int]) -> ParamSpec:
-    """The tensor's spec at ``new_tp``: its own padding record (the layout algebra's ``at_degree``), with an
-    explicit ``pad_to_multiple_of`` replacing a vocabulary's multiple; a tensor without a record gets one as before."""
-    spec = _with_padding_record(key, spec, multiple, vocab_size, explicit_multiple)
+def _new_spec(key: str, spec: ParamSpec, new_tp: int, explicit_multiple: Optional[int]) -> ParamSpec:
+    """The tensor's spec at ``new_tp`` by its own padding record (the layout algebra's ``at_degree``); an explicit
+    ``pad_to_multiple_of`` replaces a vocabulary's recorded multiple (the user builds the model at the new degree with
+    it), other recorded rules (partition padding) are the layers' own and stay."""
+    if spec.vocabulary and spec.pad_to_multiple_of is not None and explicit_multiple is not None:
+        spec = dataclasses.replace(spec, pad_to_multiple_of=explicit_multiple)
     try:
         return spec.at_degree(new_tp)
     except ValueError as e:
         raise ValueError(f"'{key}': {e}") from None
-
-
-def _with_padding_record(key: str, spec: ParamSpec, multiple: int, vocab_size: Optional[int],
-                         explicit_multiple: Optional[int]) -> ParamSpec:
-    """``spec`` with the padding rule its reshard follows. A recorded vocabulary multiple gives way to an explicit one
-    (the user builds the model at the new degree with it); other recorded rules (partition padding) are the layers'
-    own and stay. A spec without a record (a checkpoint written before the record) is a vocabulary when it is padded
-    along its partition dim, or that dim is the config's ``vocab_size``, and then pads with the checkpoint's
-    ``multiple`` (argument, reshard.json, or inferred: module docstring), as before."""
-    if not spec.is_sharded or spec.replica_block > 1 or spec.pad_block > 1 or spec.pad_groups > 1:
-        return spec  # not padded to a multiple: repeated or zero heads are laid out by their own fields
-    if spec.pad_to_multiple_of is not None:
-        if spec.vocabulary and explicit_multiple is not None:
-            return dataclasses.replace(spec, pad_to_multiple_of=explicit_multiple)
-        return spec
-    dim = spec.partition_dim
-    real = spec.unpadded_shape[dim]
-    if real != spec.full_shape[dim] or (vocab_size is not None and real == vocab_size and spec.stride == 1):
-        if spec.stride != 1:
-            raise ValueError(f"'{key}' is padded along its partition dim {dim} but has stride {spec.stride}; padding "
-                             "a strided tensor is not supported")
-        return dataclasses.replace(spec, pad_to_multiple_of=multiple, vocabulary=True)
-    return spec
 
 
 def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
