@@ -196,10 +196,11 @@ def test_merge_gives_dense_model_with_same_outputs(trained, tmp_path, capsys, fo
 
 def test_merge_is_atomic_on_failure(trained, tmp_path, monkeypatch):
     from nxdtp.checkpointing import merge as merge_module
+    from nxdtp.checkpointing.pipeline import TagSource
 
     root, _ = trained
     calls = {"n": 0}
-    real = merge_module._assemble
+    real = TagSource.read_boxes
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -207,7 +208,7 @@ def test_merge_is_atomic_on_failure(trained, tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(merge_module, "_assemble", failing)
+    monkeypatch.setattr(TagSource, "read_boxes", failing)
     out = tmp_path / "dense"
     with pytest.raises(RuntimeError, match="disk on fire"):
         merge_module.merge(os.path.join(root, "live"), str(out), progress=False)
@@ -408,7 +409,7 @@ def test_reshard_padding_multiple_is_inferred_recorded_and_overridable(trained, 
     # The next reshard reads the recorded multiple: 53 at tp=2 with multiple 8 pads to 64, not 54.
     reshard(str(tmp_path / "m8"), str(tmp_path / "m8_tp2"), 2, progress=False)
     assert _index(tmp_path / "m8_tp2")["tensors"]["cls.predictions.bias"]["spec"]["full_shape"] == [64]
-    # Without a record the smallest multiple that reproduces the padding is used: 64 at tp=2 -> 16 -> 64 at tp=4.
+    # Without reshard.json, the tensor's own padding record (multiple 8) gives 64 at tp=4 again.
     _drop_recorded_file(tmp_path / "m8_tp2" / "step_000002", "reshard.json")
     reshard(str(tmp_path / "m8_tp2"), str(tmp_path / "back4"), 4, progress=False)
     assert _index(tmp_path / "back4")["tensors"]["cls.predictions.bias"]["spec"]["full_shape"] == [64]
