@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="write a sharded checkpoint at tensor parallel size N instead of a dense one")
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
                         help="with --reshard: pad the vocabulary to a multiple of M * N (the model's "
-                             "make_vocab_size_divisible_by; default: as recorded or inferred from the source)")
+                             "make_vocab_size_divisible_by; default: as the source records it)")
     parser.add_argument("--to", choices=("hf", "dcp"), default="hf",
                         help="what to write: a dense Hugging Face directory (default), or a torch.distributed."
                              "checkpoint (DCP) directory that dcp.load reads into a dense, DTensor or FSDP2 model "

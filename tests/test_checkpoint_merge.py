@@ -196,10 +196,11 @@ def test_merge_gives_dense_model_with_same_outputs(trained, tmp_path, capsys, fo
 
 def test_merge_is_atomic_on_failure(trained, tmp_path, monkeypatch):
     from nxdtp.checkpointing import merge as merge_module
+    from nxdtp.checkpointing.pipeline import TagSource
 
     root, _ = trained
     calls = {"n": 0}
-    real = merge_module._assemble
+    real = TagSource.read_boxes
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -207,7 +208,7 @@ def test_merge_is_atomic_on_failure(trained, tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(merge_module, "_assemble", failing)
+    monkeypatch.setattr(TagSource, "read_boxes", failing)
     out = tmp_path / "dense"
     with pytest.raises(RuntimeError, match="disk on fire"):
         merge_module.merge(os.path.join(root, "live"), str(out), progress=False)
@@ -230,6 +231,7 @@ def _synthetic(directory, tp):
     import torch
 
     from nxdtp.checkpointing import tags
+    from nxdtp.checkpointing.durable import write_bytes_durably
     from nxdtp.checkpointing.index import CheckpointIndex, TensorEntry, dtype_name, model_file
     from nxdtp.checkpointing.safetensors_stream import StreamingSafetensorsWriter
     from nxdtp.layers import shard_of
@@ -250,14 +252,16 @@ def _synthetic(directory, tp):
                 shape[0] = padded_size(shape[0], tp)
             padded = torch.zeros(shape, dtype=value.dtype)
             padded[tuple(slice(0, n) for n in value.shape)] = value
+            padding = dict(pad_to_multiple_of=1, vocabulary=True) if key == "vocab.weight" else {}
             spec = ParamSpec(full_shape=tuple(shape), partition_dim=dim, stride=stride, num_partitions=tp,
-                             real_shape=tuple(value.shape))
+                             real_shape=tuple(value.shape), **padding)
             full[key] = (padded, spec)
         else:
             full[key] = (value, ParamSpec(full_shape=tuple(value.shape), num_partitions=tp))
         entries[key] = TensorEntry(dtype=dtype_name(value.dtype), spec=full[key][1],
                                    aliases=["head.weight"] if key == "vocab.weight" else [])
     tag_dir = os.path.join(directory, "step_000001")
+    files, contents = {}, {}
     for rank in range(tp):
         mine = [(k, shard_of(t, s.partition_dim, rank, tp, s.stride) if s.is_sharded else t)
                 for k, (t, s) in full.items() if s.is_sharded or rank == 0]
@@ -265,10 +269,11 @@ def _synthetic(directory, tp):
                                         [(k, t.dtype, tuple(t.shape)) for k, t in mine]) as writer:
             for k, t in mine:
                 writer.write(k, t)
-    # No file records: like a checkpoint of an nxdtp before checksums, it is read without verification.
-    index_record = CheckpointIndex(tensor_model_parallel_size=tp, data_parallel_size=1, tensors=entries).write(tag_dir)
-    with open(os.path.join(tag_dir, "trainer_state.json"), "w") as f:
-        json.dump({"global_step": 1}, f)
+        files[model_file(rank)], contents[model_file(rank)] = writer.record(), writer.contents_record()
+    files["trainer_state.json"] = write_bytes_durably(os.path.join(tag_dir, "trainer_state.json"),
+                                                      json.dumps({"global_step": 1}).encode())
+    index_record = CheckpointIndex(tensor_model_parallel_size=tp, data_parallel_size=1, tensors=entries,
+                                   files=files, tensor_checksums=contents).write(tag_dir)
     tags.mark_done(tag_dir, index_record)
     tags.set_newest(directory, "step_000001")
     return dense
@@ -306,6 +311,29 @@ def test_merge_and_reshard_invert_strided_and_padded_sharding(tmp_path):
     merged = torch.load(tmp_path / "dense1" / "pytorch_model.bin", weights_only=True)
     for key, value in dense.items():
         assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+
+
+@pytest.mark.parametrize("record", ["files", "tensor_checksums", "done"])
+def test_a_tag_without_its_checksum_records_is_refused_naming_the_file(tmp_path, record):
+    """Every tag records checksums; one without them (hand-made, or cut short) is an error naming what it lacks."""
+    from nxdtp.checkpointing import CheckpointIntegrityError
+    from nxdtp.checkpointing.merge import merge
+
+    _synthetic(str(tmp_path / "tp2"), tp=2)
+    tag_dir = tmp_path / "tp2" / "step_000001"
+    if record == "done":
+        (tag_dir / "done").write_text("complete\n")
+        expected = f"{tag_dir / 'done'} is damaged: it must be JSON holding the record"
+    else:
+        index = json.loads((tag_dir / "nxdtp_index.json").read_text())
+        del index[record]
+        (tag_dir / "nxdtp_index.json").write_text(json.dumps(index))
+        _rerecord(tag_dir, "nxdtp_index.json")  # so the missing records, not the changed bytes, meet the reader
+        expected = f"{tag_dir / 'nxdtp_index.json'} records no '{record}'"
+    with pytest.raises(CheckpointIntegrityError) as raised:
+        merge(str(tag_dir), str(tmp_path / "dense"), progress=False)
+    assert expected in str(raised.value), raised.value
+    assert not (tmp_path / "dense").exists()
 
 
 # ---- reshard ---------------------------------------------------------------------------------------------------------
@@ -381,7 +409,7 @@ def test_reshard_padding_multiple_is_inferred_recorded_and_overridable(trained, 
     # The next reshard reads the recorded multiple: 53 at tp=2 with multiple 8 pads to 64, not 54.
     reshard(str(tmp_path / "m8"), str(tmp_path / "m8_tp2"), 2, progress=False)
     assert _index(tmp_path / "m8_tp2")["tensors"]["cls.predictions.bias"]["spec"]["full_shape"] == [64]
-    # Without a record the smallest multiple that reproduces the padding is used: 64 at tp=2 -> 16 -> 64 at tp=4.
+    # Without reshard.json, the tensor's own padding record (multiple 8) gives 64 at tp=4 again.
     _drop_recorded_file(tmp_path / "m8_tp2" / "step_000002", "reshard.json")
     reshard(str(tmp_path / "m8_tp2"), str(tmp_path / "back4"), 4, progress=False)
     assert _index(tmp_path / "back4")["tensors"]["cls.predictions.bias"]["spec"]["full_shape"] == [64]

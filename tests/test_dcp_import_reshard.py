@@ -36,7 +36,7 @@ def case_load_resharded(checkpoint: str):
     hyperparameters; returns the gathered logits, and checks the moments against a dense AdamW's after one step."""
     from nxdtp import checkpointing
     from nxdtp import parallel_state as ps
-    from nxdtp.checkpointing.save_load import _sharding_specs
+    from nxdtp.checkpointing.save_load import sharding_specs
     from nxdtp.models import parallelize_model
 
     tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
@@ -50,7 +50,7 @@ def case_load_resharded(checkpoint: str):
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
     _step(reference, reference_optimizer, _llama_batch())
     reference_params = dict(reference.named_parameters())
-    specs = _sharding_specs(model, tp)
+    specs = sharding_specs(model, tp)
     checked = 0
     for name, param in model.named_parameters():
         theirs = reference_optimizer.state[reference_params[name]]
@@ -230,7 +230,7 @@ def case_load_optimizer_kind(checkpoint: str, optimizer_class: str, kwargs: dict
     returns the gathered logits."""
     from nxdtp import checkpointing
     from nxdtp import parallel_state as ps
-    from nxdtp.checkpointing.save_load import _sharding_specs
+    from nxdtp.checkpointing.save_load import sharding_specs
     from nxdtp.models import parallelize_model
 
     tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
@@ -245,7 +245,7 @@ def case_load_optimizer_kind(checkpoint: str, optimizer_class: str, kwargs: dict
     theirs = {k: v for k, v in reference_optimizer.param_groups[0].items() if k != "params"}
     assert mine == theirs, (mine, theirs)
     reference_params = dict(reference.named_parameters())
-    specs = _sharding_specs(model, tp)
+    specs = sharding_specs(model, tp)
     fields = set()
     for name, param in model.named_parameters():
         expected_state = reference_optimizer.state[reference_params[name]]

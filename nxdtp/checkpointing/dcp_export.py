@@ -50,21 +50,15 @@ from .dense_optimizer import MASTER_PREFIX
 from .durable import write_bytes_durably
 from .index import CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file
 from .merge import (
-    CONFIG_FILE,
     TRAINER_STATE_FILE,
     DenseOptimizerTensor,
-    _choose_source,
-    _config_source,
-    _copy_if_present,
-    _model_file_names,
-    _plan_optimizer,
-    _progress,
-    _safetensors_dtype,
     dense_optimizer_state,
     optimizer_file_names,
     optimizer_values,
+    plan_plain_optimizer,
 )
 from .output_dir import write_atomically
+from .tag_source import CONFIG_FILE, choose_source, config_source, copy_if_present, model_file_names, progress_bar
 
 OPTIMIZER_KEY = "optimizer"
 LR_SCHEDULER_KEY, TRAIN_STATE_KEY = "lr_scheduler", "train_state"  # TorchTitan's names
@@ -110,13 +104,13 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
     (its newest intact tag, or ``tag``) or a complete tag directory; the tag's ``config.json`` (or ``config``) is
     copied beside the DCP files, where an import finds it."""
     def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
-        names = _model_file_names(index) + optimizer_file_names(index)
+        names = model_file_names(index) + optimizer_file_names(index)
         if config is None and CONFIG_FILE in (index.files or {}):
             names.append(CONFIG_FILE)
         return [name for name in names if index.files is None or name in index.files]
 
-    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
-    config_path = _config_source(tag_dir, config)
+    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
+    config_path = config_source(tag_dir, config)
     optim_files: Dict[str, Any] = {}
     notes: List[str] = []
     try:
@@ -128,7 +122,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
                 if zero1:
                     plan, optim_files, why_not = dense_optimizer_state(tag_dir, index)
                 else:
-                    plan, optim_files, why_not = _plan_optimizer(tag_dir, index, index.tensors)
+                    plan, optim_files, why_not = plan_plain_optimizer(tag_dir, index, index.tensors)
             except (KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{os.path.join(tag_dir, 'nxdtp_index.json')} is damaged: malformed optimizer entry "
                                  f"{e}") from None
@@ -150,14 +144,14 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
         titan_states = torchtitan_states(trainer_state, notes)
 
         def write(staging: str) -> int:
-            bar = _progress(sum(len(t.chunks) for t in optimizer_state.values() if isinstance(t, _Tensor))
+            bar = progress_bar(sum(len(t.chunks) for t in optimizer_state.values() if isinstance(t, _Tensor))
                             + sum(len(t.chunks) for t in tensors.values()), f"dcp {os.path.basename(tag_dir)}",
                             progress)
             try:
                 _save(staging, tensors, optimizer_state, bar, titan_states)
             finally:
                 bar.close()
-            _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
+            copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             record = {"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size":
                       index.tensor_model_parallel_size, "nxdtp_version": __version__, "notes": notes}
             if trainer_state is not None:
@@ -175,11 +169,31 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
 
 # ---- what to write ---------------------------------------------------------------------------------------------------
 
+def piece_chunks(spec: ParamSpec, rank: int, copies: bool = False
+                 ) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], Dict[int, Tuple[int, int]]]]:
+    """The DCP chunks of the dense tensor of ``spec`` that TP rank ``rank``'s piece holds: ``(offsets, sizes, box)``,
+    one per run of the piece's rows that is the first copy of its dense rows (``dense_runs_of_piece``), or with
+    ``copies`` the other copies (``copy_runs_of_piece``); ``box`` is ``{dim: (start, length)}`` within the piece
+    (``{}``: all of it). A tensor replicated over TP is one chunk, TP rank 0's (the others' are copies). The one
+    chunk planner of both DCP paths: the offline export (``_chunks``) and a running job's state dict
+    (``dcp_state.DenseView``)."""
+    shape = tuple(spec.unpadded_shape)
+    if not spec.is_sharded:
+        return [((0,) * len(shape), shape, {})] if (rank == 0) != copies else []
+    dim = spec.partition_dim
+    chunks = []
+    for start, length, dense_start in (spec.copy_runs_of_piece if copies else spec.dense_runs_of_piece)(rank):
+        offsets, sizes = [0] * len(shape), list(shape)
+        offsets[dim], sizes[dim] = dense_start, length
+        chunks.append((tuple(offsets), tuple(sizes), {dim: (start, length)}))
+    return chunks
+
+
 def _chunks(spec: ParamSpec, dtype: torch.dtype, read_piece: Callable[[int, Dict[int, Tuple[int, int]]], torch.Tensor]
             ) -> List[_Chunk]:
-    """The chunks of the dense tensor of ``spec``: one per run of a rank's piece (``dense_runs_of_piece``), cut along
-    dim 0 into row ranges of at most ``CHUNK_BYTES`` (``_row_ranges``); each is read by ``read_piece(rank, box)``,
-    ``box`` being ``{dim: (start, length)}`` within the piece. A replicated tensor is TP rank 0's copy."""
+    """The chunks of the dense tensor of ``spec`` (``piece_chunks`` of every rank), cut along dim 0 into row ranges
+    of at most ``CHUNK_BYTES`` (``_row_ranges``); each is read by ``read_piece(rank, box)``, ``box`` being
+    ``{dim: (start, length)}`` within the piece."""
     shape = tuple(spec.unpadded_shape)
     if not spec.is_sharded and (not shape or tuple(spec.full_shape) != shape):
         def read_whole() -> torch.Tensor:
@@ -189,22 +203,14 @@ def _chunks(spec: ParamSpec, dtype: torch.dtype, read_piece: Callable[[int, Dict
     dim = spec.partition_dim
     chunks = []
     for rank in range(spec.num_partitions if spec.is_sharded else 1):
-        for start, length, dense_start in spec.dense_runs_of_piece(rank):
-            box = {} if dim is None else {dim: (start, length)}
-            dense_offset = 0 if dim is None else dense_start
-            for row_start, rows, dense_row in _row_ranges(shape, dtype, dim, box, dense_offset):
-                offsets, sizes = [0] * len(shape), list(shape)
-                for d, (_, n) in box.items():
-                    sizes[d] = n
-                if dim is not None:
-                    offsets[dim] = dense_start
-                offsets[0], sizes[0] = dense_row, rows
+        for offsets, sizes, box in piece_chunks(spec, rank):
+            for row_start, rows, dense_row in _row_ranges(shape, dtype, dim, box, 0 if dim is None else offsets[dim]):
                 cut = {**box, 0: (row_start, rows)}
 
                 def read(rank=rank, cut=cut) -> torch.Tensor:
                     return read_piece(rank, cut).to(dtype).contiguous()
 
-                chunks.append(_Chunk(offsets=tuple(offsets), sizes=tuple(sizes), read=read))
+                chunks.append(_Chunk(offsets=(dense_row,) + offsets[1:], sizes=(rows,) + sizes[1:], read=read))
     return chunks
 
 
@@ -271,7 +277,7 @@ def _optimizer_state(tag_dir: str, index: CheckpointIndex, plan, handles: Dict[s
         spec = index.tensors[key].spec
         for field, kind, shape in fields:
             tensor_key = f"{name}/{field}"
-            dtype = _safetensors_dtype(handles[rank_files[0]], tensor_key)
+            dtype = handles[rank_files[0]].dtype(tensor_key)
             read = _rows_reader(handles, rank_files, tensor_key)
             if kind in ("shard", "replicate"):  # shaped like the parameter's piece: laid out like the parameter
                 chunks = _chunks(spec, dtype, read)

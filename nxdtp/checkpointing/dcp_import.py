@@ -34,8 +34,10 @@ import torch
 
 from .cycles import CycleCollector
 from .dense import DenseWeightsWriter
-from .merge import CONFIG_FILE, DenseOptimizerTensor, _progress, rows_within, write_dense_optimizer
+from .merge import DenseOptimizerTensor, write_dense_optimizer
 from .output_dir import check_output_dir, write_atomically
+from .pipeline import rows_within
+from .tag_source import CONFIG_FILE, progress_bar
 
 OPTIMIZER_PREFIX = "optimizer."
 # What TorchTitan and torch's own examples keep beside the model in the same DCP checkpoint; not model tensors.
@@ -105,7 +107,7 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     layout, sources, rows = checkpoint.layout, checkpoint.sources, checkpoint.rows
 
     def write(staging: str) -> None:
-        bar = _progress(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
+        bar = progress_bar(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
         reader = BatchedReader(rows, [sources[key] for key, _, _ in layout])
         try:
             with DenseWeightsWriter(staging, layout, metadata={"format": "pt"}) as writer:

@@ -38,9 +38,10 @@ from torch import nn
 from .. import comm
 from ..parallel_state import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
-from .dcp_export import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY
+from .dcp_export import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, piece_chunks
 from .fused_state import fused_by_position, fused_parameters_of, split_state
-from .save_load import _is_zero1, _sharding_specs
+from .save_load import sharding_specs
+from .unwrap import is_zero1, unwrap_optimizer
 
 __all__ = ["get_state_dict", "set_state_dict", "dcp_process_group", "DenseView", "OPTIMIZER_KEY", "LR_SCHEDULER_KEY",
            "TRAIN_STATE_KEY"]
@@ -92,12 +93,8 @@ class DenseView(torch.Tensor):
                              for start, box, narrow, offsets, sizes
                              in dense_chunks_of_flat_shard(spec, layout, tp_rank, shard_rank, copies)]
                             for copies in (False, True))
-        elif spec.is_sharded:
-            kept = [_run(dense_shape, spec.partition_dim, run) for run in spec.dense_runs_of_piece(tp_rank)]
-            copies = [_run(dense_shape, spec.partition_dim, run) for run in spec.copy_runs_of_piece(tp_rank)]
-        else:  # replicated over TP: TP rank 0's copy is written, every rank reads the whole tensor
-            whole = (torch.Size([0] * len(dense_shape)), dense_shape, (0, None, None))
-            kept, copies = ([whole], []) if tp_rank == 0 else ([], [whole])
+        else:  # a replicated tensor is TP rank 0's chunk, which the other ranks read as a copy
+            kept, copies = ([_run(chunk) for chunk in piece_chunks(spec, tp_rank, copies)] for copies in (False, True))
         view._write_runs = kept if writes else []
         view._read_runs = kept + copies
         offsets = [run[0] for run in view._read_runs]
@@ -147,23 +144,14 @@ class DenseView(torch.Tensor):
         return self.local_view(torch.Size(index.offset))
 
 
-def _run(dense_shape: torch.Size, dim: int, run: Tuple[int, int, int]) -> _Run:
-    piece_start, length, dense_start = run
-    offsets, sizes = [0] * len(dense_shape), list(dense_shape)
-    offsets[dim], sizes[dim] = dense_start, length
-    return torch.Size(offsets), torch.Size(sizes), (0, None, (dim, piece_start, length))
+def _run(chunk) -> _Run:
+    """A chunk of ``piece_chunks`` as DenseView keeps it: where it lies in the dense tensor and in the local one."""
+    offsets, sizes, box = chunk
+    narrow = next(((dim, start, length) for dim, (start, length) in box.items()), None)
+    return torch.Size(offsets), torch.Size(sizes), (0, None, narrow)
 
 
 # ---- get_state_dict --------------------------------------------------------------------------------------------------
-
-def _inner_optimizer(optimizer: Any) -> Any:
-    """A wrapper that holds the optimizer owning the state (NxD's trainer ``NxDOptimizer``): that optimizer, whose
-    ``step`` runs no collectives of the wrapper."""
-    inner = getattr(optimizer, "optimizer", None)
-    if not _is_zero1(optimizer) and isinstance(inner, torch.optim.Optimizer):
-        return _inner_optimizer(inner)
-    return optimizer
-
 
 def _check(model: nn.Module, optimizer: Any, what: str) -> None:
     if not model_parallel_is_initialized():
@@ -187,7 +175,7 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if _is_zero1(optimizer) and not optimizer.inited:
+    if is_zero1(optimizer) and not optimizer.inited:
         raise ValueError(f"{what}: the ZeRO-1 optimizer was made with lazy_init=True and has no shards yet; call its "
                          "init_zero() first")
     mine = {id(p) for p in model.parameters()}
@@ -198,7 +186,7 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
                                  f"not a parameter of the model ({type(model).__name__}): the optimizer belongs to "
                                  "another model")
     fused = list(fused_by_position(optimizer, model).values())
-    if fused and _is_zero1(optimizer):
+    if fused and is_zero1(optimizer):
         # A plain optimizer's state of a fused parameter is offered as its parts' (row blocks, each with its spec);
         # a ZeRO-1 flat shard of it mixes the parts' rows, which no one spec lays out as a dense tensor.
         name, parts = fused[0]
@@ -215,7 +203,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     state is overwritten by the load). Only those parameters get a gradient in that step, so existing state is left
     alone, and the gradients are put back afterwards. For ZeRO-1, the inner optimizer over the shards (no
     collectives)."""
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         pairs = [(shard, p.requires_grad) for p, shard, _ in optimizer.shards()]
         optimizer = optimizer.base_optimizer
     else:
@@ -260,7 +248,7 @@ class _Entry:
 
 def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]:
     names = _first_names(model)
-    if not _is_zero1(optimizer):
+    if not is_zero1(optimizer):
         fused = fused_parameters_of(model)
         live = model.state_dict(keep_vars=True) if fused else {}
         entries = []
@@ -299,10 +287,10 @@ def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     learning rate 0, as torch does). A ZeRO-1 optimizer's state is offered as the dense optimizer's (each rank's flat
     shards as their chunks of the dense tensors); its fp32 master weights are not (they are the model's weights:
     ``set_state_dict`` cuts them afresh from the loaded model)."""
-    optimizer = _inner_optimizer(optimizer)
+    optimizer = unwrap_optimizer(optimizer)
     _check(model, optimizer, "get_state_dict")
     tp, dp_rank = tensor_parallel_group(), data_parallel_group().rank
-    specs = _sharding_specs(model, tp.size)
+    specs = sharding_specs(model, tp.size)
     state: Dict[str, Any] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         if key.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
@@ -366,10 +354,10 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     ZeRO-1 optimizer's master weights, cut afresh from the loaded model). A plain tensor of the dense shape under a
     model key (or a non-ZeRO optimizer key) is cut as the layout algebra lays that tensor out and copied in. Strict: a
     missing or unknown key, or a DenseView of another model's tensor, raises before anything is changed."""
-    optimizer = _inner_optimizer(optimizer)
+    optimizer = unwrap_optimizer(optimizer)
     _check(model, optimizer, "set_state_dict")
     tp = tensor_parallel_group()
-    specs = _sharding_specs(model, tp.size)
+    specs = sharding_specs(model, tp.size)
     copies: List[Tuple[torch.Tensor, Any, Optional[ParamSpec], str]] = []
     live = {k: v for k, v in model.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
@@ -421,7 +409,7 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                 tensor.copy_(value)
     for target, field, value in settings:
         target[field] = value
-    if optimizer is not None and _is_zero1(optimizer):
+    if optimizer is not None and is_zero1(optimizer):
         optimizer.masters_from_parameters()
     if lr_scheduler is not None:
         lr_scheduler.last_epoch = int(scheduler_state["last_epoch"])

@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import comm
 from ..parallel_state import get_topology, tensor_parallel_group
+from ..spec import ParamSpec
 from .durable import fsync_directory, make_directories, replace_atomically
 from .index import TensorEntry, dtype_from_name, split_model_state
 from .safetensors_stream import StreamingSafetensorsWriter
@@ -268,7 +269,14 @@ def _gather_and_write(plan: _DensePlan, group, writer: Optional[DenseWeightsWrit
     error: Optional[BaseException] = None
     for key in plan.order:
         # Every rank runs every gather, whatever failed on the writer, so no rank waits alone in a collective.
-        dense, gather_error = _gather_dense(plan.tensors[key], plan.entries[key], group, keep=writer is not None)
+        entry = plan.entries[key]
+        try:
+            dense = gather_dense(plan.tensors[key], entry.spec, group, dtype=dtype_from_name(entry.dtype),
+                                 keep=writer is not None)
+        except Exception as e:  # noqa: BLE001 - only the keeping rank (the writer) assembles, so only it fails here
+            dense, gather_error = None, e
+        else:
+            gather_error = None
         if writer is None:
             continue
         try:
@@ -296,17 +304,17 @@ def _close_dense_writer(writer: DenseWeightsWriter, directory: str,
     return None
 
 
-def _gather_dense(local: torch.Tensor, entry: TensorEntry, group, keep: bool
-                  ) -> Tuple[Optional[torch.Tensor], Optional[BaseException]]:
-    """Collective over the tensor-parallel group: the dense tensor of ``entry`` on the ranks that ``keep`` it (None
-    on the others), from the ranks' ``local`` pieces, each broadcast from its owner in rank order. A replicated tensor
-    needs no collective: the keeping rank's copy is it. An error while keeping (the writer's) is returned, after the
-    remaining broadcasts, not raised."""
-    spec, dtype = entry.spec, dtype_from_name(entry.dtype)
+def gather_dense(local: torch.Tensor, spec: ParamSpec, group, *, dtype: Optional[torch.dtype] = None,
+                 keep: bool = True) -> Optional[torch.Tensor]:
+    """Collective over the tensor-parallel ``group``: the dense tensor (on the host) of which ``local`` is this rank's
+    piece as ``spec`` lays it out, on the ranks that ``keep`` it (None on the others), from the pieces broadcast from
+    their owners in rank order, so one piece is in flight at a time whatever the device holds (the gloo groups of the
+    checkpoint path carry host tensors on every backend). A replicated tensor needs no collective: this rank's copy
+    is it. An error while assembling is raised after the remaining broadcasts, so no rank waits alone. The result
+    may be a view of the padded full tensor: copy it to keep it alone."""
+    dtype = dtype or local.dtype
     if not spec.is_sharded:
-        return (spec.dense_from_full(local.detach().to("cpu")) if keep else None), None
-    # On the host: the checkpoint path's gloo groups carry CPU tensors on every backend, and only one piece is
-    # in flight at a time, whatever the device holds.
+        return spec.dense_from_full(local.detach().to("cpu")) if keep else None
     piece = local.detach().to("cpu")
     received = 0
 
@@ -315,12 +323,8 @@ def _gather_dense(local: torch.Tensor, entry: TensorEntry, group, keep: bool
         received += 1
         return comm.broadcast(piece, group, src_group_rank=rank)
 
-    dense, error = None, None
-    if keep:
-        try:
-            dense = spec.dense_from_full(spec.full_from_pieces(receive, dtype))
-        except Exception as e:  # noqa: BLE001
-            dense, error = None, e
-    for rank in range(received, spec.num_partitions):
-        receive(rank)
-    return dense, error
+    try:
+        return spec.dense_from_full(spec.full_from_pieces(receive, dtype)) if keep else None
+    finally:
+        for rank in range(received, spec.num_partitions):
+            receive(rank)

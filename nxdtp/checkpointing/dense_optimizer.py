@@ -107,13 +107,13 @@ def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch
     rank's piece (repeated KV heads included) and the pieces joined under the fused name, which the optimizer holds."""
     from .. import parallel_state as ps
     from .fused_state import fused_parameters_of
-    from .save_load import _sharding_specs
+    from .save_load import sharding_specs
 
     fused = fused_parameters_of(model)
     if not fused:
         return
     tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    specs = _sharding_specs(model, ps.get_tensor_model_parallel_size() if ps.model_parallel_is_initialized() else 1)
+    specs = sharding_specs(model, ps.get_tensor_model_parallel_size() if ps.model_parallel_is_initialized() else 1)
     live = model.state_dict(keep_vars=True)
 
     def piece(part: str, dense: Any) -> Any:
@@ -143,12 +143,12 @@ def _cut_for_tensor_parallelism(model: nn.Module, names, flat: Dict[str, Any],
     """For a TP-sharded model, replace each dense state tensor (and master weight) shaped like its parameter's dense
     tensor by this TP rank's piece, laid out as the parameter is (padding and repeated heads included)."""
     from .. import parallel_state as ps
-    from .save_load import _sharding_specs
+    from .save_load import sharding_specs
 
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_size() == 1:
         return
     tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
-    specs = _sharding_specs(model, tp)
+    specs = sharding_specs(model, tp)
     parameters = dict(model.named_parameters())
     for name in names:
         spec = specs.get(id(parameters[name]))

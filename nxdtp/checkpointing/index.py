@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..errors import DamagedInputError
 from ..record import read_note
 from ..spec import ParamSpec
 from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durably
@@ -23,6 +24,11 @@ FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
 DONE_FILE = "done"
 EXTRA_STATE_SUFFIX = "._extra_state"
+
+
+class CheckpointIntegrityError(DamagedInputError):
+    """A checkpoint file is not what its record says: another size or another checksum (flipped bytes, truncation), or
+    a ``done`` or index without the records that say it."""
 
 
 def model_file(tp_rank: int) -> str:
@@ -161,11 +167,11 @@ class CheckpointIndex:
     optimizer: Optional[Dict[str, Any]] = None  # param name -> {"state": [fields], "spec": ...}; None if not saved
     nxdtp_version: str = ""
     format_version: int = FORMAT_VERSION
-    # Relative path -> {"size": bytes, "xxh3_64": 16 hex digits} of every other file of the tag; None in checkpoints
-    # written before checksums were recorded (their files cannot be verified).
+    # Relative path -> {"size": bytes, "xxh3_64": 16 hex digits} of every other file of the tag. Every tag on disk
+    # records them (``read`` refuses one without); None only for an index a converter builds in memory.
     files: Optional[Dict[str, Dict[str, Any]]] = None
     # Relative path of a safetensors file -> {"header": a file record of its header, "tensors": {name: xxh3_64}}, so
-    # a reader verifies just the tensors it reads; None in checkpoints written before (whole files are verified).
+    # a reader verifies just the tensors it reads; required on disk as ``files`` is.
     tensor_checksums: Optional[Dict[str, Dict[str, Any]]] = None
 
     def to_json(self) -> Dict[str, Any]:
@@ -195,6 +201,12 @@ class CheckpointIndex:
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(f"{path} has format_version={version!r}; this nxdtp reads format version {FORMAT_VERSION}")
+        absent = [field for field in ("files", "tensor_checksums") if d.get(field) is None]
+        if absent:
+            raise CheckpointIntegrityError(
+                f"{path} records no {' and no '.join(repr(f) for f in absent)}: an nxdtp checkpoint index records "
+                f"the size and {CHECKSUM} of every file of its tag ('files') and of each safetensors header and "
+                f"tensor ('tensor_checksums'), so its files can be verified")
         try:
             return cls(tensor_model_parallel_size=int(d["tensor_model_parallel_size"]),
                        data_parallel_size=int(d["data_parallel_size"]),

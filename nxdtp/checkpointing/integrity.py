@@ -12,8 +12,8 @@ Three kinds of checking (docs/checkpoints.md, "Integrity"):
   just those, in the same pass that brings them into memory.
 
 ``done`` holds the index's record, so a damaged index is detected as well; the index holds every other file's.
-Checkpoints written before records existed (``done`` says just ``complete``, the index has no ``files``) still load;
-a warning says their files cannot be verified.
+A tag without these records (a ``done`` that is not the index's record, an index without ``files`` or
+``tensor_checksums``) is refused, naming the file and what it lacks.
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ def _check_size(path: str, record: dict) -> None:
 def read_index(tag_dir: str, verify: bool = True) -> CheckpointIndex:
     """The tag's index, checked first against the record in ``done`` when ``verify``."""
     if verify:
-        record = read_done(tag_dir)
-        if record is not None:
-            verify_file(os.path.join(tag_dir, INDEX_FILE), record)
+        verify_file(os.path.join(tag_dir, INDEX_FILE), read_done(tag_dir))
     return CheckpointIndex.read(tag_dir)
 
 
@@ -68,7 +66,7 @@ def check_intact(tag_dir: str, verify_index: bool = True) -> CheckpointIndex:
     if not tags.is_complete(tag_dir):
         raise ValueError(f"checkpoint tag {tag_dir} is incomplete (no '{DONE_FILE}' file: the save did not finish)")
     index = read_index(tag_dir, verify_index)
-    for relative, record in (index.files or {}).items():
+    for relative, record in index.files.items():
         _check_size(os.path.join(tag_dir, relative), record)
     return index
 
@@ -76,21 +74,16 @@ def check_intact(tag_dir: str, verify_index: bool = True) -> CheckpointIndex:
 def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str], tensors_as_read: bool = False
                  ) -> None:
     """Verify the size and checksum of each listed file (relative to ``tag_dir``). A file the index's records do not
-    list is refused; a checkpoint without records is let through with a warning that its files cannot be verified.
+    list is refused.
     With ``tensors_as_read``, a file whose header and tensors have records of their own gets its size checked only:
     the caller reads it through ``TensorChecks``, which verifies what it reads."""
-    relatives = list(relatives)
-    if index.files is None:
-        warnings.warn(f"{tag_dir} records no checksums (saved by an nxdtp without them): its files cannot be "
-                      f"verified", stacklevel=3)
-        return
     for relative in relatives:
         record = index.files.get(relative)
         path = os.path.join(tag_dir, relative)
         if record is None:
             raise CheckpointIntegrityError(f"checkpoint file {path} is not listed in {INDEX_FILE}'s file records, so "
                                            f"it was not written by the save that wrote the index")
-        if tensors_as_read and relative in (index.tensor_checksums or {}):
+        if tensors_as_read and relative in index.tensor_checksums:
             _check_size(path, record)
         else:
             verify_file(path, record)
@@ -112,7 +105,7 @@ class TensorChecks:
     def of(cls, tag_dir: str, index: CheckpointIndex, relative: str) -> Optional["TensorChecks"]:
         """The checks for file ``relative``, or None when the index records none for it (the whole file is then
         verified by ``verify_files``)."""
-        record = (index.tensor_checksums or {}).get(relative)
+        record = index.tensor_checksums.get(relative)
         return None if record is None else cls(os.path.join(tag_dir, relative), record)
 
     def check_header(self) -> None:

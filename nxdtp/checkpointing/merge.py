@@ -15,11 +15,11 @@ Safety rules shared by both:
 * The output is written into a temporary sibling directory and renamed into place at the end: after any error,
   ``output_dir`` is exactly as it was before (absent, or the old contents when ``force`` was given).
 
-Memory: tensors are written one at a time (``dense.DenseWeightsWriter``). One over ``PART_BYTES`` (64 MiB) is written
-in slabs of rows of at most that size, each built from the rows of the pieces it needs (``ParamSpec.dense_parts``), so
-it is never whole in memory; a smaller one is reassembled whole. A reshard holds one tensor at a time (its pieces cut
-from the full one), unless its source cuts pieces itself (``_new_pieces``). ``output_format="pytorch_bin"`` is the
-exception: ``torch.save`` needs the whole state dict, so it holds the full dense model in memory.
+Memory: the model's tensors go through the checkpoint pipeline (``pipeline.stream``) one at a time, each in slabs of
+rows of at most ``pipeline.SLAB_BYTES`` (64 MiB) read from the rows of the pieces that hold them: a merge is
+(``TagSource``, ``DenseSink``), a reshard (``TagSource``, ``RankFilesSink``), and no tensor is whole in memory.
+``output_format="pytorch_bin"`` is the exception: ``torch.save`` needs the whole state dict, so it holds the full dense
+model in memory. ZeRO-1 optimizer state is resharded one tensor at a time (gathered over its DP shards).
 
 Padding when resharding: every tensor is padded for the new degree by its own recorded rule (the layout algebra,
 ``nxdtp.spec.ParamSpec.at_degree``): a vocabulary to ``round_up(real, pad_to_multiple_of * new_tp)``, the rule
@@ -27,14 +27,8 @@ Padding when resharding: every tensor is padded for the new degree by its own re
 partition-padded convolution or linear layer to its layer's multiple, zero heads and repeated KV heads as the plan lays
 them out; so the model built at the new degree with the same arguments has exactly these shapes, whatever else the
 model pads. The ``pad_to_multiple_of`` argument replaces the vocabulary multiple (pass the model's new
-``make_vocab_size_divisible_by`` when it changes). Checkpoints written before specs recorded the rule are read as
-before: a tensor padded along its partition dim (real shape smaller than the full shape in the index), or whose
-partition dim equals ``vocab_size`` in the tag's ``config.json``, is a vocab-parallel tensor, padded with one
-checkpoint-wide multiple: the argument; the value recorded in the source tag's ``reshard.json`` (written by an earlier
-reshard); the smallest multiple m that reproduces the source's padding (m = 1 whenever the source's padding is just "a
-multiple of tp"). The padding cannot tell every m apart (53 padded to 64 at tp=2 fits m = 16 and m = 32), so pass the
-model's ``make_vocab_size_divisible_by`` for such checkpoints when it was not 1. The value used is recorded in the new
-tag's ``reshard.json``, and each tensor's rule in its spec, which later reshards read.
+``make_vocab_size_divisible_by`` when it changes). A tensor without a padding record is not padded again: a degree
+its split dim does not divide is refused, naming the tensor. ``reshard.json`` records the vocabulary multiple used.
 """
 
 from __future__ import annotations
@@ -44,16 +38,14 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..rounding import round_up
 from ..spec import FlatShardLayout, ParamSpec
 from ..version import __version__
-from . import integrity, tags
+from . import tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
@@ -66,18 +58,29 @@ from .index import (
     model_file,
     optim_file,
 )
-from .output_dir import check_output_dir, write_atomically
-from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
+from .output_dir import write_atomically
+from .pipeline import SLAB_BYTES, DenseSink, RankFilesSink, TagSource, TensorSource, rows_within, stream
+from .safetensors_stream import StreamingSafetensorsWriter
+from .tag_source import (
+    CONFIG_FILE,
+    check_piece,
+    choose_source,
+    config_source,
+    copy_if_present,
+    model_file_names,
+    progress_bar,
+    rank_file_opener,
+)
 
-CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
-# A dense tensor over this many bytes is merged in slabs of rows of at most this size, read from the pieces' rows
-# (ParamSpec.dense_parts), so it is never whole in memory; smaller ones are reassembled whole (tests lower it).
-PART_BYTES = 64 << 20
+# The slab budget of merge and reshard (``pipeline.SLAB_BYTES`` unless lowered: tests lower it). The model's tensors are
+# read and written in slabs of rows of at most this size; the dense optimizer state beside a merged model too, where
+# larger (ParamSpec.dense_parts), smaller ones being reassembled whole.
+PART_BYTES = SLAB_BYTES
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
@@ -120,11 +123,11 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
         raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
     def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
         own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
-        return _model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
+        return model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
 
     # Validates every file before anything is written.
-    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
-    config_path = _config_source(tag_dir, config)
+    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
+    config_path = config_source(tag_dir, config)
     optim_files: Dict[str, Any] = {}
     try:
         optimizer_state = None
@@ -137,27 +140,25 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
         def write(staging: str) -> str:
             name = WEIGHTS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
             entries = list(index.tensors.items())
-            bar = _progress(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
+            bar = progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
             try:
+                source = tag_model_source(index, model_files)
                 if output_format == "safetensors":
                     # The writer save_pretrained uses too, so both write the same directory for the same weights.
                     with DenseWeightsWriter(staging, dense_layout(index.tensors), metadata={"format": "pt"}) as writer:
-                        for key, entry in entries:
-                            if _in_parts(entry.spec.unpadded_shape, dtype_from_name(entry.dtype)):
-                                writer.write_parts(key, _dense_parts(model_files, key, entry, index))
-                            else:
-                                writer.write(key, _dense(model_files, key, entry, index))
-                            bar.update(1)
+                        stream(source, DenseSink(writer), index.tensors, bar=bar)
                 else:
                     state = {}
                     for key, entry in entries:
-                        state[key] = _dense(model_files, key, entry, index).clone()  # a view would save the padding
+                        shape = tuple(entry.spec.unpadded_shape)
+                        # A copy: a view would save the padding.
+                        state[key] = source.read_boxes(key, [((0,) * len(shape), shape)])[0].clone()
                         bar.update(1)
                     with ChecksummedWriter(os.path.join(staging, name)) as f:
                         torch.save(state, f)
             finally:
                 bar.close()
-            _copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
+            copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             if optimizer_state is not None:
                 _write_dense_optimizer(staging, optimizer_state, index, tag_dir, progress)
             return name
@@ -187,35 +188,39 @@ def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str
     checksum of each of its files, as ``save`` does.
     """
     check_reshard_arguments(new_tp, pad_to_multiple_of)
-    tag_dir, index, model_files = _choose_source(checkpoint_dir, tag, output_dir, force, verify,
+    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
                                                  lambda tag_dir, index: sorted(index.files or {}))
-    return reshard_source(tag_dir, index, model_files, output_dir, new_tp, progress=progress,
-                          pad_to_multiple_of=pad_to_multiple_of, config=config)
+    try:
+        return reshard_source(tag_dir, index, tag_model_source(index, model_files), output_dir, new_tp,
+                              progress=progress, pad_to_multiple_of=pad_to_multiple_of, config=config)
+    finally:
+        model_files.clear()
 
 
-def reshard_source(tag_dir: str, index: CheckpointIndex, model_files: Dict[str, Any], output_dir: str, new_tp: int, *,
+def reshard_source(tag_dir: str, index: CheckpointIndex, model_source: TensorSource, output_dir: str, new_tp: int, *,
                    progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None,
-                   open_file: Optional[Callable[[str], Any]] = None, source: Optional[str] = None) -> str:
+                   open_file: Optional[Callable[[str], Any]] = None,
+                   optimizer_source: Optional[TensorSource] = None, source: Optional[str] = None) -> str:
     """``reshard`` of a source already chosen and checked (``output_dir`` too): the tag directory ``tag_dir`` with its
-    ``index`` and open model files (rank file name -> reader). A converter gives a source that is not on disk as
-    readers of its own (``keys()``, ``get_slice(key).get_shape()``, ``dtype(key)``, ``get_tensor(key)``, as
-    ``SafetensorsFileReader``; and ``pieces``, to cut each new rank's piece itself: ``_new_pieces``): ``model_files``
-    and ``open_file(rank file name)`` for the optimizer's, with only the JSON files (trainer state, optimizer groups,
-    config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as the source (default ``tag_dir``)."""
+    ``index`` and its model tensors (``model_source``, a ``pipeline.TensorSource`` keyed as the index). A converter
+    gives a checkpoint that is not on disk as a source of its own, ``open_file(rank file name)`` for the optimizer's
+    rank files (read as ``SafetensorsFileReader``: ``keys()``, ``get_slice(key).get_shape()``, ``dtype(key)``,
+    ``get_tensor(key)``) and ``optimizer_source`` for its tensors shaped like their parameters, with only the JSON
+    files (trainer state, optimizer groups, config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as the
+    source (default ``tag_dir``)."""
     check_reshard_arguments(new_tp, pad_to_multiple_of)
-    config_path = _config_source(tag_dir, config)
-    multiple, multiple_source = _pad_multiple(tag_dir, index, pad_to_multiple_of)
-    new_entries = _resharded_entries(index, new_tp, multiple, _config_vocab_size(config_path), pad_to_multiple_of)
-    job = _ReshardJob(tag_dir=tag_dir, index=index, new_tp=new_tp, new_entries=new_entries, model_files=model_files,
+    config_path = config_source(tag_dir, config)
+    multiple, multiple_source = _pad_multiple(index, pad_to_multiple_of)
+    new_entries = _resharded_entries(index, new_tp, pad_to_multiple_of)
+    job = _ReshardJob(tag_dir=tag_dir, index=index, new_tp=new_tp, new_entries=new_entries, model_source=model_source,
                       config_path=config_path, multiple=multiple, multiple_source=multiple_source, progress=progress,
-                      open_file=open_file or _opener(tag_dir),
+                      open_file=open_file or rank_file_opener(tag_dir), optimizer_source=optimizer_source,
                       source=source or os.path.abspath(tag_dir))
     try:
         job.plan_optimizer()
         job.plan_rng()
         write_atomically(output_dir, job.write)
     finally:
-        model_files.clear()
         job.optim_files.clear()
     return os.path.join(output_dir, job.tag_name)
 
@@ -229,11 +234,10 @@ def check_reshard_arguments(new_tp: Any, pad_to_multiple_of: Any) -> None:
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be an integer >= 1")
 
 
-def _resharded_entries(index: CheckpointIndex, new_tp: int, multiple: int, vocab_size: Optional[int],
-                       pad_to_multiple_of: Optional[int]) -> Dict[str, TensorEntry]:
+def _resharded_entries(index: CheckpointIndex, new_tp: int, pad_to_multiple_of: Optional[int]
+                       ) -> Dict[str, TensorEntry]:
     """The source's index entries with each spec moved to ``new_tp`` (and padded again by its rule)."""
-    return {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, multiple, vocab_size,
-                                                           pad_to_multiple_of),
+    return {key: TensorEntry(dtype=e.dtype, spec=_new_spec(key, e.spec, new_tp, pad_to_multiple_of),
                              aliases=list(e.aliases))
             for key, e in index.tensors.items()}
 
@@ -248,12 +252,13 @@ class _ReshardJob:
     index: CheckpointIndex
     new_tp: int
     new_entries: Dict[str, TensorEntry]
-    model_files: Dict[str, Any]
+    model_source: TensorSource
     config_path: Optional[str]
     multiple: int
     multiple_source: str
     progress: bool
     open_file: Callable[[str], Any]  # an optimizer rank file's name -> its reader
+    optimizer_source: Optional[TensorSource]  # None: the optimizer's rank files
     source: str  # what reshard.json names as the source
     optimizer_plan: Any = None  # None: no optimizer state is written
     optim_files: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -277,7 +282,7 @@ class _ReshardJob:
         if self.index.optimizer is None:
             return
         try:
-            planner = _plan_zero1_optimizer if self.zero1 else _plan_optimizer
+            planner = plan_zero1_optimizer if self.zero1 else plan_plain_optimizer
             self.optimizer_plan, self.optim_files, why_not = planner(self.tag_dir, self.index, self.new_entries,
                                                                      self.open_file)
         except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
@@ -317,13 +322,15 @@ class _ReshardJob:
         """Write the model's (and the optimizer's) rank files at the new degree; return the new tag's file records
         and the rank files' header and tensor records."""
         total = len(self.new_entries) + sum(len(fields) for _, (_, fields) in self.optimizer_plan or [])
-        bar = _progress(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
+        bar = progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
         try:
-            writers = _reshard_model(new_tag_dir, self.index, self.new_entries, self.model_files, self.new_tp, bar)
-            if self.optimizer_plan is not None:
-                reshard_optimizer = _reshard_zero1_optimizer if self.zero1 else _reshard_optimizer
-                writers += reshard_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
-                                             self.optim_files, self.new_tp, bar)
+            writers = _reshard_model(new_tag_dir, self.new_entries, self.model_source, self.new_tp, bar)
+            if self.zero1 and self.optimizer_plan is not None:
+                writers += _reshard_zero1_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
+                                                    self.optim_files, self.new_tp, bar)
+            elif self.optimizer_plan is not None:
+                writers += _reshard_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
+                                              self.optim_files, self.new_tp, bar, self.optimizer_source)
         finally:
             bar.close()
         files: Dict[str, dict] = {}
@@ -356,143 +363,19 @@ class _ReshardJob:
                                files=dict(sorted(files.items())), tensor_checksums=dict(sorted(contents.items())))
 
 
-# ---- index and input checks ------------------------------------------------------------------------------------------
-
-def _choose_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool, verify: bool,
-                   reads: Callable[[str, CheckpointIndex], List[str]]) -> Tuple[str, CheckpointIndex, Dict[str, Any]]:
-    """The tag directory to read, its checked index and its open model files. ``checkpoint_dir`` is a checkpoint
-    directory (the newest intact tag, or ``tag``) or a complete tag directory. ``output_dir`` must lie outside it (and
-    outside the checkpoint directory that holds a given tag). With ``verify``, the files ``reads(tag_dir, index)``
-    names pass their checksums. A named tag that fails any check raises; an unnamed one is skipped with a warning."""
-    problems: List[str] = []
-    for tag_dir, _, named in integrity.intact_candidates(checkpoint_dir, tag, problems, verify_index=verify):
-        holder = os.path.dirname(os.path.abspath(tag_dir))
-        if os.path.abspath(holder) != os.path.abspath(checkpoint_dir) \
-                and os.path.isfile(os.path.join(holder, tags.NEWEST_FILE)):
-            check_output_dir(holder, output_dir, force)
-        check_output_dir(checkpoint_dir, output_dir, force)
-        try:
-            index = _read_index(tag_dir)
-            if verify:
-                integrity.verify_files(tag_dir, index, reads(tag_dir, index))
-            return tag_dir, index, _open_model_files(tag_dir, index)
-        except (OSError, ValueError) as e:
-            if named:
-                raise
-            integrity.skip(problems, tag_dir, f"{type(e).__name__}: {e}")
-    raise AssertionError("unreachable: intact_candidates raises when it runs out")
-
-
-def _model_file_names(index: CheckpointIndex) -> List[str]:
-    return sorted({f for e in index.tensors.values() for f in e.files(index.tensor_model_parallel_size)})
-
-
-def _read_index(tag_dir: str) -> CheckpointIndex:
-    path = os.path.join(tag_dir, INDEX_FILE)
-    try:
-        index = CheckpointIndex.read(tag_dir)
-    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not an index
-        raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
-    tp = index.tensor_model_parallel_size
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"{path} is damaged: tensor_model_parallel_size={tp!r}")
-    for key, entry in index.tensors.items():
-        spec = entry.spec
-        try:
-            dtype_from_name(entry.dtype)
-        except ValueError as e:
-            raise ValueError(f"{path}: '{key}': {e}") from None
-        if len(spec.unpadded_shape) != len(spec.full_shape) or any(
-                r > f for r, f in zip(spec.unpadded_shape, spec.full_shape)):
-            raise ValueError(f"{path} is damaged: '{key}' has real shape {list(spec.unpadded_shape)} and full shape "
-                             f"{list(spec.full_shape)}")
-        if spec.is_sharded:
-            if spec.num_partitions != tp or not 0 <= spec.partition_dim < len(spec.full_shape) or spec.stride < 1 \
-                    or spec.full_shape[spec.partition_dim] % (tp * spec.stride) != 0:
-                raise ValueError(f"{path} is damaged: '{key}' is split along dim {spec.partition_dim} into "
-                                 f"{spec.num_partitions} partitions with stride {spec.stride}, full shape "
-                                 f"{list(spec.full_shape)}, in a checkpoint of tensor_model_parallel_size={tp}")
-    return index
-
-
-def _open_safetensors(path: str) -> SafetensorsFileReader:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    try:
-        return SafetensorsFileReader(path)
-    except ValueError as e:
-        raise ValueError(f"checkpoint file {path} is damaged or truncated: {e}") from None
-
-
-def _opener(tag_dir: str) -> Callable[[str], SafetensorsFileReader]:
-    """A rank file's name -> its reader, for the files of ``tag_dir``."""
-    return lambda relative: _open_safetensors(os.path.join(tag_dir, relative))
-
-
-def _check_piece(handle, path: str, key: str, expected: Tuple[int, ...]) -> None:
-    if key not in handle.keys():
-        raise ValueError(f"checkpoint file {path} lacks '{key}', which the index places there")
-    shape = tuple(handle.get_slice(key).get_shape())
-    if shape != tuple(expected):
-        raise ValueError(f"checkpoint file {path}: '{key}' has shape {list(shape)}, the index says {list(expected)}")
-
-
-def _open_model_files(tag_dir: str, index: CheckpointIndex) -> Dict[str, Any]:
-    """Open every model file the index names, checking each tensor's piece is there with the indexed shape."""
-    handles: Dict[str, Any] = {}
-    for relative in _model_file_names(index):
-        handles[relative] = _open_safetensors(os.path.join(tag_dir, relative))
-    for key, entry in index.tensors.items():
-        for relative in entry.files(index.tensor_model_parallel_size):
-            _check_piece(handles[relative], os.path.join(tag_dir, relative), key, entry.spec.local_shape())
-    return handles
-
-
-# ---- output directory ------------------------------------------------------------------------------------------------
-
-def _copy_if_present(source: Optional[str], destination: str) -> None:
-    if source is not None and os.path.isfile(source):
-        copy_durably(source, destination)
-
-
-def _progress(total: int, description: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=description, unit="tensor", file=sys.stderr, disable=not enabled, leave=False)
-
-
-# ---- reassembling and splitting --------------------------------------------------------------------------------------
-
-def _assemble(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
-    """The full (padded) tensor from the rank files' pieces, one piece in memory at a time (the index was checked:
-    the spec's partition count is the checkpoint's TP degree)."""
-    files = entry.files(index.tensor_model_parallel_size)
-    return entry.spec.full_from_pieces(lambda rank: model_files[files[rank]].get_tensor(key),
-                                       dtype_from_name(entry.dtype))
-
-
-def _dense(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex) -> torch.Tensor:
-    """The dense tensor: the full one without its replicated copies and padding, in the index dtype."""
-    return entry.spec.dense_from_full(_assemble(model_files, key, entry, index)).contiguous()
-
-
 def _in_parts(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether a dense tensor of ``shape`` is merged in slabs of rows (``PART_BYTES``) rather than whole."""
+    """Whether a dense tensor of ``shape`` is read in slabs of rows (``PART_BYTES``) rather than whole."""
     return bool(shape) and math.prod(shape) * dtype.itemsize > PART_BYTES
 
 
-def rows_within(budget: int, shape, dtype: torch.dtype) -> int:
-    """How many rows (along dim 0) of a tensor of ``shape`` fit ``budget`` bytes: at least one."""
-    return max(1, budget // max(1, math.prod(shape[1:]) * dtype.itemsize))
+# ---- the tag's tensors as a pipeline source -------------------------------------------------------------------------
 
-
-def _dense_parts(model_files: Dict[str, Any], key: str, entry: TensorEntry, index: CheckpointIndex):
-    """The dense tensor in slabs of rows of at most ``PART_BYTES``, each from the rows of the rank files' pieces it
-    needs (``ParamSpec.dense_parts``)."""
-    files = entry.files(index.tensor_model_parallel_size)
-    dtype = dtype_from_name(entry.dtype)
-    return entry.spec.dense_parts(lambda rank, start, stop: model_files[files[rank]].get_rows(key, start, stop - start),
-                                  rows_within(PART_BYTES, entry.spec.unpadded_shape, dtype), dtype)
+def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any]) -> TagSource:
+    """The model tensors of a tag (its open rank files) as a ``pipeline.TensorSource`` (the index was checked: each
+    spec's partition count is the checkpoint's TP degree)."""
+    tp = index.tensor_model_parallel_size
+    return TagSource(model_files, {key: (entry.spec, dtype_from_name(entry.dtype), entry.files(tp))
+                                   for key, entry in index.tensors.items()}, slab_bytes=PART_BYTES)
 
 
 def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
@@ -503,122 +386,39 @@ def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
 
 # ---- resharding ------------------------------------------------------------------------------------------------------
 
-def _pad_multiple(tag_dir: str, index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
+def _pad_multiple(index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int, str]:
+    """The vocabulary multiple of the reshard, and where it comes from (for ``reshard.json``)."""
     if explicit is not None:
         return explicit, "argument"
-    recorded = os.path.join(tag_dir, RESHARD_FILE)
-    if os.path.isfile(recorded):
-        try:
-            with open(recorded) as f:
-                value = json.load(f).get("pad_to_multiple_of")
-            if isinstance(value, int) and value >= 1:
-                return value, f"recorded in {recorded}"
-        except (ValueError, AttributeError):
-            pass
-    tp = index.tensor_model_parallel_size
-    # Only tensors without a padding record of their own (checkpoints written before specs recorded it) are read.
-    padded = {(e.spec.unpadded_shape[e.spec.partition_dim], e.spec.full_shape[e.spec.partition_dim])
-              for e in index.tensors.values() if e.spec.is_sharded and e.spec.replicas == 1 and e.spec.pad_block == 1
-              and e.spec.pad_to_multiple_of is None
-              and e.spec.unpadded_shape[e.spec.partition_dim] != e.spec.full_shape[e.spec.partition_dim]}
-    if not padded:
-        return 1, "default (the source checkpoint has no padding)"
-    per_rank_max = max(full for _, full in padded) // tp
-    for m in range(1, per_rank_max + 1):
-        if all(round_up(real, m * tp) == full for real, full in padded):
-            return m, "inferred from the source checkpoint's padding"
-    raise ValueError(f"{tag_dir}: the vocabulary padding {sorted(padded)} (real, padded) is not round_up(real, m * "
-                     f"{tp}) for any m; pass pad_to_multiple_of (--pad-to-multiple-of) explicitly")
+    recorded = sorted({e.spec.pad_to_multiple_of for e in index.tensors.values() if e.spec.vocabulary})
+    if recorded:
+        return recorded[0], "recorded in the source's index"
+    return 1, "default (the source records no vocabulary padding)"
 
 
-def _config_source(tag_dir: str, explicit: Optional[str]) -> Optional[str]:
-    """The config.json to copy (``explicit``, else the tag's own, else None), checked to be a JSON object."""
-    path = explicit if explicit is not None else os.path.join(tag_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        if explicit is not None:
-            raise FileNotFoundError(f"config file {explicit} does not exist")
-        return None
-    try:
-        with open(path) as f:
-            if not isinstance(json.load(f), dict):
-                raise ValueError
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"config file {path} is damaged: not a JSON object") from None
-    return path
-
-
-def _config_vocab_size(config_path: Optional[str]) -> Optional[int]:
-    if config_path is None:
-        return None
-    with open(config_path) as f:
-        value = json.load(f).get("vocab_size")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _new_spec(key: str, spec: ParamSpec, new_tp: int, multiple: int, vocab_size: Optional[int],
-              explicit_multiple: Optional[int]) -> ParamSpec:
-    """The tensor's spec at ``new_tp``: its own padding record (the layout algebra's ``at_degree``), with an
-    explicit ``pad_to_multiple_of`` replacing a vocabulary's multiple; a tensor without a record gets one as before."""
-    spec = _with_padding_record(key, spec, multiple, vocab_size, explicit_multiple)
+def _new_spec(key: str, spec: ParamSpec, new_tp: int, explicit_multiple: Optional[int]) -> ParamSpec:
+    """The tensor's spec at ``new_tp`` by its own padding record (the layout algebra's ``at_degree``); an explicit
+    ``pad_to_multiple_of`` replaces a vocabulary's recorded multiple (the user builds the model at the new degree with
+    it), other recorded rules (partition padding) are the layers' own and stay."""
+    if spec.vocabulary and spec.pad_to_multiple_of is not None and explicit_multiple is not None:
+        spec = dataclasses.replace(spec, pad_to_multiple_of=explicit_multiple)
     try:
         return spec.at_degree(new_tp)
     except ValueError as e:
         raise ValueError(f"'{key}': {e}") from None
 
 
-def _with_padding_record(key: str, spec: ParamSpec, multiple: int, vocab_size: Optional[int],
-                         explicit_multiple: Optional[int]) -> ParamSpec:
-    """``spec`` with the padding rule its reshard follows. A recorded vocabulary multiple gives way to an explicit one
-    (the user builds the model at the new degree with it); other recorded rules (partition padding) are the layers'
-    own and stay. A spec without a record (a checkpoint written before the record) is a vocabulary when it is padded
-    along its partition dim, or that dim is the config's ``vocab_size``, and then pads with the checkpoint's
-    ``multiple`` (argument, reshard.json, or inferred: module docstring), as before."""
-    if not spec.is_sharded or spec.replica_block > 1 or spec.pad_block > 1 or spec.pad_groups > 1:
-        return spec  # not padded to a multiple: repeated or zero heads are laid out by their own fields
-    if spec.pad_to_multiple_of is not None:
-        if spec.vocabulary and explicit_multiple is not None:
-            return dataclasses.replace(spec, pad_to_multiple_of=explicit_multiple)
-        return spec
-    dim = spec.partition_dim
-    real = spec.unpadded_shape[dim]
-    if real != spec.full_shape[dim] or (vocab_size is not None and real == vocab_size and spec.stride == 1):
-        if spec.stride != 1:
-            raise ValueError(f"'{key}' is padded along its partition dim {dim} but has stride {spec.stride}; padding "
-                             "a strided tensor is not supported")
-        return dataclasses.replace(spec, pad_to_multiple_of=multiple, vocabulary=True)
-    return spec
-
-
-def _reshard_model(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
-                   model_files: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
+def _reshard_model(new_tag_dir: str, new_entries: Dict[str, TensorEntry], source: TensorSource, new_tp: int,
+                   bar) -> List[StreamingSafetensorsWriter]:
     layouts: List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]] = [[] for _ in range(new_tp)]
     for key, entry in new_entries.items():
         for rank in range(new_tp):
-            if entry.spec.is_sharded or rank == 0:
+            if entry.spec.is_sharded or rank == 0:  # a replicated tensor lives in rank 0's file
                 layouts[rank].append((key, dtype_from_name(entry.dtype), entry.spec.local_shape()))
     with _open_writers([os.path.join(new_tag_dir, model_file(r)) for r in range(new_tp)], layouts) as writers:
-        for key, entry in index.tensors.items():
-            new_spec = new_entries[key].spec
-            reader = model_files[entry.files(index.tensor_model_parallel_size)[0]]
-            ranks = range(new_tp) if new_spec.is_sharded else [0]  # a replicated tensor lives in rank 0's file
-            for rank, parts in _new_pieces(reader, key, new_spec, ranks, lambda key=key, entry=entry, new_spec=new_spec:
-                                           _repad(_assemble(model_files, key, entry, index), entry.spec, new_spec)):
-                writers[rank].write_parts(key, parts)
-            bar.update(1)
+        stream(source, RankFilesSink(writers, {key: entry.spec for key, entry in new_entries.items()}), new_entries,
+               bar=bar)
     return writers  # completed: their records are ready
-
-
-def _new_pieces(reader, key: str, new_spec: ParamSpec, ranks: Iterable[int], read_full: Callable[[], torch.Tensor]):
-    """``(rank, parts)`` for each rank in ``ranks``: its piece at ``new_spec`` as row ranges for ``write_parts``. A
-    reader that cuts pieces itself (``pieces(key, new_spec, ranks)``: a converter's view of a checkpoint in another
-    format, which reads each piece in parts) is asked for them; otherwise they are cut from the full tensor
-    ``read_full()`` gives (at the new layout), which is held until every piece is written."""
-    if hasattr(reader, "pieces"):
-        yield from reader.pieces(key, new_spec, ranks)
-        return
-    full = read_full()
-    for rank in ranks:
-        yield rank, [new_spec.piece_of_full(full, rank, own=False)]   # written out while full is held
 
 
 @contextlib.contextmanager
@@ -657,7 +457,7 @@ def _optimizer_params(tag_dir: str, index: CheckpointIndex):
     return primary, params, None
 
 
-def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
+def plan_plain_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
                     open_file: Optional[Callable[[str], Any]] = None):
     """How each optimizer tensor reshards: [(param key, [(field, kind, old shape)])], the open files, or why not.
 
@@ -673,7 +473,7 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
     if why_not:
         return None, {}, why_not
     handles: Dict[str, Any] = {}
-    open_file = open_file or _opener(tag_dir)
+    open_file = open_file or rank_file_opener(tag_dir)
     for rank in range(tp):
         handles[optim_file(rank)] = open_file(optim_file(rank))
     plan = []
@@ -689,7 +489,7 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
             if entry.spec.is_sharded and shape == entry.spec.local_shape():
                 kind = "shard"
                 for rank in range(1, tp):
-                    _check_piece(handles[optim_file(rank)], os.path.join(tag_dir, optim_file(rank)), key, shape)
+                    check_piece(handles[optim_file(rank)], os.path.join(tag_dir, optim_file(rank)), key, shape)
             elif not entry.spec.is_sharded and shape == tuple(entry.spec.full_shape):
                 kind = "replicate"
             else:
@@ -700,41 +500,41 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str,
 
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
-                       handles: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
+                       handles: Dict[str, Any], new_tp: int, bar, source: Optional[TensorSource] = None
+                       ) -> List[StreamingSafetensorsWriter]:
+    """Write plain optimizer state at ``new_tp``: state shaped like its parameter ("shard", "replicate") is laid out
+    and cut as the parameter, read from ``source`` (default: the tag's optimizer rank files), a replicated one whole
+    in every rank's file; other state ("copy": 'step') is TP rank 0's value in every file."""
     rank0 = handles[optim_file(0)]
+    if source is None:
+        files = [optim_file(r) for r in range(index.tensor_model_parallel_size)]
+        source = TagSource(handles, {f"{name}/{field}": (index.tensors[key].spec, rank0.dtype(f"{name}/{field}"),
+                                                         files)
+                                     for name, (key, fields) in plan for field, kind, _ in fields if kind != "copy"},
+                           slab_bytes=PART_BYTES)
     layouts: List[list] = [[] for _ in range(new_tp)]
     for name, (key, fields) in plan:
         new_spec = new_entries[key].spec
         for field, kind, shape in fields:
-            dtype = _safetensors_dtype(rank0, f"{name}/{field}")
             local = new_spec.local_shape() if kind == "shard" else shape
             for rank in range(new_tp):
-                layouts[rank].append((f"{name}/{field}", dtype, tuple(local)))
+                layouts[rank].append((f"{name}/{field}", rank0.dtype(f"{name}/{field}"), tuple(local)))
     with _open_writers([os.path.join(new_tag_dir, optim_file(r)) for r in range(new_tp)], layouts) as writers:
         for name, (key, fields) in plan:
-            old_spec, new_spec = index.tensors[key].spec, new_entries[key].spec
             for field, kind, _ in fields:
                 tensor_key = f"{name}/{field}"
                 if kind == "copy":
                     value = rank0.get_tensor(tensor_key)
                     for rank in range(new_tp):
                         writers[rank].write(tensor_key, value)
-                else:  # "shard" is laid out and cut as its parameter; "replicate" is whole in every rank's file
-
-                    def read_full(tensor_key=tensor_key, kind=kind):
-                        if kind == "replicate":
-                            return rank0.get_tensor(tensor_key)
-                        return _repad(old_spec.full_from_pieces(lambda r: handles[optim_file(r)].get_tensor(tensor_key),
-                                                                _safetensors_dtype(rank0, tensor_key)),
-                                      old_spec, new_spec)
-
-                    for rank, parts in _new_pieces(rank0, tensor_key, new_spec, range(new_tp), read_full):
-                        writers[rank].write_parts(tensor_key, parts)
+                else:
+                    sink = RankFilesSink(writers, {tensor_key: new_entries[key].spec}, every_rank=True)
+                    stream(source, sink, [tensor_key])
                 bar.update(1)
     return writers  # completed: their records are ready
 
 
-def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
+def plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
                           open_file: Optional[Callable[[str], Any]] = None):
     """How ZeRO-1 state reshards: [(param name, (model key, [(field, kind, dtype)]))], the open files (every TP x DP
     rank's), or why not. kind is "flat" (a flat shard of the TP-local tensor: the DP shards are gathered into the
@@ -749,7 +549,7 @@ def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dic
     if why_not:
         return None, {}, why_not
     dp = int(info["zero1"]["sharding_group_size"])
-    open_file = open_file or _opener(tag_dir)
+    open_file = open_file or rank_file_opener(tag_dir)
     handles: Dict[str, Any] = {}
     for rank in range(tp):
         for k in range(dp):
@@ -774,9 +574,9 @@ def _plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dic
                         raise ValueError(f"checkpoint file {os.path.join(tag_dir, relative)} lacks '{key}', which the "
                                          "index lists")
                     if flat:
-                        _check_piece(handle, os.path.join(tag_dir, relative), key, (layout.shard_numel,))
+                        check_piece(handle, os.path.join(tag_dir, relative), key, (layout.shard_numel,))
             per_field.append((field, "flat" if flat else "copy",
-                              _safetensors_dtype(handles[optim_file(0, 0)], key)))
+                              handles[optim_file(0, 0)].dtype(key)))
         plan.append((name, (primary[name], per_field)))
     return plan, handles, None
 
@@ -898,7 +698,8 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
     TP pieces like the parameter; ZeRO-1 state from each TP rank's DP shards, then its TP pieces."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
     try:
-        plan, handles, why_not = (_plan_zero1_optimizer if zero1 else _plan_optimizer)(tag_dir, index, index.tensors)
+        planner = plan_zero1_optimizer if zero1 else plan_plain_optimizer
+        plan, handles, why_not = planner(tag_dir, index, index.tensors)
     except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
         raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") from None
     if plan is None:
@@ -919,7 +720,7 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
                     return first.get_tensor(tensor_key)
 
                 shape = tuple(first.get_slice(tensor_key).get_shape())
-                dtype = _safetensors_dtype(first, tensor_key)
+                dtype = first.dtype(tensor_key)
             else:
                 if zero1:
                     dtype = detail
@@ -928,7 +729,7 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
                         return layout.full_from_shards([handles[optim_file(rank, k)].get_tensor(tensor_key)
                                                         for k in range(dp)])
                 else:
-                    dtype = _safetensors_dtype(handles[optim_file(0)], tensor_key)
+                    dtype = handles[optim_file(0)].dtype(tensor_key)
 
                     def piece(rank: int, tensor_key=tensor_key) -> torch.Tensor:
                         return handles[optim_file(rank)].get_tensor(tensor_key)
@@ -968,7 +769,7 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
     """Write ``optimizer.safetensors`` (the ``DenseOptimizerTensor`` values, read one at a time) and
     ``optimizer.json`` (the other values, the source kind and the trainer state) into ``directory``."""
     tensors = {key: value for key, value in state.items() if isinstance(value, DenseOptimizerTensor)}
-    bar = _progress(len(tensors), "optimizer", progress)
+    bar = progress_bar(len(tensors), "optimizer", progress)
     try:
         layout = [(key, t.dtype, t.shape) for key, t in tensors.items()]
         with StreamingSafetensorsWriter(os.path.join(directory, DENSE_OPTIMIZER_TENSORS), layout,
@@ -985,7 +786,3 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
               "values": {key: value for key, value in state.items() if key not in tensors},
               "trainer_state": trainer_state}
     write_bytes_durably(os.path.join(directory, DENSE_OPTIMIZER_VALUES), json.dumps(record, indent=1).encode())
-
-
-def _safetensors_dtype(handle: SafetensorsFileReader, key: str) -> torch.dtype:
-    return handle.dtype(key)

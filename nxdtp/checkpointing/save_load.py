@@ -41,6 +41,7 @@ from .index import (
 )
 from .lock import TagLock
 from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
+from .unwrap import is_zero1
 
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_STATE_FILE = "optim/state.json"
@@ -82,7 +83,7 @@ def _invoke_preshard_hooks(module: nn.Module, state_dict: Dict[str, Any], prefix
         _invoke_preshard_hooks(child, state_dict, prefix + name + ".")
 
 
-def _sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
+def sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
     """The spec of every TP-sharded tensor of ``model``, by tensor identity (so tied keys share it): from the
     modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``). A fused
     parameter (``fused_parts``: GQAQKVColumnParallelLinear's ``weight_qkv``) has none: its parts, which its module's
@@ -121,7 +122,7 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
         raise TypeError(f"model_state_dict must be a dict of full tensors, got {type(model_state_dict).__name__}")
     group = tensor_parallel_group()
     _invoke_preshard_hooks(model, model_state_dict)
-    specs = _sharding_specs(model, group.size)
+    specs = sharding_specs(model, group.size)
     for key, current in model.state_dict(keep_vars=True).items():
         if key not in model_state_dict:
             continue
@@ -471,7 +472,7 @@ def _trainer_payload(checkpoint: Dict[str, Any], pickled_keys: Tuple[str, ...] =
 def _refuse_zero1(value: Any, what: str) -> None:
     """ZeRO-1 state is sharded over DP. Under ``checkpoint['optimizer']`` every rank writes its shards; any other
     entry is written once per TP rank (from DP rank 0), which would silently drop the other DP ranks' shards."""
-    if _is_zero1(value):
+    if is_zero1(value):
         raise ValueError(
             f"{what} is a ZeRO-1 optimizer (NeuronZero1Optimizer) or its state dict, whose state is sharded over data "
             "parallelism; other entries than 'optimizer' are written once per TP rank, which would keep one DP rank's "
@@ -483,16 +484,8 @@ def _refuse_zero1(value: Any, what: str) -> None:
 ZERO1_MASTER_FIELD = "zero1_master"
 
 
-def _is_zero1(optimizer: Any) -> bool:
-    """A ZeRO-1 optimizer (it declares ``shards_state_over_data_parallel``, as NeuronZero1Optimizer does) or its state
-    dict."""
-    if isinstance(optimizer, dict):
-        return "base_state" in optimizer
-    return getattr(type(optimizer), "shards_state_over_data_parallel", False) is True
-
-
 def _kind(optimizer: Any) -> str:
-    return (f"a ZeRO-1 optimizer ({type(optimizer).__name__})" if _is_zero1(optimizer)
+    return (f"a ZeRO-1 optimizer ({type(optimizer).__name__})" if is_zero1(optimizer)
             else f"a non-ZeRO optimizer ({type(optimizer).__name__})")
 
 
@@ -579,7 +572,7 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
         flat = [p for group in optimizer.param_groups for p in group["params"]]
         names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
         fused = fused_by_position(optimizer, model)
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         return _zero1_payload(optimizer, names, fused)
     state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
     tensors: Dict[str, torch.Tensor] = {}
@@ -687,7 +680,7 @@ class _Zero1Target:
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> Optional["_Zero1Target"]:
         """The target of a ZeRO-1 optimizer; None for a plain one, which takes whole TP-local tensors."""
-        if not _is_zero1(optimizer):
+        if not is_zero1(optimizer):
             return None
         return cls(optimizer.sharding_group.size, optimizer.sharding_group.rank, optimizer.optimizer_dtype)
 
@@ -720,7 +713,7 @@ def _check_convertible(tag_dir: str, index: Dict[str, Any], saved_zero: bool, op
     """Refuse plain state keyed by index for a ZeRO-1 optimizer, before any file is read: its master weights would
     come from the model's tensors, and without names nothing says which tensor belongs to which parameter."""
     saved_kind = "a ZeRO-1 optimizer (NeuronZero1Optimizer)" if saved_zero else "a non-ZeRO optimizer"
-    if _is_zero1(optimizer) and not saved_zero and index["keyed_by"] != "name":
+    if is_zero1(optimizer) and not saved_zero and index["keyed_by"] != "name":
         raise ValueError(f"{tag_dir}: the checkpoint holds the state of {saved_kind} keyed by parameter index, which "
                          f"cannot be cut for {_kind(optimizer)}: its master weights cannot be matched to the model's "
                          "tensors. Save live objects (save({'model': model, 'optimizer': optimizer})) to convert, or "
@@ -995,7 +988,7 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
     tag_dir, read, error = _agreed_read(output_dir, tag, verify, reads)
     trainer_state: Dict[str, Any] = {}
-    zero1 = _is_zero1(optimizer)
+    zero1 = is_zero1(optimizer)
     if zero1:
         # A ZeRO-1 optimizer's load_state_dict gathers its master shards over DP (a collective): every rank must get
         # there, so a failure on one rank is agreed on first.
@@ -1050,7 +1043,7 @@ def _load_into_live_objects(read: "_Read", tag_dir: str, output_dir: str, model:
     """Put what this rank read into the model, optimizer, scheduler and RNGs; return the trainer state."""
     if model is not None:
         model.load_state_dict(read.model_state, strict=strict)
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         # Its load_state_dict is a collective: no rank enters it unless every rank's model loaded.
         _agree(None, f"loading {output_dir}")
     if optimizer is not None:
@@ -1080,7 +1073,7 @@ class _Reads:
             wanted += sorted({model_file(tp_rank), model_file(0)})
         if self.optimizer is not None and index.optimizer is not None:
             wanted += _optimizer_files(index, tp_rank, self.optimizer) + [OPTIMIZER_STATE_FILE]
-            if (self.model is None and _is_zero1(self.optimizer) and not is_zero1_optimizer_index(index.optimizer)):
+            if (self.model is None and is_zero1(self.optimizer) and not is_zero1_optimizer_index(index.optimizer)):
                 wanted += sorted({model_file(tp_rank), model_file(0)})  # the master weights of a conversion
         if self.rng:
             wanted.append(rng_file(topology.rank))
@@ -1103,7 +1096,7 @@ class _Reads:
             if index.optimizer is None:
                 raise ValueError(f"{tag_dir} holds no optimizer state")
             model_state = read.model_state
-            if (model_state is None and _is_zero1(self.optimizer) and not is_zero1_optimizer_index(index.optimizer)
+            if (model_state is None and is_zero1(self.optimizer) and not is_zero1_optimizer_index(index.optimizer)
                     and index.optimizer.get("keyed_by") == "name"):
                 model_state = read_model_shard(tag_dir, index, tp_group.rank, verify)
             read.optimizer_state = _optimizer_state_dict(tag_dir, index, tp_group.rank, self.optimizer, self.model,
@@ -1123,7 +1116,7 @@ def _optimizer_files(index: CheckpointIndex, tp_rank: int, optimizer: torch.opti
     if not is_zero1_optimizer_index(info):
         return [optim_file(tp_rank)]
     saved_size = int(info["zero1"]["sharding_group_size"])
-    if not _is_zero1(optimizer):
+    if not is_zero1(optimizer):
         return [optim_file(tp_rank, k) for k in range(saved_size)]
     ranks = {0}
     size, rank = optimizer.sharding_group.size, optimizer.sharding_group.rank

@@ -13,9 +13,8 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
-from ..errors import DamagedInputError
 from .durable import checked_record, replace_atomically
-from .index import DONE_FILE, INDEX_FILE
+from .index import DONE_FILE, INDEX_FILE, CheckpointIntegrityError
 
 NEWEST_FILE = "newest"
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -50,35 +49,24 @@ def is_complete(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, DONE_FILE))
 
 
-LEGACY_DONE_TEXT = "complete"
-
-
-class CheckpointIntegrityError(DamagedInputError):
-    """A checkpoint file is not what its record says: another size or another checksum (flipped bytes, truncation), or
-    a damaged ``done``."""
-
-
 def mark_done(tag_dir: str, index_record: dict) -> None:
     """Mark ``tag_dir`` complete (durably, all at once); ``done`` records the index's size and checksum."""
     payload = json.dumps({"complete": True, INDEX_FILE: index_record}) + "\n"
     replace_atomically(os.path.join(tag_dir, DONE_FILE), payload.encode())
 
 
-def read_done(tag_dir: str) -> Optional[dict]:
-    """The index record that ``tag_dir``'s ``done`` holds, or None for a ``done`` without one (older nxdtp, or
-    written by hand as docs/checkpoints.md's multi-node steps do)."""
+def read_done(tag_dir: str) -> dict:
+    """The index record that ``tag_dir``'s ``done`` holds; ``CheckpointIntegrityError`` naming the file if it holds
+    none."""
     path = os.path.join(tag_dir, DONE_FILE)
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        text = raw.decode()
-        if text.strip() == LEGACY_DONE_TEXT:
-            return None
-        record = json.loads(text)[INDEX_FILE]
+        record = json.loads(raw.decode())[INDEX_FILE]
         return checked_record(record)
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointIntegrityError(f"{path} is damaged: it is neither 'complete' nor the record of "
-                                       f"{INDEX_FILE} ({type(e).__name__}: {e})") from None
+        raise CheckpointIntegrityError(f"{path} is damaged: it must be JSON holding the record (size and "
+                                       f"checksum) of {INDEX_FILE} ({type(e).__name__}: {e})") from None
 
 
 def set_newest(output_dir: str, tag: str) -> None:

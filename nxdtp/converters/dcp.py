@@ -61,7 +61,6 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     ``make_vocab_size_divisible_by``; default 1)."""
 
     from ..checkpointing.dcp_import import read_checkpoint
-    from ..checkpointing.index import model_file
     from ..checkpointing.merge import check_reshard_arguments, reshard_source
 
     check_reshard_arguments(new_tp, pad_to_multiple_of)
@@ -74,9 +73,9 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.nxdtp-dcp-", dir=parent)
     try:
         tag_dir = view.write_json_files(work)
-        return reshard_source(tag_dir, view.index, {model_file(0): view.model_reader}, output_dir, new_tp,
-                              progress=progress, pad_to_multiple_of=pad_to_multiple_of,
-                              config=checkpoint.config_path, open_file=view.open_file,
+        return reshard_source(tag_dir, view.index, view.model_reader, output_dir, new_tp, progress=progress,
+                              pad_to_multiple_of=pad_to_multiple_of, config=checkpoint.config_path,
+                              open_file=view.open_file, optimizer_source=view.optimizer_reader,
                               source=os.path.abspath(dcp_dir))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -276,9 +275,11 @@ class _TensorShape:
 
 
 class _DcpRankFile:
-    """A TP=1 rank file's reader over the DCP checkpoint (what merge reads of a ``SafetensorsFileReader``):
-    ``tensors`` maps each of its keys to (DCP key, spec or None); ``get_tensor`` reads the DCP tensor (batched with
-    the keys after it, in this order, which is the order merge reads them) and lays it out by its spec."""
+    """The tensors of the DCP checkpoint as the TP=1 nxdtp checkpoint holds them: ``tensors`` maps each key to (DCP
+    key, spec or None). As a pipeline source, the dense tensors by box (``read_boxes``); as the optimizer's rank file
+    that reshard's plan reads (``keys``, ``get_slice``, ``dtype``, ``get_tensor``, as ``SafetensorsFileReader``),
+    ``get_tensor`` reads the DCP tensor (batched with the keys after it, in this order, which is the order reshard
+    reads them) and lays it out by its spec."""
 
     def __init__(self, checkpoint, tensors: Dict[str, Tuple[str, Any]]):
         from ..checkpointing.dcp_import import BatchedReader
@@ -286,6 +287,7 @@ class _DcpRankFile:
         self.saved = checkpoint.metadata.state_dict_metadata
         self.tensors = tensors
         self.reader = BatchedReader(checkpoint.rows, [source for source, _ in tensors.values()])
+        self._whole = (None, None)  # (DCP key, tensor) read whole, kept while its boxes are read
 
     def keys(self):
         return self.tensors.keys()
@@ -302,21 +304,37 @@ class _DcpRankFile:
         value = self.reader.read(source)
         return value if spec is None else spec.full_from_dense(value)
 
-    def pieces(self, key: str, new_spec, ranks):
-        """``(rank, parts)``: each rank's piece of ``key`` at ``new_spec`` (``merge._new_pieces``). A tensor within
-        the import's read budget is read whole once (with those after it) and cut; a larger one is read piece by piece
-        in slabs of at most the budget's bytes (``ParamSpec.piece_parts``), so it is never whole in memory, unless
-        the job saved it in chunks over the budget, which every slab would load again: it is read whole once."""
-        from ..checkpointing.merge import rows_within
+    # ---- as a pipeline source (``nxdtp.checkpointing.pipeline.TensorSource``): the dense tensors, by box ----
 
+    @property
+    def slab_bytes(self) -> int:
+        return self.reader.rows.budget
+
+    def spec(self, key: str):
+        return self.tensors[key][1] or _replicated(self.saved[self.tensors[key][0]].size)
+
+    def read_boxes(self, key: str, boxes):
+        """Boxes of the dense tensor ``key``. A tensor within the import's read budget is read whole once (with
+        those after it) and cut; a larger one is read box by box, so it is never whole in memory, unless the job
+        saved it in chunks over the budget, which every read would load again: it is read whole once."""
         source, _ = self.tensors[key]
         rows = self.reader.rows
-        if not self.reader.in_ranges(source) or rows.chunks_over_budget(source):
-            full = new_spec.full_from_dense(self.reader.read(source))
-            for rank in ranks:
-                yield rank, [new_spec.piece_of_full(full, rank, own=False)]   # written out while full is held
-            return
-        dtype = self.dtype(key)
-        slab_rows = rows_within(rows.budget, new_spec.local_shape(), dtype)
-        for rank in ranks:
-            yield rank, new_spec.piece_parts(rank, lambda boxes: rows.read_boxes(source, boxes), slab_rows, dtype)
+        if self.reader.in_ranges(source) and not rows.chunks_over_budget(source):
+            return rows.read_boxes(source, boxes)
+        if self._whole[0] != source:
+            self._whole = (source, None)   # the previous tensor goes before this one is read
+            self._whole = (source, self.reader.read(source))
+        return [_box_of(self._whole[1], box) for box in boxes]
+
+
+def _replicated(size):
+    from ..spec import ParamSpec
+
+    return ParamSpec(full_shape=tuple(size))
+
+
+def _box_of(tensor, box):
+    offsets, sizes = box
+    for dim, (start, length) in enumerate(zip(offsets, sizes)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor

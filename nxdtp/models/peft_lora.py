@@ -54,6 +54,7 @@ from peft.utils import PeftType
 from torch import nn
 
 from .. import comm, mappings, sequence_parallel_linear
+from ..checkpointing.dense import gather_dense
 from ..layers import BaseParallelLayer, ColumnParallelLinear, RowParallelLinear
 from ..parallel_state import ParallelGroup, tensor_parallel_group
 from ..random import get_xla_rng_tracker
@@ -110,15 +111,6 @@ class LoraFactor(nn.Linear, ShardedModule):
             state_dict[key] = full
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-
-
-def gather_dense(local: torch.Tensor, spec: ParamSpec, group: ParallelGroup) -> torch.Tensor:
-    """The dense tensor of which ``local`` is this rank's part: collective over ``group`` (every rank gets it)."""
-    full = local
-    if spec.is_sharded and group.size > 1:
-        pieces = comm.all_gather(local.detach().unsqueeze(0), group, 0)
-        full = spec.full_from_pieces(lambda rank: pieces[rank], local.dtype)
-    return spec.dense_from_full(full).contiguous().clone()
 
 
 def _linear_weight_spec(base: nn.Module) -> Tuple[ParamSpec, bool]:
@@ -487,7 +479,7 @@ def dense_adapter_state_dict(model: nn.Module, state_dict: Dict[str, Any]) -> Di
             group = owner.group() if isinstance(owner, LoraFactor) else owner._group()
         else:
             group = tensor_parallel_group()   # not used: a replicated tensor is already whole
-        dense[key] = gather_dense(value, spec, group)
+        dense[key] = gather_dense(value, spec, group).contiguous().clone()   # not a view of the padded tensor
     return dense
 
 

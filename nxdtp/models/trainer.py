@@ -55,13 +55,6 @@ def _model_and_wrapped(model):
     return [model] if inner is model else [model, inner]
 
 
-def _inner_optimizer(optimizer):
-    """accelerate wraps the optimizer; nxdtp's checkpointing saves the torch optimizer it wraps."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 def _refusals(model, args) -> list:
     """What this trainer cannot do with ``args``, each as a sentence naming the setting."""
     reasons = []
@@ -249,7 +242,7 @@ class TensorParallelTrainer(transformers.Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        checkpointing.save({"model": self.model, "optimizer": _inner_optimizer(self.optimizer),
+        checkpointing.save({"model": self.model, "optimizer": checkpointing.unwrap.unwrap_optimizer(self.optimizer),
                             "scheduler": self.lr_scheduler}, output_dir, tag=TRAINING_TAG)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -258,8 +251,9 @@ class TensorParallelTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or _tag_in(checkpoint) != TRAINING_TAG:
             return
-        checkpointing.load(checkpoint, model=self.model, optimizer=_inner_optimizer(self.optimizer),
-                           scheduler=self.lr_scheduler, tag=TRAINING_TAG, restore_rng_states=True)
+        optimizer = checkpointing.unwrap.unwrap_optimizer(self.optimizer)   # accelerate's wrapper holds it
+        checkpointing.load(checkpoint, model=self.model, optimizer=optimizer, scheduler=self.lr_scheduler,
+                           tag=TRAINING_TAG, restore_rng_states=True)
 
 
 def _full_vocabulary_logits(model, args, outputs):

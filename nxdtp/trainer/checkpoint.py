@@ -6,14 +6,8 @@ same writer as ``nxdtp.checkpointing.save`` (``prepare_save`` + ``write_save``),
 checks, ``done``/``newest``, tag locks and kill -9 safety are those of every nxdtp checkpoint. The differences from
 NxD's files and what each keyword does here are in docs/checkpoints.md ("NxD's trainer API").
 
-Wrappers are unwrapped by duck typing, so NxD's ``NxDModel`` / ``NxDOptimizer`` and similar wrappers of other
-libraries are accepted without importing them:
-
-* a model ``m`` is replaced by ``m.module`` while ``m.module`` is an ``nn.Module`` and ``m``'s parameters and buffers
-  are exactly ``m.module``'s (a wrapper that owns no tensor of its own: ``NxDModel``, ``DistributedDataParallel``);
-* an optimizer ``o`` is replaced by ``o.optimizer`` while ``o`` is not a ZeRO-1 optimizer, ``o.optimizer`` is a
-  ``torch.optim.Optimizer``, and ``o`` either is not an optimizer itself or shares ``o.optimizer``'s ``param_groups``
-  (a delegating wrapper: ``NxDOptimizer``).
+Wrappers (NxD's ``NxDModel`` / ``NxDOptimizer`` and those of other libraries) are unwrapped by
+``nxdtp.checkpointing.unwrap``'s rule, the one every checkpoint path follows.
 
 Asynchronous saves (``async_save=True``): the call does, in the calling thread and on every rank, everything that is
 collective (the tag lock, the replicated-tensor check, the tag directory) and takes a host copy of exactly the tensors
@@ -39,43 +33,14 @@ from torch import nn
 from .. import comm
 from ..checkpointing import load, tags
 from ..checkpointing.index import INDEX_FILE
-from ..checkpointing.save_load import _is_zero1, prepare_save, write_save
+from ..checkpointing.save_load import prepare_save, write_save
+from ..checkpointing.unwrap import unwrap_model, unwrap_optimizer
 from ..parallel_state import get_topology
 
 __all__ = ["save_checkpoint", "load_checkpoint", "has_checkpoint", "finalize_checkpoint"]
 
 # The entry of nxdtp's checkpoint dict that holds user_content (stored with torch.save, read with weights_only=True).
 USER_CONTENT_KEY = "user_content"
-
-
-# ---- wrappers --------------------------------------------------------------------------------------------------------
-
-def _tensor_ids(module: nn.Module) -> set:
-    return {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module a wrapper such as ``NxDModel`` holds as ``.module`` (repeatedly), when the wrapper owns no
-    parameter or buffer of its own; anything else is returned as it is."""
-    while isinstance(model, nn.Module):
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module) or inner is model or _tensor_ids(model) != _tensor_ids(inner):
-            break
-        model = inner
-    return model
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The optimizer a delegating wrapper such as ``NxDOptimizer`` holds as ``.optimizer`` (repeatedly); a ZeRO-1
-    optimizer, and an optimizer with param groups of its own, are returned as they are."""
-    while optimizer is not None and not _is_zero1(optimizer):
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
-            break
-        if isinstance(optimizer, torch.optim.Optimizer) and optimizer.param_groups is not inner.param_groups:
-            break
-        optimizer = inner
-    return optimizer
 
 
 # ---- user_content ----------------------------------------------------------------------------------------------------

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 from typing import Dict
 
+from ...models import bert as bert_plan
+from ...models import llama as llama_plan
+from ...models.registry import family_of as plan_family_of
 from . import bert, llama
 from .reader import NxdCheckpointError, load_config_dict
 
-# model_type -> the family module that imports it
-FAMILIES: Dict[str, object] = {model_type: family for family in (bert, llama) for model_type in family.MODEL_TYPES}
-SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
-
-# Configs without model_type (written by hand) are recognised by their architecture's class-name prefix.
-_ARCHITECTURE_PREFIXES = {"Bert": "bert", "Llama": "llama", "Mistral": "mistral"}
+# The importer of each model family (nxdtp.models.registry, the one list of families) whose NxD checkpoints nxdtp
+# reads; each importer lists the model_types it reads (the Llama family's plan also covers Qwen, which NxD's examples
+# do not train).
+IMPORTERS: Dict[str, object] = {bert_plan.FAMILY.name: bert, llama_plan.FAMILY.name: llama}
+_BY_MODEL_TYPE = {model_type: importer for importer in IMPORTERS.values() for model_type in importer.MODEL_TYPES}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_MODEL_TYPE))
 
 
 def family_of(config_json):
-    """The family module for a config (a config.json path, a directory holding one, or an HF config object)."""
+    """The importer for a config (a config.json path, a directory holding one, or an HF config object): by its
+    model_type, or for a config without one (written by hand) by the family of its architecture's class."""
     from transformers import PretrainedConfig
 
     if isinstance(config_json, PretrainedConfig):
@@ -32,16 +36,17 @@ def family_of(config_json):
         model_type = raw.get("model_type")
         if not model_type:
             architectures = raw.get("architectures") or []
-            model_type = next((t for a in architectures for p, t in _ARCHITECTURE_PREFIXES.items()
-                               if isinstance(a, str) and a.startswith(p)), None)
-            if model_type is None:
+            families = [plan_family_of(a) for a in architectures if isinstance(a, str)]
+            importer = next((IMPORTERS[f.name] for f in families if f is not None and f.name in IMPORTERS), None)
+            if importer is None:
                 raise NxdCheckpointError(f"config {where} names no model_type (and no architecture nxdtp recognises: "
                                          f"{architectures}); the NxD import reads model_type "
                                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if model_type not in FAMILIES:
+            return importer
+    if model_type not in _BY_MODEL_TYPE:
         raise NxdCheckpointError(f"config {where} has model_type {model_type!r}; the NxD import reads model_type "
                                  f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    return FAMILIES[model_type]
+    return _BY_MODEL_TYPE[model_type]
 
 
 def merge_nxd_checkpoint(checkpoint_dir, config_json, output_dir, force: bool = False, progress: bool = True,
@@ -56,4 +61,4 @@ def merge_nxd_checkpoint(checkpoint_dir, config_json, output_dir, force: bool = 
                                        **options)
 
 
-__all__ = ["merge_nxd_checkpoint", "family_of", "FAMILIES", "SUPPORTED_MODEL_TYPES", "NxdCheckpointError"]
+__all__ = ["merge_nxd_checkpoint", "family_of", "IMPORTERS", "SUPPORTED_MODEL_TYPES", "NxdCheckpointError"]

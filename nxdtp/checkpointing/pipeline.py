@@ -1,0 +1,161 @@
+"""The checkpoint pipeline: one driver that streams the tensors of any source into any sink in bounded slabs.
+
+A **source** (``TensorSource``) gives a checkpoint's tensors as dense tensors (padding and repeated copies dropped),
+read by box: ``spec(key)`` is the tensor's layout in the source (its dense shape is ``spec.unpadded_shape``),
+``dtype(key)`` its dtype, and ``read_boxes(key, boxes)`` the boxes ``(offsets, sizes)`` of the dense tensor. A **sink**
+(``TensorSink``) writes one tensor at a time, asking the source for the boxes it needs in slabs of at most
+``slab_bytes``, so no tensor is whole in memory unless a source can only read it whole. ``stream`` is the driver.
+
+Sources: ``TagSource`` (an nxdtp tag's rank files: a box is read from the rows of the pieces that hold it) and the
+DCP import's reader (``nxdtp.converters.dcp``). Sinks: ``DenseSink`` (a Hugging Face safetensors file, the dense
+tensor in slabs of rows) and ``RankFilesSink`` (the rank files of an nxdtp tag at another TP size, each piece in slabs
+of rows, ``ParamSpec.piece_parts``). ``nxdtp-merge``'s merge and reshard are (``TagSource``, ``DenseSink``) and
+(``TagSource``, ``RankFilesSink``); ``--from-dcp --reshard`` is (the DCP reader, ``RankFilesSink``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from ..spec import ParamSpec
+
+# A box of a dense tensor: (offsets, sizes), one of each per dimension.
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
+ReadBoxes = Callable[[List[Box]], List[torch.Tensor]]
+
+# The most bytes a sink asks a source for at once: a larger tensor is written in slabs of rows of at most this size.
+SLAB_BYTES = 64 << 20
+
+__all__ = ["Box", "TensorSource", "TensorSink", "stream", "TagSource", "DenseSink", "RankFilesSink", "SLAB_BYTES",
+           "rows_within"]
+
+
+class TensorSource(Protocol):
+    slab_bytes: int  # the most bytes a sink asks for at once
+
+    def spec(self, key: str) -> ParamSpec: ...
+
+    def dtype(self, key: str) -> torch.dtype: ...
+
+    def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]: ...
+
+
+class TensorSink(Protocol):
+    def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes: ReadBoxes,
+              slab_bytes: int) -> None: ...
+
+
+def stream(source: TensorSource, sink: TensorSink, keys: Iterable[str], *, bar: Any = None) -> None:
+    """Write each tensor of ``keys`` from ``source`` into ``sink``, one after the other, in slabs of at most the
+    source's ``slab_bytes``; ``bar`` (a progress bar) advances once per tensor."""
+    for key in keys:
+        shape = tuple(source.spec(key).unpadded_shape)
+        sink.write(key, shape, source.dtype(key), lambda boxes, key=key: source.read_boxes(key, boxes),
+                   source.slab_bytes)
+        if bar is not None:
+            bar.update(1)
+
+
+def rows_within(budget: int, shape: Sequence[int], dtype: torch.dtype) -> int:
+    """How many rows (along dim 0) of a tensor of ``shape`` fit ``budget`` bytes: at least one."""
+    return max(1, budget // max(1, math.prod(shape[1:]) * dtype.itemsize))
+
+
+def _narrowed(tensor: torch.Tensor, box: Box, dims: Iterable[int]) -> torch.Tensor:
+    offsets, sizes = box
+    for d in dims:
+        tensor = tensor.narrow(d, offsets[d], sizes[d])
+    return tensor
+
+
+class TagSource:
+    """The tensors of an nxdtp tag's rank files (``handles``: relative name -> ``SafetensorsFileReader``), each laid
+    out by ``layout[key] = (spec, dtype, rank file names)``. A box of the dense tensor is read from the rows of the
+    pieces that hold it (``ParamSpec.dense_runs_of_piece``): along the split dim when it is dim 0, else the box's rows
+    of each piece that holds a part of it, so reading a slab never reads a whole piece of a larger tensor."""
+
+    def __init__(self, handles: Dict[str, Any], layout: Dict[str, Tuple[ParamSpec, torch.dtype, List[str]]],
+                 slab_bytes: Optional[int] = None):
+        self.handles, self.layout = handles, layout
+        self.slab_bytes = slab_bytes or SLAB_BYTES
+
+    def spec(self, key: str) -> ParamSpec:
+        return self.layout[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.layout[key][1]
+
+    def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]:
+        return [self._read_box(key, box) for box in boxes]
+
+    def _rows(self, key: str, rank: int, start: int, length: int) -> torch.Tensor:
+        return self.handles[self.layout[key][2][rank]].get_rows(key, start, length)
+
+    def _read_box(self, key: str, box: Box) -> torch.Tensor:
+        spec, dtype, _ = self.layout[key]
+        offsets, sizes = box
+        if not sizes:  # a 0-dim tensor
+            return self.handles[self.layout[key][2][0]].get_tensor(key).to(dtype)
+        if not spec.is_sharded:  # rank 0's copy; its dense part is the leading block
+            return _narrowed(self._rows(key, 0, offsets[0], sizes[0]), box, range(1, len(sizes))).to(dtype)
+        dim = spec.partition_dim
+        out = torch.empty(sizes, dtype=dtype)
+        low, high = offsets[dim], offsets[dim] + sizes[dim]
+        others = [d for d in range(1, len(sizes)) if d != dim]
+        for rank in range(spec.num_partitions):
+            rows = None  # this piece's rows of the box, read once (split dim > 0)
+            for piece_start, length, dense_start in spec.dense_runs_of_piece(rank):
+                first, last = max(low, dense_start), min(high, dense_start + length)
+                if first >= last:
+                    continue
+                start = piece_start + first - dense_start
+                if dim == 0:
+                    part = self._rows(key, rank, start, last - first)
+                else:
+                    rows = self._rows(key, rank, offsets[0], sizes[0]) if rows is None else rows
+                    part = rows.narrow(dim, start, last - first)
+                out.narrow(dim, first - low, last - first).copy_(_narrowed(part, box, others))
+        return out
+
+
+class DenseSink:
+    """A dense safetensors writer (``DenseWeightsWriter``, or a ``StreamingSafetensorsWriter``): each tensor in slabs
+    of rows of the dense tensor."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes: ReadBoxes,
+              slab_bytes: int) -> None:
+        if not shape or shape[0] == 0:
+            self.writer.write(key, read_boxes([((0,) * len(shape), shape)])[0].to(dtype))
+            return
+        step = rows_within(slab_bytes, shape, dtype)
+        boxes = [((start,) + (0,) * (len(shape) - 1), (min(step, shape[0] - start),) + shape[1:])
+                 for start in range(0, shape[0], step)]
+        self.writer.write_parts(key, (read_boxes([box])[0].to(dtype) for box in boxes))
+
+
+class RankFilesSink:
+    """The rank files of a tag at the TP size of ``specs`` (``writers[rank]``, one ``StreamingSafetensorsWriter``
+    per TP rank): each rank's piece at its new layout (``specs[key]``), in slabs of rows. A replicated tensor goes
+    to rank 0's file only (model files), or with ``every_rank`` whole to every rank's (plain optimizer state)."""
+
+    def __init__(self, writers: List[Any], specs: Dict[str, ParamSpec], every_rank: bool = False):
+        self.writers, self.specs, self.every_rank = writers, specs, every_rank
+
+    def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes: ReadBoxes,
+              slab_bytes: int) -> None:
+        spec = self.specs[key]
+        ranks = range(len(self.writers)) if spec.is_sharded or self.every_rank else [0]
+        if not spec.is_sharded and tuple(spec.full_shape) != shape:  # padded but whole: laid out from the dense
+            full = spec.full_from_dense(read_boxes([((0,) * len(shape), shape)])[0].to(dtype))
+            for rank in ranks:
+                self.writers[rank].write(key, full)
+            return
+        rows = rows_within(slab_bytes, spec.local_shape(), dtype)
+        for rank in ranks:
+            self.writers[rank].write_parts(key, spec.piece_parts(rank, read_boxes, rows, dtype))
