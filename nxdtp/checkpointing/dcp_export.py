@@ -115,27 +115,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
     notes: List[str] = []
     try:
         tensors = _model_tensors(index, model_files)
-        optimizer_state: Dict[str, Any] = {}
-        if index.optimizer is not None:
-            zero1 = is_zero1_optimizer_index(index.optimizer)
-            try:
-                if zero1:
-                    plan, optim_files, why_not = dense_optimizer_state(tag_dir, index)
-                else:
-                    plan, optim_files, why_not = plan_plain_optimizer(tag_dir, index, index.tensors)
-            except (KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{os.path.join(tag_dir, 'nxdtp_index.json')} is damaged: malformed optimizer entry "
-                                 f"{e}") from None
-            if plan is None:
-                message = f"{tag_dir}: optimizer state left out of the DCP export: {why_not}"
-                warnings.warn(message, stacklevel=2)
-                notes.append(message)
-            elif zero1:
-                optimizer_state = _zero1_optimizer_state(plan, notes)
-            else:
-                optimizer_state = _optimizer_state(tag_dir, index, plan, optim_files)
-        else:
-            notes.append("the checkpoint holds no optimizer state")
+        optimizer_state = _exported_optimizer_state(tag_dir, index, optim_files, notes)
 
         trainer_state = None
         if os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
@@ -168,6 +148,31 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
 
 
 # ---- what to write ---------------------------------------------------------------------------------------------------
+
+def _exported_optimizer_state(tag_dir: str, index: CheckpointIndex, optim_files: Dict[str, Any],
+                              notes: List[str]) -> Dict[str, Any]:
+    """The optimizer state to export, by DCP key; the files it reads are added to ``optim_files`` (closed by the
+    caller), and why state is left out to ``notes``."""
+    if index.optimizer is None:
+        notes.append("the checkpoint holds no optimizer state")
+        return {}
+    zero1 = is_zero1_optimizer_index(index.optimizer)
+    try:
+        if zero1:
+            plan, files, why_not = dense_optimizer_state(tag_dir, index)
+        else:
+            plan, files, why_not = plan_plain_optimizer(tag_dir, index, index.tensors)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{os.path.join(tag_dir, 'nxdtp_index.json')} is damaged: malformed optimizer entry "
+                         f"{e}") from None
+    optim_files.update(files)
+    if plan is None:
+        message = f"{tag_dir}: optimizer state left out of the DCP export: {why_not}"
+        warnings.warn(message, stacklevel=3)
+        notes.append(message)
+        return {}
+    return _zero1_optimizer_state(plan, notes) if zero1 else _optimizer_state(tag_dir, index, plan, optim_files)
+
 
 def piece_chunks(spec: ParamSpec, rank: int, copies: bool = False
                  ) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], Dict[int, Tuple[int, int]]]]:

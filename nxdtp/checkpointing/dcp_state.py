@@ -369,34 +369,7 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
         copies.append((tensor, state_dict[key], specs.get(id(tensor)), key))
     settings: List[Tuple[Dict[str, Any], str, Any]] = []
     if optimizer is not None:
-        flat = state_dict.get(OPTIMIZER_KEY)
-        if not isinstance(flat, dict):
-            raise KeyError(f"set_state_dict: the state dict has no '{OPTIMIZER_KEY}' entry (get_state_dict(model, "
-                           "optimizer) makes it)")
-        _init_optimizer_state(optimizer)
-        expected = set()
-        for entry in _entries(model, optimizer):
-            for field, current in entry.state.items():
-                key = f"{_STATE}.{entry.name}.{field}"
-                expected.add(key)
-                if key not in flat:
-                    continue
-                if isinstance(current, torch.Tensor):
-                    spec = None if entry.flat is not None else specs.get(id(entry.param))
-                    if spec is not None and tuple(current.shape) != tuple(entry.param.shape):
-                        spec = None
-                    copies.append((current, flat[key], spec, f"{OPTIMIZER_KEY}.{key}"))
-                else:
-                    settings.append((entry.owner, field, flat[key]))
-            for hyperparameter in entry.groups[0]:
-                if hyperparameter != "params":
-                    key = f"{_GROUPS}.{entry.name}.{hyperparameter}"
-                    expected.add(key)
-                    if key in flat:
-                        settings.extend((group, hyperparameter, flat[key]) for group in entry.groups)
-        if set(flat) != expected:
-            raise KeyError(f"set_state_dict: the optimizer state's keys differ from the optimizer's: missing "
-                           f"{sorted(expected - set(flat))[:5]}, unexpected {sorted(set(flat) - expected)[:5]}")
+        _plan_optimizer_restore(model, optimizer, state_dict, specs, copies, settings)
     if lr_scheduler is not None:
         scheduler_state = state_dict.get(LR_SCHEDULER_KEY)
         if not isinstance(scheduler_state, dict) or "last_epoch" not in scheduler_state:
@@ -416,6 +389,40 @@ def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
         # The groups' learning rates came with the optimizer state: they are the schedule's at last_epoch.
         lr_scheduler._last_lr = [group["lr"] for group in lr_scheduler.optimizer.param_groups]
     return dict(state_dict.get(TRAIN_STATE_KEY) or {})
+
+
+def _plan_optimizer_restore(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any],
+                            specs: Dict[int, ParamSpec], copies: list, settings: list) -> None:
+    """Add to ``copies`` the optimizer's tensors to fill from ``state_dict`` (with the spec that cuts a dense value)
+    and to ``settings`` its non-tensor state and hyperparameters; raise before anything changes if the keys differ."""
+    flat = state_dict.get(OPTIMIZER_KEY)
+    if not isinstance(flat, dict):
+        raise KeyError(f"set_state_dict: the state dict has no '{OPTIMIZER_KEY}' entry (get_state_dict(model, "
+                       "optimizer) makes it)")
+    _init_optimizer_state(optimizer)
+    expected = set()
+    for entry in _entries(model, optimizer):
+        for field, current in entry.state.items():
+            key = f"{_STATE}.{entry.name}.{field}"
+            expected.add(key)
+            if key not in flat:
+                continue
+            if isinstance(current, torch.Tensor):
+                spec = None if entry.flat is not None else specs.get(id(entry.param))
+                if spec is not None and tuple(current.shape) != tuple(entry.param.shape):
+                    spec = None
+                copies.append((current, flat[key], spec, f"{OPTIMIZER_KEY}.{key}"))
+            else:
+                settings.append((entry.owner, field, flat[key]))
+        for hyperparameter in entry.groups[0]:
+            if hyperparameter != "params":
+                key = f"{_GROUPS}.{entry.name}.{hyperparameter}"
+                expected.add(key)
+                if key in flat:
+                    settings.extend((group, hyperparameter, flat[key]) for group in entry.groups)
+    if set(flat) != expected:
+        raise KeyError(f"set_state_dict: the optimizer state's keys differ from the optimizer's: missing "
+                       f"{sorted(expected - set(flat))[:5]}, unexpected {sorted(set(flat) - expected)[:5]}")
 
 
 def _local_value(value: Any, tensor: torch.Tensor, spec: Optional[ParamSpec], tp_rank: int, key: str

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
@@ -49,29 +49,8 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    values_path = os.path.join(directory, DENSE_OPTIMIZER_VALUES)
     tensors_path = os.path.join(directory, DENSE_OPTIMIZER_TENSORS)
-    for path in (values_path, tensors_path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing: {directory} holds no optimizer state (nxdtp-merge writes it "
-                                    "only for checkpoints saved with a live optimizer and model; it says so when not)")
-    with open(values_path) as f:
-        record = json.load(f)
-    if record.get("format") != DENSE_OPTIMIZER_FORMAT:
-        raise ValueError(f"{values_path} has format {record.get('format')!r}; this nxdtp reads "
-                         f"{DENSE_OPTIMIZER_FORMAT!r}")
-    flat: Dict[str, Any] = {}
-    masters: Dict[str, torch.Tensor] = {}
-    tensors = SafetensorsFileReader(tensors_path)
-    for key in tensors.keys():
-        if key.startswith(MASTER_PREFIX):
-            masters[key[len(MASTER_PREFIX):]] = tensors.get_tensor(key)
-        else:
-            flat[key] = tensors.get_tensor(key)
-    for key, value in record["values"].items():
-        # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
-        flat[key] = tuple(value) if isinstance(value, list) else value
-
+    record, flat, masters = _read_dense_optimizer_files(directory)
     if hasattr(optimizer, "sharding_group"):
         raise TypeError(f"load_dense_optimizer_state restores a plain optimizer; {type(optimizer).__name__} shards its "
                         "state over data parallelism: load this state into the plain optimizer, save an nxdtp "
@@ -99,6 +78,34 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
             for name in names:
                 parameters[name].copy_(masters[name].view_as(parameters[name]))
     return record.get("trainer_state") or {}
+
+
+def _read_dense_optimizer_files(directory: str) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor]]:
+    """(the values file's record, the flat optimizer state by key, the master weights by parameter name)."""
+    values_path = os.path.join(directory, DENSE_OPTIMIZER_VALUES)
+    tensors_path = os.path.join(directory, DENSE_OPTIMIZER_TENSORS)
+    for path in (values_path, tensors_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: {directory} holds no optimizer state (nxdtp-merge writes it "
+                                    "only for checkpoints saved with a live optimizer and model; it says so when not)")
+    with open(values_path) as f:
+        record = json.load(f)
+    if record.get("format") != DENSE_OPTIMIZER_FORMAT:
+        raise ValueError(f"{values_path} has format {record.get('format')!r}; this nxdtp reads "
+                         f"{DENSE_OPTIMIZER_FORMAT!r}")
+    flat: Dict[str, Any] = {}
+    masters: Dict[str, torch.Tensor] = {}
+    tensors = SafetensorsFileReader(tensors_path)
+    for key in tensors.keys():
+        if key.startswith(MASTER_PREFIX):
+            masters[key[len(MASTER_PREFIX):]] = tensors.get_tensor(key)
+        else:
+            flat[key] = tensors.get_tensor(key)
+    for key, value in record["values"].items():
+        # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
+        flat[key] = tuple(value) if isinstance(value, list) else value
+
+    return record, flat, masters
 
 
 def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch.Tensor]) -> None:

@@ -305,18 +305,7 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
             for key, entry in entries.items():
                 if tensors[key].is_floating_point():
                     entry.dtype = "bfloat16"
-        # Everything that is not a tensor is encoded now, so the job holds the state of this moment.
-        json_files = {rng_file(topology.rank): _json_bytes(_rng_payload())}
-        if topology.rank == 0:
-            if optimizer_json is not None:
-                json_files[OPTIMIZER_STATE_FILE] = _json_bytes(optimizer_json)
-            json_files[TRAINER_STATE_FILE] = _json_bytes(trainer_state)
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "to_json_string"):
-                payload = json.loads(config.to_json_string())
-                # As HF's save_pretrained records it, so the merged model loads by its class name.
-                payload["architectures"] = payload.get("architectures") or [type(model).__name__]
-                json_files[CONFIG_FILE] = _json_bytes(payload)
+        json_files = _json_files(topology.rank, model, optimizer_json, trainer_state)
         job = SaveJob(output_dir=output_dir, tag=tag, tag_dir=tag_dir, keep_last=keep_last, lock=lock,
                       tensors=tensors, entries=entries, optimizer_tensors=optimizer_tensors,
                       optimizer_index=optimizer_index, extras=extras, json_files=json_files, zero1_place=zero1_place)
@@ -346,6 +335,24 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
             lock.release()
     _agree(error, f"saving {tag_dir}")
     return job
+
+
+def _json_files(rank: int, model: Any, optimizer_json: Optional[Dict[str, Any]],
+                trainer_state: Dict[str, Any]) -> Dict[str, bytes]:
+    """This rank's JSON files of a save, encoded now so that the job holds the state of this moment: its RNG states,
+    and on rank 0 the optimizer's JSON part, the trainer state and the model's config."""
+    json_files = {rng_file(rank): _json_bytes(_rng_payload())}
+    if rank == 0:
+        if optimizer_json is not None:
+            json_files[OPTIMIZER_STATE_FILE] = _json_bytes(optimizer_json)
+        json_files[TRAINER_STATE_FILE] = _json_bytes(trainer_state)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            payload = json.loads(config.to_json_string())
+            # As HF's save_pretrained records it, so the merged model loads by its class name.
+            payload["architectures"] = payload.get("architectures") or [type(model).__name__]
+            json_files[CONFIG_FILE] = _json_bytes(payload)
+    return json_files
 
 
 def write_save(job: SaveJob) -> None:

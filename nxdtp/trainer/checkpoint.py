@@ -178,24 +178,11 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     merge and reshard need it). NxD's refusal of ``use_zero1_dcp`` with ``avoid_saving_lower_precision_weights`` is
     kept.
     """
-    function = "save_checkpoint"
-    tag = _tag(function, tag)
-    _check_num_workers(function, num_workers)
-    for name, value in (("use_xser", use_xser), ("async_save", async_save), ("zero1_optimizer", zero1_optimizer),
-                        ("use_zero1_dcp", use_zero1_dcp),
-                        ("avoid_saving_lower_precision_weights", avoid_saving_lower_precision_weights)):
-        _check_bool(function, name, value)
-    if use_zero1_dcp and avoid_saving_lower_precision_weights:
-        raise ValueError("save_checkpoint(): use_zero1_dcp=True and avoid_saving_lower_precision_weights=True cannot "
-                         "be combined (NxD refuses them together too)")
+    tag = _tag("save_checkpoint", tag)
+    _check_save_options(num_workers, use_xser, async_save, zero1_optimizer, use_zero1_dcp,
+                        avoid_saving_lower_precision_weights)
     keep_last = _keep_last(num_kept_ckpts)
-    model, optimizer = unwrap_model(model), unwrap_optimizer(optimizer)
-    if model is None:
-        raise ValueError("save_checkpoint(): model=None: nxdtp checkpoints always hold the model (optimizer state is "
-                         "keyed by its parameter names, and merge and reshard read the model files); pass the model")
-    if not isinstance(model, (nn.Module, dict)):
-        raise TypeError(f"save_checkpoint(): model must be an nn.Module (or a wrapper of one) or its state dict, got "
-                        f"{type(model).__name__}")
+    model, optimizer = _checked_model(unwrap_model(model)), unwrap_optimizer(optimizer)
     finalize_checkpoint()  # one save at a time: the previous one is complete (or raised) before this one starts
     # user_content may differ between ranks: all learn whether any refused it, before the collectives below.
     error: Optional[BaseException] = None
@@ -206,13 +193,8 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
         error = e
     checkpoint_dir = os.fspath(checkpoint_dir_str)
     comm.raise_on_every_rank_if_any_failed(error, f"saving {os.path.join(checkpoint_dir, tag)}")
-    checkpoint = {"model": model}
-    if optimizer is not None:
-        checkpoint["optimizer"] = optimizer
-    if scheduler is not None:
-        checkpoint["scheduler"] = scheduler
-    if user_content is not None:
-        checkpoint[USER_CONTENT_KEY] = user_content
+    checkpoint = {key: value for key, value in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
+                                                (USER_CONTENT_KEY, user_content)) if value is not None}
 
     # Collective on every rank, before anything that can fail on one rank alone.
     group = _writer_group() if async_save else None
@@ -233,6 +215,29 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
         raise
     global _PENDING
     _PENDING = _BackgroundSave(job, group)
+
+
+def _check_save_options(num_workers, use_xser, async_save, zero1_optimizer, use_zero1_dcp,
+                        avoid_saving_lower_precision_weights) -> None:
+    function = "save_checkpoint"
+    _check_num_workers(function, num_workers)
+    for name, value in (("use_xser", use_xser), ("async_save", async_save), ("zero1_optimizer", zero1_optimizer),
+                        ("use_zero1_dcp", use_zero1_dcp),
+                        ("avoid_saving_lower_precision_weights", avoid_saving_lower_precision_weights)):
+        _check_bool(function, name, value)
+    if use_zero1_dcp and avoid_saving_lower_precision_weights:
+        raise ValueError("save_checkpoint(): use_zero1_dcp=True and avoid_saving_lower_precision_weights=True cannot "
+                         "be combined (NxD refuses them together too)")
+
+
+def _checked_model(model):
+    if model is None:
+        raise ValueError("save_checkpoint(): model=None: nxdtp checkpoints always hold the model (optimizer state is "
+                         "keyed by its parameter names, and merge and reshard read the model files); pass the model")
+    if not isinstance(model, (nn.Module, dict)):
+        raise TypeError(f"save_checkpoint(): model must be an nn.Module (or a wrapper of one) or its state dict, got "
+                        f"{type(model).__name__}")
+    return model
 
 
 def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,
