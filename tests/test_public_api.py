@@ -113,3 +113,16 @@ def test_bert_from_pretrained_sharded_is_a_deprecated_alias(worlds, tmp_path, wo
     transformers.BertForPreTraining(config).save_pretrained(tmp_path)
     assert all(worlds(world).run(case_bert_alias_loads_what_the_generic_call_loads, tensor_model_parallel_size=tp,
                                  directory=str(tmp_path)))
+
+
+def test_the_hf_trainer_module_has_a_name_unlike_nxd_trainer_api():
+    import importlib
+    import sys
+
+    pytest.importorskip("transformers")
+    from nxdtp.models.hf_trainer import TensorParallelTrainer
+
+    sys.modules.pop("nxdtp.models.trainer", None)
+    with pytest.warns(DeprecationWarning, match="import TensorParallelTrainer from nxdtp.models.hf_trainer"):
+        old = importlib.import_module("nxdtp.models.trainer")
+    assert old.TensorParallelTrainer is TensorParallelTrainer

@@ -1,4 +1,4 @@
-"""``nxdtp.models.trainer.TensorParallelTrainer`` against Hugging Face's ``Trainer`` on the dense model.
+"""``nxdtp.models.hf_trainer.TensorParallelTrainer`` against Hugging Face's ``Trainer`` on the dense model.
 
 Each run is a process of its own (tests/trainer_runs.py; TP runs under torchrun with gloo): a tiny Llama (every
 parameter randomised, biases included), 4 optimizer steps of SGD with gradient clipping (max_grad_norm 0.5, which
@@ -198,7 +198,7 @@ def test_save_and_resume_equal_the_uninterrupted_run(dense):
 def test_plain_trainer_on_a_tp_model_is_refused_before_it_trains(tmp_path):
     output = _run(tmp_path, "plain", ranks=2, kind="plain", expect_failure=True)
     assert "is tensor-parallel (nxdtp) and is being trained by an accelerate setup that is not" in output, output
-    assert "Use nxdtp.models.trainer.TensorParallelTrainer" in output
+    assert "Use nxdtp.models.hf_trainer.TensorParallelTrainer" in output
     assert not (tmp_path / "plain" / "final").exists()
 
 
@@ -244,7 +244,7 @@ def test_lora_with_tensor_parallel_trainer_equals_dense_lora_trainer(dense):
 
 def case_refusals():
     from nxdtp.models import parallelize_model
-    from nxdtp.models.trainer import TensorParallelTrainer
+    from nxdtp.models.hf_trainer import TensorParallelTrainer
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2)

@@ -150,7 +150,7 @@ def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: in
 
     from nxdtp import parallel_state
     from nxdtp.models import parallelize_model
-    from nxdtp.models.trainer import TensorParallelTrainer
+    from nxdtp.models.hf_trainer import TensorParallelTrainer
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)

@@ -38,7 +38,7 @@ def finish_hf_model(model: nn.Module) -> None:
 
 @dataclasses.dataclass
 class TrainedByNote:
-    """On a model: the class name of the trainer that handles TP for it (``nxdtp.models.trainer``), so the guard
+    """On a model: the class name of the trainer that handles TP for it (``nxdtp.models.hf_trainer``), so the guard
     against trainers that do not lets its forward pass."""
     trainer: Optional[str] = None
 
@@ -63,7 +63,7 @@ def refuse_foreign_multiprocess_trainers(model: nn.Module, args) -> None:
             f"not (transformers.Trainer or Accelerator.prepare, {processes} process(es)): with several processes it "
             "wraps the model in DDP over the tensor-parallel ranks (overwriting their shards with rank 0's) and gives "
             "each of them a different batch; with one, every process trains on its own and clips by its local "
-            "shards' norm. Use nxdtp.models.trainer.TensorParallelTrainer in place of transformers.Trainer (with "
+            "shards' norm. Use nxdtp.models.hf_trainer.TensorParallelTrainer in place of transformers.Trainer (with "
             "TrainingArguments(use_cpu=True) on CPUs), or nxdtp's own training loop (docs/wrapping_hf_models.md)")
 
 
