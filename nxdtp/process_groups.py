@@ -19,6 +19,8 @@ import torch.distributed as dist
 _OWNED_PROCESS_GROUPS: List[object] = []
 # The default group of the world of 1 made here, while it is the default group.
 _SINGLE_PROCESS_WORLD: List[object] = []
+# The exit handler, once registered.
+_EXIT_HANDLER: List[object] = []
 
 
 def needs_cpu_twins() -> bool:
@@ -30,10 +32,27 @@ def needs_cpu_twins() -> bool:
 
 
 def new_owned_group(*args, **kwargs):
-    """``dist.new_group(*args, **kwargs)``, owned from the moment it exists."""
+    """``dist.new_group(*args, **kwargs)``, owned from the moment it exists (and released at exit at the latest)."""
+    _release_at_exit()
     group = dist.new_group(*args, **kwargs)
     _OWNED_PROCESS_GROUPS.append(group)
     return group
+
+
+def _release_at_exit() -> None:
+    """Have the interpreter's exit release what nxdtp made and still holds: its groups, and the world of 1 it made.
+    Left to interpreter shutdown, gloo's worker threads outlive the interpreter and abort a process whose work is done
+    ("terminate called without an active exception"). A world the user made is the user's to destroy."""
+    if not _EXIT_HANDLER:
+        atexit.register(_release_everything_made_here)
+        _EXIT_HANDLER.append(_release_everything_made_here)
+
+
+def _release_everything_made_here() -> None:
+    release_owned_groups()
+    if _SINGLE_PROCESS_WORLD and dist.is_initialized() and dist.group.WORLD is _SINGLE_PROCESS_WORLD[0]:
+        dist.destroy_process_group()
+    _SINGLE_PROCESS_WORLD.clear()
 
 
 def mesh_options(default_backend: str, all_groups: List[List[int]]) -> dict:
@@ -101,20 +120,9 @@ def initialize_single_process_world(device: Optional[torch.device] = None) -> st
         if backend == "xla":
             import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        if not _SINGLE_PROCESS_WORLD:
-            # The user did not make this world, so nxdtp ends it. Left to interpreter shutdown, gloo's worker threads
-            # outlive the interpreter and abort the process after its work is done ("terminate called without an
-            # active exception").
-            atexit.register(_release_single_process_world_at_exit)
+        _release_at_exit()   # the user did not make this world, so nxdtp ends it
         _SINGLE_PROCESS_WORLD[:] = [dist.group.WORLD]
     return backend
-
-
-def _release_single_process_world_at_exit() -> None:
-    if _SINGLE_PROCESS_WORLD and dist.is_initialized() and dist.group.WORLD is _SINGLE_PROCESS_WORLD[0]:
-        release_owned_groups()
-        dist.destroy_process_group()
-    _SINGLE_PROCESS_WORLD.clear()
 
 
 def release_single_process_world() -> None:

@@ -103,3 +103,5 @@ if rank == 0:
         json.dump({"nxd_loss": loss.item(), "dense_loss": dense_loss.item(), "grad_diff": grad_diff,
                    "dense_grad_max": max(p.grad.abs().max().item() for p in dense.parameters())}, f)
 dist.barrier()
+ps.destroy_model_parallel()
+dist.destroy_process_group()

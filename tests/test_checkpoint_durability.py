@@ -671,6 +671,8 @@ start = time.perf_counter()
 save({{"model": model, "optimizer": opt, "global_step": 2}}, root)
 with open(os.path.join(gate, f"finished_{{rank}}"), "w") as f:
     f.write(str(time.perf_counter() - start))
+ps.destroy_model_parallel()
+dist.destroy_process_group()
 """
 
 

@@ -314,6 +314,37 @@ def test_the_fallback_world_is_destroyed_before_the_interpreter_ends():
     assert "RESULT {'world': 1}" in run.stdout and "AT_EXIT_INITIALIZEDFalse" in run.stdout, run.stdout + run.stderr
 
 
+USERS_WORLD_SCRIPT = """
+import atexit
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from nxdtp import parallel_state as ps
+
+def report():  # registered first, so it runs after nxdtp's exit handler
+    print("AT_EXIT", len(distributed_c10d._world.pg_map), dist.is_initialized(), flush=True)
+    dist.destroy_process_group()
+
+atexit.register(report)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+ps.initialize_model_parallel(tensor_model_parallel_size=1)
+print("MADE", len(distributed_c10d._world.pg_map), flush=True)
+"""
+
+
+def test_the_groups_nxdtp_made_are_released_at_exit_and_the_users_world_is_left_to_the_user():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", USERS_WORLD_SCRIPT], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    made = [int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("MADE")]
+    assert made and made[0] > 1, run.stdout   # the user's world and nxdtp's groups
+    assert "AT_EXIT 1 True" in run.stdout, run.stdout + run.stderr   # only the user's world is left
+
+
 ALREADY = ("initialize_fallback_parallel_state: model parallel is already initialized; call "
            "nxdtp.parallel_state.destroy_model_parallel() first to replace it")
 
