@@ -275,13 +275,21 @@ def test_a_parameter_listed_twice_is_rejected_before_any_change(single_rank):
 
 
 def test_exported():
+    import importlib
+    import sys
+
     import nxdtp
     from nxdtp.optimizer import Lamb as lamb
 
     assert nxdtp.Lamb is lamb and "Lamb" in nxdtp.optimizer.__all__
-    # The old module path works one more release, with a DeprecationWarning naming the new one.
+    # The old module path works one more release, with a DeprecationWarning naming the new one, both as an attribute
+    # and as an import (forgotten first: an earlier import in this process would have made it a plain attribute).
+    sys.modules.pop("nxdtp.optimizers", None)
+    vars(nxdtp).pop("optimizers", None)
     with pytest.warns(DeprecationWarning, match="use nxdtp.optimizer"):
         assert nxdtp.optimizers.Lamb is lamb
+    with pytest.warns(DeprecationWarning, match="import Lamb from nxdtp.optimizer"):
+        assert importlib.import_module("nxdtp.optimizers").Lamb is lamb
 
 
 # ---- multi-rank: TP model vs dense model ----------------------------------------------------------------------------
