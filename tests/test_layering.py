@@ -6,6 +6,7 @@ what they hold), so the diagram a reader sees is the one checked. The import gra
 
 * every module of nxdtp/ is in a layer, and every path the block names exists;
 * no module imports from a layer above its own, except the edges ``KNOWN_UPWARD_IMPORTS`` names with the reason;
+* no import circle, within a layer either (a package and its modules included);
 * only nxdtp/comm.py calls torch.distributed's collectives or group lifecycle, or imports torch_xla, except the uses
   ``KNOWN_BACKEND_USES`` names with the reason.
 
@@ -104,6 +105,45 @@ def import_graph(root: str) -> Tuple[Dict[str, Set[str]], Dict[str, Set[str]]]:
     return inside, outside
 
 
+def import_circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (each an import circle), sorted; Tarjan's algorithm
+    without recursion."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    circles: List[List[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    work.append((successor, iter(sorted(graph.get(successor, ())))))
+                    break
+                if successor in stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return sorted(circles)
+
+
 def backend_uses(root: str) -> Dict[str, Set[str]]:
     """Module -> its uses of a backend: "dist.<call>" for a call of torch.distributed's BACKEND_CALLS (however
     torch.distributed is bound: ``import torch.distributed as dist``, ``torch.distributed.x(...)``,
@@ -196,6 +236,12 @@ def test_no_module_imports_from_a_layer_above_its_own():
         layers = read_layers(f.read())
     problems = layering_violations(REPO, layers, KNOWN_UPWARD_IMPORTS)
     assert not problems, "\n".join(problems)
+
+
+def test_no_import_circle():
+    inside, _ = import_graph(REPO)
+    circles = import_circles(inside)
+    assert not circles, f"import circles (each a set of modules that import one another): {circles}"
 
 
 def test_the_known_upward_imports_still_exist():
@@ -291,6 +337,16 @@ def test_the_checker_finds_unplaced_modules_and_missing_paths(tmp_path):
     problems = layering_violations(root, LAYERS)
     assert any(p.startswith("nxdtp/pkg/ (docs/index.md's layers) does not exist") for p in problems), problems
     assert any(p.startswith("nxdtp.stray (") and "is in no layer" in p for p in problems), problems
+
+
+def test_the_circle_check_finds_circles_through_packages_and_functions(tmp_path):
+    root = _tree(tmp_path, {
+        "nxdtp/__init__.py": "", "nxdtp/low.py": "def f():\n    from .pkg import x\n",
+        "nxdtp/pkg/__init__.py": "from .a import x\n", "nxdtp/pkg/a.py": "from ..low import f\n",
+        "nxdtp/pkg/b.py": "", "nxdtp/top.py": "from .pkg import a\nfrom . import low\n",
+    })
+    assert import_circles(import_graph(root)[0]) == [["nxdtp.low", "nxdtp.pkg", "nxdtp.pkg.a"]]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_the_backend_check_sees_every_spelling(tmp_path):

@@ -11,7 +11,6 @@ module maps a model class to its family there. Importing it does not import tran
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -83,9 +82,9 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
     import transformers
 
     from .hf_loading import read_config
-    from .pretrained import build_from_pretrained
+    from .pretrained import build_from_pretrained, refuse_nxdtp_checkpoint
 
-    _refuse_nxdtp_checkpoint(model_dir)
+    refuse_nxdtp_checkpoint(model_dir)
     if config is None:
         config = read_config(model_dir)
     if model_class is None:
@@ -99,17 +98,6 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
     return build_from_pretrained(model_dir, model_class, config,
                                  lambda model: parallelize(model, plan_of(model), broadcast_replicated=False),
                                  checkpoint_keys, dtype=dtype, device=device)
-
-
-def _refuse_nxdtp_checkpoint(model_dir: str) -> None:
-    """An nxdtp sharded checkpoint (a directory with ``newest``, or one of its tags) is not an HF model directory; say
-    how to read it instead of which HF files it lacks."""
-    from ..checkpointing.index import INDEX_FILE
-
-    if os.path.isfile(os.path.join(model_dir, "newest")) or os.path.isfile(os.path.join(model_dir, INDEX_FILE)):
-        raise ValueError(f"{model_dir} is an nxdtp sharded checkpoint, not a Hugging Face model directory: resume "
-                         f"training from it with nxdtp.checkpointing.load({model_dir!r}, model=...), or merge it first "
-                         f"(nxdtp-merge {model_dir} OUT_DIR) and call from_pretrained_sharded(OUT_DIR)")
 
 
 __all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "generation_mode", "attention_bias",

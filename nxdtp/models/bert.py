@@ -29,6 +29,7 @@ import inspect
 import warnings
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -277,23 +278,29 @@ def checkpoint_keys(name: str, base_prefix: str = "bert."):
     return variants
 
 
-def from_pretrained_sharded(model_dir: str, model_class=None, **options) -> nn.Module:
+def from_pretrained_sharded(model_dir: str, model_class=None, *, sequence_parallel: bool = False,
+                            make_vocab_size_divisible_by: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
+                            config=None, pad_heads: bool = True) -> nn.Module:
     """Deprecated: ``nxdtp.models.from_pretrained_sharded``, which shards every supported family. This alias keeps its
     BERT defaults for one release: the config read as a BertConfig, and the class the first of
     ``config.architectures``, else BertForPreTraining."""
     import transformers
 
-    from . import from_pretrained_sharded as build  # the package imports this module first
     from .hf_loading import read_config
+    from .pretrained import build_from_pretrained, refuse_nxdtp_checkpoint
 
     warnings.warn("nxdtp.models.bert.from_pretrained_sharded is deprecated and goes in the next release: call "
                   "nxdtp.models.from_pretrained_sharded(model_dir, model_class=...), which shards every supported "
                   "family", DeprecationWarning, stacklevel=2)
-    config = options.pop("config", None) or read_config(model_dir, transformers.BertConfig)
+    refuse_nxdtp_checkpoint(model_dir)
+    config = config or read_config(model_dir, transformers.BertConfig)
     if model_class is None:
         architectures = getattr(config, "architectures", None) or ["BertForPreTraining"]
         model_class = getattr(transformers, architectures[0])
-    return build(model_dir, model_class=model_class, config=config, **options)
+    plan = bert_plan(sequence_parallel, make_vocab_size_divisible_by, pad_heads)
+    return build_from_pretrained(model_dir, model_class, config,
+                                 lambda model: parallelize(model, plan, broadcast_replicated=False), checkpoint_keys,
+                                 dtype=dtype, device=device)
 
 
 FAMILY = Family(BERT.name, SUPPORTED, bert_plan, checkpoint_keys, oldest_transformers=(4, 26))

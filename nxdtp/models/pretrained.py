@@ -4,12 +4,14 @@ family shares. A family supplies how to shard (its plan) and which checkpoint ke
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from .. import comm
+from ..checkpointing.index import INDEX_FILE
 from ..plan import broadcast_replicated_state
 from .hf_loading import (
     CheckpointReader,
@@ -77,3 +79,12 @@ def _initialise_missing_shards(model: nn.Module, model_dir: str, missing) -> Non
     if sharded_missing:
         raise PretrainedDirectoryError(f"{model_dir} lacks tensor-parallel parameters {sharded_missing}; nxdtp loads "
                                        "those only from the checkpoint")
+
+
+def refuse_nxdtp_checkpoint(model_dir: str) -> None:
+    """An nxdtp sharded checkpoint (a directory with ``newest``, or one of its tags) is not an HF model directory; say
+    how to read it instead of which HF files it lacks."""
+    if os.path.isfile(os.path.join(model_dir, "newest")) or os.path.isfile(os.path.join(model_dir, INDEX_FILE)):
+        raise ValueError(f"{model_dir} is an nxdtp sharded checkpoint, not a Hugging Face model directory: resume "
+                         f"training from it with nxdtp.checkpointing.load({model_dir!r}, model=...), or merge it first "
+                         f"(nxdtp-merge {model_dir} OUT_DIR) and call from_pretrained_sharded(OUT_DIR)")
