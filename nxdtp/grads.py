@@ -27,6 +27,8 @@ from . import comm
 from .topology import (
     ParallelGroup,
     data_parallel_group,
+    expert_data_parallel_group,
+    expert_parallel_group,
     get_topology,
     rank_tensor,
     tensor_parallel_group,
@@ -302,7 +304,7 @@ def _bucketed_all_reduce(grads: List[torch.Tensor], group: ParallelGroup, diviso
     """Sum ``grads`` over ``group`` (one collective per bucket), divide by ``divisor``, and write back in place."""
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
-    if group.size == 1:
+    if group.size == 1 and divisor == 1:
         return
     unique: List[torch.Tensor] = []
     seen = set()
@@ -328,12 +330,14 @@ def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor], reduce_over_e
 
     Never divides by the world size or reduces over TP ranks (docs/index.md, "Gradient scale is exact"). Gradients of
     one dtype are flattened into buckets of at most ``bucket_cap_mb`` MiB, one all-reduce per bucket. ``None`` entries
-    and repeats are skipped. Every rank of a DP group must pass gradients of the same shapes in the same order. No-op
+    and repeats are skipped. Every rank of a group must pass gradients of the same shapes in the same order. No-op
     when the DP size is 1.
 
-    ``reduce_over_ep_group=True`` is NxD's second pass for expert-parallel models: a sum over the expert-model-parallel
-    group, without division. nxdtp has no expert parallelism (that group is each rank alone), so the pass has nothing
-    to reduce and leaves the gradients as they are, as NxD does at expert-parallel size 1.
+    With expert parallelism (NxD's two passes): the first pass sums over the expert data-parallel group and divides
+    by the whole DP size, which is the average for an expert's gradient (its tokens came from its whole EP group);
+    ``reduce_over_ep_group=True`` then sums the non-expert gradients over the expert-parallel group, without division,
+    which completes their DP average. Without expert parallelism the first pass is the DP average and the second has
+    nothing to reduce.
     """
     if not isinstance(reduce_over_ep_group, bool):
         raise TypeError(f"reduce_over_ep_group={reduce_over_ep_group!r} must be True or False (it is NxD's second "
@@ -341,10 +345,9 @@ def bucket_allreduce_gradients(grads_list: Iterable[torch.Tensor], reduce_over_e
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
     if reduce_over_ep_group:
-        get_topology()  # the expert group is this rank alone: nothing to reduce, but, as NxD's, it needs the topology
+        _bucketed_all_reduce(list(grads_list), expert_parallel_group(), 1, bucket_cap_mb)
         return
-    group = data_parallel_group()
-    _bucketed_all_reduce(list(grads_list), group, group.size, bucket_cap_mb)
+    _bucketed_all_reduce(list(grads_list), expert_data_parallel_group(), data_parallel_group().size, bucket_cap_mb)
 
 
 def allreduce_sequence_parallel_gradients(optimizer: Any,

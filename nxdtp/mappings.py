@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from . import comm
-from .parallel_state import ParallelGroup, group_of, rank_tensor, tensor_parallel_group
+from .parallel_state import ParallelGroup, expert_parallel_group, group_of, rank_tensor, tensor_parallel_group
 
 
 def _group(process_group) -> ParallelGroup:
@@ -304,16 +304,25 @@ def _drop_and_regather_tp_duplicates(x: torch.Tensor, scatter_gather: bool) -> t
     return _Gather.apply(_Split.apply(x, group, 2), group, 2, False)
 
 
+def _refuse_expert_parallelism(name: str) -> None:
+    size = expert_parallel_group().size
+    if size > 1:
+        raise NotImplementedError(f"{name} at expert_model_parallel_size={size}: nxdtp's expert-parallel token "
+                                  "dispatch (the all-to-all) is not implemented yet; it works at size 1 only")
+
+
 def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
     """NxD's expert-parallel entry, (e, c, h) -> (e/ep, ep, c, h), for nxdtp's expert-parallel size of 1:
     (e, 1, c, h)."""
     _check_dims(x, 3, "enter_expert_parallel_region", "(experts, capacity, hidden)")
+    _refuse_expert_parallelism("enter_expert_parallel_region")
     return _drop_and_regather_tp_duplicates(x.unsqueeze(1), scatter_gather)
 
 
 def exit_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
     """NxD's expert-parallel exit, (e/ep, ep, c, h) -> (e, c, h), for nxdtp's expert-parallel size of 1."""
     _check_dims(x, 4, "exit_expert_parallel_region", "(experts, 1, capacity, hidden)")
+    _refuse_expert_parallelism("exit_expert_parallel_region")
     if x.shape[1] != 1:
         raise ValueError(f"exit_expert_parallel_region: x has shape {tuple(x.shape)}; with expert-parallel size 1 "
                          "dimension 1 (ep) must be 1")

@@ -1,11 +1,10 @@
 """NxD's ``parallel_state`` over nxdtp's topology core (nxdtp.topology): every name NxD users call, at NxD's path.
 
 The core's names (the topology, its groups, initialize / destroy, simulated topologies, ZeRO-1 groups) are re-exported
-here as they are. Each NxD getter below reads one group of the installed topology. nxdtp does tensor and data
-parallelism only: the getters of the kinds of parallelism it does not do (pipeline, context, expert, and the optional
-token-shuffle, kv-shared and speculative-draft groups) return NxD's values for size 1: each rank's group of such a kind
-is the rank alone (the topology's singleton group), and the expert data-parallel group of a world without expert
-parallelism is the data-parallel group. NxD's set_* functions accept only the value the fixed topology already has.
+here as they are. Each NxD getter below reads one group of the installed topology. nxdtp does tensor, data and expert
+parallelism: the getters of the kinds it does not do (pipeline, context, and the optional token-shuffle, kv-shared and
+speculative-draft groups) return NxD's values for size 1: each rank's group of such a kind is the rank alone (the
+topology's singleton group). NxD's set_* functions accept only the value the fixed topology already has.
 
 This module imports only the core (and the in-process world of nxdtp.process_groups, which NxD users call here), and
 the core never imports it; nxdtp's own modules may read either (the getters here are NxD's spelling of the core's
@@ -28,6 +27,8 @@ from nxdtp.topology import (
     destroy_model_parallel,
     dp_aligned_rank_lists,
     dp_aligned_sharding_examples,
+    expert_data_parallel_group,
+    expert_parallel_group,
     get_topology,
     group_of,
     initialize_model_parallel,
@@ -46,7 +47,7 @@ def _process_group_or_lists(group: ParallelGroup, as_list: bool):
 
 
 def _singleton() -> ParallelGroup:
-    """This rank alone: NxD's pipeline, context and expert model-parallel group when each has size 1."""
+    """This rank alone: NxD's pipeline and context model-parallel group, each of size 1."""
     return get_topology().singleton
 
 
@@ -136,7 +137,7 @@ def is_global_rank_zero() -> bool:
     return get_rank() == 0
 
 
-# ---- pipeline, context and expert parallelism: size 1 ---------------------------------------------------------------
+# ---- pipeline and context parallelism: size 1 -----------------------------------------------------------------------
 
 def get_pipeline_model_parallel_group(as_list: bool = False):
     """Pipeline parallelism of size 1: this rank's group is the rank alone (the process group); ``as_list=True`` gives
@@ -180,46 +181,50 @@ def get_context_model_parallel_rank() -> int:
     return _singleton().rank
 
 
+# ---- expert parallelism ----------------------------------------------------------------------------------------------
+
 def get_expert_model_parallel_group(as_list: bool = False):
-    """Expert parallelism of size 1: this rank's group is the rank alone (the process group); ``as_list=True`` gives
-    ``[[0], [1], ...]``."""
-    return _process_group_or_lists(_singleton(), as_list)
+    """The torch.distributed group of this rank's expert-parallel group (the ranks whose experts its tokens may go
+    to); with ``as_list=True`` every expert-parallel group's ranks. Of size 1 (the rank alone) without expert
+    parallelism."""
+    return _process_group_or_lists(expert_parallel_group(), as_list)
 
 
 def get_expert_model_parallel_replica_groups() -> List[List[int]]:
-    """Every expert-parallel group's ranks: ``[[0], [1], ...]`` (size 1)."""
-    return _singleton().replica_groups_as_lists()
+    """Every expert-parallel group's ranks."""
+    return expert_parallel_group().replica_groups_as_lists()
 
 
 def get_expert_model_parallel_size() -> int:
-    """The expert model parallel size: 1."""
-    return _singleton().size
+    """The expert model parallel size (``initialize_model_parallel``'s ``expert_model_parallel_size``)."""
+    return expert_parallel_group().size
 
 
 def get_expert_model_parallel_rank() -> int:
-    """This rank's expert model parallel rank: 0."""
-    return _singleton().rank
+    """This rank's position in its expert-parallel group."""
+    return expert_parallel_group().rank
 
 
 def get_expert_data_parallel_group(as_list: bool = False):
-    """The expert data-parallel group, which is the data-parallel group; ``as_list=True`` gives every data-parallel
-    group's ranks."""
-    return _process_group_or_lists(data_parallel_group(), as_list)
+    """The torch.distributed group of this rank's expert data-parallel group (the ranks holding the same experts'
+    same pieces, over which expert gradients are averaged); with ``as_list=True`` every such group's ranks. It is the
+    data-parallel group without expert parallelism."""
+    return _process_group_or_lists(expert_data_parallel_group(), as_list)
 
 
 def get_expert_data_parallel_replica_groups() -> List[List[int]]:
-    """Every expert data-parallel (= data-parallel) group's ranks."""
-    return data_parallel_group().replica_groups_as_lists()
+    """Every expert data-parallel group's ranks."""
+    return expert_data_parallel_group().replica_groups_as_lists()
 
 
 def get_expert_data_parallel_size() -> int:
-    """Without expert parallelism the expert data-parallel group is the data-parallel group: its size."""
-    return data_parallel_group().size
+    """The expert data-parallel size: the data-parallel size / ``expert_model_parallel_size``."""
+    return expert_data_parallel_group().size
 
 
 def get_expert_data_parallel_rank() -> int:
-    """This rank's position in the expert data-parallel (= data-parallel) group."""
-    return data_parallel_group().rank
+    """This rank's position in its expert data-parallel group."""
+    return expert_data_parallel_group().rank
 
 
 # ---- the optional groups NxD builds on request after initialize_model_parallel --------------------------------------
@@ -392,15 +397,16 @@ def set_expert_model_parallel_size(world_size: int) -> None:
     """NxD's setter of the expert model parallel size. nxdtp's topology is fixed by initialize_model_parallel, so
     only the value it has is accepted; any other raises ValueError naming the current value."""
     _accept_only_current(f"set_expert_model_parallel_size({world_size!r})", world_size,
-                         lambda topology: topology.singleton.size,
-                         "nxdtp has no expert parallelism (its expert model parallel size is 1)")
+                         lambda topology: topology.expert_parallel.size,
+                         "its expert model parallel size is {current}")
 
 
 def set_expert_model_parallel_rank(rank: int) -> None:
     """NxD's setter of the expert model parallel rank. nxdtp's topology is fixed by initialize_model_parallel, so
     only the value it has is accepted; any other raises ValueError naming the current value."""
-    _accept_only_current(f"set_expert_model_parallel_rank({rank!r})", rank, lambda topology: topology.singleton.rank,
-                         "nxdtp has no expert parallelism (every rank has expert model parallel rank 0)")
+    _accept_only_current(f"set_expert_model_parallel_rank({rank!r})", rank,
+                         lambda topology: topology.expert_parallel.rank,
+                         "global rank {global_rank} has expert model parallel rank {current}")
 
 
 def set_context_model_parallel_size(world_size: int) -> None:
@@ -505,8 +511,7 @@ def _mesh_of(group, argument: str) -> List[List[int]]:
 
 
 def get_expert_parallel_rank_from_global_rank(rank: int, expert_parallel_group) -> int:
-    """The position of global ``rank`` in its group of ``expert_parallel_group``: 0 for every rank when expert
-    parallelism has size 1."""
+    """The position of global ``rank`` in its group of ``expert_parallel_group`` (a group, or its replica groups)."""
     mesh = _mesh_of(expert_parallel_group, "expert_parallel_group")
     for ranks in mesh:
         if rank in ranks:

@@ -21,6 +21,25 @@ def data_parallel_rank_lists(world_size: int, tensor_model_parallel_size: int) -
     return [list(range(offset, world_size, tp)) for offset in range(tp)]
 
 
+def expert_parallel_rank_lists(world_size: int, tensor_model_parallel_size: int,
+                               expert_model_parallel_size: int) -> List[List[int]]:
+    """Expert-parallel (EP) groups, in NxD's layout: the world read as [expert data parallel, EP, TP] with TP
+    contiguous, so an EP group is ``ep`` ranks ``tp`` apart inside a block of ``ep * tp`` contiguous ranks (a TP group
+    holds one EP rank; the experts of an EP group's ranks are different, their TP ranks equal)."""
+    tp, block = tensor_model_parallel_size, tensor_model_parallel_size * expert_model_parallel_size
+    return [[start + e * tp + t for e in range(expert_model_parallel_size)]
+            for start in range(0, world_size, block) for t in range(tp)]
+
+
+def expert_data_parallel_rank_lists(world_size: int, tensor_model_parallel_size: int,
+                                    expert_model_parallel_size: int) -> List[List[int]]:
+    """Expert data-parallel groups: the ranks that hold the same experts' same TP pieces (one per ``ep * tp`` block),
+    over which expert gradients are averaged; NxD's order (by EP rank, then TP rank)."""
+    tp, block = tensor_model_parallel_size, tensor_model_parallel_size * expert_model_parallel_size
+    return [[start + e * tp + t for start in range(0, world_size, block)]
+            for e in range(expert_model_parallel_size) for t in range(tp)]
+
+
 def singleton_rank_lists(world_size: int) -> List[List[int]]:
     """One group per rank, each holding only that rank: the groups of a kind of parallelism of size 1."""
     return [[r] for r in range(world_size)]

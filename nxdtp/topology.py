@@ -1,7 +1,8 @@
-"""Topology of a tensor-parallel x data-parallel world: the core every other module reads.
+"""Topology of a tensor-parallel x data-parallel (x expert-parallel) world: the core every other module reads.
 
 The topology is one immutable value. Tensor-parallel (TP) groups are blocks of contiguous ranks, so TP traffic stays
-inside a node; data-parallel (DP) groups take one rank from each TP group (strided); the rank lists are
+inside a node; data-parallel (DP) groups take one rank from each TP group (strided); expert parallelism (EP) splits
+each DP group into EP groups and expert data-parallel groups, in NxD's layout. The rank lists are
 nxdtp.rank_lists', and the torch.distributed groups behind them nxdtp.process_groups'. NxD's names (its getters,
 setters and size-1 groups) are a facade above this module, nxdtp.parallel_state, which this module never imports.
 
@@ -32,6 +33,8 @@ from nxdtp.rank_lists import (
     data_parallel_rank_lists,
     dp_aligned_examples,
     dp_aligned_sharding,
+    expert_data_parallel_rank_lists,
+    expert_parallel_rank_lists,
     singleton_rank_lists,
     tensor_parallel_rank_lists,
 )
@@ -114,9 +117,14 @@ class Topology:
     simulated: bool = False
     # The whole world as one group (NxD's get_world_group): a copy of the default group, and the host group as its twin.
     world: Optional[ParallelGroup] = None
-    # This rank alone (one group per rank: replica groups [[0], [1], ...]). It is NxD's pipeline, context and expert
+    # This rank alone (one group per rank: replica groups [[0], [1], ...]). It is NxD's pipeline and context
     # model-parallel group, and its token-shuffle, kv-shared and speculative-draft groups, when each has size 1.
     singleton: Optional[ParallelGroup] = None
+    # The expert-parallel group (tokens go to the experts of its ranks) and the expert data-parallel group (expert
+    # gradients are averaged over it). A kind whose groups are the data-parallel or the singleton groups is that group:
+    # with expert_model_parallel_size 1, EP is the singleton group and expert DP the data-parallel group.
+    expert_parallel: Optional[ParallelGroup] = None
+    expert_data_parallel: Optional[ParallelGroup] = None
     # The optional NxD groups whose initialize_* function has been called on this topology (each of size 1).
     optional_groups: frozenset = frozenset()
     # ZeRO-1 groups made on request (zero1_groups): ((sharding rank lists), sharding group, replica group) per
@@ -125,9 +133,10 @@ class Topology:
 
     def groups(self) -> List[ParallelGroup]:
         """Every group of this topology (this rank's view of each kind): TP, DP, world, singleton, ZeRO-1 groups."""
-        own = [self.tensor_parallel, self.data_parallel, self.world, self.singleton]
+        own = [self.tensor_parallel, self.data_parallel, self.world, self.singleton, self.expert_parallel,
+               self.expert_data_parallel]
         own += [g for _, sharding, replica in self.zero1_groups for g in (sharding, replica)]
-        return [g for g in own if g is not None]
+        return [g for i, g in enumerate(own) if g is not None and g not in own[:i]]
 
     def find_group(self, process_group=None, **fields) -> Optional[ParallelGroup]:
         """The group of this topology whose process group (of either backend) is ``process_group``, and whose
@@ -147,10 +156,16 @@ class Topology:
     def data_parallel_size(self) -> int:
         return self.world_size // self.tensor_model_parallel_size
 
+    @property
+    def expert_model_parallel_size(self) -> int:
+        return 1 if self.expert_parallel is None else self.expert_parallel.size
 
-def _validate(world_size: int, rank: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
+
+def _validate(world_size: int, rank: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+              expert_model_parallel_size: int = 1) -> None:
     for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
-                        ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
+                        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+                        ("expert_model_parallel_size", expert_model_parallel_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
     if pipeline_model_parallel_size != 1:
@@ -170,13 +185,36 @@ def _validate(world_size: int, rank: int, tensor_model_parallel_size: int, pipel
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside the world of size {world_size} (valid: 0..{world_size - 1})")
+    data_parallel_size = world_size // tensor_model_parallel_size
+    if expert_model_parallel_size < 1 or data_parallel_size % expert_model_parallel_size != 0:
+        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+        raise ValueError(
+            f"expert_model_parallel_size={expert_model_parallel_size} does not divide the data-parallel size "
+            f"{data_parallel_size} (world size {world_size} / tensor_model_parallel_size {tensor_model_parallel_size}):"
+            f" expert-parallel groups are carved from the data-parallel groups; valid sizes are {divisors}"
+        )
 
 
 def build_topology(world_size: int, rank: int, tensor_model_parallel_size: int,
-                   pipeline_model_parallel_size: int = 1) -> Topology:
+                   pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> Topology:
     """Compute the groups of a world without touching torch.distributed (the value behind `simulated_topology`)."""
-    _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
-    return _make_topology(world_size, rank, tensor_model_parallel_size, {}, None, simulated=True)
+    _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
+    return _make_topology(world_size, rank, tensor_model_parallel_size, {}, None, simulated=True,
+                          expert_model_parallel_size=expert_model_parallel_size)
+
+
+def _group_kinds(world_size: int, tp: int, ep: int) -> Dict[str, Tuple[str, List[List[int]]]]:
+    """Topology field -> (kind, rank lists) of each group kind. An expert kind whose groups are the data-parallel or
+    the singleton groups is that kind, so no group is made twice."""
+    kinds = {"tensor_parallel": ("tensor", tensor_parallel_rank_lists(world_size, tp)),
+             "data_parallel": ("data", data_parallel_rank_lists(world_size, tp)),
+             "singleton": ("singleton", singleton_rank_lists(world_size))}
+    for field, kind, lists in (("expert_parallel", "expert", expert_parallel_rank_lists(world_size, tp, ep)),
+                               ("expert_data_parallel", "expert_data",
+                                expert_data_parallel_rank_lists(world_size, tp, ep))):
+        reused = (kinds["data_parallel"], kinds["singleton"])
+        kinds[field] = next(((k, existing) for k, existing in reused if existing == lists), (kind, lists))
+    return kinds
 
 
 def _rank_group(kind: str, lists: List[List[int]], rank: int, process_groups: dict,
@@ -189,23 +227,14 @@ def _rank_group(kind: str, lists: List[List[int]], rank: int, process_groups: di
                          cpu_process_group=cpu_process_groups.get((kind, mine)))
 
 
-def _make_topology(world_size, rank, tp, process_groups, host_group, simulated, cpu_process_groups=None) -> Topology:
+def _make_topology(world_size, rank, tp, process_groups, host_group, simulated, cpu_process_groups=None,
+                   expert_model_parallel_size: int = 1) -> Topology:
     cpu_process_groups = process_groups if cpu_process_groups is None else cpu_process_groups
-
-    def group(kind, lists):
-        return _rank_group(kind, lists, rank, process_groups, cpu_process_groups)
-
-    return Topology(
-        world_size=world_size,
-        rank=rank,
-        tensor_model_parallel_size=tp,
-        tensor_parallel=group("tensor", tensor_parallel_rank_lists(world_size, tp)),
-        data_parallel=group("data", data_parallel_rank_lists(world_size, tp)),
-        host_process_group=host_group,
-        simulated=simulated,
-        world=group("world", [list(range(world_size))]),
-        singleton=group("singleton", singleton_rank_lists(world_size)),
-    )
+    groups = {field: _rank_group(kind, lists, rank, process_groups, cpu_process_groups)
+              for field, (kind, lists) in _group_kinds(world_size, tp, expert_model_parallel_size).items()}
+    return Topology(world_size=world_size, rank=rank, tensor_model_parallel_size=tp, host_process_group=host_group,
+                    simulated=simulated, world=_rank_group("world", [list(range(world_size))], rank, process_groups,
+                                                           cpu_process_groups), **groups)
 
 
 _TOPOLOGY: Optional[Topology] = None
@@ -214,7 +243,7 @@ _GROUP_TIMEOUT: Optional[datetime.timedelta] = None
 
 
 # NxD options of initialize_model_parallel that nxdtp does not implement, with the only value it accepts.
-_NXD_DEFAULTS = {"context_parallel_size": 1, "expert_model_parallel_size": 1, "skip_collective_init": False,
+_NXD_DEFAULTS = {"context_parallel_size": 1, "skip_collective_init": False,
                  "lnc_size": 1, "mesh_only": False}
 
 
@@ -222,22 +251,23 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               skip_collective_init: bool = False, lnc_size: int = 1, mesh_only: bool = False, *,
                               timeout: Optional[datetime.timedelta] = None) -> None:
-    """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups.
+    """Split the initialized torch.distributed world into TP groups of contiguous ranks and strided DP groups, and
+    with ``expert_model_parallel_size`` E > 1 each DP group into expert-parallel groups of E ranks (NxD's layout).
 
     Every rank must call this (group creation is collective), and it returns on a rank only once every rank has made
     every group, so a rank that goes on to destroy its groups or to exit cannot break a peer still connecting them.
     Each TP/DP group gets a process group of the world's default backend (on an "xla" world with the full mesh, as
     NxD's) and, when that backend is not gloo, a gloo group over the same ranks for CPU tensors; nxdtp.comm picks one
     from the tensor's device (XLA tensors use replica groups).
-    So does each rank alone (the singleton groups): NxD's pipeline, context and expert model-parallel groups of size 1.
+    So does each rank alone (the singleton groups): NxD's pipeline and context model-parallel groups of size 1, and
+    each expert group that is not a TP, DP or singleton group.
     ``timeout`` bounds every collective on these groups (torch.distributed's default otherwise: 30 minutes for gloo), so
     a rank that died is reported instead of waited for. NxD's other options take NxD's positions and are accepted at
     their defaults only (``timeout`` is keyword-only, after them).
     """
     global _TOPOLOGY, _GROUP_TIMEOUT
-    _refuse_other_nxd_options(context_parallel_size=context_parallel_size,
-                              expert_model_parallel_size=expert_model_parallel_size,
-                              skip_collective_init=skip_collective_init, lnc_size=lnc_size, mesh_only=mesh_only)
+    _refuse_other_nxd_options(context_parallel_size=context_parallel_size, skip_collective_init=skip_collective_init,
+                              lnc_size=lnc_size, mesh_only=mesh_only)
     if _TOPOLOGY is not None:
         raise RuntimeError(
             "model parallel is already initialized (tensor_model_parallel_size="
@@ -251,11 +281,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             "nxdtp.parallel_state.simulated_topology(...) to trace a rank without a process group"
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size)
+    _validate(world_size, rank, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
     process_groups, cpu_process_groups, host_group = _new_topology_groups(world_size, tensor_model_parallel_size,
-                                                                         timeout)
+                                                                         expert_model_parallel_size, timeout)
     _TOPOLOGY = _make_topology(world_size, rank, tensor_model_parallel_size, process_groups, host_group,
-                               simulated=False, cpu_process_groups=cpu_process_groups)
+                               simulated=False, cpu_process_groups=cpu_process_groups,
+                               expert_model_parallel_size=expert_model_parallel_size)
     _GROUP_TIMEOUT = timeout
 
 
@@ -266,21 +297,22 @@ def _refuse_other_nxd_options(**nxd_options) -> None:
                              f"{_NXD_DEFAULTS[name]!r} is")
 
 
-def _new_topology_groups(world_size: int, tensor_model_parallel_size: int, timeout: Optional[datetime.timedelta]
-                         ) -> Tuple[dict, dict, Optional[object]]:
+def _new_topology_groups(world_size: int, tensor_model_parallel_size: int, expert_model_parallel_size: int,
+                         timeout: Optional[datetime.timedelta]) -> Tuple[dict, dict, Optional[object]]:
     """Make every group of the topology, collectively, and wait until every rank has made them all: (process groups,
     their CPU twins, both keyed by (kind, ranks); the host group, None on a gloo world)."""
     default_backend = dist.get_backend()
     separate_cpu_groups = needs_cpu_twins()
     process_groups, cpu_process_groups = {}, {}
 
-    # The singleton groups (one per rank) stand for NxD's pipeline, context and expert model-parallel groups of size 1.
+    # The singleton groups (one per rank) stand for NxD's pipeline and context model-parallel groups of size 1.
     # Every rank creates all of them, like the other kinds; a non-member's call only advances the group count (no
     # backend is built and, unless TORCH_DIST_INIT_BARRIER=1, no barrier), so this costs world_size cheap calls.
-    for kind, lists in (("tensor", tensor_parallel_rank_lists(world_size, tensor_model_parallel_size)),
-                        ("data", data_parallel_rank_lists(world_size, tensor_model_parallel_size)),
-                        ("singleton", singleton_rank_lists(world_size))):
-        new_groups_of_kind(kind, lists, timeout, process_groups, cpu_process_groups)
+    made = set()
+    for kind, lists in _group_kinds(world_size, tensor_model_parallel_size, expert_model_parallel_size).values():
+        if kind not in made:
+            made.add(kind)
+            new_groups_of_kind(kind, lists, timeout, process_groups, cpu_process_groups)
     # Barriers and object exchange (checkpoint coordination) go over the whole world on the host.
     host_group = new_owned_group(backend="gloo", timeout=timeout) if separate_cpu_groups else None
     # NxD's world group: a copy of the default group (on an "xla" world with the mesh [[0, ..., world - 1]]), whose gloo
@@ -306,11 +338,13 @@ def model_parallel_is_initialized() -> bool:
 
 
 @contextlib.contextmanager
-def simulated_topology(world_size: int, rank: int, tensor_model_parallel_size: int) -> Iterator[Topology]:
+def simulated_topology(world_size: int, rank: int, tensor_model_parallel_size: int,
+                       expert_model_parallel_size: int = 1) -> Iterator[Topology]:
     """Install the topology of a world this process is not part of, for tracing; restores the previous one on exit."""
     global _TOPOLOGY
     previous = _TOPOLOGY
-    _TOPOLOGY = build_topology(world_size, rank, tensor_model_parallel_size)
+    _TOPOLOGY = build_topology(world_size, rank, tensor_model_parallel_size,
+                               expert_model_parallel_size=expert_model_parallel_size)
     try:
         yield _TOPOLOGY
     finally:
@@ -340,6 +374,14 @@ def tensor_parallel_group() -> ParallelGroup:
 
 def data_parallel_group() -> ParallelGroup:
     return get_topology().data_parallel
+
+
+def expert_parallel_group() -> ParallelGroup:
+    return get_topology().expert_parallel
+
+
+def expert_data_parallel_group() -> ParallelGroup:
+    return get_topology().expert_data_parallel
 
 
 _RANK_TENSORS: dict = {}
@@ -466,6 +508,7 @@ def zero1_groups(sharding_groups: Any = None) -> Tuple[ParallelGroup, ParallelGr
 __all__: Sequence[str] = [
     "ParallelGroup", "Topology", "build_topology", "simulated_topology", "get_topology", "replace_installed_topology",
     "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized",
-    "tensor_parallel_group", "data_parallel_group", "rank_tensor", "group_of", "zero1_groups", "dp_aligned_rank_lists",
+    "tensor_parallel_group", "data_parallel_group", "expert_parallel_group", "expert_data_parallel_group",
+    "rank_tensor", "group_of", "zero1_groups", "dp_aligned_rank_lists",
     "dp_aligned_sharding_examples",
 ]

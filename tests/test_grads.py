@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -447,3 +448,43 @@ def test_nonfinite_gradients_give_torchs_norm_and_clip_on_every_rank(worlds, wor
     results = worlds(world).run(case_nonfinite_norm_and_clip, tensor_model_parallel_size=tp, seed=13 + world)
     assert all(r == results[0] for r in results), "ranks disagree on a non-finite norm"
     assert {r[3] for r in results[0]} == {"inf", "nan"}, results[0]
+
+
+def case_expert_parallel_gradient_passes(tp, ep):
+    """NxD's two passes with expert parallelism: the first sums over the expert data-parallel group and divides by the
+    DP size (an expert gradient's average: its tokens came from the whole EP group), the second sums over the EP group
+    without division, which makes a non-expert gradient the DP average."""
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        shapes = [(3, 5), (7,), (2, 2, 3)]
+
+        def grads_of(r):
+            generator = torch.Generator().manual_seed(100 + r)
+            return [torch.randn(shape, generator=generator) for shape in shapes]
+
+        every = [grads_of(r) for r in range(world)]
+        mine = grads_of(rank)
+        dp = ps.get_data_parallel_size()
+        expert_data = next(g for g in ps.get_expert_data_parallel_replica_groups() if rank in g)
+        expert = next(g for g in ps.get_expert_model_parallel_replica_groups() if rank in g)
+        nxg.bucket_allreduce_gradients(mine, bucket_cap_mb=1e-4)
+        for k, got in enumerate(mine):
+            want = sum(every[r][k] for r in expert_data) / dp
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"expert pass, tensor {k}")
+        nxg.bucket_allreduce_gradients(mine, reduce_over_ep_group=True)
+        data = next(g for g in ps.get_data_parallel_replica_groups() if rank in g)
+        assert sorted(r for m in expert for g in ps.get_expert_data_parallel_replica_groups() if m in g
+                      for r in g) == sorted(data)
+        for k, got in enumerate(mine):
+            torch.testing.assert_close(got, sum(every[r][k] for r in data) / dp, rtol=1e-6, atol=1e-6,
+                                       msg=f"non-expert pass, tensor {k}")
+        return len(expert_data), len(expert)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2), (1, 4), (1, 1)])
+def test_expert_parallel_gradient_passes_are_nxds(worlds, tp, ep):
+    sizes = worlds(4).run(case_expert_parallel_gradient_passes, tensor_model_parallel_size=None, tp=tp, ep=ep)
+    assert sizes == [(4 // (tp * ep), ep)] * 4

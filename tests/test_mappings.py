@@ -309,3 +309,13 @@ def test_reduce_dtype_fp32_is_closer_than_bf16(worlds):
         assert err_fp32 < 0.7 * err_bf16, (err_fp32, err_bf16)
         assert grad_err == err_fp32
         assert equal_to_rounded_exact
+
+
+def test_expert_regions_refuse_expert_parallelism_they_cannot_dispatch():
+    """With expert-parallel size > 1 the regions would need the all-to-all: refused by name, never a wrong shape."""
+    x = torch.randn(4, 3, 5)
+    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=2):
+        with pytest.raises(NotImplementedError, match=r"enter_expert_parallel_region at expert_model_parallel_size=2"):
+            mappings.enter_expert_parallel_region(x, scatter_gather=False)
+        with pytest.raises(NotImplementedError, match=r"exit_expert_parallel_region at expert_model_parallel_size=2"):
+            mappings.exit_expert_parallel_region(x.unsqueeze(1), scatter_gather=False)

@@ -1,6 +1,7 @@
 """Topology and the NxD getters: pure logic in one process, plus the real groups on gloo ranks."""
 
 import os
+import re
 
 import pytest
 
@@ -24,7 +25,8 @@ def test_tp_groups_are_contiguous_and_dp_groups_strided():
 
 
 def test_getters_of_parallelism_nxdtp_does_not_do_give_nxds_size_one_values():
-    # Context and expert parallelism of size 1 (NxD's values); the expert data-parallel group is then the DP group.
+    # Context parallelism of size 1 (NxD's values); expert parallelism at its default size 1, whose expert
+    # data-parallel group is the DP group.
     with ps.simulated_topology(world_size=8, rank=5, tensor_model_parallel_size=4):
         assert (ps.get_context_model_parallel_size(), ps.get_context_model_parallel_rank()) == (1, 0)
         assert (ps.get_expert_model_parallel_size(), ps.get_expert_model_parallel_rank()) == (1, 0)
@@ -306,22 +308,24 @@ def test_initialize_model_parallel_takes_nxds_positional_order():
         ps.initialize_model_parallel(2, sequence_parallel_size=2)
 
 
-def nxd_size_one_groups(world_size, tp):
-    """NxD's groups for pipeline, context and expert parallelism of size 1, from its definition: the ranks arranged as a
-    row-major [pp, dp, cp, tp] array (and [pp, dp_exp, ep, tp] for experts), each kind's groups varying its own axis."""
+def nxd_size_one_groups(world_size, tp, ep=1):
+    """NxD's groups for pipeline and context parallelism of size 1 and expert parallelism of size ``ep``, from its
+    definition: the ranks arranged as a row-major [pp, dp, cp, tp] array (and [pp, dp_exp, ep, tp] for experts), each
+    kind's groups varying its own axis."""
     import itertools
 
     import torch
 
-    pp = cp = ep = 1
+    pp = cp = 1
     dp = world_size // (tp * pp * cp)
+    dp_exp = world_size // (tp * pp * ep)
     ranks = torch.arange(world_size).reshape(pp, dp, cp, tp)
-    experts = torch.arange(world_size).reshape(pp, world_size // (tp * pp * ep), ep, tp)
+    experts = torch.arange(world_size).reshape(pp, dp_exp, ep, tp)
     product = itertools.product
     return {
         "pipeline": [ranks[:, d, c, t].tolist() for d, c, t in product(range(dp), range(cp), range(tp))],
         "context": [ranks[p, d, :, t].tolist() for p, d, t in product(range(pp), range(dp), range(tp))],
-        "expert": [experts[p, d, :, t].tolist() for p, d, t in product(range(pp), range(dp), range(tp))],
+        "expert": [experts[p, d, :, t].tolist() for p, d, t in product(range(pp), range(dp_exp), range(tp))],
         "expert_data": [experts[p, :, e, t].tolist() for p, e, t in product(range(pp), range(ep), range(tp))],
         "data": [ranks[p, :, c, t].tolist() for p, c, t in product(range(pp), range(cp), range(tp))],
     }
@@ -355,6 +359,78 @@ def test_size_one_kinds_are_nxds_groups():
         # The ring through this rank's context group: (source, next) for each member.
         assert ps.get_context_model_parallel_src_tgt_pairs() == [(5, 5)]
         assert ps.get_zero1_sharding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]  # ZeRO-1 shards over DP (x CP=1)
+
+
+@pytest.mark.parametrize("world,tp,ep", [(4, 2, 2), (4, 1, 2), (4, 1, 4), (8, 2, 2), (8, 1, 2), (8, 1, 4), (16, 2, 4),
+                                         (16, 4, 2), (8, 4, 1)])
+def test_expert_groups_are_nxds(world, tp, ep):
+    nxd = nxd_size_one_groups(world, tp, ep)
+    assert all(len(g) == ep for g in nxd["expert"]) and all(len(g) == world // (tp * ep) for g in nxd["expert_data"])
+    for rank in range(world):
+        with ps.simulated_topology(world_size=world, rank=rank, tensor_model_parallel_size=tp,
+                                   expert_model_parallel_size=ep):
+            assert ps.get_expert_model_parallel_replica_groups() == nxd["expert"]
+            assert ps.get_expert_model_parallel_group(as_list=True) == nxd["expert"]
+            assert ps.get_expert_data_parallel_replica_groups() == nxd["expert_data"]
+            mine = next(g for g in nxd["expert"] if rank in g)
+            mine_data = next(g for g in nxd["expert_data"] if rank in g)
+            assert (ps.get_expert_model_parallel_size(), ps.get_expert_model_parallel_rank()) == (ep, mine.index(rank))
+            assert (ps.get_expert_data_parallel_size(), ps.get_expert_data_parallel_rank()) == \
+                (len(mine_data), mine_data.index(rank))
+            # Each EP group lies inside one DP group, and an EP group times its expert-DP groups is that DP group.
+            dp_group = ps.get_data_parallel_group(as_list=True)[rank % tp]
+            assert set(mine) <= set(dp_group)
+            assert sorted(r for m in mine for g in nxd["expert_data"] if m in g for r in g) == sorted(dp_group)
+            assert ps.get_expert_parallel_rank_from_global_rank(rank, ps.expert_parallel_group()) == mine.index(rank)
+            # TP and DP do not change with EP.
+            assert ps.get_tensor_model_parallel_rank() == rank % tp and ps.get_data_parallel_rank() == rank // tp
+
+
+@pytest.mark.parametrize("world,tp,ep,valid", [(8, 2, 3, "[1, 2, 4]"), (8, 2, 8, "[1, 2, 4]"), (4, 4, 2, "[1]"),
+                                               (6, 1, 4, "[1, 2, 3, 6]")])
+def test_expert_parallel_size_must_divide_the_data_parallel_size(world, tp, ep, valid):
+    with pytest.raises(ValueError, match=rf"expert_model_parallel_size={ep} does not divide the data-parallel size "
+                                         rf"{world // tp} \(world size {world} / tensor_model_parallel_size {tp}\).*"
+                                         rf"valid sizes are {re.escape(valid)}"):
+        ps.build_topology(world, 0, tp, expert_model_parallel_size=ep)
+    for bad, error in ((0, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="expert_model_parallel_size"):
+            ps.build_topology(world, 0, tp, expert_model_parallel_size=bad)
+
+
+def case_expert_groups(tp, ep):
+    import torch
+    import torch.distributed as dist
+
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        rank = dist.get_rank()
+        out = {}
+        for name, group in (("expert", ps.get_expert_model_parallel_group()),
+                            ("expert_data", ps.get_expert_data_parallel_group())):
+            value = torch.tensor([float(1 << rank)])
+            dist.all_reduce(value, group=group)  # which ranks the process group really connects
+            out[name] = (sorted(dist.get_process_group_ranks(group)), int(value.item()))
+        ps.set_expert_model_parallel_size(ep)
+        ps.set_expert_model_parallel_rank(ps.get_expert_model_parallel_rank())
+        try:
+            ps.set_expert_model_parallel_size(ep + 1)
+        except ValueError as e:
+            out["set_error"] = str(e)
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 2), (1, 4)])
+def test_expert_groups_on_gloo(worlds, tp, ep):
+    nxd = nxd_size_one_groups(4, tp, ep)
+    for rank, out in enumerate(worlds(4).run(case_expert_groups, tensor_model_parallel_size=None, tp=tp, ep=ep)):
+        for name in ("expert", "expert_data"):
+            ranks = next(g for g in nxd[name] if rank in g)
+            assert out[name] == (ranks, sum(1 << r for r in ranks)), (rank, name, out)
+        assert f"set_expert_model_parallel_size({ep + 1}): " in out["set_error"], out
+        assert f"its expert model parallel size is {ep}; only the current value {ep} is accepted" in out["set_error"]
 
 
 def test_pipeline_send_recv_groups_do_not_exist_with_one_stage():
@@ -404,9 +480,9 @@ def test_expert_helpers():
     ("set_tensor_model_parallel_rank", 0, 1,
      r"set_tensor_model_parallel_rank\(0\): .*global rank 5 has tensor-parallel rank 1; only the current value 1"),
     ("set_expert_model_parallel_size", 2, 1,
-     r"set_expert_model_parallel_size\(2\): .*no expert parallelism.*only the current value 1"),
+     r"set_expert_model_parallel_size\(2\): .*its expert model parallel size is 1; only the current value 1"),
     ("set_expert_model_parallel_rank", 1, 0,
-     r"set_expert_model_parallel_rank\(1\): .*no expert parallelism.*only the current value 0"),
+     r"set_expert_model_parallel_rank\(1\): .*global rank 5 has expert model parallel rank 0; only the current value"),
     ("set_context_model_parallel_size", 4, 1,
      r"set_context_model_parallel_size\(4\): .*no context parallelism.*only the current value 1"),
 ])
