@@ -143,6 +143,29 @@ def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) ->
     return out.movedim(0, dim).contiguous()
 
 
+def all_to_all(tensor: torch.Tensor, group: ParallelGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Cut ``tensor`` into ``group.size`` equal chunks along ``split_dim`` and send chunk i to group rank i; return
+    the chunks received, in group-rank order, concatenated along ``concat_dim`` (XLA's ``all_to_all``)."""
+    split_dim, concat_dim = _check_dim(tensor, split_dim), _check_dim(tensor, concat_dim)
+    if tensor.shape[split_dim] % group.size != 0:
+        raise ValueError(
+            f"all_to_all: dimension {split_dim} of shape {tuple(tensor.shape)} has size {tensor.shape[split_dim]}, "
+            f"which the {group.kind}-parallel group size {group.size} does not divide"
+        )
+    if group.size == 1:
+        return tensor
+    if _is_xla(tensor):
+        _check_xla_world(group)
+        return _xla_model().all_to_all(tensor, split_dimension=split_dim, concat_dimension=concat_dim,
+                                       split_count=group.size, groups=group.replica_groups_as_lists(),
+                                       pin_layout=False)
+    # all_to_all_single exchanges equal blocks of dim 0: stack the chunks there.
+    chunks = torch.stack(tensor.chunk(group.size, dim=split_dim))
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks, group=_process_group(group, chunks))
+    return torch.cat(received.unbind(0), dim=concat_dim)
+
+
 def broadcast(tensor: torch.Tensor, group: ParallelGroup, src_group_rank: int = 0) -> torch.Tensor:
     """Every rank of the group receives the tensor held by group rank ``src_group_rank``."""
     if not 0 <= src_group_rank < group.size:

@@ -295,38 +295,49 @@ def _check_dims(x: torch.Tensor, dims: int, where: str, layout: str) -> None:
         raise ValueError(f"{where}: x has shape {tuple(x.shape)}; expected {dims} dimensions {layout}")
 
 
-def _drop_and_regather_tp_duplicates(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
-    # NxD drops the tokens duplicated over TP before the expert all-to-all and regathers them after it. With one
-    # expert-parallel rank there is no all-to-all, and the pair is the identity in value and in gradient.
-    if not scatter_gather:
-        return x
-    group = tensor_parallel_group()
-    return _Gather.apply(_Split.apply(x, group, 2), group, 2, False)
+class _AllToAll(torch.autograd.Function):
+    """All-to-all over ``group``; backward sends each gradient chunk back where its value came from (the all-to-all
+    with the two dims swapped)."""
+
+    @staticmethod
+    def forward(ctx, input_, group, split_dim, concat_dim):
+        ctx.group, ctx.split_dim, ctx.concat_dim = group, split_dim, concat_dim
+        return comm.all_to_all(input_, group, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return comm.all_to_all(grad_output, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
 
 
-def _refuse_expert_parallelism(name: str) -> None:
-    size = expert_parallel_group().size
-    if size > 1:
-        raise NotImplementedError(f"{name} at expert_model_parallel_size={size}: nxdtp's expert-parallel token "
-                                  "dispatch (the all-to-all) is not implemented yet; it works at size 1 only")
+def _expert_all_to_all(x: torch.Tensor, scatter_gather: bool, split_dim: int, concat_dim: int) -> torch.Tensor:
+    # NxD drops the tokens duplicated over TP (dim 2) before the all-to-all over the expert-parallel group and
+    # regathers them after it, so each token crosses the EP group once instead of once per TP rank.
+    tp_group = tensor_parallel_group()
+    if scatter_gather:
+        x = _Split.apply(x, tp_group, 2)
+    x = _AllToAll.apply(x, expert_parallel_group(), split_dim, concat_dim)
+    return _Gather.apply(x, tp_group, 2, False) if scatter_gather else x
 
 
 def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
-    """NxD's expert-parallel entry, (e, c, h) -> (e/ep, ep, c, h), for nxdtp's expert-parallel size of 1:
-    (e, 1, c, h)."""
+    """NxD's expert-parallel entry: (e, c, h), this rank's tokens routed to each of the e experts, becomes
+    (e/ep, ep, c, h), the tokens of every rank of the expert-parallel group for this rank's e/ep experts."""
     _check_dims(x, 3, "enter_expert_parallel_region", "(experts, capacity, hidden)")
-    _refuse_expert_parallelism("enter_expert_parallel_region")
-    return _drop_and_regather_tp_duplicates(x.unsqueeze(1), scatter_gather)
+    ep = expert_parallel_group().size
+    if x.shape[0] % ep != 0:
+        raise ValueError(f"enter_expert_parallel_region: x has shape {tuple(x.shape)}; its {x.shape[0]} experts "
+                         f"must be a multiple of expert_model_parallel_size={ep}")
+    return _expert_all_to_all(x.unsqueeze(1), scatter_gather, 0, 1)
 
 
 def exit_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
-    """NxD's expert-parallel exit, (e/ep, ep, c, h) -> (e, c, h), for nxdtp's expert-parallel size of 1."""
-    _check_dims(x, 4, "exit_expert_parallel_region", "(experts, 1, capacity, hidden)")
-    _refuse_expert_parallelism("exit_expert_parallel_region")
-    if x.shape[1] != 1:
-        raise ValueError(f"exit_expert_parallel_region: x has shape {tuple(x.shape)}; with expert-parallel size 1 "
-                         "dimension 1 (ep) must be 1")
-    return _drop_and_regather_tp_duplicates(x, scatter_gather).squeeze(1)
+    """NxD's expert-parallel exit, the inverse of the entry: (e/ep, ep, c, h) -> (e, c, h)."""
+    _check_dims(x, 4, "exit_expert_parallel_region", "(experts per rank, ep, capacity, hidden)")
+    ep = expert_parallel_group().size
+    if x.shape[1] != ep:
+        raise ValueError(f"exit_expert_parallel_region: x has shape {tuple(x.shape)}; dimension 1 must be the "
+                         f"expert-parallel size {ep}")
+    return _expert_all_to_all(x, scatter_gather, 1, 0).squeeze(1)
 
 
 def _rank_indices(rank: torch.Tensor, size: int, partition: int, round_robin: bool, device) -> torch.Tensor:

@@ -311,11 +311,49 @@ def test_reduce_dtype_fp32_is_closer_than_bf16(worlds):
         assert equal_to_rounded_exact
 
 
-def test_expert_regions_refuse_expert_parallelism_they_cannot_dispatch():
-    """With expert-parallel size > 1 the regions would need the all-to-all: refused by name, never a wrong shape."""
-    x = torch.randn(4, 3, 5)
+
+def case_expert_regions(seed, tp, ep, scatter_gather):
+    """NxD's expert regions with expert parallelism: the entry sends each rank's tokens for expert block k to EP rank
+    k, the exit brings them back; values and gradients against the formulas written over every rank's tensors. Tokens
+    (and their upstream gradients) are equal on the ranks of a TP group, as NxD's scatter_gather assumes."""
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        rank = ps.get_topology().rank
+        experts, per_rank, capacity, hidden = 2 * ep, 2, 2 * tp, 3
+        peers = ps.expert_parallel_group().ranks
+        me = ps.get_expert_model_parallel_rank()
+
+        def of(r, shape, salt):  # a tensor of the tokens of global rank r: one per DP rank
+            return _tensor(seed, r // tp, shape, salt)
+
+        x, dy = of(rank, (experts, capacity, hidden), 0), of(rank, (per_rank, ep, capacity, hidden), 1)
+        y, dx = _run_region(mappings.enter_expert_parallel_region, x, dy, scatter_gather=scatter_gather)
+        _close(y, torch.stack([of(p, x.shape, 0)[me * per_rank:(me + 1) * per_rank] for p in peers], dim=1),
+               "enter forward")
+        _close(dx, torch.cat([of(p, dy.shape, 1)[:, me] for p in peers]), "enter backward")
+        z, dz = of(rank, (per_rank, ep, capacity, hidden), 2), of(rank, (experts, capacity, hidden), 3)
+        out, dout = _run_region(mappings.exit_expert_parallel_region, z, dz, scatter_gather=scatter_gather)
+        _close(out, torch.cat([of(p, z.shape, 2)[:, me] for p in peers]), "exit forward")
+        _close(dout, torch.stack([of(p, dz.shape, 3)[me * per_rank:(me + 1) * per_rank] for p in peers], dim=1),
+               "exit backward")
+        # The exit undoes the entry.
+        _close(mappings.exit_expert_parallel_region(y, scatter_gather), x, "exit(enter(x))")
+        return tuple(y.shape)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_name", ["gloo", "cpu_refusing"])
+@pytest.mark.parametrize("tp,ep,scatter_gather", [(1, 2, False), (2, 2, True), (2, 2, False), (1, 4, False)])
+def test_expert_regions_dispatch_over_the_expert_parallel_group(worlds, world_name, tp, ep, scatter_gather):
+    shapes = worlds(4, world_name).run(case_expert_regions, tensor_model_parallel_size=None, seed=31 + tp + ep,
+                                       tp=tp, ep=ep, scatter_gather=scatter_gather)
+    assert shapes == [(2, ep, 2 * tp, 3)] * 4
+
+
+def test_expert_regions_check_their_shapes():
     with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=2):
-        with pytest.raises(NotImplementedError, match=r"enter_expert_parallel_region at expert_model_parallel_size=2"):
-            mappings.enter_expert_parallel_region(x, scatter_gather=False)
-        with pytest.raises(NotImplementedError, match=r"exit_expert_parallel_region at expert_model_parallel_size=2"):
-            mappings.exit_expert_parallel_region(x.unsqueeze(1), scatter_gather=False)
+        with pytest.raises(ValueError, match=r"its 3 experts must be a multiple of expert_model_parallel_size=2"):
+            mappings.enter_expert_parallel_region(torch.randn(3, 2, 2), scatter_gather=False)
+        with pytest.raises(ValueError, match=r"dimension 1 must be the expert-parallel size 2"):
+            mappings.exit_expert_parallel_region(torch.randn(2, 1, 2, 2), scatter_gather=False)
