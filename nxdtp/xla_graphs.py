@@ -102,7 +102,8 @@ def _phases(result: StepResult, rank: int) -> Dict[str, List[torch.Tensor]]:
 
 
 def trace_every_rank(step: Callable[[], StepResult], world_size: int, tensor_model_parallel_size: int,
-                     ranks: Optional[Sequence[int]] = None, keep_hlo: bool = False) -> RankGraphs:
+                     ranks: Optional[Sequence[int]] = None, keep_hlo: bool = False, *,
+                     expert_model_parallel_size: int = 1) -> RankGraphs:
     """Call ``step()`` once for each rank of a simulated world (all ranks, or ``ranks``) and hash what it returns.
 
     ``step`` builds, shards and moves the model itself (sharding reads the installed topology) and returns the tensors
@@ -124,7 +125,8 @@ def trace_every_rank(step: Callable[[], StepResult], world_size: int, tensor_mod
     hlo: Dict[str, List[str]] = {}
     for rank in ranks:
         xm.set_rng_state(seed)
-        with parallel_state.simulated_topology(world_size, rank, tensor_model_parallel_size), \
+        with parallel_state.simulated_topology(world_size, rank, tensor_model_parallel_size,
+                                               expert_model_parallel_size), \
                 comm.simulated_xla_runtime(world_size, rank):
             phases = _phases(step(), rank)
             if hashes and set(phases) != set(hashes):

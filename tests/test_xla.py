@@ -140,6 +140,43 @@ def test_embedding_and_data_parallel_replica_groups(worlds):
     assert result["dp"] == ({"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0}, ["{{0,4},{1,5},{2,6},{3,7}}"])
 
 
+def case_expert_dispatch_lowering(tp, ep, scatter_gather):
+    """NxD's expert regions traced for every rank of a simulated world of 4: one graph for all ranks, an all-to-all
+    over the expert-parallel replica groups each way."""
+    import torch
+    import torch_xla
+
+    from nxdtp import mappings
+    from nxdtp.xla_graphs import trace_every_rank
+
+    def step():
+        device = torch_xla.device()
+        x = torch.randn(2 * ep, 2 * tp, 3).to(device).requires_grad_()
+        _reset_collective_token()
+        y = mappings.enter_expert_parallel_region(x, scatter_gather)
+        out = mappings.exit_expert_parallel_region(y * 2.0, scatter_gather)
+        out.backward(torch.ones(out.shape).to(device))
+        return {"forward": [y], "step": [out, x.grad]}
+
+    graphs = trace_every_rank(step, 4, tp, keep_hlo=True, expert_model_parallel_size=ep)
+    _reset_collective_token()
+    step_hlo = graphs.hlo["step"][0]
+    return {"distinct": {phase: len(set(h)) for phase, h in graphs.hashes.items()},
+            "all_to_all": len(re.findall(r"\sall-to-all\(", step_hlo)),
+            "groups": sorted(set(re.findall(r"all-to-all\(.*replica_groups=(\{\{[0-9,{}]*\}\})", step_hlo)))}
+
+
+@pytest.mark.parametrize("tp,ep,scatter_gather,groups", [(2, 2, True, "{{0,2},{1,3}}"), (1, 2, False, "{{0,1},{2,3}}"),
+                                                         (1, 4, False, "{{0,1,2,3}}")])
+def test_expert_dispatch_lowers_to_one_graph_with_all_to_alls_over_the_ep_groups(worlds, tp, ep, scatter_gather,
+                                                                                groups):
+    result, = worlds(1, "xla-hlo").run(case_expert_dispatch_lowering, tensor_model_parallel_size=None, tp=tp, ep=ep,
+                                       scatter_gather=scatter_gather)
+    assert result["distinct"] == {"forward": 1, "step": 1}, result
+    # Forward: enter and exit; backward: the same two, with the dims swapped.
+    assert result["all_to_all"] == 4 and result["groups"] == [groups], result
+
+
 def case_loss_on_a_padding_only_shard_lowers():
     """Rank 5 (TP rank 1 of 4) holds columns 8-15 of a 32-column vocab of 6 real words: only padding. Its loss must
     still trace (XLA cannot reduce over zero columns) with the same two all-reduces as every other rank."""
