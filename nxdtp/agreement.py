@@ -37,8 +37,8 @@ from torch import nn
 
 from . import comm
 from .forward_wrappers import wrap_forward
-from .parallel_state import ParallelGroup, tensor_parallel_group
 from .record import note_of, read_note
+from .topology import ParallelGroup, tensor_parallel_group
 
 # Input slots: a fixed size, so every rank gathers the same shape whatever arguments it was given (ranks that passed
 # different arguments must meet in the collective, then be told, rather than hang). Names are hashed to slots; two

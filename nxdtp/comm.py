@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from .parallel_state import ParallelGroup, get_topology, rank_tensor
+from .topology import ParallelGroup, get_topology, rank_tensor
 
 _REDUCE_OPS = ("sum", "max", "min")
 

@@ -33,11 +33,11 @@ from torch.autograd.function import once_differentiable
 
 from . import mappings
 from .agreement import RankLocalBuffers
-from .parallel_state import tensor_parallel_group
 from .record import note_of
 from .rounding import round_up
 from .sharded_init import InitMethod, linear_bias_init, materialise_shard, reject_unsupported
 from .spec import ParamSpec, ShardedModule
+from .topology import tensor_parallel_group
 
 IntOr2 = Union[int, Tuple[int, int]]
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from . import comm
-from .parallel_state import tensor_parallel_group
+from .topology import tensor_parallel_group
 
 # Dimensions a tensor may have (Megatron allows 5; batches with a few more axes, such as images, fit too).
 MAX_DIMS = 8

@@ -26,14 +26,6 @@ from .conv import (  # noqa: F401 - NxD's path
     OutputChannelParallelConv2d,
     conv2d_with_weight_grad_allreduce,
 )
-from .parallel_state import (
-    ParallelGroup,
-    get_topology,
-    group_of,
-    model_parallel_is_initialized,
-    rank_tensor,
-    tensor_parallel_group,
-)
 from .rounding import round_up
 from .sharded_init import (
     InitMethod,
@@ -48,6 +40,14 @@ from .sharded_init import (
     split_size,
 )
 from .spec import ParamSpec, ShardedModule, from_rank_order, to_rank_order
+from .topology import (
+    ParallelGroup,
+    get_topology,
+    group_of,
+    model_parallel_is_initialized,
+    rank_tensor,
+    tensor_parallel_group,
+)
 from .utils import cast_if_autocast_enabled, initialize_fallback_parallel_state
 
 

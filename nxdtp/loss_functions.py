@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import comm
-from .parallel_state import ParallelGroup, rank_tensor, tensor_parallel_group
+from .topology import ParallelGroup, rank_tensor, tensor_parallel_group
 
 _REDUCTIONS = ("none", "mean", "sum")
 _INTEGRAL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from . import comm
-from .parallel_state import ParallelGroup, expert_parallel_group, group_of, rank_tensor, tensor_parallel_group
+from .topology import ParallelGroup, expert_parallel_group, group_of, rank_tensor, tensor_parallel_group
 
 
 def _group(process_group) -> ParallelGroup:

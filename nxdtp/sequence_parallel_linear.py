@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, mappings
-from .parallel_state import ParallelGroup, group_of
 from .record import note_of, read_note
+from .topology import ParallelGroup, group_of
 
 
 class _Regather:

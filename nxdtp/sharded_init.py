@@ -12,8 +12,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from .parallel_state import ParallelGroup, tensor_parallel_group
 from .spec import ParamSpec, ShardedModule, split_along
+from .topology import ParallelGroup, tensor_parallel_group
 
 InitMethod = Callable[[torch.Tensor], object]
 

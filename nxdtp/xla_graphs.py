@@ -1,7 +1,7 @@
 """How many distinct XLA graphs the ranks of a world would compile, found in one process before any compile is paid.
 
 Each distinct graph is a separate compile on Trainium and TPU. ``trace_every_rank`` installs the topology of every rank
-of a simulated world in turn (``parallel_state.simulated_topology`` plus ``comm.simulated_xla_runtime``), calls a step
+of a simulated world in turn (``topology.simulated_topology`` plus ``comm.simulated_xla_runtime``), calls a step
 function that builds and traces that rank's work, and hashes the pending graphs it returns with torch_xla's
 compile-cache key. Nothing is executed: the traced collectives name ranks that do not exist in this process, so run
 it in a process that executes no other XLA graph.
@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from . import comm, parallel_state
+from . import comm, topology
 
 StepResult = Union[Mapping[str, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
@@ -125,8 +125,8 @@ def trace_every_rank(step: Callable[[], StepResult], world_size: int, tensor_mod
     hlo: Dict[str, List[str]] = {}
     for rank in ranks:
         xm.set_rng_state(seed)
-        with parallel_state.simulated_topology(world_size, rank, tensor_model_parallel_size,
-                                               expert_model_parallel_size), \
+        with topology.simulated_topology(world_size, rank, tensor_model_parallel_size,
+                                         expert_model_parallel_size), \
                 comm.simulated_xla_runtime(world_size, rank):
             phases = _phases(step(), rank)
             if hashes and set(phases) != set(hashes):

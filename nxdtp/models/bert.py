@@ -36,7 +36,6 @@ from torch import nn
 from .. import mappings
 from ..checkpointing.index import TiedKeysNote
 from ..loss_functions import parallel_cross_entropy
-from ..parallel_state import ParallelGroup, data_parallel_group
 from ..plan import (
     SEQUENCE_PARALLEL,
     Chain,
@@ -52,6 +51,7 @@ from ..plan import (
     wrap_forward,
 )
 from ..record import note_of, read_note
+from ..topology import ParallelGroup, data_parallel_group
 from .activation_checkpointing import checkpoint_layers  # noqa: F401 - re-exported
 from .attention_styles import attention_projection_styles
 from .common import (  # noqa: F401 - re-exports

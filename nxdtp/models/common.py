@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from .. import mappings, sequence_parallel_linear
-from ..parallel_state import ParallelGroup
 from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
 from ..record import read_note
+from ..topology import ParallelGroup
 from .family import families_with_older_transformers, oldest_transformers
 
 # The transformers releases each family's plan is written and tested against (setup.cfg's extras, docs/testing.md's CI

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from .. import mappings
-from ..parallel_state import ParallelGroup
 from ..plan import (
     TENSOR_PARALLEL,
     Chain,
@@ -45,6 +44,7 @@ from ..plan import (
     effect_of,
     wrap_forward,
 )
+from ..topology import ParallelGroup
 from .attention_styles import attention_projection_styles
 from .common import (
     check_model,

@@ -28,8 +28,8 @@ from torch import nn
 
 from ..checkpointing.safetensors_stream import SafetensorsFileReader
 from ..errors import DamagedInputError
-from ..parallel_state import tensor_parallel_group
 from ..spec import ParamSpec, ShardedModule
+from ..topology import tensor_parallel_group
 from ..utils import reattach_spec_attributes, retie_parameters, tied_parameter_names
 
 logger = logging.getLogger(__name__)

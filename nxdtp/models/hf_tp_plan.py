@@ -33,7 +33,6 @@ from typing import Dict, Tuple
 
 from torch import nn
 
-from ..parallel_state import ParallelGroup
 from ..plan import (
     ColumnParallel,
     Plan,
@@ -44,6 +43,7 @@ from ..plan import (
     VocabParallelLMHead,
     has_own_forward,
 )
+from ..topology import ParallelGroup
 from .attention_styles import attention_projection_styles, local_kv_groups
 from .common import check_model, require_supported_transformers
 from .hf_integration import finish_hf_model

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..parallel_state import ParallelGroup
 from ..plan import (
     Chain,
     ColumnParallel,
@@ -37,6 +36,7 @@ from ..plan import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
+from ..topology import ParallelGroup
 from .attention_styles import attention_projection_styles, local_kv_groups
 from .common import (
     check_model,

@@ -56,9 +56,9 @@ from torch import nn
 from .. import comm, mappings, sequence_parallel_linear
 from ..checkpointing.dense import gather_dense
 from ..layers import BaseParallelLayer, ColumnParallelLinear, RowParallelLinear
-from ..parallel_state import ParallelGroup, tensor_parallel_group
 from ..random import get_xla_rng_tracker
 from ..spec import ParamSpec, ShardedModule
+from ..topology import ParallelGroup, tensor_parallel_group
 
 # LoraConfig values nxdtp shards. Each other value of these options changes what the adapter computes or how it is
 # initialised from the base weight (a dense SVD, a quantisation error, ...), which a rank holding a shard cannot do

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from .. import mappings, sequence_parallel_linear, sharded_init
-from ..parallel_state import tensor_parallel_group
 from ..sharded_init import InitMethod, linear_bias_init, linear_weight_init, reject_unsupported
 from ..spec import ParamSpec, ShardedModule, attach_spec_attributes
+from ..topology import tensor_parallel_group
 
 PROJECTIONS = ("q", "k", "v")
 KINDS = ("weight", "bias")

@@ -29,7 +29,7 @@ import torch
 
 from .. import comm
 from ..grads import clip_coefficient, get_grad_norm
-from ..parallel_state import tensor_parallel_group
+from ..topology import tensor_parallel_group
 
 
 def _is_tp_sharded(param: torch.Tensor) -> bool:

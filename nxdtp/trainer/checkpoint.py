@@ -35,7 +35,7 @@ from ..checkpointing import load, tags
 from ..checkpointing.index import INDEX_FILE
 from ..checkpointing.save_load import prepare_save, write_save
 from ..checkpointing.unwrap import unwrap_model, unwrap_optimizer
-from ..parallel_state import get_topology
+from ..topology import get_topology
 
 __all__ = ["save_checkpoint", "load_checkpoint", "has_checkpoint", "finalize_checkpoint"]
 
