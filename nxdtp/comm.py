@@ -88,6 +88,17 @@ def _check_dim(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
+def _check_divisible(tensor: torch.Tensor, dim: int, group: ParallelGroup, what: str) -> int:
+    """``dim`` made non-negative, once the group's size is known to divide it."""
+    dim = _check_dim(tensor, dim)
+    if tensor.shape[dim] % group.size != 0:
+        raise ValueError(
+            f"{what}: dimension {dim} of shape {tuple(tensor.shape)} has size {tensor.shape[dim]}, "
+            f"which the {group.kind}-parallel group size {group.size} does not divide"
+        )
+    return dim
+
+
 def all_reduce(tensor: torch.Tensor, group: ParallelGroup, op: str = "sum") -> torch.Tensor:
     _check_op(op)
     if group.size == 1:
@@ -122,12 +133,7 @@ def all_gather(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> tor
 
 def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> torch.Tensor:
     """Sum over the group, then keep this rank's 1/size slice along ``dim``."""
-    dim = _check_dim(tensor, dim)
-    if tensor.shape[dim] % group.size != 0:
-        raise ValueError(
-            f"reduce_scatter: dimension {dim} of shape {tuple(tensor.shape)} has size {tensor.shape[dim]}, "
-            f"which the {group.kind}-parallel group size {group.size} does not divide"
-        )
+    dim = _check_divisible(tensor, dim, group, "reduce_scatter")
     if group.size == 1:
         return tensor
     if _is_xla(tensor):
@@ -146,12 +152,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) ->
 def all_to_all(tensor: torch.Tensor, group: ParallelGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Cut ``tensor`` into ``group.size`` equal chunks along ``split_dim`` and send chunk i to group rank i; return
     the chunks received, in group-rank order, concatenated along ``concat_dim`` (XLA's ``all_to_all``)."""
-    split_dim, concat_dim = _check_dim(tensor, split_dim), _check_dim(tensor, concat_dim)
-    if tensor.shape[split_dim] % group.size != 0:
-        raise ValueError(
-            f"all_to_all: dimension {split_dim} of shape {tuple(tensor.shape)} has size {tensor.shape[split_dim]}, "
-            f"which the {group.kind}-parallel group size {group.size} does not divide"
-        )
+    split_dim, concat_dim = _check_divisible(tensor, split_dim, group, "all_to_all"), _check_dim(tensor, concat_dim)
     if group.size == 1:
         return tensor
     if _is_xla(tensor):

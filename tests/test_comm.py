@@ -55,6 +55,7 @@ def case_collectives(seed):
             assert comm.all_gather(x, group, dim=1) is x
             assert comm.reduce_scatter(x, group, dim=0) is x
             assert comm.broadcast(x, group, 0) is x
+            assert comm.all_to_all(x, group, 0, 2) is x
             checked.append((group.kind, "size-1"))
             continue
 
@@ -80,6 +81,20 @@ def case_collectives(seed):
             out = _call_unmodified(comm.reduce_scatter, inputs[group.rank], group, dim=dim)
             expected = torch.stack(inputs).sum(0).chunk(n, dim=dim)[group.rank]
             _close(out, expected, f"reduce_scatter dim {dim} over {label}")
+
+        # All-to-all: chunk i of every rank's input along split_dim reaches group rank i, in group-rank order along
+        # concat_dim; integer and transposed inputs too.
+        for split_dim, concat_dim in ((0, 1), (1, 0), (2, 2), (-1, 0)):
+            shape = _random_shape(gen, dim=split_dim, multiple=n)
+            for dtype in (torch.float32, torch.int64):
+                inputs = [_input(seed + 5, r, shape, dtype) for r in ranks]
+                out = _call_unmodified(comm.all_to_all, inputs[group.rank], group, split_dim, concat_dim)
+                expected = torch.cat([x.chunk(n, dim=split_dim)[group.rank] for x in inputs], dim=concat_dim)
+                _close(out, expected, f"all_to_all {split_dim}->{concat_dim} {dtype} over {label}")
+        inputs = [_input(seed + 6, r, (3, 2, 2 * n)).transpose(0, 2) for r in ranks]
+        _close(_call_unmodified(comm.all_to_all, inputs[group.rank], group, 0, 2),
+               torch.cat([x.chunk(n, dim=0)[group.rank] for x in inputs], dim=2),
+               f"all_to_all of a transposed tensor over {label}")
 
         # Broadcast from a non-zero group rank: the source's input reaches everyone, not global rank src.
         for src in sorted({n - 1, 1}):
@@ -130,6 +145,8 @@ def test_dim_out_of_range_names_dim_and_shape(group_of_two, fn, dim):
 
 
 def test_reduce_scatter_indivisible_names_shape_and_group_size(group_of_two):
+    with pytest.raises(ValueError, match=r"all_to_all: dimension 0 of shape \(3, 4, 5\) has size 3.*group size 2"):
+        comm.all_to_all(torch.ones(3, 4, 5), group_of_two, 0, 1)
     with pytest.raises(ValueError, match=r"shape \(3, 4, 5\) has size 5.*group size 2 does not divide"):
         comm.reduce_scatter(torch.ones(3, 4, 5), group_of_two, dim=-1)
     with pytest.raises(ValueError, match=r"shape \(3, 4, 5\) has size 3.*group size 2 does not divide"):
