@@ -123,12 +123,12 @@ def case_fsdp2_job_saves(checkpoint: str):
 
 
 def _count_box_reads(monkeypatch):
-    """The keys of every ``RowReader.read_boxes`` call, in order."""
-    from nxdtp.checkpointing import dcp_import
+    """The keys of every ``DcpReader.read_boxes`` call, in order."""
+    from nxdtp.checkpointing import dcp_io
 
     boxes = []
-    read_boxes = dcp_import.RowReader.read_boxes
-    monkeypatch.setattr(dcp_import.RowReader, "read_boxes",
+    read_boxes = dcp_io.DcpReader.read_boxes
+    monkeypatch.setattr(dcp_io.DcpReader, "read_boxes",
                         lambda self, key, wanted: boxes.append(key) or read_boxes(self, key, wanted))
     return boxes
 
@@ -288,7 +288,7 @@ def test_a_tensor_saved_in_chunks_over_the_budget_is_read_once(tmp_path, capsys,
     slab, and the result is that of the default budget, bitwise."""
     from safetensors.torch import load_file
 
-    from nxdtp.checkpointing import dcp_import
+    from nxdtp.checkpointing import dcp_import, dcp_io
     from nxdtp.checkpointing.index import model_file, optim_file
 
     _dcp_with_optimizer(tmp_path / "dcp", torch.optim.AdamW, lr=LR)
@@ -297,8 +297,8 @@ def test_a_tensor_saved_in_chunks_over_the_budget_is_read_once(tmp_path, capsys,
     monkeypatch.setattr(dcp_import, "BATCH_BYTES", 512)
     boxes = _count_box_reads(monkeypatch)
     reads = []
-    read = dcp_import.RowReader.read
-    monkeypatch.setattr(dcp_import.RowReader, "read", lambda self, wanted: reads.extend(wanted) or read(self, wanted))
+    read = dcp_io.DcpReader.read
+    monkeypatch.setattr(dcp_io.DcpReader, "read", lambda self, wanted: reads.extend(wanted) or read(self, wanted))
     status, out, err = _cli([tmp_path / "dcp", tmp_path / "small", "--from-dcp", "--reshard", 2], capsys)
     assert status == 0, err
     embedding_reads = reads.count("model.embed_tokens.weight")

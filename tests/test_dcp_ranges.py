@@ -90,13 +90,13 @@ def test_small_budget_round_trip_is_exact(saved, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from nxdtp.checkpointing import dcp_export, dcp_import
+    from nxdtp.checkpointing import dcp_export, dcp_import, dcp_io
     from nxdtp.checkpointing.merge import merge
 
     root, tp_logits = saved
     merge(root, str(tmp_path / "merged"), progress=False)
     monkeypatch.setattr(dcp_export, "CHUNK_BYTES", BUDGET)
-    monkeypatch.setattr(dcp_export, "COLLECT_BYTES", BUDGET)
+    monkeypatch.setattr(dcp_io, "COLLECT_BYTES", BUDGET)
     dcp_export.export_dcp(root, str(tmp_path / "dcp"), progress=False)
 
     # The export: every chunk within the budget; the embedding (4 x 128-byte rows per chunk), its tie and its AdamW
@@ -121,17 +121,15 @@ def test_small_budget_round_trip_is_exact(saved, tmp_path, monkeypatch):
 
     # The import: tensors over the budget read in several ranges and written in parts, none over the budget.
     monkeypatch.setattr(dcp_import, "BATCH_BYTES", BUDGET)
-    monkeypatch.setattr(dcp_import, "COLLECT_BYTES", BUDGET)
     parts = _spy_writes(monkeypatch)
     ranges = {}
-    read = dcp_import.RowReader.read
+    read_boxes = dcp_io.DcpReader.read_boxes
 
-    def counted(self, wanted):
-        for key in wanted:
-            ranges[key] = ranges.get(key, 0) + 1
-        return read(self, wanted)
+    def counted(self, key, wanted):
+        ranges[key] = ranges.get(key, 0) + 1
+        return read_boxes(self, key, wanted)
 
-    monkeypatch.setattr(dcp_import.RowReader, "read", counted)
+    monkeypatch.setattr(dcp_io.DcpReader, "read_boxes", counted)
     dcp_import.import_dcp(str(tmp_path / "dcp"), str(tmp_path / "imported"), progress=False)
     assert ranges["model.embed_tokens.weight"] >= VOCAB // 4 and ranges["model.layers.0.mlp.down_proj.weight"] > 1
     assert ranges["optimizer.state.model.embed_tokens.weight.exp_avg"] >= VOCAB // 4
@@ -164,9 +162,12 @@ def _row_bytes(meta) -> int:
 
 def test_zero1_export_is_chunked_like_the_parameter(monkeypatch):
     """ZeRO-1 state shaped like its parameter is written one TP piece at a time, cut like the parameter, not
-    reassembled whole: ``_zero1_optimizer_state`` chunks a tensor that has its spec and piece reader."""
+    reassembled whole: the export's ZeRO-1 source (``zero1_source``) streamed into a ``DcpSink`` plans a tensor that
+    has its spec and piece reader as chunks of its pieces."""
     from nxdtp.checkpointing import dcp_export
+    from nxdtp.checkpointing.dcp_io import DcpSink
     from nxdtp.checkpointing.merge import DenseOptimizerTensor
+    from nxdtp.checkpointing.pipeline import stream
     from nxdtp.spec import ParamSpec
 
     spec = ParamSpec(full_shape=(12, 4), partition_dim=0, num_partitions=2, real_shape=(11, 4))
@@ -181,11 +182,14 @@ def test_zero1_export_is_chunked_like_the_parameter(monkeypatch):
     state = {"state.w.exp_avg": DenseOptimizerTensor(shape=(11, 4), dtype=torch.float32, read=lambda: dense,
                                                      spec=spec, read_piece=piece)}
     monkeypatch.setattr(dcp_export, "CHUNK_BYTES", 2 * 4 * 4)  # two rows
-    chunks = dcp_export._zero1_optimizer_state(state, [])["state.w.exp_avg"].chunks
+    source, _ = dcp_export.zero1_source(state)
+    sink = DcpSink({"state.w.exp_avg": [("w",)]}, {"state.w.exp_avg": spec})
+    stream(source, sink, ["state.w.exp_avg"])
+    _, _, chunks, read = sink.planned[("w",)]
     assert len(chunks) == 6  # rank 0: rows 0-5 in 3 chunks; rank 1: real rows 6-10 in 3
     rebuilt = torch.zeros_like(dense)
-    for chunk in chunks:
-        rebuilt[chunk.offsets[0]:chunk.offsets[0] + chunk.sizes[0]] = chunk.read()
+    for offsets, sizes in chunks:
+        rebuilt[offsets[0]:offsets[0] + sizes[0]] = read([(offsets, sizes)])[0]
     assert torch.equal(rebuilt, dense) and sorted(set(reads)) == [0, 1]
 
 
@@ -196,7 +200,7 @@ def test_resharding_import_reads_pieces_in_bounded_slabs_and_equals_nxdtps_own_r
     saved tp=2 checkpoint writes, with no part handed to the writer over the budget."""
     from safetensors.torch import load_file
 
-    from nxdtp.checkpointing import dcp_export, dcp_import
+    from nxdtp.checkpointing import dcp_export, dcp_import, dcp_io
     from nxdtp.checkpointing.index import CheckpointIndex, model_file, optim_file
     from nxdtp.checkpointing.merge import reshard
     from nxdtp.converters.dcp import import_dcp_resharded
@@ -206,16 +210,16 @@ def test_resharding_import_reads_pieces_in_bounded_slabs_and_equals_nxdtps_own_r
     monkeypatch.setattr(dcp_export, "CHUNK_BYTES", BUDGET)
     dcp_export.export_dcp(root, str(tmp_path / "dcp"), progress=False)
     monkeypatch.setattr(dcp_import, "BATCH_BYTES", BUDGET)
-    monkeypatch.setattr(dcp_import, "COLLECT_BYTES", BUDGET)
+    monkeypatch.setattr(dcp_io, "COLLECT_BYTES", BUDGET)
     parts = _spy_writes(monkeypatch)
     boxes = {}
-    read_boxes = dcp_import.RowReader.read_boxes
+    read_boxes = dcp_io.DcpReader.read_boxes
 
     def counted(self, key, wanted):
         boxes.setdefault(key, []).extend(wanted)
         return read_boxes(self, key, wanted)
 
-    monkeypatch.setattr(dcp_import.RowReader, "read_boxes", counted)
+    monkeypatch.setattr(dcp_io.DcpReader, "read_boxes", counted)
     tag = import_dcp_resharded(str(tmp_path / "dcp"), str(tmp_path / "imported"), 4, pad_to_multiple_of=4,
                                progress=False)
 

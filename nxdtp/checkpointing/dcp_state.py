@@ -1,35 +1,14 @@
-"""torch.distributed.checkpoint (DCP) inside a running nxdtp job: the model's and the optimizer's state as a DCP-ready
-state dict, so torch's own ``dcp.save`` / ``dcp.load`` work on it directly.
-
-``get_state_dict(model, optimizer=None)`` returns what a native job hands to ``dcp.save``, in TorchTitan's layout (the
-one ``nxdtp-merge --to dcp`` writes): the model's tensors at the top level under the dense Hugging Face names, the
-optimizer state under ``optimizer`` keyed as torch's ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=
-True)`` keys it (``state.<param>.<field>``, ``param_groups.<param>.<hyperparameter>``). Every tensor is a
-``DenseView``: a tensor of the dense (real, unpadded) global shape that holds no data of its own, only this rank's
-live local tensor and where its elements lie in the dense tensor. It implements the hooks DCP asks every tensor for
-(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``: torch's ``_Checkpointable``
-protocol, which DTensor and torch's ``LocalShardsWrapper`` implement too), so torch's default planners, storage
-writers and readers need nothing from nxdtp:
-
-* saving, a rank plans one chunk per run of rows its piece contributes to the dense tensor
-  (``ParamSpec.dense_runs_of_piece``: a fused stride-3 weight is three chunks per rank, vocabulary padding and zero
-  heads are left out, a repeated KV head is written by its first owner only). Only DP rank 0 plans any (its DP replicas
-  hold the same values), and a tensor replicated over TP is written by TP rank 0. A ZeRO-1 optimizer's state is each
-  rank's flat shard of its TP piece, cut into boxes of the dense tensor (``dense_chunks_of_flat_shard``), written once
-  per shard (by the first rank of its replica group, under hybrid sharding). The checkpoint is the one ``nxdtp-merge
-  --to dcp`` writes from an nxdtp checkpoint (same keys, global shapes and dtypes), so a dense model, a DTensor TP model
-  at any size or nxdtp at any TP size loads it;
-* loading, every rank asks for every dense element its piece (or shard) holds, the copies of repeated blocks
-  included (``ParamSpec.copy_runs_of_piece``), and DCP reads them straight into the live parameters and optimizer
-  state (views of them). ``set_state_dict`` then applies what DCP hands back as values (the hyperparameters,
-  non-tensor state) and cuts a ZeRO-1 optimizer's master weights afresh from the loaded model.
-
-DCP's own collectives (gathering the plans) run on host objects: on an NCCL or XLA world pass
-``process_group=dcp_process_group()`` (nxdtp's gloo group of every rank) to ``dcp.save`` / ``dcp.load``.
+"""torch.distributed.checkpoint (DCP) inside a running nxdtp job: ``get_state_dict`` gives the model's and the
+optimizer's state in the layout ``nxdtp-merge --to dcp`` writes, every tensor a ``DenseView`` of its dense shape
+that torch's own planners save from and load into (the ``_Checkpointable`` hooks), each rank's chunks planned as the
+export plans them (``dcp_io.piece_boxes``; a ZeRO-1 shard's by ``dense_chunks_of_flat_shard``); ``set_state_dict``
+applies what ``dcp.load`` hands back as values. Not a ``pipeline.stream`` pair: DCP's collective planners drive the
+reads and writes of live tensors. docs/checkpoints.md, "DCP in a running job", explains it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -38,7 +17,7 @@ from torch import nn
 from .. import comm
 from ..parallel_state import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
-from .dcp_export import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, piece_chunks
+from .dcp_io import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, piece_boxes, write_item
 from .fused_state import fused_by_position, fused_parameters_of, split_state
 from .save_load import sharding_specs
 from .unwrap import is_zero1, unwrap_optimizer
@@ -48,11 +27,9 @@ __all__ = ["get_state_dict", "set_state_dict", "dcp_process_group", "DenseView",
 
 _STATE, _GROUPS = "state", "param_groups"
 
-# One chunk: (offsets, sizes) in the dense tensor, and where it is in the local tensor: (flat_start, box_sizes, narrow):
-# the local tensor's elements [flat_start, ...) seen as box_sizes (box_sizes None: the local tensor as it is), then
-# narrowed by (dim, start, length) (None: all of it).
-_How = Tuple[int, Optional[Tuple[int, ...]], Optional[Tuple[int, int, int]]]
-_Run = Tuple[torch.Size, torch.Size, _How]
+# A chunk: (offsets, sizes) in the dense tensor, and (flat_start, box, narrow): the local tensor's elements from
+# flat_start seen as box (None: as it is), narrowed by (dim, start, length) (None: all of it).
+_Run = Tuple[torch.Size, torch.Size, Tuple[int, Optional[Tuple[int, ...]], Optional[Tuple[int, int, int]]]]
 
 
 def dcp_process_group():
@@ -63,10 +40,10 @@ def dcp_process_group():
 
 
 class DenseView(torch.Tensor):
-    """A tensor of the dense global shape standing for this rank's part of it in DCP (module docstring). It holds a
-    reference to the live local tensor (a parameter, an optimizer state tensor, a ZeRO-1 flat shard of one), so a save
-    reads the values current at ``dcp.save`` and a load writes into it. It supports no tensor operations: it is only
-    for ``dcp.save`` / ``dcp.load`` and ``set_state_dict``."""
+    """A tensor of the dense global shape standing for this rank's part of it, the live ``local`` tensor (a save reads
+    it, a load writes into it); ``spec`` lays out the TP-local tensor (``local``, or with ``flat = (layout,
+    shard_rank)`` the tensor whose flat shard it is); ``writes``: whether this rank writes its chunks. Only for
+    ``dcp.save`` / ``dcp.load`` and ``set_state_dict``: it supports no tensor operations."""
 
     _local: torch.Tensor
     _key: str
@@ -76,8 +53,6 @@ class DenseView(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: ParamSpec, key: str, tp_rank: int, writes: bool,
                 flat: Optional[Tuple[FlatShardLayout, int]] = None):
-        """``spec``: how the TP-local tensor (``local``, or with ``flat = (layout, shard_rank)`` the tensor whose
-        flat shard ``local`` is) lies in the dense one; ``writes``: whether this rank writes its kept chunks."""
         dense_shape = torch.Size(spec.unpadded_shape)
         view = torch.Tensor._make_wrapper_subclass(cls, dense_shape, dtype=local.dtype, device=local.device,
                                                    requires_grad=False)
@@ -94,7 +69,8 @@ class DenseView(torch.Tensor):
                              in dense_chunks_of_flat_shard(spec, layout, tp_rank, shard_rank, copies)]
                             for copies in (False, True))
         else:  # a replicated tensor is TP rank 0's chunk, which the other ranks read as a copy
-            kept, copies = ([_run(chunk) for chunk in piece_chunks(spec, tp_rank, copies)] for copies in (False, True))
+            kept, copies = ([(torch.Size(offsets), torch.Size(sizes), (0, None, narrow)) for (offsets, sizes), narrow
+                             in piece_boxes(spec, tp_rank, copies)] for copies in (False, True))
         view._write_runs = kept if writes else []
         view._read_runs = kept + copies
         offsets = [run[0] for run in view._read_runs]
@@ -116,23 +92,14 @@ class DenseView(torch.Tensor):
             if chunk_offsets == offsets:
                 local = self._local.detach()
                 if box is not None:
-                    numel = 1
-                    for size in box:
-                        numel *= size
-                    local = local.reshape(-1)[flat_start:flat_start + numel].view(box)
+                    local = local.reshape(-1)[flat_start:flat_start + math.prod(box)].view(box)
                 return local if narrow is None else local.narrow(*narrow)
         raise KeyError(f"'{self._key}': this rank holds no chunk of the dense tensor at offsets {list(offsets)}")
 
     # ---- torch.distributed.checkpoint's _Checkpointable hooks ----
 
     def __create_write_items__(self, fqn: str, obj: Any):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-        properties = TensorProperties(dtype=self._local.dtype)
-        return [WriteItem(index=MetadataIndex(fqn=fqn, offset=offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                                      properties=properties, size=self.shape))
+        return [write_item(fqn, offsets, sizes, self._local.dtype, self.shape)
                 for offsets, sizes, _ in self._write_runs]
 
     def __create_chunk_list__(self):
@@ -142,13 +109,6 @@ class DenseView(torch.Tensor):
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
         return self.local_view(torch.Size(index.offset))
-
-
-def _run(chunk) -> _Run:
-    """A chunk of ``piece_chunks`` as DenseView keeps it: where it lies in the dense tensor and in the local one."""
-    offsets, sizes, box = chunk
-    narrow = next(((dim, start, length) for dim, (start, length) in box.items()), None)
-    return torch.Size(offsets), torch.Size(sizes), (0, None, narrow)
 
 
 # ---- get_state_dict --------------------------------------------------------------------------------------------------
@@ -198,11 +158,8 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Parameters that have no optimizer state yet (a fresh optimizer) have nothing to load into: make it, as torch's
-    get_optimizer_state_dict does, with a step of zero gradients at learning rate 0 (the parameters do not change; the
-    state is overwritten by the load). Only those parameters get a gradient in that step, so existing state is left
-    alone, and the gradients are put back afterwards. For ZeRO-1, the inner optimizer over the shards (no
-    collectives)."""
+    """Make the state of parameters that have none yet, to load into, as torch does: one step of zero gradients at
+    learning rate 0 for those parameters only (gradients put back after); for ZeRO-1, the inner optimizer's."""
     if is_zero1(optimizer):
         pairs = [(shard, p.requires_grad) for p, shard, _ in optimizer.shards()]
         optimizer = optimizer.base_optimizer
@@ -235,10 +192,8 @@ def _replicated(tensor: torch.Tensor) -> ParamSpec:
 
 
 class _Entry:
-    """One parameter of the optimizer: its name, its groups (the optimizer's, and for ZeRO-1 the inner optimizer's,
-    which both carry the hyperparameters), the dict of its state, for ZeRO-1 its shard layout and this rank's shard,
-    and whether this rank writes its flat state (ZeRO-1: the first rank of its replica group, which holds the same
-    shard under hybrid sharding)."""
+    """One parameter of the optimizer: name, groups (for ZeRO-1 also the inner optimizer's), state, for ZeRO-1 its
+    ``(layout, shard rank)`` and whether this rank writes the shard (the first of its replica group)."""
 
     def __init__(self, name, param, groups, state, flat=None, writes_flat=False, owner=None):
         self.name, self.param, self.groups, self.state, self.flat = name, param, groups, state, flat
@@ -278,15 +233,11 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]
 
 def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, lr_scheduler: Any = None,
                    step: Optional[int] = None, ntokens_seen: int = 0) -> Dict[str, Any]:
-    """The DCP-ready state of an nxdtp model and its optimizer (module docstring): the model's ``state_dict()`` names at
-    the top level (each tied name, as the dense model has them) and, with an optimizer, its flattened state under
-    ``"optimizer"``. Where TorchTitan (and ``--to dcp``) keep them: with ``lr_scheduler``, its ``last_epoch`` under
-    ``lr_scheduler``; with ``step``, ``train_state`` = ``{"step": step, "ntokens_seen": ntokens_seen}``. Call it on
-    every rank, then ``dcp.save(state, checkpoint_id=..., process_group=dcp_process_group())``; to load, ``dcp.load``
-    the same dict, then ``set_state_dict``. A fresh optimizer's state is made first (one step of zero gradients at
-    learning rate 0, as torch does). A ZeRO-1 optimizer's state is offered as the dense optimizer's (each rank's flat
-    shards as their chunks of the dense tensors); its fp32 master weights are not (they are the model's weights:
-    ``set_state_dict`` cuts them afresh from the loaded model)."""
+    """The DCP-ready state of an nxdtp model (its ``state_dict()`` names, tied ones too) and optimizer (flattened,
+    under ``optimizer``; ZeRO-1's as the dense optimizer's, without master weights), with ``lr_scheduler``'s
+    ``last_epoch`` and ``train_state`` (``step``, ``ntokens_seen``) where TorchTitan keeps them. Call on every rank,
+    then ``dcp.save(state, checkpoint_id=..., process_group=dcp_process_group())``; to load, ``dcp.load`` it, then
+    ``set_state_dict``. A fresh optimizer's state is made first."""
     optimizer = unwrap_optimizer(optimizer)
     _check(model, optimizer, "get_state_dict")
     tp, dp_rank = tensor_parallel_group(), data_parallel_group().rank
@@ -347,13 +298,10 @@ def _first_names(model: nn.Module) -> Dict[int, str]:
 
 def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state_dict: Dict[str, Any], *,
                    lr_scheduler: Any = None) -> Dict[str, Any]:
-    """Restore ``state_dict`` into the model and optimizer (and ``lr_scheduler``'s ``last_epoch``, from the state dict's
-    ``lr_scheduler``); return its ``train_state`` (``{"step": ..., "ntokens_seen": ...}``, or ``{}``). It is normally
-    the dict ``get_state_dict(model, optimizer, ...)`` gave, after ``dcp.load`` filled it: its DenseViews were loaded in
-    place, and this applies the rest (hyperparameters, non-tensor optimizer state, which DCP hands back as values; a
-    ZeRO-1 optimizer's master weights, cut afresh from the loaded model). A plain tensor of the dense shape under a
-    model key (or a non-ZeRO optimizer key) is cut as the layout algebra lays that tensor out and copied in. Strict: a
-    missing or unknown key, or a DenseView of another model's tensor, raises before anything is changed."""
+    """Restore ``state_dict`` (``get_state_dict``'s, after ``dcp.load``: its DenseViews are loaded in place) into the
+    model, optimizer and ``lr_scheduler``: the values DCP hands back (hyperparameters, non-tensor state), a ZeRO-1
+    optimizer's master weights cut afresh from the model, a plain dense tensor cut by its layout. Return its
+    ``train_state`` (or ``{}``). Strict: a missing or unknown key, or another model's DenseView, raises first."""
     optimizer = unwrap_optimizer(optimizer)
     _check(model, optimizer, "set_state_dict")
     tp = tensor_parallel_group()

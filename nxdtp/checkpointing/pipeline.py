@@ -6,11 +6,13 @@ read by box: ``spec(key)`` is the tensor's layout in the source (its dense shape
 (``TensorSink``) writes one tensor at a time, asking the source for the boxes it needs in slabs of at most
 ``slab_bytes``, so no tensor is whole in memory unless a source can only read it whole. ``stream`` is the driver.
 
-Sources: ``TagSource`` (an nxdtp tag's rank files: a box is read from the rows of the pieces that hold it) and the
-DCP import's reader (``nxdtp.converters.dcp``). Sinks: ``DenseSink`` (a Hugging Face safetensors file, the dense
-tensor in slabs of rows) and ``RankFilesSink`` (the rank files of an nxdtp tag at another TP size, each piece in slabs
-of rows, ``ParamSpec.piece_parts``). ``nxdtp-merge``'s merge and reshard are (``TagSource``, ``DenseSink``) and
-(``TagSource``, ``RankFilesSink``); ``--from-dcp --reshard`` is (the DCP reader, ``RankFilesSink``).
+Sources: ``TagSource`` (an nxdtp tag's rank files: a box is read from the rows of the pieces that hold it) and
+``dcp_io.DcpSource`` (a DCP directory). Sinks: ``DenseSink`` (a Hugging Face safetensors file, the dense tensor in
+slabs of rows), ``RankFilesSink`` (the rank files of an nxdtp tag at another TP size, each piece in slabs of rows,
+``ParamSpec.piece_parts``) and ``dcp_io.DcpSink`` (a DCP directory, chunk by chunk). ``nxdtp-merge``'s merge and
+reshard are (``TagSource``, ``DenseSink``) and (``TagSource``, ``RankFilesSink``); ``--to dcp`` is (``TagSource``,
+``DcpSink``), ``--from-dcp`` (``DcpSource``, ``DenseSink``) and ``--from-dcp --reshard`` (``DcpSource``,
+``RankFilesSink``).
 """
 
 from __future__ import annotations

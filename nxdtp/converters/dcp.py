@@ -1,41 +1,11 @@
-"""Import a torch.distributed.checkpoint (DCP) directory into an nxdtp sharded checkpoint at any TP size.
-
-``import_dcp_resharded(dcp_dir, output_dir, new_tp)`` (``nxdtp-merge DCP_DIR OUT --from-dcp --reshard N``) reads what
-``import_dcp`` reads (the model's tensors at the top level under the HF ``state_dict`` names, the optimizer state
-flattened under ``optimizer``, a TorchTitan step and scheduler) and writes a complete nxdtp checkpoint directory
-(``newest``, one tag, index, rank files, trainer state, config) at tensor parallel size ``new_tp``, optimizer included,
-that ``nxdtp.checkpointing.load`` reads into a model ``from_pretrained_sharded`` / ``parallelize_model`` built at that
-size (with ``make_vocab_size_divisible_by=pad_to_multiple_of``, 1 by default) and an optimizer of the class that saved
-the state.
-
-The DCP checkpoint is handed to ``merge.reshard_source`` as the TP=1 nxdtp checkpoint that model would save at TP size
-1, without building the model's weights or writing that checkpoint:
-
-1. the model the config names is built with its parameters on the meta device and sharded by its plan at TP size 1, in
-   a world of one process of its own: its index entries (each tensor's spec with its padding and head-layout records,
-   ties) are what ``save`` would write for it, with each tensor's dtype as the DCP checkpoint holds it;
-2. its rank files are readers over the DCP checkpoint (``TensorParallelOneView``) that cut each new rank's piece
-   themselves (``pieces``): a tensor within the import's budget (``dcp_import.BATCH_BYTES``) is read whole, with the
-   small tensors after it, and cut; a larger one is read piece by piece in slabs of at most the budget
-   (``ParamSpec.piece_parts``: one DCP read of boxes of the dense tensor per slab), unless the job saved it in chunks
-   larger than the budget, which a DCP read loads whole whatever part of them is asked for: then it is read whole
-   once. The optimizer's rank file does the same for state shaped like its parameter and gives scalar state ('step')
-   to every rank as saved. Only the small JSON files (trainer state, the optimizer's groups) are written, into a
-   temporary directory beside ``output_dir`` that is removed in every case;
-3. ``reshard_source`` cuts every tensor for ``new_tp`` (its padding and repeated KV heads by its recorded layout, so
-   exactly) into ``output_dir``, one tensor at a time, atomically at the end: after any error it is as it was.
-
-The optimizer's groups come from torch's flattened hyperparameters (``param_groups.<param>.<name>``): one group per
-distinct set of values, in the order of the model's parameters, so per-parameter weight decay survives (build the
-loading optimizer's groups in that order). Nothing is rebuilt: the state of any torch optimizer whose state is shaped
-like its parameter, plus scalars, comes across (Adam, AdamW, SGD, Adagrad, RMSprop, ...); load it into an optimizer
-of the saving class. State of another shape (Adafactor's factored moments) has no layout to cut by and is refused, as
-is a hyperparameter that is a tensor. A hyperparameter the saving torch did not have (``decoupled_weight_decay`` before
-torch 2.6) keeps the loading optimizer's own value (``nxdtp.checkpointing.load``).
-
-Cost: a slab of at most the budget per large tensor plus the saved chunk being read (a tensor saved in larger chunks:
-the tensor and its chunk), and the small tensors read together; not the model. On disk only ``output_dir``. A
-non-empty ``output_dir`` is refused unless ``force``.
+"""Import a torch.distributed.checkpoint (DCP) directory into an nxdtp sharded checkpoint at any TP size
+(``nxdtp-merge DCP_DIR OUT --from-dcp --reshard N``), optimizer included: (``DcpSource``, ``RankFilesSink``) through
+``merge.reshard_source``. The DCP checkpoint is read as the TP=1 nxdtp checkpoint of the model its config names: that
+model is built on the meta device and sharded by its plan at TP size 1 (its index entries: specs, padding, ties), and
+its rank files are ``DcpSource``s over the DCP directory, so each new rank's piece is read in slabs of boxes of the
+dense tensor. Only the small JSON files (trainer state, the optimizer's groups, one per distinct set of
+hyperparameters in parameter order) are written, into a temporary directory removed in every case. State not shaped
+like its parameter nor a scalar (Adafactor's), or a tensor hyperparameter, is refused. docs/checkpoints.md has more.
 """
 
 from __future__ import annotations
@@ -49,83 +19,69 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..checkpointing.output_dir import check_output_dir
 
-__all__ = ["import_dcp_resharded", "TensorParallelOneView"]
+__all__ = ["import_dcp_resharded"]
 
 
 def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Optional[str] = None,
                          force: bool = False, progress: bool = True,
                          pad_to_multiple_of: Optional[int] = None) -> str:
-    """Write the nxdtp checkpoint at TP size ``new_tp`` of the DCP checkpoint ``dcp_dir`` into ``output_dir`` (module
-    docstring); return its tag directory. ``config`` is the model's config.json when ``dcp_dir`` has none; the
-    vocabulary is padded to a multiple of ``pad_to_multiple_of * new_tp`` (the model's
-    ``make_vocab_size_divisible_by``; default 1)."""
-
+    """Write the nxdtp checkpoint at TP size ``new_tp`` of the DCP checkpoint ``dcp_dir`` into ``output_dir``; return
+    its tag directory. ``config`` is the model's config.json when ``dcp_dir`` has none; the vocabulary is padded to a
+    multiple of ``pad_to_multiple_of * new_tp`` (the model's ``make_vocab_size_divisible_by``; default 1)."""
     from ..checkpointing.dcp_import import read_checkpoint
+    from ..checkpointing.dcp_io import DcpSource
+    from ..checkpointing.index import CheckpointIndex, optim_file
     from ..checkpointing.merge import check_reshard_arguments, reshard_source
+    from ..version import __version__
 
     check_reshard_arguments(new_tp, pad_to_multiple_of)
     _refuse_distributed_job("import_dcp_resharded")
     checkpoint = read_checkpoint(dcp_dir, config)
     check_output_dir(dcp_dir, output_dir, force)
-    view = TensorParallelOneView(checkpoint, pad_to_multiple_of or 1)
+    entries, parameter_names = _entries_at_tensor_parallel_one(checkpoint.config_path, pad_to_multiple_of or 1)
+    model = DcpSource(checkpoint.reader, _model_layout(checkpoint, entries))
+    primary = {alias: key for key, entry in entries.items() for alias in [key] + entry.aliases}
+    optimizer_layout, optimizer_index, optimizer_json = _optimizer(checkpoint, entries, primary, parameter_names)
+    optimizer = DcpSource(checkpoint.reader, optimizer_layout) if optimizer_layout is not None else None
+    index = CheckpointIndex(tensor_model_parallel_size=1, data_parallel_size=1, tensors=entries,
+                            optimizer=optimizer_index, nxdtp_version=__version__)
+
+    def open_file(relative: str):
+        if relative != optim_file(0) or optimizer is None:
+            raise FileNotFoundError(f"{dcp_dir} as a TP=1 nxdtp checkpoint has no {relative}")
+        return optimizer
+
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.nxdtp-dcp-", dir=parent)
     try:
-        tag_dir = view.write_json_files(work)
-        return reshard_source(tag_dir, view.index, view.model_reader, output_dir, new_tp, progress=progress,
+        tag_dir = _write_json_files(work, checkpoint.trainer_state, optimizer_json)
+        return reshard_source(tag_dir, index, model, output_dir, new_tp, progress=progress,
                               pad_to_multiple_of=pad_to_multiple_of, config=checkpoint.config_path,
-                              open_file=view.open_file, optimizer_source=view.optimizer_reader,
-                              source=os.path.abspath(dcp_dir))
+                              open_file=open_file, optimizer_source=optimizer, source=os.path.abspath(dcp_dir))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-class TensorParallelOneView:
-    """A checked DCP checkpoint (``dcp_import.read_checkpoint``) as the TP=1 nxdtp checkpoint of the model its config
-    names, built at TP size 1 with vocabulary multiple ``multiple``: ``index`` (what ``save`` would record), the model
-    rank file (``model_reader``) and the optimizer's (``open_file``) as readers that read the DCP checkpoint when asked,
-    and the JSON files (``write_json_files``). Module docstring, steps 1 and 2."""
+def _write_json_files(directory: str, trainer_state: Optional[dict], optimizer_json: Optional[dict]) -> str:
+    """Write the tag's JSON files (trainer state, the optimizer's groups) into the tag directory a save of the
+    recorded step would make under ``directory``; return that tag directory."""
+    from ..checkpointing import tags
+    from ..checkpointing.save_load import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
 
-    def __init__(self, checkpoint, multiple: int):
-        from ..checkpointing.index import CheckpointIndex
-        from ..version import __version__
-
-        self.checkpoint = checkpoint
-        entries, parameter_names = _entries_at_tensor_parallel_one(checkpoint.config_path, multiple)
-        self.model_reader = _DcpRankFile(checkpoint, _model_sources(checkpoint, entries))
-        primary = {alias: key for key, entry in entries.items() for alias in [key] + entry.aliases}
-        self.optimizer_reader, optimizer_index, self.optimizer_json = _optimizer(checkpoint, entries, primary,
-                                                                               parameter_names)
-        self.index = CheckpointIndex(tensor_model_parallel_size=1, data_parallel_size=1, tensors=entries,
-                                     optimizer=optimizer_index, nxdtp_version=__version__)
-
-    def open_file(self, relative: str):
-        from ..checkpointing.index import optim_file
-
-        if relative != optim_file(0) or self.optimizer_reader is None:
-            raise FileNotFoundError(f"{self.checkpoint.dcp_dir} as a TP=1 nxdtp checkpoint has no {relative}")
-        return self.optimizer_reader
-
-    def write_json_files(self, directory: str) -> str:
-        """Write the tag directory's JSON files (trainer state, the optimizer's groups) into ``directory``, in the tag
-        directory a save of the recorded step would make; return that tag directory."""
-        from ..checkpointing import tags
-        from ..checkpointing.save_load import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
-
-        trainer_state = {key: value for key, value in (self.checkpoint.trainer_state or {}).items()
-                         if key in ("global_step", "scheduler") and value is not None}
-        step = trainer_state.get("global_step")
-        tag_dir = os.path.join(directory, tags.tag_for_step(step) if step is not None else "checkpoint")
-        files = {TRAINER_STATE_FILE: trainer_state}
-        if self.optimizer_json is not None:
-            files[OPTIMIZER_STATE_FILE] = self.optimizer_json
-        for relative, payload in files.items():
-            path = os.path.join(tag_dir, relative)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(payload, f, indent=1)
-        return tag_dir
+    trainer_state = {key: value for key, value in (trainer_state or {}).items()
+                     if key in ("global_step", "scheduler") and value is not None}
+    step = trainer_state.get("global_step")
+    tag_dir = os.path.join(directory, tags.tag_for_step(step) if step is not None else "checkpoint")
+    files = {TRAINER_STATE_FILE: trainer_state}
+    if optimizer_json is not None:
+        files[OPTIMIZER_STATE_FILE] = optimizer_json
+    for relative, payload in files.items():
+        path = os.path.join(tag_dir, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+    return tag_dir
 
 
 def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
@@ -141,7 +97,6 @@ def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
     from ..models.hf_loading import parameters_on_meta
     from ..process_groups import initialize_single_process_world, release_single_process_world
 
-    _refuse_distributed_job("TensorParallelOneView")
     made_world = not dist.is_initialized()
     initialize_single_process_world()
     try:
@@ -173,12 +128,12 @@ def _refuse_distributed_job(what: str) -> None:
                            "outside a distributed job (nxdtp-merge does)")
 
 
-def _model_sources(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
+def _model_layout(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
     """{index key: (DCP key, spec)} for every model tensor; each entry takes the DCP tensor's dtype. The plan's model
     and the config's class must hold the same tensors (a plan renaming one would be a defect: refused, naming it)."""
     from ..checkpointing.index import dtype_name
 
-    saved = checkpoint.metadata.state_dict_metadata
+    saved = checkpoint.reader.saved
     first_name = {alias: name for name, (_, aliases) in checkpoint.expected.items() for alias in [name] + aliases}
     tensors: Dict[str, Tuple[str, Any]] = {}
     for key, entry in entries.items():
@@ -187,11 +142,10 @@ def _model_sources(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
             raise ValueError(f"the sharded model of {checkpoint.config_path} holds '{key}', which the dense model "
                              "does not: nxdtp cannot map it to the DCP checkpoint's tensors")
         source = checkpoint.sources[name]
-        meta = saved[source]
-        if tuple(meta.size) != tuple(entry.spec.unpadded_shape):
-            raise ValueError(f"{checkpoint.dcp_dir}: '{source}' has shape {list(meta.size)}, but the sharded model's "
-                             f"'{key}' is {list(entry.spec.unpadded_shape)} unpadded")
-        entry.dtype = dtype_name(meta.properties.dtype)
+        if tuple(saved[source].size) != tuple(entry.spec.unpadded_shape):
+            raise ValueError(f"{checkpoint.dcp_dir}: '{source}' has shape {list(saved[source].size)}, but the sharded "
+                             f"model's '{key}' is {list(entry.spec.unpadded_shape)} unpadded")
+        entry.dtype = dtype_name(saved[source].properties.dtype)
         tensors[key] = (source, entry.spec)
     covered = {first_name[k] for key, entry in entries.items() for k in [key] + entry.aliases if k in first_name}
     left = [name for name in checkpoint.expected if name not in covered]
@@ -202,8 +156,8 @@ def _model_sources(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
 
 
 def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: List[str]):
-    """The optimizer's rank file at TP 1 (a reader), its index part and its JSON part, as ``save`` writes them for a
-    live optimizer keyed by parameter name (all None without optimizer state)."""
+    """The layout of the optimizer's rank file at TP 1 (``DcpSource``'s), its index part and its JSON part, as ``save``
+    writes them for a live optimizer keyed by parameter name (all None without optimizer state)."""
     from ..checkpointing.merge import DenseOptimizerTensor
 
     tensors: Dict[str, Tuple[str, Any]] = {}
@@ -251,7 +205,7 @@ def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: Li
     position = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}
     index = {"keyed_by": "name", "params": {param: {"param_index": position[param], "tensors": fields.get(param, [])}
                                             for param in stateful}}
-    return _DcpRankFile(checkpoint, tensors), index, {"param_groups": groups, "scalars": scalars}
+    return tensors, index, {"param_groups": groups, "scalars": scalars}
 
 
 def _check_hyperparameter(dcp_dir: str, flat: str, value: Any) -> None:
@@ -262,79 +216,3 @@ def _check_hyperparameter(dcp_dir: str, flat: str, value: Any) -> None:
         raise ValueError(f"{dcp_dir}: hyperparameter 'optimizer.{flat}' is a {type(value).__name__}, not a plain "
                          "value (a tensor learning rate or betas); --reshard writes the groups as JSON: import "
                          "without --reshard and restore the state with load_dense_optimizer_state") from None
-
-
-class _TensorShape:
-    """What merge asks of ``get_slice``: the shape, without reading the tensor."""
-
-    def __init__(self, shape):
-        self.shape = list(shape)
-
-    def get_shape(self) -> List[int]:
-        return list(self.shape)
-
-
-class _DcpRankFile:
-    """The tensors of the DCP checkpoint as the TP=1 nxdtp checkpoint holds them: ``tensors`` maps each key to (DCP
-    key, spec or None). As a pipeline source, the dense tensors by box (``read_boxes``); as the optimizer's rank file
-    that reshard's plan reads (``keys``, ``get_slice``, ``dtype``, ``get_tensor``, as ``SafetensorsFileReader``),
-    ``get_tensor`` reads the DCP tensor (batched with the keys after it, in this order, which is the order reshard
-    reads them) and lays it out by its spec."""
-
-    def __init__(self, checkpoint, tensors: Dict[str, Tuple[str, Any]]):
-        from ..checkpointing.dcp_import import BatchedReader
-
-        self.saved = checkpoint.metadata.state_dict_metadata
-        self.tensors = tensors
-        self.reader = BatchedReader(checkpoint.rows, [source for source, _ in tensors.values()])
-        self._whole = (None, None)  # (DCP key, tensor) read whole, kept while its boxes are read
-
-    def keys(self):
-        return self.tensors.keys()
-
-    def get_slice(self, key: str) -> _TensorShape:
-        source, spec = self.tensors[key]
-        return _TensorShape(spec.full_shape if spec is not None else self.saved[source].size)
-
-    def dtype(self, key: str):
-        return self.saved[self.tensors[key][0]].properties.dtype
-
-    def get_tensor(self, key: str):
-        source, spec = self.tensors[key]
-        value = self.reader.read(source)
-        return value if spec is None else spec.full_from_dense(value)
-
-    # ---- as a pipeline source (``nxdtp.checkpointing.pipeline.TensorSource``): the dense tensors, by box ----
-
-    @property
-    def slab_bytes(self) -> int:
-        return self.reader.rows.budget
-
-    def spec(self, key: str):
-        return self.tensors[key][1] or _replicated(self.saved[self.tensors[key][0]].size)
-
-    def read_boxes(self, key: str, boxes):
-        """Boxes of the dense tensor ``key``. A tensor within the import's read budget is read whole once (with
-        those after it) and cut; a larger one is read box by box, so it is never whole in memory, unless the job
-        saved it in chunks over the budget, which every read would load again: it is read whole once."""
-        source, _ = self.tensors[key]
-        rows = self.reader.rows
-        if self.reader.in_ranges(source) and not rows.chunks_over_budget(source):
-            return rows.read_boxes(source, boxes)
-        if self._whole[0] != source:
-            self._whole = (source, None)   # the previous tensor goes before this one is read
-            self._whole = (source, self.reader.read(source))
-        return [_box_of(self._whole[1], box) for box in boxes]
-
-
-def _replicated(size):
-    from ..spec import ParamSpec
-
-    return ParamSpec(full_shape=tuple(size))
-
-
-def _box_of(tensor, box):
-    offsets, sizes = box
-    for dim, (start, length) in enumerate(zip(offsets, sizes)):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor
