@@ -1,9 +1,5 @@
-"""Section 7: ZeRO-1 (``NeuronZero1Optimizer``), docs/performance.md section 7. (1) Bytes per parameter per rank,
-counted: BERT-large at tp 1 and 8 and a Llama-3-8B shape at tp 8, dp 1-8, bf16 on the meta device under a simulated
-topology (first and last rank), the optimizer's own ``state_bytes()`` after one inner AdamW step, next to NxD's /
-Megatron's 6 + 12/d. (2) Peak RSS of a real step, plain AdamW + DP all-reduce + clip against ZeRO-1 (tp2 x dp2, a
-fixed glibc mmap threshold). (3) Step time, both paths alternating on copies of one model, the order swapped each
-round; the ratio is the median of per-round ratios; both must end with the same weights; the DP collectives alone."""
+"""Section 7: ZeRO-1 (``NeuronZero1Optimizer``): bytes per parameter per rank counted, the peak RSS of a real step and
+the step time against plain DP (docs/performance.md, "ZeRO-1")."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import transformers
 
 from nxdtp import comm
 from nxdtp import parallel_state as ps
@@ -23,7 +18,20 @@ from nxdtp.models import parallelize_model
 from nxdtp.optimizer import NeuronZero1Optimizer, optimizer_state_bytes
 from nxdtp.spec import FlatShardLayout
 
-from .common import Pool, alternate, barrier, cell, log, median, proc_status_kib, reset_peak_rss, table, verdict
+from .common import (
+    BERT_LARGE,
+    Pool,
+    alternate,
+    barrier,
+    cell,
+    hf_model,
+    log,
+    median,
+    model_text,
+    rss_mark,
+    table,
+    verdict,
+)
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -31,8 +39,6 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PADDING_ALLOWANCE = 0.01   # the issue's goal: <= 6 + 12/d plus 1 % padding
 STEP_TIME_GOAL = 1.05      # ZeRO-1 step <= 1.05 x plain DP step
 
-BERT_LARGE = dict(kind="bert", vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                  intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
 LLAMA_3_8B = dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 TINY_BERT = dict(kind="bert", vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -41,7 +47,8 @@ TINY_LLAMA = dict(kind="llama", vocab_size=256, hidden_size=64, intermediate_siz
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
 FULL = dict(
-    count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8), ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
+    count=[("BERT-large", dict(BERT_LARGE, kind="bert"), 1), ("BERT-large", dict(BERT_LARGE, kind="bert"), 8),
+           ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
     dps=(1, 2, 4, 8),
     # About 160 M parameters (640 MB fp32), 80 M per TP rank.
     rss=dict(model=dict(kind="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
@@ -61,17 +68,13 @@ QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("
 
 # ---- counting (part 1): meta models under a simulated topology --------------------------------------------------
 
-def _build_model(cfg: Dict[str, Any]):
-    config = {k: v for k, v in cfg.items() if k != "kind"}
-    if cfg["kind"] == "bert":
-        return transformers.BertForPreTraining(transformers.BertConfig(**config))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+def _build_model(cfg: Dict[str, Any], **kwargs):
+    return hf_model({k: v for k, v in cfg.items() if k != "kind"}, cfg["kind"], **kwargs)
 
 
 def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any]:
     """The bytes one rank of a tp x dp world holds with bf16 parameters and ZeRO-1 AdamW (fp32 master shards)."""
-    with torch.device("meta"):
-        model = _build_model(cfg).to(torch.bfloat16)
+    model = _build_model(cfg, device="meta").to(torch.bfloat16)
     with ps.simulated_topology(world_size=tp * dp, rank=rank, tensor_model_parallel_size=tp):
         parallelize_model(model)  # meta tensors: nothing is communicated
         params = list(model.parameters())
@@ -124,8 +127,7 @@ STATE: Dict[str, Any] = {}  # part 3's two models, optimizers and batch between 
 
 
 def real_model(cfg: Dict[str, Any]):
-    torch.manual_seed(SEED)  # the same dense model on every rank, then this rank's shards
-    return parallelize_model(_build_model(cfg)).train()
+    return parallelize_model(_build_model(cfg, seed=SEED)).train()  # the same dense model on every rank, then shards
 
 
 def llama_batch(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -164,22 +166,20 @@ def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
     model(**batch).loss.backward()   # warm-up: lazily built state is not counted below
     for p in model.parameters():
         p.grad = None
-    gc.collect()
-    before, peak_reset = proc_status_kib(), reset_peak_rss()
+    mark = rss_mark()
     optimizer = make_optimizer(model, variant)
     losses = []
     for _ in range(spec["steps"]):
         losses.append(_forward_backward(model, optimizer, batch))
         _update(model, optimizer, variant)
     gc.collect()
-    after, params = proc_status_kib(), list(model.parameters())
+    rss, params = mark(), list(model.parameters())
     counted = optimizer.state_bytes() if variant == "zero1" else {"state": optimizer_state_bytes(optimizer)}
     return {"parameters": sum(p.numel() for p in params),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
             "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            "optimizer_bytes": counted, "losses": losses, "rss_before_kib": before["VmRSS"],
-            "peak_rss_increase_kib": (after["VmHWM"] - before["VmRSS"]) if peak_reset else None,
-            "rss_held_increase_kib": after["VmRSS"] - before["VmRSS"]}
+            "optimizer_bytes": counted, "losses": losses, "rss_before_kib": rss["before"],
+            "peak_rss_increase_kib": rss["peak"], "rss_held_increase_kib": rss["held"]}
 
 
 def case_time_setup(spec: Dict[str, Any]) -> None:
@@ -324,12 +324,6 @@ def _result(spec, counted, rss, timings) -> Dict[str, Any]:
            "numbers": numbers}
     out["tables"] = _tables(out)
     return out
-
-
-def model_text(cfg: Dict[str, Any]) -> str:
-    return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads"
-            + (f" ({cfg['num_key_value_heads']} KV)" if "num_key_value_heads" in cfg else "")
-            + f", intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}")
 
 
 def _tables(out: Dict[str, Any]) -> List[Any]:
