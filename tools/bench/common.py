@@ -295,6 +295,12 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], formats: Option
     return {"columns": names, "rows": [list(r) for r in rows], "formats": specs}
 
 
+def records(columns: Dict[str, Any], items: Iterable[Any]):
+    """A ``table`` of one row per item: column "name|spec" shows the item's value at the key it maps to, or the value
+    of the function it maps to on the item (None where it has no such key)."""
+    return table(list(columns), ([f(i) if callable(f) else i.get(f) for f in columns.values()] for i in items))
+
+
 def render(blocks: Iterable[Any]) -> str:
     """Markdown of a report: each block is a paragraph (a string) or a ``table``."""
     out = []

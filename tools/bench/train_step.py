@@ -25,21 +25,8 @@ from nxdtp.models import parallelize_model
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import (
-    Pool,
-    alternate,
-    barrier,
-    hf_model,
-    log,
-    malloc_trim,
-    median,
-    model_text,
-    proc_status_kib,
-    reset_peak_rss,
-    summary,
-    table,
-    verdict,
-)
+from . import common
+from .common import Pool, alternate, barrier, log, median, proc_status_kib, reset_peak_rss, summary, table, verdict
 
 LABELS = {"dense": "(a) dense, 1 process x 1 thread", "nxdtp": "(b) nxdtp TP=2, 2 gloo ranks x 1 thread",
           "dtensor": "(c) DTensor TP=2, 2 gloo ranks x 1 thread"}
@@ -69,7 +56,7 @@ STATE: Dict[str, Any] = {}  # a worker's model, optimizer and batch between call
 def build_dense(model_cfg: Dict[str, Any], seed: int, arch: str = "bert"):
     """The same model in every process: dropout off, an untied Llama head, every parameter moved off its initial value
     by seeded N(0, 0.02) noise."""
-    model = hf_model(model_cfg, arch, seed, **(dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = common.hf_model(model_cfg, arch, seed, **(dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
                                                if arch == "bert" else dict(attention_dropout=0.0,
                                                                            tie_word_embeddings=False)))
     generator = torch.Generator().manual_seed(seed + 1)
@@ -181,7 +168,7 @@ def case_release() -> None:
     for key in ("model", "clip", "optimizer", "batch"):
         STATE.pop(key, None)
     gc.collect()
-    malloc_trim()
+    common.malloc_trim()
 
 
 def case_gemm_probe(model_cfg, seq: int, batch: int, seconds: float = 1.5) -> Dict[str, float]:
@@ -368,7 +355,7 @@ def _describe(result: Dict[str, Any], arch: str) -> List[Any]:
             + ([k["rss_increase_mib_per_rank"]] if bert else [])
             + [k["peak_over_after_build_mib_per_rank"], k["last_loss"]] for k in c.values()]
     name = "BertForPreTraining" if bert else "LlamaForCausalLM (Llama-shaped decoder)"
-    return [f"{name}: {model_text(cfg)}; seq {result['seq']}, batch {result['batch']}, fp32, AdamW (lr "
+    return [f"{name}: {common.model_text(cfg)}; seq {result['seq']}, batch {result['batch']}, fp32, AdamW (lr "
             f"{ADAMW['lr']}), clip to {MAX_GRAD_NORM}; {result['warmup_steps']} warm-up steps, {result['rounds']} "
             f"rounds; attention {c['dense']['attn_implementation']}; nxdtp make_vocab_size_divisible_by="
             f"{result['nxdtp_make_vocab_size_divisible_by']} ({c['nxdtp']['local_vocab_rows']} vocabulary rows per "

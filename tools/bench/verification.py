@@ -16,7 +16,7 @@ from nxdtp.checkpointing.index import dtype_from_name, model_file
 from nxdtp.checkpointing.merge import merge
 from nxdtp.checkpointing.save_load import read_model_shard
 
-from .common import emit, fresh, log, median, summary, table
+from .common import alternate, emit, fresh, median, summary, table
 from .merge_timing import ensure_checkpoint, files_under, tag_dir, warm
 
 OPERATIONS = ("merge", "load", "load-live")
@@ -83,16 +83,15 @@ def main(argv=None) -> int:
         parser.error(f"--operations {args.operations!r}: give some of {', '.join(OPERATIONS)}, comma-separated")
     checkpoint_dir = ensure_checkpoint("bert-large", os.path.abspath(args.workdir))
     tag, scratch = tag_dir(checkpoint_dir), os.path.join(os.path.abspath(args.workdir), "bench_verify_out")
-    samples: Dict[str, list] = {f"{op}{v}": [] for op in operations for v in ("", "-unverified")}
-    for round_ in range(args.rounds):
-        # ABBA: odd rounds run each pair the other way round, so neither side always follows the warm-up.
-        for op in operations:
-            for kind in (op, f"{op}-unverified")[::1 if round_ % 2 == 0 else -1]:
-                shutil.rmtree(scratch, ignore_errors=True)
-                warm(files_under(tag))
-                samples[kind].append(fresh(case_verify, kind=kind, checkpoint_dir=checkpoint_dir,
-                                           output_dir=scratch, load_rank=args.load_rank)[0])
-                log(f"verify: round {round_ + 1} {kind}: {samples[kind][-1]['seconds']:.3f} s")
+    def one(kind: str) -> Dict[str, float]:
+        shutil.rmtree(scratch, ignore_errors=True)
+        warm(files_under(tag))
+        return fresh(case_verify, kind=kind, checkpoint_dir=checkpoint_dir, output_dir=scratch,
+                     load_rank=args.load_rank)[0]
+
+    # ABBA: odd rounds run each pair the other way round, so neither side always follows the warm-up.
+    samples = alternate([k for op in operations for k in (op, f"{op}-unverified")], args.rounds, one, swap=True,
+                        what="verify")
     shutil.rmtree(scratch, ignore_errors=True)
     size = sum(map(os.path.getsize, files_under(os.path.join(tag, "model"))))
     figures = {op: _figures(samples[op], samples[f"{op}-unverified"]) for op in operations}

@@ -18,20 +18,8 @@ from nxdtp.models import parallelize_model
 from nxdtp.optimizer import NeuronZero1Optimizer, optimizer_state_bytes
 from nxdtp.spec import FlatShardLayout
 
-from .common import (
-    BERT_LARGE,
-    Pool,
-    alternate,
-    barrier,
-    cell,
-    hf_model,
-    log,
-    median,
-    model_text,
-    rss_mark,
-    table,
-    verdict,
-)
+from . import common
+from .common import Pool, alternate, barrier, cell, hf_model, log, median, model_text, records, rss_mark, verdict
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -39,6 +27,7 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PADDING_ALLOWANCE = 0.01   # the issue's goal: <= 6 + 12/d plus 1 % padding
 STEP_TIME_GOAL = 1.05      # ZeRO-1 step <= 1.05 x plain DP step
 
+BERT_LARGE = dict(common.BERT_LARGE, kind="bert")
 LLAMA_3_8B = dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 TINY_BERT = dict(kind="bert", vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -47,8 +36,7 @@ TINY_LLAMA = dict(kind="llama", vocab_size=256, hidden_size=64, intermediate_siz
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
 FULL = dict(
-    count=[("BERT-large", dict(BERT_LARGE, kind="bert"), 1), ("BERT-large", dict(BERT_LARGE, kind="bert"), 8),
-           ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
+    count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8), ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
     dps=(1, 2, 4, 8),
     # About 160 M parameters (640 MB fp32), 80 M per TP rank.
     rss=dict(model=dict(kind="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
@@ -237,16 +225,13 @@ def case_time_finish() -> Dict[str, float]:
 # ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
-    worst = {k: (None if None in (v := [r[k] for r in per_rank]) else max(v) * 1024)
-             for k in ("peak_rss_increase_kib", "rss_held_increase_kib", "rss_before_kib")}
-    return {"per_rank": per_rank, "parameters_per_rank": max(r["parameters"] for r in per_rank),
-            "parameter_bytes": max(r["parameter_bytes"] for r in per_rank),
-            "grad_bytes": max(r["grad_bytes"] for r in per_rank),
+    most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in per_rank[0] if k != "losses"}
+    return {"per_rank": per_rank, "parameters_per_rank": most["parameters"], "parameter_bytes": most["parameter_bytes"],
+            "grad_bytes": most["grad_bytes"],
             "optimizer_bytes_counted": max(sum(r["optimizer_bytes"].values()) for r in per_rank),
-            "optimizer_bytes_by_kind": per_rank[0]["optimizer_bytes"],
-            "peak_rss_increase_bytes": worst["peak_rss_increase_kib"],
-            "rss_held_increase_bytes": worst["rss_held_increase_kib"], "rss_before_bytes": worst["rss_before_kib"],
-            "last_loss": per_rank[0]["losses"][-1]}
+            "optimizer_bytes_by_kind": per_rank[0]["optimizer_bytes"], "last_loss": per_rank[0]["losses"][-1],
+            **{f"{k[:-4]}_bytes": None if most[k] is None else most[k] * 1024
+               for k in ("peak_rss_increase_kib", "rss_held_increase_kib", "rss_before_kib")}}
 
 
 def _timing(pool: Pool, spec: Dict[str, Any], tp: int, dp: int) -> Dict[str, Any]:
@@ -301,64 +286,66 @@ def _result(spec, counted, rss, timings) -> Dict[str, Any]:
                held_saving_bytes=plain["rss_held_increase_bytes"] - zero["rss_held_increase_bytes"])
     if None not in (plain["peak_rss_increase_bytes"], zero["peak_rss_increase_bytes"]):
         rss["peak_saving_bytes"] = plain["peak_rss_increase_bytes"] - zero["peak_rss_increase_bytes"]
-    for kind in ("held", "peak"):
-        if saving and f"{kind}_saving_bytes" in rss:
-            rss[f"{kind}_saving_over_counted"] = rss[f"{kind}_saving_bytes"] / saving
-    numbers.update({f"rss_{k}": rss[k] for k in ("counted_saving_bytes", "held_saving_bytes", "peak_saving_bytes",
-                                                 "held_saving_over_counted", "peak_saving_over_counted") if k in rss})
-    for variant in ("plain", "zero1"):
-        numbers.update({f"rss_{variant}_{k.replace('rss_', '').replace('peak_rss', 'peak')}": rss[variant][k]
-                        for k in ("rss_held_increase_bytes", "optimizer_bytes_counted", "peak_rss_increase_bytes")
-                        if rss[variant][k] is not None})
+    rss.update({f"{k}_saving_over_counted": rss[f"{k}_saving_bytes"] / saving for k in ("held", "peak")
+                if saving and f"{k}_saving_bytes" in rss})
+    numbers.update({f"rss_{k}": v for k, v in rss.items() if "saving" in k})
+    numbers.update({f"rss_{variant}_{k.replace('rss_', '').replace('peak_rss', 'peak')}": rss[variant][k]
+                    for variant in ("plain", "zero1")
+                    for k in ("rss_held_increase_bytes", "optimizer_bytes_counted", "peak_rss_increase_bytes")
+                    if rss[variant][k] is not None})
     for t in timings:
-        key = f"tp{t['tp']}_dp{t['dp']}"
-        numbers.update({f"{key}_step_ratio": t["ratio"], f"{key}_step_ratio_of_medians": t["ratio_of_medians"],
-                        f"{key}_update_ratio": t["update_ratio"], f"{key}_plain_step_s": t["median"]["plain"]["step_s"],
-                        f"{key}_zero1_step_s": t["median"]["zero1"]["step_s"],
-                        f"{key}_max_abs_weight_difference": t["max_abs_weight_difference"],
-                        f"{key}_reduce_scatter_plus_all_gather_over_all_reduce": t["collectives"]["ratio"]})
-    out = {"spec": {"count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]],
-                    "dps": list(spec["dps"]), "rss": spec["rss"], "time": spec["time"],
-                    "worlds": [list(w) for w in spec["worlds"]]},
+        numbers.update({f"tp{t['tp']}_dp{t['dp']}_{k}": v for k, v in (
+            ("step_ratio", t["ratio"]), ("step_ratio_of_medians", t["ratio_of_medians"]),
+            ("update_ratio", t["update_ratio"]), ("plain_step_s", t["median"]["plain"]["step_s"]),
+            ("zero1_step_s", t["median"]["zero1"]["step_s"]),
+            ("max_abs_weight_difference", t["max_abs_weight_difference"]),
+            ("reduce_scatter_plus_all_gather_over_all_reduce", t["collectives"]["ratio"]))})
+    out = {"spec": {**spec, "count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]]},
            "adamw": ADAMW, "max_norm": MAX_NORM, "counted": counted, "rss": rss, "timings": timings,
            "numbers": numbers}
     out["tables"] = _tables(out)
     return out
 
 
+COUNT_COLUMNS = {"model": "model", "tp": "tp", "dp": "dp", "parameters / rank": "parameters",
+                 "padding elements": "padding_elements", "padding %|.1e": "padding_percent",
+                 "params (bf16)|.4f": "bpp_parameter", "grads: bf16 .grad|.4f": "bpp_grad",
+                 "grads: fp32 main_grad|.4f": "bpp_main_grad", "fp32 master|.4f": "bpp_master",
+                 "AdamW state|.4f": "bpp_state", "total, bf16 grads|.4f": "bpp_total_bf16_grads",
+                 "total, fp32 main_grad|.4f": "bpp_total_fp32_grads", "NxD / Megatron 6 + 12/d|.4f": "bpp_reference",
+                 "goal <= 6 + 1.01 x 12/d met": "goal_met"}
+RSS_COLUMNS = {"path": "path", "parameters / rank": "parameters_per_rank",
+               "parameter bytes|bytes": "parameter_bytes", "gradient bytes|bytes": "grad_bytes",
+               "optimizer bytes, counted|bytes": "optimizer_bytes_counted", "RSS before the optimizer|bytes":
+               "rss_before_bytes", "peak RSS increase|bytes": "peak_rss_increase_bytes",
+               "RSS held after the steps, increase|bytes": "rss_held_increase_bytes"}
+TIME_COLUMNS = {"world": lambda x: f"tp{x['tp']} x dp{x['dp']}",
+                "plain step s": lambda x: x["median"]["plain"]["step_s"],
+                "ZeRO-1 step s": lambda x: x["median"]["zero1"]["step_s"],
+                "ratio ZeRO-1 / plain (median of per-round ratios)": "ratio",
+                "ratio of the medians": "ratio_of_medians",
+                "after backward s, plain / ZeRO-1": lambda x: [x["median"][v]["update_s"] for v in ("plain", "zero1")],
+                "after-backward ratio": "update_ratio",
+                "goal": lambda x: f"<= {STEP_TIME_GOAL}: {verdict(x['ratio'], STEP_TIME_GOAL)}",
+                "max abs weight difference|.2e": "max_abs_weight_difference",
+                "DP buffer|bytes": lambda x: x["collectives"]["bytes"],
+                **{c: lambda x, k=k: x["collectives"][k] for c, k in (
+                    ("all-reduce s (plain)", "all_reduce_s"), ("reduce-scatter s (ZeRO-1)", "reduce_scatter_s"),
+                    ("all-gather s (ZeRO-1)", "all_gather_s"),
+                    ("(reduce-scatter + all-gather) / all-reduce", "ratio"))}}
+
+
 def _tables(out: Dict[str, Any]) -> List[Any]:
     spec, rss, m, t = out["spec"], out["rss"], out["spec"]["rss"], out["spec"]["time"]
-    count_columns = {"model": "model", "tp": "tp", "dp": "dp", "parameters / rank": "parameters",
-                     "padding elements": "padding_elements", "padding %": "padding_percent",
-                     "params (bf16)": "bpp_parameter", "grads: bf16 .grad": "bpp_grad",
-                     "grads: fp32 main_grad": "bpp_main_grad", "fp32 master": "bpp_master",
-                     "AdamW state": "bpp_state", "total, bf16 grads": "bpp_total_bf16_grads",
-                     "total, fp32 main_grad": "bpp_total_fp32_grads", "NxD / Megatron 6 + 12/d": "bpp_reference",
-                     "goal <= 6 + 1.01 x 12/d met": "goal_met"}
-    rss_columns = {"parameters / rank": "parameters_per_rank", "parameter bytes": "parameter_bytes",
-                   "gradient bytes": "grad_bytes", "optimizer bytes, counted": "optimizer_bytes_counted",
-                   "RSS before the optimizer": "rss_before_bytes", "peak RSS increase": "peak_rss_increase_bytes",
-                   "RSS held after the steps, increase": "rss_held_increase_bytes"}
-    rss_rows = [[label] + [rss[v][k] for k in rss_columns.values()] for v, label in (
-        ("plain", "plain AdamW + DP all-reduce + clip"), ("zero1", "ZeRO-1 AdamW"))]
-    rss_rows.append(["plain - ZeRO-1", None, None, None, rss["counted_saving_bytes"], None,
-                     rss.get("peak_saving_bytes"), rss["held_saving_bytes"]])
-    time_rows = [[f"tp{x['tp']} x dp{x['dp']}", x["median"]["plain"]["step_s"], x["median"]["zero1"]["step_s"],
-                  x["ratio"], x["ratio_of_medians"], [x["median"][v]["update_s"] for v in ("plain", "zero1")],
-                  x["update_ratio"], f"<= {STEP_TIME_GOAL}: {verdict(x['ratio'], STEP_TIME_GOAL)}",
-                  x["max_abs_weight_difference"], x["collectives"]["bytes"],
-                  *(x["collectives"][k] for k in ("all_reduce_s", "reduce_scatter_s", "all_gather_s", "ratio"))]
-                 for x in out["timings"]]
-    time_columns = ["world", "plain step s", "ZeRO-1 step s", "ratio ZeRO-1 / plain (median of per-round ratios)",
-                    "ratio of the medians", "after backward s, plain / ZeRO-1", "after-backward ratio", "goal",
-                    "max abs weight difference", "DP buffer", "all-reduce s (plain)", "reduce-scatter s (ZeRO-1)",
-                    "all-gather s (ZeRO-1)", "(reduce-scatter + all-gather) / all-reduce"]
+    paths = [dict(rss["plain"], path="plain AdamW + DP all-reduce + clip"), dict(rss["zero1"], path="ZeRO-1 AdamW"),
+             {"path": "plain - ZeRO-1", "optimizer_bytes_counted": rss["counted_saving_bytes"],
+              "peak_rss_increase_bytes": rss.get("peak_saving_bytes"),
+              "rss_held_increase_bytes": rss["held_saving_bytes"]}]
     return [
         "**Bytes per parameter per rank**, bf16 parameters, ZeRO-1 AdamW with fp32 master shards; counted on meta "
         "models sharded under a simulated topology (FlatShardLayout padding included); per TP-local parameter. "
         "Models: " + "; ".join(f"{c['model']} tp={c['tp']} ({model_text(c['config'])})" for c in spec["count"]),
-        table(count_columns, ([r[k] for k in count_columns.values()] for r in out["counted"]),
-              {c: ".4f" for c in list(count_columns)[6:14]} | {"padding %": ".1e"}),
+        records(COUNT_COLUMNS, out["counted"]),
         "Totals: params + grads + master + AdamW state. \"bf16 grads\" is nxdtp's default (.grad in the parameter "
         "dtype); \"fp32 main_grad\" is `use_grad_acc_hook=True`, Megatron's gradient buffer: the like-for-like of "
         "6 + 12/d. AdamW state includes a 4-byte step counter per tensor on every rank (not sharded).",
@@ -367,9 +354,9 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         "forward and backward; the largest rank; increases over the RSS before the optimizer was made. Measured / "
         f"counted saving: held {cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
         f"{cell(rss.get('peak_saving_over_counted'), '.3f')}.",
-        table(["path"] + list(rss_columns), rss_rows, dict.fromkeys(list(rss_columns)[1:], "bytes")),
+        records(RSS_COLUMNS, paths),
         f"**Step time**, ZeRO-1 against plain DP (bucketed all-reduce + clip + AdamW), fp32 Llama-shaped model "
         f"({model_text(t['model'])}), batch {t['batch']} x {t['seq']} per DP rank; {t['warmup']} warm-up and "
         f"{t['rounds']} timed rounds, the paths alternating (order swapped each round); slowest rank; medians. The DP "
         "collectives alone: nxdtp.comm over the DP group on a buffer of the rank's fp32 gradient size.",
-        table(time_columns, time_rows, {"max abs weight difference": ".2e", "DP buffer": "bytes"})]
+        records(TIME_COLUMNS, out["timings"])]
