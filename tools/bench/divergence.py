@@ -22,7 +22,7 @@ from nxdtp.models import parallelize_model
 from nxdtp.parallel_state import tensor_parallel_group
 from nxdtp.record import read_note
 
-from .common import BERT_LARGE, Pool, hf_model, log, median, render, summary, table
+from .common import BERT_LARGE, Pool, alternate, hf_model, log, median, render, summary, table
 
 TINY_LLAMA = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=64)
@@ -60,20 +60,19 @@ def _inputs(rounds: int) -> List[Any]:
     for size in ("tiny", "bigger"):
         model, batch = _llama(size)
         model = parallelize_model(model).train()
-        times: Dict[int, List[float]] = {0: [], 1: [], 2: []}  # off, on, the check alone
-        for r in range(rounds + 2):
-            for every in (1, 0) if r % 2 else (0, 1):
-                set_input_check(model, every=every)
-                times[every].append(_timed(lambda: model(**batch)))
-            set_input_check(model, every=1)
-            times[2].append(_timed(lambda: read_note(model, InputCheckNote).check(model, (), batch)))
-        times = {k: v[2:] for k, v in times.items()}
+
+        def one(every: int) -> float:  # 0: check off, 1: on, 2: the check alone
+            set_input_check(model, every=min(every, 1))
+            if every == 2:
+                return _timed(lambda: read_note(model, InputCheckNote).check(model, (), batch))
+            return _timed(lambda: model(**batch))
+
+        times = alternate((0, 1, 2), rounds, one, warmup=2, swap=True)
         rows.append([f"{size} Llama, batch {tuple(batch['input_ids'].shape)}", _ms(times[1]), _ms(times[0]),
                      _paired(times[1], times[0]), _ms(times[2])])
     return ["### Input check per forward (tp=2, gloo, CPU, training mode, no backward)",
-            table(["model", "forward, check on: median ms (min-max)", "check off", "on - off, median of rounds",
-                   "the check alone"], rows, dict.fromkeys(["forward, check on: median ms (min-max)", "check off",
-                                                            "the check alone"], ".3f"))]
+            table(["model", "forward, check on: median ms (min-max)|.3f", "check off|.3f",
+                   "on - off, median of rounds", "the check alone|.3f"], rows)]
 
 
 def _bert(layers: int):
@@ -100,23 +99,19 @@ def _sp(rounds: int, layers: int) -> List[Any]:
             loss = model(**batch).loss
         return _timed(lambda: (loss.backward(), allreduce_sequence_parallel_gradients(sp_params)))
 
-    times: Dict[str, List[float]] = {"in backward": [], "bucket after": []}
-    for r in range(rounds + 1):
-        for how in ("in backward", "bucket after") if r % 2 else ("bucket after", "in backward"):
-            times[how].append(backward(how))
+    times = alternate(("bucket after", "in backward"), rounds, backward, warmup=1, swap=True)
     separate = [_timed(lambda: [comm.all_reduce(torch.ones(n), group) for n in per_module]) for _ in range(rounds)]
     together = [_timed(lambda: comm.all_reduce(torch.ones(sum(per_module)), group)) for _ in range(rounds)]
-    on, off = times["in backward"][1:], times["bucket after"][1:]
+    on, off = times["in backward"], times["bucket after"]
     return ["### Sequence-parallel gradients summed in backward",
             f"BERT-large-shaped, {layers} layers, SP, tp=2: {len(per_module)} modules with sequence-parallel "
             f"parameters, {len(sp_params)} parameters, {sum(per_module)} elements",
-            table(["backward", "median ms (min-max)"], [
+            table(["backward", "median ms (min-max)|.3f"], [
                 [f"gradients summed in backward ({len(per_module)} all-reduces)", _ms(on)],
                 ["identity region, one bucketed all-reduce after backward", _ms(off)],
                 ["difference, median of rounds", _paired(on, off)],
                 [f"the {len(per_module)} all-reduces alone, one after the other", _ms(separate)],
-                [f"one all-reduce of their {sum(per_module)} elements", _ms(together)]],
-                {"median ms (min-max)": ".3f"})]
+                [f"one all-reduce of their {sum(per_module)} elements", _ms(together)]])]
 
 
 def _save(rounds: int, workdir: str) -> List[Any]:
@@ -131,10 +126,9 @@ def _save(rounds: int, workdir: str) -> List[Any]:
     return ["### Replicated-tensor check of save",
             f"BertForPreTraining, BERT-large (24 layers), tp=2: {len(replicated)} replicated tensors, "
             f"{sum(t.numel() for t in replicated.values()):,} elements",
-            table(["operation", "median ms (min-max)"], [
+            table(["operation", "median ms (min-max)|.3f"], [
                 [f"check_replicated_agree alone ({rounds} rounds)", _ms(alone)],
-                ["save, check on (2 saves)", _ms(saves[True])], ["save, check off (2 saves)", _ms(saves[False])]],
-                {"median ms (min-max)": ".3f"})]
+                ["save, check on (2 saves)", _ms(saves[True])], ["save, check off (2 saves)", _ms(saves[False])]])]
 
 
 def case_parts(parts: List[str], rounds: int, sp_layers: int, workdir: str) -> List[Any]:

@@ -84,17 +84,12 @@ def _dense_model(family: str, cfg: Dict[str, Any]):
 
 
 def _batch(family: str, cfg: Dict[str, Any], seq: int, batch: int, device) -> Dict[str, Any]:
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(SEED))
-    if family == "llama":
-        return {"input_ids": ids.to(device), "labels": ids.to(device)}
-    labels = torch.full((batch, seq), -100)
-    labels[:, 1::7] = ids[:, 1::7]
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[0, seq - seq // 4:] = 0
-    return {k: v.to(device) for k, v in dict(
-        input_ids=ids, token_type_ids=(torch.arange(seq) >= seq // 2).long().expand(batch, seq),
-        attention_mask=attention_bias(mask, torch.float32), labels=labels,
-        next_sentence_label=torch.arange(batch) % 2).items()}
+    """Section 1's batch; BERT's with an additive 4-D mask, one sequence padded."""
+    out = make_batch(cfg, seq, batch, SEED, family)
+    if family == "bert":
+        out["attention_mask"][0, seq - seq // 4:] = 0
+        out["attention_mask"] = attention_bias(out["attention_mask"], torch.float32)
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def _traced_step(family: str, dense, batch: Dict[str, Any], sequence_parallel: bool) -> Dict[str, List[Any]]:
