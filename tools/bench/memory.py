@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 from typing import Any, Dict, List
 
+from transformers import BertForPreTraining  # noqa: F401 - the model code loaded before the RSS baselines
+
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.parallel_state import simulated_topology
 from nxdtp.storage import held_bytes
