@@ -12,7 +12,7 @@ Suite sections:
   zero1       ZeRO-1 bytes per parameter, peak RSS of a step, step time against plain DP
   async_save  the step loop's stall while a checkpoint is written, sync against async_save=True
   gpu         (only when named, or --gpu) section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL
-Tools: merge_timing, pretrained_loading, verify, divergence. Progress goes to stderr, the report to stdout.
+Tools: merge_timing, verify, divergence. Progress goes to stderr, the report to stdout.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "async_save": ("async_save", "8. Checkpoint stall: save_checkpoint, sync against async_save"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
-TOOLS = ("merge_timing", "pretrained_loading", "verify", "divergence")
+TOOLS = ("merge_timing", "verify", "divergence")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,10 +126,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     with common.report_on_stdout():
         if argv and argv[0] in TOOLS:
-            from . import divergence, merge_timing, pretrained_loading, verification
+            from . import divergence, merge_timing, verification
 
-            tools = dict(zip(TOOLS, (merge_timing, pretrained_loading, verification, divergence)))
-            return tools[argv[0]].main(argv[1:])
+            return dict(zip(TOOLS, (merge_timing, verification, divergence)))[argv[0]].main(argv[1:])
         return _suite(argv)
 
 
