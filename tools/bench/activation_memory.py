@@ -165,7 +165,8 @@ def _saved_tensor_holders(root) -> Dict[int, List[str]]:
 
 @contextlib.contextmanager
 def _recording(model):
-    """{storage address: what autograd saved there in the forward within, and the modules running when it did}."""
+    """Yields {storage address: its bytes, shape and the modules running when autograd saved it} for the forward
+    run within."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stack, storages = ["(outside any module)"], {}
 
@@ -343,8 +344,8 @@ KINDS = ("measured", "formula", "cpu_kernel_formula")
 
 
 def _tables(out: Dict[str, Any]) -> List[Any]:
-    spec, rows, sbh = out["spec"], out["rows"], out["spec"]["seq"] * out["spec"]["batch"] * out["spec"]["layer"][
-        "hidden_size"]
+    spec, rows = out["spec"], out["rows"]
+    sbh = spec["seq"] * spec["batch"] * spec["layer"]["hidden_size"]
     blocks = [f"HF BertModel layers ({spec['layer']}), {spec['layers']} layers measured, sequence {spec['seq']}, "
               f"batch {spec['batch']}, dropout {out['dropout']}, attention {out['attention']}; saved bytes per layer "
               f"(mean over the layers) per rank (the largest); s*b*h = {sbh:,} elements. Formula: Korthikanti et al. "

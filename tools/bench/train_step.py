@@ -56,9 +56,9 @@ STATE: Dict[str, Any] = {}  # a worker's model, optimizer and batch between call
 def build_dense(model_cfg: Dict[str, Any], seed: int, arch: str = "bert"):
     """The same model in every process: dropout off, an untied Llama head, every parameter moved off its initial value
     by seeded N(0, 0.02) noise."""
-    model = common.hf_model(model_cfg, arch, seed, **(dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-                                               if arch == "bert" else dict(attention_dropout=0.0,
-                                                                           tie_word_embeddings=False)))
+    dropout_off = (dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) if arch == "bert"
+                   else dict(attention_dropout=0.0, tie_word_embeddings=False))
+    model = common.hf_model(model_cfg, arch, seed, **dropout_off)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():  # tied weights once, in a fixed order

@@ -225,7 +225,9 @@ def case_time_finish() -> Dict[str, float]:
 # ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
-    most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in per_rank[0] if k != "losses"}
+    most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in (
+        "parameters", "parameter_bytes", "grad_bytes", "peak_rss_increase_kib", "rss_held_increase_kib",
+        "rss_before_kib")}
     return {"per_rank": per_rank, "parameters_per_rank": most["parameters"], "parameter_bytes": most["parameter_bytes"],
             "grad_bytes": most["grad_bytes"],
             "optimizer_bytes_counted": max(sum(r["optimizer_bytes"].values()) for r in per_rank),
