@@ -1,6 +1,6 @@
-"""nxdtp benchmark: ``python -m tools.bench SECTION [SECTION ...] [--quick] [--json OUT] [...]`` runs sections of the
-suite and prints them as markdown (``python tools/benchmark.py [--sections a,b]`` is the same); ``python -m tools.bench
-TOOL [...]`` runs a measurement with options of its own (``TOOL --help``). docs/performance.md says how each measures.
+"""nxdtp benchmark: ``python -m tools.bench [SECTION ...] [--quick] [--json OUT]`` runs sections of the suite and
+prints them as markdown (``python tools/benchmark.py --sections a,b`` is the same); ``python -m tools.bench TOOL
+[...]`` runs a measurement with options of its own (``TOOL --help``). docs/performance.md says how each measures.
 
 Suite sections:
   train       train step on CPU: BERT, dense vs nxdtp TP=2 vs DTensor TP=2; a Llama-shaped decoder, dense vs nxdtp
@@ -12,9 +12,7 @@ Suite sections:
   zero1       ZeRO-1 bytes per parameter, peak RSS of a step, step time against plain DP
   async_save  the step loop's stall while a checkpoint is written, sync against async_save=True
   gpu         (only when named, or --gpu) section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL
-Tools: merge_timing, pretrained_loading, verify, divergence.
-
-Progress goes to stderr, the report to stdout; ``--json OUT`` writes every figure (and the tables as data).
+Tools: merge_timing, verify, divergence. Progress goes to stderr, the report to stdout.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "async_save": ("async_save", "8. Checkpoint stall: save_checkpoint, sync against async_save"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
-TOOLS = ("merge_timing", "pretrained_loading", "verify", "divergence")
+TOOLS = ("merge_timing", "verify", "divergence")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,14 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge-rounds", type=int, help="rounds of section 5 (default 3, --quick 1)")
     parser.add_argument("--merge-workdir", help="where section 5 keeps its checkpoint (reused when present)")
     return parser
-
-
-def _run_tool(name: str, argv) -> int:
-    from . import divergence, merge_timing, pretrained_loading, verification
-
-    tools = {"merge_timing": merge_timing, "pretrained_loading": pretrained_loading, "verify": verification,
-             "divergence": divergence}
-    return tools[name].main(argv)
 
 
 def _sections(args, parser) -> list:
@@ -135,7 +125,11 @@ def _non_finite(numbers: dict) -> list:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     with common.report_on_stdout():
-        return _run_tool(argv[0], argv[1:]) if argv and argv[0] in TOOLS else _suite(argv)
+        if argv and argv[0] in TOOLS:
+            from . import divergence, merge_timing, verification
+
+            return dict(zip(TOOLS, (merge_timing, verification, divergence)))[argv[0]].main(argv[1:])
+        return _suite(argv)
 
 
 def _suite(argv) -> int:

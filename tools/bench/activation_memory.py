@@ -1,12 +1,10 @@
-"""Section 6: activation memory per rank of BERT-large layers (HF BertModel, a few layers, seq 512, batch 4, dropout
-0.1, fp32 and bf16, one training-mode forward): dense, TP, TP+SP, TP+SP+``checkpoint_layers`` in real gloo worlds,
-next to Megatron's formula (Korthikanti et al. 2022). Per rank: the bytes autograd's saved-tensor hooks pack, each
-storage once, parameters left out, attributed to the encoder layer that saved it (several layers: *shared*) and to a
-term of the formula by the module that packed it and the autograd nodes holding it; and the peak RSS of the forward
-(workers with a fixed glibc mmap threshold). docs/performance.md, section 6."""
+"""Section 6: activation memory per rank of BERT-large layers, dense / TP / TP+SP / TP+SP+``checkpoint_layers``, the
+bytes autograd saves, each storage once, by layer and by a term of Megatron's formula (Korthikanti et al. 2022), and
+the peak RSS of the forward (docs/performance.md, section 6)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 from typing import Any, Dict, List, Optional
@@ -18,7 +16,7 @@ from transformers import BertConfig, BertModel
 from nxdtp.models.bert import checkpoint_layers, parallelize_bert
 from nxdtp.random import model_parallel_xla_manual_seed
 
-from .common import Pool, log, proc_status_kib, reset_peak_rss, table
+from .common import Pool, log, records, rss_mark, table
 
 LAYER = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)  # BERT-large
 FULL = dict(layer=LAYER, layers=2, seq=512, batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
@@ -165,44 +163,31 @@ def _saved_tensor_holders(root) -> Dict[int, List[str]]:
     return holders
 
 
-class _SavedTensorRecorder:
-    """Records each storage autograd saves during a forward, with the module running when it was saved."""
+@contextlib.contextmanager
+def _recording(model):
+    """Yields {storage address: its bytes, shape and the modules running when autograd saved it} for the forward
+    run within."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack, storages = ["(outside any module)"], {}
 
-    def __init__(self, model):
-        self.model = model
-        self.parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.stack = ["(outside any module)"]
-        self.storages: Dict[int, Dict[str, Any]] = {}
-        self._handles = []
-        for name, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-
-    def _enter(self, name):
-        def hook(module, args):
-            self.stack.append(name)
-        return hook
-
-    def _leave(self, module, args, output):
-        self.stack.pop()
-
-    def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        entry = self.storages.setdefault(key, {"bytes": storage.nbytes(), "dtype": str(tensor.dtype).replace(
-            "torch.", ""), "shape": tuple(tensor.shape), "modules": [], "parameter": key in self.parameter_storages})
-        if self.stack[-1] not in entry["modules"]:
-            entry["modules"].append(self.stack[-1])
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        entry = storages.setdefault(key, {"bytes": tensor.untyped_storage().nbytes(), "shape": tuple(tensor.shape),
+                                          "modules": [], "parameter": key in parameters})
+        entry["modules"] += [] if stack[-1] in entry["modules"] else [stack[-1]]
         return tensor
 
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
+    def leave(module, args, output) -> None:  # a forward hook's result would replace the output
+        stack.pop()
 
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        for handle in self._handles:
+    handles = [h for name, m in model.named_modules() for h in (
+        m.register_forward_pre_hook(lambda module, args, name=name: stack.append(name)),
+        m.register_forward_hook(leave, always_call=True))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield storages
+    finally:
+        for handle in handles:
             handle.remove()
 
 
@@ -220,20 +205,19 @@ def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
 
 
 def _batch(spec: Dict[str, Any]):
-    generator = torch.Generator().manual_seed(SEED + 1)
-    input_ids = torch.randint(0, VOCAB, (spec["batch"], spec["seq"]), generator=generator)
+    input_ids = torch.randint(0, VOCAB, (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(SEED + 1))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, -spec["seq"] // 8:] = 0  # a padded sequence, as real batches have
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def _attribute(recorder, holders, spec) -> Dict[str, Any]:
+def _attribute(storages, holders, spec) -> Dict[str, Any]:
     """Each saved storage to its encoder layer (or shared by several, or outside them) and to a formula term."""
     layers = spec["layers"]
     out: Dict[str, Any] = {"saved_bytes_per_layer": [0] * layers, "terms_bytes_per_layer": {},
                            "saved_bytes_shared_by_layers": 0, "saved_bytes_outside_layers": 0,
                            "parameter_bytes_referenced": 0, "last_layer_detail": []}
-    for key, entry in recorder.storages.items():
+    for key, entry in storages.items():
         found = [(int(m.group(1)), m.group(2) or "") for m in map(_LAYER_PATH.search, entry["modules"]) if m]
         where = ("parameter_bytes_referenced" if entry["parameter"] else "saved_bytes_outside_layers" if not found
                  else "saved_bytes_shared_by_layers" if len({i for i, _ in found}) > 1 else None)
@@ -257,15 +241,13 @@ def case_measure(spec: Dict[str, Any], mode: str, dtype: str, attention: str = A
     model_parallel_xla_manual_seed(SEED)  # dropout inside TP regions draws from the tracker's per-rank state
     model, batch = _build(spec, mode, dtype, attention), _batch(spec)
     model(**batch)  # warm-up: lazily built state (masks, communication buffers) is not counted below
-    gc.collect()
-    before, peak_reset = proc_status_kib(), reset_peak_rss()
-    with _SavedTensorRecorder(model) as recorder:
+    mark = rss_mark()
+    with _recording(model) as storages:
         output = model(**batch).last_hidden_state
-    after = proc_status_kib()
-    result = _attribute(recorder, _saved_tensor_holders(output.grad_fn), spec)
-    result.update(peak_rss_increase_kib=(after["VmHWM"] - before["VmRSS"]) if peak_reset else None,
-                  rss_held_after_forward_kib=after["VmRSS"] - before["VmRSS"])
-    del output, model, recorder
+    rss = mark()
+    result = _attribute(storages, _saved_tensor_holders(output.grad_fn), spec)
+    result.update(peak_rss_increase_kib=rss["peak"], rss_held_after_forward_kib=rss["held"])
+    del output, model, storages
     gc.collect()
     return result
 
@@ -349,45 +331,42 @@ def run(ctx) -> Dict[str, Any]:
     return out
 
 
+COLUMNS = {"configuration": lambda r: LABELS[r["mode"]] + ("" if r["attention"] == ATTENTION else
+                                                              f" ({r['attention']})"),
+           "tp": "tp", "saved / layer / rank|bytes": "saved_bytes_per_layer", "saved, sbh": "saved_sbh_per_layer",
+           "formula, sbh": "formula_sbh_per_layer", "measured / formula": "measured_over_formula",
+           "CPU-kernel formula, sbh": "cpu_kernel_formula_sbh_per_layer",
+           "measured / CPU-kernel formula": "measured_over_cpu_kernel_formula",
+           "saved once for all layers|bytes": "saved_bytes_shared_by_layers",
+           "peak RSS increase in the forward|bytes": "peak_rss_increase_bytes_max_rank",
+           "RSS held after the forward|bytes": "rss_held_after_forward_bytes_max_rank"}
+KINDS = ("measured", "formula", "cpu_kernel_formula")
+
+
 def _tables(out: Dict[str, Any]) -> List[Any]:
     spec, rows = out["spec"], out["rows"]
-    layer, sbh = spec["layer"], spec["seq"] * spec["batch"] * spec["layer"]["hidden_size"]
-    blocks = [f"HF BertModel layers ({layer}), {spec['layers']} layers measured, sequence {spec['seq']}, batch "
-              f"{spec['batch']}, dropout {out['dropout']}, attention {out['attention']}; one forward in training mode "
-              "per configuration, real gloo worlds of tp processes. Saved = bytes autograd's saved-tensor hooks see, "
-              "each storage once, parameters excluded, per layer (mean over the layers) and per rank (the largest). "
-              f"Units: s*b*h = {sbh:,} elements. Formula: Korthikanti et al. 2022 with e-byte activations and 1-byte "
-              "masks (e=2: 34 + 5as/h dense); CPU-kernel formula: the same terms at the sizes PyTorch's CPU kernels "
-              "store (dropout masks in the activation dtype; sdpa's math fallback in fp32)."]
-    columns = ["configuration", "tp", "saved / layer / rank", "saved, sbh", "formula, sbh", "measured / formula",
-               "CPU-kernel formula, sbh", "measured / CPU-kernel formula", "saved once for all layers",
-               "peak RSS increase in the forward", "RSS held after the forward"]
-    keys = ("tp", "saved_bytes_per_layer", "saved_sbh_per_layer", "formula_sbh_per_layer", "measured_over_formula",
-            "cpu_kernel_formula_sbh_per_layer", "measured_over_cpu_kernel_formula", "saved_bytes_shared_by_layers",
-            "peak_rss_increase_bytes_max_rank", "rss_held_after_forward_bytes_max_rank")
-    formats = {c: "bytes" for c in columns[2:3] + columns[8:]}
+    sbh = spec["seq"] * spec["batch"] * spec["layer"]["hidden_size"]
+    blocks = [f"HF BertModel layers ({spec['layer']}), {spec['layers']} layers measured, sequence {spec['seq']}, "
+              f"batch {spec['batch']}, dropout {out['dropout']}, attention {out['attention']}; saved bytes per layer "
+              f"(mean over the layers) per rank (the largest); s*b*h = {sbh:,} elements. Formula: Korthikanti et al. "
+              "2022 with e-byte activations and 1-byte masks; CPU-kernel formula: the same terms at the sizes "
+              "PyTorch's CPU kernels store."]
     for dtype in spec["dtypes"]:
-        blocks += [f"**{dtype}**", table(columns, ([LABELS[r["mode"]] + ("" if r["attention"] == ATTENTION else
-                                                                          f" ({r['attention']})")]
-                                                   + [r[k] for k in keys] for r in rows if r["dtype"] == dtype),
-                                         formats)]
-    names = ("tp_over_dense", "sp_over_tp", "ckpt_over_sp")
+        blocks += [f"**{dtype}**", records(COLUMNS, (r for r in rows if r["dtype"] == dtype))]
+    names = {"TP / dense|.4f": "tp_over_dense", "TP+SP / TP|.4f": "sp_over_tp",
+             "TP+SP+checkpoint / TP+SP|.4f": "ckpt_over_sp"}
     blocks += ["Ratios of saved bytes per layer per rank: measured / formula / CPU-kernel formula.",
-               table(["dtype", "tp", "TP / dense", "TP+SP / TP", "TP+SP+checkpoint / TP+SP"],
-                     ([x["dtype"], x["tp"]] + [[x[n], x[n + "_formula"], x[n + "_cpu_kernel_formula"]] for n in names]
-                      for x in out["ratios"]), dict.fromkeys(["TP / dense", "TP+SP / TP", "TP+SP+checkpoint / TP+SP"],
-                                                             ".4f"))]
+               records({"dtype": "dtype", "tp": "tp", **{c: lambda x, n=n: [x[n], x[n + "_formula"],
+                                                                         x[n + "_cpu_kernel_formula"]]
+                                                       for c, n in names.items()}}, out["ratios"])]
     tp = max(spec["tps"])
     for dtype in spec["dtypes"]:
         chosen = [_find(rows, "dense", dtype)] + [_find(rows, m, dtype, tp) for m in MODES[1:]]
         terms = list(dict.fromkeys(t for r in chosen for t in r["terms_sbh_per_layer"]))
-        body = [[t] + [[r["terms_sbh_per_layer"].get(t, {}).get(k, 0) for k in ("measured", "formula",
-                                                                              "cpu_kernel_formula")] for r in chosen]
-                for t in terms]
-        body.append(["total"] + [[r["saved_sbh_per_layer"], r["formula_sbh_per_layer"],
-                                  r["cpu_kernel_formula_sbh_per_layer"]] for r in chosen])
-        labels = [LABELS[r["mode"]] for r in chosen]
+        body = [[t] + [[r["terms_sbh_per_layer"].get(t, {}).get(k, 0) for k in KINDS] for r in chosen] for t in terms]
+        body.append(["total"] + [[r[f"{k.replace('measured', 'saved')}_sbh_per_layer"] for k in KINDS]
+                                 for r in chosen])
         blocks += [f"Breakdown, {dtype}, tp={tp}, per layer per rank in sbh units: measured / formula / CPU-kernel "
                    "formula, per term (the module that saved a tensor and the autograd node holding it decide it):",
-                   table(["term"] + labels, body, dict.fromkeys(labels, ".3f"))]
+                   table(["term"] + [LABELS[r["mode"]] + "|.3f" for r in chosen], body)]
     return blocks

@@ -1,8 +1,5 @@
 """Section 8: the step loop's stall while a checkpoint is written, ``save_checkpoint`` synchronous against
-``async_save=True`` (tp2 x dp1 gloo world, ZeRO-1 AdamW, a Llama shape; docs/performance.md). A round: ``pre`` steps,
-the save call, ``post`` steps, ``finalize_checkpoint``, each timed after a barrier by the slowest rank; modes
-alternate, the order swapped each round. Stall = the call + the post steps' excess over the baseline step + what
-finalize waited; medians."""
+``async_save=True`` (docs/performance.md, "Checkpoint stall")."""
 
 from __future__ import annotations
 
@@ -17,8 +14,8 @@ import torch.distributed as dist
 
 from nxdtp.trainer import finalize_checkpoint, save_checkpoint
 
-from .common import Pool, alternate, barrier, log, median, table
-from .zero1 import SEED, TINY_LLAMA, llama_batch, make_optimizer, model_text, real_model
+from .common import Pool, alternate, barrier, log, median, model_text, table
+from .zero1 import SEED, TINY_LLAMA, llama_batch, make_optimizer, real_model
 
 FULL = dict(model=dict(kind="llama", vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False),
@@ -68,10 +65,8 @@ def case_round(mode: str, directory: str, pre: int, post: int) -> Dict[str, Any]
 
 
 def _slowest(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    return {"pre": [max(x) for x in zip(*(r["pre"] for r in ranks))],
-            "post": [max(x) for x in zip(*(r["post"] for r in ranks))],
-            "call_s": max(r["call_s"] for r in ranks), "finalize_s": max(r["finalize_s"] for r in ranks),
-            "bytes": ranks[0].get("bytes")}
+    return {**{k: [max(x) for x in zip(*(r[k] for r in ranks))] for k in ("pre", "post")},
+            **{k: max(r[k] for r in ranks) for k in ("call_s", "finalize_s")}, "bytes": ranks[0].get("bytes")}
 
 
 def run(ctx) -> Dict[str, Any]:
@@ -109,17 +104,16 @@ def _result(spec, parameters: int, rounds: Dict[str, List[Dict[str, Any]]]) -> D
     numbers["async_over_sync_stall"] = numbers["async_stall_s"] / numbers["sync_stall_s"]
     numbers["async_call_over_sync_call"] = numbers["async_call_s"] / numbers["sync_call_s"]
     n, post = numbers, spec["post"]
-    columns = {"call returns after s": "call_s", f"step s during the next {post}": "post_step_s",
-               f"excess of those {post} steps over the baseline, s": "post_excess_s",
-               "finalize_checkpoint waited s": "finalize_s", "stall s (call + excess + finalize)": "stall_s"}
+    columns = {"call returns after s|.3f": "call_s", f"step s during the next {post}|.3f": "post_step_s",
+               f"excess of those {post} steps over the baseline, s|.3f": "post_excess_s",
+               "finalize_checkpoint waited s|.3f": "finalize_s", "stall s (call + excess + finalize)|.3f": "stall_s"}
     tables = [f"gloo world tp={spec['tp']} x dp={spec['dp']} (one thread per rank), fp32 Llama-shaped model "
               f"({model_text(spec['model'])}; {parameters:,} parameters per rank), ZeRO-1 AdamW, batch "
               f"{spec['batch']} x {spec['seq']}; a checkpoint tag of {n['checkpoint_bytes']:,.0f} bytes. "
               f"{spec['rounds']} rounds per mode, alternating; each round: {spec['pre']} steps, save_checkpoint, "
               f"{post} steps, finalize_checkpoint; slowest rank; medians over rounds. Baseline step "
               f"{baseline:.3f} s.",
-              table(["save_checkpoint"] + list(columns), ([m] + [n[f"{m}_{k}"] for k in columns.values()]
-                                                          for m in rounds), dict.fromkeys(columns, ".3f")),
+              table(["save_checkpoint", *columns], ([m] + [n[f"{m}_{k}"] for k in columns.values()] for m in rounds)),
               f"Async stall / sync stall: {n['async_over_sync_stall']:.3f}; the async call takes "
               f"{n['async_call_over_sync_call']:.3f} of the sync save's time (the rest is written by the background "
               "thread while the steps run)."]

@@ -1,13 +1,13 @@
-"""What the sections share: worker pools (the test harness's), the machine description, statistics, memory probes,
-and the one renderer that turns a section's tables (plain data) into markdown.
-
-Sections import torch only inside functions: workers import it themselves, after their thread counts are set."""
+"""What the sections share: worker pools (tests/harness.py's), models, the machine, statistics, memory probes, and
+the one renderer of a section's tables (plain data) to markdown. Workers import torch themselves, after their thread
+counts are set, so this module imports it only inside functions."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import io
+import json
 import math
 import os
 import platform
@@ -20,15 +20,16 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from tests.harness import WorkerGroup
 
 MIB = 1 << 20
+BERT_LARGE = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                      "TOKENIZERS_PARALLELISM": "false"}
 
 
-# ---- worker pools ----------------------------------------------------------------------------------------------------
+# ---- worker pools and models -----------------------------------------------------------------------------------------
 
 def case_started(fixed_mmap_threshold: bool) -> int:
-    """A fixed threshold turns off glibc's adaptive one: every allocation of 64 KiB or more is then its own mapping,
-    returned to the kernel when freed, so RSS tracks live tensors (M_MMAP_THRESHOLD = -3)."""
+    """A fixed glibc mmap threshold (M_MMAP_THRESHOLD = -3, 64 KiB) returns freed tensors to the kernel at once."""
     import torch
 
     with contextlib.suppress(RuntimeError):  # one inter-op thread too, where none has started yet
@@ -42,8 +43,7 @@ def case_started(fixed_mmap_threshold: bool) -> int:
 
 @contextlib.contextmanager
 def report_on_stdout():
-    """Within: file descriptor 1 goes to stderr (what workers print stays out of the report) and what this process
-    prints is held, then printed on stdout."""
+    """Within: what workers print goes to stderr; what this process prints is held, then printed on stdout."""
     held, saved = io.StringIO(), os.dup(1)
     sys.stdout.flush()
     os.dup2(2, 1)
@@ -58,9 +58,8 @@ def report_on_stdout():
 
 
 class Pool:
-    """A started ``tests.harness.WorkerGroup`` of ``world`` single-threaded ranks that keeps its topology (TP size
-    ``tp``; None: no nxdtp topology) and its cases' module state between calls; ``malloc``: glibc's mmap threshold
-    fixed (``case_started``)."""
+    """A ``tests.harness.WorkerGroup`` of ``world`` single-threaded ranks keeping its topology (TP size ``tp``) and
+    module state between calls; ``malloc``: see ``case_started``."""
 
     def __init__(self, world: int, tp: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  backend: str = "gloo", malloc: bool = False):
@@ -93,6 +92,25 @@ def barrier() -> None:
 
     if dist.get_world_size() > 1:
         dist.barrier()
+
+
+def hf_model(cfg: Dict[str, Any], arch: str = "bert", seed: Optional[int] = None, device: Optional[str] = None,
+             **extra):
+    """BertForPreTraining or LlamaForCausalLM of config ``cfg`` and ``extra``, seeded when ``seed`` is given."""
+    import torch
+    import transformers as tf
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    cls, config = (tf.BertForPreTraining, tf.BertConfig) if arch == "bert" else (tf.LlamaForCausalLM, tf.LlamaConfig)
+    with torch.device(device) if device else contextlib.nullcontext():
+        return cls(config(**cfg, **extra))
+
+
+def model_text(cfg: Dict[str, Any]) -> str:
+    return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads"
+            + (f" ({cfg['num_key_value_heads']} KV)" if "num_key_value_heads" in cfg else "")
+            + f", intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}")
 
 
 # ---- machine, statistics, log ----------------------------------------------------------------------------------------
@@ -156,6 +174,15 @@ def log(message: str) -> None:
     print(f"# [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def emit(blocks: Iterable[Any], figures: Any, json_path: Optional[str]) -> int:
+    """A tool's end: its report on stdout, its figures to ``json_path`` when given."""
+    print(render(blocks))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(figures, f, indent=1, default=str)
+    return 0
+
+
 # ---- memory probes (Linux) -------------------------------------------------------------------------------------------
 
 def proc_status_kib() -> Dict[str, int]:
@@ -184,6 +211,21 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def rss_mark() -> Callable[[], Dict[str, Optional[int]]]:
+    """After a gc, reset the peak watermark; the function returned gives the RSS (KiB) before, and the peak (None where
+    the reset was refused) and held increases since."""
+    import gc
+
+    gc.collect()
+    before, peak_reset = proc_status_kib()["VmRSS"], reset_peak_rss()
+
+    def since() -> Dict[str, Optional[int]]:
+        after = proc_status_kib()
+        return {"before": before, "peak": after["VmHWM"] - before if peak_reset else None,
+                "held": after["VmRSS"] - before}
+    return since
+
+
 def _sample_peaks(peak: Dict[str, int], stop: threading.Event, interval_s: float) -> None:
     while True:
         status = proc_status_kib()
@@ -193,9 +235,8 @@ def _sample_peaks(peak: Dict[str, int], stop: threading.Event, interval_s: float
 
 
 def measure_rss(run: Callable[[], Any]) -> tuple:
-    """``(run()'s value, figures)``: wall time and memory (MiB) over the RSS just before the call. The peak is VmHWM
-    after resetting it (``ru_maxrss`` where the kernel refuses); a thread samples RssAnon / RssFile every 2 ms (they
-    explain the peak; they can miss short spikes)."""
+    """``(run()'s value, figures)``: wall time and memory (MiB) over the RSS before the call; the peak from VmHWM after
+    a reset (else ``ru_maxrss``), RssAnon / RssFile sampled every 2 ms by a thread."""
     import gc
     import resource
 
@@ -247,8 +288,17 @@ def cell(value: Any, spec: str = "") -> str:
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], formats: Optional[Dict[str, str]] = None):
-    """A table as data: ``formats`` maps a column name to a ``cell`` spec."""
-    return {"columns": list(columns), "rows": [list(r) for r in rows], "formats": formats or {}}
+    """A table as data. A column named "name|spec" is shown as "name" with cells formatted by ``cell(v, spec)``;
+    ``formats`` maps more column names to specs."""
+    names = [c.split("|")[0] for c in columns]
+    specs = {**{n: c.split("|")[1] for n, c in zip(names, columns) if "|" in c}, **(formats or {})}
+    return {"columns": names, "rows": [list(r) for r in rows], "formats": specs}
+
+
+def records(columns: Dict[str, Any], items: Iterable[Any]):
+    """A ``table`` of one row per item: column "name|spec" shows the item's value at the key it maps to, or the value
+    of the function it maps to on the item (None where it has no such key)."""
+    return table(list(columns), ([f(i) if callable(f) else i.get(f) for f in columns.values()] for i in items))
 
 
 def render(blocks: Iterable[Any]) -> str:

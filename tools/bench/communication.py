@@ -1,17 +1,8 @@
-"""Section 3: collectives per BERT layer per train step, counted two ways, next to Megatron-LM's (docs/performance.md).
-
-(i) The XLA HLO of rank 1 of a simulated tp=2 world, traced in a process of its own that executes nothing (the
-    runtime's world size patched so ``xm`` does not short-circuit collectives; the all-ones attention_mask left out,
-    since transformers' mask code would execute a graph on it); growing sets of outputs give each phase's share.
-(ii) A counting gloo run: section 1's nxdtp and DTensor workers count each torch.distributed call (functional
-    collectives for DTensor) by phase over the second of two steps.
-Bytes are the full tensor's (Megatron's message size). Per layer = (L+1 layers) - (L layers). Megatron per layer:
-without SP 2 all-reduces forward and 2 backward; with SP 2 all-gathers + 2 reduce-scatters forward, 4 all-gathers + 2
-reduce-scatters backward (its column layers re-gather their sequence shard for the weight gradient)."""
+"""Section 3: collectives per BERT layer per train step, counted in the XLA HLO of a simulated rank and in a counting
+gloo run, next to Megatron-LM's (docs/performance.md, section 3). Per layer = (L+1 layers) - (L layers)."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Any, Dict, List
 from unittest import mock
@@ -20,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nxdtp import parallel_state
+from nxdtp import comm, parallel_state
 from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
@@ -86,11 +77,10 @@ def _trace_step(cfg, args, sequence_parallel: bool, hlo) -> Dict[str, Any]:
 
 
 def case_hlo(**args) -> Dict[str, Any]:
-    """Part (i), in a process of its own (PJRT_DEVICE=CPU); never executes a graph."""
+    """The HLO count, in a process of its own (PJRT_DEVICE=CPU); never executes a graph. The all-ones attention_mask
+    is left out: transformers' mask code would execute a graph on it."""
     import torch_xla
-    import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
-    import torch_xla.runtime as xr
 
     def hlo(tensors):
         return hlo_collectives(torch_xla._XLAC._get_xla_tensors_hlo(list(tensors)))
@@ -99,12 +89,9 @@ def case_hlo(**args) -> Dict[str, Any]:
     for sp in (False, True):
         for layers in (BASE_LAYERS, BASE_LAYERS + 1):
             with parallel_state.simulated_topology(HLO_WORLD, HLO_RANK, HLO_TP), \
-                    mock.patch.object(xr, "world_size", lambda: HLO_WORLD), \
-                    mock.patch.object(xr, "global_ordinal", lambda: HLO_RANK):
-                torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
+                    comm.simulated_xla_runtime(HLO_WORLD, HLO_RANK):
                 results[f"sp={sp},layers={layers}"] = _trace_step(dict(args["model_cfg"], num_hidden_layers=layers),
                                                                   args, sp, hlo)
-                torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
     executed = met.counter_value("ExecuteComputation") or 0
     if executed:
         raise AssertionError(f"the HLO worker executed {executed} graphs; it must only trace")
@@ -136,10 +123,8 @@ class _Counter:
         entry[0] += 1
         entry[1] += int(nbytes)
 
-    @contextlib.contextmanager
     def torch_distributed(self):
-        originals = {name: getattr(dist, name) for name in self.DIST}
-
+        """Every torch.distributed collective of ``DIST``, counted on its way through."""
         def wrap(name, fn):
             op, index, keyword = self.DIST[name]
 
@@ -149,13 +134,7 @@ class _Counter:
                 return fn(*args, **kwargs)
             return wrapper
 
-        for name, fn in originals.items():
-            setattr(dist, name, wrap(name, fn))
-        try:
-            yield
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
+        return mock.patch.multiple(dist, **{name: wrap(name, getattr(dist, name)) for name in self.DIST})
 
     def functional(self):
         """A dispatch mode counting DTensor's functional collectives (torch.ops._c10d_functional.*)."""
@@ -279,9 +258,9 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
                     rows.append([f"{what}, {phase}", sp, "Megatron-LM", *_cells(mega), ""])
     cfg, world = out["config"], out["hlo_world"]
     return [f"Per train step of BertForPreTraining (hidden {cfg['hidden_size']}, seq {out['seq']}, batch "
-            f"{out['batch']}, fp32), tp={out['tp']}: count (bytes of the full tensor). Per layer = 2-layer model - "
-            f"1-layer model. HLO: rank {world['rank']} of a simulated world of {world['world']} "
-            f"({world['executed_graphs']} graphs executed); gloo: 2 real ranks, torch.distributed calls counted.",
+            f"{out['batch']}, fp32), tp={out['tp']}: count (bytes of the full tensor), 2-layer model - 1-layer model. "
+            f"HLO: rank {world['rank']} of a simulated world of {world['world']} ({world['executed_graphs']} graphs "
+            "executed); gloo: 2 real ranks.",
             table(["what", "SP", "source", *OPS, "= Megatron-LM"], rows),
             "HLO and gloo counts per layer agree: " + ", ".join(
                 f"SP {sp[3:]} {phase}: {ok}" for sp, by_phase in out["agreement"].items()

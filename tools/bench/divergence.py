@@ -1,10 +1,6 @@
-"""What the silent-divergence safeguards cost (``python -m tools.bench divergence [--parts inputs,sp,save] [--rounds
-20] [--sp-layers 4] [--workdir DIR]``; docs/performance.md, "Divergence checks"), on two single-threaded gloo ranks,
-tp=2: ``inputs``, a training-mode forward of a parallelized Llama (tiny, and hidden 1024 x 4 layers at 2 x 512 tokens)
-with the input check on and off, alternating, and the check alone; ``sp``, backward of BERT-large-shaped layers with
-sequence parallelism, gradients summed inside backward (one all-reduce per module) against an identity region and one
-bucketed all-reduce after backward, and the all-reduces alone; ``save``, ``check_replicated_agree`` on BERT-large's
-replicated tensors alone and one ``save`` with the check on and one off. Medians; differences paired by round."""
+"""What the silent-divergence safeguards cost on two single-threaded gloo ranks at tp=2 (``python -m tools.bench
+divergence --help``; docs/performance.md, "Divergence checks"): the input check, sequence-parallel gradients summed in
+backward, the replicated-tensor check of ``save``."""
 
 from __future__ import annotations
 
@@ -17,18 +13,21 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import transformers as tf
 
-from nxdtp import checkpointing, comm, grads, mappings
+from nxdtp import checkpointing, comm, mappings
 from nxdtp.agreement import InputCheckNote, check_replicated_agree, set_input_check
 from nxdtp.checkpointing.index import split_state_dict
+from nxdtp.grads import allreduce_sequence_parallel_gradients
 from nxdtp.models import parallelize_model
 from nxdtp.parallel_state import tensor_parallel_group
 from nxdtp.record import read_note
 
-from .common import Pool, log, median, render, summary, table
+from .common import BERT_LARGE, Pool, alternate, hf_model, log, median, render, summary, table
 
-SP_WRAPPER = "nxdtp_sequence_parallel_grads_in_backward"
+TINY_LLAMA = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64)
+BIGGER_LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
 
 
 def _timed(function: Callable[[], Any]) -> float:
@@ -49,15 +48,11 @@ def _paired(on: List[float], off: List[float]) -> str:
 
 
 def _llama(size: str):
-    tiny = size == "tiny"
-    config = tf.LlamaConfig(**(dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64) if tiny
-                               else dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                                         max_position_embeddings=1024)))
-    torch.manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (2, 8 if tiny else 512), generator=torch.Generator().manual_seed(1))
-    return tf.LlamaForCausalLM(config), dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+    cfg = TINY_LLAMA if size == "tiny" else BIGGER_LLAMA
+    model = hf_model(cfg, "llama", seed=0)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 8 if size == "tiny" else 512),
+                        generator=torch.Generator().manual_seed(1))
+    return model, dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
 
 
 def _inputs(rounds: int) -> List[Any]:
@@ -65,37 +60,35 @@ def _inputs(rounds: int) -> List[Any]:
     for size in ("tiny", "bigger"):
         model, batch = _llama(size)
         model = parallelize_model(model).train()
-        times: Dict[int, List[float]] = {0: [], 1: [], 2: []}  # off, on, the check alone
-        for r in range(rounds + 2):
-            for every in (1, 0) if r % 2 else (0, 1):
-                set_input_check(model, every=every)
-                times[every].append(_timed(lambda: model(**batch)))
-            set_input_check(model, every=1)
-            times[2].append(_timed(lambda: read_note(model, InputCheckNote).check(model, (), batch)))
-        times = {k: v[2:] for k, v in times.items()}
+
+        def one(every: int) -> float:  # 0: check off, 1: on, 2: the check alone
+            set_input_check(model, every=min(every, 1))
+            if every == 2:
+                return _timed(lambda: read_note(model, InputCheckNote).check(model, (), batch))
+            return _timed(lambda: model(**batch))
+
+        times = alternate((0, 1, 2), rounds, one, warmup=2, swap=True)
         rows.append([f"{size} Llama, batch {tuple(batch['input_ids'].shape)}", _ms(times[1]), _ms(times[0]),
                      _paired(times[1], times[0]), _ms(times[2])])
     return ["### Input check per forward (tp=2, gloo, CPU, training mode, no backward)",
-            table(["model", "forward, check on: median ms (min-max)", "check off", "on - off, median of rounds",
-                   "the check alone"], rows, dict.fromkeys(["forward, check on: median ms (min-max)", "check off",
-                                                            "the check alone"], ".3f"))]
+            table(["model", "forward, check on: median ms (min-max)|.3f", "check off|.3f",
+                   "on - off, median of rounds", "the check alone|.3f"], rows)]
 
 
 def _bert(layers: int):
-    torch.manual_seed(0)
-    return tf.BertForPreTraining(tf.BertConfig(vocab_size=30528, hidden_size=1024, num_hidden_layers=layers,
-                                               num_attention_heads=16, intermediate_size=4096,
-                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return hf_model(dict(BERT_LARGE, vocab_size=30528, num_hidden_layers=layers), seed=0, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
 
 
 def _sp(rounds: int, layers: int) -> List[Any]:
     model = parallelize_model(_bert(layers), sequence_parallel=True).train()
     ids = torch.randint(0, 30522, (2, 128), generator=torch.Generator().manual_seed(2))
     batch = dict(input_ids=ids, labels=ids.clone(), next_sentence_label=torch.zeros(2, dtype=torch.long))
-    sp_params = [p for p in model.parameters() if getattr(p, "grad_allreduced_in_backward", False)]
-    per_module = [sum(p.numel() for p in m.parameters(recurse=False) if getattr(p, "grad_allreduced_in_backward",
-                                                                                 False))
-                  for m in model.modules() if getattr(type(m), "_nxdtp_wrapper", None) == SP_WRAPPER]
+    owned = [[p for p in m.parameters(recurse=False) if getattr(p, "grad_allreduced_in_backward", False)]
+             for m in model.modules()]
+    per_module, sp_params = [sum(p.numel() for p in ps) for ps in owned if ps], [p for ps in owned for p in ps]
+    for p in sp_params:  # unmarked, the call after backward sums them (the summing region reads its module's specs)
+        p.grad_allreduced_in_backward = False
     group, identity = tensor_parallel_group(), lambda *tensors: tuple(t.view_as(t) for t in tensors)
 
     def backward(how: str) -> float:
@@ -104,26 +97,21 @@ def _sp(rounds: int, layers: int) -> List[Any]:
             return _timed(model(**batch).loss.backward)
         with mock.patch.object(mappings, "sum_gradients_over_tensor_parallel", identity):
             loss = model(**batch).loss
-        return _timed(lambda: (loss.backward(), grads._bucketed_all_reduce([p.grad for p in sp_params], group, 1,
-                                                                          512)))
+        return _timed(lambda: (loss.backward(), allreduce_sequence_parallel_gradients(sp_params)))
 
-    times: Dict[str, List[float]] = {"in backward": [], "bucket after": []}
-    for r in range(rounds + 1):
-        for how in ("in backward", "bucket after") if r % 2 else ("bucket after", "in backward"):
-            times[how].append(backward(how))
+    times = alternate(("bucket after", "in backward"), rounds, backward, warmup=1, swap=True)
     separate = [_timed(lambda: [comm.all_reduce(torch.ones(n), group) for n in per_module]) for _ in range(rounds)]
     together = [_timed(lambda: comm.all_reduce(torch.ones(sum(per_module)), group)) for _ in range(rounds)]
-    on, off = times["in backward"][1:], times["bucket after"][1:]
+    on, off = times["in backward"], times["bucket after"]
     return ["### Sequence-parallel gradients summed in backward",
             f"BERT-large-shaped, {layers} layers, SP, tp=2: {len(per_module)} modules with sequence-parallel "
             f"parameters, {len(sp_params)} parameters, {sum(per_module)} elements",
-            table(["backward", "median ms (min-max)"], [
+            table(["backward", "median ms (min-max)|.3f"], [
                 [f"gradients summed in backward ({len(per_module)} all-reduces)", _ms(on)],
                 ["identity region, one bucketed all-reduce after backward", _ms(off)],
                 ["difference, median of rounds", _paired(on, off)],
                 [f"the {len(per_module)} all-reduces alone, one after the other", _ms(separate)],
-                [f"one all-reduce of their {sum(per_module)} elements", _ms(together)]],
-                {"median ms (min-max)": ".3f"})]
+                [f"one all-reduce of their {sum(per_module)} elements", _ms(together)]])]
 
 
 def _save(rounds: int, workdir: str) -> List[Any]:
@@ -138,10 +126,9 @@ def _save(rounds: int, workdir: str) -> List[Any]:
     return ["### Replicated-tensor check of save",
             f"BertForPreTraining, BERT-large (24 layers), tp=2: {len(replicated)} replicated tensors, "
             f"{sum(t.numel() for t in replicated.values()):,} elements",
-            table(["operation", "median ms (min-max)"], [
+            table(["operation", "median ms (min-max)|.3f"], [
                 [f"check_replicated_agree alone ({rounds} rounds)", _ms(alone)],
-                ["save, check on (2 saves)", _ms(saves[True])], ["save, check off (2 saves)", _ms(saves[False])]],
-                {"median ms (min-max)": ".3f"})]
+                ["save, check on (2 saves)", _ms(saves[True])], ["save, check off (2 saves)", _ms(saves[False])]])]
 
 
 def case_parts(parts: List[str], rounds: int, sp_layers: int, workdir: str) -> List[Any]:
@@ -151,7 +138,7 @@ def case_parts(parts: List[str], rounds: int, sp_layers: int, workdir: str) -> L
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench divergence", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench divergence", description=__doc__)
     parser.add_argument("--parts", default="inputs,sp,save")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sp-layers", type=int, default=4)

@@ -1,24 +1,19 @@
-"""Section 2: parameter and AdamW bytes per rank of BERT-large at TP 1, 2, 4, 8 (docs/performance.md). Counted on the
-meta device under a simulated topology, next to dense / tp and NxD's attention-only recipe from the config; measured:
-the storage the parameters hold (a view of the dense tensor keeps all of it) and the RSS a rank gains, in a fresh
-process with a fixed mmap threshold, building on CPU and parallelizing in place at the last rank."""
+"""Section 2: parameter and AdamW bytes per rank of BERT-large at TP 1, 2, 4, 8, counted and measured
+(docs/performance.md, section 2)."""
 
 from __future__ import annotations
 
 import gc
 from typing import Any, Dict, List
 
-import torch
-from transformers import BertConfig, BertForPreTraining
+from transformers import BertForPreTraining  # noqa: F401 - the model code loaded before the RSS baselines
 
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.parallel_state import simulated_topology
 from nxdtp.storage import held_bytes
 
-from .common import fresh, malloc_trim, proc_status_kib, table, verdict
+from .common import BERT_LARGE, fresh, hf_model, malloc_trim, proc_status_kib, table, verdict
 
-BERT_LARGE = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                  intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
 QUICK_CFG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
                  max_position_embeddings=128, type_vocab_size=2)
 TPS, RSS_TPS = (1, 2, 4, 8), {False: (1, 2, 8), True: (1, 2)}
@@ -37,17 +32,12 @@ def analytic_counts(cfg: Dict[str, int], tp: int) -> Dict[str, int]:
             "nxd_attention_only": rest + layers * (qkv // tp + (h * h) // tp + h + 2 * ln + mlp)}
 
 
-def _bert(cfg, device=None):
-    with torch.device(device or "cpu"):
-        return BertForPreTraining(BertConfig(**cfg))
-
-
 def _counts(model) -> tuple:
     return sum(p.numel() for p in model.parameters()), held_bytes(model.parameters())
 
 
 def case_count(cfg: Dict[str, int]) -> Dict[str, Any]:
-    dense = _counts(_bert(cfg, "meta"))[0]
+    dense = _counts(hf_model(cfg, device="meta"))[0]
     if analytic_counts(cfg, 1)["dense"] != dense:
         raise AssertionError(f"the analytic parameter count {analytic_counts(cfg, 1)['dense']:,} differs from the "
                              f"model's {dense:,}: the NxD attention-only figures would be wrong")
@@ -55,7 +45,7 @@ def case_count(cfg: Dict[str, int]) -> Dict[str, Any]:
     for tp in TPS:
         counted = []
         for rank in sorted({0, tp - 1}):
-            model = _bert(cfg, "meta")
+            model = hf_model(cfg, device="meta")
             with simulated_topology(world_size=tp, rank=rank, tensor_model_parallel_size=tp):
                 parallelize_bert(model)  # meta tensors: nothing communicated
             if any(p.device.type != "meta" for p in model.parameters()):
@@ -80,9 +70,8 @@ def case_rss(cfg: Dict[str, int], tps: List[int]) -> List[Dict[str, Any]]:
 
     rows = []
     for tp in tps:
-        torch.manual_seed(0)
         start = rss()
-        model = _bert(cfg)
+        model = hf_model(cfg, seed=0, device="cpu")
         dense_bytes, dense_rss = _counts(model)[1], rss() - start
         with simulated_topology(world_size=tp, rank=tp - 1, tensor_model_parallel_size=tp):
             parallelize_bert(model, broadcast_replicated=False)  # no collective: the rank's own values are kept
@@ -111,28 +100,25 @@ def run(ctx) -> Dict[str, Any]:
 
 def _tables(out: Dict[str, Any]) -> List[Any]:
     cfg, dense, at8 = out["config"], out["dense_parameters"], out["rows"][-1]
-    columns = ["tp", "nxdtp parameters / rank", "parameter bytes", "storage bytes held", "AdamW state bytes",
-               "params + grads + AdamW", "% of dense", "limit: dense / tp", "NxD attention-only parameters / rank",
-               "NxD parameter bytes", "NxD AdamW state bytes", "NxD % of dense"]
+    columns = ["tp", "nxdtp parameters / rank", "parameter bytes|bytes", "storage bytes held|bytes",
+               "AdamW state bytes|bytes", "params + grads + AdamW|bytes", "% of dense|.2f", "limit: dense / tp|.2f",
+               "NxD attention-only parameters / rank", "NxD parameter bytes|bytes", "NxD AdamW state bytes|bytes",
+               "NxD % of dense|.2f"]
     keys = ("tp", "nxdtp_parameters_per_rank", "nxdtp_parameter_bytes", "nxdtp_storage_bytes_held",
             "nxdtp_adamw_state_bytes", "nxdtp_training_bytes", "nxdtp_percent_of_dense", "limit_percent_of_dense",
             "nxd_parameters_per_rank", "nxd_parameter_bytes", "nxd_adamw_state_bytes", "nxd_percent_of_dense")
-    formats = {c: "bytes" for c in columns if "bytes" in c or "+" in c} | {c: ".2f" for c in columns if "%" in c
-                                                                          or "limit" in c}
     rss_cfg = out["rss"]["config"]
     return [f"BERT-large BertForPreTraining ({', '.join(f'{k} {v}' for k, v in cfg.items())}): dense {dense:,} "
             f"parameters, {4 * dense / (1 << 20):,.1f} MiB fp32. Per rank, built on meta and sharded under a simulated "
             "topology; NxD attention-only computed from the config; percentages of dense.",
-            table(columns, ([r[k] for k in keys] for r in out["rows"]), formats),
+            table(columns, ([r[k] for k in keys] for r in out["rows"])),
             f"Target at tp=8: <= {TARGET_PERCENT_AT_TP8} % of dense; nxdtp {at8['nxdtp_percent_of_dense']:.2f} % "
             f"({verdict(at8['nxdtp_percent_of_dense'], TARGET_PERCENT_AT_TP8)}); limit "
             f"{at8['limit_percent_of_dense']:.2f} %; NxD attention-only {at8['nxd_percent_of_dense']:.2f} %.",
             f"The RSS a rank gains, measured: BertForPreTraining (hidden {rss_cfg['hidden_size']}, "
             f"{rss_cfg['num_hidden_layers']} layers, vocab {rss_cfg['vocab_size']}) built on CPU in a fresh process "
             "and parallelized in place at the last rank; RSS after parallelizing minus RSS before building.",
-            table(["tp", "parameter bytes", "storage bytes held", "RSS gained", "% of the dense model's RSS",
-                   "dense model's RSS"],
+            table(["tp", "parameter bytes|bytes", "storage bytes held|bytes", "RSS gained|bytes",
+                   "% of the dense model's RSS|.2f", "dense model's RSS|bytes"],
                   ([r["tp"], r["parameter_bytes"], r["storage_bytes_held"], r["rss_gain"],
-                    100 * r["rss_gain"] / r["dense_rss_gain"], r["dense_rss_gain"]] for r in out["rss"]["rows"]),
-                  {"parameter bytes": "bytes", "storage bytes held": "bytes", "RSS gained": "bytes",
-                   "% of the dense model's RSS": ".2f", "dense model's RSS": "bytes"})]
+                    100 * r["rss_gain"] / r["dense_rss_gain"], r["dense_rss_gain"]] for r in out["rss"]["rows"]))]

@@ -1,11 +1,5 @@
-"""Wall time and peak host memory of merging a tp=8 checkpoint next to a raw copy of the same bytes: section 5 of the
-suite, and ``python -m tools.bench merge_timing`` (docs/performance.md). Targets: merge <= 2 x the raw copy's wall
-time, peak RSS increase <= 25 % of the checkpoint. The checkpoint (BERT-large, or a Llama-3.2-1B shape) is made by
-a world of 8 ranks (meta build, ``parallelize_model``, N(0, 0.02) values, replicas equal) unless present. Each
-measurement runs in a fresh process after the same imports: raw (stream through a 16 MiB buffer, fsync), merge,
-naive (whole files), and with ``--dcp`` the export to DCP and two imports of it; alternating over rounds, medians;
-the page cache dropped (``cold``, needs root) or the inputs read just before (``warm``). Peak = VmHWM after a reset;
-a thread samples private and file-backed RSS (mapped checkpoint pages are reclaimable page cache)."""
+"""Wall time and peak host memory of merging a tp=8 checkpoint, and of the DCP export and imports, against a raw copy
+of the same bytes: section 5 and ``python -m tools.bench merge_timing`` (docs/performance.md, section 5)."""
 
 from __future__ import annotations
 
@@ -29,11 +23,10 @@ from nxdtp.converters.dcp import import_dcp_resharded
 from nxdtp.models import parallelize_model
 from nxdtp.models.hf_loading import materialize_meta_model
 
-from .common import fresh, log, measure_rss, median, proc_status_kib, render, summary, table, version
+from . import common
+from .common import BERT_LARGE, alternate, emit, fresh, hf_model, log, measure_rss, median, summary, table
 
 TP = 8
-BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                  vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
 # A Llama-3.2-1B-shaped decoder (GQA: 32 query heads, 8 KV heads; tied embeddings; 1.24 B parameters, 4.9 GB fp32).
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=128256, max_position_embeddings=2048, tie_word_embeddings=True)
@@ -44,25 +37,16 @@ CONFIG_NAME = "config.json"  # beside the checkpoint; the DCP export copies it, 
 COPY_BUFFER_BYTES = 16 << 20
 TARGETS = {"wall_ratio": 2.0, "rss_fraction": 0.25}
 KINDS, DCP_KINDS = ("raw", "merge", "naive"), ("to_dcp", "from_dcp", "from_dcp_reshard")
-TARGET_KINDS = ("merge",) + DCP_KINDS
 LABELS = {"raw": "raw copy (stream, 16 MiB buffer, fsync)", "merge": "merge -> model.safetensors",
           "naive": "naive copy (read whole file, write, fsync)", "to_dcp": "export -> DCP (nxdtp-merge --to dcp)",
           "from_dcp": "import DCP -> HF dir (nxdtp-merge --from-dcp)",
           "from_dcp_reshard": "import DCP -> nxdtp checkpoint at the same tp (nxdtp-merge --from-dcp --reshard)"}
 
 
-def checkpoint_name(model: str, tp: int = TP) -> str:
-    return f"{model}-tp{tp}"
-
-
 def tag_dir(checkpoint_dir: str) -> Optional[str]:
     """The newest complete tag directory of ``checkpoint_dir``, or None."""
-    try:
-        with open(os.path.join(checkpoint_dir, "newest")) as f:
-            tag = os.path.join(checkpoint_dir, f.read().strip())
-    except OSError:
-        return None
-    return tag if os.path.isfile(os.path.join(tag, "done")) else None
+    tags = nxdtp.checkpointing.list_tags(checkpoint_dir)
+    return os.path.join(checkpoint_dir, tags[-1]) if tags else None
 
 
 def files_under(path: str) -> List[str]:
@@ -77,15 +61,11 @@ def safetensors_tensor_bytes(path: str) -> tuple:
     return len(spans), sum(end - begin for begin, end in spans)
 
 
-# ---- worker side ----------------------------------------------------------------------------------------------------
-
 def case_create(model: str, checkpoint_dir: str, config: Optional[Dict[str, Any]] = None) -> None:
-    """On every rank of a world of tp ranks (tp = world): build, shard, fill and save the checkpoint."""
-    bert = model == "bert-large"
-    cls, config_cls = (tf.BertForPreTraining, tf.BertConfig) if bert else (tf.LlamaForCausalLM, tf.LlamaConfig)
-    hf_config = config_cls(**(config or MODELS[model]), architectures=[cls.__name__])
-    with torch.device("meta"):
-        dense = cls(hf_config)
+    """On every rank of a world of tp ranks: build on meta, shard, fill with N(0, 0.02) (replicas equal), save."""
+    arch = "bert" if model == "bert-large" else "llama"
+    dense = hf_model(config or MODELS[model], arch, device="meta",
+                     architectures=["BertForPreTraining" if arch == "bert" else "LlamaForCausalLM"])
     parallelize_model(dense, broadcast_replicated=False)
     materialize_meta_model(dense, "cpu")
     replicated, own = (torch.Generator().manual_seed(s) for s in (1234, 10_000 + dist.get_rank()))
@@ -96,15 +76,15 @@ def case_create(model: str, checkpoint_dir: str, config: Optional[Dict[str, Any]
             buffer.zero_()
     nxdtp.checkpointing.save({"model": dense, "global_step": 1}, checkpoint_dir)
     if dist.get_rank() == 0:
-        hf_config.to_json_file(os.path.join(checkpoint_dir, CONFIG_NAME))
+        dense.config.to_json_file(os.path.join(checkpoint_dir, CONFIG_NAME))
 
 
 def _import_model_classes() -> Dict[str, float]:
-    """Load the HF model classes the DCP import builds on the meta device (this module imported the rest) before the
-    baseline, and say what that cost: ``import transformers`` loads them lazily, once per process."""
-    before, start = proc_status_kib()["VmRSS"], time.perf_counter()
+    """Load the HF model classes the DCP import builds (``import transformers`` loads them lazily) before the
+    baseline, and say what that cost."""
+    before, start = common.proc_status_kib()["VmRSS"], time.perf_counter()
     classes = [tf.BertForPreTraining.__name__, tf.LlamaForCausalLM.__name__]
-    return {"seconds": time.perf_counter() - start, "rss_mib": (proc_status_kib()["VmRSS"] - before) / 1024,
+    return {"seconds": time.perf_counter() - start, "rss_mib": (common.proc_status_kib()["VmRSS"] - before) / 1024,
             "classes": classes}
 
 
@@ -118,12 +98,11 @@ def _copy(sources: List[str], destination: str, whole: bool) -> int:
                 dst.write(data)
                 total += len(data)
                 del data
-            else:
-                while n := src.readinto(buffer):
-                    written = 0
-                    while written < n:
-                        written += dst.write(memoryview(buffer)[written:n])
-                    total += n
+            while not whole and (n := src.readinto(buffer)):
+                written = 0
+                while written < n:
+                    written += dst.write(memoryview(buffer)[written:n])
+                total += n
             os.fsync(dst.fileno())
     return total
 
@@ -131,17 +110,14 @@ def _copy(sources: List[str], destination: str, whole: bool) -> int:
 def _operation(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, reshard_tp: int):
     tag = os.path.basename(tag_dir(checkpoint_dir))
     config = os.path.join(checkpoint_dir, CONFIG_NAME)
-    if kind == "merge":
-        return lambda: merge(checkpoint_dir, output_dir, tag=tag, progress=False)
-    if kind == "to_dcp":
-        return lambda: export_dcp(checkpoint_dir, output_dir, tag=tag, progress=False, config=config)
-    if kind == "from_dcp":
-        return lambda: import_dcp(dcp_dir, output_dir, config=config, progress=False)
-    if kind == "from_dcp_reshard":
-        return lambda: import_dcp_resharded(dcp_dir, output_dir, reshard_tp, config=config,
-                                                          progress=False)
-    os.makedirs(output_dir)
-    return lambda: _copy(files_under(os.path.join(tag_dir(checkpoint_dir), "model")), output_dir, kind == "naive")
+    if kind in ("raw", "naive"):
+        os.makedirs(output_dir)
+        return lambda: _copy(files_under(os.path.join(tag_dir(checkpoint_dir), "model")), output_dir, kind == "naive")
+    return {"merge": lambda: merge(checkpoint_dir, output_dir, tag=tag, progress=False),
+            "to_dcp": lambda: export_dcp(checkpoint_dir, output_dir, tag=tag, progress=False, config=config),
+            "from_dcp": lambda: import_dcp(dcp_dir, output_dir, config=config, progress=False),
+            "from_dcp_reshard": lambda: import_dcp_resharded(dcp_dir, output_dir, reshard_tp, config=config,
+                                                             progress=False)}[kind]
 
 
 def case_measure(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, reshard_tp: int) -> Dict[str, Any]:
@@ -154,19 +130,6 @@ def case_measure(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, 
     else:
         result["output_bytes"] = sum(map(os.path.getsize, files_under(output_dir)))
     return result
-
-
-# ---- driver side ----------------------------------------------------------------------------------------------------
-
-def _drop_page_cache() -> str:
-    """'' when the kernel dropped the page cache, else why not."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return ""
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
 
 
 def warm(paths: List[str]) -> None:
@@ -184,7 +147,7 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
     by_kind = {k: [r for r in runs if r["kind"] == k] for k in KINDS + DCP_KINDS}
     out: Dict[str, Any] = {k: {f: summary(r[f] for r in rs) for f in fields} for k, rs in by_kind.items() if rs}
     out["targets"] = {}
-    for kind in (k for k in TARGET_KINDS if by_kind[k]):
+    for kind in (k for k in ("merge",) + DCP_KINDS if by_kind[k]):
         ratio = out[kind]["seconds"]["median"] / out["raw"]["seconds"]["median"]
         fraction = out[kind]["increase_mib"]["median"] * (1 << 20) / checkpoint_bytes
         out["targets"][kind] = {"wall_ratio": ratio, "rss_fraction": fraction,
@@ -196,132 +159,105 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
     return out
 
 
-def _one_cache(cache: str, kinds: List[str], rounds: int, dirs: Dict[str, str], tp: int) -> Optional[List[dict]]:
-    """Every kind ``rounds`` times with the page cache ``cache``; None when it cannot be dropped."""
-    runs = []
+def _runs(kinds: List[str], rounds: int, dirs: Dict[str, str], tp: int) -> List[dict]:
+    """Every kind ``rounds`` times in turn, each in a fresh process after its inputs were read (warm page cache)."""
     sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
-    for round_ in range(rounds):
-        for kind in kinds:
-            if cache == "cold" and _drop_page_cache():
-                return None
-            if cache == "warm":
-                warm(files_under(dirs["dcp"]) if kind.startswith("from_dcp") else sources)
-            output = os.path.join(dirs["scratch"], f"{cache}-{kind}-{round_}")
-            r = fresh(case_measure, kind=kind, checkpoint_dir=dirs["checkpoint"], dcp_dir=dirs["dcp"],
-                      output_dir=output, reshard_tp=tp)[0]
-            shutil.rmtree(output, ignore_errors=True)
-            log(f"merge timing: {cache} round {round_ + 1} {kind}: {r['seconds']:.2f} s, peak RSS +"
-                f"{r['increase_mib']:.1f} MiB")
-            runs.append(dict(r, round=round_))
-    return runs
+
+    def one(kind: str) -> dict:
+        warm(files_under(dirs["dcp"]) if kind.startswith("from_dcp") else sources)
+        output = os.path.join(dirs["scratch"], kind)
+        r = fresh(case_measure, kind=kind, checkpoint_dir=dirs["checkpoint"], dcp_dir=dirs["dcp"],
+                  output_dir=output, reshard_tp=tp)[0]
+        shutil.rmtree(output, ignore_errors=True)
+        log(f"merge timing: {kind}: {r['seconds']:.2f} s, peak RSS +{r['increase_mib']:.1f} MiB")
+        return r
+
+    by_kind = alternate(kinds, rounds, one)
+    return [dict(by_kind[k][i], round=i) for i in range(rounds) for k in kinds]
 
 
 def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]] = None, tp: int = TP) -> str:
     """``model``'s checkpoint at ``tp`` in ``workdir``, created by a world of tp ranks unless it is there."""
-    checkpoint_dir = os.path.join(workdir, checkpoint_name(model, tp))
+    checkpoint_dir = os.path.join(workdir, f"{model}-tp{tp}")
     if tag_dir(checkpoint_dir) is None:
         log(f"merge timing: creating {checkpoint_dir} (a world of {tp} ranks)")
         fresh(case_create, world=tp, tp=tp, model=model, checkpoint_dir=checkpoint_dir, config=config)
     return checkpoint_dir
 
 
-def measure(model: str, workdir: str, rounds: int, caches: List[str], kinds: List[str],
-            config: Optional[Dict[str, Any]] = None, tp: int = TP) -> Dict[str, Any]:
+def measure(model: str, workdir: str, rounds: int, kinds: List[str], config: Optional[Dict[str, Any]] = None,
+            tp: int = TP) -> Dict[str, Any]:
     """Create (or reuse) ``model``'s checkpoint at ``tp`` in ``workdir`` and measure ``kinds`` on it."""
     dirs = {"checkpoint": ensure_checkpoint(model, workdir, config, tp),
-            "dcp": os.path.join(workdir, checkpoint_name(model, tp) + "-dcp"),
+            "dcp": os.path.join(workdir, f"{model}-tp{tp}" + "-dcp"),
             "scratch": tempfile.mkdtemp(prefix="run_", dir=workdir)}
     try:
         if set(kinds) & {"from_dcp", "from_dcp_reshard"} and not os.path.isfile(os.path.join(dirs["dcp"], ".metadata")):
             shutil.rmtree(dirs["dcp"], ignore_errors=True)  # the imports' input: this checkpoint's export, made once
             fresh(case_measure, kind="to_dcp", checkpoint_dir=dirs["checkpoint"], dcp_dir="", output_dir=dirs["dcp"],
                   reshard_tp=tp)
-        results, refused = {}, None
-        for cache in caches:
-            runs = None if refused and cache == "cold" else _one_cache(cache, kinds, rounds, dirs, tp)
-            if runs is None:
-                refused = refused or _drop_page_cache()
-                log(f"merge timing: cold skipped, the page cache cannot be dropped ({refused})")
-                caches += [] if "warm" in caches else ["warm"]
-                continue
-            results[cache] = {"runs": runs}
+        runs = _runs(kinds, rounds, dirs, tp)
     finally:
         shutil.rmtree(dirs["scratch"], ignore_errors=True)
     sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
     checkpoint_bytes = sum(map(os.path.getsize, sources))
-    for block in results.values():
-        block["summary"] = _summarise(block["runs"], checkpoint_bytes)
     return {"model": model, "model_config": config or MODELS[model], "tp": tp, "checkpoint_bytes": checkpoint_bytes,
             "checkpoint_tensor_bytes": sum(safetensors_tensor_bytes(p)[1] for p in sources),
-            "model_files": len(sources), "rounds": rounds, "page_cache_drop_refused": refused, "targets": TARGETS,
-            "results": results, "env": {k: version(k) for k in ("torch", "transformers", "safetensors")}}
+            "model_files": len(sources), "rounds": rounds, "targets": TARGETS, "runs": runs,
+            "summary": _summarise(runs, checkpoint_bytes),
+            "env": {k: common.version(k) for k in ("torch", "transformers", "safetensors")}}
 
 
 def tables(out: Dict[str, Any]) -> List[Any]:
-    mib = out["checkpoint_bytes"] / (1 << 20)
-    runs = [r for block in out["results"].values() for r in block["runs"]]
+    mib, runs, s = out["checkpoint_bytes"] / (1 << 20), out["runs"], out["summary"]
     merged = next((r for r in runs if r["kind"] == "merge"), {})
     imports = [r["model_code_import"] for r in runs]
-    rows, target_rows = [], []
-    for cache, block in out["results"].items():
-        s = block["summary"]
-        rows += [[cache, LABELS[k], s[k]["seconds"], s[k]["increase_mib"], 100 * s[k]["increase_mib"]["median"] / mib,
-                  s[k]["sampled_peak_anon_increase_mib"]["median"], s[k]["sampled_peak_file_increase_mib"]["median"]]
-                 for k in KINDS + DCP_KINDS if k in s]
-        target_rows += [[cache, k, t["wall_ratio"], "met" if t["wall_target_met"] else "MISSED",
-                         100 * t["rss_fraction"], "met" if t["rss_target_met"] else "MISSED", t["wall_ratio_per_round"]]
-                        for k, t in s["targets"].items()]
+    verdict = lambda met: "met" if met else "MISSED"  # noqa: E731
     return [f"{out['model']} ({out['model_config']}) saved at tp={out['tp']}, float32: {out['model_files']} model "
-            "files, "
-            f"{out['checkpoint_bytes']:,} bytes ({mib:.1f} MiB), {out['checkpoint_tensor_bytes']:,} bytes of tensor "
-            f"data; merged model.safetensors: {merged.get('output_bytes', 0):,} bytes, {merged.get('output_tensors')} "
-            f"tensors. {out['rounds']} round(s), medians, one thread; peak-RSS reset before each call: "
-            f"{all(r['peak_reset'] for r in runs)}; page cache drop refused: {out['page_cache_drop_refused']}.",
-            table(["cache", "operation", "wall s median (min-max)", "peak RSS increase MiB median (min-max)",
-                   "% of checkpoint", "anon + MiB (sampled)", "file-backed + MiB (sampled)"], rows,
-                  {"wall s median (min-max)": ".2f", "peak RSS increase MiB median (min-max)": ".1f",
-                   "% of checkpoint": ".1f", "anon + MiB (sampled)": ".1f", "file-backed + MiB (sampled)": ".1f"}),
-            table(["cache", "operation", f"op / raw wall (target <= {TARGETS['wall_ratio']:g})", "wall",
+            f"files, {out['checkpoint_bytes']:,} bytes ({mib:.1f} MiB), {out['checkpoint_tensor_bytes']:,} bytes of "
+            f"tensor data; merged model.safetensors: {merged.get('output_bytes', 0):,} bytes, "
+            f"{merged.get('output_tensors')} tensors. Warm page cache, {out['rounds']} round(s), medians; peak-RSS "
+            f"reset before each call: {all(r['peak_reset'] for r in runs)}.",
+            table(["operation", "wall s median (min-max)|.2f", "peak RSS increase MiB median (min-max)|.1f",
+                   "% of checkpoint|.1f", "anon + MiB (sampled)|.1f", "file-backed + MiB (sampled)|.1f"],
+                  ([LABELS[k], s[k]["seconds"], s[k]["increase_mib"], 100 * s[k]["increase_mib"]["median"] / mib,
+                    s[k]["sampled_peak_anon_increase_mib"]["median"], s[k]["sampled_peak_file_increase_mib"]["median"]]
+                   for k in KINDS + DCP_KINDS if k in s)),
+            table(["operation", f"op / raw wall (target <= {TARGETS['wall_ratio']:g})", "wall",
                    f"RSS increase % of checkpoint (target <= {100 * TARGETS['rss_fraction']:g} %)", "RSS",
-                   "op / raw wall per round"], target_rows, {"op / raw wall per round": ".2f"}),
-            "increase = peak RSS of the call (VmHWM after resetting it) - RSS before it; anon = private memory; "
-            "file-backed = pages of mapped files (the checkpoint's), reclaimable page cache. Importing the HF model "
-            f"classes before each baseline (not in the figures) took {median(i['seconds'] for i in imports):.2f} s "
-            f"and {median(i['rss_mib'] for i in imports):.1f} MiB of RSS (medians)."]
+                   "op / raw wall per round|.2f"],
+                  ([k, t["wall_ratio"], verdict(t["wall_target_met"]), 100 * t["rss_fraction"],
+                    verdict(t["rss_target_met"]), t["wall_ratio_per_round"]] for k, t in s["targets"].items())),
+            "Importing the HF model classes before each baseline (not in the figures) took "
+            f"{median(i['seconds'] for i in imports):.2f} s and {median(i['rss_mib'] for i in imports):.1f} MiB of "
+            "RSS (medians)."]
 
 
 def run(ctx) -> Dict[str, Any]:
-    """Section 5: BERT-large at tp=8 (``--quick``: a tiny BERT at tp=2), warm page cache only (dropping it needs root
-    and slows everyone else on a shared machine), raw / merge / naive, ``--merge-rounds`` rounds (default 3, --quick
-    1); the checkpoint kept in ``--merge-workdir`` when given."""
+    """Section 5: BERT-large at tp=8 (``--quick``: a tiny BERT at tp=2), warm page cache, raw / merge / naive."""
     workdir = ctx.merge_workdir or tempfile.mkdtemp(prefix="bench_merge_")
     os.makedirs(workdir, exist_ok=True)
     config, tp = (QUICK_CONFIG, 2) if ctx.quick else (None, TP)
     try:
-        out = measure("bert-large", workdir, ctx.merge_rounds or (1 if ctx.quick else 3), ["warm"], list(KINDS),
-                      config, tp)
+        out = measure("bert-large", workdir, ctx.merge_rounds or (1 if ctx.quick else 3), list(KINDS), config, tp)
     finally:
         if ctx.merge_workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    s = out["results"]["warm"]["summary"]
-    out["numbers"] = {"merge_s": s["merge"]["seconds"]["median"], "raw_copy_s": s["raw"]["seconds"]["median"],
-                      "merge_over_raw": s["wall_ratio"], "merge_rss_increase_mib": s["merge"]["increase_mib"]["median"],
-                      "merge_rss_increase_fraction": s["rss_fraction"],
-                      "raw_copy_rss_increase_mib": s["raw"]["increase_mib"]["median"],
-                      "naive_copy_s": s["naive"]["seconds"]["median"],
-                      "naive_copy_rss_increase_mib": s["naive"]["increase_mib"]["median"]}
+    s = out["summary"]
+    out["numbers"] = {"merge_over_raw": s["wall_ratio"], "merge_rss_increase_fraction": s["rss_fraction"]}
+    for kind, name in (("merge", "merge"), ("raw", "raw_copy"), ("naive", "naive_copy")):
+        out["numbers"].update({f"{name}_s": s[kind]["seconds"]["median"],
+                               f"{name}_rss_increase_mib": s[kind]["increase_mib"]["median"]})
     out["tables"] = tables(out)
     return out
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench merge_timing", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench merge_timing", description=__doc__)
     parser.add_argument("--workdir", help="where the checkpoint is created (reused when it holds one); default: a "
                                           "temporary directory, removed at exit unless --keep")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each operation (default: 3)")
-    parser.add_argument("--cache", choices=("cold", "warm", "both"), default="both")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive read-whole-file copy")
     parser.add_argument("--models", default="bert-large", help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--dcp", action="store_true", help="also the DCP export and the two imports of that export")
@@ -333,15 +269,10 @@ def main(argv=None) -> int:
     workdir = os.path.abspath(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="bench_merge_")
     os.makedirs(workdir, exist_ok=True)
     kinds = [k for k in KINDS if not (args.no_naive and k == "naive")] + (list(DCP_KINDS) if args.dcp else [])
-    caches = ["cold", "warm"] if args.cache == "both" else [args.cache]
     try:
-        outs = [measure(m, workdir, args.rounds, list(caches), kinds) for m in models]
+        outs = [measure(m, workdir, args.rounds, kinds) for m in models]
     finally:
         if not args.workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    for out in outs:
-        print(render(tables(out)) + "\n")
-    if args.json:
-        with open(args.json, "w") as f:  # one model: its figures at the top level; several: a list of them
-            json.dump(outs[0] if len(outs) == 1 else {"models": outs}, f, indent=1)
-    return 0
+    # One model: its figures at the top level of the JSON; several: a list of them.
+    return emit([b for out in outs for b in tables(out)], outs[0] if len(outs) == 1 else {"models": outs}, args.json)

@@ -1,8 +1,6 @@
-"""Section 1: a BertForPreTraining train step on CPU, dense vs nxdtp TP=2 vs DTensor TP=2 (``parallelize_module`` on
-the encoder layers), then a Llama-shaped decoder (GQA), dense vs nxdtp TP=2; ``run_gpu``: dense vs nxdtp tp=1 on one
-device over NCCL. Competitors are pools of single-threaded workers that import the same modules before their memory
-baseline and build the same seeded, fully randomised model; their steps alternate, each after a barrier, timed by the
-slowest rank. docs/performance.md, section 1."""
+"""Section 1: a BertForPreTraining train step on CPU, dense vs nxdtp TP=2 vs DTensor TP=2, then a Llama-shaped decoder
+(GQA), dense vs nxdtp TP=2; ``run_gpu``: dense vs nxdtp tp=1 on one device over NCCL (docs/performance.md, section
+1). Competitors are pools of single-threaded workers; their steps alternate, each timed by the slowest rank."""
 
 from __future__ import annotations
 
@@ -20,14 +18,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel as Col
 from torch.distributed.tensor.parallel import RowwiseParallel as Row
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import ProfilerActivity, profile, record_function
-from transformers import BertConfig, BertForPreTraining, LlamaConfig, LlamaForCausalLM  # not lazily: before baselines
+from transformers import BertForPreTraining, LlamaForCausalLM  # noqa: F401 - imported before the memory baselines
 
 import nxdtp.grads
 from nxdtp.models import parallelize_model
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import Pool, barrier, log, malloc_trim, median, proc_status_kib, reset_peak_rss, summary, table, verdict
+from . import common
+from .common import Pool, alternate, barrier, log, median, proc_status_kib, reset_peak_rss, summary, table, verdict
 
 LABELS = {"dense": "(a) dense, 1 process x 1 thread", "nxdtp": "(b) nxdtp TP=2, 2 gloo ranks x 1 thread",
           "dtensor": "(c) DTensor TP=2, 2 gloo ranks x 1 thread"}
@@ -55,13 +54,11 @@ STATE: Dict[str, Any] = {}  # a worker's model, optimizer and batch between call
 # ---- models and batches (also sections 3 and 4) --------------------------------------------------------------------
 
 def build_dense(model_cfg: Dict[str, Any], seed: int, arch: str = "bert"):
-    """BertForPreTraining or LlamaForCausalLM (untied head), dropout off, every parameter (biases and norms too) moved
-    off its initial value by seeded N(0, 0.02) noise: the same model in every process."""
-    torch.manual_seed(seed)
-    if arch == "bert":
-        model = BertForPreTraining(BertConfig(**model_cfg, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**model_cfg, attention_dropout=0.0, tie_word_embeddings=False))
+    """The same model in every process: dropout off, an untied Llama head, every parameter moved off its initial value
+    by seeded N(0, 0.02) noise."""
+    dropout_off = (dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) if arch == "bert"
+                   else dict(attention_dropout=0.0, tie_word_embeddings=False))
+    model = common.hf_model(model_cfg, arch, seed, **dropout_off)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():  # tied weights once, in a fixed order
@@ -171,7 +168,7 @@ def case_release() -> None:
     for key in ("model", "clip", "optimizer", "batch"):
         STATE.pop(key, None)
     gc.collect()
-    malloc_trim()
+    common.malloc_trim()
 
 
 def case_gemm_probe(model_cfg, seq: int, batch: int, seconds: float = 1.5) -> Dict[str, float]:
@@ -259,12 +256,7 @@ def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu") -
     builds = {k: p.call(case_build, kind=k, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"], arch=arch,
                         device=device, vocab_multiple=ctx.vocab_multiple if k == "nxdtp" else 1)
               for k, p in pools.items()}
-    steps: Dict[str, List[List[dict]]] = {k: [] for k in pools}
-    for index in range(warmup + rounds):
-        for kind, pool in pools.items():
-            steps[kind].append(pool.call(case_step))
-        log(f"train step ({arch}) round {index + 1}/{warmup + rounds}: " + ", ".join(
-            f"{k} {max(r['seconds'] for r in s[-1]):.3f} s" for k, s in steps.items()))
+    steps = alternate(list(pools), warmup + rounds, lambda k: pools[k].call(case_step), what=f"train step ({arch})")
     c = {k: _competitor(k, builds[k], steps[k], p.call(case_memory), warmup) for k, p in pools.items()}
     losses = {k: v["last_loss"] for k, v in c.items()}
     worst = max(abs(v - losses["dense"]) / abs(losses["dense"]) for v in losses.values())
@@ -352,69 +344,59 @@ def run_gpu(ctx) -> Dict[str, Any]:
 
 
 def _describe(result: Dict[str, Any], arch: str) -> List[Any]:
-    """The paragraph and the competitors' table of one model's rounds."""
-    cfg, c = result["config"], result["competitors"]
-    heads = f"{cfg['num_attention_heads']} heads" + (f" over {cfg['num_key_value_heads']} KV heads (GQA)"
-                                                     if "num_key_value_heads" in cfg else "")
-    columns = ["competitor", "step s median (min-max)", "forward s", "backward s", "clip s", "AdamW s",
-               "parameters MiB / rank", "peak RSS MiB per rank"] + (
-        ["peak RSS increase MiB per rank (over imports)"] if arch == "bert" else []) + [
-        "peak RSS MiB per rank over RSS after build", "loss at last step"]
+    """The caption and the competitors' table of one model's rounds."""
+    cfg, c, bert = result["config"], result["competitors"], arch == "bert"
+    columns = ["competitor", "step s median (min-max)|.3f", "forward s|.3f", "backward s|.3f", "clip s|.4f",
+               "AdamW s|.3f", "parameters MiB / rank|,.1f", "peak RSS MiB per rank|.0f"] + (
+        ["peak RSS increase MiB per rank (over imports)|.0f"] if bert else []) + [
+        "peak RSS MiB per rank over RSS after build|.0f", "loss at last step|.7f"]
     rows = [[k["label"], k["step_s"], *(k["phase_s_median"][p] for p in PHASES),
              max(k["parameter_bytes_per_rank"]) / (1 << 20), k["peak_rss_mib_per_rank"]]
-            + ([k["rss_increase_mib_per_rank"]] if arch == "bert" else [])
+            + ([k["rss_increase_mib_per_rank"]] if bert else [])
             + [k["peak_over_after_build_mib_per_rank"], k["last_loss"]] for k in c.values()]
-    formats = {**{col: ".0f" for col in columns if "RSS" in col}, "step s median (min-max)": ".3f", "forward s": ".3f",
-               "backward s": ".3f", "clip s": ".4f", "AdamW s": ".3f", "parameters MiB / rank": ",.1f",
-               "loss at last step": ".7f"}
-    name = "BertForPreTraining" if arch == "bert" else "LlamaForCausalLM (Llama-shaped decoder)"
-    return [f"{name}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {heads}, intermediate "
-            f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']}; seq {result['seq']}, batch {result['batch']}, "
-            f"fp32, dropout 0, AdamW (lr {ADAMW['lr']}), clip to {MAX_GRAD_NORM}. {result['warmup_steps']} warm-up "
-            f"steps, then {result['rounds']} alternating rounds; medians; step time = slowest rank; attention "
-            f"{c['dense']['attn_implementation']}; nxdtp make_vocab_size_divisible_by="
+    name = "BertForPreTraining" if bert else "LlamaForCausalLM (Llama-shaped decoder)"
+    return [f"{name}: {common.model_text(cfg)}; seq {result['seq']}, batch {result['batch']}, fp32, AdamW (lr "
+            f"{ADAMW['lr']}), clip to {MAX_GRAD_NORM}; {result['warmup_steps']} warm-up steps, {result['rounds']} "
+            f"rounds; attention {c['dense']['attn_implementation']}; nxdtp make_vocab_size_divisible_by="
             f"{result['nxdtp_make_vocab_size_divisible_by']} ({c['nxdtp']['local_vocab_rows']} vocabulary rows per "
-            "rank).", table(columns, rows, formats)]
+            "rank).", table(columns, rows)]
 
 
-def _figure(label: str, result: Dict[str, Any], key: str, target: str = "", goal: str = "") -> list:
-    value = result["ratios"][key]
-    return [label, value, target, verdict(value, TARGETS[goal]) if goal else ""]
+HALF = "<= 0.60 (limit 0.50)"
+# (label, ratio, target text, TARGETS key) of section 1's figures; the Llama's after them.
+FIGURES = [("step time b/a (nxdtp / dense)", "nxdtp/dense step time", HALF, "nxdtp/dense step time"),
+           ("step time b/c (nxdtp / DTensor)", "nxdtp/dtensor step time", "<= 0.65", "nxdtp/dtensor step time"),
+           ("b/a, median of per-round ratios", "nxdtp/dense step time, median of per-round ratios", "", ""),
+           ("b/c, median of per-round ratios", "nxdtp/dtensor step time, median of per-round ratios", "", ""),
+           ("peak RSS increase per rank, b/a", "nxdtp/dense peak RSS increase per rank", HALF,
+            "nxdtp/dense peak RSS per rank"),
+           ("peak RSS per rank (absolute, imports included), b/a", "nxdtp/dense peak RSS per rank (absolute)", "", ""),
+           ("peak RSS increase per rank, c/a", "dtensor/dense peak RSS increase per rank", "", "")]
+LLAMA_FIGURES = [("Llama step time b/a (nxdtp / dense)", "nxdtp/dense step time", HALF, "nxdtp/dense step time"),
+                 ("Llama b/a, median of per-round ratios", "nxdtp/dense step time, median of per-round ratios", "", ""),
+                 ("Llama peak RSS per rank over RSS after build, b/a", "nxdtp/dense peak RSS over build per rank", "",
+                  "")]
+
+
+def _figures(result: Dict[str, Any], figures, who: str) -> List[list]:
+    rows = [[label, result["ratios"][key], target, verdict(result["ratios"][key], TARGETS[goal]) if goal else ""]
+            for label, key, target, goal in figures]
+    agree = result["loss_agreement"]
+    return rows + [[f"{who}losses at the last step agree", agree["max_rel_diff_vs_dense"], f"<= {LOSS_RTOL:.0e}",
+                    "met" if agree["agree"] else "MISSED"]]
 
 
 def _tables(out: Dict[str, Any]) -> List[Any]:
-    llama, probe = out["llama"], out["two_rank_gemm_probe"]["together_over_alone"]
-    half = "<= 0.60 (limit 0.50)"
-    agree = lambda r, who: [f"{who}losses at the last step agree", r["loss_agreement"]["max_rel_diff_vs_dense"],  # noqa
-                            f"<= {LOSS_RTOL:.0e}", "met" if r["loss_agreement"]["agree"] else "MISSED"]
-    figures = [_figure("step time b/a (nxdtp / dense)", out, "nxdtp/dense step time", half, "nxdtp/dense step time"),
-               _figure("step time b/c (nxdtp / DTensor)", out, "nxdtp/dtensor step time", "<= 0.65",
-                       "nxdtp/dtensor step time"),
-               _figure("b/a, median of per-round ratios", out, "nxdtp/dense step time, median of per-round ratios"),
-               _figure("b/c, median of per-round ratios", out, "nxdtp/dtensor step time, median of per-round ratios"),
-               _figure("peak RSS increase per rank, b/a", out, "nxdtp/dense peak RSS increase per rank", half,
-                       "nxdtp/dense peak RSS per rank"),
-               _figure("peak RSS per rank (absolute, imports included), b/a", out,
-                       "nxdtp/dense peak RSS per rank (absolute)"),
-               _figure("peak RSS increase per rank, c/a", out, "dtensor/dense peak RSS increase per rank"),
-               ["machine check: a TP-shard GEMM, both ranks at once / one rank alone", probe, "1.00 (a core per rank)",
-                "ok" if probe <= 1.15 else "the ranks do not get a core each: b/a cannot reach its target here"],
-               agree(out, "")]
-    llama_figures = [_figure("Llama step time b/a (nxdtp / dense)", llama, "nxdtp/dense step time", half,
-                             "nxdtp/dense step time"),
-                     _figure("Llama b/a, median of per-round ratios", llama,
-                             "nxdtp/dense step time, median of per-round ratios"),
-                     _figure("Llama peak RSS per rank over RSS after build, b/a", llama,
-                             "nxdtp/dense peak RSS over build per rank"), agree(llama, "Llama ")]
-    columns = ["figure", "value", "target", "verdict"]
-    blocks = _describe(out, "bert") + [
-        table(columns, figures), "Peak RSS: VmHWM of each process over the train steps (reset after the model is "
-        "built and sharded); increase = peak - RSS after the imports (the same in every competitor); the next column "
-        "is the part above the RSS right after building and sharding (activations, gradients, AdamW state)."]
-    blocks += _describe(llama, "llama") + [table(columns, llama_figures)]
+    probe, columns = out["two_rank_gemm_probe"]["together_over_alone"], ["figure", "value", "target", "verdict"]
+    figures = _figures(out, FIGURES, "")
+    figures.insert(-1, ["machine check: a TP-shard GEMM, both ranks at once / one rank alone", probe,
+                        "1.00 (a core per rank)", "ok" if probe <= 1.15 else
+                        "the ranks do not get a core each: b/a cannot reach its target here"])
+    blocks = _describe(out, "bert") + [table(columns, figures), "Peak RSS: VmHWM over the train steps; increase = "
+                                       "over the RSS after the imports; the next column, over the RSS after build."]
+    blocks += _describe(out["llama"], "llama") + [table(columns, _figures(out["llama"], LLAMA_FIGURES, "Llama "))]
     for kind, c in out["competitors"].items():
         if "profile" in c:
             blocks += [f"Profile of one step, {LABELS[kind]}, rank 0 (phases {c['profile']['step']}):",
-                       table(["op", "input shapes", "calls", "self CPU ms"], c["profile"]["ops"],
-                             {"self CPU ms": ".2f"})]
+                       table(["op", "input shapes", "calls", "self CPU ms|.2f"], c["profile"]["ops"])]
     return blocks

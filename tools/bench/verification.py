@@ -1,14 +1,9 @@
-"""What checksum verification costs (``python -m tools.bench verify --workdir DIR [--rounds 5] [--operations
-merge,load,load-live] [--load-rank 1] [--json OUT]``): merge and load of the BERT-large tp=8 checkpoint of
-merge_timing with and without it, each in a fresh process after the inputs were read (warm page cache), pairs
-alternating ABBA, medians. load: what ``load`` reads on one rank (the index, the pre-read checks, ``read_model_shard``
-with per-tensor hashing, each tensor cloned); load-live copies into tensors allocated before the clock starts, as
-``load_state_dict`` does. "time in verification" is the time inside ``verify_files`` and ``TensorChecks``."""
+"""What checksum verification costs (``python -m tools.bench verify --help``; docs/performance.md, "Checksum
+verification cost"): merge and load of merge_timing's BERT-large tp=8 checkpoint with and without it."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -21,7 +16,7 @@ from nxdtp.checkpointing.index import dtype_from_name, model_file
 from nxdtp.checkpointing.merge import merge
 from nxdtp.checkpointing.save_load import read_model_shard
 
-from .common import fresh, log, median, render, summary, table
+from .common import alternate, emit, fresh, median, summary, table
 from .merge_timing import ensure_checkpoint, files_under, tag_dir, warm
 
 OPERATIONS = ("merge", "load", "load-live")
@@ -29,7 +24,7 @@ TARGET_OVERHEAD = 0.10
 
 
 def _timing_verification(spent: list) -> None:
-    """Time every call of the verification functions (the direct cost, free of the machine's run-to-run noise)."""
+    """Time every call of the verification functions: their direct cost, free of the machine's noise."""
     def timed(function):
         def measured(*args, **kwargs):
             began = time.perf_counter()
@@ -76,7 +71,7 @@ def case_verify(kind: str, checkpoint_dir: str, output_dir: str, load_rank: int)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench verify", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench verify", description=__doc__)
     parser.add_argument("--workdir", required=True, help="holds (or gets) the bert-large-tp8 checkpoint")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--operations", default=",".join(OPERATIONS), help=f"comma-separated, of {OPERATIONS}")
@@ -88,24 +83,20 @@ def main(argv=None) -> int:
         parser.error(f"--operations {args.operations!r}: give some of {', '.join(OPERATIONS)}, comma-separated")
     checkpoint_dir = ensure_checkpoint("bert-large", os.path.abspath(args.workdir))
     tag, scratch = tag_dir(checkpoint_dir), os.path.join(os.path.abspath(args.workdir), "bench_verify_out")
-    samples: Dict[str, list] = {f"{op}{v}": [] for op in operations for v in ("", "-unverified")}
-    for round_ in range(args.rounds):
-        # ABBA: odd rounds run each pair the other way round, so neither side always follows the warm-up.
-        for op in operations:
-            for kind in (op, f"{op}-unverified")[::1 if round_ % 2 == 0 else -1]:
-                shutil.rmtree(scratch, ignore_errors=True)
-                warm(files_under(tag))
-                samples[kind].append(fresh(case_verify, kind=kind, checkpoint_dir=checkpoint_dir,
-                                           output_dir=scratch, load_rank=args.load_rank)[0])
-                log(f"verify: round {round_ + 1} {kind}: {samples[kind][-1]['seconds']:.3f} s")
+    def one(kind: str) -> Dict[str, float]:
+        shutil.rmtree(scratch, ignore_errors=True)
+        warm(files_under(tag))
+        return fresh(case_verify, kind=kind, checkpoint_dir=checkpoint_dir, output_dir=scratch,
+                     load_rank=args.load_rank)[0]
+
+    # ABBA: odd rounds run each pair the other way round, so neither side always follows the warm-up.
+    samples = alternate([k for op in operations for k in (op, f"{op}-unverified")], args.rounds, one, swap=True,
+                        what="verify")
     shutil.rmtree(scratch, ignore_errors=True)
     size = sum(map(os.path.getsize, files_under(os.path.join(tag, "model"))))
     figures = {op: _figures(samples[op], samples[f"{op}-unverified"]) for op in operations}
-    print(render(_tables(figures, size, args)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model_bytes": size, "rounds": args.rounds, "figures": figures}, f, indent=1)
-    return 0
+    return emit(_tables(figures, size, args), {"model_bytes": size, "rounds": args.rounds, "figures": figures},
+                args.json)
 
 
 def _figures(on: list, off: list) -> Dict[str, Any]:
@@ -126,9 +117,8 @@ def _tables(figures: Dict[str, Any], size: int, args) -> list:
              [median(f["cpu_verified"]), median(f["cpu_unverified"])], 100 * f["cpu_overhead"],
              median(f["verify_seconds"]), 100 * f["verification_share"],
              "met" if f["overhead"] <= TARGET_OVERHEAD else "MISSED"] for op, f in figures.items()]
-    columns = ["operation", "verified s (min-max)", "unverified s (min-max)", "overhead %",
-               "CPU s verified / unverified", "CPU overhead %", "time in verification s", "% of unverified",
-               "target <= 10 %"]
+    columns = ["operation", "verified s (min-max)|.3f", "unverified s (min-max)|.3f", "overhead %|+.1f",
+               "CPU s verified / unverified|.3f", "CPU overhead %|+.1f", "time in verification s|.3f",
+               "% of unverified|+.1f", "target <= 10 %"]
     return [f"BERT-large tp=8, model files {size:,} bytes; warm page cache; median of {args.rounds} rounds",
-            table(columns, rows, {c: ".3f" for c in columns[1:3] + columns[4:5] + columns[6:7]}
-                  | {c: "+.1f" for c in (columns[3], columns[5], columns[7])})]
+            table(columns, rows)]

@@ -1,9 +1,5 @@
-"""Section 4: XLA graphs (docs/performance.md). (a) In a process of its own (XLA:CPU, tp=1): compiled and executed
-graphs per train step of a small BERT over 10 steps, from torch_xla's counters, for batches without attention_mask,
-with it, and with ``attention_bias(mask)``; target from step 2 on: 1 execution, 0 compiles. (b) In another, which
-executes nothing: distinct graph hashes of forward, gradients and whole step over every rank of a simulated tp=8 x
-dp=4 world (``trace_every_rank``; BERT-large-shaped layers with AdamW, a Llama shape with LAMB; SP off and on; target
-1), and the compile time of BERT's whole-step graph at tp=1 (compiled, not executed)."""
+"""Section 4: XLA graphs per train step on XLA:CPU; distinct graphs over every rank of a simulated world; the compile
+time of one graph (docs/performance.md, section 4). Each part runs in a process of its own."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ import time
 from typing import Any, Dict, List
 
 import torch
-import transformers as tf
 
 from nxdtp import comm, grads, parallel_state
 from nxdtp.grads import clip_grad_norm
@@ -24,7 +19,7 @@ from nxdtp.optimizer import Lamb
 from nxdtp.random import model_parallel_xla_manual_seed
 from nxdtp.utils import move_model_to_device
 
-from .common import Pool, log, table
+from .common import BERT_LARGE, Pool, hf_model, log, model_text, table
 from .train_step import ADAMW, MAX_GRAD_NORM, SEED, build_dense, make_batch
 
 STEPS, STEADY_FROM = 10, 2
@@ -37,8 +32,7 @@ TINY = dict(model=dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 VARIANTS = ("without attention_mask", "with attention_mask", "with attention_bias(attention_mask)")
 RANKS_FULL = dict(world=32, tp=8, seq=64, batch=2,
-                  bert=dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
-                            vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
+                  bert=dict(BERT_LARGE, num_hidden_layers=2),
                   llama=dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
                              intermediate_size=4096, vocab_size=32000, max_position_embeddings=512))
 RANKS_QUICK = dict(world=4, tp=2, seq=16, batch=2, bert=TINY["model"],
@@ -84,24 +78,18 @@ def case_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _dense_model(family: str, cfg: Dict[str, Any]):
-    torch.manual_seed(SEED)
-    if family == "bert":
-        return tf.BertForPreTraining(tf.BertConfig(**cfg, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
-    return tf.LlamaForCausalLM(tf.LlamaConfig(**cfg, attention_dropout=0.1))
+    dropout = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1) if family == "bert" else dict(
+        attention_dropout=0.1)
+    return hf_model(cfg, family, SEED, **dropout)
 
 
 def _batch(family: str, cfg: Dict[str, Any], seq: int, batch: int, device) -> Dict[str, Any]:
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(SEED))
-    if family == "llama":
-        return {"input_ids": ids.to(device), "labels": ids.to(device)}
-    labels = torch.full((batch, seq), -100)
-    labels[:, 1::7] = ids[:, 1::7]
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[0, seq - seq // 4:] = 0
-    return {k: v.to(device) for k, v in dict(
-        input_ids=ids, token_type_ids=(torch.arange(seq) >= seq // 2).long().expand(batch, seq),
-        attention_mask=attention_bias(mask, torch.float32), labels=labels,
-        next_sentence_label=torch.arange(batch) % 2).items()}
+    """Section 1's batch; BERT's with an additive 4-D mask, one sequence padded."""
+    out = make_batch(cfg, seq, batch, SEED, family)
+    if family == "bert":
+        out["attention_mask"][0, seq - seq // 4:] = 0
+        out["attention_mask"] = attention_bias(out["attention_mask"], torch.float32)
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def _traced_step(family: str, dense, batch: Dict[str, Any], sequence_parallel: bool) -> Dict[str, List[Any]]:
@@ -214,21 +202,20 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
     rows = [[i] + [x for v in variants.values() for x in [v["per_step"][i][k] for k in COUNTERS] + [v["seconds"][i]]]
             for i in range(out["steps"])]
     c = ranks["compile"]
-    return [f"XLA:CPU, tp=1, BertForPreTraining ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
-            f"vocab {cfg['vocab_size']}, seq {out['seq']}, batch {out['batch']}): counter deltas per step (forward, "
-            "backward, clip_grad_norm, AdamW, torch_xla.sync()).",
-            table(header, rows, {h: ".3f" for h in header if h.endswith("wall s")}),
+    return [f"XLA:CPU, tp=1, BertForPreTraining ({model_text(cfg)}), seq {out['seq']}, batch {out['batch']}: counter "
+            "deltas per train step.", table(header, rows, {h: ".3f" for h in header if h.endswith("wall s")}),
             "\n".join(f"{n}: from step {STEADY_FROM} on, executed graphs per step {v['min_executed_per_step_after']}-"
                       f"{v['max_executed_per_step_after']} (target 1), new compiles {v['new_compiles_after']} (target "
                       f"0): {'met' if v['target_met'] else 'MISSED'}; losses {v['losses'][0]:.5f} -> "
                       f"{v['losses'][-1]:.5f}." for n, v in variants.items()),
             f"Distinct graph hashes over all {ranks['world']} ranks of a simulated tp={ranks['tp']} x "
-            f"dp={ranks['world'] // ranks['tp']} world (one train step; seq {ranks['seq']}, batch "
-            f"{ranks['batch']}). BERT: {ranks['models']['bert']}, AdamW. Llama: {ranks['models']['llama']}, "
+            f"dp={ranks['world'] // ranks['tp']} world (seq {ranks['seq']}, batch {ranks['batch']}); BERT "
+            f"({model_text(ranks['models']['bert'])}) with AdamW, Llama ({model_text(ranks['models']['llama'])}) with "
             "nxdtp LAMB. Target: 1.",
-            table(["model", *(f"distinct {p} graphs" for p in PHASES), "ranks per step graph", "trace s (all ranks)"],
+            table(["model", *(f"distinct {p} graphs" for p in PHASES), "ranks per step graph",
+                   "trace s (all ranks)|.1f"],
                   ([name, *(x["distinct"][p] for p in PHASES), " ".join(str(len(g)) for g in x["ranks_per_graph"]),
-                    x["trace_s"]] for name, x in ranks["census"].items()), {"trace s (all ranks)": ".1f"}),
-            f"Compile time of one graph on XLA:CPU (BERT's whole-step graph at tp=1, compiled by _xla_warm_up_cache, "
-            f"not executed): CompileTime {c['compile_time_s']:.2f} s (wall {c['wall_s']:.2f} s, {c['compiles']} "
-            f"compile(s), {c['executed']} executions)."]
+                    x["trace_s"]] for name, x in ranks["census"].items())),
+            f"Compile time of BERT's whole-step graph at tp=1 on XLA:CPU, compiled, not executed: CompileTime "
+            f"{c['compile_time_s']:.2f} s (wall {c['wall_s']:.2f} s, {c['compiles']} compile(s), {c['executed']} "
+            "executions)."]

@@ -1,9 +1,5 @@
-"""Section 7: ZeRO-1 (``NeuronZero1Optimizer``), docs/performance.md section 7. (1) Bytes per parameter per rank,
-counted: BERT-large at tp 1 and 8 and a Llama-3-8B shape at tp 8, dp 1-8, bf16 on the meta device under a simulated
-topology (first and last rank), the optimizer's own ``state_bytes()`` after one inner AdamW step, next to NxD's /
-Megatron's 6 + 12/d. (2) Peak RSS of a real step, plain AdamW + DP all-reduce + clip against ZeRO-1 (tp2 x dp2, a
-fixed glibc mmap threshold). (3) Step time, both paths alternating on copies of one model, the order swapped each
-round; the ratio is the median of per-round ratios; both must end with the same weights; the DP collectives alone."""
+"""Section 7: ZeRO-1 (``NeuronZero1Optimizer``): bytes per parameter per rank counted, the peak RSS of a real step and
+the step time against plain DP (docs/performance.md, "ZeRO-1")."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import transformers
 
 from nxdtp import comm
 from nxdtp import parallel_state as ps
@@ -23,7 +18,8 @@ from nxdtp.models import parallelize_model
 from nxdtp.optimizer import NeuronZero1Optimizer, optimizer_state_bytes
 from nxdtp.spec import FlatShardLayout
 
-from .common import Pool, alternate, barrier, cell, log, median, proc_status_kib, reset_peak_rss, table, verdict
+from . import common
+from .common import Pool, alternate, barrier, cell, hf_model, log, median, model_text, records, rss_mark, verdict
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -31,8 +27,7 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PADDING_ALLOWANCE = 0.01   # the issue's goal: <= 6 + 12/d plus 1 % padding
 STEP_TIME_GOAL = 1.05      # ZeRO-1 step <= 1.05 x plain DP step
 
-BERT_LARGE = dict(kind="bert", vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                  intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
+BERT_LARGE = dict(common.BERT_LARGE, kind="bert")
 LLAMA_3_8B = dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 TINY_BERT = dict(kind="bert", vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -61,17 +56,13 @@ QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("
 
 # ---- counting (part 1): meta models under a simulated topology --------------------------------------------------
 
-def _build_model(cfg: Dict[str, Any]):
-    config = {k: v for k, v in cfg.items() if k != "kind"}
-    if cfg["kind"] == "bert":
-        return transformers.BertForPreTraining(transformers.BertConfig(**config))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+def _build_model(cfg: Dict[str, Any], **kwargs):
+    return hf_model({k: v for k, v in cfg.items() if k != "kind"}, cfg["kind"], **kwargs)
 
 
 def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any]:
     """The bytes one rank of a tp x dp world holds with bf16 parameters and ZeRO-1 AdamW (fp32 master shards)."""
-    with torch.device("meta"):
-        model = _build_model(cfg).to(torch.bfloat16)
+    model = _build_model(cfg, device="meta").to(torch.bfloat16)
     with ps.simulated_topology(world_size=tp * dp, rank=rank, tensor_model_parallel_size=tp):
         parallelize_model(model)  # meta tensors: nothing is communicated
         params = list(model.parameters())
@@ -124,8 +115,7 @@ STATE: Dict[str, Any] = {}  # part 3's two models, optimizers and batch between 
 
 
 def real_model(cfg: Dict[str, Any]):
-    torch.manual_seed(SEED)  # the same dense model on every rank, then this rank's shards
-    return parallelize_model(_build_model(cfg)).train()
+    return parallelize_model(_build_model(cfg, seed=SEED)).train()  # the same dense model on every rank, then shards
 
 
 def llama_batch(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -164,22 +154,20 @@ def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
     model(**batch).loss.backward()   # warm-up: lazily built state is not counted below
     for p in model.parameters():
         p.grad = None
-    gc.collect()
-    before, peak_reset = proc_status_kib(), reset_peak_rss()
+    mark = rss_mark()
     optimizer = make_optimizer(model, variant)
     losses = []
     for _ in range(spec["steps"]):
         losses.append(_forward_backward(model, optimizer, batch))
         _update(model, optimizer, variant)
     gc.collect()
-    after, params = proc_status_kib(), list(model.parameters())
+    rss, params = mark(), list(model.parameters())
     counted = optimizer.state_bytes() if variant == "zero1" else {"state": optimizer_state_bytes(optimizer)}
     return {"parameters": sum(p.numel() for p in params),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
             "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            "optimizer_bytes": counted, "losses": losses, "rss_before_kib": before["VmRSS"],
-            "peak_rss_increase_kib": (after["VmHWM"] - before["VmRSS"]) if peak_reset else None,
-            "rss_held_increase_kib": after["VmRSS"] - before["VmRSS"]}
+            "optimizer_bytes": counted, "losses": losses, "rss_before_kib": rss["before"],
+            "peak_rss_increase_kib": rss["peak"], "rss_held_increase_kib": rss["held"]}
 
 
 def case_time_setup(spec: Dict[str, Any]) -> None:
@@ -237,16 +225,15 @@ def case_time_finish() -> Dict[str, float]:
 # ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
-    worst = {k: (None if None in (v := [r[k] for r in per_rank]) else max(v) * 1024)
-             for k in ("peak_rss_increase_kib", "rss_held_increase_kib", "rss_before_kib")}
-    return {"per_rank": per_rank, "parameters_per_rank": max(r["parameters"] for r in per_rank),
-            "parameter_bytes": max(r["parameter_bytes"] for r in per_rank),
-            "grad_bytes": max(r["grad_bytes"] for r in per_rank),
+    most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in (
+        "parameters", "parameter_bytes", "grad_bytes", "peak_rss_increase_kib", "rss_held_increase_kib",
+        "rss_before_kib")}
+    return {"per_rank": per_rank, "parameters_per_rank": most["parameters"], "parameter_bytes": most["parameter_bytes"],
+            "grad_bytes": most["grad_bytes"],
             "optimizer_bytes_counted": max(sum(r["optimizer_bytes"].values()) for r in per_rank),
-            "optimizer_bytes_by_kind": per_rank[0]["optimizer_bytes"],
-            "peak_rss_increase_bytes": worst["peak_rss_increase_kib"],
-            "rss_held_increase_bytes": worst["rss_held_increase_kib"], "rss_before_bytes": worst["rss_before_kib"],
-            "last_loss": per_rank[0]["losses"][-1]}
+            "optimizer_bytes_by_kind": per_rank[0]["optimizer_bytes"], "last_loss": per_rank[0]["losses"][-1],
+            **{f"{k[:-4]}_bytes": None if most[k] is None else most[k] * 1024
+               for k in ("peak_rss_increase_kib", "rss_held_increase_kib", "rss_before_kib")}}
 
 
 def _timing(pool: Pool, spec: Dict[str, Any], tp: int, dp: int) -> Dict[str, Any]:
@@ -301,70 +288,66 @@ def _result(spec, counted, rss, timings) -> Dict[str, Any]:
                held_saving_bytes=plain["rss_held_increase_bytes"] - zero["rss_held_increase_bytes"])
     if None not in (plain["peak_rss_increase_bytes"], zero["peak_rss_increase_bytes"]):
         rss["peak_saving_bytes"] = plain["peak_rss_increase_bytes"] - zero["peak_rss_increase_bytes"]
-    for kind in ("held", "peak"):
-        if saving and f"{kind}_saving_bytes" in rss:
-            rss[f"{kind}_saving_over_counted"] = rss[f"{kind}_saving_bytes"] / saving
-    numbers.update({f"rss_{k}": rss[k] for k in ("counted_saving_bytes", "held_saving_bytes", "peak_saving_bytes",
-                                                 "held_saving_over_counted", "peak_saving_over_counted") if k in rss})
-    for variant in ("plain", "zero1"):
-        numbers.update({f"rss_{variant}_{k.replace('rss_', '').replace('peak_rss', 'peak')}": rss[variant][k]
-                        for k in ("rss_held_increase_bytes", "optimizer_bytes_counted", "peak_rss_increase_bytes")
-                        if rss[variant][k] is not None})
+    rss.update({f"{k}_saving_over_counted": rss[f"{k}_saving_bytes"] / saving for k in ("held", "peak")
+                if saving and f"{k}_saving_bytes" in rss})
+    numbers.update({f"rss_{k}": v for k, v in rss.items() if "saving" in k})
+    numbers.update({f"rss_{variant}_{k.replace('rss_', '').replace('peak_rss', 'peak')}": rss[variant][k]
+                    for variant in ("plain", "zero1")
+                    for k in ("rss_held_increase_bytes", "optimizer_bytes_counted", "peak_rss_increase_bytes")
+                    if rss[variant][k] is not None})
     for t in timings:
-        key = f"tp{t['tp']}_dp{t['dp']}"
-        numbers.update({f"{key}_step_ratio": t["ratio"], f"{key}_step_ratio_of_medians": t["ratio_of_medians"],
-                        f"{key}_update_ratio": t["update_ratio"], f"{key}_plain_step_s": t["median"]["plain"]["step_s"],
-                        f"{key}_zero1_step_s": t["median"]["zero1"]["step_s"],
-                        f"{key}_max_abs_weight_difference": t["max_abs_weight_difference"],
-                        f"{key}_reduce_scatter_plus_all_gather_over_all_reduce": t["collectives"]["ratio"]})
-    out = {"spec": {"count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]],
-                    "dps": list(spec["dps"]), "rss": spec["rss"], "time": spec["time"],
-                    "worlds": [list(w) for w in spec["worlds"]]},
+        numbers.update({f"tp{t['tp']}_dp{t['dp']}_{k}": v for k, v in (
+            ("step_ratio", t["ratio"]), ("step_ratio_of_medians", t["ratio_of_medians"]),
+            ("update_ratio", t["update_ratio"]), ("plain_step_s", t["median"]["plain"]["step_s"]),
+            ("zero1_step_s", t["median"]["zero1"]["step_s"]),
+            ("max_abs_weight_difference", t["max_abs_weight_difference"]),
+            ("reduce_scatter_plus_all_gather_over_all_reduce", t["collectives"]["ratio"]))})
+    out = {"spec": {**spec, "count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]]},
            "adamw": ADAMW, "max_norm": MAX_NORM, "counted": counted, "rss": rss, "timings": timings,
            "numbers": numbers}
     out["tables"] = _tables(out)
     return out
 
 
-def model_text(cfg: Dict[str, Any]) -> str:
-    return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads"
-            + (f" ({cfg['num_key_value_heads']} KV)" if "num_key_value_heads" in cfg else "")
-            + f", intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}")
+COUNT_COLUMNS = {"model": "model", "tp": "tp", "dp": "dp", "parameters / rank": "parameters",
+                 "padding elements": "padding_elements", "padding %|.1e": "padding_percent",
+                 "params (bf16)|.4f": "bpp_parameter", "grads: bf16 .grad|.4f": "bpp_grad",
+                 "grads: fp32 main_grad|.4f": "bpp_main_grad", "fp32 master|.4f": "bpp_master",
+                 "AdamW state|.4f": "bpp_state", "total, bf16 grads|.4f": "bpp_total_bf16_grads",
+                 "total, fp32 main_grad|.4f": "bpp_total_fp32_grads", "NxD / Megatron 6 + 12/d|.4f": "bpp_reference",
+                 "goal <= 6 + 1.01 x 12/d met": "goal_met"}
+RSS_COLUMNS = {"path": "path", "parameters / rank": "parameters_per_rank",
+               "parameter bytes|bytes": "parameter_bytes", "gradient bytes|bytes": "grad_bytes",
+               "optimizer bytes, counted|bytes": "optimizer_bytes_counted", "RSS before the optimizer|bytes":
+               "rss_before_bytes", "peak RSS increase|bytes": "peak_rss_increase_bytes",
+               "RSS held after the steps, increase|bytes": "rss_held_increase_bytes"}
+TIME_COLUMNS = {"world": lambda x: f"tp{x['tp']} x dp{x['dp']}",
+                "plain step s": lambda x: x["median"]["plain"]["step_s"],
+                "ZeRO-1 step s": lambda x: x["median"]["zero1"]["step_s"],
+                "ratio ZeRO-1 / plain (median of per-round ratios)": "ratio",
+                "ratio of the medians": "ratio_of_medians",
+                "after backward s, plain / ZeRO-1": lambda x: [x["median"][v]["update_s"] for v in ("plain", "zero1")],
+                "after-backward ratio": "update_ratio",
+                "goal": lambda x: f"<= {STEP_TIME_GOAL}: {verdict(x['ratio'], STEP_TIME_GOAL)}",
+                "max abs weight difference|.2e": "max_abs_weight_difference",
+                "DP buffer|bytes": lambda x: x["collectives"]["bytes"],
+                **{c: lambda x, k=k: x["collectives"][k] for c, k in (
+                    ("all-reduce s (plain)", "all_reduce_s"), ("reduce-scatter s (ZeRO-1)", "reduce_scatter_s"),
+                    ("all-gather s (ZeRO-1)", "all_gather_s"),
+                    ("(reduce-scatter + all-gather) / all-reduce", "ratio"))}}
 
 
 def _tables(out: Dict[str, Any]) -> List[Any]:
     spec, rss, m, t = out["spec"], out["rss"], out["spec"]["rss"], out["spec"]["time"]
-    count_columns = {"model": "model", "tp": "tp", "dp": "dp", "parameters / rank": "parameters",
-                     "padding elements": "padding_elements", "padding %": "padding_percent",
-                     "params (bf16)": "bpp_parameter", "grads: bf16 .grad": "bpp_grad",
-                     "grads: fp32 main_grad": "bpp_main_grad", "fp32 master": "bpp_master",
-                     "AdamW state": "bpp_state", "total, bf16 grads": "bpp_total_bf16_grads",
-                     "total, fp32 main_grad": "bpp_total_fp32_grads", "NxD / Megatron 6 + 12/d": "bpp_reference",
-                     "goal <= 6 + 1.01 x 12/d met": "goal_met"}
-    rss_columns = {"parameters / rank": "parameters_per_rank", "parameter bytes": "parameter_bytes",
-                   "gradient bytes": "grad_bytes", "optimizer bytes, counted": "optimizer_bytes_counted",
-                   "RSS before the optimizer": "rss_before_bytes", "peak RSS increase": "peak_rss_increase_bytes",
-                   "RSS held after the steps, increase": "rss_held_increase_bytes"}
-    rss_rows = [[label] + [rss[v][k] for k in rss_columns.values()] for v, label in (
-        ("plain", "plain AdamW + DP all-reduce + clip"), ("zero1", "ZeRO-1 AdamW"))]
-    rss_rows.append(["plain - ZeRO-1", None, None, None, rss["counted_saving_bytes"], None,
-                     rss.get("peak_saving_bytes"), rss["held_saving_bytes"]])
-    time_rows = [[f"tp{x['tp']} x dp{x['dp']}", x["median"]["plain"]["step_s"], x["median"]["zero1"]["step_s"],
-                  x["ratio"], x["ratio_of_medians"], [x["median"][v]["update_s"] for v in ("plain", "zero1")],
-                  x["update_ratio"], f"<= {STEP_TIME_GOAL}: {verdict(x['ratio'], STEP_TIME_GOAL)}",
-                  x["max_abs_weight_difference"], x["collectives"]["bytes"],
-                  *(x["collectives"][k] for k in ("all_reduce_s", "reduce_scatter_s", "all_gather_s", "ratio"))]
-                 for x in out["timings"]]
-    time_columns = ["world", "plain step s", "ZeRO-1 step s", "ratio ZeRO-1 / plain (median of per-round ratios)",
-                    "ratio of the medians", "after backward s, plain / ZeRO-1", "after-backward ratio", "goal",
-                    "max abs weight difference", "DP buffer", "all-reduce s (plain)", "reduce-scatter s (ZeRO-1)",
-                    "all-gather s (ZeRO-1)", "(reduce-scatter + all-gather) / all-reduce"]
+    paths = [dict(rss["plain"], path="plain AdamW + DP all-reduce + clip"), dict(rss["zero1"], path="ZeRO-1 AdamW"),
+             {"path": "plain - ZeRO-1", "optimizer_bytes_counted": rss["counted_saving_bytes"],
+              "peak_rss_increase_bytes": rss.get("peak_saving_bytes"),
+              "rss_held_increase_bytes": rss["held_saving_bytes"]}]
     return [
         "**Bytes per parameter per rank**, bf16 parameters, ZeRO-1 AdamW with fp32 master shards; counted on meta "
         "models sharded under a simulated topology (FlatShardLayout padding included); per TP-local parameter. "
         "Models: " + "; ".join(f"{c['model']} tp={c['tp']} ({model_text(c['config'])})" for c in spec["count"]),
-        table(count_columns, ([r[k] for k in count_columns.values()] for r in out["counted"]),
-              {c: ".4f" for c in list(count_columns)[6:14]} | {"padding %": ".1e"}),
+        records(COUNT_COLUMNS, out["counted"]),
         "Totals: params + grads + master + AdamW state. \"bf16 grads\" is nxdtp's default (.grad in the parameter "
         "dtype); \"fp32 main_grad\" is `use_grad_acc_hook=True`, Megatron's gradient buffer: the like-for-like of "
         "6 + 12/d. AdamW state includes a 4-byte step counter per tensor on every rank (not sharded).",
@@ -373,9 +356,9 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         "forward and backward; the largest rank; increases over the RSS before the optimizer was made. Measured / "
         f"counted saving: held {cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
         f"{cell(rss.get('peak_saving_over_counted'), '.3f')}.",
-        table(["path"] + list(rss_columns), rss_rows, dict.fromkeys(list(rss_columns)[1:], "bytes")),
+        records(RSS_COLUMNS, paths),
         f"**Step time**, ZeRO-1 against plain DP (bucketed all-reduce + clip + AdamW), fp32 Llama-shaped model "
         f"({model_text(t['model'])}), batch {t['batch']} x {t['seq']} per DP rank; {t['warmup']} warm-up and "
         f"{t['rounds']} timed rounds, the paths alternating (order swapped each round); slowest rank; medians. The DP "
         "collectives alone: nxdtp.comm over the DP group on a buffer of the rank's fp32 gradient size.",
-        table(time_columns, time_rows, {"max abs weight difference": ".2e", "DP buffer": "bytes"})]
+        records(TIME_COLUMNS, out["timings"])]
