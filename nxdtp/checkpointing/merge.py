@@ -1,34 +1,9 @@
-"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree.
-
-Both work from the checkpoint directory alone (``nxdtp_index.json`` says how every tensor was split), so they know
-nothing about the model family. ``tools/merge_checkpoints.py`` and the ``nxdtp-merge`` console script wrap them.
-
-Safety rules shared by both:
-
-* Everything is checked before anything is written: the tag is complete, the index parses, every file read passes
-  its recorded size and checksum (unless ``verify=False``), and every rank file the index names exists, is a readable
-  safetensors file, and holds every tensor with the shape the index gives. Errors name the file.
-* Without a named tag, the newest intact tag is read; a damaged one is skipped with a warning naming it.
-* The input is a checkpoint directory (``newest`` names its tag, or ``tag`` does) or one complete tag directory.
-* The output directory must not be (or lie inside, or contain) the input checkpoint directory. An existing non-empty
-  output directory is refused unless ``force``.
-* The output is written into a temporary sibling directory and renamed into place at the end: after any error,
-  ``output_dir`` is exactly as it was before (absent, or the old contents when ``force`` was given).
-
-Memory: the model's tensors go through the checkpoint pipeline (``pipeline.stream``) one at a time, each in slabs of
-rows of at most ``pipeline.SLAB_BYTES`` (64 MiB) read from the rows of the pieces that hold them: a merge is
-(``TagSource``, ``DenseSink``), a reshard (``TagSource``, ``RankFilesSink``), and no tensor is whole in memory.
-``output_format="pytorch_bin"`` is the exception: ``torch.save`` needs the whole state dict, so it holds the full dense
-model in memory. ZeRO-1 optimizer state is resharded one tensor at a time (gathered over its DP shards).
-
-Padding when resharding: every tensor is padded for the new degree by its own recorded rule (the layout algebra,
-``nxdtp.spec.ParamSpec.at_degree``): a vocabulary to ``round_up(real, pad_to_multiple_of * new_tp)``, the rule
-``ParallelEmbedding`` / ``VocabParallelLMHead`` (``parallelize_bert(make_vocab_size_divisible_by=...)``) use, a
-partition-padded convolution or linear layer to its layer's multiple, zero heads and repeated KV heads as the plan lays
-them out; so the model built at the new degree with the same arguments has exactly these shapes, whatever else the
-model pads. The ``pad_to_multiple_of`` argument replaces the vocabulary multiple (pass the model's new
-``make_vocab_size_divisible_by`` when it changes). A tensor without a padding record is not padded again: a degree
-its split dim does not divide is refused, naming the tensor. ``reshard.json`` records the vocabulary multiple used.
+"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree, from
+the checkpoint directory alone (``nxdtp_index.json`` says how every tensor was split). Both check everything before
+writing anything and write atomically; the model's tensors go through the checkpoint pipeline, a merge as
+(``TagSource``, ``DenseSink``), a reshard as (``TagSource``, ``RankFilesSink``), each tensor padded again for the new
+degree by its own recorded rule (``ParamSpec.at_degree``). The rules in full: docs/checkpoints.md, "Merging and
+resharding".
 """
 
 from __future__ import annotations
@@ -36,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -59,7 +33,7 @@ from .index import (
     optim_file,
 )
 from .output_dir import write_atomically
-from .pipeline import SLAB_BYTES, DenseSink, RankFilesSink, TagSource, TensorSource, rows_within, stream
+from .pipeline import DenseSink, RankFilesSink, TagSource, TensorSource, dense_slabs, rows_within, stream
 from .safetensors_stream import StreamingSafetensorsWriter
 from .tag_source import (
     CONFIG_FILE,
@@ -77,10 +51,6 @@ OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
-# The slab budget of merge and reshard (``pipeline.SLAB_BYTES`` unless lowered: tests lower it). The model's tensors are
-# read and written in slabs of rows of at most this size; the dense optimizer state beside a merged model too, where
-# larger (ParamSpec.dense_parts), smaller ones being reassembled whole.
-PART_BYTES = SLAB_BYTES
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
@@ -90,25 +60,12 @@ __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
           force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True,
           optimizer: bool = True) -> str:
-    """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout; return the file path.
-
-    ``output_dir`` gets ``model.safetensors`` (or ``pytorch_model.bin`` for ``output_format="pytorch_bin"``) with the
-    full, unpadded tensors under their HF names (each tied tensor once, under its first name), and the tag's
-    ``config.json`` if it has one, so ``AutoModel.from_pretrained(output_dir)`` loads it. ``config`` (a config.json
-    path) is copied instead: a checkpoint saved from ``model.state_dict()`` (NxD's form) has no config of its own.
-    ``checkpoint_dir`` is a checkpoint directory, whose tag is ``tag`` or by default the newest complete one, or a
-    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the
-    bin form holds the whole model in memory (``torch.save`` needs the full dict).
-
-    Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
-    the checksum of every file read (the model files, the tag's config.json) before anything is written; a mismatch
-    raises ``CheckpointIntegrityError`` naming the file, or for an unnamed tag skips to the next older one.
-
-    With ``optimizer`` (the default), optimizer state keyed by parameter name (plain or ZeRO-1) is written beside the
-    model as the dense model's optimizer holds it (``optimizer.safetensors`` and ``optimizer.json``, read by
-    ``nxdtp.checkpointing.load_dense_optimizer_state``; module ``dense_optimizer``). State that cannot be matched to
-    parameters (keyed by index) is left out with a warning that says why.
-    """
+    """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout (``model.safetensors``,
+    or ``pytorch_model.bin``, held whole in memory, with ``output_format="pytorch_bin"``), with the tag's config.json or
+    ``config``; return the file path. ``checkpoint_dir`` is a checkpoint directory (its tag ``tag``, or the newest
+    intact one, damaged ones skipped with a warning) or a complete tag directory. ``verify`` checks every file read
+    against its checksum first. With ``optimizer``, optimizer state keyed by parameter name is written beside the
+    model (``dense_optimizer``); state keyed by index is left out with a warning."""
     return merge_and_name_source(checkpoint_dir, output_dir, tag, output_format, force, progress, config,
                                  verify=verify, optimizer=optimizer)[0]
 
@@ -173,20 +130,11 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
 def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str] = None, force: bool = False,
             progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None, *,
             verify: bool = True) -> str:
-    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp``; return its tag directory.
-
-    The output is a checkpoint directory in the same format (``newest`` and one tag of the same name, with index,
-    model files, trainer state, config and ``done``), loadable with ``nxdtp.checkpointing.load`` into a model built at
-    the new degree. Vocab-parallel tensors are padded again for the new degree (see the module docstring for the
-    ``pad_to_multiple_of`` rule). Optimizer state keyed by parameter name (saved from a live optimizer and model) is
-    resharded: tensors of the parameter's local shape are split like the parameter, others ('step', scalars) copied.
-    Optimizer state keyed by index (NxD's ``optimizer.state_dict()`` form) cannot be matched to parameters and is
-    dropped with a warning. RNG states are copied when the degree is unchanged and dropped otherwise (a TP rank's
-    tracker state has no counterpart at another degree); ``reshard.json`` in the tag records what was done.
-    ``config`` (a config.json path) replaces or supplies the tag's config.json. ``checkpoint_dir``, ``tag`` and
-    ``verify`` are as for ``merge`` (every file of the source tag is verified). The new tag records the size and
-    checksum of each of its files, as ``save`` does.
-    """
+    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp`` (the same format, loadable with
+    ``load`` into the model built at ``new_tp``); return its tag directory. Each tensor is padded again by its own rule
+    (``pad_to_multiple_of`` replaces the vocabulary's multiple); optimizer state keyed by name is resharded, state
+    keyed by index dropped with a warning; RNG states are copied only at the same degree; ``reshard.json`` records
+    what was done. ``config``: a config.json to use; ``checkpoint_dir``, ``tag`` and ``verify`` as for ``merge``."""
     check_reshard_arguments(new_tp, pad_to_multiple_of)
     tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
                                                  lambda tag_dir, index: sorted(index.files or {}))
@@ -363,11 +311,6 @@ class _ReshardJob:
                                files=dict(sorted(files.items())), tensor_checksums=dict(sorted(contents.items())))
 
 
-def _in_parts(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether a dense tensor of ``shape`` is read in slabs of rows (``PART_BYTES``) rather than whole."""
-    return bool(shape) and math.prod(shape) * dtype.itemsize > PART_BYTES
-
-
 # ---- the tag's tensors as a pipeline source -------------------------------------------------------------------------
 
 def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any]) -> TagSource:
@@ -375,7 +318,7 @@ def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any]) -> Tag
     spec's partition count is the checkpoint's TP degree)."""
     tp = index.tensor_model_parallel_size
     return TagSource(model_files, {key: (entry.spec, dtype_from_name(entry.dtype), entry.files(tp))
-                                   for key, entry in index.tensors.items()}, slab_bytes=PART_BYTES)
+                                   for key, entry in index.tensors.items()})
 
 
 def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
@@ -510,8 +453,7 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
         files = [optim_file(r) for r in range(index.tensor_model_parallel_size)]
         source = TagSource(handles, {f"{name}/{field}": (index.tensors[key].spec, rank0.dtype(f"{name}/{field}"),
                                                          files)
-                                     for name, (key, fields) in plan for field, kind, _ in fields if kind != "copy"},
-                           slab_bytes=PART_BYTES)
+                                     for name, (key, fields) in plan for field, kind, _ in fields if kind != "copy"})
     layouts: List[list] = [[] for _ in range(new_tp)]
     for name, (key, fields) in plan:
         new_spec = new_entries[key].spec
@@ -697,6 +639,7 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
     ``dense_optimizer`` for the keys), the open files, or ``(None, {}, why not)``. Plain state is reassembled from its
     TP pieces like the parameter; ZeRO-1 state from each TP rank's DP shards, then its TP pieces."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
+    tp = index.tensor_model_parallel_size
     try:
         planner = plan_zero1_optimizer if zero1 else plan_plain_optimizer
         plan, handles, why_not = planner(tag_dir, index, index.tensors)
@@ -739,14 +682,13 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
                     return spec.dense_from_full(full).contiguous()
 
                 shape = tuple(spec.unpadded_shape)
-                if not zero1 and _in_parts(shape, dtype):  # plain state is stored as its parameter: rows can be read
+                read_parts = None
+                if not zero1 and shape:  # plain state is stored as its parameter: read in slabs of piece rows
+                    source = TagSource(handles, {tensor_key: (spec, dtype, [optim_file(r) for r in range(tp)])})
 
-                    def read_parts(spec=spec, dtype=dtype, tensor_key=tensor_key):
-                        rows = rows_within(PART_BYTES, spec.unpadded_shape, dtype)
-                        return spec.dense_parts(lambda rank, start, stop: handles[optim_file(rank)].get_rows(
-                            tensor_key, start, stop - start), rows, dtype)
-                else:
-                    read_parts = None
+                    def read_parts(source=source, shape=shape, dtype=dtype, tensor_key=tensor_key):
+                        return dense_slabs(lambda boxes: source.read_boxes(tensor_key, boxes), shape,
+                                           rows_within(source.slab_bytes, shape, dtype))
             flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"
             state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read, **(
                 {} if kind == "copy" else {"spec": spec, "read_piece": piece, "read_parts": read_parts}))
