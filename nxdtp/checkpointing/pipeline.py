@@ -97,6 +97,10 @@ class TagSource:
     def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]:
         return [self._read_box(key, box) for box in boxes]
 
+    def piece(self, key: str, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s piece of ``key`` as stored."""
+        return self.handles[self.layout[key][2][rank]].get_tensor(key)
+
     def _rows(self, key: str, rank: int, start: int, length: int) -> torch.Tensor:
         return self.handles[self.layout[key][2][rank]].get_rows(key, start, length)
 
