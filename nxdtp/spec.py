@@ -19,11 +19,10 @@ The layout model (one ``ParamSpec`` per tensor; all of it along one ``partition_
   m is the model's ``make_vocab_size_divisible_by``, which a reshard may change. Zero heads and replicas are recorded
   by their fields above and are likewise redone per degree. Padding is recorded per tensor, never inferred.
 
-The operations: ``shard(dense, rank)``, ``unshard(pieces)``, ``read_ranges(rank)`` (which dense rows a rank reads,
-for chunked loading), ``at_degree(tp)`` and ``reshard(pieces, tp)``, with the full-tensor steps they are made of
-(``full_from_dense``, ``dense_from_full``, ``piece_of_full``, ``full_from_pieces``, ``place_piece``) and the runs a
-chunked format writes (``dense_runs_of_piece``, ``copy_runs_of_piece``). ZeRO-1's flat cut of a TP piece over a DP
-group is ``FlatShardLayout``.
+The operations: ``shard(dense, rank)``, ``unshard(pieces)``, ``at_degree(tp)`` and ``reshard(pieces, tp)``, with the
+full-tensor steps they are made of (``full_from_dense``, ``dense_from_full``, ``piece_of_full``, ``full_from_pieces``,
+``place_piece``) and the runs a chunked format writes (``dense_runs_of_piece``, ``copy_runs_of_piece``); reading in runs
+and slabs is ``nxdtp.checkpointing.slabs``. ZeRO-1's flat cut of a TP piece over a DP group is ``FlatShardLayout``.
 
 A spec says too whether the tensor's gradient must be summed over the tensor-parallel group (parameters replicated
 inside sequence-parallel regions).
@@ -39,7 +38,7 @@ drop them, and ``nxdtp.utils.move_model_to_device`` puts them back from the modu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -47,9 +46,6 @@ from torch import nn
 from .heads import kv_replicas, padded_rows
 from .rounding import round_up
 from .storage import owning
-
-# A box of a tensor: (offsets, sizes), one of each per dimension.
-Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 SPEC_FORMAT_VERSION = 1
 
@@ -277,103 +273,6 @@ class ParamSpec:
         full = new.full_from_dense(dense)
         return new, [new.piece_of_full(full, rank) for rank in range(num_partitions if new.is_sharded else 1)]
 
-    def read_ranges(self, rank: int) -> List[Tuple[int, int, Optional[int]]]:
-        """What TP rank ``rank`` reads from the dense tensor to build its piece: ``(piece_start, length,
-        dense_start)`` runs along partition_dim, in piece order, covering every row of the piece once; rows
-        ``[piece_start, piece_start + length)`` of the piece are rows ``[dense_start, dense_start + length)`` of the
-        dense tensor, or zeros where ``dense_start`` is None (padding). A copy of a repeated block reads the dense
-        rows it copies. A replicated tensor is one run over its dim 0 (none for a 0-dim tensor)."""
-        if not self.is_sharded:
-            return [(0, self.unpadded_shape[0], 0)] if self.unpadded_shape else []
-        return _merged(self._classified_runs(rank), (_FIRST, _COPY, _PADDING))
-
-    def read_piece(self, read_rows: Callable[[int, int], torch.Tensor], rank: int,
-                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """TP rank ``rank``'s piece built from dense reads: ``read_rows(start, stop)`` gives rows ``[start, stop)``
-        of the dense tensor along partition_dim (dim 0 for a replicated tensor), and is called once per run of
-        ``read_ranges``; padding rows are zeros (of ``dtype``, or the reads' dtype)."""
-        parts: List[Optional[torch.Tensor]] = []
-        runs = self.read_ranges(rank)
-        for _, length, dense_start in runs:
-            parts.append(None if dense_start is None else read_rows(dense_start, dense_start + length))
-        dtype = dtype or next((p.dtype for p in parts if p is not None), torch.float32)
-        dim = self.partition_dim if self.is_sharded else 0
-        shape = list(self.local_shape())
-        for i, ((_, length, _), part) in enumerate(zip(runs, parts)):
-            if part is None:
-                shape[dim] = length
-                parts[i] = torch.zeros(shape, dtype=dtype)
-            else:
-                parts[i] = part.to(dtype)
-        return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
-
-    def piece_parts(self, rank: int, read_boxes: Callable[[List[Box]], List[torch.Tensor]], rows_per_part: int,
-                    dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        """TP rank ``rank``'s piece as consecutive slabs along dim 0 of at most ``rows_per_part`` rows each (in
-        ``dtype``), each slab made from one call ``read_boxes([(offsets, sizes), ...])`` that returns those boxes of
-        the dense tensor, with zeros for padding: so neither the piece nor the dense tensor is ever whole in memory
-        (for a writer that takes a tensor in row ranges). A 0-dim tensor is one part."""
-        dense = tuple(self.unpadded_shape)
-        if not dense:
-            yield read_boxes([((), ())])[0].to(dtype)
-            return
-        dim = self.partition_dim if self.is_sharded else 0
-        runs = self.read_ranges(rank)  # along ``dim``, in piece order
-        rows = self.local_shape()[0]
-        for start in range(0, rows, max(1, rows_per_part)):
-            stop = min(rows, start + max(1, rows_per_part))
-            segments = []  # (shape of the segment, box of the dense tensor or None for zeros), in piece order
-            for piece_start, length, dense_start in runs:
-                if dim == 0:  # the runs are rows: the parts of those inside [start, stop)
-                    first, last = max(start, piece_start), min(stop, piece_start + length)
-                    if first >= last:
-                        continue
-                    offsets = [dense_start + first - piece_start if dense_start is not None else 0] + [0] * (
-                        len(dense) - 1)
-                    sizes = [last - first, *dense[1:]]
-                else:  # the runs are columns (along dim): every run, rows [start, stop)
-                    offsets, sizes = [start] + [0] * (len(dense) - 1), [stop - start, *dense[1:]]
-                    offsets[dim], sizes[dim] = dense_start or 0, length
-                segments.append((tuple(sizes), None if dense_start is None else (tuple(offsets), tuple(sizes))))
-            read = iter(read_boxes([box for _, box in segments if box is not None]))
-            parts = [torch.zeros(shape, dtype=dtype) if box is None else next(read).to(dtype)
-                     for shape, box in segments]
-            yield torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
-
-    def dense_parts(self, read_piece_rows: Callable[[int, int, int], torch.Tensor], rows_per_part: int,
-                    dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        """The dense tensor (padding and copies dropped) as consecutive slabs along dim 0 of at most ``rows_per_part``
-        rows each (in ``dtype``), built from reads of the pieces: ``read_piece_rows(rank, start, stop)`` gives rows
-        ``[start, stop)`` along dim 0 of TP rank ``rank``'s piece. Only the piece rows a slab needs are read, so
-        neither a piece nor the dense tensor is ever whole in memory (the inverse of ``piece_parts``). For tensors
-        of at least one dimension."""
-        dense = tuple(self.unpadded_shape)
-        step = max(1, rows_per_part)
-        dim = self.partition_dim
-        runs = [(rank, *run) for rank in range(self.num_partitions) for run in self.dense_runs_of_piece(rank)] \
-            if self.is_sharded else []
-        for start in range(0, dense[0], step):
-            stop = min(dense[0], start + step)
-            if not self.is_sharded:  # rank 0's copy, cut to the dense shape
-                yield _leading_block(read_piece_rows(0, start, stop), (stop - start, *dense[1:])).to(dtype)
-                continue
-            slab = torch.empty((stop - start, *dense[1:]), dtype=dtype)
-            if dim == 0:  # the runs are rows: copy those inside [start, stop)
-                for rank, piece_start, length, dense_start in runs:
-                    first, last = max(start, dense_start), min(stop, dense_start + length)
-                    if first < last:
-                        offset = piece_start - dense_start
-                        rows = read_piece_rows(rank, first + offset, last + offset)
-                        slab[first - start:last - start] = _leading_block(rows, (last - first, *dense[1:]))
-            else:  # the runs are columns (along dim): rows [start, stop) of every rank's piece
-                for rank in range(self.num_partitions):
-                    rows = read_piece_rows(rank, start, stop)
-                    for run_rank, piece_start, length, dense_start in runs:
-                        if run_rank == rank:
-                            slab.narrow(dim, dense_start, length).copy_(rows.narrow(dim, piece_start, length))
-                    del rows
-            yield slab
-
     def _check_dense(self, dense: torch.Tensor) -> None:
         if tuple(dense.shape) != tuple(self.unpadded_shape):
             raise ValueError(f"a dense tensor of shape {list(dense.shape)} given to a spec whose dense shape is "
@@ -428,7 +327,7 @@ class ParamSpec:
         """Every row of TP rank ``rank``'s piece once, in piece order, as ``(piece_start, length, dense_start, kind)``
         runs along partition_dim: ``kind`` is ``_FIRST`` (the dense rows, or the first copy of a repeated block),
         ``_COPY`` (a later copy, at the dense rows it copies) or ``_PADDING`` (``dense_start`` None). The one walk
-        ``read_ranges``, ``dense_runs_of_piece`` and ``copy_runs_of_piece`` select from."""
+        ``dense_runs_of_piece`` and ``copy_runs_of_piece`` select from."""
         if not 0 <= rank < self.num_partitions:
             raise ValueError(f"rank={rank} is outside the {self.num_partitions} partitions of this spec")
         dim, parts, stride = self.partition_dim, self.num_partitions, self.stride
@@ -502,15 +401,13 @@ _FIRST, _COPY, _PADDING = "first", "copy", "padding"
 
 def _merged(runs, kinds) -> List[Tuple[int, int, Optional[int]]]:
     """The ``(piece_start, length, dense_start)`` runs of ``runs`` whose kind is in ``kinds``, adjacent ones merged
-    where both the piece rows and the dense rows continue (padding runs, with no dense rows, merge with padding)."""
+    where both the piece rows and the dense rows continue."""
     merged: List[Tuple[int, int, Optional[int]]] = []
     for piece_start, length, dense_start, kind in runs:
         if kind not in kinds:
             continue
         last = merged[-1] if merged else None
-        if last is not None and last[0] + last[1] == piece_start and (
-                (last[2] is None and dense_start is None)
-                or (last[2] is not None and dense_start is not None and last[2] + last[1] == dense_start)):
+        if last is not None and last[0] + last[1] == piece_start and last[2] + last[1] == dense_start:
             merged[-1] = (last[0], last[1] + length, last[2])
         else:
             merged.append((piece_start, length, dense_start))

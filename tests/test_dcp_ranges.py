@@ -247,17 +247,18 @@ def test_resharding_import_reads_pieces_in_bounded_slabs_and_equals_nxdtps_own_r
 
 
 def test_merge_streams_large_tensors_in_slabs_of_piece_rows(saved, tmp_path, monkeypatch):
-    """With ``merge.PART_BYTES`` lowered to 512 bytes, the merge writes every tensor over it (the padded, tied
+    """With ``pipeline.SLAB_BYTES`` lowered to 512 bytes, the merge writes every tensor over it (the padded, tied
     embedding split along rows, the row-parallel down_proj split along columns, their AdamW moments) in slabs built from
     the rows of the pieces each needs, none over the budget, and the files are bitwise those of a merge that
     reassembles each tensor whole."""
     from safetensors.torch import load_file
 
     from nxdtp.checkpointing import merge as merge_module
+    from nxdtp.checkpointing import pipeline
 
     root, _ = saved
     merge_module.merge(root, str(tmp_path / "whole"), progress=False)
-    monkeypatch.setattr(merge_module, "PART_BYTES", BUDGET)
+    monkeypatch.setattr(pipeline, "SLAB_BYTES", BUDGET)
     parts = _spy_writes(monkeypatch)
     merge_module.merge(root, str(tmp_path / "parts"), progress=False)
     for key in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight",

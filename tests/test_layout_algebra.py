@@ -8,6 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nxdtp.checkpointing.pipeline import TagSource, dense_slabs
+from nxdtp.checkpointing.slabs import piece_parts, read_piece, read_ranges
 from nxdtp.heads import kv_replicas
 from nxdtp.rounding import round_up
 from nxdtp.spec import ParamSpec
@@ -117,11 +119,11 @@ def test_read_ranges_build_the_shard_from_dense_reads(layout, tp):
     spec = base.at_degree(tp)
     dim = spec.partition_dim
     for rank in range(tp):
-        runs = spec.read_ranges(rank)
+        runs = read_ranges(spec, rank)
         assert sum(length for _, length, _ in runs) == spec.local_shape()[dim]
         assert [start for start, _, _ in runs] == [sum(r[1] for r in runs[:i]) for i in range(len(runs))]
         reads = []
-        piece = spec.read_piece(lambda a, b: reads.append((a, b)) or dense.narrow(dim, a, b - a), rank)
+        piece = read_piece(spec, lambda a, b: reads.append((a, b)) or dense.narrow(dim, a, b - a), rank)
         assert torch.equal(piece, spec.shard(dense, rank)), rank
         assert len(reads) == sum(1 for _, _, d in runs if d is not None)  # one read per run: chunked, not per row
 
@@ -149,7 +151,7 @@ def test_piece_parts_build_the_shard_from_box_reads_in_slabs(layout, tp, rows_pe
 
     for rank in range(tp):
         calls.clear()
-        parts = list(spec.piece_parts(rank, read_boxes, rows_per_part, torch.float32))
+        parts = list(piece_parts(spec, rank, read_boxes, rows_per_part, torch.float32))
         assert len(parts) == len(calls) == -(-spec.local_shape()[0] // rows_per_part), rank
         assert all(p.shape[0] <= rows_per_part and p.dtype == torch.float32 for p in parts)
         assert torch.equal(torch.cat(parts), spec.shard(dense, rank).float()), rank
@@ -159,10 +161,10 @@ def test_piece_parts_build_the_shard_from_box_reads_in_slabs(layout, tp, rows_pe
 
 @SETTINGS
 @given(layouts(), degrees, st.integers(1, 5), st.booleans())
-def test_dense_parts_rebuild_the_dense_tensor_from_piece_rows_in_slabs(layout, tp, rows_per_part, replicated):
-    """The dense tensor in slabs of at most ``rows_per_part`` rows, each from reads of rows of the pieces, equals
-    ``unshard``; a slab reads only the piece rows it needs (rows of its own range along dim 0 when the split is
-    along another dim)."""
+def test_dense_slabs_rebuild_the_dense_tensor_from_piece_rows_in_slabs(layout, tp, rows_per_part, replicated):
+    """The dense tensor in slabs of at most ``rows_per_part`` rows, each from reads of rows of the pieces
+    (``TagSource``), equals ``unshard``; a slab reads only the piece rows it needs (rows of its own range along dim 0
+    when the split is along another dim)."""
     _, base, dense = layout
     spec = base.at_degree(tp)
     if replicated:
@@ -170,11 +172,17 @@ def test_dense_parts_rebuild_the_dense_tensor_from_piece_rows_in_slabs(layout, t
     pieces = [spec.shard(dense, rank) for rank in range(tp if spec.is_sharded else 1)]
     reads = []
 
-    def read_piece_rows(rank, start, stop):
-        reads.append((rank, start, stop))
-        return pieces[rank][start:stop].clone()
+    class Piece:
+        def __init__(self, rank):
+            self.rank = rank
 
-    parts = list(spec.dense_parts(read_piece_rows, rows_per_part, torch.float32))
+        def get_rows(self, key, start, length):
+            reads.append((self.rank, start, start + length))
+            return pieces[self.rank][start:start + length].clone()
+
+    names = [str(rank) for rank in range(len(pieces))]
+    source = TagSource({name: Piece(rank) for rank, name in enumerate(names)}, {"t": (spec, torch.float32, names)})
+    parts = list(dense_slabs(lambda boxes: source.read_boxes("t", boxes), tuple(dense.shape), rows_per_part))
     assert len(parts) == -(-dense.shape[0] // rows_per_part)
     assert all(p.shape[0] <= rows_per_part and p.dtype == torch.float32 for p in parts)
     assert torch.equal(torch.cat(parts), dense.float())
@@ -183,8 +191,8 @@ def test_dense_parts_rebuild_the_dense_tensor_from_piece_rows_in_slabs(layout, t
 
 def test_piece_parts_of_a_0_dim_tensor_is_one_read():
     spec = ParamSpec(full_shape=(), num_partitions=2)
-    parts = list(spec.piece_parts(1, lambda boxes: [torch.tensor(3.0, dtype=torch.float64)] * len(boxes), 4,
-                                  torch.float32))
+    parts = list(piece_parts(spec, 1, lambda boxes: [torch.tensor(3.0, dtype=torch.float64)] * len(boxes), 4,
+                             torch.float32))
     assert len(parts) == 1 and parts[0].dtype == torch.float32 and parts[0].item() == 3.0
 
 
@@ -213,7 +221,7 @@ def test_kept_and_copy_runs_are_the_rows_read_ranges_fills_from_dense(layout, tp
     for rank in range(tp):
         kept, copies = rows(spec.dense_runs_of_piece(rank)), rows(spec.copy_runs_of_piece(rank))
         assert not kept.keys() & copies.keys(), rank
-        assert {**kept, **copies} == rows(spec.read_ranges(rank)), rank
+        assert {**kept, **copies} == rows(read_ranges(spec, rank)), rank
 
 
 @SETTINGS

@@ -1,15 +1,7 @@
-"""The dense Hugging Face weights of a sharded model, written one tensor at a time: one writer for ``nxdtp-merge``
-(pieces read from a checkpoint's rank files) and for ``save_pretrained`` (pieces gathered from the live model's ranks).
-
-Both produce the same directory for the same weights: every tensor reassembled by its spec
-(``ParamSpec.full_from_pieces``), stripped of vocabulary padding, zero heads and repeated KV heads
-(``ParamSpec.dense_from_full``), under the keys ``split_model_state`` chooses (each tied tensor once), in
-``model.safetensors`` or, split by a shard plan, in ``model-0000i-of-0000n.safetensors`` files with HF's
-``model.safetensors.index.json``.
-
-Memory: a tensor is gathered, written and dropped before the next one is gathered, so the writing rank holds at most
-one full tensor, one rank's piece of it, and the dense tensor where dropping copies or zero heads makes a new one;
-the other ranks hold their own shards and one piece at a time.
+"""The dense Hugging Face weights of a sharded model, written one tensor at a time by one writer
+(``DenseWeightsWriter``) for ``nxdtp-merge`` and the NxD import (through ``pipeline.DenseSink``) and for
+``save_pretrained`` (``save_dense``: each tensor gathered from the live ranks, reassembled by its spec, written and
+dropped before the next), so both write the same directory for the same weights (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -54,15 +46,10 @@ def write_order(files: Dict[str, List[str]]) -> List[str]:
 
 
 class DenseWeightsWriter:
-    """Write the weight files of a dense HF directory, one tensor at a time, in ``write_order(files)``.
-
-    ``files`` is a shard plan (file name -> its keys; default ``single_file``); with more than one file,
-    ``model.safetensors.index.json`` is written too, as HF writes it. Each file is written under a temporary name and
-    renamed into place only when every file is complete, so an interrupted write leaves the directory's earlier
-    weights. After the rename, the weight files of an earlier save that this one does not replace
-    (``model.safetensors`` when the model is now sharded, shards of another count, a stale index) are removed, so
-    ``from_pretrained`` cannot read them. Other files in ``directory`` (a tokenizer, a README) are left alone.
-    """
+    """Write the weight files of a dense HF directory, one tensor at a time, in ``write_order(files)``: ``files`` is a
+    shard plan (default ``single_file``; more than one file adds HF's index). The files are renamed into place only
+    when all are complete; then an earlier save's weight files this one does not replace are removed, other files
+    left alone."""
 
     def __init__(self, directory: str, layout: Layout, files: Optional[Dict[str, List[str]]] = None,
                  metadata: Optional[Dict[str, str]] = None, index_metadata: Optional[Dict[str, Any]] = None):
@@ -159,22 +146,12 @@ def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[st
                index_metadata: Optional[Callable[[Layout], Dict[str, Any]]] = None,
                write_beside: Optional[Callable[[str], None]] = None, check: Optional[Callable[[], None]] = None,
                what: str = "save_dense") -> None:
-    """Collective (every rank calls it): write the dense weights of the parallelized ``model`` to ``directory``.
-
-    Every tensor is gathered over the tensor-parallel group (its pieces broadcast from their ranks, in rank order) and
-    reassembled by its spec as ``nxdtp-merge`` reassembles it from a checkpoint, then written by one rank: the lowest
-    global rank whose ``is_writer`` is true. Tensors are gathered one after the other, each dropped once written, so
-    no rank holds more than one full tensor (module docstring). Every tensor-parallel group gathers, not only the
-    writer's: on XLA every rank must run the same collectives, and any rank may be the writer.
-
-    ``state_dict`` replaces the model's weights: this rank's shards, keyed as ``model.state_dict()`` keys them; the
-    model's own sharding specs are used for them. ``plan_files(layout)`` gives the shard plan (default: one file),
-    ``index_metadata(layout)`` extra metadata for its index, ``write_beside(directory)`` writes other files once the
-    weights are in place (on the writer). ``check()`` runs first on every rank (argument checks).
-
-    Any error on any rank raises on every rank (``what`` names the operation), after the last gather: no rank is left
-    waiting. Every rank returns once the writer has finished, so the files are complete when any rank reads them.
-    """
+    """Collective: write the dense weights of the parallelized ``model`` to ``directory``. Each tensor is gathered over
+    every TP group (XLA needs every rank in the same collectives), reassembled by its spec and written by the lowest
+    global rank whose ``is_writer`` is true, one tensor at a time. ``state_dict``: this rank's shards to write instead
+    (the model's specs lay them out); ``plan_files(layout)``: the shard plan; ``index_metadata(layout)``: extra index
+    metadata; ``write_beside(directory)``: the writer's other files, once the weights are in place; ``check()``: runs
+    first on every rank. An error on any rank raises on every rank (``what`` names it) after the last gather."""
     group = tensor_parallel_group()
     error: Optional[BaseException] = None
     plan: Optional[_DensePlan] = None

@@ -1,18 +1,7 @@
-"""The dense model's optimizer state that ``nxdtp-merge`` writes beside the Hugging Face model, and its loader.
-
-A plain merge (``nxdtp-merge CKPT OUT``) of a checkpoint with optimizer state keyed by parameter name (saved from a
-live optimizer and model, plain or ZeRO-1) also writes
-
-* ``optimizer.safetensors``: every tensor of that state as the dense model's optimizer holds it (TP pieces and ZeRO-1
-  flat shards reassembled, vocabulary padding and repeated KV heads dropped), keyed as torch's flattened optimizer
-  state dict keys it, ``state.<param>.<field>`` (``state.model.embed_tokens.weight.exp_avg``); a ZeRO-1 checkpoint adds
-  each parameter's fp32 master weight as ``master.<param>``;
-* ``optimizer.json``: the rest, also under flattened keys (``param_groups.<param>.<hyperparameter>`` and non-tensor
-  ``state.<param>.<field>``), and which kind of optimizer it came from.
-
-Both are plain formats (any safetensors reader, any JSON reader). ``load_dense_optimizer_state`` restores them into an
-optimizer of the dense model through torch's own ``set_optimizer_state_dict`` (the form DCP and FSDP2 use), so the
-dense optimizer may be built with its param groups in any order; only parameter names must match.
+"""The dense model's optimizer state that ``nxdtp-merge`` writes beside the Hugging Face model, and its loader:
+``optimizer.safetensors`` (each tensor as the dense model's optimizer holds it, under torch's flattened keys
+``state.<param>.<field>``; ZeRO-1's fp32 masters as ``master.<param>``) and ``optimizer.json`` (the other values,
+``param_groups.<param>.<hyperparameter>``, and the source kind). docs/checkpoints.md, "Merging and resharding".
 """
 
 from __future__ import annotations
@@ -36,17 +25,10 @@ __all__ = ["load_dense_optimizer_state", "DENSE_OPTIMIZER_TENSORS", "DENSE_OPTIM
 
 def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                                load_master_weights: bool = False) -> Dict[str, Any]:
-    """Restore the optimizer state ``nxdtp-merge`` wrote to ``directory`` into ``optimizer``, an optimizer of the
-    dense ``model`` (the one ``from_pretrained(directory)`` gives) of the same kind as the one saved; return the
-    checkpoint's trainer state (``{"scheduler": ..., "global_step": ...}`` as ``save`` got them; empty if none).
-
-    Every parameter the optimizer holds must have saved state under its name in ``model``. The hyperparameters the
-    optimizer's groups have (``lr``, ``betas``, ..., and a scheduler's ``initial_lr``) take the checkpoint's values, so
-    build an LR scheduler *before* loading and then ``scheduler.load_state_dict(state["scheduler"])``: torch restores
-    only the group keys the optimizer already has. ``load_master_weights=True`` (ZeRO-1 checkpoints only) also
-    copies the fp32 master weights into the model's parameters: a model loaded from bf16 weights then continues from
-    the exact values ZeRO-1 held, when it is in fp32.
-    """
+    """Restore the optimizer state ``nxdtp-merge`` wrote to ``directory`` into ``optimizer``, one of the same kind
+    over the dense (or TP-sharded) ``model``, through torch's ``set_optimizer_state_dict``; return the checkpoint's
+    trainer state (empty if none). Build an LR scheduler before loading: torch restores only the group keys the
+    optimizer has. ``load_master_weights=True`` (ZeRO-1 only) copies the fp32 masters into the parameters too."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     tensors_path = os.path.join(directory, DENSE_OPTIMIZER_TENSORS)

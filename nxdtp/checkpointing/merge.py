@@ -1,34 +1,9 @@
-"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree.
-
-Both work from the checkpoint directory alone (``nxdtp_index.json`` says how every tensor was split), so they know
-nothing about the model family. ``tools/merge_checkpoints.py`` and the ``nxdtp-merge`` console script wrap them.
-
-Safety rules shared by both:
-
-* Everything is checked before anything is written: the tag is complete, the index parses, every file read passes
-  its recorded size and checksum (unless ``verify=False``), and every rank file the index names exists, is a readable
-  safetensors file, and holds every tensor with the shape the index gives. Errors name the file.
-* Without a named tag, the newest intact tag is read; a damaged one is skipped with a warning naming it.
-* The input is a checkpoint directory (``newest`` names its tag, or ``tag`` does) or one complete tag directory.
-* The output directory must not be (or lie inside, or contain) the input checkpoint directory. An existing non-empty
-  output directory is refused unless ``force``.
-* The output is written into a temporary sibling directory and renamed into place at the end: after any error,
-  ``output_dir`` is exactly as it was before (absent, or the old contents when ``force`` was given).
-
-Memory: the model's tensors go through the checkpoint pipeline (``pipeline.stream``) one at a time, each in slabs of
-rows of at most ``pipeline.SLAB_BYTES`` (64 MiB) read from the rows of the pieces that hold them: a merge is
-(``TagSource``, ``DenseSink``), a reshard (``TagSource``, ``RankFilesSink``), and no tensor is whole in memory.
-``output_format="pytorch_bin"`` is the exception: ``torch.save`` needs the whole state dict, so it holds the full dense
-model in memory. ZeRO-1 optimizer state is resharded one tensor at a time (gathered over its DP shards).
-
-Padding when resharding: every tensor is padded for the new degree by its own recorded rule (the layout algebra,
-``nxdtp.spec.ParamSpec.at_degree``): a vocabulary to ``round_up(real, pad_to_multiple_of * new_tp)``, the rule
-``ParallelEmbedding`` / ``VocabParallelLMHead`` (``parallelize_bert(make_vocab_size_divisible_by=...)``) use, a
-partition-padded convolution or linear layer to its layer's multiple, zero heads and repeated KV heads as the plan lays
-them out; so the model built at the new degree with the same arguments has exactly these shapes, whatever else the
-model pads. The ``pad_to_multiple_of`` argument replaces the vocabulary multiple (pass the model's new
-``make_vocab_size_divisible_by`` when it changes). A tensor without a padding record is not padded again: a degree
-its split dim does not divide is refused, naming the tensor. ``reshard.json`` records the vocabulary multiple used.
+"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree, from
+the checkpoint directory alone (``nxdtp_index.json`` says how every tensor was split). Both check everything before
+writing anything and write atomically; the model's tensors go through the checkpoint pipeline, a merge as
+(``TagSource``, ``DenseSink``), a reshard as (``TagSource``, ``RankFilesSink``), each tensor padded again for the new
+degree by its own recorded rule (``ParamSpec.at_degree``). The rules in full: docs/checkpoints.md, "Merging and
+resharding".
 """
 
 from __future__ import annotations
@@ -36,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import warnings
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -59,7 +34,18 @@ from .index import (
     optim_file,
 )
 from .output_dir import write_atomically
-from .pipeline import SLAB_BYTES, DenseSink, RankFilesSink, TagSource, TensorSource, rows_within, stream
+from .pipeline import (
+    SLAB_BYTES,
+    Box,
+    DenseSink,
+    RankFilesSink,
+    TagSource,
+    TensorSource,
+    dense_slabs,
+    narrowed,
+    rows_within,
+    stream,
+)
 from .safetensors_stream import StreamingSafetensorsWriter
 from .tag_source import (
     CONFIG_FILE,
@@ -77,10 +63,6 @@ OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
-# The slab budget of merge and reshard (``pipeline.SLAB_BYTES`` unless lowered: tests lower it). The model's tensors are
-# read and written in slabs of rows of at most this size; the dense optimizer state beside a merged model too, where
-# larger (ParamSpec.dense_parts), smaller ones being reassembled whole.
-PART_BYTES = SLAB_BYTES
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
@@ -90,25 +72,12 @@ __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, output_format: str = "safetensors",
           force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True,
           optimizer: bool = True) -> str:
-    """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout; return the file path.
-
-    ``output_dir`` gets ``model.safetensors`` (or ``pytorch_model.bin`` for ``output_format="pytorch_bin"``) with the
-    full, unpadded tensors under their HF names (each tied tensor once, under its first name), and the tag's
-    ``config.json`` if it has one, so ``AutoModel.from_pretrained(output_dir)`` loads it. ``config`` (a config.json
-    path) is copied instead: a checkpoint saved from ``model.state_dict()`` (NxD's form) has no config of its own.
-    ``checkpoint_dir`` is a checkpoint directory, whose tag is ``tag`` or by default the newest complete one, or a
-    complete tag directory itself (then ``tag`` must be None). The safetensors form streams one tensor at a time; the
-    bin form holds the whole model in memory (``torch.save`` needs the full dict).
-
-    Without a named tag, the newest intact one is merged (damaged ones are skipped with a warning). ``verify`` checks
-    the checksum of every file read (the model files, the tag's config.json) before anything is written; a mismatch
-    raises ``CheckpointIntegrityError`` naming the file, or for an unnamed tag skips to the next older one.
-
-    With ``optimizer`` (the default), optimizer state keyed by parameter name (plain or ZeRO-1) is written beside the
-    model as the dense model's optimizer holds it (``optimizer.safetensors`` and ``optimizer.json``, read by
-    ``nxdtp.checkpointing.load_dense_optimizer_state``; module ``dense_optimizer``). State that cannot be matched to
-    parameters (keyed by index) is left out with a warning that says why.
-    """
+    """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout (``model.safetensors``,
+    or ``pytorch_model.bin``, held whole in memory, with ``output_format="pytorch_bin"``), with the tag's config.json or
+    ``config``; return the file path. ``checkpoint_dir`` is a checkpoint directory (its tag ``tag``, or the newest
+    intact one, damaged ones skipped with a warning) or a complete tag directory. ``verify`` checks every file read
+    against its checksum first. With ``optimizer``, optimizer state keyed by parameter name is written beside the
+    model (``dense_optimizer``); state keyed by index is left out with a warning."""
     return merge_and_name_source(checkpoint_dir, output_dir, tag, output_format, force, progress, config,
                                  verify=verify, optimizer=optimizer)[0]
 
@@ -173,20 +142,11 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
 def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str] = None, force: bool = False,
             progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None, *,
             verify: bool = True) -> str:
-    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp``; return its tag directory.
-
-    The output is a checkpoint directory in the same format (``newest`` and one tag of the same name, with index,
-    model files, trainer state, config and ``done``), loadable with ``nxdtp.checkpointing.load`` into a model built at
-    the new degree. Vocab-parallel tensors are padded again for the new degree (see the module docstring for the
-    ``pad_to_multiple_of`` rule). Optimizer state keyed by parameter name (saved from a live optimizer and model) is
-    resharded: tensors of the parameter's local shape are split like the parameter, others ('step', scalars) copied.
-    Optimizer state keyed by index (NxD's ``optimizer.state_dict()`` form) cannot be matched to parameters and is
-    dropped with a warning. RNG states are copied when the degree is unchanged and dropped otherwise (a TP rank's
-    tracker state has no counterpart at another degree); ``reshard.json`` in the tag records what was done.
-    ``config`` (a config.json path) replaces or supplies the tag's config.json. ``checkpoint_dir``, ``tag`` and
-    ``verify`` are as for ``merge`` (every file of the source tag is verified). The new tag records the size and
-    checksum of each of its files, as ``save`` does.
-    """
+    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp`` (the same format, loadable with
+    ``load`` into the model built at ``new_tp``); return its tag directory. Each tensor is padded again by its own rule
+    (``pad_to_multiple_of`` replaces the vocabulary's multiple); optimizer state keyed by name is resharded, state
+    keyed by index dropped with a warning; RNG states are copied only at the same degree; ``reshard.json`` records
+    what was done. ``config``: a config.json to use; ``checkpoint_dir``, ``tag`` and ``verify`` as for ``merge``."""
     check_reshard_arguments(new_tp, pad_to_multiple_of)
     tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
                                                  lambda tag_dir, index: sorted(index.files or {}))
@@ -325,10 +285,7 @@ class _ReshardJob:
         bar = progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
         try:
             writers = _reshard_model(new_tag_dir, self.new_entries, self.model_source, self.new_tp, bar)
-            if self.zero1 and self.optimizer_plan is not None:
-                writers += _reshard_zero1_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
-                                                    self.optim_files, self.new_tp, bar)
-            elif self.optimizer_plan is not None:
+            if self.optimizer_plan is not None:
                 writers += _reshard_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
                                               self.optim_files, self.new_tp, bar, self.optimizer_source)
         finally:
@@ -363,11 +320,6 @@ class _ReshardJob:
                                files=dict(sorted(files.items())), tensor_checksums=dict(sorted(contents.items())))
 
 
-def _in_parts(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether a dense tensor of ``shape`` is read in slabs of rows (``PART_BYTES``) rather than whole."""
-    return bool(shape) and math.prod(shape) * dtype.itemsize > PART_BYTES
-
-
 # ---- the tag's tensors as a pipeline source -------------------------------------------------------------------------
 
 def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any]) -> TagSource:
@@ -375,13 +327,7 @@ def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any]) -> Tag
     spec's partition count is the checkpoint's TP degree)."""
     tp = index.tensor_model_parallel_size
     return TagSource(model_files, {key: (entry.spec, dtype_from_name(entry.dtype), entry.files(tp))
-                                   for key, entry in index.tensors.items()}, slab_bytes=PART_BYTES)
-
-
-def _repad(full: torch.Tensor, old: ParamSpec, new: ParamSpec) -> torch.Tensor:
-    """The real part of ``full`` (old padding and copies dropped) in the new layout: padded with zeros to the new full
-    shape, or with its blocks repeated, as the new degree needs."""
-    return new.full_from_dense(old.dense_from_full(full))
+                                   for key, entry in index.tensors.items()})
 
 
 # ---- resharding ------------------------------------------------------------------------------------------------------
@@ -502,35 +448,30 @@ def plan_plain_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
                        handles: Dict[str, Any], new_tp: int, bar, source: Optional[TensorSource] = None
                        ) -> List[StreamingSafetensorsWriter]:
-    """Write plain optimizer state at ``new_tp``: state shaped like its parameter ("shard", "replicate") is laid out
-    and cut as the parameter, read from ``source`` (default: the tag's optimizer rank files), a replicated one whole
-    in every rank's file; other state ("copy": 'step') is TP rank 0's value in every file."""
-    rank0 = handles[optim_file(0)]
-    if source is None:
-        files = [optim_file(r) for r in range(index.tensor_model_parallel_size)]
-        source = TagSource(handles, {f"{name}/{field}": (index.tensors[key].spec, rank0.dtype(f"{name}/{field}"),
-                                                         files)
-                                     for name, (key, fields) in plan for field, kind, _ in fields if kind != "copy"},
-                           slab_bytes=PART_BYTES)
-    layouts: List[list] = [[] for _ in range(new_tp)]
-    for name, (key, fields) in plan:
-        new_spec = new_entries[key].spec
-        for field, kind, shape in fields:
-            local = new_spec.local_shape() if kind == "shard" else shape
-            for rank in range(new_tp):
-                layouts[rank].append((f"{name}/{field}", rank0.dtype(f"{name}/{field}"), tuple(local)))
-    with _open_writers([os.path.join(new_tag_dir, optim_file(r)) for r in range(new_tp)], layouts) as writers:
-        for name, (key, fields) in plan:
-            for field, kind, _ in fields:
-                tensor_key = f"{name}/{field}"
-                if kind == "copy":
-                    value = rank0.get_tensor(tensor_key)
-                    for rank in range(new_tp):
-                        writers[rank].write(tensor_key, value)
-                else:
-                    sink = RankFilesSink(writers, {tensor_key: new_entries[key].spec}, every_rank=True)
-                    stream(source, sink, [tensor_key])
-                bar.update(1)
+    """Write the optimizer's rank files at ``new_tp``: each tensor shaped like its parameter streamed from ``source``
+    (default: the tag's optimizer files) into a ``RankFilesSink`` (plain state; a replicated tensor whole in every
+    file) or a ``Zero1Sink`` (ZeRO-1, the same DP size); other state ('step') is TP (and DP) rank 0's value."""
+    zero1 = is_zero1_optimizer_index(index.optimizer)
+    dp = int(index.optimizer["zero1"]["sharding_group_size"]) if zero1 else 1
+    ranks = [(rank, k) for rank in range(new_tp) for k in range(dp)]
+    first = handles[optim_file(0, 0) if zero1 else optim_file(0)]
+    specs = {f"{name}/{field}": new_entries[key].spec for name, (key, fields) in plan for field, _, _ in fields}
+    kinds = {f"{name}/{field}": kind for name, (_, fields) in plan for field, kind, _ in fields}
+    layout = [(key, first.dtype(key), tuple(first.get_slice(key).get_shape()) if kind in ("copy", "replicate") else
+               (FlatShardLayout(specs[key].local_shape(), dp).shard_numel,) if zero1 else specs[key].local_shape())
+              for key, kind in kinds.items()]
+    paths = [os.path.join(new_tag_dir, optim_file(*rank) if zero1 else optim_file(rank[0])) for rank in ranks]
+    with _open_writers(paths, [layout] * len(ranks)) as writers:
+        sink = Zero1Sink(dict(zip(ranks, writers)), specs, dp) if zero1 else RankFilesSink(writers, specs, True)
+        source = source or tag_optimizer_source(index, plan, handles)
+        for key, kind in kinds.items():
+            if kind == "copy":
+                value = first.get_tensor(key)
+                for writer in writers:
+                    writer.write(key, value)
+            else:
+                stream(source, sink, [key])
+            bar.update(1)
     return writers  # completed: their records are ready
 
 
@@ -581,54 +522,62 @@ def plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict
     return plan, handles, None
 
 
-def _reshard_zero1_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
-                             handles: Dict[str, Any], new_tp: int, bar) -> List[StreamingSafetensorsWriter]:
-    """Write ZeRO-1 state at TP degree ``new_tp`` and the same DP size: per parameter and flat field, each old TP
-    rank's DP shards are gathered into its TP-local tensor, those are resharded like the parameter (its padding
-    redone), and each new TP-local tensor is cut over DP again; one tensor in memory at a time."""
-    info = index.optimizer
-    dp = int(info["zero1"]["sharding_group_size"])
-    files = [(rank, k) for rank in range(new_tp) for k in range(dp)]
-    layouts: Dict[Tuple[int, int], list] = {f: [] for f in files}
-    for name, (key, fields) in plan:
-        new_layout = FlatShardLayout(new_entries[key].spec.local_shape(), dp)
-        for field, kind, dtype in fields:
-            shape = (new_layout.shard_numel,) if kind == "flat" else tuple(
-                handles[optim_file(0, 0)].get_slice(f"{name}/{field}").get_shape())
-            for f in files:
-                layouts[f].append((f"{name}/{field}", dtype, shape))
-    paths = [os.path.join(new_tag_dir, optim_file(rank, k)) for rank, k in files]
-    with _open_writers(paths, [layouts[f] for f in files]) as writer_list:
-        writers = dict(zip(files, writer_list))
-        for name, (key, fields) in plan:
-            old_spec, new_spec = index.tensors[key].spec, new_entries[key].spec
-            old_layout = FlatShardLayout.from_dict(info["params"][name]["layout"])
-            new_layout = FlatShardLayout(new_spec.local_shape(), dp)
-            for field, kind, dtype in fields:
-                tensor_key = f"{name}/{field}"
-                if kind == "copy":
-                    value = handles[optim_file(0, 0)].get_tensor(tensor_key)
-                    for f in files:
-                        writers[f].write(tensor_key, value)
-                    bar.update(1)
-                    continue
+class Zero1Source:
+    """ZeRO-1 state (keys ``name/field``, ``layout[key] = (spec, flat layout, dtype)``) as a
+    ``pipeline.TensorSource``: a TP rank's piece is its DP shards joined (``piece``), laid out by the parameter's
+    spec. A flat shard holds no rows, so a tensor is read whole, and kept until another is read."""
 
-                def local(rank: int, tensor_key=tensor_key) -> torch.Tensor:
-                    return old_layout.full_from_shards([handles[optim_file(rank, k)].get_tensor(tensor_key)
-                                                        for k in range(dp)])
+    def __init__(self, handles: Dict[str, Any], layout: Dict[str, Tuple[ParamSpec, FlatShardLayout, torch.dtype]]):
+        self.handles, self.layout, self.slab_bytes = handles, layout, SLAB_BYTES
+        self._last: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
-                if old_spec.is_sharded:
-                    full = _repad(old_spec.full_from_pieces(local, dtype), old_spec, new_spec)
-                    pieces = {rank: new_spec.piece_of_full(full, rank, own=False) for rank in range(new_tp)}
-                else:
-                    whole = local(0)
-                    pieces = {rank: whole for rank in range(new_tp)}
-                for rank in range(new_tp):
-                    for k in range(dp):
-                        writers[(rank, k)].write(tensor_key, new_layout.shard_of(pieces[rank], k))
-                del pieces
-                bar.update(1)
-    return writer_list  # completed: their records are ready
+    def spec(self, key: str) -> ParamSpec:
+        return self.layout[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.layout[key][2]
+
+    def piece(self, key: str, rank: int) -> torch.Tensor:
+        shards = self.layout[key][1]
+        return shards.full_from_shards([self.handles[optim_file(rank, k)].get_tensor(key)
+                                        for k in range(shards.group_size)])
+
+    def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]:
+        if self._last[0] != key:
+            spec, _, dtype = self.layout[key]
+            self._last = (None, None)
+            full = spec.full_from_pieces(lambda rank: self.piece(key, rank), dtype)
+            self._last = (key, spec.dense_from_full(full).contiguous())
+        return [narrowed(self._last[1], box) for box in boxes]
+
+
+class Zero1Sink:
+    """ZeRO-1 rank files (``writers[(tp rank, dp rank)]``) at the TP size of ``specs``: each new TP piece cut into
+    flat shards over the ``dp`` ranks."""
+
+    def __init__(self, writers: Dict[Tuple[int, int], Any], specs: Dict[str, ParamSpec], dp: int):
+        self.writers, self.specs, self.dp = writers, specs, dp
+
+    def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes, slab_bytes: int) -> None:
+        spec = self.specs[key]
+        dense = read_boxes([((0,) * len(shape), shape)])[0].to(dtype)
+        flat = FlatShardLayout(spec.local_shape(), self.dp)
+        for rank in range(spec.num_partitions):
+            piece = spec.shard(dense, rank)
+            for k in range(self.dp):
+                self.writers[(rank, k)].write(key, flat.shard_of(piece, k))
+
+
+def tag_optimizer_source(index: CheckpointIndex, plan, handles: Dict[str, Any]):
+    """The optimizer tensors shaped like their parameters (keys ``name/field``; every field but "copy" ones) as a
+    pipeline source: ``Zero1Source`` for ZeRO-1 state, else a ``TagSource`` of the optimizer's rank files."""
+    tensors = [(f"{name}/{field}", index.tensors[key].spec, name, detail)
+               for name, (key, fields) in plan for field, kind, detail in fields if kind != "copy"]
+    if is_zero1_optimizer_index(index.optimizer):
+        return Zero1Source(handles, {key: (spec, FlatShardLayout.from_dict(index.optimizer["params"][name]["layout"]),
+                                           dtype) for key, spec, name, dtype in tensors})
+    files = [optim_file(rank) for rank in range(index.tensor_model_parallel_size)]
+    return TagSource(handles, {key: (spec, handles[files[0]].dtype(key), files) for key, spec, _, _ in tensors})
 
 
 def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, TensorEntry], plan) -> Dict[str, Any]:
@@ -704,52 +653,25 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
         raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") from None
     if plan is None:
         return None, {}, why_not
+    source, first = tag_optimizer_source(index, plan, handles), handles[optim_file(0, 0) if zero1 else optim_file(0)]
     state: Dict[str, Any] = {}
-    for name, (key, fields) in plan:
-        spec = index.tensors[key].spec
-        if zero1:
-            layout = FlatShardLayout.from_dict(index.optimizer["params"][name]["layout"])
-            dp = layout.group_size
-            master = index.optimizer["params"][name]["master"]
-        for field, kind, detail in fields:
-            tensor_key = f"{name}/{field}"
+    for name, (_, fields) in plan:
+        master = index.optimizer["params"][name].get("master") if zero1 else None
+        for field, kind, _ in fields:
+            key = f"{name}/{field}"
+            flat_key = f"{MASTER_PREFIX}{name}" if field == master else f"state.{name}.{field}"
             if kind == "copy":  # 'step' and other state not shaped like the parameter: TP (and DP) rank 0's value
-                first = handles[optim_file(0, 0) if zero1 else optim_file(0)]
-
-                def read(first=first, tensor_key=tensor_key) -> torch.Tensor:
-                    return first.get_tensor(tensor_key)
-
-                shape = tuple(first.get_slice(tensor_key).get_shape())
-                dtype = first.dtype(tensor_key)
-            else:
-                if zero1:
-                    dtype = detail
-
-                    def piece(rank: int, tensor_key=tensor_key, layout=layout, dp=dp) -> torch.Tensor:
-                        return layout.full_from_shards([handles[optim_file(rank, k)].get_tensor(tensor_key)
-                                                        for k in range(dp)])
-                else:
-                    dtype = handles[optim_file(0)].dtype(tensor_key)
-
-                    def piece(rank: int, tensor_key=tensor_key) -> torch.Tensor:
-                        return handles[optim_file(rank)].get_tensor(tensor_key)
-
-                def read(spec=spec, piece=piece, dtype=dtype) -> torch.Tensor:
-                    full = spec.full_from_pieces(piece, dtype) if spec.is_sharded else piece(0)
-                    return spec.dense_from_full(full).contiguous()
-
-                shape = tuple(spec.unpadded_shape)
-                if not zero1 and _in_parts(shape, dtype):  # plain state is stored as its parameter: rows can be read
-
-                    def read_parts(spec=spec, dtype=dtype, tensor_key=tensor_key):
-                        rows = rows_within(PART_BYTES, spec.unpadded_shape, dtype)
-                        return spec.dense_parts(lambda rank, start, stop: handles[optim_file(rank)].get_rows(
-                            tensor_key, start, stop - start), rows, dtype)
-                else:
-                    read_parts = None
-            flat_key = f"{MASTER_PREFIX}{name}" if zero1 and field == master else f"state.{name}.{field}"
-            state[flat_key] = DenseOptimizerTensor(shape=shape, dtype=dtype, read=read, **(
-                {} if kind == "copy" else {"spec": spec, "read_piece": piece, "read_parts": read_parts}))
+                state[flat_key] = DenseOptimizerTensor(shape=tuple(first.get_slice(key).get_shape()),
+                                                       dtype=first.dtype(key), read=partial(first.get_tensor, key))
+                continue
+            shape, dtype, read_boxes = tuple(source.spec(key).unpadded_shape), source.dtype(key), partial(
+                source.read_boxes, key)
+            rows = rows_within(source.slab_bytes, shape, dtype)
+            state[flat_key] = DenseOptimizerTensor(
+                shape=shape, dtype=dtype, read=lambda r=read_boxes, s=shape: r([((0,) * len(s), s)])[0].contiguous(),
+                spec=source.spec(key), read_piece=partial(source.piece, key),
+                # plain state is stored as its parameter: read in slabs of piece rows
+                read_parts=None if zero1 or not shape else partial(dense_slabs, read_boxes, shape, rows))
     state.update(optimizer_values(tag_dir))
     return state, handles, None
 

@@ -6,33 +6,32 @@ read by box: ``spec(key)`` is the tensor's layout in the source (its dense shape
 (``TensorSink``) writes one tensor at a time, asking the source for the boxes it needs in slabs of at most
 ``slab_bytes``, so no tensor is whole in memory unless a source can only read it whole. ``stream`` is the driver.
 
-Sources: ``TagSource`` (an nxdtp tag's rank files: a box is read from the rows of the pieces that hold it) and
-``dcp_io.DcpSource`` (a DCP directory). Sinks: ``DenseSink`` (a Hugging Face safetensors file, the dense tensor in
-slabs of rows), ``RankFilesSink`` (the rank files of an nxdtp tag at another TP size, each piece in slabs of rows,
-``ParamSpec.piece_parts``) and ``dcp_io.DcpSink`` (a DCP directory, chunk by chunk). ``nxdtp-merge``'s merge and
-reshard are (``TagSource``, ``DenseSink``) and (``TagSource``, ``RankFilesSink``); ``--to dcp`` is (``TagSource``,
-``DcpSink``), ``--from-dcp`` (``DcpSource``, ``DenseSink``) and ``--from-dcp --reshard`` (``DcpSource``,
-``RankFilesSink``).
+Sources: ``TagSource`` (an nxdtp tag's rank files: a box is read from the rows of the pieces that hold it),
+``dcp_io.DcpSource`` (a DCP directory) and ``converters.nxd.reader.NxdSource`` (NxD's rank files). Sinks:
+``DenseSink`` (a Hugging Face safetensors file, the dense tensor in slabs of rows), ``RankFilesSink`` (the rank files
+of an nxdtp tag at another TP size, each piece in slabs of rows, ``slabs.piece_parts``) and ``dcp_io.DcpSink`` (a DCP
+directory, chunk by chunk). ``nxdtp-merge``'s merge and reshard are (``TagSource``, ``DenseSink``) and (``TagSource``,
+``RankFilesSink``); ``--to dcp`` is (``TagSource``, ``DcpSink``), ``--from-dcp`` (``DcpSource``, ``DenseSink``),
+``--from-dcp --reshard`` (``DcpSource``, ``RankFilesSink``) and ``--from-nxd`` (``NxdSource``, ``DenseSink``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from ..spec import ParamSpec
+from .slabs import Box, piece_parts
 
-# A box of a dense tensor: (offsets, sizes), one of each per dimension.
-Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 ReadBoxes = Callable[[List[Box]], List[torch.Tensor]]
 
 # The most bytes a sink asks a source for at once: a larger tensor is written in slabs of rows of at most this size.
 SLAB_BYTES = 64 << 20
 
 __all__ = ["Box", "TensorSource", "TensorSink", "stream", "TagSource", "DenseSink", "RankFilesSink", "SLAB_BYTES",
-           "rows_within"]
+           "rows_within", "dense_slabs", "narrowed"]
 
 
 class TensorSource(Protocol):
@@ -66,9 +65,16 @@ def rows_within(budget: int, shape: Sequence[int], dtype: torch.dtype) -> int:
     return max(1, budget // max(1, math.prod(shape[1:]) * dtype.itemsize))
 
 
-def _narrowed(tensor: torch.Tensor, box: Box, dims: Iterable[int]) -> torch.Tensor:
+def dense_slabs(read_boxes: ReadBoxes, shape: Sequence[int], rows: int) -> Iterator[torch.Tensor]:
+    """The dense tensor of ``shape`` (at least one dim) as slabs of at most ``rows`` rows, each one box read."""
+    for start in range(0, shape[0], rows):
+        yield read_boxes([((start,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - start),) + tuple(shape[1:]))])[0]
+
+
+def narrowed(tensor: torch.Tensor, box: Box, dims: Optional[Iterable[int]] = None) -> torch.Tensor:
+    """The ``box`` of ``tensor`` (a view), along ``dims`` only when given."""
     offsets, sizes = box
-    for d in dims:
+    for d in range(len(sizes)) if dims is None else dims:
         tensor = tensor.narrow(d, offsets[d], sizes[d])
     return tensor
 
@@ -93,6 +99,10 @@ class TagSource:
     def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]:
         return [self._read_box(key, box) for box in boxes]
 
+    def piece(self, key: str, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s piece of ``key`` as stored."""
+        return self.handles[self.layout[key][2][rank]].get_tensor(key)
+
     def _rows(self, key: str, rank: int, start: int, length: int) -> torch.Tensor:
         return self.handles[self.layout[key][2][rank]].get_rows(key, start, length)
 
@@ -102,7 +112,7 @@ class TagSource:
         if not sizes:  # a 0-dim tensor
             return self.handles[self.layout[key][2][0]].get_tensor(key).to(dtype)
         if not spec.is_sharded:  # rank 0's copy; its dense part is the leading block
-            return _narrowed(self._rows(key, 0, offsets[0], sizes[0]), box, range(1, len(sizes))).to(dtype)
+            return narrowed(self._rows(key, 0, offsets[0], sizes[0]), box, range(1, len(sizes))).to(dtype)
         dim = spec.partition_dim
         out = torch.empty(sizes, dtype=dtype)
         low, high = offsets[dim], offsets[dim] + sizes[dim]
@@ -119,7 +129,7 @@ class TagSource:
                 else:
                     rows = self._rows(key, rank, offsets[0], sizes[0]) if rows is None else rows
                     part = rows.narrow(dim, start, last - first)
-                out.narrow(dim, first - low, last - first).copy_(_narrowed(part, box, others))
+                out.narrow(dim, first - low, last - first).copy_(narrowed(part, box, others))
         return out
 
 
@@ -135,10 +145,8 @@ class DenseSink:
         if not shape or shape[0] == 0:
             self.writer.write(key, read_boxes([((0,) * len(shape), shape)])[0].to(dtype))
             return
-        step = rows_within(slab_bytes, shape, dtype)
-        boxes = [((start,) + (0,) * (len(shape) - 1), (min(step, shape[0] - start),) + shape[1:])
-                 for start in range(0, shape[0], step)]
-        self.writer.write_parts(key, (read_boxes([box])[0].to(dtype) for box in boxes))
+        slabs = dense_slabs(read_boxes, shape, rows_within(slab_bytes, shape, dtype))
+        self.writer.write_parts(key, (slab.to(dtype) for slab in slabs))
 
 
 class RankFilesSink:
@@ -160,4 +168,4 @@ class RankFilesSink:
             return
         rows = rows_within(slab_bytes, spec.local_shape(), dtype)
         for rank in ranks:
-            self.writers[rank].write_parts(key, spec.piece_parts(rank, read_boxes, rows, dtype))
+            self.writers[rank].write_parts(key, piece_parts(spec, rank, read_boxes, rows, dtype))

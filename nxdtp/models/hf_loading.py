@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..checkpointing.safetensors_stream import SafetensorsFileReader
+from ..checkpointing.slabs import read_piece
 from ..errors import DamagedInputError
 from ..spec import ParamSpec, ShardedModule
 from ..topology import tensor_parallel_group
@@ -286,13 +287,13 @@ def check_stored_tensor(reader: CheckpointReader, key: str, name: str, param: to
 
 def read_shard(reader: CheckpointReader, key: str, spec: ParamSpec, rank: int) -> torch.Tensor:
     """This rank's shard of ``key`` as ``spec`` lays it out (strided pieces, copies of repeated heads, zero rows where
-    it is padded), read in the runs the layout algebra gives (``ParamSpec.read_ranges``): never the whole tensor."""
+    it is padded), read in the runs the layout algebra gives (``slabs.read_ranges``): never the whole tensor."""
     stored = reader.shape(key)
     if stored != spec.unpadded_shape:
         raise PretrainedDirectoryError(f"{reader.path(key)}: tensor '{key}' has shape {list(stored)}, but the model "
                                        f"expects {list(spec.unpadded_shape)}")
     dim = spec.partition_dim if spec.is_sharded else 0
-    return spec.read_piece(lambda start, stop: reader.read(key, dim, start, stop), rank)
+    return read_piece(spec, lambda start, stop: reader.read(key, dim, start, stop), rank)
 
 
 def materialize_meta_model(model: nn.Module, device="cpu") -> nn.Module:

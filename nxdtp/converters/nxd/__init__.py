@@ -1,9 +1,6 @@
-"""Import checkpoints written by neuronx-distributed (NxD) into dense Hugging Face model directories.
-
-NxD's per-rank files carry no sharding spec, so each model family has a module that knows how NxD's layers split it
-(``bert.py``: NxD's BERT pretraining example; ``llama.py``: NxD's Llama training examples); ``reader.py`` finds and
-reads the rank files for all of them. :func:`merge_nxd_checkpoint` picks the family from the config's ``model_type``
-(``nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON`` calls it).
+"""Import checkpoints written by neuronx-distributed (NxD) into dense Hugging Face model directories: one module per
+model family knows how NxD's layers split it (``bert.py``, ``llama.py``), ``reader.py`` reads the rank files for all;
+:func:`merge_nxd_checkpoint` picks the family from the config (``nxdtp-merge ... --from-nxd --config CONFIG_JSON``).
 """
 
 from __future__ import annotations
@@ -51,11 +48,8 @@ def family_of(config_json):
 
 def merge_nxd_checkpoint(checkpoint_dir, config_json, output_dir, force: bool = False, progress: bool = True,
                          **options) -> str:
-    """Merge an NxD checkpoint into a dense HF directory with its family's importer; return ``output_dir``.
-
-    ``options`` go to the family's ``merge_nxd_checkpoint`` (``bert.merge_nxd_checkpoint`` or
-    ``llama.merge_nxd_checkpoint``; both take ``tag``, ``dtype`` and ``model_key``).
-    """
+    """Merge an NxD checkpoint into a dense HF directory with its family's importer (``options`` go to it: ``tag``,
+    ``dtype``, ``model_key``, ...); return ``output_dir``."""
     family = family_of(config_json)
     return family.merge_nxd_checkpoint(checkpoint_dir, config_json, output_dir, force=force, progress=progress,
                                        **options)

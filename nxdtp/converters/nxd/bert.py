@@ -1,10 +1,6 @@
-"""Import a BERT checkpoint written by neuronx-distributed (NxD) into a dense Hugging Face model directory.
-
-NxD's files record nothing about how the tensors are split, so the layout comes from here:
-:data:`NXD_ATTENTION_ONLY_PLAN` describes NxD's BERT pretraining example, which shards attention only (Q, K and V are
-``ColumnParallelLinear(gather_output=False)``: weight and bias split along dim 0; the attention output dense is
-``RowParallelLinear(input_is_parallel=True)``: weight split along dim 1, bias whole). Every other tensor is the same on
-every TP rank. Finding and reading the rank files is ``reader.py``'s job.
+"""Import a BERT checkpoint written by neuronx-distributed (NxD) into a dense Hugging Face model directory. NxD's
+files record no split, so :data:`NXD_ATTENTION_ONLY_PLAN` gives it: NxD's BERT pretraining example splits Q, K and V
+(weight and bias) along dim 0 and the attention output weight along dim 1; every other tensor is whole on every rank.
 """
 
 from __future__ import annotations
@@ -18,15 +14,15 @@ import torch
 from ...spec import ParamSpec
 from .reader import (
     AUTO,
-    DenseTensor,
     NxdCheckpointError,
+    NxdSource,
     RankFiles,
     RankShard,
+    check_pieces,
     expected_layout,
     import_checkpoint,
     load_config_dict,
     missing_last_ranks,
-    one_dtype,
     replicated,
     say,
 )
@@ -116,50 +112,40 @@ def _validate(shards: Sequence[RankShard], files: RankFiles, shapes: Dict[str, T
             if piece and expected[dim] % piece == 0 and expected[dim] // piece > tp:
                 raise missing_last_ranks(files, expected[dim] // piece,
                                          f"{reference.tensor_file(key)}: '{key}' is a 1/{expected[dim] // piece} slice")
-        one_dtype(shards, key)
-        for shard in shards:
-            shape = tuple(shard.get(key).shape)
-            if dim is None:
-                want = expected
-                how = "replicated on every TP rank"
-            else:
-                if dim >= len(expected) or expected[dim] % tp:
-                    raise NxdCheckpointError(f"'{key}' of shape {list(expected)} cannot be split along dim {dim} "
-                                             f"over {tp} TP ranks")
-                want = _split_spec(expected, dim, tp).local_shape()
-                how = f"its 1/{tp} slice along dim {dim} of the full {list(expected)}"
-            if shape != want:
-                raise NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' has shape {list(shape)}, but the config "
-                                         f"needs {list(want)} ({how})")
+        if dim is not None and (dim >= len(expected) or expected[dim] % tp):
+            raise NxdCheckpointError(f"'{key}' of shape {list(expected)} cannot be split along dim {dim} over {tp} "
+                                     "TP ranks")
+        check_pieces(shards, key, _spec(expected, dim, tp), "replicated on every TP rank" if dim is None else
+                     f"its 1/{tp} slice along dim {dim} of the full {list(expected)}")
     return sources, dropped
 
 
-def _split_spec(full_shape: Tuple[int, ...], dim: int, tp: int) -> ParamSpec:
-    """NxD's split of a BERT tensor in the layout algebra: a plain split along ``dim``, no padding or copies."""
-    return ParamSpec(full_shape=tuple(full_shape), partition_dim=dim, num_partitions=tp)
+def _spec(shape, dim: Optional[int], tp: int) -> ParamSpec:
+    """NxD's layout of a BERT tensor: whole on every rank, or a plain split along ``dim``."""
+    return ParamSpec(full_shape=tuple(shape)) if dim is None else ParamSpec(full_shape=tuple(shape),
+                                                                           partition_dim=dim, num_partitions=tp)
 
 
-def _merged(shards: Sequence[RankShard], key: str, plan: Mapping[str, int]) -> torch.Tensor:
-    """The dense tensor: the TP slices unsharded, or TP rank 0's copy of a replicated tensor (warning if ranks
-    differ)."""
-    dim = nxd_partition_dim(key, plan)
-    if dim is None:
-        return replicated(shards, key)
-    pieces = [shard.get(key) for shard in shards]
-    full = list(pieces[0].shape)
-    full[dim] *= len(pieces)
-    return _split_spec(tuple(full), dim, len(pieces)).unshard(pieces)
-
-
-def _check_ties(shards: Sequence[RankShard], tied: Dict[str, str], plan: Mapping[str, int]) -> None:
-    """A tied pair present under both names must hold the same values, or the HF model would silently use one."""
+def _source(shards: Sequence[RankShard], sources: Dict[str, str], shapes: Dict[str, Tuple[int, ...]],
+            tied: Dict[str, str], plan: Mapping[str, int], dtype: Optional[torch.dtype]) -> NxdSource:
+    """The dense tensors: a split one read through NxD's plain split along its dim, a replicated one TP rank 0's copy
+    (warning if ranks differ). A tied pair held under both names must agree, or the HF model would use one."""
+    source = NxdSource(shards, dtype)
     keys = set(shards[0].state)
-    for alias, source in tied.items():
-        if alias in keys and source in keys:
-            if not torch.equal(_merged(shards, alias, plan), _merged(shards, source, plan)):
-                raise NxdCheckpointError(
-                    f"{shards[0].path}: '{alias}' differs from '{source}', but the config ties them, so the HF model "
-                    f"would use '{source}' for both; set tie_word_embeddings to false in the config to keep both")
+    pairs = [(alias, key) for alias, key in tied.items() if alias in keys and key in keys]
+    wanted = dict(sources, **{name: name for pair in pairs for name in pair if name not in sources})
+    for key, nxd_key in wanted.items():
+        shape, stored, dim = shapes[key], shards[0].get(nxd_key).dtype, nxd_partition_dim(nxd_key, plan)
+        if dim is None:
+            source.built(key, shape, stored, lambda nxd_key=nxd_key: replicated(shards, nxd_key), key in sources)
+        else:
+            source.laid_out(key, shape, stored, nxd_key, _spec(shape, dim, len(shards)), write=key in sources)
+    for alias, key in pairs:
+        if not torch.equal(source.whole(alias), source.whole(key)):
+            raise NxdCheckpointError(
+                f"{shards[0].path}: '{alias}' differs from '{key}', but the config ties them, so the HF model "
+                f"would use '{key}' for both; set tie_word_embeddings to false in the config to keep both")
+    return source
 
 
 def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
@@ -168,33 +154,18 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
                          dtype: Optional[torch.dtype] = None, tag: Optional[str] = None,
                          verify_checksums: bool = True) -> str:
     """Merge an NxD BERT checkpoint (one file per TP rank, no spec) into a dense HF directory; return ``output_dir``.
-
-    ``checkpoint_dir`` holds ``tp_rank_XX_pp_rank_00/checkpoint.pt`` or another layout ``reader.py`` finds; tp is the
-    number of ranks. ``config_json`` is the model's ``config.json`` (a file, a directory holding one, or a
-    ``BertConfig``). The result, ``model.safetensors`` and ``config.json``, loads with
-    ``BertForPreTraining.from_pretrained(output_dir)``. ``model_class`` (default: the config's architecture, else
-    BertForPreTraining) sets which keys are expected; ``model_key`` is where the state dict sits in each rank's dict
-    (None: the file is the state dict; default: as the layout stores it); ``plan`` maps key patterns to their TP split
-    dim (default: NxD's BERT example); ``dtype`` casts floating tensors; ``tag`` picks a tag in a directory of NxD
-    trainer tags; ``verify_checksums`` (default on) checks the CRC-32 of every entry of every rank file, so flipped
-    bytes are an error, not wrong weights.
-
-    Everything is checked before anything is written: every rank file present (ranks 0..tp-1, pp 0), keys equal on all
-    ranks, every shape consistent with the config. The result is written to a temporary sibling and renamed into
-    place, so an error leaves ``output_dir`` as it was. A non-empty ``output_dir`` is refused unless ``force``.
-    """
+    Everything is checked before anything is written, and ``output_dir`` is replaced atomically (a non-empty one only
+    with ``force``). The arguments: docs/api.md, ``nxdtp.converters.nxd``."""
     config = _load_config(config_json)
     cls = _model_class(config, model_class)
 
-    def layout(shards: List[RankShard], files: RankFiles) -> List[DenseTensor]:
+    def layout(shards: List[RankShard], files: RankFiles, dtype: Optional[torch.dtype]) -> NxdSource:
         shapes, tied = expected_layout(config, cls)
         sources, dropped = _validate(shards, files, shapes, tied, plan)
-        _check_ties(shards, tied, plan)
+        source = _source(shards, sources, shapes, tied, plan, dtype)
         if dropped:
             say(progress, f"dropping buffers that are not weights: {dropped}")
-        return [DenseTensor(key, shapes[key], shards[0].get(source).dtype,
-                            lambda source=source: _merged(shards, source, plan))
-                for key, source in sources.items()]
+        return source
 
     return import_checkpoint(checkpoint_dir, output_dir, config, cls.__name__, layout, force=force, progress=progress,
                              model_key=model_key, tag=tag, dtype=dtype,

@@ -1,34 +1,10 @@
 """Import a Llama (or Mistral) checkpoint written by neuronx-distributed (NxD) into a dense HF ``*ForCausalLM``
-directory.
-
-The per-rank layout is that of NxD's Llama training model (``examples/training/llama/modeling_llama_nxd.py``), which
-is also what NxD's ``checkpoint_converter.py --convert_from_full_state`` writes. Per TP rank r of tp:
-
-* ``model.embed_tokens.weight`` (``ParallelEmbedding``) and ``lm_head.weight`` (``ColumnParallelLinear``): rows
-  ``[r*V/tp, (r+1)*V/tp)`` of the vocabulary. A vocabulary padded at the end to the next multiple of tp (NxD's
-  ``pad=True``, or a config padded by hand for training) is accepted; the padding rows are dropped.
-* ``mlp.gate_up_proj.weight`` (``ColumnParallelLinear(stride=2)``): this rank's gate rows, then its up rows.
-  ``mlp.down_proj.weight`` and ``self_attn.o_proj.weight`` (``RowParallelLinear``): split along dim 1.
-* Norm weights: whole on every rank.
-* Attention, in one of four forms (the config and script flags of NxD's example decide which):
-
-  - ``self_attn.qkv_proj.weight_qkv``: ``GQAQKVColumnParallelLinear(fuse_qkv=True)``, this rank's Q rows, then K,
-    then V;
-  - ``self_attn.qkv_proj.weight_q``, ``.weight_k``, ``.weight_v``: the same layer with ``fuse_qkv=False``;
-  - ``self_attn.qkv_proj.weight``: ``ColumnParallelLinear(stride=3)``, used when query and KV head counts are equal:
-    this rank's Q rows, then K, then V;
-  - ``self_attn.q_proj.weight``, ``.k_proj.weight``, ``.v_proj.weight``: three ``ColumnParallelLinear``.
-
-  ``GQAQKVColumnParallelLinear`` with ``kv_size_multiplier`` m holds each KV head m times: the K (and V) weight is
-  tiled m times along the heads (``K.repeat(m, 1)``, NxD's initialisation on trn1 and its converter's output) and
-  rank r holds the r-th 1/tp of that, so rank r's local KV slot j is head ``(r*kv_local + j) % num_key_value_heads``.
-  Q is split plainly, and each rank pairs its own Q heads with its own KV heads. The dense model must compute the
-  same, so each Q head (with its ``o_proj`` columns) is put at a place in the HF order whose HF KV head is the one it
-  was paired with (``checkpoint_converter.py`` reorders the same way). The m copies of a KV head are checked equal;
-  differing copies are an error that names the key, since the dense model can hold only one.
-
-The tensor-parallel degree is the number of rank files; the multiplier and the attention form are read from the keys
-and shapes, so the import needs nothing but the checkpoint and the model's config.json.
+directory. The per-rank layout is that of NxD's Llama training model (``modeling_llama_nxd.py``, also what NxD's
+``checkpoint_converter.py --convert_from_full_state`` writes): the vocabulary, ``gate_up_proj`` (stride 2),
+``down_proj`` and replicated norms are ParamSpecs; attention is one of four forms (``ATTENTION_FORMS``) whose Q heads
+are put back in HF order and whose ``kv_size_multiplier`` copies of a KV head are checked equal (``head_layout``). The
+tensor-parallel degree is the number of rank files; the multiplier and the form are read from keys and shapes.
+docs/checkpoints.md ("Llama and Mistral") has the layout in full.
 """
 
 from __future__ import annotations
@@ -37,7 +13,7 @@ import copy
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,10 +22,11 @@ from ...models.llama import NAME as LLAMA_FAMILY
 from ...spec import ParamSpec
 from .reader import (
     AUTO,
-    DenseTensor,
     NxdCheckpointError,
+    NxdSource,
     RankFiles,
     RankShard,
+    check_pieces,
     expected_layout,
     import_checkpoint,
     load_config_dict,
@@ -187,7 +164,8 @@ class _Planner:
         self.keys = set(shards[0].state)
         self.dropped = sorted(k for k in self.keys if any(fnmatch.fnmatchcase(k, p) for p in DROPPED_BUFFER_PATTERNS))
         self.consumed = set(self.dropped)
-        self.producers: Dict[str, Tuple[torch.dtype, Callable[[], torch.Tensor]]] = {}
+        # HF key -> (stored dtype, a build of the dense tensor, or (NxD key, its ParamSpec[, first dense row]))
+        self.producers: Dict[str, Tuple[torch.dtype, Any]] = {}
         self.multiplier: Optional[int] = None
 
     # -- errors --
@@ -209,11 +187,8 @@ class _Planner:
     # -- plain tensors --
 
     def _replicated(self, key: str) -> None:
-        want = self.shapes[key]
-        for shard in self.shards:
-            if tuple(shard.get(key).shape) != want:
-                raise self._shape_error(shard, key, shard.get(key).shape, f"{list(want)} (whole on every TP rank)")
-        self.producers[key] = (one_dtype(self.shards, key), lambda: replicated(self.shards, key))
+        dtype = check_pieces(self.shards, key, ParamSpec(full_shape=self.shapes[key]), "whole on every TP rank")
+        self.producers[key] = (dtype, lambda: replicated(self.shards, key))
         self.consumed.add(key)
 
     def _split(self, key: str, dim: int) -> None:
@@ -222,17 +197,9 @@ class _Planner:
             raise NxdCheckpointError(f"'{key}' of shape {list(full)} cannot be split along dim {dim} over {self.tp} "
                                      "TP ranks, so NxD cannot have written it at this degree")
         spec = ParamSpec(full_shape=full, partition_dim=dim, num_partitions=self.tp)
-        want = spec.local_shape()
-        for shard in self.shards:
-            if tuple(shard.get(key).shape) != want:
-                raise self._shape_error(shard, key, shard.get(key).shape, f"{list(want)} (its 1/{self.tp} slice along "
-                                                                          f"dim {dim} of the full {list(full)})")
-        self.producers[key] = (one_dtype(self.shards, key), lambda: self._unshard(spec, key))
+        how = f"its 1/{self.tp} slice along dim {dim} of the full {list(full)}"
+        self.producers[key] = (check_pieces(self.shards, key, spec, how), (key, spec))
         self.consumed.add(key)
-
-    def _unshard(self, spec: ParamSpec, key: str) -> torch.Tensor:
-        """The dense tensor of ``key`` from every rank's piece, as ``spec`` (NxD's layout of it) lays them out."""
-        return spec.unshard([shard.get(key) for shard in self.shards])
 
     def _vocab(self, key: str) -> None:
         vocab, width = self.shapes[key]
@@ -243,12 +210,9 @@ class _Planner:
                          real_shape=(vocab, width))
         how = f"its 1/{self.tp} slice of the {vocab}-token vocabulary" + (
             f" padded to {rows * self.tp}" if padding else "")
-        for shard in self.shards:
-            if tuple(shard.get(key).shape) != (rows, width):
-                raise self._shape_error(shard, key, shard.get(key).shape, f"{[rows, width]} ({how})")
+        self.producers[key] = (check_pieces(self.shards, key, spec, how), (key, spec))
         if padding:
             say(self.progress, f"'{key}': dropping the {padding} padding row(s) past the vocabulary size {vocab}")
-        self.producers[key] = (one_dtype(self.shards, key), lambda: self._unshard(spec, key))
         self.consumed.add(key)
 
     def _gate_up(self, layer: str) -> None:
@@ -261,16 +225,12 @@ class _Planner:
             raise NxdCheckpointError(f"'{key}': intermediate_size {intermediate} cannot be split over {self.tp} TP "
                                      "ranks, so NxD cannot have written it at this degree")
         local = intermediate // self.tp
-        for shard in self.shards:
-            if tuple(shard.get(key).shape) != (2 * local, hidden):
-                raise self._shape_error(shard, key, shard.get(key).shape,
-                                        f"{[2 * local, hidden]} (this rank's {local} gate rows, then its {local} up "
-                                        f"rows, of intermediate_size {intermediate})")
-        dtype = one_dtype(self.shards, key)
         # Gate and up fused with stride 2: each rank's piece is its gate rows, then its up rows.
         spec = ParamSpec(full_shape=(2 * intermediate, hidden), partition_dim=0, num_partitions=self.tp, stride=2)
-        self.producers[gate] = (dtype, lambda: self._unshard(spec, key)[:intermediate])
-        self.producers[up] = (dtype, lambda: self._unshard(spec, key)[intermediate:])
+        dtype = check_pieces(self.shards, key, spec, f"this rank's {local} gate rows, then its {local} up rows, of "
+                                                     f"intermediate_size {intermediate}")
+        self.producers[gate] = (dtype, (key, spec, 0))
+        self.producers[up] = (dtype, (key, spec, intermediate))
         self.consumed.add(key)
 
     # -- attention --
@@ -434,7 +394,7 @@ class _Planner:
 
     # -- the whole model --
 
-    def plan(self) -> List[DenseTensor]:
+    def plan(self, dtype: Optional[torch.dtype]) -> NxdSource:
         self._check_saved_tp()
         if self.heads % self.tp:
             raise NxdCheckpointError(f"the config's {self.heads} query heads cannot be split over {self.tp} TP ranks, "
@@ -463,12 +423,19 @@ class _Planner:
         if self.multiplier and self.multiplier > 1:
             say(self.progress, f"KV heads held {self.multiplier} times (kv_size_multiplier): copies checked equal, "
                                "one kept")
-        return self._dense_tensors()
+        return self._source(dtype)
 
-    def _dense_tensors(self) -> List[DenseTensor]:
+    def _add(self, source: NxdSource, key: str, name: str, write: bool = True) -> None:
+        stored, how = self.producers[name]
+        if callable(how):
+            source.built(key, self.shapes[key], stored, how, write)
+        else:
+            source.laid_out(key, self.shapes[key], stored, *how, write=write)
+
+    def _source(self, dtype: Optional[torch.dtype]) -> NxdSource:
         """HF's save_pretrained layout: each tied group once, under its source name; a tied pair held under both
         names must agree, or the HF model would silently use one."""
-        out = []
+        source = NxdSource(self.shards, dtype)
         for key, shape in self.shapes.items():
             if key in self.tied:
                 continue
@@ -477,15 +444,15 @@ class _Planner:
             if not names:
                 raise NxdCheckpointError(f"{self.shards[0].path}: '{key}' (shape {list(shape)}) is missing from the "
                                          f"checkpoint's model state dict ({self._nxd_name(key)})")
-            for alias in aliases:
-                if len(names) > 1 and not torch.equal(self.producers[alias][1](), self.producers[names[0]][1]()):
+            self._add(source, key, names[0])
+            for alias in names[1:]:
+                self._add(source, alias, alias, write=False)
+                if not torch.equal(source.whole(alias), source.whole(key)):
                     raise NxdCheckpointError(
                         f"{self.shards[0].path}: '{alias}' differs from '{key}', but the config ties them, so the HF "
                         f"model would use '{key}' for both; set tie_word_embeddings to false in the config to keep "
                         "both")
-            dtype, build = self.producers[names[0]]
-            out.append(DenseTensor(key, shape, dtype, build))
-        return out
+        return source
 
     @staticmethod
     def _nxd_name(key: str) -> str:
@@ -501,25 +468,12 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
                          progress: bool = True, model_key: Optional[str] = AUTO, dtype: Optional[torch.dtype] = None,
                          tag: Optional[str] = None, verify_checksums: bool = True) -> str:
     """Merge an NxD Llama (or Mistral) checkpoint into a dense HF ``*ForCausalLM`` directory; return ``output_dir``.
-
-    ``checkpoint_dir`` is any layout ``reader.py`` finds (NxD trainer checkpoints with their ``model/`` directory, or
-    ``parallel_layers.checkpointing.save``'s ``tp_rank_XX_pp_rank_00``); tp is the number of rank files.
-    ``config_json`` is the model's HF ``config.json`` (a file, a directory holding one, or a ``LlamaConfig`` /
-    ``MistralConfig``); NxD's extra config entries are kept as they are. The result loads with
-    ``LlamaForCausalLM.from_pretrained(output_dir)``. ``model_key`` is where the state dict sits in each rank's file
-    (None: the file is the state dict; default: as the layout stores it); ``dtype`` casts floating tensors; ``tag``
-    picks a tag in a directory of NxD trainer tags (default: the newest complete one); ``verify_checksums`` (default
-    on) checks the CRC-32 of every entry of every rank file, so flipped bytes are an error, not wrong weights.
-
-    Everything is checked before anything is written: every rank file present (ranks 0..tp-1, pp 0), keys equal on all
-    ranks, every shape consistent with the config and one NxD attention form, the copies of each replicated KV head
-    equal. The output is written to a temporary sibling and renamed into place, so an error leaves ``output_dir`` as
-    it was. A non-empty ``output_dir`` is refused unless ``force``.
-    """
+    Everything is checked before anything is written, and ``output_dir`` is replaced atomically (a non-empty one only
+    with ``force``). The arguments: docs/api.md, ``nxdtp.converters.nxd``."""
     config, model_class = _load_config(config_json)
 
-    def layout(shards: List[RankShard], files: RankFiles) -> List[DenseTensor]:
-        return _Planner(config, model_class, shards, files, progress).plan()
+    def layout(shards: List[RankShard], files: RankFiles, dtype: Optional[torch.dtype]) -> NxdSource:
+        return _Planner(config, model_class, shards, files, progress).plan(dtype)
 
     return import_checkpoint(checkpoint_dir, output_dir, config, model_class.__name__, layout, force=force,
                              progress=progress, model_key=model_key, tag=tag, dtype=dtype,

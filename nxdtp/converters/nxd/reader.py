@@ -1,33 +1,9 @@
-"""What every NxD-import family shares: finding NxD's per-rank files, loading them safely, the dense HF layout the
-result must have, and writing the dense directory.
-
-neuronx-distributed (NxD) saves one file per TP rank and records nothing about how the tensors were split, so each
-family module (``bert.py``, ``llama.py``) supplies that mapping; this module does not know any model.
-
-Layouts found in ``checkpoint_dir`` (pipeline rank 0 only; ``XX`` is the TP rank):
-
-* ``neuronx_distributed.parallel_layers.checkpointing.save`` ("v1"): ``tp_rank_XX_pp_rank_00/checkpoint.pt``, a
-  ``torch.save`` of ``{"model": state_dict, "optimizer": ..., ...}``; with ``save_xser=True`` the file
-  ``tp_rank_XX_pp_rank_00`` holds that dict with each tensor replaced by a ``TensorReference(tid)``, and tensor
-  ``tid`` is ``tp_rank_XX_pp_rank_00.tensors/tensor_<tid>.pt`` (a reference file at ``.../checkpoint.pt`` with
-  ``checkpoint.pt.tensors/`` is read the same way). ``save(master_dp_only=False)`` adds ``_dp_rank_YY``; DP rank 0's
-  copy is read.
-* ``neuronx_distributed.trainer.save_checkpoint`` ("v2", used by NxD's Llama training examples, and the output of NxD's
-  ``checkpoint_converter.py --convert_from_full_state``): ``model/dp_rank_00_tp_rank_XX_pp_rank_00.pt``, the model's
-  state dict itself; with ``use_xser=True`` the same name is a reference file next to ``<name>.tensors/`` (and a
-  ``<name>.info.pt`` that is not needed). ``checkpoint_dir`` may be the ``model`` directory, a tag directory holding it,
-  or the directory of tags, where the newest complete tag (the one whose ``done`` file is newest, NxD's own rule) is
-  read unless ``tag`` names one.
-
-Every pickle is loaded with ``torch.load(weights_only=True)``. The only global allowed beyond torch's defaults is
-torch_xla's ``TensorReference``, rebuilt as a local stand-in holding one integer, so torch_xla need not be installed and
-no code from the file runs. Optimizer and scheduler entries are left unread (memory-mapped) by ``torch.load``.
-
-Before a file is unpickled, the CRC-32 of each of its zip entries is checked (``verify_checksums``, on by default):
-``torch.save`` records one per entry, but ``torch.load`` does not check it, so flipped bytes in tensor data would load
-as wrong values. The pickle and small entries are read through ``zipfile``; tensor storages are checked once it is
-known which hold the model, so optimizer state the import skips is not read. Files in torch's legacy (pre-1.6,
-non-zip) format carry no checksum and load unchecked. The cost is in docs/troubleshooting.md ("Damaged input").
+"""What every NxD-import family shares: finding NxD's per-rank files (pipeline rank 0; the layouts of
+``parallel_layers.checkpointing.save``, "v1", and ``trainer.save_checkpoint``, "v2"), loading them safely
+(``torch.load(weights_only=True)`` after each zip entry's CRC-32 is checked, torch_xla's ``TensorReference`` rebuilt as
+a stand-in), and ``NxdSource``, the dense tensors as a pipeline source. Each family module (``bert.py``, ``llama.py``)
+supplies the layout, which NxD's files do not record. The layouts read and refused: docs/checkpoints.md, "Migrating
+NxD checkpoints".
 """
 
 from __future__ import annotations
@@ -47,7 +23,9 @@ import torch
 
 from ...checkpointing.dense import DenseWeightsWriter
 from ...checkpointing.output_dir import check_output_dir, write_atomically
+from ...checkpointing.pipeline import DenseSink, TagSource, narrowed, stream
 from ...errors import DamagedInputError
+from ...spec import ParamSpec
 
 CHECKPOINT_FILE = "checkpoint.pt"
 XSER_TENSORS_SUFFIX = ".tensors"
@@ -367,6 +345,11 @@ class RankShard:
             self._resolved[value.tid] = tensor
         return self._resolved[value.tid]
 
+    get_tensor = get
+
+    def get_rows(self, key: str, start: int, length: int) -> torch.Tensor:
+        return self.get(key).narrow(0, start, length)
+
 
 def open_shards(files: RankFiles, model_key: Optional[str], progress: bool,
                 verify_checksums: bool = True) -> List[RankShard]:
@@ -394,6 +377,17 @@ def one_dtype(shards: Sequence[RankShard], key: str) -> torch.dtype:
             raise NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' is {shard.get(key).dtype}, but "
                                      f"{shards[0].tensor_file(key)} holds it as {dtype}; the ranks must agree")
     return dtype
+
+
+def check_pieces(shards: Sequence[RankShard], key: str, spec: ParamSpec, how: str) -> torch.dtype:
+    """Every rank holds ``key`` as ``spec`` lays it out (else an error naming the file, the shape found and ``how``
+    NxD lays it out), all in one dtype, which is returned."""
+    want = spec.local_shape()
+    for shard in shards:
+        if tuple(shard.get(key).shape) != want:
+            raise NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' has shape {list(shard.get(key).shape)}, but "
+                                     f"the config needs {list(want)} ({how})")
+    return one_dtype(shards, key)
 
 
 def replicated(shards: Sequence[RankShard], key: str) -> torch.Tensor:
@@ -449,41 +443,75 @@ def tied_aliases(model) -> Dict[str, str]:
     return {alias: group[0] for group in names.values() for alias in group[1:]}
 
 
-@dataclass
-class DenseTensor:
-    """One tensor of the output: its HF name, shape and dtype, and how to assemble it from the rank files."""
+class NxdSource:
+    """An NxD checkpoint's dense tensors as a ``pipeline.TensorSource``, in the order they are added. ``laid_out``: a
+    tensor read through ``spec``, NxD's layout of one key over the ranks' pieces (a ``TagSource``, in slabs of piece
+    rows), from dense row ``offset`` on; ``built``: one built whole (reordered heads, checked copies), kept until
+    another is read. ``dtype`` casts floating tensors; ``keys`` are those written (a tied alias is only compared)."""
 
-    key: str
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    build: Callable[[], torch.Tensor]
+    def __init__(self, shards: Sequence[RankShard], dtype: Optional[torch.dtype]):
+        self.paths, self.cast = [shard.path for shard in shards], dtype
+        self.tags = TagSource({shard.path: shard for shard in shards}, {})
+        self.slab_bytes = self.tags.slab_bytes
+        self.keys: List[str] = []
+        self.entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype, Any]] = {}
+        self._last: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+
+    def laid_out(self, key: str, shape, dtype: torch.dtype, nxd_key: str, spec: ParamSpec, offset: int = 0,
+                 write: bool = True) -> None:
+        self.tags.layout[nxd_key] = (spec, dtype, self.paths)
+        self._add(key, shape, dtype, (nxd_key, offset), write)
+
+    def built(self, key: str, shape, dtype: torch.dtype, build: Callable[[], torch.Tensor], write: bool = True) -> None:
+        self._add(key, shape, dtype, build, write)
+
+    def _add(self, key: str, shape, dtype: torch.dtype, how, write: bool) -> None:
+        self.entries[key] = (tuple(shape), dtype, how)
+        if write:
+            self.keys.append(key)
+
+    def spec(self, key: str) -> ParamSpec:
+        return ParamSpec(full_shape=self.entries[key][0])
+
+    def dtype(self, key: str) -> torch.dtype:
+        dtype = self.entries[key][1]
+        return self.cast if self.cast is not None and dtype.is_floating_point else dtype
+
+    def read_boxes(self, key: str, boxes) -> List[torch.Tensor]:
+        how = self.entries[key][2]
+        if callable(how):
+            if self._last[0] != key:
+                self._last = (None, None)  # the previous tensor is dropped before this one is built
+                self._last = (key, how())
+            return [narrowed(self._last[1], box) for box in boxes]
+        nxd_key, offset = how
+        return self.tags.read_boxes(nxd_key, [((o[0] + offset,) + tuple(o[1:]), n) if n else (o, n) for o, n in boxes])
+
+    def whole(self, key: str) -> torch.Tensor:
+        """The dense tensor of ``key`` in its stored dtype."""
+        shape = self.entries[key][0]
+        return self.read_boxes(key, [((0,) * len(shape), shape)])[0]
 
 
 def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
-                      plan: Callable[[List[RankShard], RankFiles], List[DenseTensor]], *, force: bool, progress: bool,
-                      model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype],
+                      plan: Callable[[List[RankShard], RankFiles, Optional[torch.dtype]], NxdSource], *, force: bool,
+                      progress: bool, model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype],
                       verify_checksums: bool = True) -> str:
     """The steps every family shares: check the output, find and open the rank files, let ``plan`` check everything
-    and say how to build each dense tensor, then write ``model.safetensors`` and ``config.json`` atomically."""
+    and give the dense tensors as a source, then stream them into ``model.safetensors`` (a ``DenseSink``) and write
+    ``config.json``, atomically."""
     checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
     check_output_dir(checkpoint_dir, output_dir, force)
     files = locate_rank_files(checkpoint_dir, tag)
     shards = open_shards(files, model_key, progress, verify_checksums)
-    tensors = plan(shards, files)
-    tp = len(shards)
-
-    def out_dtype(tensor: DenseTensor) -> torch.dtype:
-        return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
-
-    layout = [(t.key, out_dtype(t), t.shape) for t in tensors]
+    source = plan(shards, files, dtype)
 
     def write(staging: str) -> None:
-        say(progress, f"writing {len(layout)} tensors (tp={tp} merged) to {output_dir}")
-        metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(tp)}
-        # The writer of nxdtp-merge and save_pretrained: one way to write a dense HF directory's weights.
+        say(progress, f"writing {len(source.keys)} tensors (tp={len(shards)} merged) to {output_dir}")
+        layout = [(key, source.dtype(key), source.entries[key][0]) for key in source.keys]
+        metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(len(shards))}
         with DenseWeightsWriter(staging, layout, metadata=metadata) as writer:
-            for tensor, (key, dtype_, _) in zip(tensors, layout):
-                writer.write(key, tensor.build().to(dtype_))
+            stream(source, DenseSink(writer), source.keys)
         config.architectures = [architecture]
         config.save_pretrained(staging)
 
