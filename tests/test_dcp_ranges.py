@@ -269,3 +269,86 @@ def test_merge_streams_large_tensors_in_slabs_of_piece_rows(saved, tmp_path, mon
         assert sorted(whole) == sorted(sliced), name
         for key in whole:
             assert torch.equal(whole[key], sliced[key]), (name, key)
+
+
+class _ChunkCountingReader:
+    """A ``DcpReader`` over an in-memory tensor saved as row chunks: each read loads (counts) every saved chunk it
+    overlaps, whole, as torch's ``FileSystemReader`` does."""
+
+    def __init__(self, full, chunk_rows, budget):
+        from types import SimpleNamespace
+
+        from nxdtp.checkpointing import dcp_io
+
+        self.full, self.budget, self.loads = full, budget, []
+        chunks = [SimpleNamespace(offsets=(start,) + (0,) * (full.dim() - 1),
+                                  sizes=(min(chunk_rows, full.shape[0] - start),) + tuple(full.shape[1:]))
+                  for start in range(0, full.shape[0], chunk_rows)]
+        self.saved = {"w": SimpleNamespace(size=full.shape, chunks=chunks,
+                                           properties=SimpleNamespace(dtype=full.dtype))}
+        self.nbytes = lambda key, sizes=None: dcp_io.DcpReader.nbytes(self, key, sizes)
+        self.chunks_over_budget = lambda key: dcp_io.DcpReader.chunks_over_budget(self, key)
+
+    def _load(self, offsets, sizes):
+        for chunk in self.saved["w"].chunks:
+            if chunk.offsets[0] < offsets[0] + sizes[0] and offsets[0] < chunk.offsets[0] + chunk.sizes[0]:
+                self.loads.append(chunk.offsets[0])
+        box = self.full
+        for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+            box = box.narrow(dim, offset, size)
+        return box.clone()
+
+    def read_boxes(self, key, boxes):
+        return [self._load(*box) for box in boxes]
+
+    def read(self, keys):
+        return {key: self._load((0,) * self.full.dim(), tuple(self.full.shape)) for key in keys}
+
+
+@pytest.mark.parametrize("partition_dim", [None, 0, 1])
+def test_a_tensor_saved_in_chunks_over_the_budget_loads_each_chunk_once(partition_dim):
+    """Chunks over the read budget are loaded whole by any read: the rows read for one slab are kept and reused by
+    the next, so slabs along dim 0 (the dense import, a piece split along dim 0) load each chunk once, and pieces
+    split along another dim, which each need every row, read the tensor whole once."""
+    from nxdtp.checkpointing import dcp_io, pipeline, slabs
+    from nxdtp.spec import ParamSpec
+
+    full = torch.randn(9, 4)
+    reader = _ChunkCountingReader(full, chunk_rows=3, budget=2 * 4 * 4)  # two rows: under each chunk
+    spec = None if partition_dim is None else ParamSpec(full_shape=(9, 4), partition_dim=partition_dim,
+                                                       num_partitions=partition_dim + 1)
+    source = dcp_io.DcpSource(reader, {"w": ("w", spec)})
+
+    def read(boxes):
+        return source.read_boxes("w", boxes)
+
+    if partition_dim != 1:
+        got = torch.cat(list(pipeline.dense_slabs(read, (9, 4), 2)))
+        torch.testing.assert_close(got, full, rtol=0, atol=0)
+    else:
+        for rank in range(2):
+            piece = torch.cat(list(slabs.piece_parts(spec, rank, read, 2, torch.float32)))
+            torch.testing.assert_close(piece, full.chunk(2, dim=1)[rank], rtol=0, atol=0)
+    assert sorted(reader.loads) == [0, 3, 6], reader.loads
+
+
+def test_the_export_writes_an_empty_tensor_split_over_ranks(tmp_path):
+    """No TP piece of a (0, 4) tensor holds a row, so it has no chunk of its own: it is written as one empty chunk, not
+    left to DCP's default plan (which cannot copy its placeholder), and reads back with its shape."""
+    from types import SimpleNamespace
+
+    from nxdtp.checkpointing import dcp_io
+    from nxdtp.spec import ParamSpec
+
+    sink = dcp_io.DcpSink({"w": [("w",)], "v": [("v",)]},
+                          {"w": ParamSpec(full_shape=(0, 4), partition_dim=0, num_partitions=2),
+                           "v": ParamSpec(full_shape=(4, 2), partition_dim=0, num_partitions=2)})
+    v = torch.randn(4, 2)
+    sink.write("w", (0, 4), torch.float32, lambda boxes: [torch.empty(sizes) for _, sizes in boxes], 64)
+    sink.write("v", (4, 2), torch.float32, lambda boxes: [v[o[0]:o[0] + s[0]] for o, s in boxes], 64)
+    sink.save(str(tmp_path / "dcp"), {}, SimpleNamespace(update=lambda n: None))
+    saved = dcp_io.read_metadata(str(tmp_path / "dcp")).state_dict_metadata
+    assert tuple(saved["w"].size) == (0, 4) and tuple(saved["v"].size) == (4, 2)
+    reader = dcp_io.DcpReader(str(tmp_path / "dcp"), dcp_io.read_metadata(str(tmp_path / "dcp")), 1 << 20)
+    got = reader.read(["w", "v"])
+    assert got["w"].shape == (0, 4) and torch.equal(got["v"], v)

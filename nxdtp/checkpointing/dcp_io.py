@@ -163,6 +163,7 @@ class DcpSource:
     def __init__(self, reader: DcpReader, layout: Dict[str, Tuple[str, Optional[ParamSpec]]]):
         self.reader, self.layout, self.slab_bytes = reader, layout, reader.budget
         self.order = list(dict.fromkeys(name for name, _ in layout.values()))
+        self.position = {name: i for i, name in enumerate(self.order)}
         self.ahead: Dict[str, torch.Tensor] = {}  # small tensors read with an earlier one, not yet asked for
         self.kept: Tuple[Any, Any] = (None, None)  # ((DCP key, first row, end row), rows) read for its boxes
 
@@ -174,28 +175,44 @@ class DcpSource:
         return self.reader.saved[self.layout[key][0]].properties.dtype
 
     def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]:
-        name, reader = self.layout[key][0], self.reader
+        (name, spec), reader = self.layout[key], self.reader
         size = tuple(reader.saved[name].size)
-        whole = reader.nbytes(name) <= reader.budget or not size
-        if not whole and not reader.chunks_over_budget(name):
-            return reader.read_boxes(name, boxes)
         span = (0, size[0] if size else 0)
-        if not whole:  # the rows between the saved chunks' edges (dim 0) around the boxes
-            edges = {0, size[0]} | {c.offsets[0] + d for c in reader.saved[name].chunks for d in (0, c.sizes[0])}
-            span = (max(e for e in edges if e <= min(b[0][0] for b in boxes)),
-                    min(e for e in edges if e >= max(b[0][0] + b[1][0] for b in boxes)))
-        if self.kept[0] != (name,) + span:
-            self.kept = (None, None)  # the previous rows go before these are read
-            self.kept = ((name,) + span, self._read_rows(name, span, size))
-        return [_cut(self.kept[1], box, span[0]) for box in boxes]
+        if size and reader.nbytes(name) > reader.budget:
+            if not reader.chunks_over_budget(name):
+                return reader.read_boxes(name, boxes)
+            if spec is None or not spec.is_sharded or spec.partition_dim == 0:
+                # The rows between the saved chunks' edges (dim 0) around the boxes. A piece split along another
+                # dim needs every row, once per piece: such a tensor is read whole, once.
+                edges = {0, size[0]} | {c.offsets[0] + d for c in reader.saved[name].chunks for d in (0, c.sizes[0])}
+                span = (max(e for e in edges if e <= min(b[0][0] for b in boxes)),
+                        min(e for e in edges if e >= max(b[0][0] + b[1][0] for b in boxes)))
+        rows = self._kept_rows(name, span, size)
+        return [_cut(rows, box, span[0]) for box in boxes]
+
+    def _kept_rows(self, name: str, span: Tuple[int, int], size: Tuple[int, ...]) -> torch.Tensor:
+        """Rows ``span`` of ``name``, from the rows kept from the last read where they hold them: a chunk the last
+        read loaded is not loaded again when the next boxes go on from it."""
+        kept, rows = self.kept
+        if kept is not None and kept[0] == name and kept[1] <= span[0] < kept[2]:
+            if span[1] <= kept[2]:
+                return rows.narrow(0, span[0] - kept[1], span[1] - span[0])
+            tail = rows.narrow(0, span[0] - kept[1], kept[2] - span[0]).clone()
+            self.kept = (None, None)  # the kept rows go before the new ones are read
+            rows = torch.cat([tail, self._read_rows(name, (kept[2], span[1]), size)])
+        else:
+            self.kept = (None, None)
+            rows = self._read_rows(name, span, size)
+        self.kept = ((name,) + span, rows)
+        return rows
 
     def _read_rows(self, name: str, span: Tuple[int, int], size: Tuple[int, ...]) -> torch.Tensor:
-        if span != (0, size[0] if size else 0):
+        if span != (0, size[0] if size else 0):  # rows of a large tensor
             return self.reader.read_boxes(name, [((span[0],) + (0,) * (len(size) - 1),
                                                   (span[1] - span[0],) + size[1:])])[0]
         if name not in self.ahead:
             batch, total = [], 0
-            for other in self.order[self.order.index(name):]:
+            for other in self.order[self.position[name]:]:
                 nbytes = self.reader.nbytes(other)
                 if batch and (total + nbytes > self.reader.budget or other in self.ahead):
                     break
@@ -242,6 +259,8 @@ class DcpSink:
         spec = self.specs[key]
         boxes = [cut for rank in range(spec.num_partitions if spec.is_sharded else 1)
                  for box, _ in piece_boxes(spec, rank) for cut in row_cuts(box, dtype, slab_bytes)]
+        if not boxes:  # an empty tensor split over ranks: no piece holds a row, one empty chunk describes it
+            boxes = [((0,) * len(shape), tuple(shape))]
         for path in self.names[key]:
             self.planned[path] = (shape, dtype, boxes, read_boxes)
 
@@ -263,27 +282,30 @@ class DcpSink:
             holder[path[-1]] = value
         chunks = {(".".join(path), boxes[i][0]): (boxes[i], read, dtype, shape)
                   for path, (shape, dtype, boxes, read) in self.planned.items() for i in range(len(boxes))}
+        planned = {".".join(path) for path in self.planned}
         writer = dcp.FileSystemWriter(directory, single_file_per_rank=False, sync_files=True, overwrite=False)
         with warnings.catch_warnings():
             # dcp.save warns that it runs without a process group: that is the point here.
             warnings.filterwarnings("ignore", message=".*(process group|no_dist|torch.distributed).*")
-            dcp.save(state, storage_writer=writer, planner=_chunked_save_planner(chunks, bar), no_dist=True)
+            dcp.save(state, storage_writer=writer, planner=_chunked_save_planner(chunks, planned, bar), no_dist=True)
 
     def chunk_count(self) -> int:
         return sum(len(boxes) for _, _, boxes, _ in self.planned.values())
 
 
-def _chunked_save_planner(chunks: Dict[Tuple[str, Tuple[int, ...]], Any], bar):
-    """DCP's default save planner, but the tensors of ``chunks`` ((fqn, offsets) -> (box, read_boxes, dtype, dense
-    shape)) are planned as those chunks and each read when the writer resolves it."""
+def _chunked_save_planner(chunks: Dict[Tuple[str, Tuple[int, ...]], Any], planned: set, bar):
+    """DCP's default save planner, but the tensors ``planned`` (their fqns) are planned as their ``chunks`` ((fqn,
+    offsets) -> (box, read_boxes, dtype, dense shape)), each read when the writer resolves it."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
 
     class ChunkedSavePlanner(DefaultSavePlanner):
         written = CycleCollector()
 
         def create_local_plan(self):
-            chunked = {fqn for fqn, _ in chunks}
-            plan = create_default_local_save_plan({k: v for k, v in self.state_dict.items() if k not in chunked},
+            missing = sorted(planned - set(self.state_dict))
+            if missing:
+                raise RuntimeError(f"the DCP export planned {missing}, which its flattened state dict lacks")
+            plan = create_default_local_save_plan({k: v for k, v in self.state_dict.items() if k not in planned},
                                                   self.is_coordinator)
             items = [write_item(fqn, offsets, box[1], dtype, shape)
                      for (fqn, offsets), (box, _, dtype, shape) in chunks.items()]

@@ -560,10 +560,10 @@ class Zero1Sink:
 
     def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes, slab_bytes: int) -> None:
         spec = self.specs[key]
-        dense = read_boxes([((0,) * len(shape), shape)])[0].to(dtype)
+        full = spec.full_from_dense(read_boxes([((0,) * len(shape), shape)])[0].to(dtype))
         flat = FlatShardLayout(spec.local_shape(), self.dp)
-        for rank in range(spec.num_partitions):
-            piece = spec.shard(dense, rank)
+        for rank in sorted({tp_rank for tp_rank, _ in self.writers}):
+            piece = spec.piece_of_full(full, rank, own=False)
             for k in range(self.dp):
                 self.writers[(rank, k)].write(key, flat.shard_of(piece, k))
 
