@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..parallel_state import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
+from ..topology import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from .dcp_io import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, piece_boxes, write_item
 from .fused_state import fused_by_position, fused_parameters_of, split_state
 from .save_load import sharding_specs

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..parallel_state import get_topology, tensor_parallel_group
 from ..spec import ParamSpec
+from ..topology import get_topology, tensor_parallel_group
 from .durable import fsync_directory, make_directories, replace_atomically
 from .index import TensorEntry, dtype_from_name, split_model_state
 from .safetensors_stream import StreamingSafetensorsWriter

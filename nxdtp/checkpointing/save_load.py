@@ -22,9 +22,9 @@ from torch import nn
 
 from .. import comm
 from ..agreement import check_replicated_agree
-from ..parallel_state import data_parallel_group, get_topology, tensor_parallel_group
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule
+from ..topology import data_parallel_group, get_topology, tensor_parallel_group
 from ..utils import move_all_tensor_to_cpu
 from ..version import __version__
 from . import integrity, tags

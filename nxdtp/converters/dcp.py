@@ -90,7 +90,7 @@ def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
     world of one process made for it and torn down after."""
     import torch.distributed as dist
 
-    from .. import parallel_state as ps
+    from .. import topology as ps
     from ..checkpointing.dcp_import import model_class_and_config
     from ..checkpointing.index import split_model_state
     from ..models import parallelize_model
@@ -121,7 +121,7 @@ def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
 def _refuse_distributed_job(what: str) -> None:
     import torch.distributed as dist
 
-    from .. import parallel_state as ps
+    from .. import topology as ps
 
     if ps.model_parallel_is_initialized() or (dist.is_initialized() and dist.get_world_size() != 1):
         raise RuntimeError(f"{what} shards the model's description in a world of one process of its own: call it "
