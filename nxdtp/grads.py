@@ -162,32 +162,60 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     """
     extra_group = _check_nxd_defaults(zero1_optimizer, zero1_optimizer_groups)
     p = checked_norm_type(norm_type)
-    grads_sharded, copies, grads_replicated = _gradients_by_kind(parameters, p)
-    all_grads = grads_sharded + grads_replicated
+    params = _unique_params(parameters)
+    experts = [param for param in params if getattr(param, "expert_model_parallel", False)]
+    ep_group = expert_parallel_group()
+    if ep_group.size == 1 or not experts:
+        return _dense_norm(params, p, [], None, extra_group)
+    others = [param for param in params if not getattr(param, "expert_model_parallel", False)]
+    return _dense_norm(others, p, experts, ep_group, extra_group)
+
+
+def _dense_norm(params: List[torch.Tensor], p: float, experts: List[torch.Tensor],
+                ep_group: Optional[ParallelGroup], extra_group: Optional[ParallelGroup]) -> torch.Tensor:
+    """The norm of get_grad_norm. ``experts``: parameters whose gradients differ over the expert-parallel group
+    ``ep_group`` (each rank holds other experts), so their share is summed (max for inf) over it first."""
+    grads_sharded, copies, grads_replicated = _gradients_by_kind(params, p)
+    expert_kinds = _gradients_by_kind(experts, p)
+    all_grads = grads_sharded + grads_replicated + expert_kinds[0] + expert_kinds[2]
     device = all_grads[0].device if all_grads else torch.device("cpu")
     group = tensor_parallel_group()
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-
-    def per_tensor_norms(grads: List[torch.Tensor]) -> torch.Tensor:
-        if not grads:
-            return zero.reshape(1)
-        return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
-
     if math.isinf(p):
-        return _max_norm(per_tensor_norms(all_grads).max(), group, extra_group)
-
-    # Sum of |g|^p: shards count on every rank, replicas only on TP rank 0. Which rank this is comes from the rank as
-    # data (rank_tensor), not a Python branch or constant, so every rank traces the same graph.
-    counts_replicas = (rank_tensor(group, device) == 0).reshape(())
-    sharded = (per_tensor_norms(grads_sharded).pow(p) / torch.tensor(copies or [1.0], device=device)).sum()
-    replicated = per_tensor_norms(grads_replicated).pow(p).sum()
-    # Selected, not multiplied by the weight: inf * 0 would be NaN. A non-finite replicated sum counts on every rank,
-    # so that an inf or NaN in any rank's copy makes the norm non-finite everywhere (inf + inf = inf; NaN wins).
-    replicated = torch.where(counts_replicas | ~torch.isfinite(replicated), replicated, zero)
-    total = comm.all_reduce(sharded + replicated, group, op="sum")
+        local = _per_tensor_norms(grads_sharded + grads_replicated, p, device).max()
+        if ep_group is not None:
+            expert_max = _max_norm(_per_tensor_norms(expert_kinds[0] + expert_kinds[2], p, device).max(), ep_group,
+                                   None)
+            local = torch.maximum(local, expert_max)
+        return _max_norm(local, group, extra_group)
+    total = _tp_share(grads_sharded, copies, grads_replicated, p, group, device)
+    if ep_group is not None:
+        total = total + comm.all_reduce(_tp_share(*expert_kinds, p, group, device), ep_group, op="sum")
+    total = comm.all_reduce(total, group, op="sum")
     if extra_group is not None:
         total = comm.all_reduce(total, extra_group, op="sum")
     return total.pow(1.0 / p)
+
+
+def _per_tensor_norms(grads: List[torch.Tensor], p: float, device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
+
+
+def _tp_share(grads_sharded: List[torch.Tensor], copies: List[float], grads_replicated: List[torch.Tensor], p: float,
+              group: ParallelGroup, device) -> torch.Tensor:
+    """This rank's share of the sum of |g|^p over the TP group: shards count on every rank, replicas only on TP rank
+    0. Which rank this is comes from the rank as data (rank_tensor), not a Python branch or constant, so every rank
+    traces the same graph."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    counts_replicas = (rank_tensor(group, device) == 0).reshape(())
+    sharded = (_per_tensor_norms(grads_sharded, p, device).pow(p)
+               / torch.tensor(copies or [1.0], device=device)).sum()
+    replicated = _per_tensor_norms(grads_replicated, p, device).pow(p).sum()
+    # Selected, not multiplied by the weight: inf * 0 would be NaN. A non-finite replicated sum counts on every rank,
+    # so that an inf or NaN in any rank's copy makes the norm non-finite everywhere (inf + inf = inf; NaN wins).
+    replicated = torch.where(counts_replicas | ~torch.isfinite(replicated), replicated, zero)
+    return sharded + replicated
 
 
 def _gradients_by_kind(parameters: ParamsArg, p: float

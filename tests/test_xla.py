@@ -609,3 +609,41 @@ def test_reduce_dtype_sets_the_all_reduce_operand_type(worlds):
     assert result["torch.float32"][:2] == (["f32"], ["f32"]), result
     assert result["torch.bfloat16"][:2] == (["bf16"], ["bf16"]), result
     assert all(r[2:] == ("torch.bfloat16", "torch.bfloat16") for r in result.values()), result
+
+
+def case_moe_lowering(tp, ep):
+    """An MoE layer (sequence-parallel router, shared experts, a capacity that drops tokens) traced forward and
+    backward for every rank of a simulated world of 4: one graph for all ranks."""
+    import torch
+    import torch_xla
+
+    from nxdtp.modules.moe import ExpertMLPs, MoE, RouterTopK, SharedExperts, load_balancing_loss_func
+    from nxdtp.xla_graphs import trace_every_rank
+
+    def step():
+        device = torch_xla.device()
+        torch.manual_seed(0)
+        moe = MoE(RouterTopK(4, 2, 8, sequence_parallel_enabled=True),
+                  ExpertMLPs(4, 2, 8, 6, "silu", glu_mlp=True, capacity_factor=1.0, normalize_top_k_affinities=True),
+                  SharedExperts(8, 4, 1, "silu"), sequence_parallel_enabled=True, return_router_logits=True).to(device)
+        x = torch.randn(4 // tp, 2, 8).to(device).requires_grad_()
+        _reset_collective_token()
+        out, logits = moe(x)
+        loss = out.sum() + load_balancing_loss_func(logits, 4, 2, over_data_parallel_batch=True)
+        loss.backward()
+        return {"step": [loss, x.grad] + [p.grad for p in moe.parameters()]}
+
+    graphs = trace_every_rank(step, 4, tp, keep_hlo=True, expert_model_parallel_size=ep)
+    _reset_collective_token()
+    step_hlo = graphs.hlo["step"][0]
+    return {"distinct": len(set(graphs.hashes["step"])),
+            "all_to_all": len(re.findall(r"\sall-to-all\(", step_hlo)),
+            "groups": sorted(set(re.findall(r"all-to-all\(.*replica_groups=(\{\{[0-9,{}]*\}\})", step_hlo)))}
+
+
+@pytest.mark.parametrize("tp,ep,groups", [(2, 2, "{{0,2},{1,3}}"), (1, 4, "{{0,1,2,3}}")])
+def test_moe_lowers_to_one_graph_for_every_rank(worlds, tp, ep, groups):
+    result, = worlds(1, "xla-hlo").run(case_moe_lowering, tensor_model_parallel_size=None, tp=tp, ep=ep)
+    assert result["distinct"] == 1, result
+    # The tokens go to their experts and back in forward, and their gradients the same two ways in backward.
+    assert result["all_to_all"] == 4 and result["groups"] == [groups], result

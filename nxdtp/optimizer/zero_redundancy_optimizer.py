@@ -51,6 +51,7 @@ from ..grads import buckets_by, checked_norm_type, clip_grads_with_norm, get_gra
 from ..spec import FlatShardLayout
 from ..topology import (
     ParallelGroup,
+    expert_parallel_group,
     model_parallel_is_initialized,
     rank_tensor,
     tensor_parallel_group,
@@ -87,6 +88,18 @@ def _check_cap(name: str, value: Any) -> float:
         raise ValueError(f"NeuronZero1Optimizer: {name}={value!r} must be a number of MiB >= 0 (0: nxdtp's default "
                          f"bucket of {DEFAULT_BUCKET_CAP_MB} MiB)")
     return float(value) if value > 0 else float(DEFAULT_BUCKET_CAP_MB)
+
+
+def _check_shardable(params) -> None:
+    for p in params:
+        if p.is_sparse:
+            raise ValueError(f"NeuronZero1Optimizer: a sparse parameter of shape {tuple(p.shape)} cannot be sharded")
+        if getattr(p, "expert_model_parallel", False) and expert_parallel_group().size > 1:
+            raise NotImplementedError(
+                f"NeuronZero1Optimizer: an expert parameter of shape {tuple(p.shape)} at "
+                f"expert_model_parallel_size={expert_parallel_group().size}: sharding expert state over the "
+                "expert data-parallel group is not provided yet; use a plain optimizer with NxD's two gradient "
+                "passes (nxdtp.grads.bucket_allreduce_gradients), or expert_model_parallel_size=1")
 
 
 class NeuronZero1Optimizer(torch.optim.Optimizer):
@@ -169,11 +182,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self._layouts: Dict[int, FlatShardLayout] = {}
         self._hooks: List[Any] = []
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.is_sparse:
-                    raise ValueError(f"NeuronZero1Optimizer: a sparse parameter of shape {tuple(p.shape)} cannot be "
-                                     "sharded")
+        _check_shardable(p for group in self.param_groups for p in group["params"])
         if not self.lazy_init:
             self.init_zero()
 
