@@ -411,10 +411,16 @@ def allreduce_context_parallel_gradients(optimizer: Any) -> None:
 def allreduce_gradients(model_or_params: ParamsArg, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
     """Average over the DP group the gradients of every parameter of a module (or parameter list) that has one.
 
-    Every rank of a DP group must have gradients for the same parameters (the same model and the same used layers).
+    With expert parallelism, NxD's two passes of ``bucket_allreduce_gradients``: expert gradients (parameters marked
+    ``expert_model_parallel``) are averaged over the expert data-parallel group only, the others over the whole DP
+    group. Every rank of a DP group must have gradients for the same parameters (the same model and the same used
+    layers).
     """
-    grads = [p.grad for p in _unique_params(model_or_params) if p.grad is not None]
-    bucket_allreduce_gradients(grads, bucket_cap_mb=bucket_cap_mb)
+    params = [p for p in _unique_params(model_or_params) if p.grad is not None]
+    bucket_allreduce_gradients([p.grad for p in params], bucket_cap_mb=bucket_cap_mb)
+    if expert_parallel_group().size > 1:
+        others = [p.grad for p in params if not getattr(p, "expert_model_parallel", False)]
+        bucket_allreduce_gradients(others, reduce_over_ep_group=True, bucket_cap_mb=bucket_cap_mb)
 
 
 __all__ = [

@@ -28,6 +28,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 COLLECTIVE_TIMEOUT_S = 90
 CASE_TIMEOUT_S = 600
+# How long a test waits for a process it started to reach a point (its imports alone take ~6 s on a quiet 2-core
+# machine and minutes on a loaded one; a 120 s wait once failed there). A process that dies ends the wait at once.
+PROCESS_WAIT_S = 600
 
 
 # The worlds a pool can be: the default torch.distributed backend its processes start with ("nccl": the benchmark's

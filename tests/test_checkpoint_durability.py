@@ -37,6 +37,7 @@ from nxdtp.checkpointing import load, newest_tag, save
 from nxdtp.checkpointing.lock import CheckpointLockedError, TagLock, lock_path
 from nxdtp.checkpointing.tags import CheckpointIntegrityError
 from nxdtp.layers import ColumnParallelLinear, RowParallelLinear
+from tests.harness import PROCESS_WAIT_S
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -619,13 +620,13 @@ def test_two_jobs_saving_one_tag_at_once_one_wins_the_other_names_it(worlds, tmp
     jobs = [subprocess.Popen([sys.executable, "-c", script, str(j), str(root), str(gate)], cwd=REPO_ROOT)
             for j in (0, 1)]
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + PROCESS_WAIT_S
         while not any((gate / f"result_{j}.json").exists() for j in (0, 1)):
             assert time.time() < deadline and all(p.poll() is None for p in jobs), "neither job finished its refusal"
             time.sleep(0.05)
         (gate / "release").touch()
         for p in jobs:
-            assert p.wait(timeout=120) == 0
+            assert p.wait(timeout=PROCESS_WAIT_S) == 0
     finally:
         for p in jobs:
             if p.poll() is None:
@@ -699,14 +700,14 @@ def _save_b_killed(directory: str, gate: str, world: int, hidden: int, delay, ze
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
                  for r in range(world)]
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + PROCESS_WAIT_S
         while not all(os.path.exists(os.path.join(gate, f"ready_{r}")) for r in range(world)):
             assert time.time() < deadline and all(p.poll() is None for p in processes), "a worker did not start"
             time.sleep(0.01)
         open(os.path.join(gate, "go"), "w").close()
         if delay is None:
             for p in processes:
-                assert p.wait(timeout=120) == 0
+                assert p.wait(timeout=PROCESS_WAIT_S) == 0
             with open(os.path.join(gate, "finished_0")) as f:
                 return float(f.read())
         time.sleep(delay)

@@ -219,6 +219,7 @@ def test_moe_equals_dense_on_the_global_batch(worlds, tp, ep, glu, shared, capac
     _run_case(worlds, "gloo", tp, ep, glu, shared, capacity_factor, normalize, sequence_parallel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_name", ["cpu_refusing", "xla"])
 def test_moe_equals_dense_on_worlds_whose_default_backend_is_not_gloo(worlds, world_name):
     # The TP x EP case, with a default backend that refuses CPU tensors (NCCL's stand-in) or is torch_xla's.

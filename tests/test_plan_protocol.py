@@ -182,7 +182,10 @@ def test_the_region_check_catches_a_plan_without_its_block_wrapper():
         model = _llama()
         plan = _family_plan(model, False)
         rows = describe(model, plan)
-        without_mlp_block = Plan({p: s for p, s in plan.styles.items() if p != "model.layers.*.mlp"}, plan.prepare)
+        def prepare_without_mlp_block(model, group):
+            return {p: s for p, s in plan.prepare(model, group).items() if p != "model.layers.*.mlp"}
+
+        without_mlp_block = Plan(plan.styles, prepare_without_mlp_block)
         broken = describe(model, without_mlp_block)
     assert unbalanced_regions(rows, "model.layers.") == []
     assert unbalanced_regions(broken, "model.layers.") == [("model.layers.0", -1), ("model.layers.1", -1)]
@@ -266,14 +269,16 @@ def test_a_style_written_before_the_protocol_still_works(world_of_one):
 # ---- the registry ----------------------------------------------------------------------------------------------------
 
 def test_the_registry_is_the_one_list_of_families():
-    from nxdtp.models import bert, gpt2, llama, roberta, supported_models
+    from nxdtp.models import bert, gpt2, llama, moe, roberta, supported_models
     from nxdtp.models.common import supported_transformers
     from nxdtp.models.registry import FAMILIES, family_of
 
-    assert FAMILIES == (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY)
+    assert FAMILIES == (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY, moe.FAMILY)
     assert supported_models() == sorted(name for family in FAMILIES for name in family.classes)
     assert family_of("Qwen3ForCausalLM") is llama.FAMILY and family_of("GPTNeoForCausalLM") is None
-    assert [supported_transformers(family.name) for family in FAMILIES] == [">=4.26,<6"] + [">=4.48,<6"] * 3
+    assert family_of("Qwen3MoeForCausalLM") is moe.FAMILY
+    assert [supported_transformers(family.name) for family in FAMILIES] == [">=4.26,<6"] + [">=4.48,<6"] * 3 + [
+        ">=5.0,<6"]
 
 
 # ---- one record of notes ---------------------------------------------------------------------------------------------
@@ -327,8 +332,8 @@ def test_the_guides_family_file_is_robertas_code():
     code = "".join(ast.get_source_segment(source, node, padded=True) + "\n" for node in body
                    if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"))
     assert ast.dump(ast.parse(shown)) == ast.dump(ast.parse(code))
-    assert "FAMILIES = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY)" in section
-    assert "FAMILIES: Tuple[Family, ...] = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY)" in (
+    assert "FAMILIES = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY, moe.FAMILY)" in section
+    assert "FAMILIES: Tuple[Family, ...] = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY, moe.FAMILY)" in (
         root / "nxdtp" / "models" / "registry.py").read_text()
 
 

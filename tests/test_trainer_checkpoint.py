@@ -36,6 +36,7 @@ from nxdtp import parallel_state as ps
 from nxdtp.checkpointing import safetensors_stream, tags
 from nxdtp.trainer import finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from nxdtp.trainer.checkpoint import check_user_content, unwrap_model, unwrap_optimizer
+from tests.harness import PROCESS_WAIT_S
 from tests.test_checkpoint_durability import (
     REPO_ROOT,
     _files,
@@ -463,7 +464,7 @@ def test_kill_9_during_an_async_save_leaves_the_previous_tag_loadable(worlds, tm
                  for r in range(world)]
     try:
         wanted = [f"{what}_{r}" for what in ("writing", "returned", "trained") for r in range(world)]
-        deadline = time.time() + 120
+        deadline = time.time() + PROCESS_WAIT_S
         while not all((gate / name).exists() for name in wanted):
             assert time.time() < deadline, f"workers did not get there: {sorted(os.listdir(gate))}"
             assert all(p.poll() is None for p in processes), "a worker ended"

@@ -78,6 +78,11 @@ def _refusals(model, args) -> list:
     if getattr(args, "load_best_model_at_end", False):
         reasons.append("load_best_model_at_end=True: not supported yet; reload a checkpoint-N with "
                        "resume_from_checkpoint instead")
+    ep = parallel_state.get_expert_model_parallel_size()
+    if ep > 1 and getattr(args, "save_strategy", "no") != "no":   # HF's strategies are str enums
+        reasons.append(f"save_strategy={args.save_strategy!r} at expert_model_parallel_size={ep}: checkpoints of "
+                       "expert-parallel state are not supported yet; pass save_strategy='no', or train at "
+                       "expert_model_parallel_size=1")
     world, tp = parallel_state.get_world_size(), parallel_state.get_tensor_model_parallel_size()
     if world % tp != 0:
         reasons.append(f"world size {world} is not a multiple of tensor_model_parallel_size={tp}")

@@ -23,6 +23,8 @@ Megatron-style, as for BERT:
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional, Tuple
+
 from torch import nn
 
 from ..plan import (
@@ -64,21 +66,29 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
     """``pad_heads``: when TP does not divide the attention heads, add zero heads (with a logged warning naming the
     count) instead of refusing the model."""
     require_supported_transformers(NAME)
-    pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
     sp = dict(sequence_parallel=sequence_parallel, sequence_dimension=SEQUENCE_DIM)
+    return build_decoder_plan(NAME, SUPPORTED, lambda config: {"intermediate_size": config.intermediate_size},
+                              lambda model, group: dense_mlp_styles(LAYER + "mlp", sp),
+                              sequence_parallel, make_vocab_size_divisible_by, pad_heads)
+
+
+def dense_mlp_styles(mlp: str, sp: dict) -> dict:
+    """The styles of a gated MLP named ``mlp``: gate and up column-parallel behind one entry region, down
+    row-parallel."""
     entry = dict(input_in_tensor_parallel_region=True)  # the block's wrapper opened the region already
-    styles = {
-        "model.embed_tokens": VocabParallelEmbedding(**pad),
-        LAYER + "self_attn.q_proj": ColumnParallel(**entry),
-        LAYER + "self_attn.k_proj": ColumnParallel(**entry),
-        LAYER + "self_attn.v_proj": ColumnParallel(**entry),
-        LAYER + "self_attn.o_proj": RowParallel(**sp),
-        LAYER + "mlp": tensor_parallel_block_style("nxdtp_tp_mlp", SEQUENCE_DIM, sequence_parallel, never_drops),
-        LAYER + "mlp.gate_proj": ColumnParallel(**entry),
-        LAYER + "mlp.up_proj": ColumnParallel(**entry),
-        LAYER + "mlp.down_proj": RowParallel(**sp),
-        "lm_head": VocabParallelLMHead(**pad),
-    }
+    return {mlp: tensor_parallel_block_style("nxdtp_tp_mlp", SEQUENCE_DIM, sp["sequence_parallel"], never_drops),
+            mlp + ".gate_proj": ColumnParallel(**entry), mlp + ".up_proj": ColumnParallel(**entry),
+            mlp + ".down_proj": RowParallel(**sp)}
+
+
+def build_decoder_plan(name: str, supported: Tuple[str, ...], sizes: Callable[[Any], dict],
+                       mlp_styles: Callable[[nn.Module, ParallelGroup], dict], sequence_parallel: bool,
+                       make_vocab_size_divisible_by: int, pad_heads: bool,
+                       finalize: Optional[Callable[[nn.Module], None]] = None) -> Plan:
+    """The plan of a Llama-shaped decoder: embeddings, attention, norms and LM head as for Llama, and the MLP styles
+    ``mlp_styles(model, group)`` gives. ``sizes(config)``: the sizes TP must divide, beyond the heads'."""
+    pad = dict(pad_to_multiple_of=make_vocab_size_divisible_by)
+    styles = {"model.embed_tokens": VocabParallelEmbedding(**pad), "lm_head": VocabParallelLMHead(**pad)}
     if sequence_parallel:
         styles["model.layers.0"] = sequence_parallel_entry(SEQUENCE_DIM)
         for norm in (LAYER + "input_layernorm", LAYER + "post_attention_layernorm"):
@@ -86,23 +96,26 @@ def decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: 
         styles["model.norm"] = Chain((Replicate(sequence_parallel=True), sequence_parallel_exit(SEQUENCE_DIM)))
 
     def prepare(model: nn.Module, group: ParallelGroup) -> dict:
+        check_model(model, name, supported, sizes(model.config), group)
         extra = _attention_styles(model, group, sequence_parallel, pad_heads)
         if "model.layers.0.self_attn.q_norm" in {name for name, _ in model.named_modules()}:
             extra.update({LAYER + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
                           LAYER + "self_attn.k_norm": ReplicatedWithGradAllReduce()})
+        extra.update(mlp_styles(model, group))
         return extra
 
-    def finalize(model: nn.Module) -> None:
+    def finish(model: nn.Module) -> None:
         use_vocab_parallel_causal_lm_loss(model)
+        if finalize is not None:
+            finalize(model)
         finish_hf_model(model)
 
-    return Plan(styles=styles, prepare=prepare, finalize=finalize)
+    return Plan(styles=styles, prepare=prepare, finalize=finish)
 
 
 def _attention_styles(model: nn.Module, group: ParallelGroup, sequence_parallel: bool, pad_heads: bool) -> dict:
-    """Check the sizes; return the styles of the attention block and its projections for this model's head counts."""
+    """The styles of the attention block and its projections for this model's head counts."""
     config = model.config
-    check_model(model, NAME, SUPPORTED, {"intermediate_size": config.intermediate_size}, group)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     projections = attention_projection_styles(

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from . import bert, gpt2, llama, roberta
+from . import bert, gpt2, llama, moe, roberta
 from .family import Family
 
-FAMILIES: Tuple[Family, ...] = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY)
+FAMILIES: Tuple[Family, ...] = (bert.FAMILY, roberta.FAMILY, gpt2.FAMILY, llama.FAMILY, moe.FAMILY)
 
 _BY_CLASS: Dict[str, Family] = {name: family for family in FAMILIES for name in family.classes}
 

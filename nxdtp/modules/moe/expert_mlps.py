@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -114,41 +114,52 @@ class ExpertMLPs(nn.Module):
                              f"{tuple(expert_affinities.shape)} and expert_index {tuple(expert_index.shape)} must be "
                              f"(T, H), (T, {config.num_experts}) and (T, {config.top_k})")
         capacity = expert_capacity(total_tokens, config.top_k, config.num_experts, config.capacity_factor)
-        slot_token, affinities = self._slots(expert_affinities, expert_index, padding_mask, capacity)
+        slot_token, affinities = routed_slots(expert_affinities, expert_index, padding_mask, capacity,
+                                              config.normalize_top_k_affinities)
         tokens = mappings.copy_to_tensor_model_parallel_region(hidden_states, self.tensor_parallel_group)
-        padded = F.pad(tokens, (0, 0, 0, 1))            # row T: the zero token of an empty slot
-        slots = padded[slot_token]                     # (E, C, H)
-        experts = torch.arange(config.num_experts, device=slot_token.device).unsqueeze(1)
-        weights = F.pad(affinities, (0, 0, 0, 1))[slot_token, experts].unsqueeze(-1)   # (E, C, 1)
-        if config.early_expert_affinity_modulation:
-            slots, weights = slots * weights, (slot_token != total_tokens).to(slots.dtype).unsqueeze(-1)
-        outputs = self.mlp_op(slots) * weights
-        combined = torch.zeros_like(padded).index_add(0, slot_token.flatten(), outputs.flatten(0, 1))
-        return combined[:total_tokens]
+        return run_experts_on_slots(tokens, slot_token, affinities, self.mlp_op,
+                                    config.early_expert_affinity_modulation)
 
-    def _slots(self, expert_affinities: torch.Tensor, expert_index: torch.Tensor,
-               padding_mask: Optional[torch.Tensor], capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(the token in each expert's slot, (E, C), T for an empty slot; the affinities (T, E) of the kept choices,
-        normalised over them when asked)."""
-        config = self.routed_experts_mlp_config
-        total_tokens, num_experts = expert_affinities.shape
-        device = expert_index.device
-        chosen = (expert_index.unsqueeze(-1) == torch.arange(num_experts, device=device)).sum(1)   # (T, E)
-        if padding_mask is not None:
-            chosen = chosen * padding_mask.reshape(total_tokens, 1).to(chosen.dtype)
-        position = torch.cumsum(chosen, dim=0)          # 1-based slot of each token in each expert
-        kept = (chosen > 0) & (position <= capacity)
-        affinities = expert_affinities.masked_fill(~kept, 0)
-        if config.normalize_top_k_affinities:
-            affinities = F.normalize(affinities, p=1.0, dim=1)
-        first_slot = torch.arange(num_experts, device=device) * capacity
-        unused = num_experts * capacity
-        flat_slot = torch.where(kept, first_slot + position - 1, torch.full_like(position, unused))
-        token = torch.arange(total_tokens, device=device).unsqueeze(1).expand(total_tokens, num_experts)
-        # Every dropped or unchosen (token, expert) writes to one extra slot, which is then cut off.
-        slot_token = torch.full((unused + 1,), total_tokens, dtype=torch.long, device=device)
-        slot_token = slot_token.scatter(0, flat_slot.flatten(), token.flatten())[:unused]
-        return slot_token.view(num_experts, capacity), affinities
+
+def routed_slots(expert_affinities: torch.Tensor, expert_index: torch.Tensor, padding_mask: Optional[torch.Tensor],
+                 capacity: int, normalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the token in each expert's slot, (E, C), T for an empty slot; the affinities (T, E) of the kept choices,
+    normalised over them when ``normalize``). Tokens fill an expert's ``capacity`` slots in token order."""
+    total_tokens, num_experts = expert_affinities.shape
+    device = expert_index.device
+    chosen = (expert_index.unsqueeze(-1) == torch.arange(num_experts, device=device)).sum(1)   # (T, E)
+    if padding_mask is not None:
+        chosen = chosen * padding_mask.reshape(total_tokens, 1).to(chosen.dtype)
+    position = torch.cumsum(chosen, dim=0)          # 1-based slot of each token in each expert
+    kept = (chosen > 0) & (position <= capacity)
+    affinities = expert_affinities.masked_fill(~kept, 0)
+    if normalize:
+        affinities = F.normalize(affinities, p=1.0, dim=1)
+    first_slot = torch.arange(num_experts, device=device) * capacity
+    unused = num_experts * capacity
+    flat_slot = torch.where(kept, first_slot + position - 1, torch.full_like(position, unused))
+    token = torch.arange(total_tokens, device=device).unsqueeze(1).expand(total_tokens, num_experts)
+    # Every dropped or unchosen (token, expert) writes to one extra slot, which is then cut off.
+    slot_token = torch.full((unused + 1,), total_tokens, dtype=torch.long, device=device)
+    slot_token = slot_token.scatter(0, flat_slot.flatten(), token.flatten())[:unused]
+    return slot_token.view(num_experts, capacity), affinities
+
+
+def run_experts_on_slots(tokens: torch.Tensor, slot_token: torch.Tensor, affinities: torch.Tensor,
+                         experts: Callable[[torch.Tensor], torch.Tensor], scale_inputs: bool = False) -> torch.Tensor:
+    """Each token (T, H) through the experts of its slots, ``experts`` mapping (E, C, H) to (E, C, H), the outputs
+    weighted by the token's affinity for each expert and summed per token. ``scale_inputs``: weight the inputs
+    instead (NxD's early affinity modulation)."""
+    total_tokens, num_experts = affinities.shape
+    padded = F.pad(tokens, (0, 0, 0, 1))            # row T: the zero token of an empty slot
+    slots = padded[slot_token]                     # (E, C, H)
+    expert = torch.arange(num_experts, device=slot_token.device).unsqueeze(1)
+    weights = F.pad(affinities, (0, 0, 0, 1))[slot_token, expert].unsqueeze(-1)   # (E, C, 1)
+    if scale_inputs:
+        slots, weights = slots * weights, (slot_token != total_tokens).to(slots.dtype).unsqueeze(-1)
+    outputs = experts(slots) * weights
+    combined = torch.zeros_like(padded).index_add(0, slot_token.flatten(), outputs.flatten(0, 1))
+    return combined[:total_tokens]
 
 
 _KERNEL_OPTIONS = {"blockwise_nki_autograd_cls", "use_torch_block_wise", "logical_nc_config",

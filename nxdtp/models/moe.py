@@ -1,0 +1,197 @@
+"""Tensor- and expert-parallel plan for Hugging Face mixture-of-experts decoders: MixtralForCausalLM,
+Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (transformers 5, whose experts are one module holding every expert's
+weights: ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)).
+
+* Attention, embeddings, norms and the LM head as for the Llama family (``nxdtp.models.llama``).
+* The experts module is split by ``ParallelExperts``: a rank holds ``E / ep`` consecutive experts (the topology's
+  expert-parallel size) and its 1/tp share of each expert's intermediate dimension. Its forward routes as
+  ``nxdtp.modules.moe`` does, dropless: each token goes to the ranks holding its chosen experts (an all-to-all over
+  the expert-parallel group) and back; the TP ranks' partial sums are all-reduced once. The router stays replicated
+  and HF's own: the routing is HF's.
+* Dense MLPs (Qwen3-MoE's ``mlp_only_layers``) and Qwen2-MoE's shared expert are split as the Llama MLP; the shared
+  expert's sigmoid gate stays replicated.
+* The load-balancing loss (``output_router_logits=True``) counts tokens over the whole data-parallel batch, so the DP
+  mean of the loss and the DP average of its gradient are the dense model's on the global batch.
+
+Gradients: average them over DP with NxD's two passes (``nxdtp.grads.bucket_allreduce_gradients``, then again on
+the non-expert ones with ``reduce_over_ep_group=True``); ``get_grad_norm`` counts each expert once. Not provided yet:
+sequence parallelism, checkpoints of expert-parallel state (refused by name), transformers 4.x's per-expert modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import comm, mappings
+from ..forward_wrappers import add_mixin, wrap_forward
+from ..modules.moe.expert_mlps import routed_slots, run_experts_on_slots
+from ..modules.moe.moe_parallel_layers import local_expert_count
+from ..plan import Effect, Style
+from ..spec import ParamSpec, ShardedModule, split_along
+from ..storage import owning
+from ..topology import ParallelGroup, data_parallel_group, expert_parallel_group
+from .common import require_supported_transformers, with_and_without_prefix
+from .family import Family
+from .llama import LAYER, SEQUENCE_DIM, build_decoder_plan, dense_mlp_styles
+
+NAME = "MoE decoder"
+SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+EXPERT_LAYOUTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+
+
+def moe_decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True):
+    require_supported_transformers(NAME)
+    if sequence_parallel:
+        raise NotImplementedError(f"the {NAME} plan ({', '.join(SUPPORTED)}) has no sequence parallelism yet: pass "
+                                  "sequence_parallel=False")
+    return build_decoder_plan(NAME, SUPPORTED, _sizes, _mlp_styles, False, make_vocab_size_divisible_by, pad_heads,
+                              finalize=_count_router_tokens_over_data_parallel)
+
+
+def _sizes(config) -> dict:
+    sizes = {"moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+             "shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None)}
+    if not hasattr(config, "moe_intermediate_size") or getattr(config, "mlp_only_layers", None):
+        sizes["intermediate_size"] = config.intermediate_size
+    return {name: value for name, value in sizes.items() if value}
+
+
+def _mlp_styles(model: nn.Module, group: ParallelGroup) -> dict:
+    """Per layer: the experts split, or the dense MLP's styles; a shared expert as a dense MLP."""
+    sp = dict(sequence_parallel=False, sequence_dimension=SEQUENCE_DIM)
+    styles = {}
+    for index, layer in enumerate(model.model.layers):
+        mlp = LAYER.replace("*", str(index)) + "mlp"
+        if not hasattr(layer.mlp, "experts"):
+            styles.update(dense_mlp_styles(mlp, sp))
+            continue
+        styles[mlp + ".experts"] = ParallelExperts()
+        if hasattr(layer.mlp, "shared_expert"):
+            styles.update(dense_mlp_styles(mlp + ".shared_expert", sp))
+    return styles
+
+
+# ---- the experts -----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ParallelExperts(Style):
+    """An HF experts module (``gate_up_proj`` (E, 2I, H), gate rows then up rows; ``down_proj`` (E, H, I)) split
+    over experts (EP) and each expert's intermediate dimension (TP), in place: parameter names stay HF's."""
+
+    expects = nn.Module
+    effect = Effect(replaces=False, opens="tensor-parallel", closes="tensor-parallel", records=("stride",))
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if type(module).__name__ not in EXPERT_LAYOUTS:
+            raise TypeError(f"ParallelExperts applies to {list(EXPERT_LAYOUTS)}, but '{name}' is "
+                            f"{type(module).__name__}")
+        if any(getattr(module, bias, None) is not None for bias in ("gate_up_proj_bias", "down_proj_bias")):
+            raise NotImplementedError(f"'{name}': experts with biases are not supported yet")
+
+    def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
+        self.check(module, name)
+        ep = expert_parallel_group()
+        num_experts = module.gate_up_proj.shape[0]
+        local = local_expert_count(name, num_experts, ep.size)
+        add_mixin(module, ShardedHFExperts)
+        module.nxdtp_num_experts, module.nxdtp_expert_parallel_size = num_experts, ep.size
+        for param_name, tp_dim, stride in (("gate_up_proj", 1, 2), ("down_proj", 2, 1)):
+            original = getattr(module, param_name)
+            dense = original.detach()
+            mine = dense.narrow(0, ep.rank * local, local)
+            piece = split_along(mine, tp_dim, group.rank, group.size, stride)
+            setattr(module, param_name, nn.Parameter(owning(piece), requires_grad=original.requires_grad))
+            spec_shape = (local,) + tuple(dense.shape[1:])
+            module.register_param_spec(param_name, ParamSpec(full_shape=spec_shape, partition_dim=tp_dim,
+                                                             stride=stride, num_partitions=group.size))
+            getattr(module, param_name).expert_model_parallel = True
+        return module
+
+
+class ShardedHFExperts(ShardedModule):
+    """Mixed into an HF experts module by ``ParallelExperts``: its forward over this rank's experts and shard."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        total_tokens = hidden_states.shape[0]
+        affinities = torch.zeros(total_tokens, self.nxdtp_num_experts, dtype=top_k_weights.dtype,
+                                 device=top_k_weights.device).scatter(1, top_k_index, top_k_weights)
+        # Each TP rank's experts see the weights and the tokens through its share of the output: sum those
+        # gradients over TP, so that the router's and the block input's gradients are whole on every rank.
+        affinities = mappings.copy_to_tensor_model_parallel_region(affinities)
+        tokens = mappings.copy_to_tensor_model_parallel_region(hidden_states)
+        slot_token, affinities = routed_slots(affinities, top_k_index, None, total_tokens, normalize=False)
+        partial = run_experts_on_slots(tokens, slot_token, affinities.to(tokens.dtype), self._local_experts)
+        return mappings.reduce_from_tensor_model_parallel_region(partial)
+
+    def _local_experts(self, slots: torch.Tensor) -> torch.Tensor:
+        """(E, C, H) -> (E, C, H): every expert's MLP on its slots, on the ranks that hold it."""
+        if self.nxdtp_expert_parallel_size > 1:
+            dispatched = mappings.enter_expert_parallel_region(slots, scatter_gather=False)  # (E/ep, ep, C, H)
+        else:
+            dispatched = slots.unsqueeze(1)
+        gate, up = torch.einsum("e...h,eih->e...i", dispatched, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("e...i,ehi->e...h", self.act_fn(gate) * up, self.down_proj)
+        if self.nxdtp_expert_parallel_size > 1:
+            return mappings.exit_expert_parallel_region(out, scatter_gather=False)
+        return out.squeeze(1)
+
+    def get_extra_state(self):
+        state = super().get_extra_state()
+        if self.nxdtp_expert_parallel_size > 1:
+            state["experts_split_over_ranks"] = self.nxdtp_expert_parallel_size
+        return state
+
+
+# ---- the load-balancing loss over the data-parallel batch ------------------------------------------------------------
+
+def _count_router_tokens_over_data_parallel(model: nn.Module) -> None:
+    wrap_forward(model, "nxdtp_moe_aux_loss_over_data_parallel", _aux_loss_over_data_parallel)
+
+
+def _aux_loss_over_data_parallel(forward, *args, **kwargs):
+    """HF's forward, with its load-balancing loss (and its share of ``loss``) replaced by the loss that counts the
+    tokens routed to each expert over the whole data-parallel batch."""
+    output = forward(*args, **kwargs)
+    if getattr(output, "aux_loss", None) is None or getattr(output, "router_logits", None) is None:
+        return output
+    model = forward.__self__
+    attention_mask = inspect.signature(forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+    aux = load_balancing_loss_over_data_parallel(output.router_logits, model.num_experts,
+                                                 model.num_experts_per_tok, attention_mask)
+    if output.loss is not None:
+        output.loss = output.loss + model.router_aux_loss_coef * (aux - output.aux_loss)
+    output.aux_loss = aux
+    return output
+
+
+def load_balancing_loss_over_data_parallel(router_logits, num_experts: int, top_k: int,
+                                           attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' load-balancing loss (``num_experts * sum_e f_e * P_e`` over every layer's router logits, padding
+    excluded by ``attention_mask``) with f_e and the token count taken over the data-parallel batch: the DP ranks'
+    mean of it is the dense model's loss on the global batch. The counts carry no gradient."""
+    logits = torch.cat([layer.float() for layer in router_logits])
+    probabilities = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(probabilities, top_k, dim=-1).indices
+    weight = torch.ones(logits.shape[0], device=logits.device)
+    if attention_mask is not None:
+        weight = attention_mask.reshape(-1).to(logits.device, torch.float32).repeat(len(router_logits))
+    choices = (chosen.unsqueeze(-1) == torch.arange(num_experts, device=logits.device)).sum(1).float()
+    counts = torch.cat([(choices * weight.unsqueeze(-1)).sum(0), weight.sum().reshape(1)]).detach()
+    group = data_parallel_group()
+    counts = comm.all_reduce(counts, group)
+    tokens_per_expert, total = counts[:num_experts] / counts[-1], counts[-1] / group.size
+    router_prob_per_expert = (probabilities * weight.unsqueeze(-1)).sum(0) / total
+    return torch.sum(tokens_per_expert * router_prob_per_expert) * num_experts
+
+
+def checkpoint_keys(name: str):
+    return with_and_without_prefix(name, "model.")
+
+
+FAMILY = Family(NAME, SUPPORTED, moe_decoder_plan, checkpoint_keys, oldest_transformers=(5, 0))

@@ -1,0 +1,180 @@
+"""``parallelize_model`` on Hugging Face mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) against the dense
+model on the global batch, on 4 gloo ranks at tp=2, ep=2 and tp=2 x ep=2.
+
+Every parameter is randomised, router and norms included. Each DP rank takes its own micro-batch (padding in each);
+the dense model runs on their concatenation with ``output_router_logits=True``. Each rank's loss is its cross-entropy
+over the global target count plus the load-balancing loss counted over the DP batch; after NxD's two gradient passes
+every rank's gradients must be its slices of the dense gradients (experts: its experts, its TP share), and the DP
+means of the losses the dense ones; greedy generation gives the dense model's tokens. fp32, 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nxdtp import comm, grads
+from nxdtp import parallel_state as ps
+from nxdtp.models import gather_vocab_logits, parallelize_model
+from nxdtp.spec import split_along
+from nxdtp.storage import held_bytes
+from tests.model_helpers import check_checkpoint_round_trip, randomised
+from tests.test_models_bert import TOL, _close, _expected_local, _specs
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                reason="nxdtp's MoE plan needs transformers 5 (one experts module per layer)")
+
+VOCAB, SEQ, BATCH, EXPERTS = 101, 8, 2, 4
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=False,
+              num_experts_per_tok=2, router_aux_loss_coef=0.3, output_router_logits=True)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=EXPERTS, intermediate_size=16)),
+    # A dense MLP layer (mlp_only_layers) beside a sparse one; per-head q_norm / k_norm
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=EXPERTS, moe_intermediate_size=16, intermediate_size=24, mlp_only_layers=[1],
+                       norm_topk_prob=True, head_dim=8)),
+    # A shared expert with its sigmoid gate; top-k weights not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=EXPERTS, moe_intermediate_size=16, intermediate_size=24,
+                       shared_expert_intermediate_size=24, norm_topk_prob=False)),
+}
+
+
+def dense_model(family: str, seed: int):
+    config_class, model_class, extra = FAMILIES[family]
+    config = getattr(transformers, config_class)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    return randomised(getattr(transformers, model_class)(config), seed + 1)
+
+
+def micro_batch(seed: int, dp_rank: int):
+    g = torch.Generator().manual_seed(seed * 100 + dp_rank)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -2 - dp_rank % 2:] = 0     # padding, a different amount on alternate DP ranks
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def _global_batch(seed: int, dp: int):
+    parts = [micro_batch(seed, d) for d in range(dp)]
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+def _expected_gradient(name, param, dense_grad, specs):
+    if not getattr(param, "expert_model_parallel", False):
+        return _expected_local(dense_grad, param, specs.get(id(param)), name)
+    ep, tp = ps.expert_parallel_group(), ps.tensor_parallel_group()
+    local = dense_grad.shape[0] // ep.size
+    mine = dense_grad.narrow(0, ep.rank * local, local)
+    return split_along(mine, param.partition_dim, tp.rank, tp.size, param.partition_stride)
+
+
+def case_moe_decoder_equals_dense(families, tp, ep):
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        dp, dp_rank = ps.get_data_parallel_size(), ps.get_data_parallel_rank()
+        for family in families:
+            what = f"{family} tp={tp} ep={ep}"
+            dense = dense_model(family, seed=len(family))
+            model = parallelize_model(copy.deepcopy(dense))
+            full = _global_batch(seed=3, dp=dp)
+            global_items = (full["labels"][:, 1:] != -100).sum()
+            dense_out = dense(**full)
+            dense_out.loss.backward()
+            out = model(**micro_batch(3, dp_rank), num_items_in_batch=global_items)
+            rows = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
+            _close(gather_vocab_logits(out.logits, VOCAB), dense_out.logits[rows], f"{what} logits")
+            tokens = slice(dp_rank * BATCH * SEQ, (dp_rank + 1) * BATCH * SEQ)
+            for layer, (mine, theirs) in enumerate(zip(out.router_logits, dense_out.router_logits)):
+                _close(mine, theirs[tokens], f"{what} router logits of layer {layer}")
+            # The rank's cross-entropy is its share of the global mean; scaled by dp so that the DP average of the
+            # gradients is the dense one. The load-balancing loss is already each rank's share of the dense one.
+            coef = model.router_aux_loss_coef
+            (dp * out.loss - (dp - 1) * coef * out.aux_loss).backward()
+            grads.allreduce_gradients(model)   # NxD's two passes: experts over the expert data-parallel group
+            data = ps.data_parallel_group()
+            _close(comm.all_reduce(out.aux_loss.detach(), data) / dp, dense_out.aux_loss, f"{what} aux loss")
+            cross_entropy = comm.all_reduce((out.loss - coef * out.aux_loss).detach(), data)
+            _close(cross_entropy + coef * dense_out.aux_loss, dense_out.loss, f"{what} loss")
+            specs = _specs(model)
+            for name, param in model.named_parameters():
+                expected = _expected_gradient(name, param, dense.get_parameter(name).grad, specs)
+                torch.testing.assert_close(param.grad, expected, **TOL, msg=lambda m: f"{what} {name} grad: {m}")
+            dense_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in dense.parameters()]))
+            _close(grads.get_grad_norm(model), dense_norm, f"{what} grad norm")
+            experts = [p for n, p in model.named_parameters() if ".experts." in n]
+            dense_experts = [p for n, p in dense.named_parameters() if ".experts." in n]
+            assert held_bytes(experts) * tp * ep == held_bytes(dense_experts), what
+            prompt = micro_batch(5, 0)["input_ids"][:1, :4]   # the same prompt on every rank
+            with torch.no_grad():
+                generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
+                assert torch.equal(generated, dense.generate(prompt, max_new_tokens=3, do_sample=False)), what
+        return families
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)])
+def test_moe_decoders_equal_dense_on_the_global_batch(worlds, tp, ep):
+    families = list(FAMILIES)
+    assert worlds(4).run(case_moe_decoder_equals_dense, tensor_model_parallel_size=None, families=families, tp=tp,
+                         ep=ep) == [families] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_name", ["cpu_refusing", "xla"])
+def test_mixtral_tp2_ep2_on_worlds_whose_default_backend_is_not_gloo(worlds, world_name):
+    assert worlds(4, world_name).run(case_moe_decoder_equals_dense, tensor_model_parallel_size=None,
+                                     families=["mixtral"], tp=2, ep=2) == [["mixtral"]] * 4
+
+
+def test_sequence_parallelism_is_refused_by_name():
+    with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
+        with pytest.raises(NotImplementedError, match=r"MoE decoder plan .* has no sequence parallelism yet"):
+            parallelize_model(dense_model("mixtral", 0), sequence_parallel=True)
+
+
+def test_expert_parallel_checkpoints_are_refused_by_name():
+    from nxdtp.checkpointing.index import split_state_dict
+
+    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=2):
+        model = parallelize_model(dense_model("mixtral", 0))
+        with pytest.raises(NotImplementedError, match=r"'model.layers.0.mlp.experts' holds this rank's share of "
+                                                      r"experts split over expert_model_parallel_size=2 ranks"):
+            split_state_dict(model.state_dict(), 1)
+
+
+def test_an_expert_count_the_expert_parallel_size_does_not_divide_is_refused():
+    with ps.simulated_topology(world_size=8, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=8):
+        with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by expert_model_parallel_size=8; valid "
+                                             r"expert-parallel sizes for 4 experts: \[1, 2, 4\]"):
+            parallelize_model(dense_model("mixtral", 0))
+
+
+# ---- checkpoints at expert-parallel size 1 ---------------------------------------------------------------------------
+
+def mixtral_model(seed):
+    return dense_model("mixtral", seed)
+
+
+def qwen2_moe_model(seed):
+    return dense_model("qwen2_moe", seed)
+
+
+def checkpoint_batch():
+    return micro_batch(8, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family):
+    """Saved at tp=2 (experts split along their intermediate dimension), merged: plain transformers loads it with the
+    same logits; resharded to tp=4 it resumes with the same next loss, and from_pretrained_sharded reads the merge."""
+    check_checkpoint_round_trip(worlds, tmp_path, f"tests.test_models_moe:{family}_model",
+                                "tests.test_models_moe:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
+                                FAMILIES[family][1])
