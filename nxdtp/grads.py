@@ -165,7 +165,9 @@ def get_grad_norm(parameters: ParamsArg, norm_type: Union[float, int, str] = 2, 
     params = _unique_params(parameters)
     experts = [param for param in params if getattr(param, "expert_model_parallel", False)]
     ep_group = expert_parallel_group()
-    if ep_group.size == 1 or not experts:
+    # ZeRO-1 shards expert parameters over the expert data-parallel group: summed over the DP group (expert DP x EP),
+    # every shard of every expert counts once, so their share needs no sum over EP of its own.
+    if ep_group.size == 1 or not experts or zero1_optimizer:
         return _dense_norm(params, p, [], None, extra_group)
     others = [param for param in params if not getattr(param, "expert_model_parallel", False)]
     return _dense_norm(others, p, experts, ep_group, extra_group)

@@ -148,40 +148,60 @@ def _reduce_gradients(moe, sequence_parallel):
                                      reduce_over_ep_group=True)
 
 
-def _check_one_step(moe, views, dense_params, dense_grads):
-    """One AdamW step (weight decay included) on every rank's pieces equals the step on the dense parameters."""
+def _dense_after_one_step(dense_params, dense_grads):
     dense = {k: v.clone().requires_grad_(True) for k, v in dense_params.items()}
     for key, tensor in dense.items():
         tensor.grad = dense_grads[key].clone()
-    torch.optim.AdamW(moe.parameters(), lr=0.05, weight_decay=0.1).step()
     torch.optim.AdamW(dense.values(), lr=0.05, weight_decay=0.1).step()
+    return {k: v.detach() for k, v in dense.items()}
+
+
+def _check_one_step(moe, views, expected, what):
+    """One AdamW step (weight decay included) on every rank's pieces equals the step on the dense parameters."""
     for key, (param, cut) in views.items():
-        _close(param.detach(), cut(dense[key].detach()), f"{key} after one AdamW step")
+        _close(param.detach(), cut(expected[key]), f"{key} after one {what} step")
+
+
+def _forward_backward(moe, seed, sequence_parallel):
+    """This rank's output and router logits, and backward of its loss (the load-balancing loss over the DP batch)."""
+    x, dy = _batch(seed, ps.get_data_parallel_rank())
+    if sequence_parallel:   # NxD's sequence-parallel layout: (S / tp, B, H), this rank's sequence shard
+        x, dy = (_tp_slice(t.transpose(0, 1).contiguous(), 0) for t in (x, dy))
+    x.requires_grad_(True)
+    out, router_logits = moe(x)
+    aux = load_balancing_loss_func(router_logits, E, K, over_data_parallel_batch=True)
+    ((out * dy).sum() + AUX_COEF * aux).backward()
+    if sequence_parallel:
+        grads.allreduce_sequence_parallel_gradients(list(moe.parameters()))
+    return x, dy, out, router_logits, aux
+
+
+def _loaded_moe(seed, glu, shared, capacity_factor, normalize, sequence_parallel):
+    moe = _build(glu, shared, capacity_factor, normalize, sequence_parallel)
+    views = _local_views(moe, glu)
+    with torch.no_grad():
+        for key, full in dense_parameters(seed, glu, shared).items():
+            param, cut = views[key]
+            param.copy_(cut(full))
+    return moe, views
 
 
 def case_moe_equals_dense(seed, tp, ep, glu, shared, capacity_factor, normalize, sequence_parallel):
+    from nxdtp.optimizer import NeuronZero1Optimizer
+
     ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
     try:
         dp, dp_rank = ps.get_data_parallel_size(), ps.get_data_parallel_rank()
         outs, logits, dxs, dense_grads, objective = dense_reference(seed, dp, glu, shared, capacity_factor, normalize,
                                                                     sequence_parallel)
-        moe = _build(glu, shared, capacity_factor, normalize, sequence_parallel)
-        views = _local_views(moe, glu)
-        with torch.no_grad():
-            for key, full in dense_parameters(seed, glu, shared).items():
-                param, cut = views[key]
-                param.copy_(cut(full))
-        x, dy = _batch(seed, dp_rank)
-        if sequence_parallel:   # NxD's sequence-parallel layout: (S / tp, B, H), this rank's sequence shard
-            x, dy = (_tp_slice(t.transpose(0, 1).contiguous(), 0) for t in (x, dy))
-        x.requires_grad_(True)
-        out, router_logits = moe(x)
+        setting = (seed, glu, shared, capacity_factor, normalize, sequence_parallel)
+        moe, views = _loaded_moe(*setting)
+        x, dy, out, router_logits, aux = _forward_backward(moe, seed, sequence_parallel)
         _close(out, _tp_slice(outs[dp_rank], 0) if sequence_parallel else outs[dp_rank], "output")
         _close(router_logits, logits[dp_rank], "router logits")
-        aux = load_balancing_loss_func(router_logits, E, K, over_data_parallel_batch=True)
-        loss = (out * dy).sum() + AUX_COEF * aux
-        loss.backward()
-        _reduce_gradients(moe, sequence_parallel)
+        grads.bucket_allreduce_gradients([p.grad for p in moe.parameters()])   # NxD's two passes
+        grads.bucket_allreduce_gradients([p.grad for p in moe.parameters()
+                                          if not getattr(p, "expert_model_parallel", False)], reduce_over_ep_group=True)
         _close(x.grad, _tp_slice(dxs[dp_rank], 0) if sequence_parallel else dxs[dp_rank], "input gradient")
         for key, (param, cut) in views.items():
             _close(param.grad, cut(dense_grads[key]), f"gradient of {key}")
@@ -191,11 +211,19 @@ def case_moe_equals_dense(seed, tp, ep, glu, shared, capacity_factor, normalize,
         if sequence_parallel:
             rank_loss = comm.all_reduce(rank_loss, ps.tensor_parallel_group())
         rank_loss = rank_loss + AUX_COEF * aux.detach()
-        mean_loss = comm.all_reduce(rank_loss, ps.data_parallel_group()) / dp
-        _close(mean_loss, objective, "loss")
+        _close(comm.all_reduce(rank_loss, ps.data_parallel_group()) / dp, objective, "loss")
         dense_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in dense_grads.values()]))
         _close(grads.get_grad_norm(moe), dense_norm, "gradient norm")
-        _check_one_step(moe, views, dense_parameters(seed, glu, shared), dense_grads)
+        expected = _dense_after_one_step(dense_parameters(seed, glu, shared), dense_grads)
+        torch.optim.AdamW(moe.parameters(), lr=0.05, weight_decay=0.1).step()
+        _check_one_step(moe, views, expected, "AdamW")
+        # ZeRO-1: expert state sharded over the expert data-parallel group, the rest over DP; it averages itself.
+        moe, views = _loaded_moe(*setting)
+        _forward_backward(moe, seed, sequence_parallel)
+        zero1 = NeuronZero1Optimizer(moe.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1, max_norm=1e9)
+        zero1.step()
+        _close(zero1.grad_norm, dense_norm, "ZeRO-1 gradient norm")
+        _check_one_step(moe, views, expected, "ZeRO-1 AdamW")
         return tuple(out.shape)
     finally:
         ps.destroy_model_parallel()
@@ -359,15 +387,19 @@ def test_bad_settings_are_refused_by_name(make, error, match):
 
 
 def test_expert_parallel_state_is_refused_where_it_would_be_lost():
-    """ZeRO-1 would average experts of different ranks; a checkpoint would file one rank's experts as all of them."""
+    """A checkpoint would file one rank's experts as all of them; ZeRO-1's expert shards are cut over another group."""
     from nxdtp.checkpointing.index import split_state_dict
     from nxdtp.optimizer import NeuronZero1Optimizer
 
     with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=2):
         experts = ExpertMLPs(E, K, H, INTER, "silu", True, None)
-        with pytest.raises(NotImplementedError, match=r"expert parameter of shape \(2, 8, 12\) at "
-                                                      r"expert_model_parallel_size=2"):
-            NeuronZero1Optimizer(experts.parameters(), torch.optim.AdamW)
+        zero1 = NeuronZero1Optimizer(experts.parameters(), torch.optim.AdamW)
+        with pytest.raises(NotImplementedError, match=r"state_dict\(\): the state of expert parameters sharded over "
+                                                      r"the expert data-parallel group is not saved yet"):
+            zero1.state_dict()
+        with pytest.raises(NotImplementedError, match=r"sharding_groups=\[\[0\], \[1\], \[2\], \[3\]\] with "
+                                                      r"expert parallelism"):
+            NeuronZero1Optimizer(experts.parameters(), torch.optim.AdamW, sharding_groups=[[0], [1], [2], [3]])
         with pytest.raises(NotImplementedError, match=r"'mlp_op.gate_up_proj' holds this rank's share of experts "
                                                       r"split over expert_model_parallel_size=2 ranks"):
             split_state_dict(experts.state_dict(), 1)

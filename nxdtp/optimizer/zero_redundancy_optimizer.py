@@ -51,7 +51,9 @@ from ..grads import buckets_by, checked_norm_type, clip_grads_with_norm, get_gra
 from ..spec import FlatShardLayout
 from ..topology import (
     ParallelGroup,
+    expert_data_parallel_group,
     expert_parallel_group,
+    get_topology,
     model_parallel_is_initialized,
     rank_tensor,
     tensor_parallel_group,
@@ -94,12 +96,10 @@ def _check_shardable(params) -> None:
     for p in params:
         if p.is_sparse:
             raise ValueError(f"NeuronZero1Optimizer: a sparse parameter of shape {tuple(p.shape)} cannot be sharded")
-        if getattr(p, "expert_model_parallel", False) and expert_parallel_group().size > 1:
-            raise NotImplementedError(
-                f"NeuronZero1Optimizer: an expert parameter of shape {tuple(p.shape)} at "
-                f"expert_model_parallel_size={expert_parallel_group().size}: sharding expert state over the "
-                "expert data-parallel group is not provided yet; use a plain optimizer with NxD's two gradient "
-                "passes (nxdtp.grads.bucket_allreduce_gradients), or expert_model_parallel_size=1")
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_model_parallel", False) and expert_parallel_group().size > 1
 
 
 class NeuronZero1Optimizer(torch.optim.Optimizer):
@@ -183,6 +183,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self._hooks: List[Any] = []
         super().__init__(params, defaults)
         _check_shardable(p for group in self.param_groups for p in group["params"])
+        self._expert_groups = self._expert_sharding()
         if not self.lazy_init:
             self.init_zero()
 
@@ -209,21 +210,49 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
 
     # ---- shards --------------------------------------------------------------------------------------------------
 
+    def _expert_sharding(self) -> Optional[Tuple[ParallelGroup, ParallelGroup]]:
+        """With expert parallelism, the (sharding, replica) groups of expert parameters: the expert data-parallel group
+        and this rank alone. An expert's gradient comes from its whole expert-parallel group's tokens but lives only on
+        the ranks holding that expert, so it is summed over them (and divided by the DP size, as every gradient)."""
+        if not any(_is_expert(p) for p in self._params()):
+            return None
+        topology = get_topology()
+        if self._group != topology.data_parallel:
+            raise NotImplementedError(
+                f"NeuronZero1Optimizer: sharding_groups={self._sharding_groups!r} with expert parallelism "
+                f"(expert_model_parallel_size={expert_parallel_group().size}): only the default sharding over the "
+                "data-parallel groups is supported there")
+        return expert_data_parallel_group(), topology.singleton
+
+    def _groups_of(self, param: torch.Tensor) -> Tuple[ParallelGroup, ParallelGroup]:
+        """(sharding group, replica group) of ``param``'s master shard."""
+        if self._expert_groups is not None and _is_expert(param):
+            return self._expert_groups
+        return self._group, self._replicas
+
+    def _refuse_expert_state(self, what: str) -> None:
+        if self._expert_groups is not None:
+            raise NotImplementedError(
+                f"NeuronZero1Optimizer.{what}: the state of expert parameters sharded over the expert data-parallel "
+                "group is not saved yet (checkpoints do not record the expert dimension); save at "
+                "expert_model_parallel_size=1")
+
     def _make_shard(self, param: torch.Tensor) -> torch.Tensor:
-        layout = FlatShardLayout(tuple(param.shape), self._group.size)
+        group = self._groups_of(param)[0]
+        layout = FlatShardLayout(tuple(param.shape), group.size)
         self._layouts[id(param)] = layout
         with torch.no_grad():
             rows = layout.rows(param.detach())
             # This rank's row, chosen with the rank as data: the same graph on every rank.
-            shard = rows.index_select(0, rank_tensor(self._group, param.device)).reshape(-1)
+            shard = rows.index_select(0, rank_tensor(group, param.device)).reshape(-1)
             shard = shard.to(self.optimizer_dtype).clone()
         for name in _COPIED_ATTRIBUTES:
             if hasattr(param, name):
                 setattr(shard, name, getattr(param, name))
         segments = getattr(param, "replica_segments", None)
         if segments is not None:
-            shard.replica_weights = _replica_weights(param, layout, segments, rank_tensor(self._group, param.device))
-        shard.zero1_sharding_group = self._group
+            shard.replica_weights = _replica_weights(param, layout, segments, rank_tensor(group, param.device))
+        shard.zero1_sharding_group = group
         return shard
 
     def init_zero(self) -> None:
@@ -292,12 +321,14 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             return self._layouts[id(pair[0])].padded_numel * torch.empty((), dtype=cc_dtype(pair)).element_size()
 
         cap = self.bucket_cap_mb_reduce_scatter * 1024 * 1024
-        for bucket in buckets_by(pairs, nbytes, lambda pair: (self._gradient(pair[0]).device, cc_dtype(pair)), cap):
+        key = lambda pair: (self._gradient(pair[0]).device, cc_dtype(pair), _is_expert(pair[0]))  # noqa: E731
+        for bucket in buckets_by(pairs, nbytes, key, cap):
             dtype = cc_dtype(bucket[0])
+            group, replicas = self._groups_of(bucket[0][0])
             rows = torch.cat([self._layouts[id(p)].rows(self._gradient(p).detach().to(dtype)) for p, _ in bucket],
                              dim=1)
-            reduced = comm.reduce_scatter(rows, self._group, dim=0).reshape(-1)
-            reduced = comm.all_reduce(reduced, self._replicas).to(self.optimizer_dtype)
+            reduced = comm.reduce_scatter(rows, group, dim=0).reshape(-1)
+            reduced = comm.all_reduce(reduced, replicas).to(self.optimizer_dtype)
             if size != 1:
                 reduced = reduced / size
             offset = 0
@@ -316,10 +347,11 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             return self._layouts[id(pair[0])].padded_numel * torch.empty((), dtype=ag_dtype(pair)).element_size()
 
         cap = self.bucket_cap_mb_all_gather * 1024 * 1024
-        for bucket in buckets_by(pairs, nbytes, lambda pair: (pair[0].device, ag_dtype(pair)), cap):
+        for bucket in buckets_by(pairs, nbytes, lambda pair: (pair[0].device, ag_dtype(pair), _is_expert(pair[0])),
+                                 cap):
             dtype = ag_dtype(bucket[0])
             packed = torch.cat([s.detach().to(dtype).reshape(1, -1) for _, s in bucket], dim=1)
-            gathered = comm.all_gather(packed, self._group, dim=0)
+            gathered = comm.all_gather(packed, self._groups_of(bucket[0][0])[0], dim=0)
             offset = 0
             for p, s in bucket:
                 n = s.numel()
@@ -380,6 +412,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         optimizer (``base_optimizer``) keys its state by the shards."""
         if not self.inited:
             raise RuntimeError("NeuronZero1Optimizer.shards(): call init_zero() first (lazy_init=True)")
+        self._refuse_expert_state("shards()")
         return [(p, s, self._layouts[id(p)]) for p, s in self._pairs()]
 
     def masters_from_parameters(self) -> None:
@@ -406,6 +439,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         parameter). Every replica of a shard returns the same state."""
         if not self.inited:
             raise RuntimeError("NeuronZero1Optimizer.state_dict(): call init_zero() first (lazy_init=True)")
+        self._refuse_expert_state("state_dict()")
         state_dict = super().state_dict()
         state_dict["base_state"] = self.base_optimizer.state_dict()["state"]
         state_dict["shape_info"] = {i: tuple(p.shape) for i, p in enumerate(self._params())}
@@ -419,6 +453,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         does not matter. A plain optimizer's state dict is refused (it is not sharded)."""
         if not self.inited:
             raise RuntimeError("NeuronZero1Optimizer.load_state_dict(): call init_zero() first (lazy_init=True)")
+        self._refuse_expert_state("load_state_dict()")
         if "base_state" not in state_dict:
             raise ValueError("NeuronZero1Optimizer.load_state_dict: this is the state dict of a non-ZeRO optimizer (no "
                              "'base_state'), holding whole-tensor state; a ZeRO-1 optimizer needs its own sharded "
