@@ -66,6 +66,7 @@ def _global_batch(seed: int, dp: int):
 
 
 def _expected_gradient(name, param, dense_grad, specs):
+    """This rank's slice of a dense tensor laid out like ``param`` (its experts, then its TP piece)."""
     if not getattr(param, "expert_model_parallel", False):
         return _expected_local(dense_grad, param, specs.get(id(param)), name)
     ep, tp = ps.expert_parallel_group(), ps.tensor_parallel_group()
@@ -178,3 +179,57 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family)
     check_checkpoint_round_trip(worlds, tmp_path, f"tests.test_models_moe:{family}_model",
                                 "tests.test_models_moe:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
                                 FAMILIES[family][1])
+
+
+# ---- NxD's trainer API -----------------------------------------------------------------------------------------------
+
+MAX_NORM = 0.5
+ADAMW = dict(lr=0.02, weight_decay=0.1)
+
+
+def _unpadded(batch):
+    """Every position a target: equal target counts on the DP ranks, so the mean of their mean losses is the mean over
+    the global batch (NxD's trainer averages per-rank mean losses)."""
+    return dict(input_ids=batch["input_ids"], labels=batch["input_ids"].clone())
+
+
+def case_trainer_api_equals_dense(zero_one: bool):
+    """``neuronx_distributed_config(tensor_parallel_size=2, expert_parallel_size=2)``, a plain HF Mixtral through
+    ``initialize_parallel_model``, NxD's optimizer (or ZeRO-1): two clipped AdamW steps on DP-distinct micro-batches
+    equal the dense steps on the global batch, grad norm included."""
+    import nxdtp
+
+    dense = dense_model("mixtral", seed=11)
+    nxd_config = nxdtp.neuronx_distributed_config(
+        tensor_parallel_size=2, expert_parallel_size=2,
+        optimizer_config={"zero_one_enabled": zero_one, "max_grad_norm": MAX_NORM})
+    try:
+        model = nxdtp.initialize_parallel_model(nxd_config, copy.deepcopy, False, dense)
+        optimizer = nxdtp.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), **ADAMW)
+        dense_optimizer = torch.optim.AdamW(dense.parameters(), **ADAMW)
+        dp, dp_rank = ps.get_data_parallel_size(), ps.get_data_parallel_rank()
+        for step in range(2):
+            dense_optimizer.zero_grad()
+            full = _unpadded(_global_batch(seed=20 + step, dp=dp))
+            dense(**full).loss.backward()
+            dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), MAX_NORM)
+            assert dense_norm > 1.5 * MAX_NORM, "max_norm does not clip"
+            dense_optimizer.step()
+            optimizer.zero_grad()
+            local = _unpadded(micro_batch(20 + step, dp_rank))
+            model.run_train(**local)
+            optimizer.step()
+            _close(optimizer.grad_norm, dense_norm, f"zero_one={zero_one} step {step} grad norm")
+        specs = _specs(model.module)
+        for name, param in model.module.named_parameters():
+            expected = _expected_gradient(name, param, dense.get_parameter(name).detach(), specs)
+            torch.testing.assert_close(param.detach(), expected, **TOL, msg=lambda m: f"{name} after 2 steps: {m}")
+        return zero_one
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("zero_one", [False, True], ids=["nxd_optimizer", "zero1"])
+def test_trainer_api_tp2_ep2_equals_dense(worlds, zero_one):
+    assert worlds(4).run(case_trainer_api_equals_dense, tensor_model_parallel_size=None,
+                         zero_one=zero_one) == [zero_one] * 4

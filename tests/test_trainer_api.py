@@ -112,7 +112,7 @@ def test_config_partial_model_init_config(no_world):
 
 @pytest.mark.parametrize("kwargs,pattern", [
     (dict(pipeline_parallel_size=2), r"pipeline_parallel_size=2 is not supported.*pipeline_parallel_size=1"),
-    (dict(expert_parallel_size=4), r"expert_parallel_size=4 is not supported.*expert_parallel_size=1"),
+    (dict(expert_parallel_size=0), r"expert_parallel_size=0 must be an int >= 1"),
     (dict(context_parallel_size=2), r"context_parallel_size=2 is not supported.*context_parallel_size=1"),
     (dict(lnc_size=2), r"lnc_size=2 is not supported.*lnc_size=1"),
     (dict(lora_config=object()), r"lora_config=.* is not supported.*peft"),

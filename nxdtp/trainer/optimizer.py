@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .. import grads
+from .. import grads, parallel_state
 
 
 class NxDOptimizer(torch.optim.Optimizer):
@@ -82,9 +82,11 @@ class NxDOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state) -> None:
         self.optimizer.__setstate__(state)
 
-    def _gradients(self) -> List[torch.Tensor]:
+    def _gradients(self, experts: bool = True) -> List[torch.Tensor]:
         out = []
         for p in self.params:
+            if not experts and getattr(p, "expert_model_parallel", False):
+                continue
             if p.grad is not None:
                 out.append(p.grad)
             elif getattr(p, "main_grad", None) is not None:
@@ -98,6 +100,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         optimizer_config = self.nxd_config["optimizer_config"]
         if not optimizer_config["zero_one_enabled"]:
             grads.bucket_allreduce_gradients(self._gradients())
+            if parallel_state.get_expert_model_parallel_size() > 1:   # NxD's second pass: the non-expert gradients
+                grads.bucket_allreduce_gradients(self._gradients(experts=False), reduce_over_ep_group=True)
             if optimizer_config["grad_clipping"]:
                 self._grad_norm = grads.clip_grad_norm(self.params, optimizer_config["max_grad_norm"])
         result = self.optimizer.step(closure=closure)

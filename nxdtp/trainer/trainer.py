@@ -47,8 +47,8 @@ def _warn_default(message: str) -> None:
 
 def _refuse_size(name: str, value: Any, what: str) -> None:
     if value != 1:
-        raise ValueError(f"neuronx_distributed_config: {name}={value!r} is not supported: nxdtp does tensor and data "
-                         f"parallelism only, with no {what}; the valid value is {name}=1 (the default)")
+        raise ValueError(f"neuronx_distributed_config: {name}={value!r} is not supported: nxdtp does tensor, data and "
+                         f"expert parallelism, with no {what}; the valid value is {name}=1 (the default)")
 
 
 def _check_dict(name: str, value: Any) -> None:
@@ -79,7 +79,9 @@ def neuronx_distributed_config(
     filled default is logged as a warning on rank 0). Initializes model parallelism when torch.distributed is up and
     model parallelism is not initialized yet.
 
-    Refused by name: pipeline, expert and context parallel sizes other than 1, ``lnc_size`` other than 1, a
+    ``expert_parallel_size`` E splits each DP group into expert-parallel groups of E ranks (NxD's layout, see
+    ``initialize_model_parallel``); E must divide the DP size.
+    Refused by name: pipeline and context parallel sizes other than 1, ``lnc_size`` other than 1, a
     ``lora_config`` (use PEFT on the model: docs/wrapping_hf_models.md), ``meta_device_init`` without a
     ``param_init_fn`` (``ValueError``, as NxD). ``pipeline_config`` is kept in the dict and unused, as NxD does at
     pipeline size 1. ``device`` (nxdtp only, keyword-only) is where ``initialize_parallel_model`` moves the model:
@@ -121,8 +123,10 @@ def _refuse_unsupported(tensor_parallel_size: Any, pipeline_parallel_size: Any, 
                         context_parallel_size: Any, lnc_size: Any, lora_config: Any) -> None:
     """Refuse by name the parallelisms and options of NxD that nxdtp does not have, and a bad TP size."""
     _refuse_size("pipeline_parallel_size", pipeline_parallel_size, "pipeline parallelism")
-    _refuse_size("expert_parallel_size", expert_parallel_size, "expert parallelism")
     _refuse_size("context_parallel_size", context_parallel_size, "context parallelism")
+    if not (isinstance(expert_parallel_size, int) and expert_parallel_size >= 1):
+        raise ValueError(f"neuronx_distributed_config: expert_parallel_size={expert_parallel_size!r} must be an int "
+                         ">= 1")
     if lnc_size != 1:
         raise ValueError(f"neuronx_distributed_config: lnc_size={lnc_size!r} is not supported: it selects Trainium's "
                          "logical-core replica-group layouts, which nxdtp does not use; the valid value is lnc_size=1")
@@ -176,14 +180,18 @@ def _filled_model_init_config(model_init_config: Optional[dict], sequential_move
 
 
 def _initialize_model_parallel(nxd_config: Dict[str, Any]) -> None:
-    tp = nxd_config["tensor_parallel_size"]
+    tp, ep = nxd_config["tensor_parallel_size"], nxd_config.get("expert_parallel_size", 1)
     if parallel_state.model_parallel_is_initialized():
-        current = parallel_state.get_tensor_model_parallel_size()
-        if current != tp:
-            raise ValueError(f"tensor_parallel_size={tp} but model parallelism is already initialized with "
-                             f"tensor_model_parallel_size={current}; call destroy_model_parallel() first")
+        current = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_expert_model_parallel_size())
+        if current != (tp, ep):
+            experts = ep != 1 or current[1] != 1
+            asked = f"tensor_parallel_size={tp}" + (f", expert_parallel_size={ep}" if experts else "")
+            have = f"tensor_model_parallel_size={current[0]}" + (
+                f", expert_model_parallel_size={current[1]}" if experts else "")
+            raise ValueError(f"{asked} but model parallelism is already initialized with {have}; call "
+                             "destroy_model_parallel() first")
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
 
 
 # ---- the model ------------------------------------------------------------------------------------------------------
@@ -343,7 +351,7 @@ def _check_include_buffers(include_buffers: Any) -> None:
 def _model_init_settings(nxd_config: Dict[str, Any]) -> Tuple[bool, Optional[Callable], int]:
     """``(meta_device_init, param_init_fn, sequential_move_factor)`` of the config, checked (a config dict may have
     been written by hand rather than by neuronx_distributed_config)."""
-    for key in ("pipeline_parallel_size", "expert_parallel_size", "context_parallel_size"):
+    for key in ("pipeline_parallel_size", "context_parallel_size"):
         _refuse_size(key, nxd_config.get(key, 1), key.replace("_size", "").replace("_", " "))
     init_config = nxd_config["model_init_config"]
     meta_init = init_config["meta_device_init"]
