@@ -1,7 +1,9 @@
-"""NxD's own Llama model file runs on nxdtp with only its imports changed, and equals a dense Hugging Face Llama.
+"""NxD's own Llama and Mixtral model files run on nxdtp with only their imports changed, and equal the dense Hugging
+Face models.
 
-The file is NxD 2.29's ``examples/training/llama/modeling_llama_nxd.py``. It is not part of this repository: the test
-reads it from an NxD source checkout named by ``NXDTP_NXD_SOURCE`` (``git clone
+The files are NxD 2.29's ``examples/training/llama/modeling_llama_nxd.py`` and
+``examples/training/mixtral/modeling_mixtral_moe_nxd.py``. They are not part of this repository: the test
+reads them from an NxD source checkout named by ``NXDTP_NXD_SOURCE`` (``git clone
 https://github.com/aws-neuron/neuronx-distributed``) and is skipped without one, so CI does not run it. It needs a
 transformers that NxD's examples pin (4.48: the file does not import under 5.x), so run it in the 4.48 matrix venv:
 
@@ -31,10 +33,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NXD_SOURCE = os.environ.get("NXDTP_NXD_SOURCE")
 MODEL_FILE = "examples/training/llama/modeling_llama_nxd.py"
+MIXTRAL_FILE = "examples/training/mixtral/modeling_mixtral_moe_nxd.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not NXD_SOURCE or not os.path.isfile(os.path.join(NXD_SOURCE, MODEL_FILE)),
-    reason="NXDTP_NXD_SOURCE does not name an NxD source checkout (the model file is NxD's, not nxdtp's)")]
+    reason="NXDTP_NXD_SOURCE does not name an NxD source checkout (the model files are NxD's, not nxdtp's)")]
 
 IMPORTS = [(r"neuronx_distributed\.parallel_layers\.utils", "nxdtp.utils"),
            (r"from neuronx_distributed\.parallel_layers import", "from nxdtp import"),
@@ -89,3 +92,40 @@ def test_nxd_llama_file_equals_dense_hf_llama(model_dir, tmp_path, case):
     if "init_weights" in flags:
         with open(os.path.join(out, "init.json")) as f:
             assert json.load(f)["differ_across_dp"] == [], "NxD's init_weights gave DP replicas different values"
+
+
+# ---- Mixtral ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    """NxD's Mixtral MoE model file with its imports pointed at nxdtp: nothing else (its mask is made on the scores'
+    device already)."""
+    with open(os.path.join(NXD_SOURCE, MIXTRAL_FILE)) as f:
+        source = f.read()
+    for pattern, replacement in IMPORTS:
+        source = re.sub(pattern, replacement, source)
+    assert "neuronx_distributed" not in source
+    directory = tmp_path_factory.mktemp("nxd_mixtral")
+    (directory / "modeling_mixtral_moe_nxd.py").write_text(source)
+    return str(directory)
+
+
+@pytest.mark.parametrize("processes,tp,ep", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "ep2", "tp2xep2"])
+def test_nxd_mixtral_file_equals_dense_hf_mixtral(mixtral_dir, tmp_path, processes, tp, ep):
+    """NxD's MoE, ExpertMLPs, RouterTopK and load_balancing_loss_func as NxD's Mixtral example builds them: the loss,
+    the load-balancing loss (NxD's is HF's over top_k) and every gradient piece equal the dense HF Mixtral's."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               os.path.join(REPO, "tests", "nxd_mixtral_file_rank.py"), mixtral_dir, out, str(tp), str(ep)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(os.path.join(out, "result.json")) as f:
+        ranks = json.load(f)
+    for rank, result in enumerate(ranks):
+        assert result["experts_on_this_rank"] == 4 // ep, (rank, result["experts_on_this_rank"])
+        assert abs(result["nxd_loss"] - result["dense_loss"]) <= 1e-5 * abs(result["dense_loss"]), (rank, result)
+        assert abs(result["nxd_aux_times_top_k"] - result["dense_aux"]) <= 1e-5 * result["dense_aux"], (rank, result)
+        worst = max(result["grad_diff"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-5 * max(1.0, result["dense_grad_max"]), f"rank {rank}: {worst[0]} differs by {worst[1]}"
