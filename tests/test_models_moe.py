@@ -41,6 +41,11 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=EXPERTS, moe_intermediate_size=16, intermediate_size=24,
                        shared_expert_intermediate_size=24, norm_topk_prob=False)),
+    # No hand-written plan: sharded from HF's tp_plan (moe_tp_experts); sigmoid router with a correction bias, a
+    # dense first layer, shared experts, no load-balancing loss
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(n_routed_experts=EXPERTS, moe_intermediate_size=16, intermediate_size=24, first_k_dense_replace=1,
+                      n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, attention_bias=True)),
 }
 
 
@@ -75,6 +80,25 @@ def _expected_gradient(name, param, dense_grad, specs):
     return split_along(mine, param.partition_dim, tp.rank, tp.size, param.partition_stride)
 
 
+def _check_router_outputs_and_backward(model, out, dense_out, what):
+    """Router logits and the losses against the dense model's, then backward and NxD's two gradient passes. The rank's
+    cross-entropy is its share of the global mean: scaled by dp, the DP average of the gradients is the dense one. The
+    load-balancing loss is already each rank's share of the dense one."""
+    dp, dp_rank, data = ps.get_data_parallel_size(), ps.get_data_parallel_rank(), ps.data_parallel_group()
+    tokens = slice(dp_rank * BATCH * SEQ, (dp_rank + 1) * BATCH * SEQ)
+    for layer, (mine, theirs) in enumerate(zip(out.router_logits or (), dense_out.router_logits or ())):
+        _close(mine, theirs[tokens], f"{what} router logits of layer {layer}")
+    aux = getattr(out, "aux_loss", None)
+    coef = model.router_aux_loss_coef if aux is not None else 0.0
+    (dp * out.loss - (dp - 1) * coef * (aux if aux is not None else 0.0)).backward()
+    grads.allreduce_gradients(model)   # NxD's two passes: experts over the expert data-parallel group
+    cross_entropy = comm.all_reduce((out.loss - coef * (aux if aux is not None else 0.0)).detach(), data)
+    if aux is not None:
+        _close(comm.all_reduce(aux.detach(), data) / dp, dense_out.aux_loss, f"{what} aux loss")
+        cross_entropy = cross_entropy + coef * dense_out.aux_loss
+    _close(cross_entropy, dense_out.loss, f"{what} loss")
+
+
 def case_moe_decoder_equals_dense(families, tp, ep):
     ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
     try:
@@ -90,18 +114,7 @@ def case_moe_decoder_equals_dense(families, tp, ep):
             out = model(**micro_batch(3, dp_rank), num_items_in_batch=global_items)
             rows = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
             _close(gather_vocab_logits(out.logits, VOCAB), dense_out.logits[rows], f"{what} logits")
-            tokens = slice(dp_rank * BATCH * SEQ, (dp_rank + 1) * BATCH * SEQ)
-            for layer, (mine, theirs) in enumerate(zip(out.router_logits, dense_out.router_logits)):
-                _close(mine, theirs[tokens], f"{what} router logits of layer {layer}")
-            # The rank's cross-entropy is its share of the global mean; scaled by dp so that the DP average of the
-            # gradients is the dense one. The load-balancing loss is already each rank's share of the dense one.
-            coef = model.router_aux_loss_coef
-            (dp * out.loss - (dp - 1) * coef * out.aux_loss).backward()
-            grads.allreduce_gradients(model)   # NxD's two passes: experts over the expert data-parallel group
-            data = ps.data_parallel_group()
-            _close(comm.all_reduce(out.aux_loss.detach(), data) / dp, dense_out.aux_loss, f"{what} aux loss")
-            cross_entropy = comm.all_reduce((out.loss - coef * out.aux_loss).detach(), data)
-            _close(cross_entropy + coef * dense_out.aux_loss, dense_out.loss, f"{what} loss")
+            _check_router_outputs_and_backward(model, out, dense_out, what)
             specs = _specs(model)
             for name, param in model.named_parameters():
                 expected = _expected_gradient(name, param, dense.get_parameter(name).grad, specs)

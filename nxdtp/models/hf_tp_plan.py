@@ -13,6 +13,7 @@ HF's style strings map onto nxdtp styles:
 | ``packed_colwise`` | ``ColumnParallel(stride=2)`` (fused gate/up: each rank keeps its share of both halves) |
 | ``embedding_rowwise`` | ``VocabParallelEmbedding`` |
 | ``replicated_with_grad_allreduce`` | ``ReplicatedWithGradAllReduce`` |
+| ``moe_tp_experts`` | ``ParallelExperts`` (``nxdtp.models.moe``), which splits the experts' weights itself |
 
 (*) a vocab-parallel head whose logits stay split, and the vocab-parallel loss.
 
@@ -48,6 +49,7 @@ from .attention_styles import attention_projection_styles, local_kv_groups
 from .common import check_model, require_supported_transformers
 from .hf_integration import finish_hf_model
 from .losses import use_vocab_parallel_causal_lm_loss
+from .moe import ParallelExperts, count_router_tokens_over_data_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, make_vocab_size_d
     def finalize(model: nn.Module) -> None:
         if vocab_parallel_head:
             use_vocab_parallel_causal_lm_loss(model)
+        if "moe_tp_experts" in hf_styles.values():
+            count_router_tokens_over_data_parallel(model)
         finish_hf_model(model)
 
     return Plan(styles=styles, prepare=prepare, finalize=finalize)
@@ -102,7 +106,11 @@ def _base_model_styles(model: nn.Module, pad: dict) -> Tuple[Dict[str, object], 
     prefix = model.base_model_prefix
     styles: Dict[str, object] = {}
     hf_styles: Dict[str, str] = {}
-    for pattern, style in dict(getattr(model.config, "base_model_tp_plan", None) or {}).items():
+    plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    experts = [pattern for pattern, style in plan.items() if style == "moe_tp_experts"]
+    for pattern, style in plan.items():
+        if pattern.rpartition(".")[0] in experts:
+            continue   # an experts module's weights: ParallelExperts splits them
         full = f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
         styles[full] = _style(style, full, type(model).__name__, pad)
         hf_styles[full] = style
@@ -155,9 +163,11 @@ def _style(style: str, module_pattern: str, model_name: str, pad: dict):
         return VocabParallelEmbedding(**pad)
     if style == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
+    if style == "moe_tp_experts":
+        return ParallelExperts()
     raise ValueError(f"{model_name}'s tp_plan gives '{module_pattern}' the style {style!r}, which nxdtp does not map; "
                      "supported styles: colwise, rowwise, colwise_gather_output, colwise_rep, rowwise_split_input, "
-                     "rowwise_rep, packed_colwise, embedding_rowwise, replicated_with_grad_allreduce")
+                     "rowwise_rep, packed_colwise, embedding_rowwise, replicated_with_grad_allreduce, moe_tp_experts")
 
 
 def _head_split_attention(model: nn.Module, hf_styles: Dict[str, str]) -> Dict[str, int]:

@@ -41,7 +41,10 @@ from .llama import LAYER, SEQUENCE_DIM, build_decoder_plan, dense_mlp_styles
 
 NAME = "MoE decoder"
 SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-EXPERT_LAYOUTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+# transformers 5's experts modules (``use_experts_implementation``) declare their layout in these attributes; the one
+# ParallelExperts computes: gate rows then up rows in one (E, 2I, H) weight, no biases, no norm after each expert.
+STANDARD_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                   "has_post_expert_norm": False}
 
 
 def moe_decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True):
@@ -50,7 +53,7 @@ def moe_decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_
         raise NotImplementedError(f"the {NAME} plan ({', '.join(SUPPORTED)}) has no sequence parallelism yet: pass "
                                   "sequence_parallel=False")
     return build_decoder_plan(NAME, SUPPORTED, _sizes, _mlp_styles, False, make_vocab_size_divisible_by, pad_heads,
-                              finalize=_count_router_tokens_over_data_parallel)
+                              finalize=count_router_tokens_over_data_parallel)
 
 
 def _sizes(config) -> dict:
@@ -80,18 +83,24 @@ def _mlp_styles(model: nn.Module, group: ParallelGroup) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelExperts(Style):
-    """An HF experts module (``gate_up_proj`` (E, 2I, H), gate rows then up rows; ``down_proj`` (E, H, I)) split
-    over experts (EP) and each expert's intermediate dimension (TP), in place: parameter names stay HF's."""
+    """An HF experts module (``gate_up_proj`` (E, 2I, H), gate rows then up rows; ``down_proj`` (E, H, I);
+    ``forward(hidden_states, top_k_index, top_k_weights)``) split over experts (EP) and each expert's intermediate
+    dimension (TP), in place: parameter names stay HF's. HF's ``moe_tp_experts`` style maps here too."""
 
     expects = nn.Module
     effect = Effect(replaces=False, opens="tensor-parallel", closes="tensor-parallel", records=("stride",))
 
     def check(self, module: nn.Module, name: str) -> None:
-        if type(module).__name__ not in EXPERT_LAYOUTS:
-            raise TypeError(f"ParallelExperts applies to {list(EXPERT_LAYOUTS)}, but '{name}' is "
-                            f"{type(module).__name__}")
-        if any(getattr(module, bias, None) is not None for bias in ("gate_up_proj_bias", "down_proj_bias")):
-            raise NotImplementedError(f"'{name}': experts with biases are not supported yet")
+        weights = {w: getattr(module, w, None) for w in ("gate_up_proj", "down_proj")}
+        if any(not isinstance(w, nn.Parameter) or w.dim() != 3 for w in weights.values()):
+            raise TypeError(f"ParallelExperts applies to an experts module holding 3-D gate_up_proj and down_proj "
+                            f"parameters (transformers 5's layout), but '{name}' is {type(module).__name__}")
+        layout = {flag: getattr(module, flag, STANDARD_LAYOUT[flag]) for flag in STANDARD_LAYOUT}
+        apply_gate = getattr(type(module), "_apply_gate", None)
+        if layout != STANDARD_LAYOUT or (apply_gate is not None and apply_gate.__name__ != "_default_apply_gate"):
+            raise NotImplementedError(f"'{name}' ({type(module).__name__}): experts laid out as {layout}, or with a "
+                                      f"gating of their own, are not supported yet; supported: {STANDARD_LAYOUT} "
+                                      "with the default act(gate) * up")
 
     def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         self.check(module, name)
@@ -150,8 +159,12 @@ class ShardedHFExperts(ShardedModule):
 
 # ---- the load-balancing loss over the data-parallel batch ------------------------------------------------------------
 
-def _count_router_tokens_over_data_parallel(model: nn.Module) -> None:
-    wrap_forward(model, "nxdtp_moe_aux_loss_over_data_parallel", _aux_loss_over_data_parallel)
+def count_router_tokens_over_data_parallel(model: nn.Module) -> None:
+    """Make ``model``'s ``aux_loss`` (and its share of ``loss``) count the routed tokens over the data-parallel batch,
+    for an HF MoE model that computes transformers' load-balancing loss from its ``num_experts``,
+    ``num_experts_per_tok`` and ``router_aux_loss_coef``; a model without them keeps its own."""
+    if all(hasattr(model, name) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")):
+        wrap_forward(model, "nxdtp_moe_aux_loss_over_data_parallel", _aux_loss_over_data_parallel)
 
 
 def _aux_loss_over_data_parallel(forward, *args, **kwargs):
