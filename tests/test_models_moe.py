@@ -46,6 +46,8 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(n_routed_experts=EXPERTS, moe_intermediate_size=16, intermediate_size=24, first_k_dense_replace=1,
                       n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, attention_bias=True)),
+    # Also from HF's tp_plan: Q/K norms over every head (Q, K, V gathered, the output split on entry)
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=EXPERTS, intermediate_size=16, norm_topk_prob=False)),
 }
 
 
