@@ -5,7 +5,8 @@ Every parameter is randomised, router and norms included. Each DP rank takes its
 the dense model runs on their concatenation with ``output_router_logits=True``. Each rank's loss is its cross-entropy
 over the global target count plus the load-balancing loss counted over the DP batch; after NxD's two gradient passes
 every rank's gradients must be its slices of the dense gradients (experts: its experts, its TP share), and the DP
-means of the losses the dense ones; greedy generation gives the dense model's tokens. fp32, 1e-5.
+means of the losses the dense ones, and so must the weights after one AdamW step; greedy generation gives the
+dense model's tokens. fp32, 1e-5.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ pytestmark = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                                 reason="nxdtp's MoE plan needs transformers 5 (one experts module per layer)")
 
 VOCAB, SEQ, BATCH, EXPERTS = 101, 8, 2, 4
+# eps=1e-4, as tests/test_zero1.py explains: Adam's first step is lr * g / (|g| + eps), which turns last-bit noise in a
+# near-zero gradient into an lr-sized difference when eps is tiny.
+ADAMW = dict(lr=0.02, eps=1e-4, weight_decay=0.1)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=False,
               num_experts_per_tok=2, router_aux_loss_coef=0.3, output_router_logits=True)
@@ -123,6 +127,11 @@ def case_moe_decoder_equals_dense(families, tp, ep):
                 torch.testing.assert_close(param.grad, expected, **TOL, msg=lambda m: f"{what} {name} grad: {m}")
             dense_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in dense.parameters()]))
             _close(grads.get_grad_norm(model), dense_norm, f"{what} grad norm")
+            torch.optim.AdamW(model.parameters(), **ADAMW).step()
+            torch.optim.AdamW(dense.parameters(), **ADAMW).step()
+            for name, param in model.named_parameters():
+                expected = _expected_gradient(name, param, dense.get_parameter(name).detach(), specs)
+                torch.testing.assert_close(param.detach(), expected, **TOL, msg=lambda m: f"{what} {name} step: {m}")
             experts = [p for n, p in model.named_parameters() if ".experts." in n]
             dense_experts = [p for n, p in dense.named_parameters() if ".experts." in n]
             assert held_bytes(experts) * tp * ep == held_bytes(dense_experts), what
@@ -199,7 +208,6 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family)
 # ---- NxD's trainer API -----------------------------------------------------------------------------------------------
 
 MAX_NORM = 0.5
-ADAMW = dict(lr=0.02, weight_decay=0.1)
 
 
 def _unpadded(batch):

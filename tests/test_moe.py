@@ -20,6 +20,9 @@ from nxdtp.spec import split_along
 
 E, K, H, INTER, SHARED_INTER, B, S = 4, 2, 8, 6, 4, 2, 4
 AUX_COEF = 0.3
+# eps=1e-4, as tests/test_zero1.py explains: Adam's first step is lr * g / (|g| + eps), which turns last-bit noise in a
+# near-zero gradient into an lr-sized difference when eps is tiny.
+ADAMW = dict(lr=0.05, eps=1e-4, weight_decay=0.1)
 
 
 def _draw(seed, shape, salt, scale=0.5):
@@ -152,7 +155,7 @@ def _dense_after_one_step(dense_params, dense_grads):
     dense = {k: v.clone().requires_grad_(True) for k, v in dense_params.items()}
     for key, tensor in dense.items():
         tensor.grad = dense_grads[key].clone()
-    torch.optim.AdamW(dense.values(), lr=0.05, weight_decay=0.1).step()
+    torch.optim.AdamW(dense.values(), **ADAMW).step()
     return {k: v.detach() for k, v in dense.items()}
 
 
@@ -215,12 +218,12 @@ def case_moe_equals_dense(seed, tp, ep, glu, shared, capacity_factor, normalize,
         dense_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in dense_grads.values()]))
         _close(grads.get_grad_norm(moe), dense_norm, "gradient norm")
         expected = _dense_after_one_step(dense_parameters(seed, glu, shared), dense_grads)
-        torch.optim.AdamW(moe.parameters(), lr=0.05, weight_decay=0.1).step()
+        torch.optim.AdamW(moe.parameters(), **ADAMW).step()
         _check_one_step(moe, views, expected, "AdamW")
         # ZeRO-1: expert state sharded over the expert data-parallel group, the rest over DP; it averages itself.
         moe, views = _loaded_moe(*setting)
         _forward_backward(moe, seed, sequence_parallel)
-        zero1 = NeuronZero1Optimizer(moe.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1, max_norm=1e9)
+        zero1 = NeuronZero1Optimizer(moe.parameters(), torch.optim.AdamW, max_norm=1e9, **ADAMW)
         zero1.step()
         _close(zero1.grad_norm, dense_norm, "ZeRO-1 gradient norm")
         _check_one_step(moe, views, expected, "ZeRO-1 AdamW")
