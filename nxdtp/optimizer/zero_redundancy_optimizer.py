@@ -19,6 +19,12 @@ shape (the DP sharding is k = dp with replica groups of one rank, which communic
 4. the shards are all-gathered (in the parameters' dtype, or ``optimizer_dtype`` when ``higher_cc_precision``) and
    copied into the parameters.
 
+With expert parallelism, the parameters of the experts (marked ``expert_model_parallel``) are sharded over the expert
+data-parallel group instead, the ranks that hold the same experts (an expert's gradient, made from the tokens of its
+whole expert-parallel group, exists only there), with no replicas; their gradients are still divided by the DP size.
+Summed over the DP group, the norm then counts every shard of every expert once. Only the default sharding (the DP
+groups) is supported there, and the state of expert shards is not checkpointed yet (``state_dict`` refuses it).
+
 The shard layout (``nxdtp.spec.FlatShardLayout``) is per parameter, flattened: each TP-local parameter is flattened,
 zero-padded at its end to a multiple of the group size d and cut into d contiguous chunks; rank r holds chunk r.
 Why this one rather than NxD's dim-0 cut or Megatron's flat buckets:
