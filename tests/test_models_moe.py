@@ -105,14 +105,14 @@ def _check_router_outputs_and_backward(model, out, dense_out, what):
     _close(cross_entropy, dense_out.loss, f"{what} loss")
 
 
-def case_moe_decoder_equals_dense(families, tp, ep):
+def case_moe_decoder_equals_dense(families, tp, ep, sequence_parallel=False):
     ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
     try:
         dp, dp_rank = ps.get_data_parallel_size(), ps.get_data_parallel_rank()
         for family in families:
-            what = f"{family} tp={tp} ep={ep}"
+            what = f"{family} tp={tp} ep={ep} sp={sequence_parallel}"
             dense = dense_model(family, seed=len(family))
-            model = parallelize_model(copy.deepcopy(dense))
+            model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
             full = _global_batch(seed=3, dp=dp)
             global_items = (full["labels"][:, 1:] != -100).sum()
             dense_out = dense(**full)
@@ -151,6 +151,12 @@ def test_moe_decoders_equal_dense_on_the_global_batch(worlds, tp, ep):
                          ep=ep) == [families] * 4
 
 
+def test_hand_written_moe_plans_with_sequence_parallelism_equal_dense(worlds):
+    families = ["mixtral", "qwen3_moe", "qwen2_moe"]
+    assert worlds(4).run(case_moe_decoder_equals_dense, tensor_model_parallel_size=None, families=families, tp=2,
+                         ep=2, sequence_parallel=True) == [families] * 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_name", ["cpu_refusing", "xla"])
 def test_mixtral_tp2_ep2_on_worlds_whose_default_backend_is_not_gloo(worlds, world_name):
@@ -158,10 +164,10 @@ def test_mixtral_tp2_ep2_on_worlds_whose_default_backend_is_not_gloo(worlds, wor
                                      families=["mixtral"], tp=2, ep=2) == [["mixtral"]] * 4
 
 
-def test_sequence_parallelism_is_refused_by_name():
+def test_sequence_parallelism_from_hf_tp_plan_is_refused_by_name():
     with ps.simulated_topology(world_size=2, rank=0, tensor_model_parallel_size=2):
-        with pytest.raises(NotImplementedError, match=r"MoE decoder plan .* has no sequence parallelism yet"):
-            parallelize_model(dense_model("mixtral", 0), sequence_parallel=True)
+        with pytest.raises(ValueError, match=r"sequence_parallel=True needs a hand-written plan; Glm4MoeForCausalLM"):
+            parallelize_model(dense_model("glm4_moe", 0), sequence_parallel=True)
 
 
 def test_expert_parallel_checkpoints_are_refused_by_name():

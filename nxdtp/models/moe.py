@@ -10,12 +10,14 @@ weights: ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)).
   and HF's own: the routing is HF's.
 * Dense MLPs (Qwen3-MoE's ``mlp_only_layers``) and Qwen2-MoE's shared expert are split as the Llama MLP; the shared
   expert's sigmoid gate stays replicated.
+* ``sequence_parallel=True``: as the Llama family's, with each sparse block run on the whole sequence (gathered on
+  entry, this rank's shard of the output kept).
 * The load-balancing loss (``output_router_logits=True``) counts tokens over the whole data-parallel batch, so the DP
   mean of the loss and the DP average of its gradient are the dense model's on the global batch.
 
 Gradients: average them over DP with NxD's two passes (``nxdtp.grads.bucket_allreduce_gradients``, then again on
 the non-expert ones with ``reduce_over_ep_group=True``); ``get_grad_norm`` counts each expert once. Not provided yet:
-sequence parallelism, checkpoints of expert-parallel state (refused by name), transformers 4.x's per-expert modules.
+checkpoints of expert-parallel state (refused by name), transformers 4.x's per-expert modules.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from .. import comm, mappings
 from ..forward_wrappers import add_mixin, wrap_forward
 from ..modules.moe.expert_mlps import routed_slots, run_experts_on_slots
 from ..modules.moe.moe_parallel_layers import local_expert_count
-from ..plan import Effect, Style
+from ..plan import Effect, Style, WrapForward, wrapper_factory
 from ..spec import ParamSpec, ShardedModule, split_along
 from ..storage import owning
 from ..topology import ParallelGroup, data_parallel_group, expert_parallel_group
-from .common import require_supported_transformers, with_and_without_prefix
+from .common import require_supported_transformers, splits_sequence, with_and_without_prefix
 from .family import Family
 from .llama import LAYER, SEQUENCE_DIM, build_decoder_plan, dense_mlp_styles
 
@@ -49,11 +51,12 @@ STANDARD_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, 
 
 def moe_decoder_plan(sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 1, pad_heads: bool = True):
     require_supported_transformers(NAME)
-    if sequence_parallel:
-        raise NotImplementedError(f"the {NAME} plan ({', '.join(SUPPORTED)}) has no sequence parallelism yet: pass "
-                                  "sequence_parallel=False")
-    return build_decoder_plan(NAME, SUPPORTED, _sizes, _mlp_styles, False, make_vocab_size_divisible_by, pad_heads,
-                              finalize=count_router_tokens_over_data_parallel)
+
+    def mlp_styles(model: nn.Module, group: ParallelGroup) -> dict:
+        return _mlp_styles(model, sequence_parallel)
+
+    return build_decoder_plan(NAME, SUPPORTED, _sizes, mlp_styles, sequence_parallel, make_vocab_size_divisible_by,
+                              pad_heads, finalize=count_router_tokens_over_data_parallel)
 
 
 def _sizes(config) -> dict:
@@ -64,19 +67,41 @@ def _sizes(config) -> dict:
     return {name: value for name, value in sizes.items() if value}
 
 
-def _mlp_styles(model: nn.Module, group: ParallelGroup) -> dict:
-    """Per layer: the experts split, or the dense MLP's styles; a shared expert as a dense MLP."""
-    sp = dict(sequence_parallel=False, sequence_dimension=SEQUENCE_DIM)
+def _mlp_styles(model: nn.Module, sequence_parallel: bool) -> dict:
+    """Per layer: the experts split, or the dense MLP's styles; a shared expert as a dense MLP. With sequence
+    parallelism a sparse block gathers the sequence on entry and keeps its shard of the output: everything inside it
+    (router, experts, shared expert) sees the whole sequence, as without."""
+    whole = dict(sequence_parallel=False, sequence_dimension=SEQUENCE_DIM)
     styles = {}
     for index, layer in enumerate(model.model.layers):
         mlp = LAYER.replace("*", str(index)) + "mlp"
         if not hasattr(layer.mlp, "experts"):
-            styles.update(dense_mlp_styles(mlp, sp))
+            styles.update(dense_mlp_styles(mlp, dict(whole, sequence_parallel=sequence_parallel)))
             continue
         styles[mlp + ".experts"] = ParallelExperts()
+        if sequence_parallel:
+            # It leaves the sequence-parallel region on entry and re-enters it on exit: no region changes outside.
+            styles[mlp] = WrapForward("nxdtp_moe_whole_sequence", whole_sequence_block(SEQUENCE_DIM))
         if hasattr(layer.mlp, "shared_expert"):
-            styles.update(dense_mlp_styles(mlp + ".shared_expert", sp))
+            styles.update(dense_mlp_styles(mlp + ".shared_expert", whole))
     return styles
+
+
+@wrapper_factory
+def whole_sequence_block(sequence_dimension: int):
+    """A forward wrapper for a block that runs on the whole sequence inside a sequence-parallel model: gather the
+    shards on entry (every consumer inside returns the whole gradient on every TP rank, so backward keeps this rank's
+    slice), keep this rank's shard of the output (backward gathers it). In generation_mode the sequence stays whole."""
+
+    def wrapper(forward, hidden_states, *args, **kwargs):
+        if not splits_sequence(forward.__self__):
+            return forward(hidden_states, *args, **kwargs)
+        full = mappings.gather_from_sequence_parallel_region(hidden_states, sequence_dimension,
+                                                             to_model_parallel=False)
+        output = forward(full, *args, **kwargs)
+        return mappings.scatter_to_sequence_parallel_region(output, sequence_dimension)
+
+    return wrapper
 
 
 # ---- the experts -----------------------------------------------------------------------------------------------------
