@@ -57,7 +57,17 @@ def _bert(kv_heads: int):
     return transformers.BertForMaskedLM(config), ["query", "key", "value", "dense"]
 
 
-FAMILIES = {"llama": _llama, "gpt2": _gpt2, "bert": _bert}
+def _qwen2_moe(kv_heads: int):
+    """A mixture of experts whose shared expert is a gated MLP: its projections take LoRA; the experts' 3-D weights
+    and the router are not linear layers and take none."""
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=kv_heads, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    return transformers.Qwen2MoeForCausalLM(config), LLAMA_TARGETS
+
+
+FAMILIES = {"llama": _llama, "gpt2": _gpt2, "bert": _bert, "qwen2_moe": _qwen2_moe}
 
 
 def _batch(vocab: int, seed: int = 3):
@@ -225,6 +235,9 @@ def case_merge_and_unload(family: str, kv_heads: int):
     pytest.param("gpt2", 2, False, 0, id="gpt2-tp2"),
     pytest.param("bert", 2, False, 0, id="bert-tp2"),      # intermediate.dense opens its own region
     pytest.param("bert", 2, True, 0, id="bert-tp2-sp"),   # ... and gathers the sequence itself
+    pytest.param("qwen2_moe", 2, True, 2, id="qwen2-moe-tp2-sp",
+                 marks=pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                          reason="nxdtp's MoE plan needs transformers 5")),
 ])
 def test_lora_trains_equal_to_dense(worlds, family, world, sp, kv_heads):
     results = worlds(world).run(case_lora_equals_dense, tensor_model_parallel_size=world, family=family,
