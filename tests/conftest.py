@@ -1,4 +1,5 @@
 import collections
+import importlib.util
 import os
 
 import pytest
@@ -49,6 +50,8 @@ def worlds():
     pools = collections.OrderedDict()   # least recently used first
 
     def get(world_size: int, name: str = "gloo") -> WorkerGroup:
+        if name.startswith("xla") and importlib.util.find_spec("torch_xla") is None:
+            pytest.skip("needs torch_xla, which is not installed (pip install -e '.[xla]')")
         key = (world_size, name)
         if key not in pools:
             env = {"PJRT_DEVICE": "CPU"} if name.startswith("xla") else {}

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
@@ -31,6 +32,9 @@ CASE_TIMEOUT_S = 600
 # How long a test waits for a process it started to reach a point (its imports alone take ~6 s on a quiet 2-core
 # machine and minutes on a loaded one; a 120 s wait once failed there). A process that dies ends the wait at once.
 PROCESS_WAIT_S = 600
+# How often a waiting test checks that its workers are still alive: a worker that died (at start, or killed inside a
+# case) fails the case within this, instead of CASE_TIMEOUT_S later.
+LIVENESS_POLL_S = 1.0
 
 
 # The worlds a pool can be: the default torch.distributed backend its processes start with ("nccl": the benchmark's
@@ -84,12 +88,16 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     _exit_with_parent()
     os.environ.update(env)
     sys.path[:] = sys_path
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    _init_world(backend, rank, world_size, port)
-    from nxdtp import parallel_state
+        torch.set_num_threads(1)
+        _init_world(backend, rank, world_size, port)
+        from nxdtp import parallel_state
+    except BaseException:  # noqa: BLE001 - the test says why its world could not start, at once
+        results.put((rank, "dead", "the worker could not start its world:\n" + traceback.format_exc()))
+        raise
 
     while True:
         message = tasks.get()
@@ -180,22 +188,40 @@ class WorkerGroup:
             self._start()
         for q in self._tasks:
             q.put((case.__module__, case.__name__, tensor_model_parallel_size, kwargs))
-        outcomes: Dict[int, tuple] = {}
-        try:
-            while len(outcomes) < self.world_size:
-                rank, status, value = self._results.get(timeout=CASE_TIMEOUT_S)
-                outcomes[rank] = (status, value)
-        except queue.Empty:
-            self.close()
-            missing = sorted(set(range(self.world_size)) - set(outcomes))
-            raise AssertionError(f"{case.__name__}: ranks {missing} gave no result within {CASE_TIMEOUT_S}s"
-                                 + _format_errors(outcomes)) from None
+        outcomes = self._outcomes(case.__name__)
         errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
         if errors:
             # A rank that failed mid-case may have left peers inside a collective; start clean next time.
             self.close()
             raise AssertionError(f"{case.__name__} failed on ranks {sorted(errors)}" + _format_errors(outcomes))
         return [outcomes[r][1] for r in range(self.world_size)]
+
+    def _outcomes(self, case_name: str) -> Dict[int, tuple]:
+        """Every rank's (status, value) for the case just sent; a rank that dies or cannot start fails it at once."""
+        outcomes: Dict[int, tuple] = {}
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while len(outcomes) < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=LIVENESS_POLL_S)
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(self._processes) if r not in outcomes and not p.is_alive()}
+                if dead:
+                    raise _failed(self, f"{case_name}: ranks {sorted(dead)} died (exit codes {dead}) before giving a "
+                                        "result", outcomes) from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(outcomes))
+                    raise _failed(self, f"{case_name}: ranks {missing} gave no result within {CASE_TIMEOUT_S}s",
+                                  outcomes) from None
+                continue
+            if status == "dead":
+                raise _failed(self, f"{case_name}: rank {rank} {value}", outcomes)
+            outcomes[rank] = (status, value)
+        return outcomes
+
+
+def _failed(pool: WorkerGroup, message: str, outcomes: Dict[int, tuple]) -> AssertionError:
+    pool.close()
+    return AssertionError(message + _format_errors(outcomes))
 
 
 def _format_errors(outcomes: Dict[int, tuple]) -> str:

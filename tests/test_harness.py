@@ -12,7 +12,9 @@ other socket, which left rank 0 unable to start. The store now listens before th
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import time
 
 import pytest
 
@@ -118,3 +120,23 @@ def test_workers_die_with_a_session_that_is_killed(tmp_path):
     alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")
              and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
     assert not alive, f"workers {alive} outlived the session that started them"
+
+
+def case_exit_at_once(code: int):
+    os._exit(code)
+
+
+def test_a_worker_that_dies_fails_its_case_within_seconds():
+    """A dead worker (killed, or unable to start its world, such as an XLA world without torch_xla) never leaves the
+    test waiting out the case timeout."""
+    from tests.harness import CASE_TIMEOUT_S
+
+    pool = WorkerGroup(2)
+    try:
+        start = time.monotonic()
+        died = r"case_exit_at_once: ranks \[0, 1\] died \(exit codes \{0: 3, 1: 3\}\)"
+        with pytest.raises(AssertionError, match=died):
+            pool.run(case_exit_at_once, tensor_model_parallel_size=None, code=3)
+        assert time.monotonic() - start < CASE_TIMEOUT_S / 10
+    finally:
+        pool.close()
