@@ -46,14 +46,17 @@ def dense_capacity(tokens, capacity_factor):
     return min(tokens, math.ceil(tokens * K * capacity_factor / E))
 
 
-def dense_moe(x, p, glu, capacity_factor, normalize):
-    """(output, router logits) of one DP rank's tokens x (T, H), token by token."""
+def dense_moe(x, p, glu, capacity_factor, normalize, padding=None):
+    """(output, router logits) of one DP rank's tokens x (T, H), token by token; ``padding``: the tokens (T,) that
+    take no expert."""
     logits = x @ p["router.weight"].T + p["router.bias"]
     probs = F.softmax(logits.double(), dim=1).to(x.dtype)
     chosen = torch.topk(logits, K, dim=1).indices
     capacity, taken = dense_capacity(x.shape[0], capacity_factor), [0] * E
     keep = torch.zeros(x.shape[0], E, dtype=torch.bool)
     for t in range(x.shape[0]):
+        if padding is not None and padding[t]:
+            continue
         for e in chosen[t].tolist():
             taken[e] += 1
             keep[t, e] = taken[e] <= capacity
@@ -355,6 +358,25 @@ def test_sinkhorn_router_routes_on_balanced_scores_in_training():
         _close(affinities, torch.sigmoid(logits.double()).float(), "affinities")
         router.eval()
         _close(router(x)[2], torch.argmax(logits, dim=1, keepdim=True), "evaluation choice")
+
+
+def test_padded_tokens_take_no_capacity_and_no_expert():
+    """``padding_mask`` (B, S): a padded token gets no routed output and leaves its slots to the real tokens after it,
+    in the layer's token order."""
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        moe = _build(glu=True, shared=False, capacity_factor=1.0, normalize=True, sequence_parallel=False)
+        p = dense_parameters(9, glu=True, shared=False)
+        views = _local_views(moe, glu=True)
+        with torch.no_grad():
+            for key, full in p.items():
+                views[key][0].copy_(full)
+        x = _draw(10, (B, S, H), 0, 1.0)
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, :2] = 0   # padded at the front: without the mask they would take the first slots
+        out, _ = moe(x, padding_mask=mask)
+        expected, _ = dense_moe(x.reshape(-1, H), p, True, 1.0, True, padding=mask.reshape(-1) == 0)
+        _close(out, expected.reshape(B, S, H), "output with padding")
+        assert torch.equal(out[0, :2], torch.zeros(2, H))
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class ExpertMLPs(nn.Module):
     def forward(self, hidden_states: torch.Tensor, expert_affinities: torch.Tensor, expert_index: torch.Tensor,
                 seq_len: Optional[int] = None, padding_mask: Optional[torch.Tensor] = None,
                 expert_affinities_masked_full: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``padding_mask`` (B, S) or (T,), 1 for real tokens: padded tokens take no slot and get output 0."""
+        """``padding_mask`` (B, S) or (T,), 1 for real tokens: padded tokens take no slot and get no routed output."""
         config = self.routed_experts_mlp_config
         total_tokens = hidden_states.shape[0]
         if expert_affinities.shape != (total_tokens, config.num_experts) or expert_index.shape != (

@@ -56,7 +56,8 @@ class MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 is_speculative_decoding: bool = False, residual: Optional[torch.Tensor] = None) -> Tuple:
         """``padding_mask`` (B, S), 1 for real tokens (an nxdtp addition to NxD's training path): padded tokens take
-        no expert capacity and get output 0. ``residual``: added to the input first, and returned last."""
+        no expert capacity and get no routed output (shared experts still run on them). ``residual``: added to the
+        input first, and returned last."""
         if residual is not None:
             hidden_states = residual = hidden_states + residual
         if self.rmsnorm is not None:
