@@ -18,8 +18,8 @@ from nxdtp.random import model_parallel_xla_manual_seed
 
 from .common import Pool, log, records, rss_mark, table
 
-LAYER = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)  # BERT-large
-FULL = dict(layer=LAYER, layers=2, seq=512, batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
+FULL = dict(layer=dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096), layers=2, seq=512,
+            batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
 QUICK = dict(layer=dict(hidden_size=64, num_attention_heads=4, intermediate_size=256), layers=2, seq=64, batch=2,
              tps=(2,), dtypes=("float32", "bfloat16"))
 MODES = ("dense", "tp", "tp_sp", "tp_sp_ckpt")
@@ -31,18 +31,14 @@ SEED = 1234
 ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2}
 MASK_BYTES = 1
 
-# The formula's terms, in the order of Korthikanti et al.'s derivation (section 4.1).
-T_INPUT, T_Q, T_K = "Q/K/V linear input (layer input)", "Q (QK^T input)", "K (QK^T input)"
-T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V = ("softmax output", "attention dropout mask",
-                                          "attention dropout output (input of x V)", "V")
-T_PROJ, T_ATT_OUT_MASK, T_LN1 = ("attention output dense input", "attention output dropout mask",
-                                 "attention LayerNorm input")
-T_MLP_IN, T_GELU, T_MLP2, T_MLP_MASK, T_LN2 = ("intermediate.dense input", "GELU input",
-                                               "output.dense input (GELU output)", "MLP output dropout mask",
-                                               "output LayerNorm input")
-T_CKPT, T_LN_STATS = "layer input kept by checkpoint", "LayerNorm mean and rstd (not in the formula)"
+# The formula's terms, in the order of Korthikanti et al.'s derivation (section 4.1), then the two outside it.
 TERM_ORDER = (T_INPUT, T_Q, T_K, T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V, T_PROJ, T_ATT_OUT_MASK, T_LN1, T_MLP_IN,
-              T_GELU, T_MLP2, T_MLP_MASK, T_LN2, T_LN_STATS, T_CKPT)
+              T_GELU, T_MLP2, T_MLP_MASK, T_LN2, T_LN_STATS, T_CKPT) = (
+    "Q/K/V linear input (layer input)", "Q (QK^T input)", "K (QK^T input)", "softmax output", "attention dropout mask",
+    "attention dropout output (input of x V)", "V", "attention output dense input", "attention output dropout mask",
+    "attention LayerNorm input", "intermediate.dense input", "GELU input", "output.dense input (GELU output)",
+    "MLP output dropout mask", "output LayerNorm input", "LayerNorm mean and rstd (not in the formula)",
+    "layer input kept by checkpoint")
 
 
 def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, checkpoint: bool,

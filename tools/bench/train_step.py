@@ -211,25 +211,19 @@ def case_profile(row_limit: int = 25) -> Dict[str, Any]:
 
 # ---- driver side ----------------------------------------------------------------------------------------------------
 
-class Competitors:
-    """Lazily started worker pools, shared by sections 1 and 3 (and the --gpu section's own two)."""
+class Competitors(dict):
+    """Worker pools by name, started when first asked for, shared by sections 1 and 3 (and the --gpu section's)."""
 
-    SHAPES = {"dense": (1, None, "gloo"), "nxdtp": (TP, TP, "gloo"), "dtensor": (TP, None, "gloo"),
-              "gpu-dense": (1, None, "gloo"), "gpu-nxdtp": (1, 1, "nccl")}
+    SHAPES = {"dense": (1, None), "nxdtp": (TP, TP), "dtensor": (TP, None), "gpu-dense": (1, None), "gpu-nxdtp": (1, 1)}
 
-    def __init__(self):
-        self.pools: Dict[str, Pool] = {}
-
-    def get(self, name: str, backend: str = None) -> Pool:
-        if name not in self.pools:
-            world, tp, default = self.SHAPES[name]
-            self.pools[name] = Pool(world, tp, backend=backend or default)
-        return self.pools[name]
+    def pool(self, name: str, backend: str = "gloo") -> Pool:
+        if name not in self:
+            self[name] = Pool(*self.SHAPES[name], backend=backend)
+        return self[name]
 
     def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
+        while self:
+            self.popitem()[1].close()
 
 
 def _competitor(kind: str, build: List[dict], steps: List[List[dict]], memory: List[dict], warmup: int) -> dict:
@@ -279,7 +273,7 @@ def _release(pools: Dict[str, Pool]) -> None:
 
 def run(ctx) -> Dict[str, Any]:
     """Section 1; ``ctx.vocab_multiple``: make_vocab_size_divisible_by for (b) (Megatron pads to 128)."""
-    pools = {k: ctx.competitors.get(k) for k in LABELS}
+    pools = {k: ctx.competitors.pool(k) for k in LABELS}
     spec = QUICK if ctx.quick else FULL
     out = _rounds(pools, spec, "bert", ctx)
     c = out["competitors"]
@@ -324,7 +318,7 @@ def run_gpu(ctx) -> Dict[str, Any]:
     the ratio is nxdtp's overhead where nothing is split. ``ctx.gpu_device == "cpu"`` runs it over gloo."""
     device = ctx.gpu_device
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    pools = {"dense": ctx.competitors.get("gpu-dense"), "nxdtp": ctx.competitors.get("gpu-nxdtp", backend)}
+    pools = {"dense": ctx.competitors.pool("gpu-dense"), "nxdtp": ctx.competitors.pool("gpu-nxdtp", backend)}
     out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device)
     _release(pools)
     c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]

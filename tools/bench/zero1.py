@@ -130,18 +130,19 @@ def make_optimizer(model, variant: str):
     return torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
-def _forward_backward(model, optimizer, batch) -> float:
+def train_step(model, optimizer, batch, variant: str) -> Dict[str, float]:
+    """A forward and backward, then the update; the loss and the times of both and of the whole."""
+    t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
-    return float(loss.detach())
-
-
-def _update(model, optimizer, variant: str) -> None:
+    loss, t1 = float(loss.detach()), time.perf_counter()
     if variant == "plain":   # bucketed all-reduce, clip over TP x DP, AdamW on whole tensors
         allreduce_gradients(model)
         clip_grad_norm(model.parameters(), MAX_NORM)
     optimizer.step()       # ZeRO-1: reduce-scatter, norm and clip, AdamW on the shards, all-gather
+    t2 = time.perf_counter()
+    return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
 
 
 def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -156,10 +157,7 @@ def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
         p.grad = None
     mark = rss_mark()
     optimizer = make_optimizer(model, variant)
-    losses = []
-    for _ in range(spec["steps"]):
-        losses.append(_forward_backward(model, optimizer, batch))
-        _update(model, optimizer, variant)
+    losses = [train_step(model, optimizer, batch, variant)["loss"] for _ in range(spec["steps"])]
     gc.collect()
     rss, params = mark(), list(model.parameters())
     counted = optimizer.state_bytes() if variant == "zero1" else {"state": optimizer_state_bytes(optimizer)}
@@ -179,14 +177,8 @@ def case_time_setup(spec: Dict[str, Any]) -> None:
 
 
 def case_step(variant: str) -> Dict[str, float]:
-    model, optimizer = STATE["models"][variant], STATE["optimizers"][variant]
     barrier()
-    t0 = time.perf_counter()
-    loss = _forward_backward(model, optimizer, STATE["batch"])
-    t1 = time.perf_counter()
-    _update(model, optimizer, variant)
-    t2 = time.perf_counter()
-    return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
+    return train_step(STATE["models"][variant], STATE["optimizers"][variant], STATE["batch"], variant)
 
 
 def case_collectives(reps: int) -> Dict[str, Any]:
