@@ -124,8 +124,6 @@ def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, h
     return f"other: {relative_module or '(layer)'} {holders[0] if holders else '?'}"
 
 
-# ---- worker side ----------------------------------------------------------------------------------------------------
-
 def _saved_tensor_holders(root) -> Dict[int, List[str]]:
     """Storage address -> 'Node.attribute' of every autograd node reachable from ``root`` that saved it."""
     holders: Dict[int, List[str]] = {}
@@ -247,8 +245,6 @@ def case_measure(spec: Dict[str, Any], mode: str, dtype: str, attention: str = A
     gc.collect()
     return result
 
-
-# ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: int, dtype: str,
                      attention: str) -> Dict[str, Any]:

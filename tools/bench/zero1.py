@@ -109,8 +109,6 @@ def count_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
-# ---- worker side (parts 2 and 3): a gloo world of tp x dp processes ------------------------------------------------
-
 STATE: Dict[str, Any] = {}  # part 3's two models, optimizers and batch between calls
 
 
@@ -213,8 +211,6 @@ def case_time_finish() -> Dict[str, float]:
     gc.collect()
     return {"max_abs_weight_difference": worst, "max_abs_weight": scale}
 
-
-# ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
     most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in (
