@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import math
 import os
 import sys
@@ -132,22 +131,18 @@ def _suite(argv) -> int:
     started, machine = time.perf_counter(), common.machine()
     out = run_suite(args, sections)
     machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    wall = time.perf_counter() - started
-    command = "python -m tools.bench " + " ".join(argv)
-    print(f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}\n\n"
-          f"{machine['date_utc']}; {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "
-          f"({machine['usable_cpus']} usable), {common.cell(machine['memory_gib'], '.1f')} GiB; {machine['platform']}; "
-          f"Python {machine['python']}, torch {machine['torch']}, torch-xla {machine['torch_xla']}, transformers "
-          f"{machine['transformers']}; load average at start {machine['load_average_at_start']}, at end "
-          f"{machine['load_average_at_end']}. Command: `{command.strip()}`; {wall:.0f} s.")
-    for name in sections:
-        print(f"\n## {TITLES[name]}\n\n{common.render(out['sections'][KEYS[name]]['tables'])}")
+    wall, command = time.perf_counter() - started, " ".join(["python -m tools.bench", *argv])
     problems = {KEYS[n]: bad for n in sections if (bad := _non_finite(out["sections"][KEYS[n]]["numbers"]))}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command.strip(), "quick": args.quick, "sections_run": sections, "machine": machine,
-                       "wall_s": wall, **out, "non_finite_numbers": problems}, f, indent=1, default=str)
-        common.log(f"wrote {args.json}")
+    tables = [b for n in sections for b in (f"## {TITLES[n]}", *out["sections"][KEYS[n]]["tables"])]
+    common.emit([f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}",
+                 f"{machine['date_utc']}; {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "
+                 f"({machine['usable_cpus']} usable), {common.cell(machine['memory_gib'], '.1f')} GiB; "
+                 f"{machine['platform']}; Python {machine['python']}, torch {machine['torch']}, torch-xla "
+                 f"{machine['torch_xla']}, transformers {machine['transformers']}; load average at start "
+                 f"{machine['load_average_at_start']}, at end {machine['load_average_at_end']}. Command: `{command}`; "
+                 f"{wall:.0f} s.", *tables],
+                {"command": command, "quick": args.quick, "sections_run": sections, "machine": machine, "wall_s": wall,
+                 **out, "non_finite_numbers": problems}, args.json)
     if problems:
         common.log(f"sections with missing or non-finite numbers: {problems}")
     return 1 if problems else 0

@@ -92,6 +92,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+def timed(function: Callable[[], Any]) -> float:
+    """The seconds ``function()`` takes, started on every rank at once (after a barrier)."""
+    barrier()
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
 def hf_model(cfg: Dict[str, Any], arch: str = "bert", seed: Optional[int] = None, device: Optional[str] = None,
              **extra):
     """BertForPreTraining or LlamaForCausalLM of config ``cfg`` and ``extra``, seeded when ``seed`` is given."""
@@ -174,6 +182,7 @@ def emit(blocks: Iterable[Any], figures: Any, json_path: Optional[str]) -> int:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(figures, f, indent=1, default=str)
+        log(f"wrote {json_path}")
     return 0
 
 
