@@ -35,19 +35,14 @@ TINY_BERT = dict(kind="bert", vocab_size=101, hidden_size=64, num_hidden_layers=
 TINY_LLAMA = dict(kind="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
-FULL = dict(
-    count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8), ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
-    dps=(1, 2, 4, 8),
-    # About 160 M parameters (640 MB fp32), 80 M per TP rank.
-    rss=dict(model=dict(kind="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                        tie_word_embeddings=False), batch=2, seq=64, steps=2),
-    # About 50 M parameters (200 MB fp32).
-    time=dict(model=dict(kind="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048,
-                         num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
-                         tie_word_embeddings=False), batch=2, seq=64, warmup=2, rounds=16, collective_reps=5),
-    worlds=((2, 2), (1, 2)),   # (tp, dp); the first also runs parts 1 and 2
-)
+LLAMA_160M = dict(kind="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)  # 80 M per TP rank
+LLAMA_50M = dict(kind="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                 num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)  # 200 MB fp32
+FULL = dict(count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8), ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
+            dps=(1, 2, 4, 8), rss=dict(model=LLAMA_160M, batch=2, seq=64, steps=2),
+            time=dict(model=LLAMA_50M, batch=2, seq=64, warmup=2, rounds=16, collective_reps=5),
+            worlds=((2, 2), (1, 2)))  # (tp, dp); the first also runs parts 1 and 2
 QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
              dps=(1, 2, 4, 8), rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
              time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2),
