@@ -127,32 +127,22 @@ def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, h
 def _saved_tensor_holders(root) -> Dict[int, List[str]]:
     """Storage address -> 'Node.attribute' of every autograd node reachable from ``root`` that saved it."""
     holders: Dict[int, List[str]] = {}
-
-    def note(tensor, label):
-        if isinstance(tensor, torch.Tensor):
-            holders.setdefault(tensor.untyped_storage().data_ptr(), []).append(label)
-
     seen, todo = set(), [root]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        name = node.name()
-        for attribute in dir(node):
-            if attribute.startswith("_saved_"):
-                try:
-                    value = getattr(node, attribute)
-                except RuntimeError:  # freed, or not a tensor attribute in this build
-                    continue
-                for v in value if isinstance(value, (tuple, list)) else (value,):
-                    note(v, f"{name}.{attribute[len('_saved_'):]}")
-        if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes (nxdtp's regions, checkpoint)
+        custom = ["saved_tensors"] if hasattr(node, "saved_tensors") else []  # autograd.Function nodes, checkpoint
+        for attribute in [a for a in dir(node) if a.startswith("_saved_")] + custom:
             try:
-                for v in node.saved_tensors:
-                    note(v, f"{name}.saved_tensors")
-            except RuntimeError:
-                pass
+                value = getattr(node, attribute)
+            except RuntimeError:  # freed, or not a tensor attribute in this build
+                continue
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, torch.Tensor):
+                    label = f"{node.name()}.{attribute.removeprefix('_saved_')}"
+                    holders.setdefault(v.untyped_storage().data_ptr(), []).append(label)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return holders
 
