@@ -89,7 +89,7 @@ def run_suite(args, sections) -> Dict[str, Any]:
     from .train_step import Competitors
 
     background = concurrent.futures.ThreadPoolExecutor(max_workers=2) if args.quick else None
-    ctx = types.SimpleNamespace(**vars(args), sections=sections, competitors=Competitors())
+    ctx = types.SimpleNamespace(**{**vars(args), "sections": sections, "competitors": Competitors()})
     results, seconds = {}, {}
     try:
         runners = _runners(ctx, background)
