@@ -123,7 +123,7 @@ def make_optimizer(model, variant: str):
     return torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
-def train_step(model, optimizer, batch, variant: str) -> Dict[str, float]:
+def timed_step(model, optimizer, batch, variant: str) -> Dict[str, float]:
     """A forward and backward, then the update; the loss and the times of both and of the whole."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -150,7 +150,7 @@ def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
         p.grad = None
     mark = rss_mark()
     optimizer = make_optimizer(model, variant)
-    losses = [train_step(model, optimizer, batch, variant)["loss"] for _ in range(spec["steps"])]
+    losses = [timed_step(model, optimizer, batch, variant)["loss"] for _ in range(spec["steps"])]
     gc.collect()
     rss, params = mark(), list(model.parameters())
     counted = optimizer.state_bytes() if variant == "zero1" else {"state": optimizer_state_bytes(optimizer)}
@@ -171,7 +171,7 @@ def case_time_setup(spec: Dict[str, Any]) -> None:
 
 def case_step(variant: str) -> Dict[str, float]:
     barrier()
-    return train_step(STATE["models"][variant], STATE["optimizers"][variant], STATE["batch"], variant)
+    return timed_step(STATE["models"][variant], STATE["optimizers"][variant], STATE["batch"], variant)
 
 
 def case_collectives(reps: int) -> Dict[str, Any]:
