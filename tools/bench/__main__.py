@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import math
 import os
 import sys
@@ -70,37 +69,30 @@ def _sections(args, parser) -> list:
     return [s for s in KEYS if s in sections]
 
 
-def _runners(ctx) -> Dict[str, Callable[[], Any]]:
+def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
+    """Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
+    run does everything one after the other, so nothing disturbs the timed sections."""
     from . import activation_memory, async_save, communication, memory, merge_timing, train_step, xla_graphs, zero1
 
     spec = train_step.QUICK if ctx.quick else train_step.FULL
-    # Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
-    # run does everything one after the other, so nothing disturbs the timed sections.
-    hlo = ctx.later(lambda: communication.trace_hlo(spec), "comm" in ctx.sections)
-    xla = ctx.later(lambda: xla_graphs.run(ctx), "xla" in ctx.sections)
+    early = {k: background.submit(fn).result for k, fn in (("comm", lambda: communication.trace_hlo(spec)),
+                                                            ("xla", lambda: xla_graphs.run(ctx)))
+             if background and k in ctx.sections}
     return {"train": lambda: train_step.run(ctx), "gpu": lambda: train_step.run_gpu(ctx),
-            "comm": lambda: communication.run(ctx, hlo()), "memory": lambda: memory.run(ctx),
-            "actmem": lambda: activation_memory.run(ctx), "zero1": lambda: zero1.run(ctx),
-            "async_save": lambda: async_save.run(ctx), "xla": xla, "merge": lambda: merge_timing.run(ctx)}
-
-
-def _later(pool):
-    def later(fn, wanted: bool):
-        if pool is None or not wanted:
-            return fn
-        return pool.submit(fn).result
-    return later
+            "comm": lambda: communication.run(ctx, early["comm"]() if "comm" in early else None),
+            "memory": lambda: memory.run(ctx), "actmem": lambda: activation_memory.run(ctx),
+            "zero1": lambda: zero1.run(ctx), "async_save": lambda: async_save.run(ctx),
+            "xla": early.get("xla", lambda: xla_graphs.run(ctx)), "merge": lambda: merge_timing.run(ctx)}
 
 
 def run_suite(args, sections) -> Dict[str, Any]:
     from .train_step import Competitors
 
     background = concurrent.futures.ThreadPoolExecutor(max_workers=2) if args.quick else None
-    ctx = types.SimpleNamespace(**{**vars(args), "sections": sections, "competitors": Competitors(),
-                                   "later": _later(background)})
+    ctx = types.SimpleNamespace(**{**vars(args), "sections": sections, "competitors": Competitors()})
     results, seconds = {}, {}
     try:
-        runners = _runners(ctx)
+        runners = _runners(ctx, background)
         # Sections 1, gpu and 3 share the competitors' workers; the others start worlds of their own after those end.
         shared = ("train", "gpu", "comm")
         for name in [s for s in shared if s in sections] + [s for s in sections if s not in shared]:
@@ -139,22 +131,18 @@ def _suite(argv) -> int:
     started, machine = time.perf_counter(), common.machine()
     out = run_suite(args, sections)
     machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    wall = time.perf_counter() - started
-    command = "python -m tools.bench " + " ".join(argv)
-    print(f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}\n\n"
-          f"{machine['date_utc']}; {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "
-          f"({machine['usable_cpus']} usable), {common.cell(machine['memory_gib'], '.1f')} GiB; {machine['platform']}; "
-          f"Python {machine['python']}, torch {machine['torch']}, torch-xla {machine['torch_xla']}, transformers "
-          f"{machine['transformers']}; load average at start {machine['load_average_at_start']}, at end "
-          f"{machine['load_average_at_end']}. Command: `{command.strip()}`; {wall:.0f} s.")
-    for name in sections:
-        print(f"\n## {TITLES[name]}\n\n{common.render(out['sections'][KEYS[name]]['tables'])}")
+    wall, command = time.perf_counter() - started, " ".join(["python -m tools.bench", *argv])
     problems = {KEYS[n]: bad for n in sections if (bad := _non_finite(out["sections"][KEYS[n]]["numbers"]))}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command.strip(), "quick": args.quick, "sections_run": sections, "machine": machine,
-                       "wall_s": wall, **out, "non_finite_numbers": problems}, f, indent=1, default=str)
-        common.log(f"wrote {args.json}")
+    tables = [b for n in sections for b in (f"## {TITLES[n]}", *out["sections"][KEYS[n]]["tables"])]
+    common.emit([f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}",
+                 f"{machine['date_utc']}; {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "
+                 f"({machine['usable_cpus']} usable), {common.cell(machine['memory_gib'], '.1f')} GiB; "
+                 f"{machine['platform']}; Python {machine['python']}, torch {machine['torch']}, torch-xla "
+                 f"{machine['torch_xla']}, transformers {machine['transformers']}; load average at start "
+                 f"{machine['load_average_at_start']}, at end {machine['load_average_at_end']}. Command: `{command}`; "
+                 f"{wall:.0f} s.", *tables],
+                {"command": command, "quick": args.quick, "sections_run": sections, "machine": machine, "wall_s": wall,
+                 **out, "non_finite_numbers": problems}, args.json)
     if problems:
         common.log(f"sections with missing or non-finite numbers: {problems}")
     return 1 if problems else 0

@@ -18,8 +18,8 @@ from nxdtp.random import model_parallel_xla_manual_seed
 
 from .common import Pool, log, records, rss_mark, table
 
-LAYER = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)  # BERT-large
-FULL = dict(layer=LAYER, layers=2, seq=512, batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
+FULL = dict(layer=dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096), layers=2, seq=512,
+            batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
 QUICK = dict(layer=dict(hidden_size=64, num_attention_heads=4, intermediate_size=256), layers=2, seq=64, batch=2,
              tps=(2,), dtypes=("float32", "bfloat16"))
 MODES = ("dense", "tp", "tp_sp", "tp_sp_ckpt")
@@ -31,18 +31,14 @@ SEED = 1234
 ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2}
 MASK_BYTES = 1
 
-# The formula's terms, in the order of Korthikanti et al.'s derivation (section 4.1).
-T_INPUT, T_Q, T_K = "Q/K/V linear input (layer input)", "Q (QK^T input)", "K (QK^T input)"
-T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V = ("softmax output", "attention dropout mask",
-                                          "attention dropout output (input of x V)", "V")
-T_PROJ, T_ATT_OUT_MASK, T_LN1 = ("attention output dense input", "attention output dropout mask",
-                                 "attention LayerNorm input")
-T_MLP_IN, T_GELU, T_MLP2, T_MLP_MASK, T_LN2 = ("intermediate.dense input", "GELU input",
-                                               "output.dense input (GELU output)", "MLP output dropout mask",
-                                               "output LayerNorm input")
-T_CKPT, T_LN_STATS = "layer input kept by checkpoint", "LayerNorm mean and rstd (not in the formula)"
+# The formula's terms, in the order of Korthikanti et al.'s derivation (section 4.1), then the two outside it.
 TERM_ORDER = (T_INPUT, T_Q, T_K, T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V, T_PROJ, T_ATT_OUT_MASK, T_LN1, T_MLP_IN,
-              T_GELU, T_MLP2, T_MLP_MASK, T_LN2, T_LN_STATS, T_CKPT)
+              T_GELU, T_MLP2, T_MLP_MASK, T_LN2, T_LN_STATS, T_CKPT) = (
+    "Q/K/V linear input (layer input)", "Q (QK^T input)", "K (QK^T input)", "softmax output", "attention dropout mask",
+    "attention dropout output (input of x V)", "V", "attention output dense input", "attention output dropout mask",
+    "attention LayerNorm input", "intermediate.dense input", "GELU input", "output.dense input (GELU output)",
+    "MLP output dropout mask", "output LayerNorm input", "LayerNorm mean and rstd (not in the formula)",
+    "layer input kept by checkpoint")
 
 
 def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, checkpoint: bool,
@@ -128,37 +124,25 @@ def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, h
     return f"other: {relative_module or '(layer)'} {holders[0] if holders else '?'}"
 
 
-# ---- worker side ----------------------------------------------------------------------------------------------------
-
 def _saved_tensor_holders(root) -> Dict[int, List[str]]:
     """Storage address -> 'Node.attribute' of every autograd node reachable from ``root`` that saved it."""
     holders: Dict[int, List[str]] = {}
-
-    def note(tensor, label):
-        if isinstance(tensor, torch.Tensor):
-            holders.setdefault(tensor.untyped_storage().data_ptr(), []).append(label)
-
     seen, todo = set(), [root]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        name = node.name()
-        for attribute in dir(node):
-            if attribute.startswith("_saved_"):
-                try:
-                    value = getattr(node, attribute)
-                except RuntimeError:  # freed, or not a tensor attribute in this build
-                    continue
-                for v in value if isinstance(value, (tuple, list)) else (value,):
-                    note(v, f"{name}.{attribute[len('_saved_'):]}")
-        if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes (nxdtp's regions, checkpoint)
+        custom = ["saved_tensors"] if hasattr(node, "saved_tensors") else []  # autograd.Function nodes, checkpoint
+        for attribute in [a for a in dir(node) if a.startswith("_saved_")] + custom:
             try:
-                for v in node.saved_tensors:
-                    note(v, f"{name}.saved_tensors")
-            except RuntimeError:
-                pass
+                value = getattr(node, attribute)
+            except RuntimeError:  # freed, or not a tensor attribute in this build
+                continue
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, torch.Tensor):
+                    label = f"{node.name()}.{attribute.removeprefix('_saved_')}"
+                    holders.setdefault(v.untyped_storage().data_ptr(), []).append(label)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return holders
 
@@ -251,8 +235,6 @@ def case_measure(spec: Dict[str, Any], mode: str, dtype: str, attention: str = A
     gc.collect()
     return result
 
-
-# ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: int, dtype: str,
                      attention: str) -> Dict[str, Any]:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from nxdtp.trainer import finalize_checkpoint, save_checkpoint
 
-from .common import Pool, alternate, barrier, log, median, model_text, table
+from .common import Pool, alternate, barrier, log, median, model_text, table, timed
 from .zero1 import SEED, TINY_LLAMA, llama_batch, make_optimizer, real_model
 
 FULL = dict(model=dict(kind="llama", vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -48,16 +48,10 @@ def case_round(mode: str, directory: str, pre: int, post: int) -> Dict[str, Any]
     out: Dict[str, Any] = {"pre": [_step() for _ in range(pre)]}
     STATE["step"] += 1
     tag = f"step_{STATE['step']}"
-    barrier()
-    t0 = time.perf_counter()
-    save_checkpoint(directory, tag, STATE["model"], STATE["optimizer"], STATE["scheduler"],
-                    {"global_step": STATE["step"], "seed": SEED}, async_save=mode == "async")
-    out["call_s"] = time.perf_counter() - t0
+    state = (STATE["model"], STATE["optimizer"], STATE["scheduler"], {"global_step": STATE["step"], "seed": SEED})
+    out["call_s"] = timed(lambda: save_checkpoint(directory, tag, *state, async_save=mode == "async"))
     out["post"] = [_step() for _ in range(post)]
-    barrier()
-    t0 = time.perf_counter()
-    finalize_checkpoint()
-    out["finalize_s"] = time.perf_counter() - t0
+    out["finalize_s"] = timed(finalize_checkpoint)
     if dist.get_rank() == 0:
         out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(directory, tag))
                            for f in fs)

@@ -11,10 +11,10 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
+from statistics import median  # of any iterable: it sorts a copy
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from tests.harness import WorkerGroup
@@ -57,22 +57,19 @@ def report_on_stdout():
         sys.stdout.flush()
 
 
-class Pool:
-    """A ``tests.harness.WorkerGroup`` of ``world`` single-threaded ranks keeping its topology (TP size ``tp``) and
+class Pool(WorkerGroup):
+    """The test harness's ``WorkerGroup`` of ``world`` single-threaded ranks keeping its topology (TP size ``tp``) and
     module state between calls; ``malloc``: see ``case_started``."""
 
     def __init__(self, world: int, tp: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  backend: str = "gloo", malloc: bool = False):
-        self.world, self.tp = world, tp
-        self.group = WorkerGroup(world, env={**SINGLE_THREAD_ENV, **(env or {})}, backend=backend, keep_topology=True)
-        self.group.run(case_started, tensor_model_parallel_size=None, fixed_mmap_threshold=malloc)
+        super().__init__(world, env={**SINGLE_THREAD_ENV, **(env or {})}, backend=backend, keep_topology=True)
+        self.tp = tp
+        self.run(case_started, tensor_model_parallel_size=None, fixed_mmap_threshold=malloc)
 
     def call(self, case: Callable, **kwargs) -> List[Any]:
         """``case(**kwargs)`` on every rank; the answers by rank."""
-        return self.group.run(case, tensor_model_parallel_size=self.tp, **kwargs)
-
-    def close(self) -> None:
-        self.group.close()
+        return self.run(case, tensor_model_parallel_size=self.tp, **kwargs)
 
     def __enter__(self) -> "Pool":
         return self
@@ -81,9 +78,10 @@ class Pool:
         self.close()
 
 
-def fresh(case: Callable, world: int = 1, tp: Optional[int] = None, malloc: bool = False, **kwargs) -> List[Any]:
-    """``case(**kwargs)`` in new processes that end after it (memory baselines, cold imports)."""
-    with Pool(world, tp, malloc=malloc) as pool:
+def fresh(case: Callable, world: int = 1, tp: Optional[int] = None, malloc: bool = False,
+          env: Optional[Dict[str, str]] = None, **kwargs) -> List[Any]:
+    """``case(**kwargs)`` in new processes that end after it (memory baselines, cold imports, XLA processes)."""
+    with Pool(world, tp, env, malloc=malloc) as pool:
         return pool.call(case, **kwargs)
 
 
@@ -92,6 +90,14 @@ def barrier() -> None:
 
     if dist.get_world_size() > 1:
         dist.barrier()
+
+
+def timed(function: Callable[[], Any]) -> float:
+    """The seconds ``function()`` takes, started on every rank at once (after a barrier)."""
+    barrier()
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
 
 
 def hf_model(cfg: Dict[str, Any], arch: str = "bert", seed: Optional[int] = None, device: Optional[str] = None,
@@ -142,11 +148,7 @@ def machine() -> Dict[str, Any]:
 
 def summary(values: Iterable[float]) -> Dict[str, Any]:
     values = list(values)
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def median(values: Iterable[float]) -> float:
-    return statistics.median(list(values))
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def verdict(value: Optional[float], target: float) -> str:
@@ -180,6 +182,7 @@ def emit(blocks: Iterable[Any], figures: Any, json_path: Optional[str]) -> int:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(figures, f, indent=1, default=str)
+        log(f"wrote {json_path}")
     return 0
 
 

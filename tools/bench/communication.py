@@ -3,6 +3,7 @@ gloo run, next to Megatron-LM's (docs/performance.md, section 3). Per layer = (L
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Dict, List
 from unittest import mock
@@ -16,7 +17,7 @@ from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import Pool, fmt_bytes, log, table
+from .common import Pool, fmt_bytes, fresh, log, table
 from .train_step import ADAMW, FULL, QUICK, SEED, build_dense, make_batch, shard
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -27,23 +28,17 @@ _HLO_LINE = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>all-reduce|all-gather|reduc
 _SHAPE = re.compile(r"(?P<dtype>pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[(?P<dims>[0-9,]*)\]")
 
 
-def _shape_bytes(match) -> int:
-    n = 1
-    for d in filter(None, match.group("dims").split(",")):
-        n *= int(d)
-    dtype = match.group("dtype")
-    return n * (1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8)
-
-
 def hlo_collectives(hlo: str) -> Dict[str, List[int]]:
     """{op: [count, bytes]} of an HLO module's collectives: the first operand of an all-reduce or reduce-scatter (a
     torch_xla all-reduce's second operand is the token), the result of an all-gather."""
     out: Dict[str, List[int]] = {}
     for m in _HLO_LINE.finditer(hlo):
-        shapes = list(_SHAPE.finditer(m.group("result") if m.group("op") == "all-gather" else m.group("operands")))
-        entry = out.setdefault(m.group("op"), [0, 0])
+        shape = _SHAPE.search(m["result"] if m["op"] == "all-gather" else m["operands"])
+        entry = out.setdefault(m["op"], [0, 0])
         entry[0] += 1
-        entry[1] += _shape_bytes(shapes[0]) if shapes else 0
+        if shape:  # elements times the element's bits (pred: 8)
+            bits = 8 if shape["dtype"] == "pred" else int(re.sub(r"\D", "", shape["dtype"]))
+            entry[1] += math.prod(int(d) for d in filter(None, shape["dims"].split(","))) * bits // 8
     return out
 
 
@@ -100,10 +95,6 @@ def case_hlo(**args) -> Dict[str, Any]:
 
 # ---- (ii) the counting gloo run, in section 1's nxdtp and DTensor workers -------------------------------------------
 
-def _nbytes(tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class _Counter:
     """{phase: {op: [count, bytes of the full tensor]}}, with the op's measured argument (an all-reduce's buffer, an
     all-gather's output, a reduce-scatter's input) by torch.distributed function, or by functional collective."""
@@ -130,7 +121,7 @@ class _Counter:
 
             def wrapper(*args, **kwargs):
                 value = args[index] if len(args) > index else kwargs[keyword]
-                self.add(op, sum(map(_nbytes, value)) if isinstance(value, list) else _nbytes(value))
+                self.add(op, sum(t.nbytes for t in value) if isinstance(value, list) else value.nbytes)
                 return fn(*args, **kwargs)
             return wrapper
 
@@ -147,7 +138,7 @@ class _Counter:
                 if not op.startswith("wait_tensor"):
                     kind = next((k for k in counter.FUNCTIONAL if op.startswith(k)), None)  # unknown: 0 bytes
                     scale = int(args[1]) if kind == "all_gather_into_tensor" else 1
-                    counter.add(counter.FUNCTIONAL.get(kind, op), _nbytes(args[0]) * scale if kind else 0)
+                    counter.add(counter.FUNCTIONAL.get(kind, op), args[0].nbytes * scale if kind else 0)
                 return func(*args, **(kwargs or {}))
 
         return Mode()
@@ -179,8 +170,7 @@ def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_paralle
 
 def trace_hlo(spec: Dict[str, Any]) -> Dict[str, Any]:
     log("communication: tracing the HLO of a simulated rank (a process of its own, nothing executed)")
-    with Pool(1, env={"PJRT_DEVICE": "CPU"}) as pool:
-        return pool.call(case_hlo, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"])[0]
+    return fresh(case_hlo, env={"PJRT_DEVICE": "CPU"}, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"])[0]
 
 
 def _per_layer(by_layers: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
@@ -218,7 +208,7 @@ def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
                                            for n in (BASE_LAYERS, BASE_LAYERS + 1)}) for sp in (False, True)}
     for kind, name, sps in (("nxdtp", "gloo", (False, True)), ("dtensor", "dtensor-gloo", (False,))):
         for sp in sps:
-            sources[f"{name},sp={sp}"] = _per_layer(_gloo_counts(ctx.competitors.get(kind), kind, spec, sp))
+            sources[f"{name},sp={sp}"] = _per_layer(_gloo_counts(ctx.competitors.pool(kind), kind, spec, sp))
     megatron = {f"sp={sp}": megatron_minimum(spec["model"], spec["seq"], spec["batch"], sp) for sp in (False, True)}
     out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "tp": HLO_TP,
            "layers_compared": [BASE_LAYERS, BASE_LAYERS + 1], "sources": sources, "megatron": megatron,
@@ -244,9 +234,9 @@ def _cells(counts: Dict[str, List[int]]) -> List[str]:
 def _tables(out: Dict[str, Any]) -> List[Any]:
     labels = {"hlo": "nxdtp, XLA HLO", "gloo": "nxdtp, gloo run", "dtensor-gloo": "DTensor, gloo run"}
     rows = []
-    for what, phases in (("per layer", PHASES), ("not in layers", PHASES)):
+    for what in ("per layer", "not in layers"):
         for sp in (False, True):
-            for phase in phases:
+            for phase in PHASES:
                 mega = out["megatron"][f"sp={sp}"].get(phase) if what == "per layer" else None
                 for src, label in labels.items():
                     source = out["sources"].get(f"{src},sp={sp}")

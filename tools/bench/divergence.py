@@ -7,12 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 from nxdtp import checkpointing, comm, mappings
 from nxdtp.agreement import InputCheckNote, check_replicated_agree, set_input_check
@@ -22,19 +20,12 @@ from nxdtp.models import parallelize_model
 from nxdtp.parallel_state import tensor_parallel_group
 from nxdtp.record import read_note
 
-from .common import BERT_LARGE, Pool, alternate, hf_model, log, median, render, summary, table
+from .common import BERT_LARGE, Pool, alternate, emit, hf_model, log, median, summary, table, timed
 
 TINY_LLAMA = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=64)
 BIGGER_LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                     num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
-
-
-def _timed(function: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
 
 
 def _ms(values: List[float]) -> Dict[str, Any]:
@@ -64,8 +55,8 @@ def _inputs(rounds: int) -> List[Any]:
         def one(every: int) -> float:  # 0: check off, 1: on, 2: the check alone
             set_input_check(model, every=min(every, 1))
             if every == 2:
-                return _timed(lambda: read_note(model, InputCheckNote).check(model, (), batch))
-            return _timed(lambda: model(**batch))
+                return timed(lambda: read_note(model, InputCheckNote).check(model, (), batch))
+            return timed(lambda: model(**batch))
 
         times = alternate((0, 1, 2), rounds, one, warmup=2, swap=True)
         rows.append([f"{size} Llama, batch {tuple(batch['input_ids'].shape)}", _ms(times[1]), _ms(times[0]),
@@ -94,14 +85,14 @@ def _sp(rounds: int, layers: int) -> List[Any]:
     def backward(how: str) -> float:
         model.zero_grad()
         if how == "in backward":
-            return _timed(model(**batch).loss.backward)
+            return timed(model(**batch).loss.backward)
         with mock.patch.object(mappings, "sum_gradients_over_tensor_parallel", identity):
             loss = model(**batch).loss
-        return _timed(lambda: (loss.backward(), allreduce_sequence_parallel_gradients(sp_params)))
+        return timed(lambda: (loss.backward(), allreduce_sequence_parallel_gradients(sp_params)))
 
     times = alternate(("bucket after", "in backward"), rounds, backward, warmup=1, swap=True)
-    separate = [_timed(lambda: [comm.all_reduce(torch.ones(n), group) for n in per_module]) for _ in range(rounds)]
-    together = [_timed(lambda: comm.all_reduce(torch.ones(sum(per_module)), group)) for _ in range(rounds)]
+    separate = [timed(lambda: [comm.all_reduce(torch.ones(n), group) for n in per_module]) for _ in range(rounds)]
+    together = [timed(lambda: comm.all_reduce(torch.ones(sum(per_module)), group)) for _ in range(rounds)]
     on, off = times["in backward"], times["bucket after"]
     return ["### Sequence-parallel gradients summed in backward",
             f"BERT-large-shaped, {layers} layers, SP, tp=2: {len(per_module)} modules with sequence-parallel "
@@ -118,10 +109,10 @@ def _save(rounds: int, workdir: str) -> List[Any]:
     model = parallelize_model(_bert(24))
     tensors, entries = split_state_dict(model.state_dict(keep_vars=True), 2)
     replicated = {k: t for k, t in tensors.items() if not entries[k].spec.is_sharded}
-    alone = [_timed(lambda: check_replicated_agree(replicated, tensor_parallel_group())) for _ in range(rounds)]
+    alone = [timed(lambda: check_replicated_agree(replicated, tensor_parallel_group())) for _ in range(rounds)]
     saves: Dict[bool, List[float]] = {True: [], False: []}
     for i, check in enumerate((True, False, True, False)):
-        saves[check].append(_timed(lambda: checkpointing.save({"model": model, "global_step": 1}, os.path.join(
+        saves[check].append(timed(lambda: checkpointing.save({"model": model, "global_step": 1}, os.path.join(
             workdir, f"save_{check}_{i}"), check_replicated=check)))
     return ["### Replicated-tensor check of save",
             f"BertForPreTraining, BERT-large (24 layers), tp=2: {len(replicated)} replicated tensors, "
@@ -143,11 +134,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sp-layers", type=int, default=4)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", metavar="OUT", help="also write the report's tables, as data, to this JSON file")
     args = parser.parse_args(argv)
     log(f"divergence: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir, Pool(2, tp=2) as pool:
         report = pool.call(case_parts, parts=args.parts.split(","), rounds=args.rounds, sp_layers=args.sp_layers,
                            workdir=workdir)[0]
-    print(render(report))
     log(f"divergence: load average at the end {os.getloadavg()[0]:.1f}")
-    return 0
+    return emit(report, report, args.json)

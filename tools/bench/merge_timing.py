@@ -255,8 +255,7 @@ def run(ctx) -> Dict[str, Any]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench merge_timing", description=__doc__)
     parser.add_argument("--workdir", help="where the checkpoint is created (reused when it holds one); default: a "
-                                          "temporary directory, removed at exit unless --keep")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+                                          "temporary directory, removed at exit")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each operation (default: 3)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive read-whole-file copy")
     parser.add_argument("--models", default="bert-large", help=f"comma-separated, from {', '.join(MODELS)}")
@@ -272,7 +271,7 @@ def main(argv=None) -> int:
     try:
         outs = [measure(m, workdir, args.rounds, kinds) for m in models]
     finally:
-        if not args.workdir and not args.keep:
+        if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     # One model: its figures at the top level of the JSON; several: a list of them.
     return emit([b for out in outs for b in tables(out)], outs[0] if len(outs) == 1 else {"models": outs}, args.json)

@@ -37,11 +37,10 @@ PHASES = ("forward", "backward", "clip", "optimizer")
 # far below the 4-22 % one step changes the loss here: a sharding error cannot hide inside this tolerance.
 LOSS_RTOL = 1e-4
 FULL = dict(model=dict(num_hidden_layers=4, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
-                       vocab_size=30522, max_position_embeddings=512, type_vocab_size=2), seq=128, batch=8, rounds=10,
-            warmup=2)
+                       vocab_size=30522, max_position_embeddings=512, type_vocab_size=2), seq=128, batch=8, rounds=10)
 QUICK = dict(model=dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256,
-                        vocab_size=512, max_position_embeddings=64, type_vocab_size=2), seq=32, batch=4, rounds=3,
-             warmup=2)
+                        vocab_size=512, max_position_embeddings=64, type_vocab_size=2), seq=32, batch=4, rounds=3)
+WARMUP = 2
 # GQA: 8 query heads over 2 KV heads, so each TP rank holds 4 query heads and one KV head.
 LLAMA_FULL = dict(model=dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
                              intermediate_size=1408, vocab_size=8192, max_position_embeddings=256), seq=128, batch=4)
@@ -108,8 +107,6 @@ def shard(kind: str, model, arch: str = "bert", sequence_parallel: bool = False,
     return lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
 
 
-# ---- worker side ----------------------------------------------------------------------------------------------------
-
 def case_build(kind: str, model_cfg, seq: int, batch: int, arch: str = "bert", vocab_multiple: int = 1,
                device: str = "cpu") -> Dict[str, Any]:
     """Build, shard and keep the model, AdamW and the batch; reset the peak-RSS watermark."""
@@ -160,13 +157,12 @@ def case_memory() -> Dict[str, Any]:
     out = {"peak_mib": peak, "increase_mib": peak - STATE["baseline"], "after_build_mib": STATE["after_build"],
            "increase_over_build_mib": peak - STATE["after_build"], "peak_reset": STATE["peak_reset"]}
     if STATE["device"].startswith("cuda"):
-            out["device_peak_mib"] = torch.cuda.max_memory_allocated() / (1 << 20)
+        out["device_peak_mib"] = torch.cuda.max_memory_allocated() / (1 << 20)
     return out
 
 
 def case_release() -> None:
-    for key in ("model", "clip", "optimizer", "batch"):
-        STATE.pop(key, None)
+    STATE.update(model=None, clip=None, optimizer=None, batch=None)
     gc.collect()
     common.malloc_trim()
 
@@ -209,27 +205,19 @@ def case_profile(row_limit: int = 25) -> Dict[str, Any]:
                                   for e in ops if not e.key.startswith("phase::")]}
 
 
-# ---- driver side ----------------------------------------------------------------------------------------------------
+class Competitors(dict):
+    """Worker pools by name, started when first asked for, shared by sections 1 and 3 (and the --gpu section's)."""
 
-class Competitors:
-    """Lazily started worker pools, shared by sections 1 and 3 (and the --gpu section's own two)."""
+    SHAPES = {"dense": (1, None), "nxdtp": (TP, TP), "dtensor": (TP, None), "gpu-dense": (1, None), "gpu-nxdtp": (1, 1)}
 
-    SHAPES = {"dense": (1, None, "gloo"), "nxdtp": (TP, TP, "gloo"), "dtensor": (TP, None, "gloo"),
-              "gpu-dense": (1, None, "gloo"), "gpu-nxdtp": (1, 1, "nccl")}
-
-    def __init__(self):
-        self.pools: Dict[str, Pool] = {}
-
-    def get(self, name: str, backend: str = None) -> Pool:
-        if name not in self.pools:
-            world, tp, default = self.SHAPES[name]
-            self.pools[name] = Pool(world, tp, backend=backend or default)
-        return self.pools[name]
+    def pool(self, name: str, backend: str = "gloo") -> Pool:
+        if name not in self:
+            self[name] = Pool(*self.SHAPES[name], backend=backend)
+        return self[name]
 
     def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
+        while self:
+            self.popitem()[1].close()
 
 
 def _competitor(kind: str, build: List[dict], steps: List[List[dict]], memory: List[dict], warmup: int) -> dict:
@@ -250,8 +238,8 @@ def _competitor(kind: str, build: List[dict], steps: List[List[dict]], memory: L
 
 def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu") -> Dict[str, Any]:
     """Build on every competitor, alternate their steps, read their memory; the figures of each and their ratios."""
-    base = QUICK if ctx.quick else FULL
-    rounds, warmup = ctx.rounds or base["rounds"], base["warmup"] if ctx.warmup is None else ctx.warmup
+    rounds = ctx.rounds or (QUICK if ctx.quick else FULL)["rounds"]
+    warmup = WARMUP if ctx.warmup is None else ctx.warmup
     log(f"train step ({arch}): building {', '.join(pools)} (config {spec['model']}, seq {spec['seq']})")
     builds = {k: p.call(case_build, kind=k, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"], arch=arch,
                         device=device, vocab_multiple=ctx.vocab_multiple if k == "nxdtp" else 1)
@@ -279,7 +267,7 @@ def _release(pools: Dict[str, Pool]) -> None:
 
 def run(ctx) -> Dict[str, Any]:
     """Section 1; ``ctx.vocab_multiple``: make_vocab_size_divisible_by for (b) (Megatron pads to 128)."""
-    pools = {k: ctx.competitors.get(k) for k in LABELS}
+    pools = {k: ctx.competitors.pool(k) for k in LABELS}
     spec = QUICK if ctx.quick else FULL
     out = _rounds(pools, spec, "bert", ctx)
     c = out["competitors"]
@@ -324,7 +312,7 @@ def run_gpu(ctx) -> Dict[str, Any]:
     the ratio is nxdtp's overhead where nothing is split. ``ctx.gpu_device == "cpu"`` runs it over gloo."""
     device = ctx.gpu_device
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    pools = {"dense": ctx.competitors.get("gpu-dense"), "nxdtp": ctx.competitors.get("gpu-nxdtp", backend)}
+    pools = {"dense": ctx.competitors.pool("gpu-dense"), "nxdtp": ctx.competitors.pool("gpu-nxdtp", backend)}
     out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device)
     _release(pools)
     c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]

@@ -19,7 +19,7 @@ from nxdtp.optimizer import Lamb
 from nxdtp.random import model_parallel_xla_manual_seed
 from nxdtp.utils import move_model_to_device
 
-from .common import BERT_LARGE, Pool, hf_model, log, model_text, table
+from .common import BERT_LARGE, fresh, hf_model, log, model_text, table
 from .train_step import ADAMW, MAX_GRAD_NORM, SEED, build_dense, make_batch
 
 STEPS, STEADY_FROM = 10, 2
@@ -164,12 +164,10 @@ def run(ctx) -> Dict[str, Any]:
     if ctx.quick:
         env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + QUICK_XLA_FLAGS).strip()
     log(f"xla graphs: {STEPS} steps on XLA:CPU, {len(VARIANTS)} variants (a process of its own)")
-    with Pool(1, tp=1, env=env) as pool:
-        variants = pool.call(case_steps, spec=spec)[0]
+    variants = fresh(case_steps, tp=1, env=env, spec=spec)[0]
     log(f"xla graphs: every rank of a simulated tp={ranks_spec['tp']} x dp={ranks_spec['world'] // ranks_spec['tp']} "
         "world, BERT and Llama, SP off and on (a process of its own, nothing executed)")
-    with Pool(1, env=env) as pool:
-        ranks = pool.call(case_ranks, spec=ranks_spec)[0]
+    ranks = fresh(case_ranks, env=env, spec=ranks_spec)[0]
     for v in variants.values():
         steady = v["per_step"][STEADY_FROM:]
         executed = [s["ExecuteComputation"] for s in steady]

@@ -35,19 +35,14 @@ TINY_BERT = dict(kind="bert", vocab_size=101, hidden_size=64, num_hidden_layers=
 TINY_LLAMA = dict(kind="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
-FULL = dict(
-    count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8), ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
-    dps=(1, 2, 4, 8),
-    # About 160 M parameters (640 MB fp32), 80 M per TP rank.
-    rss=dict(model=dict(kind="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                        tie_word_embeddings=False), batch=2, seq=64, steps=2),
-    # About 50 M parameters (200 MB fp32).
-    time=dict(model=dict(kind="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048,
-                         num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
-                         tie_word_embeddings=False), batch=2, seq=64, warmup=2, rounds=16, collective_reps=5),
-    worlds=((2, 2), (1, 2)),   # (tp, dp); the first also runs parts 1 and 2
-)
+LLAMA_160M = dict(kind="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)  # 80 M per TP rank
+LLAMA_50M = dict(kind="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                 num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)  # 200 MB fp32
+FULL = dict(count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8), ("Llama-3-8B-shaped", LLAMA_3_8B, 8)],
+            dps=(1, 2, 4, 8), rss=dict(model=LLAMA_160M, batch=2, seq=64, steps=2),
+            time=dict(model=LLAMA_50M, batch=2, seq=64, warmup=2, rounds=16, collective_reps=5),
+            worlds=((2, 2), (1, 2)))  # (tp, dp); the first also runs parts 1 and 2
 QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
              dps=(1, 2, 4, 8), rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
              time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2),
@@ -109,8 +104,6 @@ def count_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
-# ---- worker side (parts 2 and 3): a gloo world of tp x dp processes ------------------------------------------------
-
 STATE: Dict[str, Any] = {}  # part 3's two models, optimizers and batch between calls
 
 
@@ -130,18 +123,19 @@ def make_optimizer(model, variant: str):
     return torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
-def _forward_backward(model, optimizer, batch) -> float:
+def timed_step(model, optimizer, batch, variant: str) -> Dict[str, float]:
+    """A forward and backward, then the update; the loss and the times of both and of the whole."""
+    t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
-    return float(loss.detach())
-
-
-def _update(model, optimizer, variant: str) -> None:
+    loss, t1 = float(loss.detach()), time.perf_counter()
     if variant == "plain":   # bucketed all-reduce, clip over TP x DP, AdamW on whole tensors
         allreduce_gradients(model)
         clip_grad_norm(model.parameters(), MAX_NORM)
     optimizer.step()       # ZeRO-1: reduce-scatter, norm and clip, AdamW on the shards, all-gather
+    t2 = time.perf_counter()
+    return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
 
 
 def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -156,10 +150,7 @@ def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
         p.grad = None
     mark = rss_mark()
     optimizer = make_optimizer(model, variant)
-    losses = []
-    for _ in range(spec["steps"]):
-        losses.append(_forward_backward(model, optimizer, batch))
-        _update(model, optimizer, variant)
+    losses = [timed_step(model, optimizer, batch, variant)["loss"] for _ in range(spec["steps"])]
     gc.collect()
     rss, params = mark(), list(model.parameters())
     counted = optimizer.state_bytes() if variant == "zero1" else {"state": optimizer_state_bytes(optimizer)}
@@ -179,14 +170,8 @@ def case_time_setup(spec: Dict[str, Any]) -> None:
 
 
 def case_step(variant: str) -> Dict[str, float]:
-    model, optimizer = STATE["models"][variant], STATE["optimizers"][variant]
     barrier()
-    t0 = time.perf_counter()
-    loss = _forward_backward(model, optimizer, STATE["batch"])
-    t1 = time.perf_counter()
-    _update(model, optimizer, variant)
-    t2 = time.perf_counter()
-    return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
+    return timed_step(STATE["models"][variant], STATE["optimizers"][variant], STATE["batch"], variant)
 
 
 def case_collectives(reps: int) -> Dict[str, Any]:
@@ -221,8 +206,6 @@ def case_time_finish() -> Dict[str, float]:
     gc.collect()
     return {"max_abs_weight_difference": worst, "max_abs_weight": scale}
 
-
-# ---- driver side ----------------------------------------------------------------------------------------------------
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
     most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in (
