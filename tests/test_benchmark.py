@@ -28,7 +28,8 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SECTIONS = {"train": "train_step", "memory": "memory", "comm": "communication", "xla": "xla_graphs",
-            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save"}
+            "merge": "checkpoint_merge", "actmem": "activation_memory", "zero1": "zero1", "async_save": "async_save",
+            "moe": "moe"}
 # Without torch_xla, the two XLA parts cannot run: the HLO count of section 3 and section 4.
 RUN = [s for s in SECTIONS if HAS_XLA or s not in ("comm", "xla")]
 
@@ -168,6 +169,15 @@ def test_zero1_section_counts_through_the_layout_and_both_paths_agree(quick):
         assert t["max_abs_weight_difference"] <= 1e-5 * max(1.0, t["max_abs_weight"]), t
         assert math.isfinite(t["ratio"]) and t["ratio"] > 0
     assert "6 + 12/d" in stdout and "ratio ZeRO-1 / plain" in stdout
+
+
+@pytest.mark.slow   # the quick run: about 3 minutes of the benchmark's own processes on 2 cores
+def test_moe_section_counts_the_all_to_all_and_mixtral_bytes(quick):
+    """Section 9 under --quick: the bytes the layers hand to the all-to-all equal the formula, and a rank of
+    Mixtral-8x7B at tp=8 x ep=8 holds within 2 % of the ideal 1/(tp * ep) of the experts and 1/tp of the rest."""
+    numbers = quick[0]["sections"]["moe"]["numbers"]
+    assert numbers["all_to_all_bytes_per_step"] == numbers["all_to_all_bytes_formula"] > 0
+    assert 0 <= numbers["mixtral_percent_over_ideal"] < 2
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

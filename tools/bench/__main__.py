@@ -11,6 +11,7 @@ Suite sections:
   actmem      activation memory per rank of BERT-large layers, dense / TP / TP+SP / +checkpointing, vs Megatron
   zero1       ZeRO-1 bytes per parameter, peak RSS of a step, step time against plain DP
   async_save  the step loop's stall while a checkpoint is written, sync against async_save=True
+  moe         MoE layers: step time at TP2 x EP2 against dense, all-to-all bytes, Mixtral-8x7B bytes per rank
   gpu         (only when named, or --gpu) section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL
 Tools: merge_timing, verify, divergence. Progress goes to stderr, the report to stdout.
 """
@@ -35,6 +36,7 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "actmem": ("activation_memory", "6. Activation memory per rank, BERT-large layers"),
             "zero1": ("zero1", "7. ZeRO-1: bytes per parameter, peak RSS, step time"),
             "async_save": ("async_save", "8. Checkpoint stall: save_checkpoint, sync against async_save"),
+            "moe": ("moe", "9. Mixture of experts: TP x EP"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
 TOOLS = ("merge_timing", "verify", "divergence")
@@ -72,7 +74,7 @@ def _sections(args, parser) -> list:
 def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
     """Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
     run does everything one after the other, so nothing disturbs the timed sections."""
-    from . import activation_memory, async_save, communication, memory, merge_timing, train_step, xla_graphs, zero1
+    from . import activation_memory, async_save, communication, memory, merge_timing, moe, train_step, xla_graphs, zero1
 
     spec = train_step.QUICK if ctx.quick else train_step.FULL
     early = {k: background.submit(fn).result for k, fn in (("comm", lambda: communication.trace_hlo(spec)),
@@ -81,7 +83,7 @@ def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
     return {"train": lambda: train_step.run(ctx), "gpu": lambda: train_step.run_gpu(ctx),
             "comm": lambda: communication.run(ctx, early["comm"]() if "comm" in early else None),
             "memory": lambda: memory.run(ctx), "actmem": lambda: activation_memory.run(ctx),
-            "zero1": lambda: zero1.run(ctx), "async_save": lambda: async_save.run(ctx),
+            "zero1": lambda: zero1.run(ctx), "async_save": lambda: async_save.run(ctx), "moe": lambda: moe.run(ctx),
             "xla": early.get("xla", lambda: xla_graphs.run(ctx)), "merge": lambda: merge_timing.run(ctx)}
 
 
