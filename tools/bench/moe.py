@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 from .common import Pool, alternate, log, median, records, timed
 
-FULL = dict(hidden=512, intermediate=1792, experts=8, top_k=2, layers=4, batch=4, seq=128, rounds=5)
+FULL = dict(hidden=256, intermediate=896, experts=8, top_k=2, layers=4, batch=4, seq=64, rounds=5)
 QUICK = dict(hidden=64, intermediate=96, experts=8, top_k=2, layers=2, batch=2, seq=16, rounds=2)
 MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)
