@@ -132,13 +132,23 @@ def case_moe_decoder_equals_dense(families, tp, ep, sequence_parallel=False):
             for name, param in model.named_parameters():
                 expected = _expected_gradient(name, param, dense.get_parameter(name).detach(), specs)
                 torch.testing.assert_close(param.detach(), expected, **TOL, msg=lambda m: f"{what} {name} step: {m}")
+            copied = copy.deepcopy(model)   # new Parameter objects keep NxD's expert mark
+            assert all(getattr(p, "expert_model_parallel", False) == (".experts." in n)
+                       for n, p in copied.named_parameters()), what
             experts = [p for n, p in model.named_parameters() if ".experts." in n]
             dense_experts = [p for n, p in dense.named_parameters() if ".experts." in n]
             assert held_bytes(experts) * tp * ep == held_bytes(dense_experts), what
-            prompt = micro_batch(5, 0)["input_ids"][:1, :4]   # the same prompt on every rank
+            # Each DP rank its own prompt, of its own length: the expert-parallel ranks keep stepping together.
+            prompt = micro_batch(5, dp_rank)["input_ids"][:1, :3 + dp_rank % 2]
             with torch.no_grad():
                 generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
                 assert torch.equal(generated, dense.generate(prompt, max_new_tokens=3, do_sample=False)), what
+                # Evaluation keeps HF's per-rank load-balancing loss: no rank waits for another.
+                local = micro_batch(3, dp_rank)
+                evaluated = model(input_ids=local["input_ids"], attention_mask=local["attention_mask"])
+                expected = dense(input_ids=local["input_ids"], attention_mask=local["attention_mask"])
+                if expected.aux_loss is not None:
+                    _close(evaluated.aux_loss, expected.aux_loss, f"{what} evaluation aux loss")
         return families
     finally:
         ps.destroy_model_parallel()
@@ -178,6 +188,25 @@ def test_expert_parallel_checkpoints_are_refused_by_name():
         with pytest.raises(NotImplementedError, match=r"'model.layers.0.mlp.experts' holds this rank's share of "
                                                       r"experts split over expert_model_parallel_size=2 ranks"):
             split_state_dict(model.state_dict(), 1)
+
+
+def case_load_pretrained_at_ep2(directory: str) -> str:
+    from nxdtp.models import from_pretrained_sharded
+
+    ps.initialize_model_parallel(1, expert_model_parallel_size=2)
+    try:
+        with pytest.raises(NotImplementedError, match=r"loading pretrained weights into experts split over "
+                                                      r"expert_model_parallel_size=2 ranks") as refused:
+            from_pretrained_sharded(directory)
+        return str(refused.value).split(":")[0]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_pretrained_weights_into_expert_parallel_experts_are_refused_by_name(worlds, tmp_path):
+    dense_model("mixtral", 0).save_pretrained(str(tmp_path))
+    refusals = worlds(4).run(case_load_pretrained_at_ep2, tensor_model_parallel_size=None, directory=str(tmp_path))
+    assert len(set(refusals)) == 1
 
 
 def test_an_expert_count_the_expert_parallel_size_does_not_divide_is_refused():

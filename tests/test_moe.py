@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from nxdtp import comm, grads
 from nxdtp import parallel_state as ps
 from nxdtp.modules.moe import ExpertMLPs, MoE, RouterSinkhorn, RouterTopK, SharedExperts, load_balancing_loss_func
+from nxdtp.optimizer import Lamb
 from nxdtp.spec import split_along
 
 E, K, H, INTER, SHARED_INTER, B, S = 4, 2, 8, 6, 4, 2, 4
@@ -23,6 +24,7 @@ AUX_COEF = 0.3
 # eps=1e-4, as tests/test_zero1.py explains: Adam's first step is lr * g / (|g| + eps), which turns last-bit noise in a
 # near-zero gradient into an lr-sized difference when eps is tiny.
 ADAMW = dict(lr=0.05, eps=1e-4, weight_decay=0.1)
+LAMB = dict(lr=0.05, eps=1e-4, weight_decay=0.1)
 
 
 def _draw(seed, shape, salt, scale=0.5):
@@ -154,11 +156,11 @@ def _reduce_gradients(moe, sequence_parallel):
                                      reduce_over_ep_group=True)
 
 
-def _dense_after_one_step(dense_params, dense_grads):
+def _dense_after_one_step(dense_params, dense_grads, optimizer=torch.optim.AdamW, **hyper):
     dense = {k: v.clone().requires_grad_(True) for k, v in dense_params.items()}
     for key, tensor in dense.items():
         tensor.grad = dense_grads[key].clone()
-    torch.optim.AdamW(dense.values(), **ADAMW).step()
+    optimizer(dense.values(), **(hyper or ADAMW)).step()
     return {k: v.detach() for k, v in dense.items()}
 
 
@@ -230,6 +232,13 @@ def case_moe_equals_dense(seed, tp, ep, glu, shared, capacity_factor, normalize,
         zero1.step()
         _close(zero1.grad_norm, dense_norm, "ZeRO-1 gradient norm")
         _check_one_step(moe, views, expected, "ZeRO-1 AdamW")
+        # Lamb: each expert tensor's trust ratio is the dense tensor's (its norms summed over TP and EP).
+        moe, views = _loaded_moe(*setting)
+        _forward_backward(moe, seed, sequence_parallel)
+        grads.allreduce_gradients(moe)
+        Lamb(moe.parameters(), **LAMB).step()
+        _check_one_step(moe, views, _dense_after_one_step(dense_parameters(seed, glu, shared), dense_grads, Lamb,
+                                                          **LAMB), "Lamb")
         return tuple(out.shape)
     finally:
         ps.destroy_model_parallel()
@@ -377,6 +386,29 @@ def test_padded_tokens_take_no_capacity_and_no_expert():
         expected, _ = dense_moe(x.reshape(-1, H), p, True, 1.0, True, padding=mask.reshape(-1) == 0)
         _close(out, expected.reshape(B, S, H), "output with padding")
         assert torch.equal(out[0, :2], torch.zeros(2, H))
+
+
+def case_ranks_with_different_token_counts(seed, tp, ep):
+    """Each DP rank routes a different number of tokens (a shorter last batch, per-batch padding): the expert-parallel
+    ranks agree on the slots' shape, and every rank's output is the dense layer's on its tokens."""
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        moe, _ = _loaded_moe(seed, True, False, None, True, False)
+        dp_rank = ps.get_data_parallel_rank()
+        x = _draw(seed, (1 + dp_rank, S, H), 300 + dp_rank, 1.0)
+        out, _ = moe(x)
+        expected, _ = dense_moe(x.reshape(-1, H), dense_parameters(seed, True, False), True, None, True)
+        _close(out, expected.reshape(x.shape), f"output of DP rank {dp_rank}")
+        out.sum().backward()
+        return tuple(x.shape)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_ranks_with_different_token_counts(worlds):
+    shapes = worlds(4).run(case_ranks_with_different_token_counts, tensor_model_parallel_size=None, seed=21, tp=1,
+                           ep=2)
+    assert shapes == [(1, S, H), (2, S, H), (3, S, H), (4, S, H)]
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from torch import nn
 from ..layers import ColumnParallelLinear
 from ..plan import add_mixin
 from ..record import note_of, read_note
+from ..topology import expert_parallel_group
 from .common import WholeSequenceNote, gather_vocab_logits
 
 
@@ -117,6 +118,7 @@ class _GeneratesFromFullLogits:
 
     def generate(self, *args, **kwargs):
         _refuse_unsupported(self, kwargs)
+        _keep_expert_parallel_ranks_together(self, kwargs)
         with generation_mode(self):
             return super().generate(*args, **kwargs)
 
@@ -163,6 +165,19 @@ def _refuse_unsupported(model: nn.Module, kwargs: dict) -> None:
             f"{getattr(model.config, 'num_key_value_heads', None)} KV heads, while each rank holds only its own. Leave "
             "cache_implementation unset (the dynamic cache), or use a transformers release whose static cache layers "
             "size themselves from the keys (StaticLayer.lazy_initialization, transformers 5)")
+
+
+def _keep_expert_parallel_ranks_together(model: nn.Module, kwargs: dict) -> None:
+    """With experts split over ranks that decode different prompts (expert parallelism), every rank must run every
+    step, even after its own sequences ended: ``synced_gpus=True`` (HF's option) unless the caller chose."""
+    if expert_parallel_group().size == 1 or not any(getattr(p, "expert_model_parallel", False)
+                                                      for p in model.parameters()):
+        return
+    if kwargs.get("synced_gpus") is False:
+        raise ValueError(f"generate(synced_gpus=False) on {type(model).__name__} with expert_model_parallel_size="
+                         f"{expert_parallel_group().size}: a rank that stopped early would leave the others waiting "
+                         "in the experts' all-to-all; pass synced_gpus=True (the default here)")
+    kwargs["synced_gpus"] = True
 
 
 def _caches_sized_from_keys() -> bool:

@@ -30,7 +30,7 @@ from ..checkpointing.safetensors_stream import SafetensorsFileReader
 from ..checkpointing.slabs import read_piece
 from ..errors import DamagedInputError
 from ..spec import ParamSpec, ShardedModule
-from ..topology import tensor_parallel_group
+from ..topology import expert_parallel_group, tensor_parallel_group
 from ..utils import reattach_spec_attributes, retie_parameters, tied_parameter_names
 
 logger = logging.getLogger(__name__)
@@ -371,6 +371,11 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
     ``candidate_keys(name)`` lists the checkpoint keys that may hold parameter ``name`` (prefix and legacy-name
     variants), first match wins. Tied parameters are loaded once, through whichever of their names is present.
     """
+    experts = [n for n, p in model.named_parameters() if getattr(p, "expert_model_parallel", False)]
+    if experts and expert_parallel_group().size > 1:
+        raise NotImplementedError(f"loading pretrained weights into experts split over expert_model_parallel_size="
+                                  f"{expert_parallel_group().size} ranks ('{experts[0]}', ...) is not supported yet: "
+                                  "load at expert_model_parallel_size=1")
     rank = tensor_parallel_group().rank
     available = set(reader.keys())
     read_since_release = 0

@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import comm, mappings
 from ..forward_wrappers import add_mixin, wrap_forward
-from ..modules.moe.expert_mlps import routed_slots, run_experts_on_slots
+from ..modules.moe.expert_mlps import routed_slots, run_experts_on_slots, tokens_in_largest_batch
 from ..modules.moe.moe_parallel_layers import local_expert_count
 from ..plan import Effect, Style, WrapForward, wrapper_factory
 from ..spec import ParamSpec, ShardedModule, split_along
@@ -143,7 +143,7 @@ class ParallelExperts(Style):
             spec_shape = (local,) + tuple(dense.shape[1:])
             module.register_param_spec(param_name, ParamSpec(full_shape=spec_shape, partition_dim=tp_dim,
                                                              stride=stride, num_partitions=group.size))
-            getattr(module, param_name).expert_model_parallel = True
+        module.reattach_spec_attributes()
         return module
 
 
@@ -159,7 +159,8 @@ class ShardedHFExperts(ShardedModule):
         # gradients over TP, so that the router's and the block input's gradients are whole on every rank.
         affinities = mappings.copy_to_tensor_model_parallel_region(affinities)
         tokens = mappings.copy_to_tensor_model_parallel_region(hidden_states)
-        slot_token, affinities = routed_slots(affinities, top_k_index, None, total_tokens, normalize=False)
+        capacity = tokens_in_largest_batch(total_tokens, hidden_states.device)   # dropless
+        slot_token, affinities = routed_slots(affinities, top_k_index, None, capacity, normalize=False)
         partial = run_experts_on_slots(tokens, slot_token, affinities.to(tokens.dtype), self._local_experts)
         return mappings.reduce_from_tensor_model_parallel_region(partial)
 
@@ -174,6 +175,13 @@ class ShardedHFExperts(ShardedModule):
         if self.nxdtp_expert_parallel_size > 1:
             return mappings.exit_expert_parallel_region(out, scatter_gather=False)
         return out.squeeze(1)
+
+    def reattach_spec_attributes(self) -> None:
+        # NxD's mark, which the specs do not carry: new Parameter objects (a copy, a model built on meta and
+        # materialised) get it again with their spec attributes.
+        super().reattach_spec_attributes()
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(self, name).expert_model_parallel = True
 
     def get_extra_state(self):
         state = super().get_extra_state()
@@ -194,12 +202,15 @@ def count_router_tokens_over_data_parallel(model: nn.Module) -> None:
 
 def _aux_loss_over_data_parallel(forward, *args, **kwargs):
     """HF's forward, with its load-balancing loss (and its share of ``loss``) replaced by the loss that counts the
-    tokens routed to each expert over the whole data-parallel batch."""
+    tokens routed to each expert over the whole data-parallel batch, when it is a training loss (labels given,
+    gradients on): evaluation and generation keep HF's own, and no DP rank waits for another."""
     output = forward(*args, **kwargs)
-    if getattr(output, "aux_loss", None) is None or getattr(output, "router_logits", None) is None:
+    arguments = inspect.signature(forward).bind_partial(*args, **kwargs).arguments
+    if getattr(output, "aux_loss", None) is None or getattr(output, "router_logits", None) is None or \
+            arguments.get("labels") is None or not torch.is_grad_enabled():
         return output
     model = forward.__self__
-    attention_mask = inspect.signature(forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+    attention_mask = arguments.get("attention_mask")
     aux = load_balancing_loss_over_data_parallel(output.router_logits, model.num_experts,
                                                  model.num_experts_per_tok, attention_mask)
     if output.loss is not None:

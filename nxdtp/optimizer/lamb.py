@@ -29,7 +29,7 @@ import torch
 
 from .. import comm
 from ..grads import clip_coefficient, get_grad_norm
-from ..topology import tensor_parallel_group
+from ..topology import ParallelGroup, expert_parallel_group, tensor_parallel_group
 
 
 def _is_tp_sharded(param: torch.Tensor) -> bool:
@@ -41,7 +41,9 @@ def _zero1_group(params: List[torch.Tensor]):
     groups = {getattr(p, "zero1_sharding_group", None) for p in params}
     if len(groups) > 1:
         raise ValueError(f"Lamb: the parameters mix ZeRO-1 shards of different sharding groups (or shards and whole "
-                         f"tensors): {sorted(str(g) for g in groups)}; give Lamb one kind")
+                         f"tensors): {sorted(str(g) for g in groups)}; give Lamb one kind (with expert parallelism "
+                         "ZeRO-1 shards the experts over the expert data-parallel group and the rest over the "
+                         "data-parallel group: use Lamb without ZeRO-1 there)")
     return groups.pop() if groups else None
 
 
@@ -251,28 +253,21 @@ class Lamb(torch.optim.Optimizer):
                              zero1_group) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
         """The local ``(||w||^2, ||u||^2)`` per position in ``active``, made those of the dense tensors.
 
-        At most two all-reduces whatever the number of parameters: one over the ZeRO-1 sharding group, one over TP
-        for the sharded parameters. Replicated parameters keep their local norms.
+        At most three all-reduces whatever the number of parameters: one over the ZeRO-1 sharding group, one over TP
+        for the sharded parameters, one over the expert-parallel group for the experts (each rank holds other experts
+        of the tensor). Replicated parameters keep their local norms.
         """
         local_sq = dict(local_sq)
-        if zero1_group is not None and local_sq and zero1_group.size > 1:
-            # ZeRO-1 shards: each rank of the sharding group holds a piece of every tensor; one all-reduce of
-            # [||w_1||^2 .. ||w_n||^2, ||u_1||^2 .. ||u_n||^2] gives the norms of the whole (TP-local) tensors.
-            order = list(local_sq)
-            device = local_sq[order[0]][0].device
-            stacked = torch.stack([local_sq[i][0].to(device) for i in order]
-                                  + [local_sq[i][1].to(device) for i in order])
-            summed = comm.all_reduce(stacked, zero1_group, op="sum")
-            local_sq = {i: (summed[k], summed[len(order) + k]) for k, i in enumerate(order)}
-        sharded = [i for i in local_sq if _is_tp_sharded(active[i][1])]
-        if sharded:
-            # One all-reduce for every sharded parameter: [||w_1||^2 .. ||w_n||^2, ||u_1||^2 .. ||u_n||^2] over TP.
-            device = local_sq[sharded[0]][0].device
-            stacked = torch.stack([local_sq[i][0].to(device) for i in sharded]
-                                  + [local_sq[i][1].to(device) for i in sharded])
-            dense_sq = comm.all_reduce(stacked, tensor_parallel_group(), op="sum")
-            for k, i in enumerate(sharded):
-                local_sq[i] = (dense_sq[k], dense_sq[len(sharded) + k])
+        if zero1_group is not None and zero1_group.size > 1:
+            # ZeRO-1 shards: each rank of the sharding group holds a piece of every tensor; summed over it, the norms
+            # are the whole (TP-local) tensors'.
+            _sum_over(local_sq, list(local_sq), zero1_group)
+        # [||w_1||^2 .. ||w_n||^2, ||u_1||^2 .. ||u_n||^2] of the TP-sharded parameters over TP, then of the experts'
+        # over the expert-parallel group.
+        _sum_over(local_sq, [i for i in local_sq if _is_tp_sharded(active[i][1])], tensor_parallel_group())
+        ep = expert_parallel_group()
+        if ep.size > 1:
+            _sum_over(local_sq, [i for i in local_sq if getattr(active[i][1], "expert_model_parallel", False)], ep)
         return local_sq
 
     @staticmethod
@@ -286,6 +281,19 @@ class Lamb(torch.optim.Optimizer):
         if group["trust_clip"]:
             ratio = torch.clamp(ratio, max=1.0)
         return ratio
+
+
+def _sum_over(local_sq: Dict[int, Tuple[torch.Tensor, torch.Tensor]], positions: List[int],
+              group: ParallelGroup) -> None:
+    """Replace the squared norms at ``positions`` by their sums over ``group``, in one all-reduce."""
+    if not positions:
+        return
+    device = local_sq[positions[0]][0].device
+    stacked = torch.stack([local_sq[i][0].to(device) for i in positions]
+                          + [local_sq[i][1].to(device) for i in positions])
+    summed = comm.all_reduce(stacked, group, op="sum")
+    for k, i in enumerate(positions):
+        local_sq[i] = (summed[k], summed[len(positions) + k])
 
 
 __all__ = ["Lamb"]

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import mappings
+from ... import comm, mappings
 from ...sharded_init import reject_unsupported
+from ...topology import expert_parallel_group
 from .experts import Experts
 from .model_utils import GLUType, activation
 
@@ -35,6 +36,17 @@ class RoutedExpertsMLPOpsConfig:
     capacity_factor: Optional[float]
     normalize_top_k_affinities: bool
     early_expert_affinity_modulation: bool
+
+
+def tokens_in_largest_batch(total_tokens: int, device: torch.device) -> int:
+    """The most tokens any rank of the expert-parallel group routes in this layer: every rank's all-to-all must move
+    slots of one shape, so ranks with fewer tokens (a shorter last batch, per-batch padding, generation) leave slots
+    empty. One small host all-reduce per layer; on XLA, whose graphs fix the shapes, the ranks' token counts must be
+    equal and this rank's is used."""
+    group = expert_parallel_group()
+    if group.size == 1 or device.type == "xla":
+        return total_tokens
+    return int(comm.all_reduce(torch.tensor([total_tokens]), group, op="max").item())
 
 
 def expert_capacity(total_tokens: int, top_k: int, num_experts: int, capacity_factor: Optional[float]) -> int:
@@ -113,7 +125,11 @@ class ExpertMLPs(nn.Module):
             raise ValueError(f"ExpertMLPs: hidden_states {tuple(hidden_states.shape)}, expert_affinities "
                              f"{tuple(expert_affinities.shape)} and expert_index {tuple(expert_index.shape)} must be "
                              f"(T, H), (T, {config.num_experts}) and (T, {config.top_k})")
-        capacity = expert_capacity(total_tokens, config.top_k, config.num_experts, config.capacity_factor)
+        if expert_affinities_masked_full is not None:
+            raise ValueError("ExpertMLPs: expert_affinities_masked_full (the input of NxD's Neuron blockwise kernel) "
+                             "is not supported by nxdtp; pass None")
+        capacity = expert_capacity(tokens_in_largest_batch(total_tokens, hidden_states.device), config.top_k,
+                                   config.num_experts, config.capacity_factor)
         slot_token, affinities = routed_slots(expert_affinities, expert_index, padding_mask, capacity,
                                               config.normalize_top_k_affinities)
         tokens = mappings.copy_to_tensor_model_parallel_region(hidden_states, self.tensor_parallel_group)

@@ -82,8 +82,14 @@ class _ExpertFusedLinear(BaseParallelLayer):
         spec_shape = (self._n_local_experts,) + full_shape[1:]
         self.register_param_spec("weight", ParamSpec(full_shape=spec_shape, partition_dim=self.tp_dim, stride=stride,
                                                      num_partitions=tp_group.size))
-        self.weight.expert_model_parallel = True  # NxD's mark: DP-reduce over the expert data-parallel group only
+        self.reattach_spec_attributes()
         self.register_parameter("bias", None)
+
+    def reattach_spec_attributes(self) -> None:
+        # NxD's mark (DP-reduce over the expert data-parallel group only), which the spec does not carry: new
+        # Parameter objects (a copy, a model materialised from meta) get it again with their spec attributes.
+        super().reattach_spec_attributes()
+        self.weight.expert_model_parallel = True
 
     def get_extra_state(self) -> Dict[str, Any]:
         state = super().get_extra_state()
