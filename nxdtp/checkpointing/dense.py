@@ -246,24 +246,17 @@ def _gather_and_write(plan: _DensePlan, group, writer: Optional[DenseWeightsWrit
     error: Optional[BaseException] = None
     for key in plan.order:
         # Every rank runs every gather, whatever failed on the writer, so no rank waits alone in a collective.
-        entry = plan.entries[key]
+        entry, dense = plan.entries[key], None
         try:
             dense = gather_dense(plan.tensors[key], entry.spec, group, dtype=dtype_from_name(entry.dtype),
                                  keep=writer is not None)
+            if writer is not None:
+                writer.write(key, dense)
         except Exception as e:  # noqa: BLE001 - only the keeping rank (the writer) assembles, so only it fails here
-            dense, gather_error = None, e
-        else:
-            gather_error = None
-        if writer is None:
-            continue
-        try:
-            if gather_error is not None:
-                raise gather_error
-            writer.write(key, dense)
-        except Exception as e:  # noqa: BLE001
-            error = e
-            writer.abandon()
-            writer = None
+            if writer is not None:
+                error = e
+                writer.abandon()
+                writer = None
         del dense
     return writer, error
 

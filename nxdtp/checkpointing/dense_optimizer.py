@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
     if len(names) != len(held):
         raise ValueError(f"the optimizer holds {len(held) - len(names)} parameters that are not parameters of the "
                          "model passed: pass the model the optimizer was built on")
-    _fuse_parts(model, flat, masters)
+    tp, piece = _this_rank_piece(model)
+    _fuse_parts(model, flat, masters, piece)
     saved = {key.split(".", 1)[1].rsplit(".", 1)[0] for key in flat if key.startswith("param_groups.")}
     missing = [name for name in names if name not in saved]
     if missing:
@@ -52,7 +53,8 @@ def load_dense_optimizer_state(directory: str, model: nn.Module, optimizer: torc
     if load_master_weights and not masters:
         raise ValueError(f"{tensors_path} holds no master weights: it was merged from a "
                          f"{record.get('source_kind', 'plain')} optimizer, not ZeRO-1")
-    _cut_for_tensor_parallelism(model, names, flat, masters)
+    if tp > 1:
+        _cut_for_tensor_parallelism(names, flat, masters, piece)
     set_optimizer_state_dict(model, optimizer, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
     if load_master_weights:
         parameters = dict(model.named_parameters())
@@ -90,28 +92,36 @@ def _read_dense_optimizer_files(directory: str) -> Tuple[Dict[str, Any], Dict[st
     return record, flat, masters
 
 
-def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch.Tensor]) -> None:
-    """A fused parameter (``ShardedModule.fused_parameters``: GQAQKVColumnParallelLinear's ``weight_qkv``) has its
-    dense state under its parts' names, as the dense model's separate Q, K and V: each part's state is cut to this TP
-    rank's piece (repeated KV heads included) and the pieces joined under the fused name, which the optimizer holds."""
+def _this_rank_piece(model: nn.Module) -> Tuple[int, Callable[[str, Any], Any]]:
+    """The TP size, and ``piece(name, value)``: this TP rank's piece of ``value`` when it is a dense tensor shaped like
+    model tensor ``name``'s dense tensor, laid out as the model's is (padding and repeated KV heads included); any
+    other value ('step', state of a replicated tensor) as it is."""
     from .. import parallel_state as ps
-    from .fused_state import fused_parameters_of
     from .save_load import sharding_specs
 
-    fused = fused_parameters_of(model)
-    if not fused:
-        return
-    tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    specs = sharding_specs(model, ps.get_tensor_model_parallel_size() if ps.model_parallel_is_initialized() else 1)
-    live = model.state_dict(keep_vars=True)
+    initialized = ps.model_parallel_is_initialized()
+    tp = ps.get_tensor_model_parallel_size() if initialized else 1
+    rank = ps.get_tensor_model_parallel_rank() if initialized else 0
+    # State-dict keys (a fused parameter's parts) and parameter names (a tied parameter's first name).
+    specs, live = sharding_specs(model, tp), {**model.state_dict(keep_vars=True), **dict(model.named_parameters())}
 
-    def piece(part: str, dense: Any) -> Any:
-        spec = specs.get(id(live[part]))
-        if not isinstance(dense, torch.Tensor) or spec is None or tuple(dense.shape) != tuple(spec.unpadded_shape):
-            return dense
-        return spec.shard(dense, tp_rank)
+    def piece(name: str, value: Any) -> Any:
+        spec = specs.get(id(live[name])) if name in live else None
+        if not isinstance(value, torch.Tensor) or spec is None or tuple(value.shape) != tuple(spec.unpadded_shape):
+            return value
+        return spec.shard(value, rank)
 
-    for name, parts in fused.values():
+    return tp, piece
+
+
+def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch.Tensor],
+                piece: Callable[[str, Any], Any]) -> None:
+    """A fused parameter (``ShardedModule.fused_parameters``: GQAQKVColumnParallelLinear's ``weight_qkv``) has its
+    dense state under its parts' names, as the dense model's separate Q, K and V: each part's state is cut to this TP
+    rank's piece (``piece``) and the pieces joined under the fused name, which the optimizer holds."""
+    from .fused_state import fused_parameters_of
+
+    for name, parts in fused_parameters_of(model).values():
         names = [part for part, _ in parts]
         if not all(any(key.startswith(f"param_groups.{part}.") for key in flat) for part in names):
             continue   # not all of its parts are in the state: the missing-parameter check names the fused one
@@ -127,31 +137,13 @@ def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch
             masters[name] = torch.cat([piece(part, masters.pop(part)) for part in names])
 
 
-def _cut_for_tensor_parallelism(model: nn.Module, names, flat: Dict[str, Any],
-                                masters: Dict[str, torch.Tensor]) -> None:
+def _cut_for_tensor_parallelism(names: List[str], flat: Dict[str, Any], masters: Dict[str, torch.Tensor],
+                                piece: Callable[[str, Any], Any]) -> None:
     """For a TP-sharded model, replace each dense state tensor (and master weight) shaped like its parameter's dense
-    tensor by this TP rank's piece, laid out as the parameter is (padding and repeated heads included)."""
-    from .. import parallel_state as ps
-    from .save_load import sharding_specs
-
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_size() == 1:
-        return
-    tp, rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
-    specs = sharding_specs(model, tp)
-    parameters = dict(model.named_parameters())
+    tensor by this TP rank's piece (``piece``)."""
     for name in names:
-        spec = specs.get(id(parameters[name]))
-        if spec is None:
-            continue
-
-        def piece(dense: torch.Tensor) -> torch.Tensor:
-            if tuple(dense.shape) != tuple(spec.unpadded_shape):
-                return dense  # 'step' and other state not shaped like the parameter
-            return spec.shard(dense, rank)
-
         prefix = f"state.{name}."
         for key in [key for key in flat if key.startswith(prefix) and "." not in key[len(prefix):]]:
-            if isinstance(flat[key], torch.Tensor):
-                flat[key] = piece(flat[key])
+            flat[key] = piece(name, flat[key])
         if name in masters:
-            masters[name] = piece(masters[name])
+            masters[name] = piece(name, masters[name])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -23,7 +23,6 @@ from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durab
 FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
 DONE_FILE = "done"
-EXTRA_STATE_SUFFIX = "._extra_state"
 
 
 class CheckpointIntegrityError(DamagedInputError):
@@ -217,37 +216,29 @@ class CheckpointIndex:
                        data_parallel_size=int(d["data_parallel_size"]),
                        tensors={k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
                        optimizer=d.get("optimizer"), nxdtp_version=d.get("nxdtp_version", ""), format_version=version,
-                       files=_file_records(d.get("files")),
-                       tensor_checksums=_contents_records(d.get("tensor_checksums")))
+                       files=_records(d.get("files"), "files", checked_record),
+                       tensor_checksums=_records(d.get("tensor_checksums"), "tensor_checksums", _contents_record))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
 
 
-def _file_records(value: Any) -> Optional[Dict[str, Dict[str, Any]]]:
+def _records(value: Any, field: str, check: Callable[[Any], Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
+    """The index's ``field`` (relative path -> record) as read from JSON, each record checked by ``check``."""
     if value is None:
         return None
     records = {}
     for name, record in dict(value).items():
         try:
-            records[str(name)] = checked_record(record)
+            records[str(name)] = check(record)
         except ValueError as e:
-            raise ValueError(f"'files' entry {name!r}: {e}") from None
+            raise ValueError(f"{field!r} entry {name!r}: {e}"[:300]) from None
     return records
 
 
-def _contents_records(value: Any) -> Optional[Dict[str, Dict[str, Any]]]:
-    if value is None:
-        return None
-    records = {}
-    for name, record in dict(value).items():
-        if not isinstance(record, dict) or set(record) != {"header", "tensors"} or not isinstance(record["tensors"],
-                                                                                                   dict):
-            raise ValueError(f"'tensor_checksums' entry {name!r} is {{'header': a file record, 'tensors': {{name: "
-                             f"{CHECKSUM}}}}}, got {record!r}"[:300])
-        try:
-            header = checked_record(record["header"])
-            tensors = {str(key): checked_digest(digest) for key, digest in record["tensors"].items()}
-        except ValueError as e:
-            raise ValueError(f"'tensor_checksums' entry {name!r}: {e}") from None
-        records[str(name)] = {"header": header, "tensors": tensors}
-    return records
+def _contents_record(record: Any) -> Dict[str, Any]:
+    """A safetensors file's ``tensor_checksums`` record, if well formed; ``ValueError`` naming what is wrong if not."""
+    if not isinstance(record, dict) or set(record) != {"header", "tensors"} or not isinstance(record["tensors"], dict):
+        raise ValueError(f"a contents record is {{'header': a file record, 'tensors': {{name: {CHECKSUM}}}}}, got "
+                         f"{record!r}")
+    return {"header": checked_record(record["header"]),
+            "tensors": {str(key): checked_digest(digest) for key, digest in record["tensors"].items()}}

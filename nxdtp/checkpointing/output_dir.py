@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, List
+from typing import Any, Callable
 
-from .durable import fsync_directory, fsync_tree
+from .durable import fsync_directory, fsync_tree, make_directories
 
 
 def check_output_dir(checkpoint_dir: str, output_dir: str, force: bool) -> None:
@@ -37,7 +37,7 @@ def write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
     """
     target = os.path.abspath(output_dir)
     parent, base = os.path.dirname(target), os.path.basename(target)
-    created = _make_parents(parent)
+    created = make_directories(parent)[::-1]  # deepest first, to be removed in that order on error
     staging = tempfile.mkdtemp(prefix=f".{base}.nxdtp-tmp-", dir=parent)
     try:
         result = write(staging)
@@ -66,17 +66,6 @@ def write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return result
-
-
-def _make_parents(directory: str) -> List[str]:
-    """Create ``directory`` and its missing parents; return those created, deepest first."""
-    missing = []
-    while not os.path.isdir(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    for path in reversed(missing):
-        os.mkdir(path)
-    return missing
 
 
 def _umask() -> int:

@@ -209,15 +209,11 @@ class SafetensorsFileReader:
         return _DTYPES_BY_NAME[self._entries[key][0]]
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        _, shape, _, _ = self._entries[key]
-        return self.get_rows(key, 0, shape[0] if shape else 1) if shape else self._read(key, 0, None)
+        return self._read(key, 0, None)
 
     def get_rows(self, key: str, start: int, length: int) -> torch.Tensor:
         """Rows ``[start, start + length)`` (along dim 0) of tensor ``key``, reading only their bytes."""
-        dtype, shape, begin, end = self._entries[key]
-        if not shape or not 0 <= start <= start + length <= shape[0]:
-            raise ValueError(f"{self.path}: rows [{start}, {start + length}) of '{key}' (shape {shape}) do not exist")
-        return self._read(key, start, length)
+        return self.read_slice(key, 0, start, start + length)
 
     def read_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """``[start, stop)`` along ``dim`` of tensor ``key``, reading only its bytes: one contiguous run for each

@@ -11,11 +11,12 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import functools
 import io
 import json
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -215,16 +216,14 @@ class SaveJob:
     def writes_optimizer(self) -> bool:
         if self.optimizer_tensors is None:
             return False
-        if is_zero1_optimizer_index(self.optimizer_index):
+        if self.zero1_place is not None:
             return self.zero1_place[1] == 0
         return data_parallel_group().rank == 0
 
     def optimizer_file(self) -> str:
         """This rank's optimizer file: its TP rank's, and with ZeRO-1 state its shard's (the sharding rank)."""
         tp_rank = tensor_parallel_group().rank
-        if is_zero1_optimizer_index(self.optimizer_index):
-            return optim_file(tp_rank, self.zero1_place[0])
-        return optim_file(tp_rank)
+        return optim_file(tp_rank, None if self.zero1_place is None else self.zero1_place[0])
 
     def to_host(self) -> None:
         """Copy every tensor this rank writes to host memory (each a copy of its own, even on the CPU), and drop the
@@ -491,11 +490,6 @@ def _refuse_zero1(value: Any, what: str) -> None:
 ZERO1_MASTER_FIELD = "zero1_master"
 
 
-def _kind(optimizer: Any) -> str:
-    return (f"a ZeRO-1 optimizer ({type(optimizer).__name__})" if is_zero1(optimizer)
-            else f"a non-ZeRO optimizer ({type(optimizer).__name__})")
-
-
 def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
     """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (the inner optimizer's state and the master
     weights, keyed ``<param>/<field>``), the index (per parameter its TP-local shape and ``FlatShardLayout``, and which
@@ -520,23 +514,17 @@ def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
         if ZERO1_MASTER_FIELD in fields:
             raise ValueError(f"save(): the inner optimizer's state of '{name}' has a field {ZERO1_MASTER_FIELD!r}, "
                              "the name nxdtp stores ZeRO-1 master weights under")
+        tensors[f"{name}/{ZERO1_MASTER_FIELD}"] = masters[i] if i in masters else masters[str(i)]
+        stored = _store_fields(name, fields, tensors, scalars)
+        # A flat shard of the parameter (exp_avg, momentum, ...) is re-cut on loading; anything else ('step') is the
+        # same on every DP rank and copied.
         entry = {"param_index": i, "shape": list(layout.shape), "layout": layout.to_dict(),
-                 "master": ZERO1_MASTER_FIELD, "tensors": [], "flat": []}
+                 "master": ZERO1_MASTER_FIELD, "tensors": stored,
+                 "flat": [f for f in stored if fields[f].dim() == 1 and fields[f].numel() == layout.shard_numel]}
         if i in fused:
             # Its flat shards mix the parts' rows, which no model tensor's spec lays out: it resumes at this TP size,
             # and merge and reshard refuse it by name (the parts are recorded for their message).
             entry["fused_parts"] = [[part, rows] for part, rows in fused[i][1]]
-        tensors[f"{name}/{ZERO1_MASTER_FIELD}"] = masters[i] if i in masters else masters[str(i)]
-        for field, value in fields.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{name}/{field}"] = value
-                entry["tensors"].append(field)
-                # A flat shard of the parameter (exp_avg, momentum, ...) is re-cut on loading; anything else ('step')
-                # is the same on every DP rank and copied.
-                if value.dim() == 1 and value.numel() == layout.shard_numel:
-                    entry["flat"].append(field)
-            else:
-                scalars.setdefault(name, {})[field] = value
         index[name] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
@@ -591,18 +579,24 @@ def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tenso
         pieces = (split_state(fields, tuple(flat[i].shape), fused[i][1]) if i in fused
                   else [(names.get(i, str(param_id)), fields)])
         for name, part_fields in pieces:
-            index[name] = {"param_index": i, "tensors": []}
-            for field, value in part_fields.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{name}/{field}"] = value
-                    index[name]["tensors"].append(field)
-                else:
-                    scalars.setdefault(name, {})[field] = value
+            index[name] = {"param_index": i, "tensors": _store_fields(name, part_fields, tensors, scalars)}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [name for i in g["params"] for name in _saved_names(int(i), names, fused)]}
               for g in state_dict["param_groups"]]
     return tensors, {"keyed_by": "name" if names else "index", "params": index}, {"param_groups": groups,
                                                                                   "scalars": scalars}, None
+
+
+def _store_fields(name: str, fields: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+                  scalars: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Put one parameter's state tensors into ``tensors`` (keyed ``<param>/<field>``) and its other values (Adam's
+    ``step`` as a number) into ``scalars``; return the names of the tensor fields."""
+    stored = [field for field, value in fields.items() if isinstance(value, torch.Tensor)]
+    tensors.update({f"{name}/{field}": fields[field] for field in stored})
+    for field, value in fields.items():
+        if field not in stored:
+            scalars.setdefault(name, {})[field] = value
+    return stored
 
 
 def _saved_names(i: int, names: Dict[int, str], fused: Dict[int, Fused]) -> List[str]:
@@ -628,7 +622,14 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
     fused = fused_by_position(optimizer, model) if position else {}
     part_slots = {part: slot for slot, (_, parts) in fused.items() for part, _ in parts if part not in position}
     model_state = with_fused_tensors(model_state, fused)
-    files = _OptimizerFiles(tag_dir, checkpoint_index, tp_rank, verify)
+
+    @functools.lru_cache(maxsize=None)
+    def files(dp_rank: Optional[int] = None) -> _RankFile:
+        """The plain optimizer's file, or the ZeRO-1 file of DP shard ``dp_rank``, opened (and its header verified)
+        once, when first needed."""
+        return _RankFile(tag_dir, checkpoint_index, optim_file(tp_rank, dp_rank), verify)
+
+    read_state = _read_zero1_state if saved_zero else _read_plain_state
     state: Dict[int, Dict[str, Any]] = {}
     masters: Dict[int, torch.Tensor] = {}
     given: Dict[int, Dict[str, Dict[str, Any]]] = {}
@@ -637,16 +638,12 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
             slot = part_slots[name]
             rows = dict(fused[slot][1])[name]
             shape = (rows,) + tuple(live_params[slot].shape[1:])
-            fields = (_read_zero1_state(tag_dir, name, info, shape, files, None) if saved_zero
-                      else _read_plain_state(tag_dir, name, info, shape, files, None, None))[0]
+            fields = read_state(tag_dir, name, info, shape, files, None, None)[0]
             given.setdefault(slot, {})[name] = {**fields, **saved["scalars"].get(name, {})}
             continue
         slot = _slot_of(tag_dir, name, info, index["keyed_by"] == "name", position, len(live_params))
         shape = tuple(live_params[slot].shape)
-        if saved_zero:
-            fields, master = _read_zero1_state(tag_dir, name, info, shape, files, target)
-        else:
-            fields, master = _read_plain_state(tag_dir, name, info, shape, files, target, model_state)
+        fields, master = read_state(tag_dir, name, info, shape, files, target, model_state)
         if master is not None:
             masters[slot] = master
         fields.update(saved["scalars"].get(name, {}))
@@ -697,34 +694,27 @@ class _Zero1Target:
 
     def master_from_model(self, tag_dir: str, name: str, shape: Tuple[int, ...],
                           model_state: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
-        return _master_from_model(tag_dir, name, shape, model_state, self.group_size, self.rank, self.dtype)
-
-
-class _OptimizerFiles:
-    """This TP rank's optimizer files of a tag, each opened (and its header verified) once, when first needed."""
-
-    def __init__(self, tag_dir: str, index: CheckpointIndex, tp_rank: int, verify: bool):
-        self._tag_dir, self._index, self._tp_rank, self._verify = tag_dir, index, tp_rank, verify
-        self._open: Dict[str, _RankFile] = {}
-
-    def file(self, dp_rank: Optional[int] = None) -> _RankFile:
-        """The plain optimizer's file, or (``dp_rank`` given) the ZeRO-1 file of that DP shard."""
-        relative = optim_file(self._tp_rank, dp_rank)
-        if relative not in self._open:
-            self._open[relative] = _RankFile(self._tag_dir, self._index, relative, self._verify)
-        return self._open[relative]
+        """A master shard from the checkpoint's model tensor (converting a plain optimizer's state), so the master
+        weights are the saved weights whichever of model and optimizer is loaded first."""
+        if model_state is None or name not in model_state:
+            raise ValueError(f"{tag_dir}: converting a non-ZeRO optimizer's state to a ZeRO-1 optimizer needs the "
+                             f"saved model tensor '{name}' for its master weights; pass the model to load() as well")
+        value = model_state[name]
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{tag_dir}: the saved model tensor '{name}' has shape {list(value.shape)}, the "
+                             f"optimizer's parameter {list(shape)}")
+        return self.shard_of(value)
 
 
 def _check_convertible(tag_dir: str, index: Dict[str, Any], saved_zero: bool, optimizer: torch.optim.Optimizer
                        ) -> None:
     """Refuse plain state keyed by index for a ZeRO-1 optimizer, before any file is read: its master weights would
     come from the model's tensors, and without names nothing says which tensor belongs to which parameter."""
-    saved_kind = "a ZeRO-1 optimizer (NeuronZero1Optimizer)" if saved_zero else "a non-ZeRO optimizer"
     if is_zero1(optimizer) and not saved_zero and index["keyed_by"] != "name":
-        raise ValueError(f"{tag_dir}: the checkpoint holds the state of {saved_kind} keyed by parameter index, which "
-                         f"cannot be cut for {_kind(optimizer)}: its master weights cannot be matched to the model's "
-                         "tensors. Save live objects (save({'model': model, 'optimizer': optimizer})) to convert, or "
-                         "load it into the same kind of optimizer")
+        raise ValueError(f"{tag_dir}: the checkpoint holds the state of a non-ZeRO optimizer keyed by parameter index, "
+                         f"which cannot be cut for a ZeRO-1 optimizer ({type(optimizer).__name__}): its master weights "
+                         "cannot be matched to the model's tensors. Save live objects (save({'model': model, "
+                         "'optimizer': optimizer})) to convert, or load it into the same kind of optimizer")
 
 
 def _positions_by_name(index: Dict[str, Any], optimizer: torch.optim.Optimizer, model: Optional[nn.Module]
@@ -753,10 +743,12 @@ def _slot_of(tag_dir: str, name: str, info: Dict[str, Any], keyed_by_name: bool,
     return slot
 
 
-def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...], files: _OptimizerFiles,
-                      target: Optional[_Zero1Target]) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
+                      files: Callable[..., _RankFile], target: Optional[_Zero1Target], model_state: Any = None
+                      ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
     """One parameter's saved ZeRO-1 state (flat shards over the saved DP size): re-cut to a live ZeRO-1 optimizer's
-    layout, with its master shard; or, for a plain optimizer, gathered into whole TP-local tensors (and no master)."""
+    layout, with its master shard (saved: ``model_state`` is not needed); or, for a plain optimizer, gathered into
+    whole TP-local tensors (and no master)."""
     saved_layout = FlatShardLayout.from_dict(info["layout"])
     if tuple(saved_layout.shape) != shape:
         raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
@@ -764,7 +756,7 @@ def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tupl
                          "the checkpoint to this tensor parallel size first (nxdtp-merge CKPT OUT --reshard N)")
 
     def read(field: str, k: int) -> torch.Tensor:
-        return files.file(k).get_tensor(f"{name}/{field}")
+        return files(k).get_tensor(f"{name}/{field}")
 
     fields: Dict[str, Any] = {}
     if target is None:
@@ -788,12 +780,12 @@ def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tupl
     return fields, master
 
 
-def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...], files: _OptimizerFiles,
-                      target: Optional[_Zero1Target], model_state: Optional[Dict[str, torch.Tensor]]
-                      ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
+                      files: Callable[..., _RankFile], target: Optional[_Zero1Target],
+                      model_state: Optional[Dict[str, torch.Tensor]]) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
     """One parameter's saved plain state: as saved for a plain optimizer; for a ZeRO-1 optimizer, its
     parameter-shaped tensors cut to this rank's flat shard, with the master shard from the saved model tensor."""
-    f = files.file()
+    f = files()
     fields: Dict[str, Any] = {}
     for field in info["tensors"]:
         value = f.get_tensor(f"{name}/{field}")
@@ -847,20 +839,6 @@ def _complete_masters(tag_dir: str, masters: Dict[int, torch.Tensor], live_param
                          f"{missing[:5]} (by position); it was saved from another model or optimizer")
 
 
-def _master_from_model(tag_dir: str, name: str, shape: Tuple[int, ...], model_state: Optional[Dict[str, torch.Tensor]],
-                       group_size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """A ZeRO-1 master shard from the checkpoint's model tensor (converting a plain optimizer's state), so the master
-    weights are the saved weights whichever of model and optimizer is loaded first."""
-    if model_state is None or name not in model_state:
-        raise ValueError(f"{tag_dir}: converting a non-ZeRO optimizer's state to a ZeRO-1 optimizer needs the saved "
-                         f"model tensor '{name}' for its master weights; pass the model to load() as well")
-    value = model_state[name]
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{tag_dir}: the saved model tensor '{name}' has shape {list(value.shape)}, the optimizer's "
-                         f"parameter {list(shape)}")
-    return FlatShardLayout(shape, group_size).shard_of(value.to(dtype), rank)
-
-
 # ---- RNG -------------------------------------------------------------------------------------------------------------
 
 def _encode(value: Any) -> Any:
@@ -902,11 +880,6 @@ def restore_rng(tag_dir: str, rank: int) -> None:
 
 # ---- load ------------------------------------------------------------------------------------------------------------
 
-def _require_file(path: str) -> None:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-
-
 class _RankFile:
     """A safetensors file of the tag, opened for ``load``. With ``verify`` and the index's records of its header and
     tensors, the header is verified before it is parsed, and each tensor right after it is read: the bytes a rank
@@ -915,7 +888,8 @@ class _RankFile:
 
     def __init__(self, tag_dir: str, index: CheckpointIndex, relative: str, verify: bool):
         self.path = os.path.join(tag_dir, relative)
-        _require_file(self.path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"checkpoint file {self.path} is missing")
         self._checks = integrity.TensorChecks.of(tag_dir, index, relative) if verify else None
         if self._checks is not None:
             self._checks.check_header()
@@ -988,25 +962,23 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
     if model_key != "model":
         raise ValueError(f"model_key={model_key!r} is not supported; nxdtp checkpoints store the model as 'model' "
                          "(other keys apply to sharded=False files)")
-    output_dir = chkpt_path
     # The step's pending graph runs here on every rank, not inside whatever this load does first on one rank only.
     comm.materialize(_live_tensors(model, optimizer))
     reads = _Reads(model, optimizer, restore_rng_states)
     # Every rank reads only its own files, so a missing or damaged file may fail one rank: _agree makes all raise.
-    tag_dir, read, error = _agreed_read(output_dir, tag, verify, reads)
+    tag_dir, read, error = _agreed_read(chkpt_path, tag, verify, reads)
     trainer_state: Dict[str, Any] = {}
-    zero1 = is_zero1(optimizer)
-    if zero1:
+    if is_zero1(optimizer):
         # A ZeRO-1 optimizer's load_state_dict gathers its master shards over DP (a collective): every rank must get
         # there, so a failure on one rank is agreed on first.
-        _agree(error, f"loading {output_dir}")
+        _agree(error, f"loading {chkpt_path}")
     if error is None:
         try:
-            trainer_state = _load_into_live_objects(read, tag_dir, output_dir, model, optimizer, scheduler, strict,
+            trainer_state = _load_into_live_objects(read, tag_dir, chkpt_path, model, optimizer, scheduler, strict,
                                                     restore_rng_states)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
             error = e
-    _agree(error, f"loading {output_dir}")
+    _agree(error, f"loading {chkpt_path}")
     return trainer_state
 
 
@@ -1017,10 +989,9 @@ def _check_load_flags(load_xser: Any, master_dp_only: Any, sharded: Any, weights
                    "checkpoints are imported with nxdtp-merge --from-nxd")
     _check_default("load", "master_dp_only", master_dp_only, True, "nxdtp writes each TP shard once, from DP rank 0, "
                    "and every DP rank reads that file")
-    _check_bool("sharded", sharded)
-    _check_bool("weights_only", weights_only)
-    _check_bool("restore_rng_states", restore_rng_states)
-    _check_bool("verify", verify)
+    flags = dict(sharded=sharded, weights_only=weights_only, restore_rng_states=restore_rng_states, verify=verify)
+    for name, value in flags.items():
+        _check_bool(name, value)
 
 
 def _model_and_optimizer(model: Any, model_or_optimizer: Any, optimizer: Optional[torch.optim.Optimizer]

@@ -110,11 +110,11 @@ def resolve_tag(output_dir: str, tag: Optional[str]) -> str:
 
 def candidates(path: str, tag: Optional[str]) -> Tuple[List[str], bool]:
     """``(tag directories to try, named)``. Named (``tag`` given, or ``path`` is a tag directory): that one tag,
-    resolved as ``resolve_checkpoint`` does. Otherwise the tag ``newest`` names, then every other complete tag of
+    resolved as ``_resolve_named`` does. Otherwise the tag ``newest`` names, then every other complete tag of
     ``path``, newest ``done`` first; a ``newest`` that names no tag directory is still listed, so the caller can say
     what is wrong with it."""
     if tag is not None or is_tag_dir(path):
-        return [resolve_checkpoint(path, tag)[0]], True
+        return [_resolve_named(path, tag)], True
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     newest = newest_tag(path)
@@ -134,16 +134,11 @@ def is_tag_dir(path: str) -> bool:
             and any(os.path.exists(os.path.join(path, name)) for name in (INDEX_FILE, DONE_FILE, "model")))
 
 
-def resolve_checkpoint(path: str, tag: Optional[str]) -> Tuple[str, str]:
-    """``(tag_dir, checkpoint_dir)`` for ``path``, a checkpoint directory (with ``newest``; ``tag`` picks another tag)
-    or one complete tag directory itself (``tag`` must then be None). A tag directory that is not complete is refused
-    with what it lacks. ``checkpoint_dir`` is the directory that holds the tag."""
+def _resolve_named(path: str, tag: Optional[str]) -> str:
+    """The one tag directory a caller named: ``tag`` of the checkpoint directory ``path``, or ``path`` itself, a tag
+    directory (``tag`` must then be None). A tag directory that is not complete is refused with what it lacks."""
     if not is_tag_dir(path):
-        if not os.path.isdir(path) or tag is not None or newest_tag(path) is not None:
-            return resolve_tag(path, tag), path
-        raise FileNotFoundError(f"{path} has no '{NEWEST_FILE}' file (no complete checkpoint was saved there) and is "
-                                f"not a tag directory (no '{INDEX_FILE}' or '{DONE_FILE}'); pass a checkpoint "
-                                f"directory or one of its tags; complete tags in it: {complete_tags(path)}")
+        return resolve_tag(path, tag)
     if tag is not None:
         raise ValueError(f"{path} is a tag directory, so --tag {tag} (tag={tag!r}) cannot apply; pass the tag "
                          f"directory alone, or its checkpoint directory {os.path.dirname(os.path.abspath(path))} "
@@ -153,7 +148,7 @@ def resolve_checkpoint(path: str, tag: Optional[str]) -> Tuple[str, str]:
         raise ValueError(f"checkpoint tag {path} is incomplete: it has no {' and no '.join(repr(m) for m in missing)} "
                          f"file{'s' if len(missing) > 1 else ''} (the save did not finish); pass a complete tag, or "
                          f"the checkpoint directory to take its newest complete tag")
-    return path, os.path.dirname(os.path.abspath(path))
+    return path
 
 
 def prune(output_dir: str, keep_last: int, protect: str) -> List[str]:
