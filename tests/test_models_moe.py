@@ -230,6 +230,27 @@ def checkpoint_batch():
     return micro_batch(8, 0)
 
 
+def case_hf_saved_directory_loads(directory: str, family: str):
+    """transformers' own save_pretrained writes Mixtral's experts one by one (block_sparse_moe.experts.N.w1/w3/w2)
+    and the Qwen models' as experts.N.gate_proj/up_proj/down_proj: from_pretrained_sharded reads each rank's slices of
+    those into the fused experts module, and the model computes the dense model's logits."""
+    from nxdtp.models import from_pretrained_sharded
+
+    dense = dense_model(family, seed=4)
+    model = from_pretrained_sharded(directory)
+    batch = micro_batch(6, 0)
+    with torch.no_grad():
+        _close(gather_vocab_logits(model(**batch).logits, VOCAB), dense(**batch).logits, f"{family} logits")
+    return family
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_hf_saved_experts_one_by_one_load_into_the_fused_module(worlds, tmp_path, family):
+    dense_model(family, seed=4).save_pretrained(str(tmp_path))
+    assert worlds(2).run(case_hf_saved_directory_loads, tensor_model_parallel_size=2, directory=str(tmp_path),
+                         family=family) == [family] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family):

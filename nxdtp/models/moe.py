@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Optional
+import re
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -237,6 +238,93 @@ def load_balancing_loss_over_data_parallel(router_logits, num_experts: int, top_
     tokens_per_expert, total = counts[:num_experts] / counts[-1], counts[-1] / group.size
     router_prob_per_expert = (probabilities * weight.unsqueeze(-1)).sum(0) / total
     return torch.sum(tokens_per_expert * router_prob_per_expert) * num_experts
+
+
+# ---- reading experts stored one by one -------------------------------------------------------------------------------
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<part>w1|w3|w2|gate_proj|up_proj|down_proj)"
+                         r"\.weight$")
+_GATE, _UP = ("w1", "gate_proj"), ("w3", "up_proj")
+
+
+class ExpertsAsModuleHolds:
+    """An HF checkpoint reader (``hf_loading.CheckpointReader``) that also offers experts stored one by one (Hugging
+    Face's files for Mixtral, ``block_sparse_moe.experts.N.w1/w3/w2``, and for the Qwen MoE models,
+    ``mlp.experts.N.gate_proj/up_proj/down_proj``) under the keys of transformers 5's experts module:
+    ``mlp.experts.gate_up_proj`` (E, 2I, H), gate rows then up rows, and ``mlp.experts.down_proj`` (E, H, I); and
+    Mixtral's router ``block_sparse_moe.gate.weight`` as ``mlp.gate.weight``. A slice along one dimension reads only
+    the matching slices of the stored tensors, so each rank still reads only its share."""
+
+    def __init__(self, reader) -> None:
+        self._reader = reader
+        self._parts: Dict[str, Dict[int, Dict[str, str]]] = {}   # module key -> expert -> part -> stored key
+        self._aliases: Dict[str, str] = {}
+        for key in reader.keys():
+            match = _PER_EXPERT.match(key)
+            if match is None:
+                if ".block_sparse_moe.gate." in key:
+                    self._aliases[key.replace(".block_sparse_moe.", ".mlp.")] = key
+                continue
+            prefix = match["prefix"].replace(".block_sparse_moe", ".mlp")
+            part = match["part"]
+            fused = f"{prefix}.experts.{'down_proj' if part in ('w2', 'down_proj') else 'gate_up_proj'}"
+            self._parts.setdefault(fused, {}).setdefault(int(match["expert"]), {})[part] = key
+
+    def keys(self) -> List[str]:
+        return self._reader.keys() + list(self._parts) + list(self._aliases)
+
+    def _stored(self, key: str) -> List[str]:
+        if key in self._aliases:
+            return [self._aliases[key]]
+        return [k for expert in sorted(self._parts[key]) for k in self._parts[key][expert].values()]
+
+    def path(self, key: str) -> str:
+        return self._reader.path(self._stored(key)[0] if key in self._parts or key in self._aliases else key)
+
+    def dtype_name(self, key: str) -> str:
+        return self._reader.dtype_name(self._stored(key)[0] if key in self._parts or key in self._aliases else key)
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        if key in self._aliases:
+            return self._reader.shape(self._aliases[key])
+        if key not in self._parts:
+            return self._reader.shape(key)
+        experts = self._parts[key]
+        rows, columns = self._reader.shape(next(iter(experts[0].values())))
+        return (len(experts), 2 * rows, columns) if key.endswith("gate_up_proj") else (len(experts), rows, columns)
+
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        if key in self._aliases:
+            return self._reader.read(self._aliases[key], dim, start, stop)
+        if key not in self._parts:
+            return self._reader.read(key, dim, start, stop)
+        shape = self.shape(key)
+        dim, stop = (0, shape[0]) if dim is None else (dim, shape[dim] if stop is None else stop)
+        experts = range(start, stop) if dim == 0 else range(shape[0])
+        rows = (0, shape[1]) if dim != 1 else (start, stop)
+        columns = (start, stop) if dim == 2 else (0, shape[2])
+        return torch.stack([self._expert(key, e, rows, columns) for e in experts])
+
+    def _expert(self, key: str, expert: int, rows, columns) -> torch.Tensor:
+        """Rows ``[rows)`` and columns ``[columns)`` of one expert's matrix as the module holds it."""
+        parts = self._parts[key][expert]
+        if key.endswith("down_proj"):
+            stored = next(iter(parts.values()))
+            return self._reader.read(stored, 1, *columns).narrow(0, rows[0], rows[1] - rows[0])
+        gate, up = (next(parts[p] for p in names if p in parts) for names in (_GATE, _UP))
+        half = self._reader.shape(gate)[0]
+        pieces = [self._reader.read(stored, 0, max(rows[0], offset) - offset, min(rows[1], offset + half) - offset)
+                  for stored, offset in ((gate, 0), (up, half)) if rows[0] < offset + half and rows[1] > offset]
+        return torch.cat(pieces).narrow(1, columns[0], columns[1] - columns[0])
+
+    def release(self) -> None:
+        self._reader.release()
+
+
+def experts_as_module_holds(reader):
+    """``reader``, wrapped in ``ExpertsAsModuleHolds`` when its checkpoint stores experts one by one."""
+    wrapped = ExpertsAsModuleHolds(reader)
+    return wrapped if wrapped._parts or wrapped._aliases else reader
 
 
 def checkpoint_keys(name: str):

@@ -20,6 +20,7 @@ from .hf_loading import (
     materialize_meta_model,
     parameters_on_meta,
 )
+from .moe import experts_as_module_holds
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ def build_from_pretrained(model_dir: str, model_class, config, shard: Callable[[
     an error. The model is returned in eval mode, as HF does. Damaged files are a ``PretrainedDirectoryError`` naming
     the file (``hf_loading``), raised on every rank.
     """
-    reader = CheckpointReader(model_dir)  # fail on a missing checkpoint before building anything
+    # Fail on a missing checkpoint before building anything. Experts stored one by one (HF's files of MoE models) are
+    # read as the module holds them.
+    reader = experts_as_module_holds(CheckpointReader(model_dir))
     with parameters_on_meta():
         model = model_class(config)
     shard(model)
