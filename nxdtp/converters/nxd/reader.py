@@ -23,7 +23,7 @@ import torch
 
 from ...checkpointing.dense import DenseWeightsWriter
 from ...checkpointing.output_dir import check_output_dir, write_atomically
-from ...checkpointing.pipeline import DenseSink, TagSource, narrowed, stream
+from ...checkpointing.pipeline import DenseSink, TagSource, narrowed, shifted, stream
 from ...errors import DamagedInputError
 from ...spec import ParamSpec
 
@@ -485,7 +485,7 @@ class NxdSource:
                 self._last = (key, how())
             return [narrowed(self._last[1], box) for box in boxes]
         nxd_key, offset = how
-        return self.tags.read_boxes(nxd_key, [((o[0] + offset,) + tuple(o[1:]), n) if n else (o, n) for o, n in boxes])
+        return self.tags.read_boxes(nxd_key, [shifted(box, offset) for box in boxes])
 
     def whole(self, key: str) -> torch.Tensor:
         """The dense tensor of ``key`` in its stored dtype."""
