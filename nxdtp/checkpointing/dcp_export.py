@@ -17,14 +17,16 @@ from ..version import __version__
 from .dcp_io import EXPORT_RECORD_FILE, LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, DcpSink
 from .dense_optimizer import MASTER_PREFIX
 from .durable import write_bytes_durably
-from .index import INDEX_FILE, CheckpointIndex, dtype_from_name, is_zero1_optimizer_index, optim_file
+from .index import CheckpointIndex, is_zero1_optimizer_index
 from .merge import (
-    TRAINER_STATE_FILE,
     DenseOptimizerTensor,
     dense_optimizer_state,
     optimizer_file_names,
     optimizer_values,
-    plan_plain_optimizer,
+    plan_optimizer,
+    read_trainer_state,
+    tag_model_source,
+    tag_optimizer_source,
 )
 from .output_dir import write_atomically
 from .pipeline import TagSource, stream
@@ -60,9 +62,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
     optim_files: Dict[str, Any] = {}
     notes: List[str] = []
     try:
-        tp = index.tensor_model_parallel_size
-        model = TagSource(model_files, {key: (e.spec, dtype_from_name(e.dtype), e.files(tp))
-                                        for key, e in index.tensors.items()}, slab_bytes=CHUNK_BYTES)
+        model = tag_model_source(index, model_files, CHUNK_BYTES)
         sink = DcpSink({key: [(name,) for name in [key] + e.aliases] for key, e in index.tensors.items()},
                        {key: e.spec for key, e in index.tensors.items()})
         stream(model, sink, index.tensors)
@@ -71,10 +71,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
             sink.names.update(names)
             sink.specs.update({key: spec for key, (spec, _, _) in optimizer.layout.items()})
             stream(optimizer, sink, optimizer.layout)
-        trainer_state = None
-        if os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
-            with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-                trainer_state = json.load(f)
+        trainer_state = read_trainer_state(tag_dir)
         values.update(torchtitan_states(trainer_state, notes))
 
         def write(staging: str) -> int:
@@ -84,7 +81,8 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
             finally:
                 bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
-            record = {"source": os.path.abspath(tag_dir), "source_tensor_model_parallel_size": tp,
+            record = {"source": os.path.abspath(tag_dir),
+                      "source_tensor_model_parallel_size": index.tensor_model_parallel_size,
                       "nxdtp_version": __version__, "notes": notes}
             if trainer_state is not None:
                 record["trainer_state"] = trainer_state
@@ -109,11 +107,7 @@ def _optimizer_source(tag_dir: str, index: CheckpointIndex, optim_files: Dict[st
         notes.append("the checkpoint holds no optimizer state")
         return None, {}, {}
     zero1 = is_zero1_optimizer_index(index.optimizer)
-    try:
-        plan, files, why_not = (dense_optimizer_state if zero1 else plan_plain_optimizer)(
-            tag_dir, index, *([] if zero1 else [index.tensors]))
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") from None
+    plan, files, why_not = (dense_optimizer_state if zero1 else plan_optimizer)(tag_dir, index)
     optim_files.update(files)
     if plan is None:
         message = f"{tag_dir}: optimizer state left out of the DCP export: {why_not}"
@@ -126,22 +120,10 @@ def _optimizer_source(tag_dir: str, index: CheckpointIndex, optim_files: Dict[st
         source, values = zero1_source(plan)
         names = {key: [(OPTIMIZER_KEY, key)] for key in source.layout}
     else:
-        source, values = _plain_source(index, plan, files), optimizer_values(tag_dir)
+        source, values = tag_optimizer_source(index, plan, files, CHUNK_BYTES), optimizer_values(tag_dir)
         names = {key: [(OPTIMIZER_KEY, "state.{}.{}".format(*key.rsplit("/", 1)))] for key in source.layout}
     # JSON made the tuples of torch's optimizers (Adam's betas) lists: give them back.
     return source, names, {(OPTIMIZER_KEY, key): tuple(v) if isinstance(v, list) else v for key, v in values.items()}
-
-
-def _plain_source(index: CheckpointIndex, plan, handles: Dict[str, Any]) -> TagSource:
-    """A plain optimizer's rank files as a source (keys ``<param>/<field>``): state shaped like its parameter is laid
-    out like it, other state ('step') is TP rank 0's."""
-    files = [optim_file(r) for r in range(index.tensor_model_parallel_size)]
-    layout = {}
-    for name, (key, fields) in plan:
-        for field, kind, shape in fields:
-            spec = index.tensors[key].spec if kind in ("shard", "replicate") else ParamSpec(full_shape=tuple(shape))
-            layout[f"{name}/{field}"] = (spec, handles[files[0]].dtype(f"{name}/{field}"), files)
-    return TagSource(handles, layout, slab_bytes=CHUNK_BYTES)
 
 
 def zero1_source(dense_state: Dict[str, Any]) -> Tuple[TagSource, Dict[str, Any]]:
@@ -150,38 +132,16 @@ def zero1_source(dense_state: Dict[str, Any]) -> Tuple[TagSource, Dict[str, Any]
     weights are not optimizer state of the dense model and are left out. Also the non-tensor values."""
     tensors = {key: t for key, t in dense_state.items()
                if isinstance(t, DenseOptimizerTensor) and not key.startswith(MASTER_PREFIX)}
-    pieces = _GatheredPieces(tensors)
     tp = max([t.spec.num_partitions for t in tensors.values() if t.spec is not None and t.spec.is_sharded] or [1])
     layout = {key: (t.spec or ParamSpec(full_shape=tuple(t.shape)), t.dtype, list(range(tp)))
               for key, t in tensors.items()}
     values = {key: v for key, v in dense_state.items() if not isinstance(v, DenseOptimizerTensor)}
-    return TagSource({rank: _GatheredPieces.Rank(pieces, rank) for rank in range(tp)}, layout,
-                     slab_bytes=CHUNK_BYTES), values
 
+    def piece(key: str, rank: int):
+        tensor = tensors[key]
+        return tensor.read_piece(rank) if tensor.spec is not None else tensor.read()
 
-class _GatheredPieces:
-    """The TP pieces of ZeRO-1 tensors, read whole (``read_piece``) and the last one kept while its boxes are read."""
-
-    def __init__(self, tensors: Dict[str, DenseOptimizerTensor]):
-        self.tensors, self.kept = tensors, (None, None)
-
-    def piece(self, key: str, rank: int):
-        if self.kept[0] != (key, rank):
-            tensor = self.tensors[key]
-            self.kept = (None, None)
-            self.kept = ((key, rank), tensor.read_piece(rank) if tensor.spec is not None else tensor.read())
-        return self.kept[1]
-
-    @dataclasses.dataclass
-    class Rank:
-        pieces: "_GatheredPieces"
-        rank: int
-
-        def get_rows(self, key: str, start: int, length: int):
-            return self.pieces.piece(key, self.rank).narrow(0, start, length)
-
-        def get_tensor(self, key: str):
-            return self.pieces.piece(key, self.rank)
+    return TagSource({}, layout, slab_bytes=CHUNK_BYTES, build_piece=piece), values
 
 
 def torchtitan_states(trainer_state: Optional[dict], notes: List[str]) -> Dict[Tuple[str, ...], Any]:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..spec import ParamSpec
-from .pipeline import Box, ReadBoxes, rows_within
+from .pipeline import Box, ReadBoxes, narrowed, row_cuts, rows_within, shifted
 
 OPTIMIZER_KEY, LR_SCHEDULER_KEY, TRAIN_STATE_KEY = "optimizer", "lr_scheduler", "train_state"  # TorchTitan's names
 EXPORT_RECORD_FILE = "nxdtp_dcp_export.json"
@@ -54,23 +54,6 @@ def piece_boxes(spec: ParamSpec, rank: int, copies: bool = False) -> List[Tuple[
         offsets[spec.partition_dim], sizes[spec.partition_dim] = dense_start, length
         boxes.append(((tuple(offsets), tuple(sizes)), (spec.partition_dim, start, length)))
     return boxes
-
-
-def row_cuts(box: Box, dtype: torch.dtype, budget: int) -> List[Box]:
-    """``box`` cut along dim 0 into boxes of at most ``budget`` bytes (at least a row each; an empty box stays one)."""
-    offsets, sizes = box
-    if not sizes:
-        return [box]
-    step = rows_within(budget, sizes, dtype)
-    return [((offsets[0] + start,) + offsets[1:], (min(step, sizes[0] - start),) + sizes[1:])
-            for start in range(0, sizes[0] or 1, step)]
-
-
-def _cut(tensor: torch.Tensor, box: Box, first_row: int = 0) -> torch.Tensor:
-    """Box ``box`` of a tensor that holds the rows from ``first_row`` on."""
-    for dim, (offset, size) in enumerate(zip(*box)):
-        tensor = tensor.narrow(dim, offset - (first_row if dim == 0 else 0), size)
-    return tensor
 
 
 def write_item(fqn: str, offsets, sizes, dtype: torch.dtype, shape):
@@ -143,7 +126,7 @@ class DcpReader:
             loaded = CycleCollector()
 
             def resolve_tensor(self, item):
-                return _cut(out[item.dest_index.fqn][item.dest_index.index], (item.dest_offsets, item.lengths))
+                return narrowed(out[item.dest_index.fqn][item.dest_index.index], (item.dest_offsets, item.lengths))
 
             def commit_tensor(self, item, tensor) -> None:
                 self.loaded.passed(tensor)
@@ -188,7 +171,7 @@ class DcpSource:
                 span = (max(e for e in edges if e <= min(b[0][0] for b in boxes)),
                         min(e for e in edges if e >= max(b[0][0] + b[1][0] for b in boxes)))
         rows = self._kept_rows(name, span, size)
-        return [_cut(rows, box, span[0]) for box in boxes]
+        return [narrowed(rows, shifted(box, -span[0])) for box in boxes]
 
     def _kept_rows(self, name: str, span: Tuple[int, int], size: Tuple[int, ...]) -> torch.Tensor:
         """Rows ``span`` of ``name``, from the rows kept from the last read where they hold them: a chunk the last
@@ -258,7 +241,8 @@ class DcpSink:
               slab_bytes: int) -> None:
         spec = self.specs[key]
         boxes = [cut for rank in range(spec.num_partitions if spec.is_sharded else 1)
-                 for box, _ in piece_boxes(spec, rank) for cut in row_cuts(box, dtype, slab_bytes)]
+                 for box, _ in piece_boxes(spec, rank)
+                 for cut in row_cuts(box, rows_within(slab_bytes, box[1], dtype))]
         if not boxes:  # an empty tensor split over ranks: no piece holds a row, one empty chunk describes it
             boxes = [((0,) * len(shape), tuple(shape))]
         for path in self.names[key]:

@@ -35,14 +35,11 @@ from .index import (
 )
 from .output_dir import write_atomically
 from .pipeline import (
-    SLAB_BYTES,
-    Box,
     DenseSink,
     RankFilesSink,
     TagSource,
     TensorSource,
     dense_slabs,
-    narrowed,
     rows_within,
     stream,
 )
@@ -233,21 +230,11 @@ class _ReshardJob:
     def old_tp(self) -> int:
         return self.index.tensor_model_parallel_size
 
-    @property
-    def zero1(self) -> bool:
-        return is_zero1_optimizer_index(self.index.optimizer)
-
     def plan_optimizer(self) -> None:
         """Plan the optimizer state's reshard, or drop it with a warning (and a note) saying why it cannot be."""
         if self.index.optimizer is None:
             return
-        try:
-            planner = plan_zero1_optimizer if self.zero1 else plan_plain_optimizer
-            self.optimizer_plan, self.optim_files, why_not = planner(self.tag_dir, self.index, self.new_entries,
-                                                                     self.open_file)
-        except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
-            raise ValueError(f"{os.path.join(self.tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") \
-                from None
+        self.optimizer_plan, self.optim_files, why_not = plan_optimizer(self.tag_dir, self.index, self.open_file)
         if self.optimizer_plan is None:
             message = f"{self.tag_dir}: optimizer state dropped: {why_not}"
             warnings.warn(message, stacklevel=3)  # attributed to reshard's caller
@@ -322,12 +309,13 @@ class _ReshardJob:
 
 # ---- the tag's tensors as a pipeline source -------------------------------------------------------------------------
 
-def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any]) -> TagSource:
+def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any], slab_bytes: Optional[int] = None
+                     ) -> TagSource:
     """The model tensors of a tag (its open rank files) as a ``pipeline.TensorSource`` (the index was checked: each
     spec's partition count is the checkpoint's TP degree)."""
     tp = index.tensor_model_parallel_size
     return TagSource(model_files, {key: (entry.spec, dtype_from_name(entry.dtype), entry.files(tp))
-                                   for key, entry in index.tensors.items()})
+                                   for key, entry in index.tensors.items()}, slab_bytes)
 
 
 # ---- resharding ------------------------------------------------------------------------------------------------------
@@ -378,11 +366,7 @@ def _open_writers(paths: List[str], layouts) -> Iterator[List[StreamingSafetenso
 def _optimizer_params(tag_dir: str, index: CheckpointIndex):
     """The optimizer's per-parameter records, the model key of every parameter name (aliases of tied tensors
     included), and why they cannot be resharded (None if they can); the optimizer's state file must exist."""
-    primary = {}
-    for key, entry in index.tensors.items():
-        primary[key] = key
-        for alias in entry.aliases:
-            primary[alias] = key
+    primary = {alias: key for key, entry in index.tensors.items() for alias in [key] + entry.aliases}
     params = index.optimizer.get("params", {})
     unknown = [name for name in params if name not in primary]
     fused = [name for name in unknown if "fused_parts" in params[name]]
@@ -403,46 +387,77 @@ def _optimizer_params(tag_dir: str, index: CheckpointIndex):
     return primary, params, None
 
 
-def plan_plain_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
-                    open_file: Optional[Callable[[str], Any]] = None):
-    """How each optimizer tensor reshards: [(param key, [(field, kind, old shape)])], the open files, or why not.
+def plan_optimizer(tag_dir: str, index: CheckpointIndex, open_file: Optional[Callable[[str], Any]] = None):
+    """How the tag's optimizer state keyed by name is laid out: ``[(param name, (model key, [(field, kind, shape,
+    dtype)]))]`` (shape and dtype as TP rank 0 stores the field), the open rank files (``optimizer_rank_files``), or
+    ``(None, {}, why not)``. kind is "shard" (plain state shaped like its sharded parameter's piece: split like it),
+    "replicate" (plain state shaped like its replicated parameter), "flat" (ZeRO-1, the master weights included: a
+    flat shard of the TP-local tensor in every TP x DP rank file) or "copy" (anything else, e.g. Adam's 'step': TP
+    (and DP) rank 0's value goes to every file). A damaged index or a rank file that lacks or misshapes what it lists
+    raises."""
+    try:
+        return _plan_optimizer(tag_dir, index, open_file or rank_file_opener(tag_dir))
+    except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
+        raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") from None
 
-    kind is "shard" (the param's local shape, param sharded: split like the param), "replicate" (the param's shape,
-    param replicated) or "copy" (anything else, e.g. Adam's 'step': copied from TP rank 0 to every rank).
-    """
-    info = index.optimizer
-    tp = index.tensor_model_parallel_size
+
+def _plan_optimizer(tag_dir: str, index: CheckpointIndex, open_file: Callable[[str], Any]):
+    info, zero1 = index.optimizer, is_zero1_optimizer_index(index.optimizer)
     if not isinstance(info, dict) or info.get("keyed_by") != "name":
-        return None, {}, ("it is keyed by parameter index (saved from optimizer.state_dict() rather than a live "
-                          "optimizer and model), so it cannot be matched to the parameters it belongs to")
+        return None, {}, (f"it is {'ZeRO-1 state ' if zero1 else ''}keyed by parameter index (saved from "
+                          "optimizer.state_dict() rather than a live optimizer and model), so it cannot be matched to "
+                          "the parameters it belongs to")
     primary, params, why_not = _optimizer_params(tag_dir, index)
     if why_not:
         return None, {}, why_not
-    handles: Dict[str, Any] = {}
-    open_file = open_file or rank_file_opener(tag_dir)
-    for rank in range(tp):
-        handles[optim_file(rank)] = open_file(optim_file(rank))
+    files = optimizer_rank_files(info, index.tensor_model_parallel_size)
+    handles = {relative: open_file(relative) for relative in files.values()}
+    first = handles[files[(0, 0)]]
     plan = []
     for name, fields in params.items():
-        entry = index.tensors[primary[name]]
+        spec = index.tensors[primary[name]].spec
+        flat = _zero1_layout(tag_dir, name, fields, spec, info) if zero1 else None
         per_field = []
-        for field in fields["tensors"]:
+        for field in list(fields["tensors"]) + ([fields["master"]] if zero1 else []):
             key = f"{name}/{field}"
-            path0 = os.path.join(tag_dir, optim_file(0))
-            if key not in handles[optim_file(0)].keys():
-                raise ValueError(f"checkpoint file {path0} lacks '{key}', which the index lists")
-            shape = tuple(handles[optim_file(0)].get_slice(key).get_shape())
-            if entry.spec.is_sharded and shape == entry.spec.local_shape():
-                kind = "shard"
-                for rank in range(1, tp):
-                    check_piece(handles[optim_file(rank)], os.path.join(tag_dir, optim_file(rank)), key, shape)
-            elif not entry.spec.is_sharded and shape == tuple(entry.spec.full_shape):
-                kind = "replicate"
+            if key not in first.keys():
+                raise ValueError(f"checkpoint file {os.path.join(tag_dir, files[(0, 0)])} lacks '{key}', which the "
+                                 "index lists")
+            shape = tuple(first.get_slice(key).get_shape())
+            if zero1:
+                kind = "flat" if field == fields["master"] or field in fields["flat"] else "copy"
+            elif spec.is_sharded:
+                kind = "shard" if shape == spec.local_shape() else "copy"
             else:
-                kind = "copy"
-            per_field.append((field, kind, shape))
-        plan.append((name, primary[name], per_field))
-    return [(name, (key, per_field)) for name, key, per_field in plan], handles, None
+                kind = "replicate" if shape == tuple(spec.full_shape) else "copy"
+            if kind in ("shard", "flat"):  # every rank file holds a piece of its own
+                for relative in files.values():
+                    check_piece(handles[relative], os.path.join(tag_dir, relative), key,
+                                (flat.shard_numel,) if flat else spec.local_shape())
+            per_field.append((field, kind, shape, first.dtype(key)))
+        plan.append((name, (primary[name], per_field)))
+    return plan, handles, None
+
+
+def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSpec, info: Dict[str, Any]
+                  ) -> FlatShardLayout:
+    """The flat layout of a parameter's ZeRO-1 state, which must cut its model tensor's local shape over the
+    checkpoint's sharding group."""
+    layout, dp = FlatShardLayout.from_dict(fields["layout"]), int(info["zero1"]["sharding_group_size"])
+    if tuple(layout.shape) != tuple(spec.local_shape()) or layout.group_size != dp:
+        raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)}: the ZeRO-1 state of '{name}' is cut as "
+                         f"{fields['layout']}, but its model tensor's local shape is {list(spec.local_shape())} and "
+                         f"the sharding group size {dp}")
+    return layout
+
+
+def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, int], str]:
+    """The optimizer's rank file of each (TP rank, DP rank): a plain optimizer's one per TP rank (as DP rank 0),
+    ZeRO-1's one per TP x DP rank."""
+    if not is_zero1_optimizer_index(optimizer):
+        return {(rank, 0): optim_file(rank) for rank in range(tp)}
+    dp = int(optimizer["zero1"]["sharding_group_size"])
+    return {(rank, k): optim_file(rank, k) for rank in range(tp) for k in range(dp)}
 
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
@@ -453,18 +468,20 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
     file) or a ``Zero1Sink`` (ZeRO-1, the same DP size); other state ('step') is TP (and DP) rank 0's value."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
     dp = int(index.optimizer["zero1"]["sharding_group_size"]) if zero1 else 1
-    ranks = [(rank, k) for rank in range(new_tp) for k in range(dp)]
+    new_files = optimizer_rank_files(index.optimizer, new_tp)
     first = handles[optim_file(0, 0) if zero1 else optim_file(0)]
-    specs = {f"{name}/{field}": new_entries[key].spec for name, (key, fields) in plan for field, _, _ in fields}
-    kinds = {f"{name}/{field}": kind for name, (_, fields) in plan for field, kind, _ in fields}
-    layout = [(key, first.dtype(key), tuple(first.get_slice(key).get_shape()) if kind in ("copy", "replicate") else
-               (FlatShardLayout(specs[key].local_shape(), dp).shard_numel,) if zero1 else specs[key].local_shape())
-              for key, kind in kinds.items()]
-    paths = [os.path.join(new_tag_dir, optim_file(*rank) if zero1 else optim_file(rank[0])) for rank in ranks]
-    with _open_writers(paths, [layout] * len(ranks)) as writers:
-        sink = Zero1Sink(dict(zip(ranks, writers)), specs, dp) if zero1 else RankFilesSink(writers, specs, True)
+    fields = {f"{name}/{field}": (new_entries[key].spec, kind, shape, dtype)
+              for name, (key, fields) in plan for field, kind, shape, dtype in fields}
+    stored = {"copy": lambda spec, shape: shape, "replicate": lambda spec, shape: shape,
+              "shard": lambda spec, shape: spec.local_shape(),
+              "flat": lambda spec, shape: (FlatShardLayout(spec.local_shape(), dp).shard_numel,)}
+    layout = [(key, dtype, stored[kind](spec, shape)) for key, (spec, kind, shape, dtype) in fields.items()]
+    paths = [os.path.join(new_tag_dir, relative) for relative in new_files.values()]
+    with _open_writers(paths, [layout] * len(paths)) as writers:
+        specs = {key: spec for key, (spec, _, _, _) in fields.items()}
+        sink = Zero1Sink(dict(zip(new_files, writers)), specs, dp) if zero1 else RankFilesSink(writers, specs, True)
         source = source or tag_optimizer_source(index, plan, handles)
-        for key, kind in kinds.items():
+        for key, (_, kind, _, _) in fields.items():
             if kind == "copy":
                 value = first.get_tensor(key)
                 for writer in writers:
@@ -473,82 +490,6 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
                 stream(source, sink, [key])
             bar.update(1)
     return writers  # completed: their records are ready
-
-
-def plan_zero1_optimizer(tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry],
-                          open_file: Optional[Callable[[str], Any]] = None):
-    """How ZeRO-1 state reshards: [(param name, (model key, [(field, kind, dtype)]))], the open files (every TP x DP
-    rank's), or why not. kind is "flat" (a flat shard of the TP-local tensor: the DP shards are gathered into the
-    TP-local tensor, which is resharded like the parameter and cut again over the same DP size) or "copy" ('step':
-    DP rank 0 of TP rank 0's value in every file)."""
-    info = index.optimizer
-    tp = index.tensor_model_parallel_size
-    if info.get("keyed_by") != "name":
-        return None, {}, ("it is ZeRO-1 state keyed by parameter index (saved from optimizer.state_dict() rather than "
-                          "a live optimizer and model), so it cannot be matched to the parameters it belongs to")
-    primary, params, why_not = _optimizer_params(tag_dir, index)
-    if why_not:
-        return None, {}, why_not
-    dp = int(info["zero1"]["sharding_group_size"])
-    open_file = open_file or rank_file_opener(tag_dir)
-    handles: Dict[str, Any] = {}
-    for rank in range(tp):
-        for k in range(dp):
-            handles[optim_file(rank, k)] = open_file(optim_file(rank, k))
-    plan = []
-    for name, fields in params.items():
-        entry = index.tensors[primary[name]]
-        layout = FlatShardLayout.from_dict(fields["layout"])
-        if tuple(layout.shape) != tuple(entry.spec.local_shape()) or layout.group_size != dp:
-            raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)}: the ZeRO-1 state of '{name}' is cut as "
-                             f"{fields['layout']}, but its model tensor's local shape is "
-                             f"{list(entry.spec.local_shape())} and the sharding group size {dp}")
-        per_field = []
-        for field in list(fields["tensors"]) + [fields["master"]]:
-            flat = field == fields["master"] or field in fields["flat"]
-            key = f"{name}/{field}"
-            for rank in range(tp) if flat else [0]:
-                for k in range(dp) if flat else [0]:
-                    relative = optim_file(rank, k)
-                    handle = handles[relative]
-                    if key not in handle.keys():
-                        raise ValueError(f"checkpoint file {os.path.join(tag_dir, relative)} lacks '{key}', which the "
-                                         "index lists")
-                    if flat:
-                        check_piece(handle, os.path.join(tag_dir, relative), key, (layout.shard_numel,))
-            per_field.append((field, "flat" if flat else "copy",
-                              handles[optim_file(0, 0)].dtype(key)))
-        plan.append((name, (primary[name], per_field)))
-    return plan, handles, None
-
-
-class Zero1Source:
-    """ZeRO-1 state (keys ``name/field``, ``layout[key] = (spec, flat layout, dtype)``) as a
-    ``pipeline.TensorSource``: a TP rank's piece is its DP shards joined (``piece``), laid out by the parameter's
-    spec. A flat shard holds no rows, so a tensor is read whole, and kept until another is read."""
-
-    def __init__(self, handles: Dict[str, Any], layout: Dict[str, Tuple[ParamSpec, FlatShardLayout, torch.dtype]]):
-        self.handles, self.layout, self.slab_bytes = handles, layout, SLAB_BYTES
-        self._last: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
-
-    def spec(self, key: str) -> ParamSpec:
-        return self.layout[key][0]
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.layout[key][2]
-
-    def piece(self, key: str, rank: int) -> torch.Tensor:
-        shards = self.layout[key][1]
-        return shards.full_from_shards([self.handles[optim_file(rank, k)].get_tensor(key)
-                                        for k in range(shards.group_size)])
-
-    def read_boxes(self, key: str, boxes: List[Box]) -> List[torch.Tensor]:
-        if self._last[0] != key:
-            spec, _, dtype = self.layout[key]
-            self._last = (None, None)
-            full = spec.full_from_pieces(lambda rank: self.piece(key, rank), dtype)
-            self._last = (key, spec.dense_from_full(full).contiguous())
-        return [narrowed(self._last[1], box) for box in boxes]
 
 
 class Zero1Sink:
@@ -568,16 +509,30 @@ class Zero1Sink:
                 self.writers[(rank, k)].write(key, flat.shard_of(piece, k))
 
 
-def tag_optimizer_source(index: CheckpointIndex, plan, handles: Dict[str, Any]):
-    """The optimizer tensors shaped like their parameters (keys ``name/field``; every field but "copy" ones) as a
-    pipeline source: ``Zero1Source`` for ZeRO-1 state, else a ``TagSource`` of the optimizer's rank files."""
-    tensors = [(f"{name}/{field}", index.tensors[key].spec, name, detail)
-               for name, (key, fields) in plan for field, kind, detail in fields if kind != "copy"]
-    if is_zero1_optimizer_index(index.optimizer):
-        return Zero1Source(handles, {key: (spec, FlatShardLayout.from_dict(index.optimizer["params"][name]["layout"]),
-                                           dtype) for key, spec, name, dtype in tensors})
-    files = [optim_file(rank) for rank in range(index.tensor_model_parallel_size)]
-    return TagSource(handles, {key: (spec, handles[files[0]].dtype(key), files) for key, spec, _, _ in tensors})
+def tag_optimizer_source(index: CheckpointIndex, plan, handles: Dict[str, Any], slab_bytes: Optional[int] = None
+                         ) -> TagSource:
+    """The optimizer's tensors (keys ``name/field``) as a ``TagSource`` of its rank files: state shaped like its
+    parameter laid out like it, other state ('step') as TP rank 0 stores it. A ZeRO-1 TP piece is its DP shards
+    joined, built whole (a flat shard holds no rows)."""
+    tp = index.tensor_model_parallel_size
+    files = optimizer_rank_files(index.optimizer, tp)
+    layout, flat = {}, {}
+    for name, (key, fields) in plan:
+        for field, kind, shape, dtype in fields:
+            spec = ParamSpec(full_shape=shape) if kind == "copy" else index.tensors[key].spec
+            layout[f"{name}/{field}"] = (spec, dtype, [files[(rank, 0)] for rank in range(tp)])
+            if kind == "flat":
+                flat[f"{name}/{field}"] = FlatShardLayout.from_dict(index.optimizer["params"][name]["layout"])
+    if not is_zero1_optimizer_index(index.optimizer):
+        return TagSource(handles, layout, slab_bytes)
+
+    def joined_shards(key: str, rank: int) -> torch.Tensor:
+        if key not in flat:  # 'step': the same in every file
+            return handles[files[(rank, 0)]].get_tensor(key)
+        return flat[key].full_from_shards([handles[files[(rank, k)]].get_tensor(key)
+                                           for k in range(flat[key].group_size)])
+
+    return TagSource(handles, layout, slab_bytes, build_piece=joined_shards)
 
 
 def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, TensorEntry], plan) -> Dict[str, Any]:
@@ -615,12 +570,7 @@ def optimizer_file_names(index: CheckpointIndex) -> List[str]:
     """The tag's optimizer files (a plain optimizer's per TP rank, or ZeRO-1's per TP x DP rank, and the JSON part)."""
     if index.optimizer is None:
         return []
-    tp = index.tensor_model_parallel_size
-    if is_zero1_optimizer_index(index.optimizer):
-        dp = int(index.optimizer["zero1"]["sharding_group_size"])
-        names = [optim_file(rank, k) for rank in range(tp) for k in range(dp)]
-    else:
-        names = [optim_file(rank) for rank in range(tp)]
+    names = list(optimizer_rank_files(index.optimizer, index.tensor_model_parallel_size).values())
     return [name for name in names + [OPTIMIZER_STATE_FILE] if index.files is None or name in index.files]
 
 
@@ -646,44 +596,42 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
     ``dense_optimizer`` for the keys), the open files, or ``(None, {}, why not)``. Plain state is reassembled from its
     TP pieces like the parameter; ZeRO-1 state from each TP rank's DP shards, then its TP pieces."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
-    try:
-        planner = plan_zero1_optimizer if zero1 else plan_plain_optimizer
-        plan, handles, why_not = planner(tag_dir, index, index.tensors)
-    except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
-        raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)} is damaged: malformed optimizer entry {e}") from None
+    plan, handles, why_not = plan_optimizer(tag_dir, index)
     if plan is None:
         return None, {}, why_not
-    source, first = tag_optimizer_source(index, plan, handles), handles[optim_file(0, 0) if zero1 else optim_file(0)]
+    source = tag_optimizer_source(index, plan, handles)
     state: Dict[str, Any] = {}
     for name, (_, fields) in plan:
         master = index.optimizer["params"][name].get("master") if zero1 else None
-        for field, kind, _ in fields:
+        for field, kind, _, _ in fields:
             key = f"{name}/{field}"
             flat_key = f"{MASTER_PREFIX}{name}" if field == master else f"state.{name}.{field}"
-            if kind == "copy":  # 'step' and other state not shaped like the parameter: TP (and DP) rank 0's value
-                state[flat_key] = DenseOptimizerTensor(shape=tuple(first.get_slice(key).get_shape()),
-                                                       dtype=first.dtype(key), read=partial(first.get_tensor, key))
-                continue
             shape, dtype, read_boxes = tuple(source.spec(key).unpadded_shape), source.dtype(key), partial(
                 source.read_boxes, key)
-            rows = rows_within(source.slab_bytes, shape, dtype)
+            shaped = kind != "copy"  # 'step' and other state not shaped like the parameter: TP rank 0's value
             state[flat_key] = DenseOptimizerTensor(
                 shape=shape, dtype=dtype, read=lambda r=read_boxes, s=shape: r([((0,) * len(s), s)])[0].contiguous(),
-                spec=source.spec(key), read_piece=partial(source.piece, key),
+                spec=source.spec(key) if shaped else None, read_piece=partial(source.piece, key) if shaped else None,
                 # plain state is stored as its parameter: read in slabs of piece rows
-                read_parts=None if zero1 or not shape else partial(dense_slabs, read_boxes, shape, rows))
+                read_parts=None if zero1 or not shape else partial(
+                    dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype)))
     state.update(optimizer_values(tag_dir))
     return state, handles, None
 
 
 def _write_dense_optimizer(directory: str, state: Dict[str, Any], index: CheckpointIndex, tag_dir: str,
                            progress: bool) -> None:
-    trainer_state = None  # the scheduler's state and the step, which continuing dense training needs too
-    if os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
-        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-            trainer_state = json.load(f)
+    # The scheduler's state and the step go too: continuing dense training needs them.
     write_dense_optimizer(directory, state, "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain",
-                          trainer_state, progress)
+                          read_trainer_state(tag_dir), progress)
+
+
+def read_trainer_state(tag_dir: str) -> Optional[dict]:
+    """The tag's trainer state (the step, the scheduler's state), or None when it has none."""
+    if not os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
+        return None
+    with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
+        return json.load(f)
 
 
 def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: str, trainer_state: Optional[dict],

@@ -31,7 +31,8 @@ ReadBoxes = Callable[[List[Box]], List[torch.Tensor]]
 SLAB_BYTES = 64 << 20
 
 __all__ = ["Box", "TensorSource", "TensorSink", "stream", "TagSource", "DenseSink", "RankFilesSink", "SLAB_BYTES",
-           "rows_within", "dense_slabs", "narrowed"]
+           "rows_within", "row_cuts",
+           "dense_slabs", "narrowed", "shifted"]
 
 
 class TensorSource(Protocol):
@@ -65,10 +66,18 @@ def rows_within(budget: int, shape: Sequence[int], dtype: torch.dtype) -> int:
     return max(1, budget // max(1, math.prod(shape[1:]) * dtype.itemsize))
 
 
+def row_cuts(box: Box, rows: int) -> List[Box]:
+    """``box`` cut along dim 0 into boxes of at most ``rows`` rows (a 0-dim box, or one of no rows, stays one)."""
+    offsets, sizes = box
+    if not sizes:
+        return [box]
+    return [((offsets[0] + start,) + tuple(offsets[1:]), (min(rows, sizes[0] - start),) + tuple(sizes[1:]))
+            for start in range(0, sizes[0] or 1, rows)]
+
+
 def dense_slabs(read_boxes: ReadBoxes, shape: Sequence[int], rows: int) -> Iterator[torch.Tensor]:
-    """The dense tensor of ``shape`` (at least one dim) as slabs of at most ``rows`` rows, each one box read."""
-    for start in range(0, shape[0], rows):
-        yield read_boxes([((start,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - start),) + tuple(shape[1:]))])[0]
+    """The dense tensor of ``shape`` as slabs of at most ``rows`` rows, each one box read."""
+    return (read_boxes([cut])[0] for cut in row_cuts(((0,) * len(shape), tuple(shape)), rows))
 
 
 def narrowed(tensor: torch.Tensor, box: Box, dims: Optional[Iterable[int]] = None) -> torch.Tensor:
@@ -79,16 +88,25 @@ def narrowed(tensor: torch.Tensor, box: Box, dims: Optional[Iterable[int]] = Non
     return tensor
 
 
+def shifted(box: Box, rows: int) -> Box:
+    """``box`` moved ``rows`` along dim 0 (a 0-dim box stays as it is)."""
+    offsets, sizes = box
+    return ((offsets[0] + rows,) + tuple(offsets[1:]), sizes) if sizes else box
+
+
 class TagSource:
     """The tensors of an nxdtp tag's rank files (``handles``: relative name -> ``SafetensorsFileReader``), each laid
     out by ``layout[key] = (spec, dtype, rank file names)``. A box of the dense tensor is read from the rows of the
     pieces that hold it (``ParamSpec.dense_runs_of_piece``): along the split dim when it is dim 0, else the box's rows
-    of each piece that holds a part of it, so reading a slab never reads a whole piece of a larger tensor."""
+    of each piece that holds a part of it, so reading a slab never reads a whole piece of a larger tensor. With
+    ``build_piece(key, rank)`` the pieces are built whole instead (a ZeRO-1 piece is its DP shards joined: a flat
+    shard holds no rows), the last one kept while its boxes are read."""
 
-    def __init__(self, handles: Dict[str, Any], layout: Dict[str, Tuple[ParamSpec, torch.dtype, List[str]]],
-                 slab_bytes: Optional[int] = None):
-        self.handles, self.layout = handles, layout
+    def __init__(self, handles: Dict[str, Any], layout: Dict[str, Tuple[ParamSpec, torch.dtype, List[Any]]],
+                 slab_bytes: Optional[int] = None, build_piece: Optional[Callable[[str, int], torch.Tensor]] = None):
+        self.handles, self.layout, self.build_piece = handles, layout, build_piece
         self.slab_bytes = slab_bytes or SLAB_BYTES
+        self._kept: Tuple[Any, Optional[torch.Tensor]] = (None, None)  # ((key, rank), the piece built last)
 
     def spec(self, key: str) -> ParamSpec:
         return self.layout[key][0]
@@ -101,16 +119,23 @@ class TagSource:
 
     def piece(self, key: str, rank: int) -> torch.Tensor:
         """TP rank ``rank``'s piece of ``key`` as stored."""
-        return self.handles[self.layout[key][2][rank]].get_tensor(key)
+        if self.build_piece is None:
+            return self.handles[self.layout[key][2][rank]].get_tensor(key)
+        if self._kept[0] != (key, rank):
+            self._kept = (None, None)  # the kept piece goes before the next one is built
+            self._kept = ((key, rank), self.build_piece(key, rank))
+        return self._kept[1]
 
     def _rows(self, key: str, rank: int, start: int, length: int) -> torch.Tensor:
+        if self.build_piece is not None:
+            return self.piece(key, rank).narrow(0, start, length)
         return self.handles[self.layout[key][2][rank]].get_rows(key, start, length)
 
     def _read_box(self, key: str, box: Box) -> torch.Tensor:
         spec, dtype, _ = self.layout[key]
         offsets, sizes = box
         if not sizes:  # a 0-dim tensor
-            return self.handles[self.layout[key][2][0]].get_tensor(key).to(dtype)
+            return self.piece(key, 0).to(dtype)
         if not spec.is_sharded:  # rank 0's copy; its dense part is the leading block
             return narrowed(self._rows(key, 0, offsets[0], sizes[0]), box, range(1, len(sizes))).to(dtype)
         dim = spec.partition_dim
@@ -142,9 +167,6 @@ class DenseSink:
 
     def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes: ReadBoxes,
               slab_bytes: int) -> None:
-        if not shape or shape[0] == 0:
-            self.writer.write(key, read_boxes([((0,) * len(shape), shape)])[0].to(dtype))
-            return
         slabs = dense_slabs(read_boxes, shape, rows_within(slab_bytes, shape, dtype))
         self.writer.write_parts(key, (slab.to(dtype) for slab in slabs))
 

@@ -19,10 +19,10 @@ from .reader import (
     RankFiles,
     RankShard,
     check_pieces,
+    check_saved_tp,
     expected_layout,
     import_checkpoint,
     load_config_dict,
-    missing_last_ranks,
     replicated,
     say,
 )
@@ -108,10 +108,7 @@ def _validate(shards: Sequence[RankShard], files: RankFiles, shapes: Dict[str, T
         expected = shapes[key]
         dim = nxd_partition_dim(key, plan)
         if dim is not None and dim < len(expected):
-            piece = reference.get(key).shape[dim] if reference.get(key).dim() > dim else 0
-            if piece and expected[dim] % piece == 0 and expected[dim] // piece > tp:
-                raise missing_last_ranks(files, expected[dim] // piece,
-                                         f"{reference.tensor_file(key)}: '{key}' is a 1/{expected[dim] // piece} slice")
+            check_saved_tp(files, reference, key, dim, expected[dim])
         if dim is not None and (dim >= len(expected) or expected[dim] % tp):
             raise NxdCheckpointError(f"'{key}' of shape {list(expected)} cannot be split along dim {dim} over {tp} "
                                      "TP ranks")
@@ -141,10 +138,7 @@ def _source(shards: Sequence[RankShard], sources: Dict[str, str], shapes: Dict[s
         else:
             source.laid_out(key, shape, stored, nxd_key, _spec(shape, dim, len(shards)), write=key in sources)
     for alias, key in pairs:
-        if not torch.equal(source.whole(alias), source.whole(key)):
-            raise NxdCheckpointError(
-                f"{shards[0].path}: '{alias}' differs from '{key}', but the config ties them, so the HF model "
-                f"would use '{key}' for both; set tie_word_embeddings to false in the config to keep both")
+        source.check_tied(alias, key)
     return source
 
 

@@ -27,10 +27,10 @@ from .reader import (
     RankFiles,
     RankShard,
     check_pieces,
+    check_saved_tp,
     expected_layout,
     import_checkpoint,
     load_config_dict,
-    missing_last_ranks,
     one_dtype,
     replicated,
     say,
@@ -177,12 +177,8 @@ class _Planner:
     def _check_saved_tp(self) -> None:
         """A missing last rank leaves ranks 0..tp-2 contiguous: o_proj's slice width tells the saved degree."""
         key = LAYER.format(0) + "self_attn.o_proj.weight"
-        if key not in self.keys or self.shards[0].get(key).dim() != 2:
-            return
-        width, full = self.shards[0].get(key).shape[1], self.heads * self.head_dim
-        if width and full % width == 0 and full // width > self.tp:
-            raise missing_last_ranks(self.files, full // width,
-                                     f"{self.shards[0].tensor_file(key)}: '{key}' is a 1/{full // width} slice")
+        if key in self.keys and self.shards[0].get(key).dim() == 2:
+            check_saved_tp(self.files, self.shards[0], key, 1, self.heads * self.head_dim)
 
     # -- plain tensors --
 
@@ -249,16 +245,6 @@ class _Planner:
                                      f"{', '.join(form.keys)})")
         return form
 
-    def _multipliers(self, form: AttentionForm) -> Dict[int, int]:
-        """KV rows per rank -> kv_size_multiplier, for every multiplier NxD accepts for this config and tp."""
-        options = {}
-        for m in (range(1, self.tp + 1) if form.kv_replication else (1,)):
-            kv_total = self.kv_heads * m
-            # NxD: tp % m == 0 and tp divides the replicated KV heads; each rank's Q heads share its KV heads evenly.
-            if self.tp % m == 0 and kv_total % self.tp == 0 and self.heads % kv_total == 0:
-                options[kv_total // self.tp * self.head_dim] = m
-        return options
-
     def _attention(self, index: int) -> None:
         layer = LAYER.format(index)
         form = self._form(layer)
@@ -270,16 +256,21 @@ class _Planner:
         options = self._layouts_of(layer, form, qkv)
         kv_rows = self._kv_rows(qkv, options)
         multiplier = self._one_multiplier(qkv, options[kv_rows])
-        self._check_o_proj(o_key, qkv.q_rows)
+        self._split(o_key, 1)  # checks each rank's slice; _produce_attention then builds it with the heads reordered
         dtype = self._one_attention_dtype(qkv.names + (o_key,))
         q_sources, kv_copies = head_layout(self.heads, self.kv_heads, self.tp, multiplier)
         self._check_kv_copies_equal(qkv, kv_rows, kv_copies, multiplier)
         self._produce_attention(layer, qkv, kv_rows, o_key, q_sources, kv_copies, dtype)
 
     def _layouts_of(self, layer: str, form: AttentionForm, qkv: _QKVKeys) -> Dict[int, int]:
-        """``_multipliers`` of this form: KV rows per rank -> kv_size_multiplier; raise if the form cannot hold the
-        config's heads at all."""
-        options = self._multipliers(form)
+        """KV rows per rank -> kv_size_multiplier, for every multiplier NxD accepts for this form, config and tp; raise
+        if the form cannot hold the config's heads at all."""
+        options = {}
+        for m in (range(1, self.tp + 1) if form.kv_replication else (1,)):
+            kv_total = self.kv_heads * m
+            # NxD: tp % m == 0 and tp divides the replicated KV heads; each rank's Q heads share its KV heads evenly.
+            if self.tp % m == 0 and kv_total % self.tp == 0 and self.heads % kv_total == 0:
+                options[kv_total // self.tp * self.head_dim] = m
         if form.equal_heads and self.heads != self.kv_heads:
             raise NxdCheckpointError(f"{self.shards[0].path}: '{qkv.names[0]}' is NxD's {form.name}, which holds equal "
                                      f"numbers of query and KV heads, but the config has {self.heads} query and "
@@ -331,14 +322,6 @@ class _Planner:
                                      f"time(s) over the ranks, but earlier layers hold them {self.multiplier} time(s)")
         self.multiplier = multiplier
         return multiplier
-
-    def _check_o_proj(self, o_key: str, q_rows: int) -> None:
-        o_want = (self.hidden, q_rows)
-        for shard in self.shards:
-            if tuple(shard.get(o_key).shape) != o_want:
-                raise self._shape_error(shard, o_key, shard.get(o_key).shape,
-                                        f"{list(o_want)} (its 1/{self.tp} slice along dim 1 of the full "
-                                        f"{list(self.shapes[o_key])})")
 
     def _one_attention_dtype(self, names: Tuple[str, ...]) -> torch.dtype:
         """The dtype the layer's attention weights share (each on every rank); a layer that mixes dtypes is refused."""
@@ -447,11 +430,7 @@ class _Planner:
             self._add(source, key, names[0])
             for alias in names[1:]:
                 self._add(source, alias, alias, write=False)
-                if not torch.equal(source.whole(alias), source.whole(key)):
-                    raise NxdCheckpointError(
-                        f"{self.shards[0].path}: '{alias}' differs from '{key}', but the config ties them, so the HF "
-                        f"model would use '{key}' for both; set tie_word_embeddings to false in the config to keep "
-                        "both")
+                source.check_tied(alias, key)
         return source
 
     @staticmethod

@@ -23,7 +23,7 @@ import torch
 
 from ...checkpointing.dense import DenseWeightsWriter
 from ...checkpointing.output_dir import check_output_dir, write_atomically
-from ...checkpointing.pipeline import DenseSink, TagSource, narrowed, stream
+from ...checkpointing.pipeline import DenseSink, TagSource, narrowed, shifted, stream
 from ...errors import DamagedInputError
 from ...spec import ParamSpec
 
@@ -198,13 +198,15 @@ def _scan(directory: str) -> RankFiles:
     return files
 
 
-def missing_last_ranks(files: RankFiles, saved_tp: int, evidence: str) -> FileNotFoundError:
-    """The error for a checkpoint whose tensors show it was saved at ``saved_tp`` ranks when fewer files exist (a
-    missing last rank leaves 0..tp-2 contiguous, so only the slice sizes tell)."""
-    tp = len(files.paths)
-    return FileNotFoundError(f"{evidence}, so the checkpoint was saved at tp={saved_tp}, but only {tp} rank(s) are "
-                             f"present in {files.directory}; missing: "
-                             f"{', '.join(files.entry_name(r) for r in range(tp, saved_tp))}")
+def check_saved_tp(files: RankFiles, shard: RankShard, key: str, dim: int, full: int) -> None:
+    """Refuse a checkpoint saved at more ranks than ``files`` holds: a missing last rank leaves 0..tp-2 contiguous,
+    so only the slices tell, here how many of ``key``'s slices along ``dim`` make its ``full`` size."""
+    piece = shard.get(key).shape[dim] if shard.get(key).dim() > dim else 0
+    tp, saved_tp = len(files.paths), full // piece if piece and full % piece == 0 else 0
+    if saved_tp > tp:
+        raise FileNotFoundError(f"{shard.tensor_file(key)}: '{key}' is a 1/{saved_tp} slice, so the checkpoint was "
+                                f"saved at tp={saved_tp}, but only {tp} rank(s) are present in {files.directory}; "
+                                f"missing: {', '.join(files.entry_name(r) for r in range(tp, saved_tp))}")
 
 
 # ---- reading the rank files ------------------------------------------------------------------------------------------
@@ -485,12 +487,19 @@ class NxdSource:
                 self._last = (key, how())
             return [narrowed(self._last[1], box) for box in boxes]
         nxd_key, offset = how
-        return self.tags.read_boxes(nxd_key, [((o[0] + offset,) + tuple(o[1:]), n) if n else (o, n) for o, n in boxes])
+        return self.tags.read_boxes(nxd_key, [shifted(box, offset) for box in boxes])
 
     def whole(self, key: str) -> torch.Tensor:
         """The dense tensor of ``key`` in its stored dtype."""
         shape = self.entries[key][0]
         return self.read_boxes(key, [((0,) * len(shape), shape)])[0]
+
+    def check_tied(self, alias: str, key: str) -> None:
+        """A tied pair held under both names must agree, or the HF model would silently use one."""
+        if not torch.equal(self.whole(alias), self.whole(key)):
+            raise NxdCheckpointError(
+                f"{self.paths[0]}: '{alias}' differs from '{key}', but the config ties them, so the HF model would "
+                f"use '{key}' for both; set tie_word_embeddings to false in the config to keep both")
 
 
 def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
