@@ -444,7 +444,9 @@ def test_bad_settings_are_refused_by_name(make, error, match):
 
 
 def test_expert_parallel_state_is_refused_where_it_would_be_lost():
-    """A checkpoint would file one rank's experts as all of them; ZeRO-1's expert shards are cut over another group."""
+    """A checkpoint (nxdtp's, or DCP's through dcp_state) would file one rank's experts as all of them; ZeRO-1's expert
+    shards are cut over another group."""
+    from nxdtp.checkpointing.dcp_state import get_state_dict
     from nxdtp.checkpointing.index import split_state_dict
     from nxdtp.optimizer import NeuronZero1Optimizer
 
@@ -460,3 +462,6 @@ def test_expert_parallel_state_is_refused_where_it_would_be_lost():
         with pytest.raises(NotImplementedError, match=r"'mlp_op.gate_up_proj' holds this rank's share of experts "
                                                       r"split over expert_model_parallel_size=2 ranks"):
             split_state_dict(experts.state_dict(), 1)
+        with pytest.raises(NotImplementedError, match=r"'mlp_op.gate_up_proj.weight' holds this rank's share of "
+                                                      r"experts split over expert_model_parallel_size=2 ranks"):
+            get_state_dict(experts)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import comm
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
-from ..topology import data_parallel_group, model_parallel_is_initialized, tensor_parallel_group
+from ..topology import data_parallel_group, expert_parallel_group, model_parallel_is_initialized, tensor_parallel_group
 from .dcp_io import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, piece_boxes, write_item
 from .fused_state import fused_by_position, fused_parameters_of, split_state
 from .save_load import sharding_specs
@@ -125,6 +125,11 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
     if dtensors:
         raise ValueError(f"{what}: '{dtensors[0]}' is a DTensor: the model is parallelized with torch's DTensor, not "
                          "nxdtp; use torch.distributed.checkpoint.state_dict.get_state_dict for it")
+    experts = [name for name, p in model.named_parameters() if getattr(p, "expert_model_parallel", False)]
+    if experts and expert_parallel_group().size > 1:
+        raise NotImplementedError(f"{what}: '{experts[0]}' holds this rank's share of experts split over "
+                                  f"expert_model_parallel_size={expert_parallel_group().size} ranks: checkpoints do "
+                                  "not record the expert dimension yet; save and load at expert_model_parallel_size=1")
     tp = tensor_parallel_group().size
     if tp > 1 and not any(isinstance(m, ShardedModule) and any(s.is_sharded for s in m.param_specs().values())
                           for m in model.modules()):
