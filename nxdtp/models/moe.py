@@ -15,9 +15,10 @@ weights: ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)).
 * The load-balancing loss (``output_router_logits=True``) counts tokens over the whole data-parallel batch, so the DP
   mean of the loss and the DP average of its gradient are the dense model's on the global batch.
 
-Gradients: average them over DP with NxD's two passes (``nxdtp.grads.bucket_allreduce_gradients``, then again on
-the non-expert ones with ``reduce_over_ep_group=True``); ``get_grad_norm`` counts each expert once. Not provided yet:
-checkpoints of expert-parallel state (refused by name), transformers 4.x's per-expert modules.
+Gradients: ``nxdtp.grads.allreduce_gradients(model)`` averages them over DP with NxD's two passes (experts over the
+expert data-parallel group); ``get_grad_norm`` counts each expert once. ``from_pretrained_sharded`` reads
+transformers' per-expert files (``ExpertsAsModuleHolds``). Not provided yet: checkpoints of expert-parallel state
+(refused by name), transformers 4.x's per-expert modules.
 """
 
 from __future__ import annotations
