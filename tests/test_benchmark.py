@@ -108,7 +108,7 @@ def test_report_has_a_table_per_section(quick):
     titles = {"train": "## 1. Train step, CPU", "memory": "## 2. Memory per rank", "comm": "## 3. Communication",
               "xla": "## 4. XLA graphs", "merge": "## 5. Checkpoint merge",
               "actmem": "## 6. Activation memory per rank", "zero1": "## 7. ZeRO-1",
-              "async_save": "## 8. Checkpoint stall"}
+              "async_save": "## 8. Checkpoint stall", "moe": "## 9. Mixture of experts"}
     for section in RUN:
         assert titles[section] in stdout, section
     assert stdout.count("|---|") >= len(RUN)

@@ -33,10 +33,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from .. import comm
 from ..layers import ColumnParallelLinear
 from ..plan import add_mixin
 from ..record import note_of, read_note
-from ..topology import expert_parallel_group
+from ..topology import expert_parallel_group, get_topology
 from .common import WholeSequenceNote, gather_vocab_logits
 
 
@@ -121,6 +122,15 @@ class _GeneratesFromFullLogits:
         _keep_expert_parallel_ranks_together(self, kwargs)
         with generation_mode(self):
             return super().generate(*args, **kwargs)
+
+    def _has_unfinished_sequences(self, this_peer_finished: bool, synced_gpus: bool, device, *args, **kwargs):
+        """HF's check under ``synced_gpus``, its all-reduce through ``nxdtp.comm`` over the world: the backend follows
+        the flag's device (a CPU model on an NCCL-like world sums it over the gloo twin, which HF's
+        ``dist.all_reduce`` on the default group cannot)."""
+        if not synced_gpus:
+            return super()._has_unfinished_sequences(this_peer_finished, synced_gpus, device, *args, **kwargs)
+        unfinished = torch.tensor(0.0 if this_peer_finished else 1.0, device=device)
+        return bool(comm.all_reduce(unfinished, get_topology().world).item() != 0.0)
 
     def __call__(self, *args, **kwargs):
         if not in_generation_mode(self):
