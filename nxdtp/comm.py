@@ -114,6 +114,15 @@ def all_reduce(tensor: torch.Tensor, group: ParallelGroup, op: str = "sum") -> t
     return out
 
 
+def host_max(value: int, group: ParallelGroup, like: torch.Tensor) -> int:
+    """The largest of the ranks' ``value`` over ``group``, on the host, for a step that works on ``like``'s device. On
+    XLA, whose graphs fix shapes when traced, every rank's value must already agree: this rank's is returned, with no
+    host round trip inside the step."""
+    if group.size == 1 or _is_xla(like):
+        return value
+    return int(all_reduce(torch.tensor([value]), group, op="max").item())
+
+
 def all_gather(tensor: torch.Tensor, group: ParallelGroup, dim: int = -1) -> torch.Tensor:
     """Concatenate the group's tensors along ``dim`` in group-rank order."""
     dim = _check_dim(tensor, dim)

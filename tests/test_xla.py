@@ -263,25 +263,36 @@ def _tp1_forward(model, ids):
 
 def case_tp1_layers_on_xla_equal_eager():
     import torch
-    import torch_xla
 
     from nxdtp.utils import move_model_to_device
 
     ids = torch.randint(0, 30, (3, 7))
     upstream = torch.randn(3, 7, 16)
-    results = {}
-    for device in ("cpu", torch_xla.device()):
+
+    def run(device):
         model = move_model_to_device(_build_tp1_model(seed=11), device)
         out = _tp1_forward(model, ids.to(device))
         out.backward(upstream.to(device))
-        torch_xla.sync()
-        results[str(device)] = [out.cpu()] + [p.grad.cpu() for p in model.parameters()]
         # .to(xla) makes new Parameter objects; move_model_to_device must have put the TP attributes back.
         assert all(hasattr(p, "tensor_model_parallel") for p in model.parameters())
-    eager, xla = results["cpu"], results[str(torch_xla.device())]
-    for a, b in zip(eager, xla):
+        return [out] + [p.grad for p in model.parameters()]
+
+    return _eager_and_xla_agree(run)
+
+
+def _eager_and_xla_agree(run) -> int:
+    """``run(device)`` on the CPU and on the XLA device: the tensors it returns agree within 1e-5; how many."""
+    import torch
+    import torch_xla
+
+    results = []
+    for device in ("cpu", torch_xla.device()):
+        tensors = run(device)
+        torch_xla.sync()
+        results.append([t.cpu() for t in tensors])
+    for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    return len(eager)
+    return len(results[0])
 
 
 def test_tp1_layers_on_xla_cpu_equal_eager(worlds):
@@ -653,14 +664,13 @@ def case_tp1_moe_on_xla_equals_eager():
     """An MoE layer with a capacity that drops tokens and shared experts, run on XLA:CPU at tp=1: output, router
     logits and every gradient equal the eager CPU run."""
     import torch
-    import torch_xla
 
     from nxdtp.modules.moe import ExpertMLPs, MoE, RouterTopK, SharedExperts, load_balancing_loss_func
     from nxdtp.utils import move_model_to_device
 
     x = torch.randn(3, 5, 8)
-    results = {}
-    for device in ("cpu", torch_xla.device()):
+
+    def run(device):
         torch.manual_seed(0)
         moe = MoE(RouterTopK(4, 2, 8, bias=True),
                   ExpertMLPs(4, 2, 8, 6, "silu", glu_mlp=True, capacity_factor=1.0, normalize_top_k_affinities=True),
@@ -668,12 +678,9 @@ def case_tp1_moe_on_xla_equals_eager():
         moe = move_model_to_device(moe, device)
         out, logits = moe(x.to(device))
         (out.square().sum() + load_balancing_loss_func(logits, 4, 2)).backward()
-        torch_xla.sync()
-        results[str(device)] = [out.cpu(), logits.cpu()] + [p.grad.cpu() for p in moe.parameters()]
-    eager, xla = results["cpu"], results[str(torch_xla.device())]
-    for a, b in zip(eager, xla):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    return len(eager)
+        return [out, logits] + [p.grad for p in moe.parameters()]
+
+    return _eager_and_xla_agree(run)
 
 
 def test_tp1_moe_on_xla_cpu_equals_eager(worlds):

@@ -161,7 +161,7 @@ class ShardedHFExperts(ShardedModule):
         # gradients over TP, so that the router's and the block input's gradients are whole on every rank.
         affinities = mappings.copy_to_tensor_model_parallel_region(affinities)
         tokens = mappings.copy_to_tensor_model_parallel_region(hidden_states)
-        capacity = tokens_in_largest_batch(total_tokens, hidden_states.device)   # dropless
+        capacity = tokens_in_largest_batch(hidden_states)   # dropless
         slot_token, affinities = routed_slots(affinities, top_k_index, None, capacity, normalize=False)
         partial = run_experts_on_slots(tokens, slot_token, affinities.to(tokens.dtype), self._local_experts)
         return mappings.reduce_from_tensor_model_parallel_region(partial)

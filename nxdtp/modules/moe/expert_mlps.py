@@ -38,15 +38,12 @@ class RoutedExpertsMLPOpsConfig:
     early_expert_affinity_modulation: bool
 
 
-def tokens_in_largest_batch(total_tokens: int, device: torch.device) -> int:
-    """The most tokens any rank of the expert-parallel group routes in this layer: every rank's all-to-all must move
-    slots of one shape, so ranks with fewer tokens (a shorter last batch, per-batch padding, generation) leave slots
-    empty. One small host all-reduce per layer; on XLA, whose graphs fix the shapes, the ranks' token counts must be
-    equal and this rank's is used."""
-    group = expert_parallel_group()
-    if group.size == 1 or device.type == "xla":
-        return total_tokens
-    return int(comm.all_reduce(torch.tensor([total_tokens]), group, op="max").item())
+def tokens_in_largest_batch(tokens: torch.Tensor) -> int:
+    """The most tokens (rows of ``tokens``) any rank of the expert-parallel group routes in this layer: every rank's
+    all-to-all must move slots of one shape, so ranks with fewer tokens (a shorter last batch, per-batch padding,
+    generation) leave slots empty. One small host all-reduce per layer (``comm.host_max``; on XLA the ranks' counts
+    must be equal)."""
+    return comm.host_max(tokens.shape[0], expert_parallel_group(), tokens)
 
 
 def expert_capacity(total_tokens: int, top_k: int, num_experts: int, capacity_factor: Optional[float]) -> int:
@@ -128,7 +125,7 @@ class ExpertMLPs(nn.Module):
         if expert_affinities_masked_full is not None:
             raise ValueError("ExpertMLPs: expert_affinities_masked_full (the input of NxD's Neuron blockwise kernel) "
                              "is not supported by nxdtp; pass None")
-        capacity = expert_capacity(tokens_in_largest_batch(total_tokens, hidden_states.device), config.top_k,
+        capacity = expert_capacity(tokens_in_largest_batch(hidden_states), config.top_k,
                                    config.num_experts, config.capacity_factor)
         slot_token, affinities = routed_slots(expert_affinities, expert_index, padding_mask, capacity,
                                               config.normalize_top_k_affinities)
