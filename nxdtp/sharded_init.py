@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .spec import ParamSpec, ShardedModule, split_along
-from .topology import ParallelGroup, tensor_parallel_group
+from .topology import ParallelGroup, expert_parallel_group, tensor_parallel_group
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -124,7 +124,7 @@ def reinitialise_local(param: torch.Tensor, spec: ParamSpec, init: InitMethod, g
         for row in zero_rows:
             dense[row].zero_()
         full = spec.full_from_dense(dense)
-        local = spec.piece_of_full(full, group.rank)
+        local = spec.local_of_full(full, group.rank, expert_parallel_group().rank)
         if tuple(local.shape) != tuple(param.shape):
             raise ValueError(f"re-initialising a parameter of shape {tuple(param.shape)}: its spec gives this rank a "
                              f"part of shape {tuple(local.shape)}")

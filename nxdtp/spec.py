@@ -14,6 +14,10 @@ The layout model (one ``ParamSpec`` per tensor; all of it along one ``partition_
   blocks ``r, r + num_partitions, ..., r + (s - 1) * num_partitions`` in that order (a fused Q|K|V or gate|up weight:
   every rank holds its part of each fused block). Ranks are TP ranks in group order; a replicated tensor
   (``partition_dim`` None) is whole on every rank.
+* **experts**: with ``expert_partitions`` k > 1, dim 0 holds experts and is cut a second time, into k consecutive
+  blocks over the expert-parallel group (expert-parallel rank e holds experts ``e*E/k .. (e+1)*E/k - 1`` of its TP
+  piece: ``experts_of_rank``); every method above works on TP pieces holding every expert. Files hold every expert
+  (``with_all_experts``), so a checkpoint loads at any expert-parallel size.
 * **padding record**: ``pad_to_multiple_of`` m says the split dim is zero-padded at its end to a multiple of
   ``m * num_partitions`` (``round_up``), so the spec at any other degree is known (``at_degree``); ``vocabulary`` says
   m is the model's ``make_vocab_size_divisible_by``, which a reshard may change. Zero heads and replicas are recorded
@@ -122,6 +126,9 @@ class ParamSpec:
     # make_vocab_size_divisible_by, which a reshard may replace.
     pad_to_multiple_of: Optional[int] = None
     vocabulary: bool = False
+    # Experts (module docstring): dim 0 is the expert dimension, cut into this many consecutive blocks over the
+    # expert-parallel group; 1 where the tensor holds every expert or is no expert tensor.
+    expert_partitions: int = 1
 
     @property
     def is_sharded(self) -> bool:
@@ -364,11 +371,36 @@ class ParamSpec:
         return self._runs_past_padding(self.full_shape[self.partition_dim] // self.replicas, start, stop)
 
     def local_shape(self) -> Tuple[int, ...]:
-        if not self.is_sharded:
-            return self.full_shape
+        """The shape a rank holds: its TP piece, and of that its expert-parallel rank's experts."""
         shape = list(self.full_shape)
-        shape[self.partition_dim] //= self.num_partitions
+        if self.is_sharded:
+            shape[self.partition_dim] //= self.num_partitions
+        shape[0] //= self.expert_partitions
         return tuple(shape)
+
+    def experts_of_rank(self, piece: torch.Tensor, expert_rank: int) -> torch.Tensor:
+        """Expert-parallel rank ``expert_rank``'s experts (a view) of a TP piece that holds every expert."""
+        if not 0 <= expert_rank < self.expert_partitions:
+            raise ValueError(f"expert_rank={expert_rank} is outside the {self.expert_partitions} expert partitions; "
+                             f"use 0 to {self.expert_partitions - 1}")
+        local = self.full_shape[0] // self.expert_partitions
+        return piece.narrow(0, expert_rank * local, local)
+
+    def local_of_full(self, full: torch.Tensor, rank: int, expert_rank: int) -> torch.Tensor:
+        """What the rank at TP rank ``rank`` and expert-parallel rank ``expert_rank`` holds of the full tensor: its TP
+        piece, and of that its experts."""
+        piece = self.piece_of_full(full, rank)
+        return self.experts_of_rank(piece, expert_rank).clone() if self.expert_partitions > 1 else piece
+
+    def with_all_experts(self) -> "ParamSpec":
+        """The spec of a TP piece that holds every expert: what checkpoint files store."""
+        return dataclasses.replace(self, expert_partitions=1)
+
+    def __post_init__(self) -> None:
+        if self.expert_partitions < 1 or (self.full_shape and self.full_shape[0] % self.expert_partitions):
+            raise ValueError(f"expert_partitions={self.expert_partitions} does not divide the {self.full_shape[0]} "
+                             "experts of dim 0" if self.full_shape else
+                             f"expert_partitions={self.expert_partitions} given for a 0-dim tensor")
 
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -383,6 +415,8 @@ class ParamSpec:
             del d["pad_to_multiple_of"]
         if not d["vocabulary"]:
             del d["vocabulary"]
+        if d["expert_partitions"] == 1:
+            del d["expert_partitions"]
         return d
 
     @classmethod
@@ -392,7 +426,7 @@ class ParamSpec:
                    sequence_parallel=d["sequence_parallel"], replicas=d.get("replicas", 1),
                    replica_block=d.get("replica_block", 1), pad_block=d.get("pad_block", 1),
                    pad_groups=d.get("pad_groups", 1), pad_to_multiple_of=d.get("pad_to_multiple_of"),
-                   vocabulary=bool(d.get("vocabulary", False)))
+                   vocabulary=bool(d.get("vocabulary", False)), expert_partitions=d.get("expert_partitions", 1))
 
 
 # The kinds of rows of a TP piece (ParamSpec._classified_runs).
@@ -622,7 +656,8 @@ def attach_spec_attributes(param: torch.Tensor, spec: ParamSpec) -> None:
 def _saved_layout(spec: ParamSpec):
     """What a state dict's spec must share with the module's to load: a replicated tensor is the same at every TP
     degree; only a sharded one depends on the partition count."""
-    return spec.partition_dim, spec.full_shape, spec.stride, spec.num_partitions if spec.is_sharded else None
+    return (spec.partition_dim, spec.full_shape, spec.stride, spec.num_partitions if spec.is_sharded else None,
+            spec.expert_partitions)
 
 
 class ShardedModule(nn.Module):
@@ -692,6 +727,12 @@ class ShardedModule(nn.Module):
             if mine is None:
                 raise ValueError(f"{type(self).__name__}: the state dict has a spec for '{name}', which this module "
                                  "lacks")
+            if mine.expert_partitions != theirs.expert_partitions:
+                raise ValueError(
+                    f"{type(self).__name__}.{name}: the state dict holds the experts of one of "
+                    f"{theirs.expert_partitions} expert-parallel ranks, but this module holds those of one of "
+                    f"{mine.expert_partitions}: a state dict loads at the expert-parallel size it was taken at "
+                    "(nxdtp checkpoints, which store every expert, load at any)")
             if _saved_layout(mine) != _saved_layout(theirs):
                 raise ValueError(
                     f"{type(self).__name__}.{name}: the state dict was saved with "

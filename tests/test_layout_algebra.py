@@ -4,6 +4,7 @@ with ``at_degree``, as a layer built at that degree lays it out; the references 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +13,7 @@ from nxdtp.checkpointing.pipeline import TagSource, dense_slabs
 from nxdtp.checkpointing.slabs import piece_parts, read_piece, read_ranges
 from nxdtp.heads import kv_replicas
 from nxdtp.rounding import round_up
-from nxdtp.spec import ParamSpec
+from nxdtp.spec import ParamSpec, split_along
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -267,3 +268,28 @@ def test_rank_order_is_the_pieces_in_rank_order_and_back(tp, stride, block, dim)
     pieces = torch.cat([split_along(full, dim, rank, tp, stride) for rank in range(tp)], dim)
     assert torch.equal(to_rank_order(full, dim, tp, stride), pieces)
     assert torch.equal(from_rank_order(pieces, dim, tp, stride), full)
+
+
+@SETTINGS
+@given(experts=st.sampled_from([1, 2, 4, 8]), ep=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2]),
+       stride=st.integers(1, 2), dim=st.integers(1, 2))
+def test_experts_split_over_ranks_are_consecutive_blocks_of_every_tp_piece(experts, ep, tp, stride, dim):
+    if experts % ep:
+        with pytest.raises(ValueError, match=f"expert_partitions={ep} does not divide the {experts} experts"):
+            ParamSpec(full_shape=(experts, 4, 4), partition_dim=dim, expert_partitions=ep)
+        return
+    spec = ParamSpec(full_shape=(experts, 4, 4), partition_dim=dim, stride=stride, num_partitions=tp,
+                     real_shape=(experts, 4, 4), expert_partitions=ep)
+    dense = torch.randn(experts, 4, 4)
+    for tp_rank in range(tp):
+        piece = spec.piece_of_full(dense, tp_rank)
+        assert tuple(piece.shape) == spec.with_all_experts().local_shape()
+        for expert_rank in range(ep):
+            # The reference: this rank's experts of the dense tensor first, then its TP piece.
+            mine = dense[expert_rank * experts // ep:(expert_rank + 1) * experts // ep]
+            expected = split_along(mine, dim, tp_rank, tp, stride)
+            assert torch.equal(spec.experts_of_rank(piece, expert_rank), expected)
+            assert torch.equal(spec.local_of_full(dense, tp_rank, expert_rank), expected)
+            assert tuple(expected.shape) == spec.local_shape()
+    assert ParamSpec.from_dict(spec.to_dict()) == spec
+    assert ("expert_partitions" in spec.to_dict()) == (ep > 1)

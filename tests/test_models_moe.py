@@ -21,7 +21,7 @@ from nxdtp import parallel_state as ps
 from nxdtp.models import gather_vocab_logits, parallelize_model
 from nxdtp.spec import split_along
 from nxdtp.storage import held_bytes
-from tests.model_helpers import check_checkpoint_round_trip, randomised
+from tests.model_helpers import check_checkpoint_round_trip, gathered_logits, randomised
 from tests.test_models_bert import TOL, _close, _expected_local, _specs
 
 transformers = pytest.importorskip("transformers")
@@ -180,33 +180,16 @@ def test_sequence_parallelism_from_hf_tp_plan_is_refused_by_name():
             parallelize_model(dense_model("glm4_moe", 0), sequence_parallel=True)
 
 
-def test_expert_parallel_checkpoints_are_refused_by_name():
-    from nxdtp.checkpointing.index import split_state_dict
+def test_activation_checkpointed_moe_layers_are_refused_before_the_aux_loss_trains_nothing():
+    """transformers records router logits inside the decoder layers; recomputed in backward, their forward ran without
+    gradients, so the load-balancing loss would have none."""
+    from nxdtp.models.activation_checkpointing import checkpoint_layers
 
-    with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=2):
-        model = parallelize_model(dense_model("mixtral", 0))
-        with pytest.raises(NotImplementedError, match=r"'model.layers.0.mlp.experts' holds this rank's share of "
-                                                      r"experts split over expert_model_parallel_size=2 ranks"):
-            split_state_dict(model.state_dict(), 1)
-
-
-def case_load_pretrained_at_ep2(directory: str) -> str:
-    from nxdtp.models import from_pretrained_sharded
-
-    ps.initialize_model_parallel(1, expert_model_parallel_size=2)
-    try:
-        with pytest.raises(NotImplementedError, match=r"loading pretrained weights into experts split over "
-                                                      r"expert_model_parallel_size=2 ranks") as refused:
-            from_pretrained_sharded(directory)
-        return str(refused.value).split(":")[0]
-    finally:
-        ps.destroy_model_parallel()
-
-
-def test_pretrained_weights_into_expert_parallel_experts_are_refused_by_name(worlds, tmp_path):
-    dense_model("mixtral", 0).save_pretrained(str(tmp_path))
-    refusals = worlds(4).run(case_load_pretrained_at_ep2, tensor_model_parallel_size=None, directory=str(tmp_path))
-    assert len(set(refusals)) == 1
+    with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
+        model = checkpoint_layers(parallelize_model(dense_model("mixtral", 0)))
+        with pytest.raises(RuntimeError, match=r"the router logits of MoE layer 0 carry no gradient, so "
+                                               r"router_aux_loss_coef=0.3 would train nothing"):
+            model(**micro_batch(1, 0))
 
 
 def test_an_expert_count_the_expert_parallel_size_does_not_divide_is_refused():
@@ -259,6 +242,96 @@ def test_save_merge_from_pretrained_and_reshard_resume(worlds, tmp_path, family)
     check_checkpoint_round_trip(worlds, tmp_path, f"tests.test_models_moe:{family}_model",
                                 "tests.test_models_moe:checkpoint_batch", VOCAB, "AutoModelForCausalLM",
                                 FAMILIES[family][1])
+
+
+# ---- checkpoints at expert-parallel size > 1 -------------------------------------------------------------------------
+
+def _train_step(model, optimizer, batch) -> None:
+    model(**batch).loss.backward()
+    grads.allreduce_gradients(model)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _logits_then_step(model, optimizer) -> dict:
+    """The logits on one batch; then one AdamW step on that batch on every DP rank (so the step is the same at any DP
+    size) and the logits after it: equal only if the weights and the optimizer state were restored."""
+    batch = checkpoint_batch()
+    before = gathered_logits(model, batch, VOCAB)
+    _train_step(model, optimizer, batch)
+    return dict(logits=before, stepped=gathered_logits(model, batch, VOCAB))
+
+
+def case_save_at_expert_parallel(directory: str, pretrained: str, tp: int, ep: int) -> dict:
+    """One AdamW step on DP-distinct micro-batches at tp x ep, then ``save`` (model, optimizer) and
+    ``save_pretrained``, each expert tensor gathered over the expert-parallel group."""
+    from nxdtp import checkpointing
+
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        model = parallelize_model(mixtral_model(seed=7))
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        _train_step(model, optimizer, micro_batch(30, ps.get_data_parallel_rank()))
+        checkpointing.save({"model": model, "optimizer": optimizer, "global_step": 1}, directory)
+        model.save_pretrained(pretrained)
+        return _logits_then_step(model, optimizer)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def case_resume_at(directory: str, merged: str, tp: int, ep: int) -> dict:
+    """A model from another seed resumes the checkpoint at tp x ep; ``from_pretrained_sharded`` reads the merge."""
+    from nxdtp import checkpointing
+    from nxdtp.models import from_pretrained_sharded
+
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        model = parallelize_model(mixtral_model(seed=99))
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        step = checkpointing.load(directory, model=model, optimizer=optimizer)["global_step"]
+        pretrained = gathered_logits(from_pretrained_sharded(merged), checkpoint_batch(), VOCAB)
+        return dict(step=step, pretrained=pretrained, **_logits_then_step(model, optimizer))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_saved_at_tp2_ep2_loads_at_other_tensor_and_expert_parallel_sizes(worlds, tmp_path):
+    """Saved at tp=2 x ep=2 (files hold every expert): merged, exported to DCP and saved with save_pretrained, plain
+    transformers and torch.distributed.checkpoint give the saved logits; resumed at tp=2 x ep=2, at tp=4 x ep=1 and
+    at tp=1 x ep=4 (resharded over TP), the weights and the AdamW state are those saved: the same logits, and the
+    same logits after one more step."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from nxdtp.checkpointing.dcp_export import export_dcp
+    from nxdtp.checkpointing.merge import merge, reshard
+
+    saved_dir, merged, pretrained = (str(tmp_path / name) for name in ("saved", "merged", "pretrained"))
+    saved = worlds(4).run(case_save_at_expert_parallel, tensor_model_parallel_size=None, directory=saved_dir,
+                          pretrained=pretrained, tp=2, ep=2)
+    assert all(torch.equal(s["stepped"], saved[0]["stepped"]) for s in saved)
+    saved = saved[0]
+    merge(saved_dir, merged, progress=False)
+    for directory in (merged, pretrained):
+        with torch.no_grad():
+            logits = transformers.AutoModelForCausalLM.from_pretrained(directory)(**checkpoint_batch()).logits
+        torch.testing.assert_close(logits, saved["logits"], **TOL, msg=lambda m: f"{directory}: {m}")
+    export_dcp(saved_dir, str(tmp_path / "dcp"), progress=False)
+    weights = load_file(f"{merged}/model.safetensors")
+    exported = {key: torch.zeros_like(value) for key, value in weights.items()}
+    dcp.load(exported, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(exported[key], value) for key, value in weights.items())
+    for tp, ep in [(2, 2), (4, 1), (1, 4)]:
+        directory = saved_dir if tp == 2 else str(tmp_path / f"tp{tp}")
+        if tp != 2:
+            reshard(saved_dir, directory, tp, progress=False)
+        for rank, result in enumerate(worlds(4).run(case_resume_at, tensor_model_parallel_size=None,
+                                                    directory=directory, merged=merged, tp=tp, ep=ep)):
+            what = f"tp={tp} ep={ep} rank {rank}"
+            assert result["step"] == 1, what
+            for key, expected in (("logits", "logits"), ("pretrained", "logits"), ("stepped", "stepped")):
+                torch.testing.assert_close(result[key], saved[expected], **TOL, msg=lambda m: f"{what} {key}: {m}")
 
 
 # ---- NxD's trainer API -----------------------------------------------------------------------------------------------

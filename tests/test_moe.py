@@ -8,6 +8,7 @@ After backward and NxD's gradient reduction (sequence-parallel sum, then the two
 must equal its slices of the dense gradients of L; its input gradient, the dense gradient of D * L.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -444,10 +445,9 @@ def test_bad_settings_are_refused_by_name(make, error, match):
 
 
 def test_expert_parallel_state_is_refused_where_it_would_be_lost():
-    """A checkpoint (nxdtp's, or DCP's through dcp_state) would file one rank's experts as all of them; ZeRO-1's expert
-    shards are cut over another group."""
+    """DCP's live state (dcp_state) would file one rank's experts as all of them; ZeRO-1's expert shards are cut
+    over another group."""
     from nxdtp.checkpointing.dcp_state import get_state_dict
-    from nxdtp.checkpointing.index import split_state_dict
     from nxdtp.optimizer import NeuronZero1Optimizer
 
     with ps.simulated_topology(world_size=4, rank=1, tensor_model_parallel_size=1, expert_model_parallel_size=2):
@@ -459,9 +459,54 @@ def test_expert_parallel_state_is_refused_where_it_would_be_lost():
         with pytest.raises(NotImplementedError, match=r"sharding_groups=\[\[0\], \[1\], \[2\], \[3\]\] with "
                                                       r"expert parallelism"):
             NeuronZero1Optimizer(experts.parameters(), torch.optim.AdamW, sharding_groups=[[0], [1], [2], [3]])
-        with pytest.raises(NotImplementedError, match=r"'mlp_op.gate_up_proj' holds this rank's share of experts "
-                                                      r"split over expert_model_parallel_size=2 ranks"):
-            split_state_dict(experts.state_dict(), 1)
         with pytest.raises(NotImplementedError, match=r"'mlp_op.gate_up_proj.weight' holds this rank's share of "
-                                                      r"experts split over expert_model_parallel_size=2 ranks"):
+                                                      r"experts split over expert_model_parallel_size=2 ranks: DCP "
+                                                      r"state of expert-parallel models is not supported yet"):
             get_state_dict(experts)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
+
+def _full_state(p):
+    """The dense parameters under the state-dict keys of ``_build``'s MoE (NxD's full checkpoint)."""
+    return {"router.linear_router.weight": p["router.weight"], "router.linear_router.bias": p["router.bias"],
+            "expert_mlps.mlp_op.gate_up_proj.weight": p["up"], "expert_mlps.mlp_op.down_proj.weight": p["down"],
+            "shared_experts.gate_proj.weight": p["shared.gate"], "shared_experts.up_proj.weight": p["shared.up"],
+            "shared_experts.down_proj.weight": p["shared.down"]}
+
+
+def case_expert_checkpoint(directory, tp, ep, save):
+    """At tp x ep: NxD's full state dict cut by ``get_sharded_model_dict`` and saved (``save``), or the checkpoint
+    loaded; either way every parameter must be this rank's slice of the dense one (its experts, its TP piece)."""
+    from nxdtp import checkpointing
+
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    try:
+        moe = _build(glu=True, shared=True, capacity_factor=None, normalize=True, sequence_parallel=False)
+        dense = dense_parameters(5, glu=True, shared=True)
+        if save:
+            moe.load_state_dict(checkpointing.get_sharded_model_dict(moe, _full_state(dense)))
+            checkpointing.save({"model": moe}, directory)
+        else:
+            checkpointing.load(directory, model=moe)
+        for key, (param, cut) in _local_views(moe, glu=True).items():
+            assert torch.equal(param.detach(), cut(dense[key])), (tp, ep, key)
+        return (tp, ep)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_nxd_experts_saved_at_tp2_ep2_load_at_other_sizes(worlds, tmp_path):
+    """The experts' checkpoint layout: files hold every expert, so after a reshard over TP alone the checkpoint loads
+    at any expert-parallel size."""
+    from nxdtp.checkpointing.merge import reshard
+
+    saved = str(tmp_path / "tp2")
+    assert worlds(4).run(case_expert_checkpoint, tensor_model_parallel_size=None, directory=saved, tp=2, ep=2,
+                         save=True) == [(2, 2)] * 4
+    for tp, ep in [(2, 2), (2, 1), (1, 4), (1, 2)]:   # INTER=6: tp=4 does not divide gate|up
+        directory = saved if tp == 2 else str(tmp_path / f"tp{tp}")
+        if not os.path.isdir(directory):
+            reshard(saved, directory, tp, progress=False)
+        assert worlds(4).run(case_expert_checkpoint, tensor_model_parallel_size=None, directory=directory, tp=tp,
+                             ep=ep, save=False) == [(tp, ep)] * 4

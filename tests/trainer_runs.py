@@ -25,14 +25,22 @@ VOCAB, SEQ, SAMPLES = 67, 8, 16
 EVAL_SAMPLES, PREDICT_SAMPLES = 8, 9
 
 
-def dense_model():
+def dense_model(family: str = "llama"):
+    """A tiny Llama, or (``family="mixtral"``) a tiny Mixtral of 4 experts whose loss includes the load-balancing
+    loss."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      attention_bias=True, tie_word_embeddings=False)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=32, tie_word_embeddings=False)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                            router_aux_loss_coef=0.3, output_router_logits=True)
+        model_class = transformers.MixtralForCausalLM
+    else:
+        config = transformers.LlamaConfig(**common, intermediate_size=64, attention_bias=True)
+        model_class = transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = model_class(config)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():   # randomise everything, biases and norms included
         for p in model.parameters():
@@ -128,10 +136,11 @@ def metric_arguments(evaluate: bool) -> dict:
     return dict(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_ids) if evaluate else {}
 
 
-def run_dense(out: str, per_device: int, accumulation: int, precision: str, evaluate: bool, lora: bool) -> None:
+def run_dense(out: str, per_device: int, accumulation: int, precision: str, evaluate: bool, lora: bool,
+              family: str) -> None:
     import transformers
 
-    model = with_lora(dense_model()) if lora else dense_model()
+    model = with_lora(dense_model(family)) if lora else dense_model(family)
     trainer = transformers.Trainer(model=model, train_dataset=Samples(), **metric_arguments(evaluate),
                                    args=training_arguments(out, per_device, accumulation,
                                                            **precision_arguments(precision)))
@@ -144,7 +153,8 @@ def run_dense(out: str, per_device: int, accumulation: int, precision: str, eval
 
 
 def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: int, resume: str, max_steps: int,
-           precision: str, evaluate: bool, plain: bool = False, lora: bool = False, use_cpu: bool = True):
+           precision: str, evaluate: bool, plain: bool = False, lora: bool = False, use_cpu: bool = True,
+           family: str = "llama", ep: int = 1):
     import torch.distributed as dist
     import transformers
 
@@ -153,8 +163,8 @@ def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: in
     from nxdtp.models.hf_trainer import TensorParallelTrainer
 
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model = parallelize_model(copy.deepcopy(dense_model()))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    model = parallelize_model(copy.deepcopy(dense_model(family)))
     if lora:
         model = with_lora(model)
     saving = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
@@ -187,9 +197,11 @@ if __name__ == "__main__":
     parser.add_argument("--eval", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on every projection")
     parser.add_argument("--no_use_cpu", action="store_true", help="leave TrainingArguments' use_cpu False")
+    parser.add_argument("--model", choices=["llama", "mixtral"], default="llama")
+    parser.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (mixtral)")
     a = parser.parse_args()
     if a.kind == "dense":
-        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval, a.lora)
+        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval, a.lora, a.model)
     else:
         run_tp(a.out, a.tp, a.per_device, a.accumulation, a.save_steps, a.resume, a.max_steps, a.precision, a.eval,
-               a.kind == "plain", a.lora, not a.no_use_cpu)
+               a.kind == "plain", a.lora, not a.no_use_cpu, a.model, a.ep)

@@ -1,8 +1,10 @@
 """The dense reference for the Llama example: the same training, with plain transformers and torch in one process.
 
-No nxdtp anywhere: Hugging Face's ``LlamaForCausalLM`` built from the same config and seed, torch's AdamW with the
-script's hyper-parameters and weight-decay groups, the same warmup-then-linear schedule, gradient clipping at 1.0,
-and the global batches the script's data-parallel ranks read together (rows ``[k G, (k + 1) G)`` of micro-batch k).
+No nxdtp anywhere: Hugging Face's ``LlamaForCausalLM`` (or the config's family: ``MixtralForCausalLM`` for
+examples/tp_ep_mixtral, whose micro-batch loss adds its load-balancing loss) built from the same config and seed,
+torch's AdamW with the script's hyper-parameters and weight-decay groups, the same warmup-then-linear schedule,
+gradient clipping at 1.0, and the global batches the script's data-parallel ranks read together (rows
+``[k G, (k + 1) G)`` of micro-batch k).
 Its step losses are what every TP × DP layout of the script must reproduce.
 
     python examples/tp_zero1_llama/dense_reference.py --output_dir OUT SCRIPT_FLAGS...
@@ -31,10 +33,10 @@ from training_log import STEP_LOG_FILE  # noqa: E402
 
 def train(args) -> List[float]:
     """Step losses of the dense run of ``args`` (the script's parsed flags, ``batch_size`` the global micro-batch)."""
-    from transformers import LlamaForCausalLM, set_seed
+    from transformers import set_seed
 
     set_seed(args.seed)
-    model = LlamaForCausalLM(script.load_config(args))
+    model = script.dense_model(script.load_config(args))
     model.train()
     decay = [p for n, p in model.named_parameters() if not any(nd in n for nd in ("bias", "norm"))]
     no_decay = [p for n, p in model.named_parameters() if any(nd in n for nd in ("bias", "norm"))]
@@ -51,10 +53,13 @@ def train(args) -> List[float]:
             count = sum((b["labels"][:, 1:] != llama_data.IGNORE_INDEX).sum() for b in micro_batches)
             total = 0.0
             for b in micro_batches:
-                logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask")).logits.float()
+                outputs = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"))
+                logits = outputs.logits.float()
                 loss = torch.nn.functional.cross_entropy(
                     logits[:, :-1].reshape(-1, logits.shape[-1]), b["labels"][:, 1:].reshape(-1),
                     ignore_index=llama_data.IGNORE_INDEX, reduction="sum") / count
+                if getattr(outputs, "aux_loss", None) is not None:   # a mixture of experts' load-balancing loss
+                    loss = loss + model.config.router_aux_loss_coef * outputs.aux_loss
                 loss.backward()
                 total += loss.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

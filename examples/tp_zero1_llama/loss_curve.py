@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -32,8 +32,9 @@ LAYOUTS = (("TP=2 x DP=2, ZeRO-1, SP", 2, ["--use_zero_1", "--sequence_parallel_
 DENSE_LABEL = "dense (transformers + torch, 1 process)"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None, description: str = __doc__, model_path: str = os.path.join(HERE, "configs", "llama_tiny")
+               ) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description.split("\n\n")[0])
     p.add_argument("--data_dir", required=True)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--steps", type=int, default=12)
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad_accum_usteps", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--model_path", default=os.path.join(HERE, "configs", "llama_tiny"))
+    p.add_argument("--model_path", default=model_path)
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.add_argument("extra", nargs="*", help="more flags for the training script (after --)")
     args = p.parse_args(argv)
@@ -58,10 +59,10 @@ def common_flags(args: argparse.Namespace, run_dir: str, batch_size: int) -> Lis
             "--seq_len", str(args.seq_len), "--seed", "7", *args.extra]
 
 
-def train(args: argparse.Namespace, label: str, tp: int, flags: List[str]) -> List[Dict]:
-    run_dir = os.path.join(args.output_dir, f"tp{tp}_dp{PROCESSES // tp}")
+def train(args: argparse.Namespace, label: str, tp: int, flags: List[str], script: str = SCRIPT) -> List[Dict]:
+    run_dir = os.path.join(args.output_dir, f"tp{tp}_dp{PROCESSES // tp}")   # each layout its own TP size
     dp = PROCESSES // tp
-    command = [*python_launch(PROCESSES), SCRIPT, *common_flags(args, run_dir, args.global_batch // dp),
+    command = [*python_launch(PROCESSES), script, *common_flags(args, run_dir, args.global_batch // dp),
                "--tensor_parallel_size", str(tp), "--device", "cpu", "--checkpoint_freq", "0", *flags]
     return run_layout(command, run_dir, args.steps, label)
 
@@ -72,16 +73,19 @@ def dense(args: argparse.Namespace) -> List[Dict]:
     return run_layout(command, run_dir, args.steps, DENSE_LABEL)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, layouts=LAYOUTS, model: str = "Llama", args: Optional[argparse.Namespace] = None,
+         script: str = SCRIPT) -> int:
+    """Train ``layouts`` (``(label, tensor_parallel_size, flags)`` on 4 processes of ``script``) and the dense
+    reference, plot, compare; ``model`` names the model in the plot's title."""
+    args = args or parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     curves = {DENSE_LABEL: dense(args)}
-    curves.update({label: train(args, label, tp, flags) for label, tp, flags in LAYOUTS})
+    curves.update({label: train(args, label, tp, flags, script) for label, tp, flags in layouts})
     reference = curves[DENSE_LABEL]
     gaps = {label: largest_gap(records, reference) for label, records in curves.items() if label != DENSE_LABEL}
     worst = max(gaps.values())
     png = os.path.join(args.output_dir, "loss_curve.png")
-    plot(curves, png, f"Llama, same seed, global batch {args.global_batch} x {args.grad_accum_usteps} micro-steps: "
+    plot(curves, png, f"{model}, same seed, global batch {args.global_batch} x {args.grad_accum_usteps} micro-steps: "
                       f"max |diff| from dense {worst:.1e}", ylabel="training loss (next-token cross entropy)")
     with open(os.path.join(args.output_dir, "loss_curve.json"), "w") as f:
         json.dump({**{label: [r["loss"] for r in records] for label, records in curves.items()},

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print_grad_norm", action="store_true", help="append the pre-clip grad norm to each LOG line")
     p.add_argument("--tensor_parallel_size", type=int, default=2, help="ranks per tensor-parallel group")
     p.add_argument("--context_parallel_size", type=int, default=1, help="accepted at 1 only: no context parallelism")
+    p.add_argument("--expert_parallel_size", type=int, default=1,
+                   help="ranks of an expert-parallel group (a mixture of experts; it divides the data-parallel size)")
+    p.add_argument("--capacity_factor", type=float, default=None,
+                   help="NxD's Mixtral flag; accepted unset only: the Hugging Face model's experts are dropless")
     p.add_argument("--seq_len", type=int, default=2048, help="sequence length; must equal the data's block length")
     p.add_argument("--use_mix_precision", action="store_true",
                    help="with --use_zero_1: bf16 weights and compute, fp32 master shards (AdamW_FP32OptimParams), "
@@ -160,6 +164,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.context_parallel_size != 1:
         parser.error(f"--context_parallel_size {args.context_parallel_size}: nxdtp has no context parallelism; "
                      "the valid value is 1")
+    if args.capacity_factor is not None:
+        parser.error(f"--capacity_factor {args.capacity_factor}: the Hugging Face model nxdtp shards routes every "
+                     "token to its experts (dropless), as the dense model it must equal does; leave the flag out "
+                     "(NxD's capacity with token dropping is in nxdtp.modules.moe, for NxD's own model file)")
+    if args.expert_parallel_size < 1:
+        parser.error(f"--expert_parallel_size {args.expert_parallel_size} must be >= 1")
+    if args.expert_parallel_size > 1 and args.use_zero_1 and args.checkpoint_dir and args.checkpoint_freq > 0:
+        parser.error(f"--use_zero_1 with --expert_parallel_size {args.expert_parallel_size} and checkpoints: ZeRO-1's "
+                     "expert shards are not checkpointed yet; drop --use_zero_1, or --checkpoint_freq 0")
     if args.use_mix_precision and not args.use_zero_1:
         parser.error("--use_mix_precision keeps fp32 master weights in the ZeRO-1 optimizer's shards: add "
                      "--use_zero_1 (NxD's own script raises too: master weights need ZeRO-1)")
@@ -185,6 +198,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         config = load_config(args)
     except (OSError, ValueError) as error:
         parser.error(str(error))
+    if (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+            and not (args.selective_checkpoint_enabled or args.no_activation_checkpointing)):
+        parser.error(f"{args.model_path}: a mixture of experts trained with its load-balancing loss cannot recompute "
+                     "whole decoder layers (transformers records the router logits inside them, and a recomputed "
+                     "layer's would carry no gradient): add --selective_checkpoint_enabled (recompute the attention) "
+                     "or --no_activation_checkpointing")
     tp = args.tensor_parallel_size
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if args.kv_replicator != 1 and (kv_heads * args.kv_replicator) % tp:
@@ -200,8 +219,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ---- the model -------------------------------------------------------------------------------------------------------
 
 def load_config(args: argparse.Namespace):
-    """The LlamaConfig of --model_path with NxD's overrides (--num_layers, --hidden_size, --seq_len). A damaged or
-    mistyped config is a PretrainedDirectoryError naming the file."""
+    """The config of --model_path with NxD's overrides (--num_layers, --hidden_size, --seq_len): a Llama config, or
+    another decoder family's that nxdtp shards (Mixtral: examples/tp_ep_mixtral; a config without model_type is
+    Llama's). A damaged or mistyped config is a PretrainedDirectoryError naming the file."""
     from transformers import LlamaConfig
 
     from nxdtp.models.hf_loading import read_config
@@ -211,7 +231,7 @@ def load_config(args: argparse.Namespace):
     if not os.path.isfile(file):
         raise FileNotFoundError(f"--model_path {path}: no config.json there (give a directory with a Llama "
                                 "config.json, or the file)")
-    config = read_config(file, LlamaConfig)
+    config = read_config(file, None if _names_its_model_type(file) else LlamaConfig)
     config.use_cache = False
     config.max_position_embeddings = max(config.max_position_embeddings, args.seq_len)
     if args.num_layers > 0:
@@ -227,12 +247,30 @@ def load_config(args: argparse.Namespace):
     return config
 
 
+def _names_its_model_type(file: str) -> bool:
+    """Whether the config file says its model_type (unreadable: no; read_config then says what is wrong)."""
+    import json
+
+    try:
+        with open(file, "rb") as f:
+            raw = json.load(f)
+    except ValueError:
+        return False
+    return isinstance(raw, dict) and "model_type" in raw
+
+
+def dense_model(config):
+    """The Hugging Face causal LM of ``config``'s family (``LlamaForCausalLM`` for a Llama config), freshly
+    initialised from the current seed: what every rank builds and the dense reference trains."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+
+
 def get_model(flags: argparse.Namespace):
     """NxD's ``model_fn``: the dense Hugging Face model, which ``initialize_parallel_model`` shards. Every rank builds
     it from the same seed (``set_seed`` before), so each TP rank keeps its slice of the same dense weights."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(load_config(flags))
+    model = dense_model(load_config(flags))
     if flags.use_mix_precision:
         model.to(torch.bfloat16)  # the fp32 master shards are made from these values by ZeRO-1
     return model
@@ -254,11 +292,14 @@ def activation_checkpoint_config(args: argparse.Namespace):
     if args.no_activation_checkpointing:
         return None
     if args.selective_checkpoint_enabled:
-        # NxD recomputes its CoreAttention module (softmax(QK^T)V); HF's Llama has no such module, its nearest is the
-        # whole attention block.
-        from transformers.models.llama.modeling_llama import LlamaAttention
+        # NxD recomputes its CoreAttention module (softmax(QK^T)V); HF's decoders have no such module, the nearest is
+        # the whole attention block (LlamaAttention, MixtralAttention, ...).
+        import importlib
 
-        return LlamaAttention
+        model_type = load_config(args).model_type
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        return next(value for name, value in vars(module).items() if name.endswith("Attention")
+                    and name.lower() == f"{model_type}attention")
     return "full"
 
 
@@ -360,6 +401,7 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         nxd_config = nxd.neuronx_distributed_config(
             tensor_parallel_size=flags.tensor_parallel_size,
             context_parallel_size=flags.context_parallel_size,
+            expert_parallel_size=flags.expert_parallel_size,
             optimizer_config={"zero_one_enabled": flags.use_zero_1, "grad_clipping": True, "max_grad_norm": 1.0},
             sequence_parallel=flags.sequence_parallel_enabled,
             activation_checkpoint_config=activation_checkpoint_config(flags),
@@ -369,7 +411,9 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         )
     except ValueError as error:
         if "divide" in str(error) or "world" in str(error):
-            raise WorldSizeError(f"--tensor_parallel_size {flags.tensor_parallel_size}: {error}") from None
+            layout = f"--tensor_parallel_size {flags.tensor_parallel_size}" + (
+                f" --expert_parallel_size {flags.expert_parallel_size}" if flags.expert_parallel_size > 1 else "")
+            raise WorldSizeError(f"{layout}: {error}") from None
         raise
     # The data before the model: a wrong directory fails in seconds, not after the model is built.
     data = llama_data.PackedBlocks(flags.data_dir)
@@ -436,7 +480,8 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         if not flags.checkpoint_dir:
             print("note: no --checkpoint_dir, so no checkpoints are saved", flush=True)
         print(f"training on {rt.kind} ({rt.device}): world {rt.world_size} = tensor parallel "
-              f"{flags.tensor_parallel_size} x data parallel {dp_size}; ZeRO-1 {flags.use_zero_1}; "
+              f"{flags.tensor_parallel_size} x data parallel {dp_size} (expert parallel "
+              f"{flags.expert_parallel_size}); ZeRO-1 {flags.use_zero_1}; "
               f"{llama_data.describe(data)}", flush=True)
         metrics.store_parameters({
             "Model": config.model_type, "Model configuration": str(config), "World size": rt.world_size,

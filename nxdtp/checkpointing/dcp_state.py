@@ -128,8 +128,9 @@ def _check(model: nn.Module, optimizer: Any, what: str) -> None:
     experts = [name for name, p in model.named_parameters() if getattr(p, "expert_model_parallel", False)]
     if experts and expert_parallel_group().size > 1:
         raise NotImplementedError(f"{what}: '{experts[0]}' holds this rank's share of experts split over "
-                                  f"expert_model_parallel_size={expert_parallel_group().size} ranks: checkpoints do "
-                                  "not record the expert dimension yet; save and load at expert_model_parallel_size=1")
+                                  f"expert_model_parallel_size={expert_parallel_group().size} ranks: DCP state of "
+                                  "expert-parallel models is not supported yet; save with nxdtp.checkpointing.save "
+                                  "(any expert-parallel size) and export it with nxdtp-merge --to dcp")
     tp = tensor_parallel_group().size
     if tp > 1 and not any(isinstance(m, ShardedModule) and any(s.is_sharded for s in m.param_specs().values())
                           for m in model.modules()):

@@ -19,6 +19,7 @@ from .. import comm
 from ..spec import ParamSpec
 from ..topology import get_topology, tensor_parallel_group
 from .durable import fsync_directory, make_directories, replace_atomically
+from .experts import gather_experts
 from .index import TensorEntry, dtype_from_name, split_model_state
 from .safetensors_stream import StreamingSafetensorsWriter
 
@@ -276,13 +277,15 @@ def _close_dense_writer(writer: DenseWeightsWriter, directory: str,
 
 def gather_dense(local: torch.Tensor, spec: ParamSpec, group, *, dtype: Optional[torch.dtype] = None,
                  keep: bool = True) -> Optional[torch.Tensor]:
-    """Collective over the tensor-parallel ``group``: the dense tensor (on the host) of which ``local`` is this rank's
-    piece as ``spec`` lays it out, on the ranks that ``keep`` it (None on the others), from the pieces broadcast from
-    their owners in rank order, so one piece is in flight at a time whatever the device holds (the gloo groups of the
-    checkpoint path carry host tensors on every backend). A replicated tensor needs no collective: this rank's copy
+    """Collective over the tensor-parallel ``group`` (and the expert-parallel group where ``spec`` splits experts):
+    the dense tensor (on the host) of which ``local`` is this rank's piece as ``spec`` lays it out, on the ranks that
+    ``keep`` it (None on the others), from the pieces broadcast from their owners in rank order, so one piece is in
+    flight at a time whatever the device holds (the gloo groups of the checkpoint path carry host tensors on every
+    backend). A replicated tensor needs no collective: this rank's copy
     is it. An error while assembling is raised after the remaining broadcasts, so no rank waits alone. The result
     may be a view of the padded full tensor: copy it to keep it alone."""
     dtype = dtype or local.dtype
+    local, spec = gather_experts(local, spec)
     if not spec.is_sharded:
         return spec.dense_from_full(local.detach().to("cpu")) if keep else None
     piece = local.detach().to("cpu")

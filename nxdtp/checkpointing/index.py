@@ -107,11 +107,6 @@ def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[s
                                  f"{value['split_over_ranks']}, not the tensor-parallel group: nxdtp checkpoints store "
                                  "tensor-parallel shards, so save that module's state yourself (or build it over the "
                                  "tensor-parallel group)")
-            if "experts_split_over_ranks" in value:
-                raise NotImplementedError(
-                    f"'{prefix.rstrip('.')}' holds this rank's share of experts split over "
-                    f"expert_model_parallel_size={value['experts_split_over_ranks']} ranks: nxdtp checkpoints do not "
-                    "record the expert dimension yet; save at expert_model_parallel_size=1")
             for name, spec in value["params"].items():
                 specs[prefix + name] = ParamSpec.from_dict(spec)
     if tp > 1 and not specs and any(isinstance(v, torch.Tensor) for v in state_dict.values()):

@@ -25,11 +25,12 @@ from .. import comm
 from ..agreement import check_replicated_agree
 from ..random import get_rng_state, get_xla_rng_tracker, set_rng_state
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule
-from ..topology import data_parallel_group, get_topology, tensor_parallel_group
+from ..topology import data_parallel_group, expert_parallel_group, get_topology, tensor_parallel_group
 from ..utils import move_all_tensor_to_cpu
 from ..version import __version__
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
+from .experts import expert_specs, gather_experts, keep_this_ranks_experts
 from .fused_state import Fused, fuse_state, fused_by_position, split_state, with_fused_tensors
 from .index import (
     CheckpointIndex,
@@ -147,7 +148,7 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
             raise ValueError(f"get_sharded_model_dict: '{key}' has shape {list(shape)}, but a full tensor of it has "
                              f"the dense shape {list(spec.unpadded_shape)} or the padded shape "
                              f"{list(spec.full_shape)}.{hint}")
-        model_state_dict[key] = spec.piece_of_full(full, group.rank)
+        model_state_dict[key] = spec.local_of_full(full, group.rank, expert_parallel_group().rank)
     return model_state_dict
 
 
@@ -313,6 +314,7 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
     # Every rank must reach the replicated check (a collective), so the failures above are agreed on first.
     _agree(error, f"saving {tag_dir}")
     try:
+        _gather_experts(job)
         if check_replicated:
             # Before anything is written: replicated tensors are stored from TP rank 0 only. The check raises the
             # same error on every rank of a TP group whose copies differ.
@@ -334,6 +336,31 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
             lock.release()
     _agree(error, f"saving {tag_dir}")
     return job
+
+
+def _gather_experts(job: SaveJob) -> None:
+    """Collective over the expert-parallel groups: the tensors whose experts are split over ranks, and their plain
+    optimizer state, with every expert (``checkpointing.experts``) on the ranks that write them; the other ranks drop
+    them. Every rank walks the same keys in the same order."""
+    specs: Dict[str, ParamSpec] = {}
+    for key, entry in job.entries.items():
+        if entry.spec.expert_partitions > 1:
+            specs.update({name: entry.spec for name in [key] + entry.aliases})
+            job.tensors[key], entry.spec = gather_experts(job.tensors[key], entry.spec)
+            if not job.writes_model():
+                del job.tensors[key]
+    if not specs or job.optimizer_tensors is None:
+        return
+    if job.optimizer_index.get("keyed_by") != "name":
+        raise ValueError(f"save(): the model's experts are split over expert-parallel ranks ('{next(iter(specs))}', "
+                         "...), and an optimizer state dict alone does not say which state belongs to them; pass the "
+                         "optimizer itself with the model (save({'model': model, 'optimizer': optimizer}))")
+    for key, value in list(job.optimizer_tensors.items()):
+        spec = specs.get(key.rpartition("/")[0])
+        if spec is not None and tuple(value.shape) == spec.local_shape():
+            job.optimizer_tensors[key] = gather_experts(value, spec)[0]
+            if not job.writes_optimizer():
+                del job.optimizer_tensors[key]
 
 
 def _json_files(rank: int, model: Any, optimizer_json: Optional[Dict[str, Any]],
@@ -622,6 +649,7 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
     fused = fused_by_position(optimizer, model) if position else {}
     part_slots = {part: slot for slot, (_, parts) in fused.items() for part, _ in parts if part not in position}
     model_state = with_fused_tensors(model_state, fused)
+    experts = _split_experts(tag_dir, model if position else None, target)
 
     @functools.lru_cache(maxsize=None)
     def files(dp_rank: Optional[int] = None) -> _RankFile:
@@ -642,8 +670,12 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
             given.setdefault(slot, {})[name] = {**fields, **saved["scalars"].get(name, {})}
             continue
         slot = _slot_of(tag_dir, name, info, index["keyed_by"] == "name", position, len(live_params))
-        shape = tuple(live_params[slot].shape)
+        spec = experts.get(name)
+        shape = tuple(live_params[slot].shape) if spec is None else spec.with_all_experts().local_shape()
         fields, master = read_state(tag_dir, name, info, shape, files, target, model_state)
+        if spec is not None:
+            keep_this_ranks_experts(fields, {field: spec for field, value in fields.items()
+                                             if isinstance(value, torch.Tensor) and tuple(value.shape) == shape})
         if master is not None:
             masters[slot] = master
         fields.update(saved["scalars"].get(name, {}))
@@ -657,6 +689,18 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
     _complete_masters(tag_dir, masters, live_params, position, saved_zero, model_state, target)
     return {"state": {}, "param_groups": groups, "base_state": state, "sharded_master_weights": masters,
             "shape_info": {i: tuple(p.shape) for i, p in enumerate(live_params)}}
+
+
+def _split_experts(tag_dir: str, model: Optional[nn.Module], target: Optional["_Zero1Target"]
+                   ) -> Dict[str, ParamSpec]:
+    """The specs of ``model``'s tensors whose experts are split over ranks (their state is read whole, then this
+    rank's experts kept), by name; refused for a ZeRO-1 optimizer, whose expert shards are cut over another group."""
+    experts = expert_specs(model) if model is not None else {}
+    if experts and target is not None:
+        raise NotImplementedError(f"{tag_dir}: loading optimizer state into a ZeRO-1 optimizer whose experts are split "
+                                  f"over expert-parallel ranks ('{next(iter(experts))}', ...) is not supported yet; "
+                                  "load it into a plain optimizer, or at expert_model_parallel_size=1")
+    return experts
 
 
 def _fused_fields(tag_dir: str, fused: Fused, parts: Dict[str, Dict[str, Any]], shape: Tuple[int, ...],
@@ -1070,6 +1114,7 @@ class _Reads:
             state = read_model_shard(tag_dir, index, tp_group.rank, verify)
             read.model_state = {k: v.to(dtype_from_name(index.tensors[k].dtype)) if k in index.tensors else v
                                 for k, v in state.items()}
+            keep_this_ranks_experts(read.model_state, expert_specs(self.model))
         if self.optimizer is not None:
             if index.optimizer is None:
                 raise ValueError(f"{tag_dir} holds no optimizer state")

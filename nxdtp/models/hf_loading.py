@@ -371,11 +371,6 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
     ``candidate_keys(name)`` lists the checkpoint keys that may hold parameter ``name`` (prefix and legacy-name
     variants), first match wins. Tied parameters are loaded once, through whichever of their names is present.
     """
-    experts = [n for n, p in model.named_parameters() if getattr(p, "expert_model_parallel", False)]
-    if experts and expert_parallel_group().size > 1:
-        raise NotImplementedError(f"loading pretrained weights into experts split over expert_model_parallel_size="
-                                  f"{expert_parallel_group().size} ranks ('{experts[0]}', ...) is not supported yet: "
-                                  "load at expert_model_parallel_size=1")
     rank = tensor_parallel_group().rank
     available = set(reader.keys())
     read_since_release = 0
@@ -402,7 +397,9 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
             check_stored_tensor(reader, key, name, param,
                                 tuple(spec.unpadded_shape) if spec is not None else tuple(param.shape))
             if spec is not None and spec.is_sharded:
-                value = read_shard(reader, key, spec, rank)
+                value = read_shard(reader, key, spec.with_all_experts(), rank)
+                if spec.expert_partitions > 1:   # the TP piece holds every expert: keep this rank's
+                    value = spec.experts_of_rank(value, expert_parallel_group().rank)
             else:
                 value = reader.read(key)
             param.copy_(value.to(param.dtype))

@@ -78,11 +78,6 @@ def _refusals(model, args) -> list:
     if getattr(args, "load_best_model_at_end", False):
         reasons.append("load_best_model_at_end=True: not supported yet; reload a checkpoint-N with "
                        "resume_from_checkpoint instead")
-    ep = parallel_state.get_expert_model_parallel_size()
-    if ep > 1 and getattr(args, "save_strategy", "no") != "no":   # HF's strategies are str enums
-        reasons.append(f"save_strategy={args.save_strategy!r} at expert_model_parallel_size={ep}: checkpoints of "
-                       "expert-parallel state are not supported yet; pass save_strategy='no', or train at "
-                       "expert_model_parallel_size=1")
     world, tp = parallel_state.get_world_size(), parallel_state.get_tensor_model_parallel_size()
     if world % tp != 0:
         reasons.append(f"world size {world} is not a multiple of tensor_model_parallel_size={tp}")
@@ -162,6 +157,11 @@ class TensorParallelTrainer(transformers.Trainer):
             grads.allreduce_sequence_parallel_gradients(self.model)
             grads.allreduce_gradients(self.model)
         return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        return (_aux_loss_scaled_once(self, loss, outputs, num_items_in_batch), outputs) if return_outputs else \
+            _aux_loss_scaled_once(self, loss, outputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model):
         return grads.clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
@@ -259,6 +259,21 @@ class TensorParallelTrainer(transformers.Trainer):
         optimizer = checkpointing.unwrap.unwrap_optimizer(self.optimizer)   # accelerate's wrapper holds it
         checkpointing.load(checkpoint, model=self.model, optimizer=optimizer, scheduler=self.lr_scheduler,
                            tag=TRAINING_TAG, restore_rng_states=True)
+
+
+def _aux_loss_scaled_once(trainer, loss, outputs, num_items_in_batch):
+    """Trainer multiplies the loss by the DP size when it divides the token loss by the global token count (each rank's
+    share of a sum, averaged over DP). A mixture of experts' load-balancing loss is no such share: nxdtp counts it over
+    the DP batch on every rank (``nxdtp.models.moe``), so its DP mean is already the dense one; multiplied too, its
+    gradient would be the DP size times the dense model's. Undo the multiplication for that term alone."""
+    scaled = (trainer.args.average_tokens_across_devices and num_items_in_batch is not None
+              and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func) and trainer.args.n_gpu <= 1)
+    aux = outputs.get("aux_loss") if hasattr(outputs, "get") else None
+    coefficient = getattr(trainer.accelerator.unwrap_model(trainer.model), "router_aux_loss_coef", None)
+    if not scaled or aux is None or coefficient is None:
+        return loss
+    scale = trainer.accelerator.num_processes // trainer.get_tp_size()
+    return loss - (scale - 1) * coefficient * aux
 
 
 def _full_vocabulary_logits(model, args, outputs):

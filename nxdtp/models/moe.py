@@ -17,8 +17,9 @@ weights: ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)).
 
 Gradients: ``nxdtp.grads.allreduce_gradients(model)`` averages them over DP with NxD's two passes (experts over the
 expert data-parallel group); ``get_grad_norm`` counts each expert once. ``from_pretrained_sharded`` reads
-transformers' per-expert files (``ExpertsAsModuleHolds``). Not provided yet: checkpoints of expert-parallel state
-(refused by name), transformers 4.x's per-expert modules.
+transformers' per-expert files (``ExpertsAsModuleHolds``). Checkpoints hold every expert (``ParamSpec``'s
+``expert_partitions``; nxdtp.checkpointing.experts), so they load at any expert-parallel size. Not provided yet:
+transformers 4.x's per-expert modules.
 """
 
 from __future__ import annotations
@@ -142,9 +143,9 @@ class ParallelExperts(Style):
             mine = dense.narrow(0, ep.rank * local, local)
             piece = split_along(mine, tp_dim, group.rank, group.size, stride)
             setattr(module, param_name, nn.Parameter(owning(piece), requires_grad=original.requires_grad))
-            spec_shape = (local,) + tuple(dense.shape[1:])
-            module.register_param_spec(param_name, ParamSpec(full_shape=spec_shape, partition_dim=tp_dim,
-                                                             stride=stride, num_partitions=group.size))
+            module.register_param_spec(param_name, ParamSpec(full_shape=tuple(dense.shape), partition_dim=tp_dim,
+                                                             stride=stride, num_partitions=group.size,
+                                                             expert_partitions=ep.size))
         module.reattach_spec_attributes()
         return module
 
@@ -185,12 +186,6 @@ class ShardedHFExperts(ShardedModule):
         for name in ("gate_up_proj", "down_proj"):
             getattr(self, name).expert_model_parallel = True
 
-    def get_extra_state(self):
-        state = super().get_extra_state()
-        if self.nxdtp_expert_parallel_size > 1:
-            state["experts_split_over_ranks"] = self.nxdtp_expert_parallel_size
-        return state
-
 
 # ---- the load-balancing loss over the data-parallel batch ------------------------------------------------------------
 
@@ -212,6 +207,7 @@ def _aux_loss_over_data_parallel(forward, *args, **kwargs):
             arguments.get("labels") is None or not torch.is_grad_enabled():
         return output
     model = forward.__self__
+    _refuse_router_logits_without_gradient(output.router_logits, model.router_aux_loss_coef)
     attention_mask = arguments.get("attention_mask")
     aux = load_balancing_loss_over_data_parallel(output.router_logits, model.num_experts,
                                                  model.num_experts_per_tok, attention_mask)
@@ -219,6 +215,20 @@ def _aux_loss_over_data_parallel(forward, *args, **kwargs):
         output.loss = output.loss + model.router_aux_loss_coef * (aux - output.aux_loss)
     output.aux_loss = aux
     return output
+
+
+def _refuse_router_logits_without_gradient(router_logits, coefficient: float) -> None:
+    """transformers records the router logits inside each decoder layer (a hook on the router). When the layer is
+    recomputed in backward (activation checkpointing: nxdtp's, or HF's gradient checkpointing), its forward ran without
+    gradients, so the recorded logits have none and the load-balancing loss would train nothing, without a word."""
+    if coefficient and any(not logits.requires_grad for logits in router_logits):
+        layer = next(i for i, logits in enumerate(router_logits) if not logits.requires_grad)
+        raise RuntimeError(
+            f"the router logits of MoE layer {layer} carry no gradient, so router_aux_loss_coef={coefficient} would "
+            "train nothing: the decoder layers are activation-checkpointed (recomputed in backward, their forward run "
+            "without gradients) and transformers records the router logits inside them. Checkpoint the attention "
+            "only (activation_checkpoint_config=<the model's Attention class>, the examples' "
+            "--selective_checkpoint_enabled), or train without activation checkpointing")
 
 
 def load_balancing_loss_over_data_parallel(router_logits, num_experts: int, top_k: int,

@@ -240,8 +240,9 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         if self._expert_groups is not None:
             raise NotImplementedError(
                 f"NeuronZero1Optimizer.{what}: the state of expert parameters sharded over the expert data-parallel "
-                "group is not saved yet (checkpoints do not record the expert dimension); save at "
-                "expert_model_parallel_size=1")
+                "group is not saved yet (nxdtp checkpoints store the model's experts at any expert-parallel size, "
+                "ZeRO-1's expert shards not); save the model alone (save({'model': model})), or train at "
+                "expert_model_parallel_size=1 to checkpoint ZeRO-1 state")
 
     def _make_shard(self, param: torch.Tensor) -> torch.Tensor:
         group = self._groups_of(param)[0]

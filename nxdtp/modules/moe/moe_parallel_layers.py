@@ -7,7 +7,7 @@ as NxD's, (experts, input, output), so a layer computes ``x @ W[e]`` for every e
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -77,11 +77,9 @@ class _ExpertFusedLinear(BaseParallelLayer):
                                       keep_master=False, group=tp_group)
         first = ep_group.rank * self._n_local_experts
         self.weight = nn.Parameter(owning(weight.narrow(EXPERT_DIM, first, self._n_local_experts)))
-        # With expert parallelism the checkpoint layout has no expert dimension yet: the spec describes this rank's
-        # experts, and get_extra_state marks them so that saving is refused rather than filing a part as the whole.
-        spec_shape = (self._n_local_experts,) + full_shape[1:]
-        self.register_param_spec("weight", ParamSpec(full_shape=spec_shape, partition_dim=self.tp_dim, stride=stride,
-                                                     num_partitions=tp_group.size))
+        self.register_param_spec("weight", ParamSpec(full_shape=full_shape, partition_dim=self.tp_dim, stride=stride,
+                                                     num_partitions=tp_group.size,
+                                                     expert_partitions=ep_group.size))
         self.reattach_spec_attributes()
         self.register_parameter("bias", None)
 
@@ -90,12 +88,6 @@ class _ExpertFusedLinear(BaseParallelLayer):
         # Parameter objects (a copy, a model materialised from meta) get it again with their spec attributes.
         super().reattach_spec_attributes()
         self.weight.expert_model_parallel = True
-
-    def get_extra_state(self) -> Dict[str, Any]:
-        state = super().get_extra_state()
-        if self.expert_parallel_size > 1:
-            state["experts_split_over_ranks"] = self.expert_parallel_size
-        return state
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, local_experts={self._n_local_experts}, input_size={self.input_size}, "
