@@ -313,12 +313,17 @@ def test_saved_at_tp2_ep2_loads_at_other_tensor_and_expert_parallel_sizes(worlds
     assert all(torch.equal(s["stepped"], saved[0]["stepped"]) for s in saved)
     saved = saved[0]
     merge(saved_dir, merged, progress=False)
+    # Both directories hold the experts one by one, as transformers' own save_pretrained writes them.
+    mixtral_model(seed=0).save_pretrained(str(tmp_path / "hf"))
+    keys = [set(load_file(f"{directory}/model.safetensors")) for directory in (merged, pretrained, tmp_path / "hf")]
+    assert keys[0] == keys[1] == keys[2] and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys[0]
     for directory in (merged, pretrained):
         with torch.no_grad():
             logits = transformers.AutoModelForCausalLM.from_pretrained(directory)(**checkpoint_batch()).logits
         torch.testing.assert_close(logits, saved["logits"], **TOL, msg=lambda m: f"{directory}: {m}")
+    # DCP holds the tensors as the model does (fused experts): torchtitan's and DCP users' names.
     export_dcp(saved_dir, str(tmp_path / "dcp"), progress=False)
-    weights = load_file(f"{merged}/model.safetensors")
+    weights = transformers.AutoModelForCausalLM.from_pretrained(merged).state_dict()
     exported = {key: torch.zeros_like(value) for key, value in weights.items()}
     dcp.load(exported, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert all(torch.equal(exported[key], value) for key, value in weights.items())

@@ -20,6 +20,7 @@ from ..spec import ParamSpec
 from ..topology import get_topology, tensor_parallel_group
 from .durable import fsync_directory, make_directories, replace_atomically
 from .experts import gather_experts
+from .hf_form import SavedForm
 from .index import TensorEntry, dtype_from_name, split_model_state
 from .safetensors_stream import StreamingSafetensorsWriter
 
@@ -178,13 +179,19 @@ def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[st
 @dataclasses.dataclass
 class _DensePlan:
     """What ``save_dense`` writes, decided on every rank before any gather: this rank's tensors and their index
-    entries (specs), the dense files' layout and shard plan, and the order the tensors are gathered in."""
+    entries (specs), the dense tensors' layout, the files' layout in transformers' saved form (``hf_form``) and their
+    shard plan, the order the tensors are gathered in, and the saved form (None: the tensors as held)."""
 
     tensors: Dict[str, torch.Tensor]
     entries: Dict[str, TensorEntry]
     layout: Layout
+    saved: Layout
     files: Dict[str, List[str]]
     order: List[str]
+    form: Optional[SavedForm]
+
+    def saved_tensors(self, key: str, dense: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return self.form.tensors(key, dense) if self.form is not None else {key: dense}
 
 
 def _plan_dense(model: nn.Module, state_dict: Optional[Dict[str, Any]], tp_size: int,
@@ -205,8 +212,14 @@ def _plan_dense(model: nn.Module, state_dict: Optional[Dict[str, Any]], tp_size:
             raise ValueError(f"'{key}' is split into {entry.spec.num_partitions} pieces, but the tensor-parallel "
                              f"group has {tp_size} ranks")
     layout = dense_layout(entries)
-    files = plan_files(layout) if plan_files is not None else single_file(layout)
-    return _DensePlan(tensors, entries, layout, files, write_order(files))
+    form = SavedForm.of_model(model)
+    parts = form.parts(layout) if form is not None else [(key, key, dtype, shape) for key, dtype, shape in layout]
+    saved = [(name, dtype, shape) for _, name, dtype, shape in parts]
+    files = plan_files(saved) if plan_files is not None else single_file(saved)
+    source_of = {name: key for key, name, _, _ in parts}
+    # Each dense tensor is gathered when the first of its saved parts is due in the files' order.
+    order = list(dict.fromkeys(source_of[name] for name in write_order(files)))
+    return _DensePlan(tensors, entries, layout, saved, files, order, form)
 
 
 def _state_to_save(model: nn.Module, state_dict: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -236,7 +249,7 @@ def _open_dense_writer(directory: str, plan: _DensePlan, index_metadata: Optiona
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"{what}: {directory} exists and is not a directory; pass a directory path")
     make_directories(directory)
-    return DenseWeightsWriter(directory, plan.layout, plan.files, metadata={"format": "pt"},
+    return DenseWeightsWriter(directory, plan.saved, plan.files, metadata={"format": "pt"},
                               index_metadata=index_metadata(plan.layout) if index_metadata else None)
 
 
@@ -245,6 +258,9 @@ def _gather_and_write(plan: _DensePlan, group, writer: Optional[DenseWeightsWrit
     """Gather every tensor in the plan's order, and on the writer write each. Returns the writer (None once a write
     failed, its files abandoned) and that failure."""
     error: Optional[BaseException] = None
+    due = iter(write_order(plan.files))
+    pending: Dict[str, torch.Tensor] = {}   # saved parts gathered and not yet due in the files' order
+    next_due = next(due, None)
     for key in plan.order:
         # Every rank runs every gather, whatever failed on the writer, so no rank waits alone in a collective.
         entry, dense = plan.entries[key], None
@@ -252,7 +268,10 @@ def _gather_and_write(plan: _DensePlan, group, writer: Optional[DenseWeightsWrit
             dense = gather_dense(plan.tensors[key], entry.spec, group, dtype=dtype_from_name(entry.dtype),
                                  keep=writer is not None)
             if writer is not None:
-                writer.write(key, dense)
+                pending.update(plan.saved_tensors(key, dense))
+                while next_due in pending:
+                    writer.write(next_due, pending.pop(next_due).contiguous())
+                    next_due = next(due, None)
         except Exception as e:  # noqa: BLE001 - only the keeping rank (the writer) assembles, so only it fails here
             if writer is not None:
                 error = e

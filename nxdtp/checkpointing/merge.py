@@ -24,6 +24,7 @@ from . import tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
+from .hf_form import SavedForm
 from .index import (
     INDEX_FILE,
     CheckpointIndex,
@@ -109,16 +110,23 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
             bar = progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
             try:
                 source = tag_model_source(index, model_files)
+                # The tensors transformers saves in another form than it holds them (a mixture of experts' fused
+                # experts), written in that form, as the model's own save_pretrained writes them.
+                form = SavedForm.of_config(config_path)
                 if output_format == "safetensors":
                     # The writer save_pretrained uses too, so both write the same directory for the same weights.
-                    with DenseWeightsWriter(staging, dense_layout(index.tensors), metadata={"format": "pt"}) as writer:
-                        stream(source, DenseSink(writer), index.tensors, bar=bar)
+                    layout = dense_layout(index.tensors)
+                    with DenseWeightsWriter(staging, form.layout(layout) if form else layout,
+                                            metadata={"format": "pt"}) as writer:
+                        stream(source, DenseSink(writer, form), index.tensors, bar=bar)
                 else:
                     state = {}
                     for key, entry in entries:
                         shape = tuple(entry.spec.unpadded_shape)
                         # A copy: a view would save the padding.
-                        state[key] = source.read_boxes(key, [((0,) * len(shape), shape)])[0].clone()
+                        whole = source.read_boxes(key, [((0,) * len(shape), shape)])[0].clone()
+                        parts = form.tensors(key, whole) if form else {key: whole}
+                        state.update({name: part.clone() for name, part in parts.items()})
                         bar.update(1)
                     with ChecksummedWriter(os.path.join(staging, name)) as f:
                         torch.save(state, f)

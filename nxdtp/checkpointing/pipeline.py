@@ -160,13 +160,19 @@ class TagSource:
 
 class DenseSink:
     """A dense safetensors writer (``DenseWeightsWriter``, or a ``StreamingSafetensorsWriter``): each tensor in slabs
-    of rows of the dense tensor."""
+    of rows of the dense tensor; with a ``form`` (``hf_form.SavedForm``), a tensor transformers saves in another form
+    is read whole and written as its saved parts."""
 
-    def __init__(self, writer):
-        self.writer = writer
+    def __init__(self, writer, form=None):
+        self.writer, self.form = writer, form
 
     def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes: ReadBoxes,
               slab_bytes: int) -> None:
+        if self.form is not None and self.form.converts(key, shape, dtype):
+            whole = read_boxes([((0,) * len(shape), shape)])[0].to(dtype)
+            for name, part in self.form.tensors(key, whole).items():
+                self.writer.write(name, part.contiguous())
+            return
         slabs = dense_slabs(read_boxes, shape, rows_within(slab_bytes, shape, dtype))
         self.writer.write_parts(key, (slab.to(dtype) for slab in slabs))
 
