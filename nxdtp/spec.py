@@ -375,7 +375,8 @@ class ParamSpec:
         shape = list(self.full_shape)
         if self.is_sharded:
             shape[self.partition_dim] //= self.num_partitions
-        shape[0] //= self.expert_partitions
+        if self.expert_partitions > 1:
+            shape[0] //= self.expert_partitions
         return tuple(shape)
 
     def experts_of_rank(self, piece: torch.Tensor, expert_rank: int) -> torch.Tensor:
