@@ -187,9 +187,14 @@ def test_activation_checkpointed_moe_layers_are_refused_before_the_aux_loss_trai
 
     with ps.simulated_topology(world_size=1, rank=0, tensor_model_parallel_size=1):
         model = checkpoint_layers(parallelize_model(dense_model("mixtral", 0)))
-        with pytest.raises(RuntimeError, match=r"the router logits of MoE layer 0 carry no gradient, so "
-                                               r"router_aux_loss_coef=0.3 would train nothing"):
+        with pytest.raises(RuntimeError, match=r"the router logits of MoE layer 0 carry no gradient although its "
+                                               r"router trains, so router_aux_loss_coef=0.3 would train nothing"):
             model(**micro_batch(1, 0))
+        # Frozen routers (fine-tuning the head alone, or adapters past them): logits without a gradient are right.
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+        model(**micro_batch(1, 0)).loss.backward()
+        assert model.lm_head.weight.grad is not None
 
 
 def test_an_expert_count_the_expert_parallel_size_does_not_divide_is_refused():
@@ -232,6 +237,30 @@ def test_hf_saved_experts_one_by_one_load_into_the_fused_module(worlds, tmp_path
     dense_model(family, seed=4).save_pretrained(str(tmp_path))
     assert worlds(2).run(case_hf_saved_directory_loads, tensor_model_parallel_size=2, directory=str(tmp_path),
                          family=family) == [family] * 2
+
+
+def case_sharded_save_pretrained(directory: str, family: str) -> str:
+    parallelize_model(dense_model(family, seed=4)).save_pretrained(directory, max_shard_size="40KB")
+    return family
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_sharded_save_pretrained_puts_each_expert_in_the_file_transformers_would(worlds, tmp_path, family):
+    """A save in several files: the experts one by one under transformers' own names, each tensor in the file
+    transformers' save_pretrained puts it in, and equal to the dense model's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    dense_dir, tp_dir = tmp_path / "dense", tmp_path / "tp"
+    dense_model(family, seed=4).save_pretrained(str(dense_dir), max_shard_size="40KB")
+    assert worlds(2).run(case_sharded_save_pretrained, tensor_model_parallel_size=2, directory=str(tp_dir),
+                         family=family) == [family] * 2
+    maps = [json.loads((d / "model.safetensors.index.json").read_text())["weight_map"] for d in (dense_dir, tp_dir)]
+    assert maps[0] == maps[1] and len(set(maps[0].values())) > 2
+    for name in set(maps[0].values()):
+        dense, ours = load_file(str(dense_dir / name)), load_file(str(tp_dir / name))
+        assert dense.keys() == ours.keys() and all(torch.equal(dense[k], ours[k]) for k in dense), name
 
 
 @pytest.mark.slow

@@ -510,3 +510,51 @@ def test_nxd_experts_saved_at_tp2_ep2_load_at_other_sizes(worlds, tmp_path):
             reshard(saved, directory, tp, progress=False)
         assert worlds(4).run(case_expert_checkpoint, tensor_model_parallel_size=None, directory=directory, tp=tp,
                              ep=ep, save=False) == [(tp, ep)] * 4
+
+
+def _expert_state(optimizer, moe):
+    """The Adafactor state of the expert weights (factored row and column statistics), by parameter name."""
+    names = {id(p): n for n, p in moe.named_parameters()}
+    return {names[id(p)]: {field: value.clone() for field, value in optimizer.state[p].items() if value.dim() > 0}
+            for p in optimizer.state if getattr(p, "expert_model_parallel", False)}
+
+
+def case_adafactor_state(directory, ep, save):
+    """One Adafactor step at tp=1 x ep (every rank the same batch), saved; or the checkpoint loaded at this ep. Returns
+    this rank's experts' factored statistics and its expert rank."""
+    from nxdtp import checkpointing
+
+    ps.initialize_model_parallel(1, expert_model_parallel_size=ep)
+    try:
+        moe = _build(glu=True, shared=False, capacity_factor=None, normalize=True, sequence_parallel=False)
+        moe.load_state_dict(checkpointing.get_sharded_model_dict(moe, {
+            k: v for k, v in _full_state(dense_parameters(5, glu=True, shared=True)).items() if "shared" not in k}))
+        optimizer = torch.optim.Adafactor(moe.parameters(), lr=0.01)
+        if save:
+            x = _batch(5, 0)[0].transpose(0, 1).contiguous()
+            moe(x)[0].square().sum().backward()
+            grads.allreduce_gradients(moe)
+            optimizer.step()
+            checkpointing.save({"model": moe, "optimizer": optimizer}, directory)
+        else:
+            checkpointing.load(directory, model=moe, optimizer=optimizer)
+        return ps.get_expert_model_parallel_rank(), _expert_state(optimizer, moe)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_expert_optimizer_state_of_other_shapes_is_stored_with_every_expert(worlds, tmp_path):
+    """Adafactor's factored statistics are indexed by the experts but are not parameter-shaped: saved at ep=2 they
+    hold every expert, and load at ep=4 and ep=1 as each rank's experts of them."""
+    saved = worlds(4).run(case_adafactor_state, tensor_model_parallel_size=None, directory=str(tmp_path), ep=2,
+                          save=True)
+    every = {name: {field: torch.cat([s[1][name][field] for s in saved[:2]]) for field in fields}
+             for name, fields in saved[0][1].items()}     # ranks 0 and 1 are expert ranks 0 and 1 of one group
+    assert [s[0] for s in saved[:2]] == [0, 1] and every and all(f["row_var"].abs().sum() > 0 for f in every.values())
+    for ep in (4, 1):
+        for expert_rank, state in worlds(4).run(case_adafactor_state, tensor_model_parallel_size=None,
+                                                directory=str(tmp_path), ep=ep, save=False):
+            for name, fields in every.items():
+                for field, value in fields.items():
+                    mine = value.narrow(0, expert_rank * (E // ep), E // ep)
+                    assert torch.equal(state[name][field], mine), (ep, expert_rank, name, field)

@@ -298,8 +298,13 @@ def activation_checkpoint_config(args: argparse.Namespace):
 
         model_type = load_config(args).model_type
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        return next(value for name, value in vars(module).items() if name.endswith("Attention")
-                    and name.lower() == f"{model_type}attention")
+        wanted = model_type.replace("_", "") + "attention"     # qwen2_moe: Qwen2MoeAttention
+        found = [value for name, value in vars(module).items() if name.lower() == wanted]
+        if not found:
+            raise ValueError(f"--selective_checkpoint_enabled: transformers' {model_type} model has no attention "
+                             f"class named like {wanted!r} to recompute; use the default full recompute or "
+                             "--no_activation_checkpointing")
+        return found[0]
     return "full"
 
 

@@ -144,16 +144,18 @@ class DenseWeightsWriter:
 # ---- from a live model -----------------------------------------------------------------------------------------------
 
 def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[str, Any]] = None,
-               is_writer: bool = True, plan_files: Optional[Callable[[Layout], Dict[str, List[str]]]] = None,
+               is_writer: bool = True, plan_files: Optional[Callable[..., Dict[str, List[str]]]] = None,
                index_metadata: Optional[Callable[[Layout], Dict[str, Any]]] = None,
                write_beside: Optional[Callable[[str], None]] = None, check: Optional[Callable[[], None]] = None,
                what: str = "save_dense") -> None:
     """Collective: write the dense weights of the parallelized ``model`` to ``directory``. Each tensor is gathered over
     every TP group (XLA needs every rank in the same collectives), reassembled by its spec and written by the lowest
     global rank whose ``is_writer`` is true, one tensor at a time. ``state_dict``: this rank's shards to write instead
-    (the model's specs lay them out); ``plan_files(layout)``: the shard plan; ``index_metadata(layout)``: extra index
-    metadata; ``write_beside(directory)``: the writer's other files, once the weights are in place; ``check()``: runs
-    first on every rank. An error on any rank raises on every rank (``what`` names it) after the last gather."""
+    (the model's specs lay them out); ``plan_files(layout, held)``: the shard plan (``held``: each saved tensor
+    that is a part of a held one, transformers' saved form, mapped to that tensor's key and bytes);
+    ``index_metadata(layout)``: extra index metadata; ``write_beside(directory)``: the writer's other files, once the
+    weights are in place; ``check()``: runs first on every rank. An error on any rank raises on every rank (``what``
+    names it) after the last gather."""
     group = tensor_parallel_group()
     error: Optional[BaseException] = None
     plan: Optional[_DensePlan] = None
@@ -195,7 +197,7 @@ class _DensePlan:
 
 
 def _plan_dense(model: nn.Module, state_dict: Optional[Dict[str, Any]], tp_size: int,
-                plan_files: Optional[Callable[[Layout], Dict[str, List[str]]]], what: str) -> _DensePlan:
+                plan_files: Optional[Callable[..., Dict[str, List[str]]]], what: str) -> _DensePlan:
     state = _state_to_save(model, state_dict)
     # Before only the writer reads tensors to the host: on XLA a read of a pending tensor would run the step's
     # graph on the writer alone.
@@ -212,11 +214,14 @@ def _plan_dense(model: nn.Module, state_dict: Optional[Dict[str, Any]], tp_size:
             raise ValueError(f"'{key}' is split into {entry.spec.num_partitions} pieces, but the tensor-parallel "
                              f"group has {tp_size} ranks")
     layout = dense_layout(entries)
-    form = SavedForm.of_model(model)
-    parts = form.parts(layout) if form is not None else [(key, key, dtype, shape) for key, dtype, shape in layout]
-    saved = [(name, dtype, shape) for _, name, dtype, shape in parts]
-    files = plan_files(saved) if plan_files is not None else single_file(saved)
+    form = SavedForm.of_model(model, layout)
+    parts = form.parts() if form is not None else [(key, key, dtype, shape) for key, dtype, shape in layout]
+    saved = form.save_order() if form is not None else layout
     source_of = {name: key for key, name, _, _ in parts}
+    nbytes = {key: torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+              for key, dtype, shape in layout}
+    held = {name: (key, nbytes[key]) for key, name, _, _ in parts if form is not None and form.converts(key)}
+    files = plan_files(saved, held) if plan_files is not None else single_file(saved)
     # Each dense tensor is gathered when the first of its saved parts is due in the files' order.
     order = list(dict.fromkeys(source_of[name] for name in write_order(files)))
     return _DensePlan(tensors, entries, layout, saved, files, order, form)

@@ -2,13 +2,14 @@
 
 Files hold every expert of a TP piece (``ParamSpec.with_all_experts``), so a checkpoint loads at any expert-parallel
 size and merges, reshards and exports as a model without expert parallelism does. Saving gathers each expert tensor
-over the expert-parallel group, one tensor at a time and on the host (the device never holds more experts than it
-trains); loading keeps this rank's experts of what the file holds.
+over the expert-parallel group when it is written, one tensor at a time and on the host (``GatheredWhenWritten``: the
+device never holds more experts than it trains, the writer's host one gathered tensor at a time); loading keeps this
+rank's experts of what the file holds.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +22,8 @@ from ..topology import expert_parallel_group
 def gather_experts(local: torch.Tensor, spec: ParamSpec) -> Tuple[torch.Tensor, ParamSpec]:
     """Collective over the expert-parallel group when ``spec`` splits experts: this TP piece with every expert (a
     host tensor) and its spec; otherwise ``local`` and ``spec`` unchanged. Every rank of the group must call it for
-    the same tensor."""
+    the same tensor. ``local`` may be any tensor indexed by this rank's experts along dim 0 (a parameter, or state of
+    one such as Adafactor's row statistics)."""
     if spec.expert_partitions == 1:
         return local, spec
     group = expert_parallel_group()
@@ -29,6 +31,39 @@ def gather_experts(local: torch.Tensor, spec: ParamSpec) -> Tuple[torch.Tensor, 
         raise ValueError(f"a tensor whose experts are split over {spec.expert_partitions} ranks, but the "
                          f"expert-parallel group has {group.size}")
     return comm.all_gather(local.detach().to("cpu"), group, dim=0), spec.with_all_experts()
+
+
+def indexed_by_experts(value: Any, spec: ParamSpec, experts: int) -> bool:
+    """Whether ``value`` (an entry of a parameter's state) is a tensor indexed by ``experts`` experts along dim 0, as
+    the parameter of ``spec`` is: its moments, or factored statistics of the same rank."""
+    return (isinstance(value, torch.Tensor) and value.dim() == len(spec.full_shape) and value.dim() > 0
+            and value.shape[0] == experts)
+
+
+class GatheredWhenWritten:
+    """A tensor whose experts are split over the expert-parallel group, stored with every expert: ``value()``
+    gathers them (a collective: every rank of the group calls it, in the same order), so a save holds one gathered
+    tensor at a time on the host, not every expert of the model."""
+
+    def __init__(self, local: torch.Tensor, spec: ParamSpec):
+        self.local, self.spec = local, spec
+        self.dtype = local.dtype
+        self.shape = torch.Size((local.shape[0] * spec.expert_partitions,) + tuple(local.shape[1:]))
+
+    def value(self) -> torch.Tensor:
+        return gather_experts(self.local, self.spec)[0]
+
+
+def written_value(tensor) -> torch.Tensor:
+    """The tensor to write: a ``GatheredWhenWritten``'s gathered value, any other tensor itself."""
+    return tensor.value() if isinstance(tensor, GatheredWhenWritten) else tensor
+
+
+def gather_without_writing(tensors: Dict[str, Any]) -> None:
+    """Take part, in order, in the gathers of ``tensors`` that a rank which writes none of them owes its group."""
+    for tensor in tensors.values():
+        if isinstance(tensor, GatheredWhenWritten):
+            tensor.value()
 
 
 def expert_specs(model: nn.Module) -> Dict[str, ParamSpec]:
@@ -49,8 +84,7 @@ def keep_this_ranks_experts(state: Dict[str, torch.Tensor], specs: Dict[str, Par
     for key, spec in specs.items():
         if key in state:
             value = state[key]
-            every = spec.with_all_experts().local_shape()
-            if tuple(value.shape) != every:
-                raise ValueError(f"'{key}' has shape {list(value.shape)}; a piece holding every expert has "
-                                 f"{list(every)}")
+            if not indexed_by_experts(value, spec, spec.full_shape[0]):
+                raise ValueError(f"'{key}' has shape {list(value.shape)}; a tensor holding every expert has "
+                                 f"{spec.full_shape[0]} rows along dim 0 and {len(spec.full_shape)} dims")
             state[key] = spec.experts_of_rank(value, rank)

@@ -5,7 +5,9 @@ experts keeps each layer's experts fused in one module (``mlp.experts.gate_up_pr
 expert at a time (Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``, the Qwen models' ``mlp.experts.N.gate_proj/
 up_proj/down_proj``), the form the Hub holds and transformers 4, vLLM and NxD's converters read. ``save_pretrained``
 and ``nxdtp-merge`` write each dense tensor in that form, through transformers' own reversal
-(``revert_weight_conversion``), so their directories are what the model's own ``save_pretrained`` writes.
+(``revert_weight_conversion``), so their directories hold the keys the model's own ``save_pretrained`` writes (and
+``save_pretrained`` plans its shard files in transformers' order). A conversion whose reverse joins several held
+tensors into one saved tensor cannot be written one held tensor at a time: such a model's tensors are written as held.
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ Layout = List[Tuple[str, torch.dtype, Tuple[int, ...]]]
 
 
 class SavedForm:
-    """How transformers saves the tensors of one model (a real model, or one built on the meta device)."""
+    """How transformers saves the tensors of one model's layout (the model real, or built on the meta device)."""
 
-    def __init__(self, model: nn.Module, revert):
-        self._model, self._revert = model, revert
+    def __init__(self, model: nn.Module, revert, parts: List[Tuple[str, str, torch.dtype, Tuple[int, ...]]],
+                 saved_order: List[str]):
+        self._model, self._revert, self._parts, self._saved_order = model, revert, parts, saved_order
+        self._converted = {key for key, name, _, _ in parts if name != key} | {
+            key for key, group in _by_key(parts).items() if len(group) > 1}
 
     @classmethod
-    def of_model(cls, model: nn.Module) -> Optional["SavedForm"]:
-        """The saved form of a transformers model; None where transformers converts nothing (or has no conversions:
-        transformers 4), or for another kind of model."""
+    def of_model(cls, model: nn.Module, layout: Layout) -> Optional["SavedForm"]:
+        """The saved form of a transformers model's ``layout`` (key, dtype, shape of the tensors it holds); None where
+        transformers saves them as held (no conversion, or transformers 4), for another kind of model, or where a
+        saved tensor joins several held ones (it could not be written one held tensor at a time)."""
         try:
             from transformers import PreTrainedModel
             from transformers.conversion_mapping import get_model_conversion_mapping
@@ -38,41 +44,60 @@ class SavedForm:
             return None
         if not isinstance(model, PreTrainedModel) or not get_model_conversion_mapping(model, add_legacy=False):
             return None
-        return cls(model, revert_weight_conversion)
+        meta = {key: torch.empty(shape, dtype=dtype, device="meta") for key, dtype, shape in layout}
+        parts = [(key, name, dtype, tuple(part.shape)) for key, dtype, _ in layout
+                 for name, part in revert_weight_conversion(model, {key: meta[key]}).items()]
+        together = {name: tuple(part.shape) for name, part in revert_weight_conversion(model, meta).items()}
+        if together != {name: shape for _, name, _, shape in parts}:
+            return None
+        form = cls(model, revert_weight_conversion, parts, list(together))
+        return form if form._converted else None
 
     @classmethod
-    def of_config(cls, config_path: Optional[str]) -> Optional["SavedForm"]:
-        """The saved form of the model a ``config.json`` describes (its first architecture, built on the meta
-        device); None without a config, or for a config transformers has no model class for."""
+    def of_config(cls, config_path: Optional[str], layout: Layout) -> Optional["SavedForm"]:
+        """The saved form of ``layout`` for the model a ``config.json`` describes (its first architecture, built on
+        the meta device); None without a config, transformers, or a model class for it."""
+        try:
+            import transformers
+        except ImportError:
+            return None
         if config_path is None:
             return None
-        import transformers
-
         with open(config_path) as f:
             architectures = json.load(f).get("architectures") or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
-        if model_class is None:
+        if not isinstance(model_class, type):
             return None
         config = transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(config_path)))
         with torch.device("meta"):
             model = model_class(config)
-        return cls.of_model(model)
+        return cls.of_model(model, layout)
 
     def tensors(self, key: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The saved tensors, by key, of the model's tensor ``key``: itself, or its parts under their saved names."""
-        return self._revert(self._model, {key: tensor})
+        return self._revert(self._model, {key: tensor}) if key in self._converted else {key: tensor}
 
-    def parts(self, layout: Layout) -> List[Tuple[str, str, torch.dtype, Tuple[int, ...]]]:
-        """(the model's key, a saved key, dtype, saved shape) of every saved tensor of ``layout`` (key, dtype, shape of
-        the model's tensors), each tensor's parts in a row."""
-        return [(key, name, dtype, tuple(part.shape)) for key, dtype, shape in layout
-                for name, part in self.tensors(key, torch.empty(shape, dtype=dtype, device="meta")).items()]
+    def parts(self) -> List[Tuple[str, str, torch.dtype, Tuple[int, ...]]]:
+        """(the model's key, a saved key, dtype, saved shape) of every saved tensor, each held tensor's in a row."""
+        return list(self._parts)
 
-    def layout(self, layout: Layout) -> Layout:
-        """``layout`` in the saved form, each tensor's parts in a row."""
-        return [(name, dtype, shape) for _, name, dtype, shape in self.parts(layout)]
+    def layout(self) -> Layout:
+        """The saved layout, each held tensor's parts in a row."""
+        return [(name, dtype, shape) for _, name, dtype, shape in self._parts]
 
-    def converts(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
+    def save_order(self) -> Layout:
+        """The saved layout in the order transformers' save_pretrained plans its files in (the order its reversal of
+        the whole state dict gives), so a sharded save puts each tensor in the file transformers would."""
+        position = {name: i for i, name in enumerate(self._saved_order)}
+        return sorted(self.layout(), key=lambda item: position[item[0]])
+
+    def converts(self, key: str) -> bool:
         """Whether tensor ``key`` is saved in another form than it is held."""
-        parts = self.tensors(key, torch.empty(shape, dtype=dtype, device="meta"))
-        return list(parts) != [key] or tuple(parts[key].shape) != tuple(shape)
+        return key in self._converted
+
+
+def _by_key(parts) -> Dict[str, list]:
+    grouped: Dict[str, list] = {}
+    for key, name, _, _ in parts:
+        grouped.setdefault(key, []).append(name)
+    return grouped

@@ -112,11 +112,11 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
                 source = tag_model_source(index, model_files)
                 # The tensors transformers saves in another form than it holds them (a mixture of experts' fused
                 # experts), written in that form, as the model's own save_pretrained writes them.
-                form = SavedForm.of_config(config_path)
+                layout = dense_layout(index.tensors)
+                form = SavedForm.of_config(config_path, layout)
                 if output_format == "safetensors":
                     # The writer save_pretrained uses too, so both write the same directory for the same weights.
-                    layout = dense_layout(index.tensors)
-                    with DenseWeightsWriter(staging, form.layout(layout) if form else layout,
+                    with DenseWeightsWriter(staging, form.layout() if form else layout,
                                             metadata={"format": "pt"}) as writer:
                         stream(source, DenseSink(writer, form), index.tensors, bar=bar)
                 else:

@@ -168,7 +168,7 @@ class DenseSink:
 
     def write(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, read_boxes: ReadBoxes,
               slab_bytes: int) -> None:
-        if self.form is not None and self.form.converts(key, shape, dtype):
+        if self.form is not None and self.form.converts(key):
             whole = read_boxes([((0,) * len(shape), shape)])[0].to(dtype)
             for name, part in self.form.tensors(key, whole).items():
                 self.writer.write(name, part.contiguous())

@@ -30,7 +30,14 @@ from ..utils import move_all_tensor_to_cpu
 from ..version import __version__
 from . import integrity, tags
 from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
-from .experts import expert_specs, gather_experts, keep_this_ranks_experts
+from .experts import (
+    GatheredWhenWritten,
+    expert_specs,
+    gather_without_writing,
+    indexed_by_experts,
+    keep_this_ranks_experts,
+    written_value,
+)
 from .fused_state import Fused, fuse_state, fused_by_position, split_state, with_fused_tensors
 from .index import (
     CheckpointIndex,
@@ -230,16 +237,28 @@ class SaveJob:
         """Copy every tensor this rank writes to host memory (each a copy of its own, even on the CPU), and drop the
         references to the others: a host snapshot that later training steps cannot change."""
         tp_rank = tensor_parallel_group().rank
-        self.tensors = ({k: _host_copy(t) for k, t in self.tensors.items()
-                         if self.entries[k].spec.is_sharded or tp_rank == 0} if self.writes_model() else {})
+        # Experts split over ranks are gathered now (a collective, so on every rank, each tensor in turn).
+        self.tensors = _host_copies(self.tensors, lambda k: self.writes_model() and (
+            self.entries[k].spec.is_sharded or tp_rank == 0))
         if self.optimizer_tensors is not None:
-            self.optimizer_tensors = ({k: _host_copy(t) for k, t in self.optimizer_tensors.items()}
-                                      if self.writes_optimizer() else {})
+            self.optimizer_tensors = _host_copies(self.optimizer_tensors, lambda k: self.writes_optimizer())
         self.extras = copy.deepcopy(self.extras) if self.writes_model() else {}
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
+
+
+def _host_copies(tensors: Dict[str, Any], kept: Callable[[str], bool]) -> Dict[str, torch.Tensor]:
+    """Host copies of the tensors ``kept`` names, each ``GatheredWhenWritten`` one gathered on the way (every rank
+    takes part in each gather, in order, kept or not)."""
+    copies = {}
+    for key, tensor in tensors.items():
+        if isinstance(tensor, GatheredWhenWritten) or kept(key):
+            value = written_value(tensor)
+            if kept(key):
+                copies[key] = _host_copy(value)
+    return copies
 
 
 def prepare_save(checkpoint: Dict[str, Any], output_dir: str, *, tag: Optional[str] = None,
@@ -314,7 +333,7 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
     # Every rank must reach the replicated check (a collective), so the failures above are agreed on first.
     _agree(error, f"saving {tag_dir}")
     try:
-        _gather_experts(job)
+        _defer_expert_gathers(job, model)
         if check_replicated:
             # Before anything is written: replicated tensors are stored from TP rank 0 only. The check raises the
             # same error on every rank of a TP group whose copies differ.
@@ -338,29 +357,33 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
     return job
 
 
-def _gather_experts(job: SaveJob) -> None:
-    """Collective over the expert-parallel groups: the tensors whose experts are split over ranks, and their plain
-    optimizer state, with every expert (``checkpointing.experts``) on the ranks that write them; the other ranks drop
-    them. Every rank walks the same keys in the same order."""
+def _defer_expert_gathers(job: SaveJob, model: Any) -> None:
+    """The tensors whose experts are split over ranks, and their plain optimizer state, are stored with every expert:
+    each becomes a ``GatheredWhenWritten`` (gathered over the expert-parallel group as it is written or copied to the
+    host) and its index entry the spec of every expert."""
     specs: Dict[str, ParamSpec] = {}
     for key, entry in job.entries.items():
         if entry.spec.expert_partitions > 1:
             specs.update({name: entry.spec for name in [key] + entry.aliases})
-            job.tensors[key], entry.spec = gather_experts(job.tensors[key], entry.spec)
-            if not job.writes_model():
-                del job.tensors[key]
+            job.tensors[key] = GatheredWhenWritten(job.tensors[key], entry.spec)
+            entry.spec = entry.spec.with_all_experts()
     if not specs or job.optimizer_tensors is None:
         return
     if job.optimizer_index.get("keyed_by") != "name":
+        what = "an optimizer state dict alone" if isinstance(model, nn.Module) else "a model state dict"
         raise ValueError(f"save(): the model's experts are split over expert-parallel ranks ('{next(iter(specs))}', "
-                         "...), and an optimizer state dict alone does not say which state belongs to them; pass the "
-                         "optimizer itself with the model (save({'model': model, 'optimizer': optimizer}))")
-    for key, value in list(job.optimizer_tensors.items()):
-        spec = specs.get(key.rpartition("/")[0])
-        if spec is not None and tuple(value.shape) == spec.local_shape():
-            job.optimizer_tensors[key] = gather_experts(value, spec)[0]
-            if not job.writes_optimizer():
-                del job.optimizer_tensors[key]
+                         f"...), and {what} does not say which optimizer state belongs to them; pass the model and "
+                         "the optimizer themselves (save({'model': model, 'optimizer': optimizer}))")
+    for key, value in job.optimizer_tensors.items():
+        name, _, field = key.rpartition("/")
+        spec = specs.get(name)
+        if spec is None or value.dim() == 0:
+            continue
+        if not indexed_by_experts(value, spec, spec.local_shape()[0]):
+            raise NotImplementedError(f"save(): the optimizer state '{field}' of '{name}' has shape "
+                                      f"{list(value.shape)}, not indexed by this rank's {spec.local_shape()[0]} "
+                                      "experts along dim 0, so it cannot be stored with every expert")
+        job.optimizer_tensors[key] = GatheredWhenWritten(value, spec)
 
 
 def _json_files(rank: int, model: Any, optimizer_json: Optional[Dict[str, Any]],
@@ -393,6 +416,10 @@ def write_save(job: SaveJob) -> None:
     contents: Dict[str, dict] = {}  # relative path -> records of a safetensors file's header and tensors
     try:
         try:
+            if not job.writes_model():
+                gather_without_writing(job.tensors)
+            if not job.writes_optimizer():
+                gather_without_writing(job.optimizer_tensors or {})
             if job.writes_model():
                 relative = model_file(tp_group.rank)
                 written[relative], contents[relative] = _write_tensors(os.path.join(tag_dir, relative), job.tensors,
@@ -453,18 +480,40 @@ def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[st
     file's record and its contents record (header and tensors)."""
     mine = [(k, t, dtype_from_name(entries[k].dtype)) for k, t in tensors.items()
             if entries[k].spec.is_sharded or tp_rank == 0]
-    make_directories(os.path.dirname(path))
-    with StreamingSafetensorsWriter(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine]) as writer:
-        for key, tensor, dtype in mine:
-            writer.write(key, tensor.detach().to("cpu").to(dtype))
-    return writer.record(), writer.contents_record()
+    return _write_streaming(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine],
+                            [(k, lambda t=t, dtype=dtype: written_value(t).detach().to("cpu").to(dtype))
+                             for k, t, dtype in mine])
 
 
-def _write_plain(path: str, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, dict]:
-    make_directories(os.path.dirname(path))
-    with StreamingSafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]) as writer:
-        for key, tensor in tensors.items():
-            writer.write(key, tensor)
+def _write_plain(path: str, tensors: Dict[str, Any]) -> Tuple[dict, dict]:
+    return _write_streaming(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
+                            [(k, lambda t=t: written_value(t)) for k, t in tensors.items()])
+
+
+def _write_streaming(path: str, layout, values: List[Tuple[str, Callable[[], torch.Tensor]]]) -> Tuple[dict, dict]:
+    """One safetensors file of ``layout``, its tensors from ``values`` (key, a call giving the tensor) in order, one
+    in memory at a time; returns the file's record and contents record. Every call is made even after a write
+    failed: a call may be a gather the other ranks of an expert-parallel group wait in."""
+    error: Optional[BaseException] = None
+    writer: Optional[StreamingSafetensorsWriter] = None
+    try:
+        make_directories(os.path.dirname(path))
+        writer = StreamingSafetensorsWriter(path, layout)
+    except Exception as e:  # noqa: BLE001 - raised below, once every gather has run
+        error = e
+    for key, value in values:
+        tensor = value()
+        if error is None:
+            try:
+                writer.write(key, tensor)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        del tensor
+    if error is not None:
+        if writer is not None:
+            writer.abandon()
+        raise error
+    writer.close()
     return writer.record(), writer.contents_record()
 
 
@@ -673,9 +722,9 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
         spec = experts.get(name)
         shape = tuple(live_params[slot].shape) if spec is None else spec.with_all_experts().local_shape()
         fields, master = read_state(tag_dir, name, info, shape, files, target, model_state)
-        if spec is not None:
+        if spec is not None:   # its moments and any other state indexed by the experts, as saved: every expert
             keep_this_ranks_experts(fields, {field: spec for field, value in fields.items()
-                                             if isinstance(value, torch.Tensor) and tuple(value.shape) == shape})
+                                             if indexed_by_experts(value, spec, spec.full_shape[0])})
         if master is not None:
             masters[slot] = master
         fields.update(saved["scalars"].get(name, {}))

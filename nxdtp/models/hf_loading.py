@@ -403,10 +403,11 @@ def load_sharded_weights(model: nn.Module, reader: CheckpointReader,
             else:
                 value = reader.read(key)
             param.copy_(value.to(param.dtype))
-            # A slice along any dim but the first reads a little of every row, so it touches every page of the tensor.
+            # A slice along any dim but the first reads a little of every row, so it touches every page of the tensor
+            # (and the TP piece was read with every expert).
             touched = value.numel() * value.element_size()
             if spec is not None and spec.is_sharded and spec.partition_dim != 0:
-                touched *= spec.num_partitions
+                touched *= spec.num_partitions * spec.expert_partitions
             read_since_release += touched
             del value  # a slice may still view the mapped file
             if read_since_release >= RELEASE_EVERY_BYTES:

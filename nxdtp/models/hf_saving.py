@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -73,8 +73,8 @@ def save_pretrained(model: nn.Module, save_directory, is_main_process: bool = Tr
             raise TypeError(f"{what}: state_dict must be a dict (this rank's model.state_dict()) or None, got "
                             f"{type(state_dict).__name__}")
 
-    def plan_files(layout: Layout) -> Dict[str, List[str]]:
-        return _hf_shard_plan(layout, max_shard_size, what)
+    def plan_files(layout: Layout, held: Dict[str, Tuple[str, int]]) -> Dict[str, List[str]]:
+        return _hf_shard_plan(layout, held, max_shard_size, what)
 
     def index_metadata(layout: Layout) -> Dict[str, Any]:
         # HF records the parameter count (each tied parameter once), not counting buffers.
@@ -93,15 +93,26 @@ def _hf_default_max_shard_size():
     return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
 
 
-def _hf_shard_plan(layout: Layout, max_shard_size, what: str) -> Dict[str, List[str]]:
-    """HF's own shard plan for the dense tensors (huggingface_hub's ``split_torch_state_dict_into_shards``, which
-    transformers uses), computed from shapes alone: meta tensors stand in for tensors not gathered yet."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+def _hf_shard_plan(layout: Layout, held: Dict[str, Tuple[str, int]], max_shard_size, what: str
+                   ) -> Dict[str, List[str]]:
+    """HF's own shard plan for the dense tensors (huggingface_hub's shard splitting, which transformers uses), computed
+    from shapes alone: meta tensors stand in for tensors not gathered yet. The parts of one held tensor (``held``: a
+    mixture of experts' experts, saved one by one) are views of one storage in transformers' save, which the split
+    keeps in one file and counts once: so here too."""
+    from huggingface_hub import split_state_dict_into_shards_factory
 
     stand_ins = {key: torch.empty(shape, dtype=dtype, device="meta") for key, dtype, shape in layout}
+    key_of = {id(tensor): key for key, tensor in stand_ins.items()}
+
+    def storage_size(tensor: torch.Tensor) -> int:
+        key = key_of[id(tensor)]
+        return held[key][1] if key in held else tensor.numel() * tensor.element_size()
+
     pattern = WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
     try:
-        split = split_torch_state_dict_into_shards(stand_ins, filename_pattern=pattern, max_shard_size=max_shard_size)
+        split = split_state_dict_into_shards_factory(
+            stand_ins, get_storage_size=storage_size, filename_pattern=pattern, max_shard_size=max_shard_size,
+            get_storage_id=lambda tensor: held.get(key_of[id(tensor)], (None,))[0])
     except (ValueError, TypeError, AttributeError):
         raise ValueError(f"{what}: max_shard_size={max_shard_size!r} is not a size: pass a number of bytes or a "
                          "string such as '5GB', '500MB' or '2GiB'") from None

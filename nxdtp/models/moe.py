@@ -207,7 +207,7 @@ def _aux_loss_over_data_parallel(forward, *args, **kwargs):
             arguments.get("labels") is None or not torch.is_grad_enabled():
         return output
     model = forward.__self__
-    _refuse_router_logits_without_gradient(output.router_logits, model.router_aux_loss_coef)
+    _refuse_router_logits_without_gradient(model, output.router_logits, model.router_aux_loss_coef)
     attention_mask = arguments.get("attention_mask")
     aux = load_balancing_loss_over_data_parallel(output.router_logits, model.num_experts,
                                                  model.num_experts_per_tok, attention_mask)
@@ -217,18 +217,35 @@ def _aux_loss_over_data_parallel(forward, *args, **kwargs):
     return output
 
 
-def _refuse_router_logits_without_gradient(router_logits, coefficient: float) -> None:
+def _refuse_router_logits_without_gradient(model: nn.Module, router_logits, coefficient: float) -> None:
     """transformers records the router logits inside each decoder layer (a hook on the router). When the layer is
     recomputed in backward (activation checkpointing: nxdtp's, or HF's gradient checkpointing), its forward ran without
-    gradients, so the recorded logits have none and the load-balancing loss would train nothing, without a word."""
-    if coefficient and any(not logits.requires_grad for logits in router_logits):
-        layer = next(i for i, logits in enumerate(router_logits) if not logits.requires_grad)
-        raise RuntimeError(
-            f"the router logits of MoE layer {layer} carry no gradient, so router_aux_loss_coef={coefficient} would "
-            "train nothing: the decoder layers are activation-checkpointed (recomputed in backward, their forward run "
-            "without gradients) and transformers records the router logits inside them. Checkpoint the attention "
-            "only (activation_checkpoint_config=<the model's Attention class>, the examples' "
-            "--selective_checkpoint_enabled), or train without activation checkpointing")
+    gradients, so the recorded logits have none although the router trains, and the load-balancing loss would train
+    nothing, without a word. (Logits without a gradient because the router is frozen are as they should be.)"""
+    if not coefficient:
+        return
+    routers = _routers(model)
+    for layer, logits in enumerate(router_logits):
+        trains = any(p.requires_grad for p in routers[layer].parameters()) if len(routers) == len(router_logits) \
+            else torch.is_grad_enabled()
+        if trains and not logits.requires_grad:
+            raise RuntimeError(
+                f"the router logits of MoE layer {layer} carry no gradient although its router trains, so "
+                f"router_aux_loss_coef={coefficient} would train nothing: the decoder layers are "
+                "activation-checkpointed (recomputed in backward, their forward run without gradients) and "
+                "transformers records the router logits inside them. Checkpoint the attention only "
+                "(activation_checkpoint_config=<the model's Attention class>, the examples' "
+                "--selective_checkpoint_enabled), or train without activation checkpointing")
+
+
+def _routers(model: nn.Module) -> list:
+    """The modules whose outputs transformers records as router logits, in layer order (its ``_can_record_outputs``);
+    empty where the model does not say."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    router_class = getattr(recorder, "target_class", recorder)
+    if not isinstance(router_class, type):
+        return []
+    return [module for module in model.modules() if isinstance(module, router_class)]
 
 
 def load_balancing_loss_over_data_parallel(router_logits, num_experts: int, top_k: int,
