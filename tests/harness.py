@@ -196,6 +196,14 @@ class WorkerGroup:
             raise AssertionError(f"{case.__name__} failed on ranks {sorted(errors)}" + _format_errors(outcomes))
         return [outcomes[r][1] for r in range(self.world_size)]
 
+    def _dead(self, outcomes: Dict[int, tuple], grace_s: float = 0.0) -> Dict[int, Optional[int]]:
+        """The exit codes of the ranks without a result that have died, after waiting up to ``grace_s`` for them."""
+        end = time.monotonic() + grace_s
+        for rank, process in enumerate(self._processes):
+            if rank not in outcomes:
+                process.join(timeout=max(0.0, end - time.monotonic()))
+        return {r: p.exitcode for r, p in enumerate(self._processes) if r not in outcomes and not p.is_alive()}
+
     def _outcomes(self, case_name: str) -> Dict[int, tuple]:
         """Every rank's (status, value) for the case just sent; a rank that dies or cannot start fails it at once."""
         outcomes: Dict[int, tuple] = {}
@@ -204,8 +212,9 @@ class WorkerGroup:
             try:
                 rank, status, value = self._results.get(timeout=LIVENESS_POLL_S)
             except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(self._processes) if r not in outcomes and not p.is_alive()}
+                dead = self._dead(outcomes)
                 if dead:
+                    dead = self._dead(outcomes, grace_s=LIVENESS_POLL_S)   # the others dying of the same cause too
                     raise _failed(self, f"{case_name}: ranks {sorted(dead)} died (exit codes {dead}) before giving a "
                                         "result", outcomes) from None
                 if time.monotonic() > deadline:
