@@ -109,27 +109,8 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
             entries = list(index.tensors.items())
             bar = progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
             try:
-                source = tag_model_source(index, model_files)
-                # The tensors transformers saves in another form than it holds them (a mixture of experts' fused
-                # experts), written in that form, as the model's own save_pretrained writes them.
-                layout = dense_layout(index.tensors)
-                form = SavedForm.of_config(config_path, layout)
-                if output_format == "safetensors":
-                    # The writer save_pretrained uses too, so both write the same directory for the same weights.
-                    with DenseWeightsWriter(staging, form.layout() if form else layout,
-                                            metadata={"format": "pt"}) as writer:
-                        stream(source, DenseSink(writer, form), index.tensors, bar=bar)
-                else:
-                    state = {}
-                    for key, entry in entries:
-                        shape = tuple(entry.spec.unpadded_shape)
-                        # A copy: a view would save the padding.
-                        whole = source.read_boxes(key, [((0,) * len(shape), shape)])[0].clone()
-                        parts = form.tensors(key, whole) if form else {key: whole}
-                        state.update({name: part.clone() for name, part in parts.items()})
-                        bar.update(1)
-                    with ChecksummedWriter(os.path.join(staging, name)) as f:
-                        torch.save(state, f)
+                _write_merged_weights(os.path.join(staging, name), index, tag_model_source(index, model_files),
+                                      config_path, bar)
             finally:
                 bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
@@ -142,6 +123,30 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
         model_files.clear()
         optim_files.clear()
     return os.path.join(output_dir, name), tag_dir
+
+
+def _write_merged_weights(path: str, index: CheckpointIndex, source: TensorSource, config_path: Optional[str],
+                          bar) -> None:
+    """The dense weights file ``path`` (``model.safetensors``, streamed in slabs, or ``pytorch_model.bin``, whole in
+    memory). The tensors transformers saves in another form than it holds them (a mixture of experts' fused experts)
+    are written in that form, as the model's own save_pretrained writes them."""
+    layout = dense_layout(index.tensors)
+    form = SavedForm.of_config(config_path, layout)
+    if path.endswith(".safetensors"):
+        # The writer save_pretrained uses too, so both write the same directory for the same weights.
+        with DenseWeightsWriter(os.path.dirname(path), form.layout() if form else layout,
+                                metadata={"format": "pt"}) as writer:
+            stream(source, DenseSink(writer, form), index.tensors, bar=bar)
+        return
+    state = {}
+    for key, entry in index.tensors.items():
+        shape = tuple(entry.spec.unpadded_shape)
+        whole = source.read_boxes(key, [((0,) * len(shape), shape)])[0].clone()   # a copy: a view saves the padding
+        parts = form.tensors(key, whole) if form else {key: whole}
+        state.update({saved: part.clone() for saved, part in parts.items()})
+        bar.update(1)
+    with ChecksummedWriter(path) as f:
+        torch.save(state, f)
 
 
 def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str] = None, force: bool = False,

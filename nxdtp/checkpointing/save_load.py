@@ -415,33 +415,7 @@ def write_save(job: SaveJob) -> None:
     written: Dict[str, dict] = {}  # relative path -> record (size, checksum) of every file this rank wrote
     contents: Dict[str, dict] = {}  # relative path -> records of a safetensors file's header and tensors
     try:
-        try:
-            if not job.writes_model():
-                gather_without_writing(job.tensors)
-            if not job.writes_optimizer():
-                gather_without_writing(job.optimizer_tensors or {})
-            if job.writes_model():
-                relative = model_file(tp_group.rank)
-                written[relative], contents[relative] = _write_tensors(os.path.join(tag_dir, relative), job.tensors,
-                                                                       job.entries, tp_group.rank)
-                if job.extras:
-                    relative = EXTRA_FILE.format(tp_group.rank)
-                    make_directories(os.path.dirname(os.path.join(tag_dir, relative)))
-                    with ChecksummedWriter(os.path.join(tag_dir, relative)) as f:
-                        torch.save(job.extras, f)
-                    written[relative] = f.record()
-            if job.writes_optimizer():
-                # ZeRO-1: each shard of the TP rank's optimizer state is written once, by the first of its replicas
-                # (every DP rank when sharding over the DP group).
-                relative = job.optimizer_file()
-                written[relative], contents[relative] = _write_plain(os.path.join(tag_dir, relative),
-                                                                     job.optimizer_tensors)
-            for relative, payload in job.json_files.items():
-                path = os.path.join(tag_dir, relative)
-                make_directories(os.path.dirname(path))
-                written[relative] = write_bytes_durably(path, payload)
-        except Exception as e:  # noqa: BLE001
-            error = e
+        error = _write_rank_files(job, tp_group.rank, written, contents)
         _agree(error, f"saving {tag_dir}")  # every rank's files are written and fsynced before 'done' says so
         # The records reach rank 0, which writes the index (the agreement above gathers error reports only).
         records = comm.all_gather_object((written, contents))
@@ -468,6 +442,55 @@ def write_save(job: SaveJob) -> None:
         if lock is not None:
             lock.release()  # before the agreement: when save returns on any rank, the tag is unlocked
     _agree(error, f"saving {tag_dir}")
+
+
+def _write_rank_files(job: SaveJob, tp_rank: int, written: Dict[str, dict], contents: Dict[str, dict]
+                      ) -> Optional[BaseException]:
+    """This rank's files of the save (records into ``written`` and ``contents``); the first failure, returned. Every
+    gather of experts this rank owes its expert-parallel group runs whatever failed, so no peer waits alone."""
+    error: Optional[BaseException] = None
+
+    def attempt(step: Callable[[], None]) -> None:
+        nonlocal error
+        if error is None:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - returned, then raised on every rank
+                error = e
+
+    def write(relative: str, write_file: Callable[[str], Tuple[dict, dict]]) -> None:
+        written[relative], contents[relative] = write_file(os.path.join(job.tag_dir, relative))
+
+    if job.writes_model():
+        relative = model_file(tp_rank)
+        attempt(lambda: write(relative, lambda path: _write_tensors(path, job.tensors, job.entries, tp_rank)))
+        if job.extras:
+            attempt(lambda: _write_extras(job, tp_rank, written))
+    else:
+        gather_without_writing(job.tensors)
+    if job.writes_optimizer() and error is None:
+        # ZeRO-1: each shard of the TP rank's optimizer state is written once, by the first of its replicas (every DP
+        # rank when sharding over the DP group).
+        attempt(lambda: write(job.optimizer_file(), lambda path: _write_plain(path, job.optimizer_tensors)))
+    else:
+        gather_without_writing(job.optimizer_tensors or {})
+    for relative, payload in job.json_files.items():
+        attempt(lambda relative=relative, payload=payload: _write_json(job.tag_dir, relative, payload, written))
+    return error
+
+
+def _write_json(tag_dir: str, relative: str, payload: bytes, written: Dict[str, dict]) -> None:
+    path = os.path.join(tag_dir, relative)
+    make_directories(os.path.dirname(path))
+    written[relative] = write_bytes_durably(path, payload)
+
+
+def _write_extras(job: SaveJob, tp_rank: int, written: Dict[str, dict]) -> None:
+    relative = EXTRA_FILE.format(tp_rank)
+    make_directories(os.path.dirname(os.path.join(job.tag_dir, relative)))
+    with ChecksummedWriter(os.path.join(job.tag_dir, relative)) as f:
+        torch.save(job.extras, f)
+    written[relative] = f.record()
 
 
 # Raise on every rank if any rank failed; also a barrier when none did.
