@@ -20,8 +20,8 @@
         sharded nxdtp checkpoint at tensor parallel size N (optimizer, step and scheduler included) from such a DCP
         directory, each new rank's piece read from it in bounded slabs (nxdtp.converters.dcp)
     nxdtp-merge NXD_CKPT_DIR OUT_DIR --from-nxd --config CONFIG_JSON [--tag T] [--force]
-        dense HF checkpoint from an NxD BERT or Llama checkpoint, which carries no spec; the config's model_type picks
-        the family (nxdtp.converters.nxd)
+        dense HF checkpoint from an NxD BERT, Llama, Mistral or Mixtral checkpoint (Mixtral's also expert parallel),
+        which carries no spec; the config's model_type picks the family (nxdtp.converters.nxd)
 
 CKPT_DIR is a checkpoint directory (with 'newest'; --tag picks another tag) or one complete tag directory in it (as
 the training log prints it; --tag is then an error). Without --tag, the newest intact tag is read (a damaged one is
@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="CKPT_DIR is a torch.distributed.checkpoint directory: write the dense HF checkpoint")
     parser.add_argument("--from-nxd", action="store_true",
                         help="CKPT_DIR is an NxD checkpoint (tp_rank_XX_pp_rank_00/checkpoint.pt, or an NxD trainer "
-                             "checkpoint with model/dp_rank_00_tp_rank_XX_pp_rank_00.pt); needs --config")
+                             "checkpoint with model/dp_rank_00_tp_rank_XX_pp_rank_00.pt, or with expert parallelism "
+                             "model/dp_rank_00_ep_rank_XX_tp_rank_XX_pp_rank_00.pt); needs --config")
     parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
                         help="the HF config.json to write to OUT_DIR (needed with --from-nxd, and for checkpoints "
                              "saved from model.state_dict(), which record no config)")

@@ -16,8 +16,9 @@ The layout model (one ``ParamSpec`` per tensor; all of it along one ``partition_
   (``partition_dim`` None) is whole on every rank.
 * **experts**: with ``expert_partitions`` k > 1, dim 0 holds experts and is cut a second time, into k consecutive
   blocks over the expert-parallel group (expert-parallel rank e holds experts ``e*E/k .. (e+1)*E/k - 1`` of its TP
-  piece: ``experts_of_rank``); every method above works on TP pieces holding every expert. Files hold every expert
-  (``with_all_experts``), so a checkpoint loads at any expert-parallel size.
+  piece: ``experts_of_rank``, and ``expert_runs`` finds rows of a TP piece in them); every method above works on TP
+  pieces holding every expert. Files hold every expert (``with_all_experts``), so a checkpoint loads at any
+  expert-parallel size.
 * **padding record**: ``pad_to_multiple_of`` m says the split dim is zero-padded at its end to a multiple of
   ``m * num_partitions`` (``round_up``), so the spec at any other degree is known (``at_degree``); ``vocabulary`` says
   m is the model's ``make_vocab_size_divisible_by``, which a reshard may change. Zero heads and replicas are recorded
@@ -386,6 +387,16 @@ class ParamSpec:
                              f"use 0 to {self.expert_partitions - 1}")
         local = self.full_shape[0] // self.expert_partitions
         return piece.narrow(0, expert_rank * local, local)
+
+    def expert_runs(self, start: int, length: int) -> List[Tuple[int, int, int]]:
+        """Rows ``start .. start + length - 1`` (dim 0) of a TP piece that holds every expert, as runs
+        ``(expert-parallel rank, its first row, rows)`` over the expert-parallel ranks' pieces (``experts_of_rank``)."""
+        local, stop, runs = self.full_shape[0] // self.expert_partitions, start + length, []
+        for expert_rank in range(self.expert_partitions):
+            first, last = max(start, expert_rank * local), min(stop, (expert_rank + 1) * local)
+            if first < last:
+                runs.append((expert_rank, first - expert_rank * local, last - first))
+        return runs
 
     def local_of_full(self, full: torch.Tensor, rank: int, expert_rank: int) -> torch.Tensor:
         """What the rank at TP rank ``rank`` and expert-parallel rank ``expert_rank`` holds of the full tensor: its TP

@@ -72,6 +72,21 @@ def nxd_rank_states(model, tp, attention, inv_freq=False):
     """Each TP rank's ``model.state_dict()`` in NxD's Llama training model. ``attention``: "fused"
     (``qkv_proj.weight_qkv``), "gqa" (``qkv_proj.weight_q/_k/_v``), "separate" (``q_proj/k_proj/v_proj``) or "stride3"
     (``qkv_proj.weight``)."""
+    full = model.state_dict()
+    states = nxd_decoder_rank_states(model, tp, attention, inv_freq)
+    for layer in range(model.config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        gate, up = full[p + "mlp.gate_proj.weight"].chunk(tp), full[p + "mlp.up_proj.weight"].chunk(tp)
+        down = full[p + "mlp.down_proj.weight"].chunk(tp, dim=1)
+        for rank, state in enumerate(states):
+            state[p + "mlp.gate_up_proj.weight"] = torch.cat([gate[rank], up[rank]])
+            state[p + "mlp.down_proj.weight"] = down[rank].clone()
+    return states
+
+
+def nxd_decoder_rank_states(model, tp, attention, inv_freq=False):
+    """Each TP rank's tensors of NxD's Llama training model other than the MLP's, which NxD's Mixtral model holds the
+    same way: the vocabulary, attention (``attention`` as in ``nxd_rank_states``) and the norms."""
     config, full = model.config, model.state_dict()
     kv_heads = config.num_key_value_heads
     states = [OrderedDict() for _ in range(tp)]
@@ -96,8 +111,6 @@ def nxd_rank_states(model, tp, attention, inv_freq=False):
             o_parts = [o.chunk(tp, dim=1)[c] for c in order]
         else:
             q_parts, k_parts, v_parts, o_parts = q.chunk(tp), k.chunk(tp), v.chunk(tp), o.chunk(tp, dim=1)
-        gate, up = full[p + "mlp.gate_proj.weight"].chunk(tp), full[p + "mlp.up_proj.weight"].chunk(tp)
-        down = full[p + "mlp.down_proj.weight"].chunk(tp, dim=1)
         for rank, state in enumerate(states):
             a = p + "self_attn."
             if attention == "fused":
@@ -113,8 +126,6 @@ def nxd_rank_states(model, tp, attention, inv_freq=False):
             state[a + "o_proj.weight"] = o_parts[rank].clone()
             if inv_freq:  # older transformers kept the rotary buffer in the state dict
                 state[a + "rotary_emb.inv_freq"] = torch.arange(8.0)
-            state[p + "mlp.gate_up_proj.weight"] = torch.cat([gate[rank], up[rank]])
-            state[p + "mlp.down_proj.weight"] = down[rank].clone()
             for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 state[p + norm] = full[p + norm].clone()
     for state in states:

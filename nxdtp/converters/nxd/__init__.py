@@ -1,6 +1,7 @@
 """Import checkpoints written by neuronx-distributed (NxD) into dense Hugging Face model directories: one module per
-model family knows how NxD's layers split it (``bert.py``, ``llama.py``), ``reader.py`` reads the rank files for all;
-:func:`merge_nxd_checkpoint` picks the family from the config (``nxdtp-merge ... --from-nxd --config CONFIG_JSON``).
+model family knows how NxD's layers split it (``bert.py``, ``llama.py``, ``mixtral.py``), ``reader.py`` reads the rank
+files for all; :func:`merge_nxd_checkpoint` picks the family from the config (``nxdtp-merge ... --from-nxd --config
+CONFIG_JSON``).
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from typing import Dict
 
 from ...models import bert as bert_plan
 from ...models import llama as llama_plan
+from ...models import moe as moe_plan
 from ...models.registry import family_of as plan_family_of
-from . import bert, llama
+from . import bert, llama, mixtral
 from .reader import NxdCheckpointError, load_config_dict
 
 # The importer of each model family (nxdtp.models.registry, the one list of families) whose NxD checkpoints nxdtp
 # reads; each importer lists the model_types it reads (the Llama family's plan also covers Qwen, which NxD's examples
-# do not train).
-IMPORTERS: Dict[str, object] = {bert_plan.FAMILY.name: bert, llama_plan.FAMILY.name: llama}
+# do not train; the MoE family's, Qwen's MoE models, which NxD's examples do not train either).
+IMPORTERS: Dict[str, object] = {bert_plan.FAMILY.name: bert, llama_plan.FAMILY.name: llama,
+                                moe_plan.FAMILY.name: mixtral}
 _BY_MODEL_TYPE = {model_type: importer for importer in IMPORTERS.values() for model_type in importer.MODEL_TYPES}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_MODEL_TYPE))
 

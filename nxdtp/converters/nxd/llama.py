@@ -4,6 +4,7 @@ directory. The per-rank layout is that of NxD's Llama training model (``modeling
 ``down_proj`` and replicated norms are ParamSpecs; attention is one of four forms (``ATTENTION_FORMS``) whose Q heads
 are put back in HF order and whose ``kv_size_multiplier`` copies of a KV head are checked equal (``head_layout``). The
 tensor-parallel degree is the number of rank files; the multiplier and the form are read from keys and shapes.
+``Planner`` also reads NxD's Mixtral model (``mixtral.py``), whose layers differ only in the MLP.
 docs/checkpoints.md ("Llama and Mistral") has the layout in full.
 """
 
@@ -13,7 +14,7 @@ import copy
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,12 +97,15 @@ def head_layout(num_heads: int, num_kv_heads: int, tp: int, multiplier: int):
     return q_sources, kv_copies
 
 
-def _load_config(config_json):
+def load_decoder_config(config_json, classes: Dict[str, Tuple[str, str]], family: str, module: str):
+    """The HF config and model class of ``config_json`` for an importer of the model types ``classes`` maps to their
+    (config class, model class) names in transformers; refused in a transformers release nxdtp's ``family`` plan was
+    not written for (its config class and the HF key names an import writes are checked there), for another model
+    type (``module`` names the importer) and with biases NxD's decoder layers do not have."""
     import transformers
     from transformers import PretrainedConfig
 
-    # The Llama family's transformers range (LlamaConfig and the HF key names this import writes are checked there).
-    require_supported_transformers(LLAMA_FAMILY)
+    require_supported_transformers(family)
 
     if isinstance(config_json, PretrainedConfig):
         config, where = copy.deepcopy(config_json), type(config_json).__name__  # architectures is set before saving
@@ -109,12 +113,12 @@ def _load_config(config_json):
     else:
         raw, where = load_config_dict(config_json)
         model_type = raw.get("model_type") or next(
-            (t for a in raw.get("architectures") or [] for t, (_, m) in _CLASSES.items() if a == m), None)
+            (t for a in raw.get("architectures") or [] for t, (_, m) in classes.items() if a == m), None)
         config = None
-    if model_type not in _CLASSES:
-        raise NxdCheckpointError(f"config {where}: model_type is {model_type!r}; nxdtp.converters.nxd.llama reads "
-                                 f"model_type {', '.join(MODEL_TYPES)}")
-    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[model_type])
+    if model_type not in classes:
+        raise NxdCheckpointError(f"config {where}: model_type is {model_type!r}; {module} reads model_type "
+                                 f"{', '.join(classes)}")
+    config_class, model_class = (getattr(transformers, name) for name in classes[model_type])
     if config is None:
         config = config_class.from_dict(raw)
     for flag in ("attention_bias", "mlp_bias"):
@@ -122,6 +126,16 @@ def _load_config(config_json):
             raise NxdCheckpointError(f"config {where} sets {flag}=true, but NxD's Llama layers have no biases, so no "
                                      "NxD checkpoint matches it; set it to false if the model was trained with NxD")
     return config, model_class
+
+
+class Laid(NamedTuple):
+    """An HF tensor read through NxD's layout of one key (``NxdSource.laid_out``'s arguments)."""
+
+    nxd_key: str
+    spec: ParamSpec
+    offset: int = 0  # the first dense row of the HF tensor in the NxD tensor (gate, then up)
+    handles: Optional[List[str]] = None  # the readers of its pieces, if not the TP ranks' files
+    swap: Optional[Tuple[int, int]] = None  # the dims the HF tensor has swapped (NxD's experts are transposed)
 
 
 @dataclass(frozen=True)
@@ -150,8 +164,11 @@ class _QKVKeys:
         return shard.get(self.names[0]), shard.get(self.names[1]), shard.get(self.names[2])
 
 
-class _Planner:
-    """Checks an NxD Llama checkpoint against the config and says how to build each dense tensor."""
+class Planner:
+    """Checks an NxD Llama checkpoint against the config and says how to build each dense tensor. A family whose
+    layers differ from Llama's only in the MLP (Mixtral) overrides ``_mlp``, ``MODEL`` and ``_nxd_name``."""
+
+    MODEL = "NxD's Llama model"
 
     def __init__(self, config, model_class, shards: Sequence[RankShard], files: RankFiles, progress: bool):
         self.config, self.shards, self.files, self.progress = config, shards, files, progress
@@ -164,8 +181,9 @@ class _Planner:
         self.keys = set(shards[0].state)
         self.dropped = sorted(k for k in self.keys if any(fnmatch.fnmatchcase(k, p) for p in DROPPED_BUFFER_PATTERNS))
         self.consumed = set(self.dropped)
-        # HF key -> (stored dtype, a build of the dense tensor, or (NxD key, its ParamSpec[, first dense row]))
+        # HF key -> (stored dtype, a build of the dense tensor, or a Laid: the NxD key and its layout)
         self.producers: Dict[str, Tuple[torch.dtype, Any]] = {}
+        self.handles: Dict[str, Any] = {}  # readers of pieces beyond the TP ranks' files (NxdSource.add_handles)
         self.multiplier: Optional[int] = None
 
     # -- errors --
@@ -182,9 +200,11 @@ class _Planner:
 
     # -- plain tensors --
 
-    def _replicated(self, key: str) -> None:
-        dtype = check_pieces(self.shards, key, ParamSpec(full_shape=self.shapes[key]), "whole on every TP rank")
-        self.producers[key] = (dtype, lambda: replicated(self.shards, key))
+    def _replicated(self, key: str, hf_key: Optional[str] = None) -> None:
+        """``key``, whole on every TP rank, is the HF tensor ``hf_key`` (default: the same name)."""
+        hf_key = hf_key or key
+        dtype = check_pieces(self.shards, key, ParamSpec(full_shape=self.shapes[hf_key]), "whole on every TP rank")
+        self.producers[hf_key] = (dtype, lambda: replicated(self.shards, key))
         self.consumed.add(key)
 
     def _split(self, key: str, dim: int) -> None:
@@ -194,7 +214,7 @@ class _Planner:
                                      "TP ranks, so NxD cannot have written it at this degree")
         spec = ParamSpec(full_shape=full, partition_dim=dim, num_partitions=self.tp)
         how = f"its 1/{self.tp} slice along dim {dim} of the full {list(full)}"
-        self.producers[key] = (check_pieces(self.shards, key, spec, how), (key, spec))
+        self.producers[key] = (check_pieces(self.shards, key, spec, how), Laid(key, spec))
         self.consumed.add(key)
 
     def _vocab(self, key: str) -> None:
@@ -206,7 +226,7 @@ class _Planner:
                          real_shape=(vocab, width))
         how = f"its 1/{self.tp} slice of the {vocab}-token vocabulary" + (
             f" padded to {rows * self.tp}" if padding else "")
-        self.producers[key] = (check_pieces(self.shards, key, spec, how), (key, spec))
+        self.producers[key] = (check_pieces(self.shards, key, spec, how), Laid(key, spec))
         if padding:
             say(self.progress, f"'{key}': dropping the {padding} padding row(s) past the vocabulary size {vocab}")
         self.consumed.add(key)
@@ -225,8 +245,8 @@ class _Planner:
         spec = ParamSpec(full_shape=(2 * intermediate, hidden), partition_dim=0, num_partitions=self.tp, stride=2)
         dtype = check_pieces(self.shards, key, spec, f"this rank's {local} gate rows, then its {local} up rows, of "
                                                      f"intermediate_size {intermediate}")
-        self.producers[gate] = (dtype, (key, spec, 0))
-        self.producers[up] = (dtype, (key, spec, intermediate))
+        self.producers[gate] = (dtype, Laid(key, spec, 0))
+        self.producers[up] = (dtype, Laid(key, spec, intermediate))
         self.consumed.add(key)
 
     # -- attention --
@@ -391,15 +411,13 @@ class _Planner:
         for index in range(self.config.num_hidden_layers):
             layer = LAYER.format(index)
             self._attention(index)
-            self._gate_up(layer)
-            if present(layer + "mlp.down_proj.weight"):
-                self._split(layer + "mlp.down_proj.weight", 1)
+            self._mlp(layer)
             for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 if present(layer + norm):
                     self._replicated(layer + norm)
         unexpected = sorted(self.keys - self.consumed)
         if unexpected:
-            raise NxdCheckpointError(f"{self.shards[0].path}: keys NxD's Llama model of this config does not have: "
+            raise NxdCheckpointError(f"{self.shards[0].path}: keys {self.MODEL} of this config does not have: "
                                      f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
         if self.dropped:
             say(self.progress, f"dropping buffers that are not weights: {self.dropped}")
@@ -407,6 +425,12 @@ class _Planner:
             say(self.progress, f"KV heads held {self.multiplier} times (kv_size_multiplier): copies checked equal, "
                                "one kept")
         return self._source(dtype)
+
+    def _mlp(self, layer: str) -> None:
+        """The layer's MLP: NxD's gate_up_proj (stride 2) and down_proj."""
+        self._gate_up(layer)
+        if layer + "mlp.down_proj.weight" in self.keys:
+            self._split(layer + "mlp.down_proj.weight", 1)
 
     def _add(self, source: NxdSource, key: str, name: str, write: bool = True) -> None:
         stored, how = self.producers[name]
@@ -419,6 +443,7 @@ class _Planner:
         """HF's save_pretrained layout: each tied group once, under its source name; a tied pair held under both
         names must agree, or the HF model would silently use one."""
         source = NxdSource(self.shards, dtype)
+        source.add_handles(self.handles)
         for key, shape in self.shapes.items():
             if key in self.tied:
                 continue
@@ -449,10 +474,10 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
     """Merge an NxD Llama (or Mistral) checkpoint into a dense HF ``*ForCausalLM`` directory; return ``output_dir``.
     Everything is checked before anything is written, and ``output_dir`` is replaced atomically (a non-empty one only
     with ``force``). The arguments: docs/api.md, ``nxdtp.converters.nxd``."""
-    config, model_class = _load_config(config_json)
+    config, model_class = load_decoder_config(config_json, _CLASSES, LLAMA_FAMILY, __name__)
 
     def layout(shards: List[RankShard], files: RankFiles, dtype: Optional[torch.dtype]) -> NxdSource:
-        return _Planner(config, model_class, shards, files, progress).plan(dtype)
+        return Planner(config, model_class, shards, files, progress).plan(dtype)
 
     return import_checkpoint(checkpoint_dir, output_dir, config, model_class.__name__, layout, force=force,
                              progress=progress, model_key=model_key, tag=tag, dtype=dtype,

@@ -1,9 +1,10 @@
 """What every NxD-import family shares: finding NxD's per-rank files (pipeline rank 0; the layouts of
-``parallel_layers.checkpointing.save``, "v1", and ``trainer.save_checkpoint``, "v2"), loading them safely
-(``torch.load(weights_only=True)`` after each zip entry's CRC-32 is checked, torch_xla's ``TensorReference`` rebuilt as
-a stand-in), and ``NxdSource``, the dense tensors as a pipeline source. Each family module (``bert.py``, ``llama.py``)
-supplies the layout, which NxD's files do not record. The layouts read and refused: docs/checkpoints.md, "Migrating
-NxD checkpoints".
+``parallel_layers.checkpointing.save``, "v1", and ``trainer.save_checkpoint``, "v2", also with expert parallelism,
+"v2-ep"), loading them safely (``torch.load(weights_only=True)`` after each zip entry's CRC-32 is checked, torch_xla's
+``TensorReference`` rebuilt as a stand-in), and ``NxdSource``, the dense tensors as a pipeline source (the experts of
+an expert-parallel checkpoint read through ``ExpertPieces``). Each family module (``bert.py``, ``llama.py``,
+``mixtral.py``) supplies the layout, which NxD's files do not record. The layouts read and refused:
+docs/checkpoints.md, "Migrating NxD checkpoints".
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import re
 import sys
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ...checkpointing.dense import DenseWeightsWriter
+from ...checkpointing.hf_form import SavedForm
 from ...checkpointing.output_dir import check_output_dir, write_atomically
 from ...checkpointing.pipeline import DenseSink, TagSource, narrowed, shifted, stream
 from ...errors import DamagedInputError
@@ -38,7 +40,7 @@ AUTO = "auto"
 
 _V1_ENTRY = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)(?:_dp_rank_(\d+))?$")
 _V2_ENTRY = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
-_V2_EXPERT_ENTRY = re.compile(r"^dp_rank_\d+_ep_rank_\d+_tp_rank_\d+_pp_rank_\d+\.pt$")
+_V2_EXPERT_ENTRY = re.compile(r"^dp_rank_(\d+)_ep_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 
 
 class NxdCheckpointError(DamagedInputError):
@@ -67,20 +69,32 @@ def say(progress: bool, message: str) -> None:
 
 @dataclass
 class RankFiles:
-    """The checkpoint file of each TP rank (index = TP rank) in one of NxD's layouts."""
+    """The checkpoint file of each TP rank (index = TP rank) in one of NxD's layouts; with expert parallelism, the file
+    of each (TP rank, EP rank)."""
 
     directory: str
-    paths: List[str]
-    layout: str  # "v1" (parallel_layers.checkpointing.save) or "v2" (trainer.save_checkpoint)
+    paths: List[str]  # per TP rank; with expert parallelism, its EP rank 0 file (the only one with every tensor)
+    # "v1" (parallel_layers.checkpointing.save), "v2" (trainer.save_checkpoint) or "v2-ep" (the same with expert
+    # parallelism: dp_rank_00_ep_rank_XX_tp_rank_YY_pp_rank_00.pt)
+    layout: str
+    expert_paths: List[List[str]] = field(default_factory=list)  # per TP rank, the file of each EP rank in order
 
     @property
     def model_key(self) -> Optional[str]:
         return "model" if self.layout == "v1" else None
 
-    def entry_name(self, tp_rank: int) -> str:
-        """The name NxD gives TP rank ``tp_rank``'s entry in this layout (to name files that are absent)."""
+    @property
+    def ep(self) -> int:
+        """The expert-parallel degree: the number of EP ranks' files per TP rank."""
+        return len(self.expert_paths[0]) if self.expert_paths else 1
+
+    def entry_name(self, tp_rank: int, ep_rank: int = 0) -> str:
+        """The name NxD gives the entry of TP rank ``tp_rank`` (and EP rank ``ep_rank``) in this layout (to name files
+        that are absent)."""
         if self.layout == "v1":
             return f"tp_rank_{tp_rank:02d}_pp_rank_00"
+        if self.layout == "v2-ep":
+            return f"dp_rank_00_ep_rank_{ep_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
         return f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
 
 
@@ -145,57 +159,82 @@ def _model_dir_of_tag(tag_dir: str) -> str:
     return model_dir
 
 
+def _entry(name: str) -> Optional[Tuple[str, int, int, int, int]]:
+    """(layout, DP rank, EP rank, TP rank, PP rank) of an NxD rank entry's name; None for any other name (xser tensor
+    folders "<entry>.tensors" and v2's "<entry>.info.pt" too)."""
+    v1, v2, ep = _V1_ENTRY.match(name), _V2_ENTRY.match(name), _V2_EXPERT_ENTRY.match(name)
+    if v1:
+        return "v1", int(v1[3] or 0), 0, int(v1[1]), int(v1[2])
+    if v2:
+        return "v2", int(v2[1]), 0, int(v2[2]), int(v2[3])
+    if ep:
+        return "v2-ep", int(ep[1]), int(ep[2]), int(ep[3]), int(ep[4])
+    return None
+
+
+def _entry_path(directory: str, name: str) -> str:
+    path = os.path.join(directory, name)
+    if _V1_ENTRY.match(name) and os.path.isdir(path):
+        path = os.path.join(path, CHECKPOINT_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: NxD rank directory {name} holds no {CHECKPOINT_FILE}")
+    return path
+
+
 def _scan(directory: str) -> RankFiles:
-    """The rank files in ``directory``; checks pp is 0, one layout, and ranks 0..tp-1."""
-    found: Dict[int, List[str]] = {}
-    layouts, pipeline, expert = set(), [], []
+    """The rank files in ``directory``; checks pp is 0, one layout, and ranks 0..tp-1 (by 0..ep-1)."""
+    found: Dict[Tuple[int, int], List[str]] = {}  # (TP rank, EP rank) -> paths
+    layouts, pipeline = set(), []
     for name in sorted(os.listdir(directory)):
-        v1, v2 = _V1_ENTRY.match(name), _V2_ENTRY.match(name)
-        if _V2_EXPERT_ENTRY.match(name):
-            expert.append(name)
+        entry = _entry(name)
+        if entry is None:
             continue
-        if not (v1 or v2):
-            continue  # also skips xser tensor folders ("<entry>.tensors") and v2's "<entry>.info.pt"
-        if v1:
-            tp_rank, pp_rank, dp_rank = int(v1[1]), int(v1[2]), int(v1[3] or 0)
-        else:
-            dp_rank, tp_rank, pp_rank = int(v2[1]), int(v2[2]), int(v2[3])
+        layout, dp_rank, ep_rank, tp_rank, pp_rank = entry
         if pp_rank != 0:
             pipeline.append(name)
             continue
         if dp_rank != 0:
             continue  # DP replicas of the model; DP rank 0's copy is as good as any
-        layouts.add("v1" if v1 else "v2")
-        path = os.path.join(directory, name)
-        if v1 and os.path.isdir(path):
-            path = os.path.join(path, CHECKPOINT_FILE)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} is missing: NxD rank directory {name} holds no {CHECKPOINT_FILE}")
-        found.setdefault(tp_rank, []).append(path)
-    if expert:
-        raise NxdCheckpointError(f"{directory} is an expert-parallel NxD checkpoint ({expert[0]} ...); only "
-                                 "checkpoints without expert parallelism can be imported")
+        layouts.add(layout)
+        found.setdefault((tp_rank, ep_rank), []).append(_entry_path(directory, name))
     if pipeline:
         raise NxdCheckpointError(f"{directory} is a pipeline-parallel NxD checkpoint ({', '.join(pipeline[:4])}"
                                  f"{' ...' if len(pipeline) > 4 else ''}); only pp_rank_00 (no pipeline parallelism) "
                                  "can be imported")
     if len(layouts) > 1:
-        raise NxdCheckpointError(f"{directory} mixes the file names of two NxD checkpoint layouts "
-                                 "(tp_rank_XX_pp_rank_XX and dp_rank_XX_tp_rank_XX_pp_rank_XX.pt); keep one "
-                                 "checkpoint per directory")
+        names = {"v1": "tp_rank_XX_pp_rank_XX", "v2": "dp_rank_XX_tp_rank_XX_pp_rank_XX.pt",
+                 "v2-ep": "dp_rank_XX_ep_rank_XX_tp_rank_XX_pp_rank_XX.pt"}
+        raise NxdCheckpointError(f"{directory} mixes the file names of NxD checkpoint layouts "
+                                 f"({' and '.join(names[layout] for layout in sorted(layouts))}); keep one checkpoint "
+                                 "per directory")
     files = RankFiles(directory, [], layouts.pop() if layouts else "v1")
-    for tp_rank, paths in found.items():
+    for (tp_rank, ep_rank), paths in found.items():
         if len(paths) > 1:
-            raise NxdCheckpointError(f"{directory} holds more than one checkpoint for TP rank {tp_rank}: "
+            raise NxdCheckpointError(f"{directory} holds more than one checkpoint for TP rank {tp_rank}"
+                                     f"{f' and EP rank {ep_rank}' if files.layout == 'v2-ep' else ''}: "
                                      f"{', '.join(paths)}")
-    tp = max(found) + 1
-    missing = [files.entry_name(r) for r in range(tp) if r not in found]
-    if missing:
-        raise FileNotFoundError(f"{directory}: TP ranks must be numbered 0..{tp - 1}, but {', '.join(missing)} "
-                                f"{'is' if len(missing) == 1 else 'are'} missing (found "
-                                f"{', '.join(files.entry_name(r) for r in sorted(found))})")
-    files.paths = [found[r][0] for r in range(tp)]
+    _check_complete(files, found)
+    files.expert_paths = [[found[(t, e)][0] for e in range(1 + max(e for _, e in found))]
+                          for t in range(1 + max(t for t, _ in found))]
+    files.paths = [row[0] for row in files.expert_paths]
     return files
+
+
+def _check_complete(files: RankFiles, found: Dict[Tuple[int, int], List[str]]) -> None:
+    """Every TP rank 0..tp-1 (by every EP rank 0..ep-1) has its file, else the absent ones are named."""
+    if not found:
+        raise FileNotFoundError(f"{files.directory} holds NxD rank files of DP ranks other than 0 only; NxD saves the "
+                                "model from DP rank 0")
+    tp, ep = 1 + max(t for t, _ in found), 1 + max(e for _, e in found)
+    missing = [files.entry_name(t, e) for t in range(tp) for e in range(ep) if (t, e) not in found]
+    if not missing:
+        return
+    verb = "is" if len(missing) == 1 else "are"
+    if files.layout == "v2-ep":
+        raise FileNotFoundError(f"{files.directory}: an expert-parallel checkpoint has a file for every TP rank "
+                                f"0..{tp - 1} at every EP rank 0..{ep - 1}, but {', '.join(missing)} {verb} missing")
+    raise FileNotFoundError(f"{files.directory}: TP ranks must be numbered 0..{tp - 1}, but {', '.join(missing)} "
+                            f"{verb} missing (found {', '.join(files.entry_name(t) for t, _ in sorted(found))})")
 
 
 def check_saved_tp(files: RankFiles, shard: RankShard, key: str, dim: int, full: int) -> None:
@@ -207,6 +246,27 @@ def check_saved_tp(files: RankFiles, shard: RankShard, key: str, dim: int, full:
         raise FileNotFoundError(f"{shard.tensor_file(key)}: '{key}' is a 1/{saved_tp} slice, so the checkpoint was "
                                 f"saved at tp={saved_tp}, but only {tp} rank(s) are present in {files.directory}; "
                                 f"missing: {', '.join(files.entry_name(r) for r in range(tp, saved_tp))}")
+
+
+def check_saved_ep(files: RankFiles, shard: RankShard, key: str, experts: int) -> None:
+    """Refuse an expert-parallel checkpoint saved at more EP ranks than ``files`` holds (a missing last EP rank leaves
+    the names of 0..ep-2 complete): ``key``'s experts per file tell the saved degree (NxD gives each EP rank
+    ``experts / ep`` of them)."""
+    local = shard.get(key).shape[0] if shard.get(key).dim() else 0
+    saved_ep = experts // local if local and experts % local == 0 else 0
+    if saved_ep > files.ep and files.layout == "v1":
+        raise NxdCheckpointError(f"{shard.tensor_file(key)}: '{key}' holds {local} of the {experts} experts: it was "
+                                 f"saved at ep={saved_ep} by parallel_layers.checkpointing.save (NxD's Lightning "
+                                 "integration), whose files are per TP rank only and keep DP rank 0's experts; the "
+                                 "other experts are in no file (save with trainer.save_checkpoint, which writes "
+                                 "dp_rank_00_ep_rank_XX_tp_rank_XX_pp_rank_00.pt files, or with ep=1)")
+    if saved_ep > files.ep and files.layout == "v2-ep":  # in the other layouts the shapes are refused later
+        missing = [files.entry_name(t, e) for t in range(len(files.paths)) for e in range(files.ep, saved_ep)]
+        raise FileNotFoundError(f"{shard.tensor_file(key)}: '{key}' holds {local} of the {experts} experts, so the "
+                                f"checkpoint was saved at ep={saved_ep}, but only {files.ep} EP rank(s) are present in "
+                                f"{files.directory}; missing: {', '.join(missing[:8])}"
+                                f"{' ...' if len(missing) > 8 else ''} (or the config's expert count is not the "
+                                "checkpoint's)")
 
 
 # ---- reading the rank files ------------------------------------------------------------------------------------------
@@ -292,9 +352,10 @@ def _torch_load(path: str, verify: bool = True, data_entries: bool = True) -> Tu
 
 
 class RankShard:
-    """One TP rank's model state dict; xser references are resolved (memory-mapped) on first use."""
+    """One rank file's model state dict; xser references are resolved (memory-mapped) on first use. ``drop_none``
+    drops keys whose value is None (what EP ranks other than 0 may hold for tensors they do not save)."""
 
-    def __init__(self, path: str, model_key: Optional[str], verify_checksums: bool = True):
+    def __init__(self, path: str, model_key: Optional[str], verify_checksums: bool = True, drop_none: bool = False):
         self.path = path
         self.verify_checksums = verify_checksums
         # The storages are checked below, once it is known which of them hold the model.
@@ -313,8 +374,8 @@ class RankShard:
         for key, value in state.items():
             if not isinstance(key, str):
                 raise NxdCheckpointError(f"{path}: state dict key {key!r} is not a string")
-            if key.endswith("_extra_state"):
-                continue
+            if key.endswith("_extra_state") or (value is None and drop_none):
+                continue  # None: a tensor an expert-parallel rank other than 0 does not hold
             if not isinstance(value, (torch.Tensor, _XlaTensorReference)):
                 raise NxdCheckpointError(f"{path}: '{key}' is a {type(value).__name__}, not a tensor")
             self.state[key] = value
@@ -370,6 +431,53 @@ def open_shards(files: RankFiles, model_key: Optional[str], progress: bool,
             raise NxdCheckpointError(f"{shard.path}: its model keys differ from {reference.path}'s: "
                                      f"missing {absent[:5]}, extra {extra[:5]}")
     return shards
+
+
+def open_expert_shards(files: RankFiles, shards: Sequence[RankShard], model_key: Optional[str], progress: bool,
+                       verify_checksums: bool, is_expert: Callable[[str], bool]) -> List[List[RankShard]]:
+    """Every (TP rank, EP rank)'s state dict, by TP rank, then EP rank; ``shards`` are the EP rank 0 files (from
+    :func:`open_shards`). NxD saves the tensors that are not experts (``is_expert`` tells) from EP rank 0: another EP
+    rank's file may lack them or hold None or copies, which are not read; its experts' keys must be EP rank 0's."""
+    key = files.model_key if model_key == AUTO else model_key
+    ranks = []
+    for tp_rank, paths in enumerate(files.expert_paths):
+        row = [shards[tp_rank]]
+        for ep_rank, path in enumerate(paths[1:], start=1):
+            say(progress, f"reading TP rank {tp_rank + 1}/{len(files.paths)}, EP rank {ep_rank + 1}/{files.ep}: {path}")
+            row.append(RankShard(path, key, verify_checksums, drop_none=True))
+            _check_expert_keys(row[0], row[-1], is_expert)
+        ranks.append(row)
+    return ranks
+
+
+def _check_expert_keys(first: RankShard, other: RankShard, is_expert: Callable[[str], bool]) -> None:
+    """``other`` (an EP rank's file) holds the experts' keys of ``first`` (EP rank 0's of the same TP rank), and no key
+    ``first`` lacks."""
+    mine = {k for k in other.state if is_expert(k)}
+    theirs = {k for k in first.state if is_expert(k)}
+    absent, extra = sorted(theirs - mine), sorted(set(other.state) - set(first.state))
+    if absent or extra:
+        raise NxdCheckpointError(f"{other.path}: its model keys differ from {first.path}'s (EP rank 0 of its TP rank): "
+                                 f"missing experts {absent[:5]}, extra {extra[:5]}")
+
+
+class ExpertPieces:
+    """A TP rank's piece of each expert tensor, every expert in it, read from the files of its EP ranks (``shards``, in
+    EP rank order) where ``specs[key]`` (its ``expert_partitions``: the EP degree) puts each row: a handle of
+    :class:`NxdSource`'s ``TagSource``, which reads pieces by rows."""
+
+    def __init__(self, shards: Sequence[RankShard]):
+        self.shards, self.specs = list(shards), {}
+
+    def get_rows(self, key: str, start: int, length: int) -> torch.Tensor:
+        parts = [self.shards[ep_rank].get_rows(key, first, rows)
+                 for ep_rank, first, rows in self.specs[key].expert_runs(start, length)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else self.shards[0].get_rows(key, 0, 0)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.get_rows(key, 0, self.specs[key].full_shape[0])
 
 
 def one_dtype(shards: Sequence[RankShard], key: str) -> torch.dtype:
@@ -448,8 +556,10 @@ def tied_aliases(model) -> Dict[str, str]:
 class NxdSource:
     """An NxD checkpoint's dense tensors as a ``pipeline.TensorSource``, in the order they are added. ``laid_out``: a
     tensor read through ``spec``, NxD's layout of one key over the ranks' pieces (a ``TagSource``, in slabs of piece
-    rows), from dense row ``offset`` on; ``built``: one built whole (reordered heads, checked copies), kept until
-    another is read. ``dtype`` casts floating tensors; ``keys`` are those written (a tied alias is only compared)."""
+    rows; the pieces are the TP ranks' files, or ``handles``, named by ``add_handles``), from dense row ``offset`` on,
+    with the two dims ``swap`` names swapped (NxD holds experts' matrices transposed); ``built``: one built whole
+    (reordered heads, checked copies), kept until another is read. ``dtype`` casts floating tensors; ``keys`` are
+    those written (a tied alias is only compared)."""
 
     def __init__(self, shards: Sequence[RankShard], dtype: Optional[torch.dtype]):
         self.paths, self.cast = [shard.path for shard in shards], dtype
@@ -460,9 +570,14 @@ class NxdSource:
         self._last: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
     def laid_out(self, key: str, shape, dtype: torch.dtype, nxd_key: str, spec: ParamSpec, offset: int = 0,
+                 handles: Optional[List[str]] = None, swap: Optional[Tuple[int, int]] = None,
                  write: bool = True) -> None:
-        self.tags.layout[nxd_key] = (spec, dtype, self.paths)
-        self._add(key, shape, dtype, (nxd_key, offset), write)
+        self.tags.layout[nxd_key] = (spec, dtype, handles or self.paths)
+        self._add(key, shape, dtype, (nxd_key, offset, swap), write)
+
+    def add_handles(self, handles: Mapping[str, Any]) -> None:
+        """Name further readers of pieces (``get_rows``, ``get_tensor``) for ``laid_out``'s ``handles``."""
+        self.tags.handles.update(handles)
 
     def built(self, key: str, shape, dtype: torch.dtype, build: Callable[[], torch.Tensor], write: bool = True) -> None:
         self._add(key, shape, dtype, build, write)
@@ -486,8 +601,12 @@ class NxdSource:
                 self._last = (None, None)  # the previous tensor is dropped before this one is built
                 self._last = (key, how())
             return [narrowed(self._last[1], box) for box in boxes]
-        nxd_key, offset = how
-        return self.tags.read_boxes(nxd_key, [shifted(box, offset) for box in boxes])
+        nxd_key, offset, swap = how
+        boxes = [shifted(box, offset) for box in boxes]
+        if swap is None:
+            return self.tags.read_boxes(nxd_key, boxes)
+        read = self.tags.read_boxes(nxd_key, [_swapped(box, swap) for box in boxes])
+        return [tensor.transpose(*swap).contiguous() for tensor in read]
 
     def whole(self, key: str) -> torch.Tensor:
         """The dense tensor of ``key`` in its stored dtype."""
@@ -502,27 +621,45 @@ class NxdSource:
                 f"use '{key}' for both; set tie_word_embeddings to false in the config to keep both")
 
 
+def _swapped(box, dims: Tuple[int, int]):
+    """``box`` with its ``dims`` swapped: the box of the transposed tensor."""
+    offsets, sizes = (list(part) for part in box)
+    a, b = dims
+    offsets[a], offsets[b], sizes[a], sizes[b] = offsets[b], offsets[a], sizes[b], sizes[a]
+    return tuple(offsets), tuple(sizes)
+
+
 def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
                       plan: Callable[[List[RankShard], RankFiles, Optional[torch.dtype]], NxdSource], *, force: bool,
                       progress: bool, model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype],
-                      verify_checksums: bool = True) -> str:
-    """The steps every family shares: check the output, find and open the rank files, let ``plan`` check everything
-    and give the dense tensors as a source, then stream them into ``model.safetensors`` (a ``DenseSink``) and write
-    ``config.json``, atomically."""
+                      verify_checksums: bool = True, reads_experts: bool = False) -> str:
+    """The steps every family shares: check the output, find and open the rank files (TP ranks; the EP rank 0 files
+    of an expert-parallel checkpoint, which only a family that ``reads_experts`` takes), let ``plan`` check everything
+    and give the dense tensors as a source, then write ``config.json`` and stream the tensors into
+    ``model.safetensors`` (a ``DenseSink``) in the form transformers saves them (``hf_form.SavedForm``: a mixture of
+    experts one expert at a time), atomically."""
     checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
     check_output_dir(checkpoint_dir, output_dir, force)
     files = locate_rank_files(checkpoint_dir, tag)
+    if files.ep > 1 and not reads_experts:
+        raise NxdCheckpointError(f"{files.directory} is an expert-parallel NxD checkpoint ({files.entry_name(0, 1)} "
+                                 f"...: ep={files.ep}), but {architecture} has no experts; the NxD import reads "
+                                 "expert-parallel checkpoints of Mixtral")
     shards = open_shards(files, model_key, progress, verify_checksums)
     source = plan(shards, files, dtype)
 
     def write(staging: str) -> None:
-        say(progress, f"writing {len(source.keys)} tensors (tp={len(shards)} merged) to {output_dir}")
-        layout = [(key, source.dtype(key), source.entries[key][0]) for key in source.keys]
-        metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(len(shards))}
-        with DenseWeightsWriter(staging, layout, metadata=metadata) as writer:
-            stream(source, DenseSink(writer), source.keys)
+        parallel = f"tp={len(shards)}" + (f", ep={files.ep}" if files.ep > 1 else "")
+        say(progress, f"writing {len(source.keys)} tensors ({parallel} merged) to {output_dir}")
         config.architectures = [architecture]
         config.save_pretrained(staging)
+        form = SavedForm.of_config(os.path.join(staging, "config.json"))
+        layout = [(key, source.dtype(key), source.entries[key][0]) for key in source.keys]
+        metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(len(shards))}
+        if files.ep > 1:
+            metadata["nxd_ep_size"] = str(files.ep)
+        with DenseWeightsWriter(staging, form.layout(layout) if form else layout, metadata=metadata) as writer:
+            stream(source, DenseSink(writer, form), source.keys)
 
     write_atomically(output_dir, write)
     say(progress, f"done: {output_dir}")
