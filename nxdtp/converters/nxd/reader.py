@@ -653,12 +653,12 @@ def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
         say(progress, f"writing {len(source.keys)} tensors ({parallel} merged) to {output_dir}")
         config.architectures = [architecture]
         config.save_pretrained(staging)
-        form = SavedForm.of_config(os.path.join(staging, "config.json"))
         layout = [(key, source.dtype(key), source.entries[key][0]) for key in source.keys]
+        form = SavedForm.of_config(os.path.join(staging, "config.json"), layout)
         metadata = {"format": "pt", "source": "nxdtp merge of an NxD checkpoint", "nxd_tp_size": str(len(shards))}
         if files.ep > 1:
             metadata["nxd_ep_size"] = str(files.ep)
-        with DenseWeightsWriter(staging, form.layout(layout) if form else layout, metadata=metadata) as writer:
+        with DenseWeightsWriter(staging, form.layout() if form else layout, metadata=metadata) as writer:
             stream(source, DenseSink(writer, form), source.keys)
 
     write_atomically(output_dir, write)
