@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.nxd_xser import xser_save
-from tests.test_nxd_import_llama import nxd_decoder_rank_states, save_v1
+from tests.test_nxd_import_llama import _import, _write_config, nxd_decoder_rank_states, save_v1
 
 # transformers 5 holds Mixtral's experts fused (the tensors the import produces); the MoE plan's range starts there.
 pytestmark = pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
@@ -129,14 +129,6 @@ def save(states, root, others="absent", xser=False, markers=True):
     return root
 
 
-def _write_config(directory, config) -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "config.json")
-    with open(path, "w") as f:
-        json.dump(config.to_dict(), f)
-    return path
-
-
 # ---- the layout is NxD's ---------------------------------------------------------------------------------------------
 
 def test_rank_pieces_compute_the_dense_experts(dense):
@@ -193,17 +185,6 @@ def _assert_equals_dense(out, dense):
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
-
-
-def _import(checkpoint, config_path, out, via):
-    if via == "cli":
-        from nxdtp.cli import main
-
-        assert main([str(checkpoint), str(out), "--from-nxd", "--config", str(config_path), "--no-progress"]) == 0
-    else:
-        from nxdtp.converters.nxd import merge_nxd_checkpoint
-
-        assert merge_nxd_checkpoint(str(checkpoint), config_path, str(out), progress=False) == str(out)
 
 
 # (tp, ep, attention form, what EP ranks > 0 hold of the other tensors, xser, CLI or Python API)

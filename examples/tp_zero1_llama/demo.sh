@@ -18,20 +18,8 @@ start=$(date +%s)
 stage() { echo; echo "=== [$(( $(date +%s) - start ))s] $*"; }
 
 stage "1/6 install nxdtp with its example dependencies"
-if [ "${NXDTP_DEMO_SKIP_INSTALL:-0}" = 1 ]; then
-    echo "skipped (NXDTP_DEMO_SKIP_INSTALL=1): using $(command -v python)"
-else
-    if [ -z "${VIRTUAL_ENV:-}" ]; then
-        venv=${NXDTP_DEMO_VENV:-.venv}
-        [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-        # shellcheck disable=SC1091
-        source "$venv/bin/activate"
-    fi
-    python -m pip install --quiet --upgrade pip
-    python -m pip install --quiet -e ".[examples]"
-fi
-export OMP_NUM_THREADS=1   # four ranks on a small machine: one thread each
-export USE_TORCH_XLA=0     # transformers would otherwise pick torch_xla's CPU device where it is installed
+# shellcheck disable=SC1091
+source examples/common/demo_install.sh
 installed=$(date +%s)
 
 stage "2/6 build a synthetic packed causal-LM dataset (64-token blocks, vocabulary 1024)"
