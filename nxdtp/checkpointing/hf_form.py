@@ -63,14 +63,17 @@ class SavedForm:
             return None
         if config_path is None:
             return None
-        with open(config_path) as f:
-            architectures = json.load(f).get("architectures") or []
-        model_class = getattr(transformers, architectures[0], None) if architectures else None
-        if not isinstance(model_class, type):
+        try:
+            with open(config_path) as f:
+                architectures = json.load(f).get("architectures") or []
+            model_class = getattr(transformers, architectures[0], None) if architectures else None
+            if not isinstance(model_class, type):
+                return None
+            config = transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(config_path)))
+            with torch.device("meta"):
+                model = model_class(config)
+        except Exception:  # noqa: BLE001 - a config transformers cannot build a model of: its tensors go as held
             return None
-        config = transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(config_path)))
-        with torch.device("meta"):
-            model = model_class(config)
         return cls.of_model(model, layout)
 
     def tensors(self, key: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
