@@ -558,3 +558,15 @@ def test_expert_optimizer_state_of_other_shapes_is_stored_with_every_expert(worl
                 for field, value in fields.items():
                     mine = value.narrow(0, expert_rank * (E // ep), E // ep)
                     assert torch.equal(state[name][field], mine), (ep, expert_rank, name, field)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cpu_refusing", "xla"])
+def test_expert_checkpoints_on_worlds_whose_default_backend_is_not_gloo(worlds, tmp_path, world):
+    """The experts are gathered on the host when saved: on an NCCL-like world and an XLA world that is the gloo twin
+    of the expert-parallel group, and the checkpoint loads at another expert-parallel size."""
+    saved = str(tmp_path / "tp2")
+    assert worlds(4, world).run(case_expert_checkpoint, tensor_model_parallel_size=None, directory=saved, tp=2, ep=2,
+                                save=True) == [(2, 2)] * 4
+    assert worlds(4, world).run(case_expert_checkpoint, tensor_model_parallel_size=None, directory=saved, tp=2, ep=1,
+                                save=False) == [(2, 1)] * 4
