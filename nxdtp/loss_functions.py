@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from . import comm
+from . import comm, mappings
 from .topology import ParallelGroup, rank_tensor, tensor_parallel_group
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -247,4 +247,44 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits: torch.Tensor, target
     return logprobs[..., :-1].contiguous()
 
 
-__all__ = ["parallel_cross_entropy", "from_parallel_logits_to_logprobs", "DistributedLogprob"]
+def vocab_parallel_token_statistics(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                    vocab_size: Optional[int] = None) -> dict:
+    """Per position of vocab-parallel logits ``[..., V/tp]`` (targets: global ids of the same positions, each a real
+    id): what a trainer reads of the softmax over the whole vocabulary, without gathering it. Returns fp32 tensors of
+    ``target``'s shape: ``log_probs`` (log p(target)), ``entropy``, ``log_sum_sq_probs`` (log sum p^2), ``mean_logits``
+    (over the real vocabulary) and ``is_top1`` (the target is the first largest logit, as ``argmax`` picks it).
+
+    ``log_probs`` and ``entropy`` are differentiable: each rank's share of a vocabulary sum depends on its shard only,
+    so the sums are all-reduced with an identity backward. Two all-reduces: a MAX of two stacked maxima (the softmax's
+    stabiliser and the largest logit before the target), and one stacked SUM."""
+    group = tensor_parallel_group()
+    x = vocab_parallel_logits.float()
+    local_vocab = x.shape[-1]
+    first_id = _first_id(group, local_vocab, x.device)
+    real_vocab = local_vocab * group.size if vocab_size is None else vocab_size
+    column = torch.arange(local_vocab, device=x.device) + first_id
+    real = column < real_vocab
+    x = x.masked_fill(~real, float("-inf"))
+    before_target = real & (column < target.unsqueeze(-1))
+    maxima = torch.stack([x.detach().amax(dim=-1), x.detach().masked_fill(~before_target, float("-inf")).amax(dim=-1)],
+                         dim=-1)
+    top, top_before_target = comm.all_reduce(maxima, group, op="max").unbind(-1)
+    shifted = torch.where(real, x - top.unsqueeze(-1), torch.zeros_like(x))
+    exps = torch.where(real, shifted.exp(), torch.zeros_like(x))
+    local_target = target.long() - first_id
+    in_shard = (local_target >= 0) & (local_target < local_vocab)
+    picked = x.gather(-1, torch.where(in_shard, local_target, 0).unsqueeze(-1)).squeeze(-1)
+    parts = [exps.sum(-1), (exps * shifted).sum(-1), (exps * exps).sum(-1),
+             torch.where(real, x, torch.zeros_like(x)).sum(-1), torch.where(in_shard, picked, torch.zeros_like(picked))]
+    totals = mappings.reduce_from_tensor_model_parallel_region(torch.stack(parts, dim=-1), group)
+    normaliser, weighted, squares, logit_sum, target_logit = totals.unbind(-1)
+    log_normaliser = normaliser.log()
+    return {"log_probs": target_logit - top - log_normaliser,
+            "entropy": log_normaliser - weighted / normaliser,
+            "log_sum_sq_probs": (squares.log() - 2 * log_normaliser).detach(),
+            "mean_logits": (logit_sum / real_vocab).detach(),
+            "is_top1": ((target_logit >= top) & (target_logit > top_before_target)).detach()}
+
+
+__all__ = ["parallel_cross_entropy", "from_parallel_logits_to_logprobs", "DistributedLogprob",
+           "vocab_parallel_token_statistics"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nxdtp import parallel_state as ps
-from nxdtp.models import parallelize_model
+from nxdtp.models import gather_vocab_logits, parallelize_model, vocab_parallel_logits
 from tests import test_models_decoders as decoders
 from tests import test_models_gpt2 as gpt2
 from tests import test_models_hf_tp_plan as hf_tp_plan
@@ -164,9 +164,10 @@ def _batch(vocab: int):
     return dict(input_ids=input_ids, labels=input_ids)
 
 
-def case_forward_stays_vocab_parallel_around_generate(sequence_parallel: bool):
-    """Before and after a generate: the training forward (and the eval forward under no_grad) gives vocab-parallel
-    logits and the dense loss; generate, in between, gives full-vocabulary logits."""
+def case_full_logits_unless_asked_for_shards_around_generate(sequence_parallel: bool):
+    """Before and after a generate: the training forward (and the eval forward under no_grad) gives the dense model's
+    full-vocabulary logits and loss; inside ``vocab_parallel_logits`` it gives this rank's vocab-parallel logits and
+    the same loss; generate, run inside ``vocab_parallel_logits``, still decodes from full logits."""
     tp = ps.get_tensor_model_parallel_size()
     dense, vocab = _dense("llama", kv_heads=2)
     model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel,
@@ -175,30 +176,38 @@ def case_forward_stays_vocab_parallel_around_generate(sequence_parallel: bool):
     batch = _batch(vocab)
     what = f"tp={tp} sp={sequence_parallel}"
 
-    def check_forward(when):
-        model.train()
-        out = model(**batch)
-        assert out.logits.shape == (2, 8, local), f"{what} {when}: training logits {tuple(out.logits.shape)}"
-        _close(out.loss, dense(**batch).loss, f"{what} {when}: training loss")
-        out.loss.backward()   # the loss path is the vocab-parallel one, with its backward
-        model.zero_grad()
-        model.eval()
-        with torch.no_grad():
+    def check_forward(when, training):
+        model.train(training)
+        dense.train(training)
+        with torch.set_grad_enabled(training):
+            expected = dense(**batch)
             out = model(**batch)
-            assert out.logits.shape == (2, 8, local), f"{what} {when}: eval logits {tuple(out.logits.shape)}"
-            _close(out.loss, dense(**batch).loss, f"{what} {when}: eval loss")
+            assert out.logits.shape == (2, 8, vocab), f"{what} {when}: logits {tuple(out.logits.shape)}"
+            _close(out.logits, expected.logits, f"{what} {when}: full logits")
+            _close(out.loss, expected.loss, f"{what} {when}: loss")
+            with vocab_parallel_logits(model):
+                shards = model(**batch)
+            assert shards.logits.shape == (2, 8, local), f"{what} {when}: shard logits {tuple(shards.logits.shape)}"
+            _close(gather_vocab_logits(shards.logits, vocab), expected.logits, f"{what} {when}: gathered shards")
+            _close(shards.loss, expected.loss, f"{what} {when}: loss on the shards")
+        if training:
+            (out.loss + shards.loss).backward()   # both paths differentiate
+            model.zero_grad()
 
-    check_forward("before generate")
+    for training in (True, False):
+        check_forward("before generate", training)
     dense.eval()
-    out = _generate(model, _prompt(vocab), "greedy")
+    with vocab_parallel_logits(model):
+        out = _generate(model, _prompt(vocab), "greedy")
     _check_same_generation(out, _generate(dense, _prompt(vocab), "greedy"), vocab, what)
-    check_forward("after generate")
+    for training in (True, False):
+        check_forward("after generate", training)
     return out.sequences
 
 
 @pytest.mark.parametrize("sp", [pytest.param(False, id="tp2"), pytest.param(True, id="tp2-sp")])
-def test_training_forward_keeps_vocab_parallel_logits(worlds, sp):
-    results = worlds(2).run(case_forward_stays_vocab_parallel_around_generate, tensor_model_parallel_size=2,
+def test_forward_gives_full_logits_unless_asked_for_shards(worlds, sp):
+    results = worlds(2).run(case_full_logits_unless_asked_for_shards_around_generate, tensor_model_parallel_size=2,
                             sequence_parallel=sp)
     assert torch.equal(results[0], results[1])
 
@@ -240,7 +249,8 @@ def case_generation_mode_decoding_loop(sequence_parallel: bool):
         if sequence_parallel:
             with pytest.raises(ValueError, match="pad sequences to a multiple of 2"):
                 model(input_ids=input_ids)
-        assert model(input_ids=input_ids[:, :4]).logits.shape[-1] < vocab, f"{what}: still full logits after"
+        with vocab_parallel_logits(model):
+            assert model(input_ids=input_ids[:, :4]).logits.shape[-1] < vocab, f"{what}: shards asked for after"
     if sequence_parallel:
         with generation_mode(model), pytest.raises(RuntimeError, match=r"sequence_parallel=True .*torch\.no_grad"):
             model(input_ids=input_ids)

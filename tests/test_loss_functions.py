@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from nxdtp import comm
 from nxdtp import parallel_state as ps
-from nxdtp.loss_functions import DistributedLogprob, from_parallel_logits_to_logprobs, parallel_cross_entropy
+from nxdtp.loss_functions import (
+    DistributedLogprob,
+    from_parallel_logits_to_logprobs,
+    parallel_cross_entropy,
+    vocab_parallel_token_statistics,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -212,6 +217,59 @@ def case_distributed_logprob_matches_dense(seed):
             failures.append(f"{name} (tp={tp}, tp_rank={tp_rank}): {e}")
     assert not failures, "\n".join(failures)
     return checked
+
+
+def _dense_statistics(logits, target, vocab):
+    """What vocab_parallel_token_statistics computes, from the full logits' real columns."""
+    full = logits.detach().float().requires_grad_(True)
+    real = full[..., :vocab]
+    log_p = real.log_softmax(-1)
+    target_logit = real.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return full, {"log_probs": log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1),
+                  "entropy": -(log_p.exp() * log_p).sum(-1),
+                  "log_sum_sq_probs": (2 * log_p).exp().sum(-1).log(),
+                  "mean_logits": real.mean(-1),
+                  "is_top1": real.argmax(-1) == target, "target_logit": target_logit}
+
+
+def case_token_statistics_match_dense(seed):
+    """Every statistic against the full logits, and the gradients of log p(target) and the entropy (two upstream
+    gradients at once), with padded columns and ties at the largest logit (the first one is argmax's)."""
+    tp, tp_rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(seed * 31 + 7 * ps.get_data_parallel_rank())
+    checked, tie_outcomes = [], set()
+    for name, batch, local, pad in (("2d", (3, 5), 6, 0), ("padded", (2, 4, 3), 5, tp - 1)):
+        vocab = local * tp - pad
+        logits = torch.randn(*batch, local * tp, generator=g) * 4 + torch.randn((), generator=g) * 10
+        target = torch.randint(0, vocab, batch, generator=g)
+        # Some targets tie at the maximum with another column, before or after them: argmax picks the first.
+        ties = torch.rand(batch, generator=g) < 0.4
+        other = (target + torch.randint(1, vocab, batch, generator=g)) % vocab
+        columns = torch.arange(local * tp)
+        top = logits.amax(-1, keepdim=True) + 1
+        at_top = ties.unsqueeze(-1) & ((columns == target.unsqueeze(-1)) | (columns == other.unsqueeze(-1)))
+        logits = torch.where(at_top, top, logits)
+        tie_outcomes.update((target < other)[ties].tolist())
+        up_log_p, up_entropy = torch.randn(batch, generator=g), torch.randn(batch, generator=g)
+        shard = logits[..., tp_rank * local:(tp_rank + 1) * local].clone().requires_grad_(True)
+        got = vocab_parallel_token_statistics(shard, target, vocab if pad else None)
+        (got["log_probs"] * up_log_p + got["entropy"] * up_entropy).sum().backward()
+        full, dense = _dense_statistics(logits, target, vocab)
+        (dense["log_probs"] * up_log_p + dense["entropy"] * up_entropy).sum().backward()
+        for key in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
+            torch.testing.assert_close(got[key], dense[key].detach(), **TOL, msg=lambda m: f"{name} {key}: {m}")
+        assert torch.equal(got["is_top1"], dense["is_top1"]), (name, got["is_top1"], dense["is_top1"])
+        torch.testing.assert_close(shard.grad, full.grad[..., tp_rank * local:(tp_rank + 1) * local], **TOL,
+                                   msg=lambda m: f"{name} logits grad: {m}")
+        checked.append(name)
+    assert tie_outcomes == {True, False}, "ties must put the target both first and second"
+    return checked
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_token_statistics_match_dense(worlds, world, tp):
+    results = worlds(world).run(case_token_statistics_match_dense, tensor_model_parallel_size=tp, seed=world)
+    assert all(r == ["2d", "padded"] for r in results), results
 
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])

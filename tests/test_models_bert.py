@@ -41,6 +41,7 @@ from torch import nn
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, bucket_allreduce_gradients, get_grad_norm
 from nxdtp.layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
+from nxdtp.models import vocab_parallel_logits
 from nxdtp.models.bert import gather_vocab_logits, parallelize_bert
 from nxdtp.random import get_xla_rng_tracker, model_parallel_xla_manual_seed
 from nxdtp.spec import ShardedModule
@@ -285,7 +286,9 @@ def case_pretraining(configs):
 
         batch = _batch(config, seed=vocab + 1)
         dense_out = dense(**batch)
-        out = model(**batch)
+        with vocab_parallel_logits(model):   # the shards, to see the padding; by default they come gathered
+            out = model(**batch)
+        _close(model(**batch).prediction_logits, dense_out.prediction_logits, f"{what} MLM logits (full by default)")
         mlm, nsp = _dense_pretraining_losses(dense_out, batch, vocab)
         _close(dense_out.loss, mlm + nsp, f"{what} dense self-check")
         _close(out.loss, dense_out.loss, f"{what} loss")
@@ -293,7 +296,7 @@ def case_pretraining(configs):
         _close(out["nsp_loss"], nsp, f"{what} nsp_loss")
         _close(out.seq_relationship_logits, dense_out.seq_relationship_logits, f"{what} NSP logits")
         _check_hf_output_layout(model, dense, batch, out, dense_out, lambda o: o[1], what)
-        # The MLM logits stay vocab-parallel; gathering strips the padding.
+        # Inside vocab_parallel_logits the MLM logits are this rank's shard; gathering strips the padding.
         assert tuple(out.prediction_logits.shape) == (BATCH, SEQ, padded // tp), what
         logits = gather_vocab_logits(out.prediction_logits, vocab)
         assert tuple(logits.shape) == (BATCH, SEQ, vocab), f"{what}: gathered logits {tuple(logits.shape)}"

@@ -28,7 +28,7 @@ import torch
 
 from nxdtp import parallel_state as ps
 from nxdtp.grads import get_grad_norm
-from nxdtp.models import gather_vocab_logits, parallelize_model
+from nxdtp.models import gather_vocab_logits, parallelize_model, vocab_parallel_logits
 from nxdtp.plan import ColumnParallel
 from tests.model_helpers import check_checkpoint_round_trip, randomised
 from tests.test_models_bert import _check_grads, _check_weights, _close, _dense_grad_norm
@@ -107,6 +107,9 @@ def _check_equals_dense(model, dense, name, batch, multiple, what):
     _check_weights(model, dense, what)
     dense_out, out = dense(**batch), model(**batch)
     if _vocab_parallel_head(name, dense):
+        _close(out.logits, dense_out.logits, f"{what} logits (full by default)")
+        with vocab_parallel_logits(model):
+            out = model(**batch)
         padded = out.logits.shape[-1] * tp
         assert padded % (multiple * tp) == 0 and padded > VOCAB, f"{what}: the head's logits are not vocab-parallel"
         logits = gather_vocab_logits(out.logits, VOCAB)

@@ -22,6 +22,7 @@ import os
 import torch
 
 VOCAB, SEQ, SAMPLES = 67, 8, 16
+TRAINING_OVERRIDES: dict = {}   # TrainingArguments every run of this process takes (--label_smoothing)
 EVAL_SAMPLES, PREDICT_SAMPLES = 8, 9
 
 
@@ -124,7 +125,7 @@ def training_arguments(out: str, per_device: int, accumulation: int, use_cpu: bo
         gradient_accumulation_steps=accumulation,
         learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], optim="sgd", seed=3, data_seed=4,
         dataloader_drop_last=True, use_cpu=use_cpu, disable_tqdm=True,
-        **{"max_steps": 4, "save_strategy": "no", **extra})
+        **{"max_steps": 4, "save_strategy": "no", **extra, **TRAINING_OVERRIDES})
 
 
 def _log(trainer):
@@ -132,16 +133,29 @@ def _log(trainer):
             for e in trainer.state.log_history if "loss" in e]
 
 
-def metric_arguments(evaluate: bool) -> dict:
-    return dict(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_ids) if evaluate else {}
+def metric_arguments(evaluate: bool, custom_loss: bool = False) -> dict:
+    metrics = dict(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_ids) if evaluate else {}
+    return {**metrics, "compute_loss_func": z_loss_cross_entropy} if custom_loss else metrics
+
+
+def z_loss_cross_entropy(outputs, labels, num_items_in_batch=None):
+    """A user's loss on ``outputs.logits`` (Trainer's compute_loss_func): next-token cross entropy plus a z-loss
+    (the squared log-normaliser), summed over the counted tokens and divided by Trainer's global count."""
+    logits = outputs.logits[:, :-1].float()
+    targets = labels[:, 1:]
+    counted = targets != -100
+    log_z = logits.logsumexp(-1)
+    nll = log_z - logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    total = ((nll + 1e-2 * log_z ** 2) * counted).sum()
+    return total / (counted.sum() if num_items_in_batch is None else num_items_in_batch)
 
 
 def run_dense(out: str, per_device: int, accumulation: int, precision: str, evaluate: bool, lora: bool,
-              family: str) -> None:
+              family: str, custom_loss: bool = False) -> None:
     import transformers
 
     model = with_lora(dense_model(family)) if lora else dense_model(family)
-    trainer = transformers.Trainer(model=model, train_dataset=Samples(), **metric_arguments(evaluate),
+    trainer = transformers.Trainer(model=model, train_dataset=Samples(), **metric_arguments(evaluate, custom_loss),
                                    args=training_arguments(out, per_device, accumulation,
                                                            **precision_arguments(precision)))
     trainer.train()
@@ -154,7 +168,7 @@ def run_dense(out: str, per_device: int, accumulation: int, precision: str, eval
 
 def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: int, resume: str, max_steps: int,
            precision: str, evaluate: bool, plain: bool = False, lora: bool = False, use_cpu: bool = True,
-           family: str = "llama", ep: int = 1):
+           family: str = "llama", ep: int = 1, custom_loss: bool = False):
     import torch.distributed as dist
     import transformers
 
@@ -169,7 +183,7 @@ def run_tp(out: str, tp: int, per_device: int, accumulation: int, save_steps: in
         model = with_lora(model)
     saving = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
     trainer_class = transformers.Trainer if plain else TensorParallelTrainer   # plain: what an HF user tries first
-    trainer = trainer_class(model=model, train_dataset=Samples(), **metric_arguments(evaluate),
+    trainer = trainer_class(model=model, train_dataset=Samples(), **metric_arguments(evaluate, custom_loss),
                             args=training_arguments(out, per_device, accumulation, max_steps=max_steps, **saving,
                                                     use_cpu=use_cpu, **precision_arguments(precision)))
     trainer.train(resume_from_checkpoint=resume or None)
@@ -199,9 +213,13 @@ if __name__ == "__main__":
     parser.add_argument("--no_use_cpu", action="store_true", help="leave TrainingArguments' use_cpu False")
     parser.add_argument("--model", choices=["llama", "mixtral"], default="llama")
     parser.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (mixtral)")
+    parser.add_argument("--custom_loss", action="store_true", help="Trainer's compute_loss_func on outputs.logits")
+    parser.add_argument("--label_smoothing", action="store_true", help="TrainingArguments(label_smoothing_factor=0.1)")
     a = parser.parse_args()
+    if a.label_smoothing:
+        TRAINING_OVERRIDES["label_smoothing_factor"] = 0.1
     if a.kind == "dense":
-        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval, a.lora, a.model)
+        run_dense(a.out, a.per_device, a.accumulation, a.precision, a.eval, a.lora, a.model, a.custom_loss)
     else:
         run_tp(a.out, a.tp, a.per_device, a.accumulation, a.save_steps, a.resume, a.max_steps, a.precision, a.eval,
-               a.kind == "plain", a.lora, not a.no_use_cpu, a.model, a.ep)
+               a.kind == "plain", a.lora, not a.no_use_cpu, a.model, a.ep, a.custom_loss)

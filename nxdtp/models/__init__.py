@@ -2,8 +2,9 @@
 
 ``parallelize_model(model)`` shards an HF model in place with its family's plan; ``from_pretrained_sharded(model_dir)``
 builds one from a local HF directory, each rank reading only its slices; ``save_pretrained(model, dir)`` (also the
-parallelized model's own ``save_pretrained``) writes the dense HF directory back; ``gather_vocab_logits`` gives the
-full logits of a vocab-parallel head; ``generation_mode(model)`` runs a parallelized causal LM as ``model.generate``
+parallelized model's own ``save_pretrained``) writes the dense HF directory back; a parallelized model's forward returns
+full-vocabulary logits, and ``vocab_parallel_logits(model)`` keeps its LM head's shards (``gather_vocab_logits`` gathers
+them); ``generation_mode(model)`` runs a parallelized causal LM as ``model.generate``
 does (full-vocabulary logits, the sequence not split). One file per family holds its plan (``bert.py``,
 ``roberta.py``, ``gpt2.py``, ``llama.py``), each ending in its ``Family`` record; ``registry.py`` lists them, and this
 module maps a model class to its family there. Importing it does not import transformers.
@@ -22,6 +23,7 @@ from .activation_checkpointing import checkpoint_layers
 from .common import attention_bias, gather_vocab_logits, require_supported_transformers
 from .generation import generation_mode
 from .hf_saving import save_pretrained
+from .logits import vocab_parallel_logits
 from .registry import family_of, supported_models
 
 
@@ -100,5 +102,5 @@ def from_pretrained_sharded(model_dir: str, model_class: Optional[type] = None, 
                                  checkpoint_keys, dtype=dtype, device=device)
 
 
-__all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "generation_mode", "attention_bias",
-           "checkpoint_layers", "save_pretrained", "supported_models"]
+__all__ = ["parallelize_model", "from_pretrained_sharded", "gather_vocab_logits", "vocab_parallel_logits",
+           "generation_mode", "attention_bias", "checkpoint_layers", "save_pretrained", "supported_models"]

@@ -73,7 +73,10 @@ def with_and_without_prefix(name: str, prefix: str) -> list:
 
 
 def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """All-gather vocab-parallel logits and drop the padded columns (for evaluation or inspection, not the loss)."""
+    """All-gather vocab-parallel logits over TP and drop the padded columns. Logits that are full already
+    (``vocab_size`` wide, as a parallelized model's forward returns them by default) are returned as they are."""
+    if vocab_parallel_logits.shape[-1] == vocab_size:
+        return vocab_parallel_logits
     full = mappings.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
     return full[..., :vocab_size]
 

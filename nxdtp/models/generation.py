@@ -1,16 +1,15 @@
 """Text generation (transformers' ``model.generate``) on parallelized causal LMs, and the mode it runs in.
 
-Training keeps the Megatron layout: the LM head's logits stay vocab-parallel (the loss runs on the shards, nothing
-gathers ``[tokens, vocab]``), and sequence parallelism splits the hidden states along the sequence. Decoding needs the
-opposite on both counts:
+Training keeps the Megatron layout: sequence parallelism splits the hidden states along the sequence. Decoding needs
+two things of a parallelized model:
 
 * **Full logits.** HF's greedy search, sampling and beam search take ``argmax`` / top-k / ``multinomial`` over the last
-  dimension of ``outputs.logits``. On a vocab-parallel head that is this rank's shard: the ids are local, and every rank
-  would pick a different token. So in generation the model's output logits are all-gathered over TP and the padded
-  vocabulary columns dropped. The gathered tensor holds the same bytes on every rank, so logits processors compute the
-  same scores everywhere and equal seeds draw equal samples: every rank generates the same tokens. With
-  ``logits_to_keep`` / ``num_logits_to_keep`` (which HF's ``generate`` passes) only the last position's logits are
-  computed and gathered: ``batch x vocab`` values per step.
+  dimension of ``outputs.logits``; on a vocab-parallel head's shard the ids would be local and every rank would pick
+  a different token. The forward returns full-vocabulary logits by default (``nxdtp.models.logits``), and generation
+  makes sure of it even inside ``vocab_parallel_logits``. The gathered tensor holds the same bytes on every rank, so
+  logits processors compute the same scores everywhere and equal seeds draw equal samples: every rank generates the
+  same tokens. With ``logits_to_keep`` / ``num_logits_to_keep`` (which HF's ``generate`` passes) only the last
+  position's logits are computed and gathered: ``batch x vocab`` values per step.
 * **The whole sequence.** Each step after the prompt feeds one token, which no sequence split divides over TP, and a
   prompt may have any length. So generation runs a sequence-parallel model without the split: every rank holds the
   whole sequence, and each sequence-parallel region becomes the plain TP region (the block entries copy instead of
@@ -20,9 +19,7 @@ opposite on both counts:
 
 ``generation_mode(model)`` is that mode. A parallelized causal LM's ``generate`` runs entirely inside it, so HF's own
 decoding loops (and whatever calls ``generate``: pipelines, Trainer's ``predict_with_generate``) work unchanged. Use it
-directly for a decoding loop of your own. Outside it nothing changes: the training and evaluation forwards keep
-vocab-parallel logits, so the evaluation loss stays cheap (no gather); ``gather_vocab_logits`` gives full logits for
-metrics that need them.
+directly for a decoding loop of your own.
 """
 
 from __future__ import annotations
@@ -34,11 +31,11 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..layers import ColumnParallelLinear
 from ..plan import add_mixin
 from ..record import note_of, read_note
 from ..topology import expert_parallel_group, get_topology
-from .common import WholeSequenceNote, gather_vocab_logits
+from .common import WholeSequenceNote
+from .logits import full_logits
 
 
 @dataclasses.dataclass
@@ -70,7 +67,8 @@ def generation_mode(model: nn.Module):
     switched_off = _run_whole_sequence(model) if depth == 0 else None
     note.depth = depth + 1
     try:
-        yield model
+        with full_logits(model):
+            yield model
     finally:
         note.depth = depth
         if depth == 0:
@@ -100,22 +98,9 @@ def _split_sequence_again(model: nn.Module, switched_off: list) -> None:
     note_of(model, GenerationNote).suspends_sequence_parallelism = False
 
 
-def vocab_parallel_head(model: nn.Module):
-    """The model's LM head if its logits are vocab-parallel (a column-parallel layer that does not gather), else None
-    (a head HF's tp_plan left replicated gives full logits already)."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    if isinstance(head, ColumnParallelLinear) and not head.gather_output:
-        return head
-    return None
-
-
 class _GeneratesFromFullLogits:
     """Mixed into a parallelized causal LM (``support_hf_generation``): ``generate`` runs in ``generation_mode``, and
-    in that mode a call of the model gathers its output logits over TP. The gather happens after ``forward``, around
-    ``__call__``, so that the forward's signature, which transformers inspects (``logits_to_keep``, ``position_ids``,
-    which keyword arguments are valid), stays the HF class's, and so that a loss computed by the forward still sees the
-    vocab-parallel logits it is written for."""
+    a sequence-parallel model's calls in that mode must run without gradients."""
 
     def generate(self, *args, **kwargs):
         _refuse_unsupported(self, kwargs)
@@ -141,16 +126,7 @@ class _GeneratesFromFullLogits:
                 "runs it without splitting the sequence: its forward must run under torch.no_grad() (with gradients, "
                 "the norms' gradients would be complete, and allreduce_sequence_parallel_gradients would multiply "
                 "them by the TP size). Train outside generation_mode")
-        # The full logits are put into HF's output object; a caller that asked for a tuple gets one made from it.
-        return_dict = kwargs.pop("return_dict", None)
-        if return_dict is None:
-            return_dict = getattr(self.config, "return_dict", True)
-        outputs = super().__call__(*args, return_dict=True, **kwargs)
-        head = vocab_parallel_head(self)
-        logits = outputs.get("logits") if hasattr(outputs, "get") else None
-        if head is not None and logits is not None:
-            outputs["logits"] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))
-        return outputs if return_dict else outputs.to_tuple()
+        return super().__call__(*args, **kwargs)
 
 
 def _refuse_unsupported(model: nn.Module, kwargs: dict) -> None:

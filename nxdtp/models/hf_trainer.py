@@ -12,20 +12,25 @@ subclass takes it, then supplies what no model attribute can reach:
 * checkpoints through ``nxdtp.checkpointing``: every rank writes its shards (model, optimizer, scheduler, the RNG
   tracker), and ``resume_from_checkpoint`` reads them back, beside Trainer's own trainer state and RNG files;
   ``save_model(dir)`` writes the dense HF directory (``model.save_pretrained``), which ``from_pretrained`` loads;
-* evaluation and prediction with full-vocabulary logits (gathered over TP after the forward, whose loss still runs on
-  the shards), gathered across processes over the DP group only, so ``compute_metrics`` and
-  ``preprocess_logits_for_metrics`` see each sample once, as on the dense model;
+* full-vocabulary logits wherever something reads them (``nxdtp.models.logits``): evaluation, prediction,
+  ``compute_loss_func``, label smoothing, a subclass's ``compute_loss``; the training forwards whose loss is the
+  model's own keep them vocab-parallel. Evaluation results are gathered across processes over the DP group only, so
+  ``compute_metrics`` and ``preprocess_logits_for_metrics`` see each sample once, as on the dense model;
+* any other Trainer subclass, TRL's trainers among them, through ``tensor_parallel_trainer(SFTTrainer)``: TRL's fused
+  LM head is then computed on the vocab-parallel shards (``nxdtp.models.fused_head``);
 * on CPU (gloo) worlds, the ``ParallelismConfig`` accelerate refuses for them is installed after the accelerator is
   built, so a laptop runs the same path as a GPU machine.
 
 bf16 (accelerate's autocast) needs nothing more. What it cannot do is refused when the trainer is built, with the
-reason: transformers 4.x, DeepSpeed, FSDP, XLA devices, fp16 (the GradScaler is not TP-aware), push_to_hub, label
-smoothing and ``compute_loss_func`` (they act on the vocab-parallel logits), and ``load_best_model_at_end``.
+reason: transformers 4.x, DeepSpeed, FSDP, XLA devices, fp16 (the GradScaler is not TP-aware), push_to_hub and
+``load_best_model_at_end``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import os
 import types
 
@@ -35,15 +40,16 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpointing, comm, grads, parallel_state
 from ..record import note_of
-from .common import gather_vocab_logits
-from .generation import vocab_parallel_head
+from .fused_head import models_of, use_vocab_parallel_fused_heads
 from .hf_integration import TrainedByNote
+from .logits import has_vocab_parallel_head, vocab_parallel_logits
 
 # The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
 # saved by save_model() alone (save_only_model, or a user's trainer.save_model(dir)) go to MODEL_TAG.
 TRAINING_TAG = "nxdtp_training"
 MODEL_TAG = "nxdtp_model"
 OLDEST_TRAINER = (5, 0)
+_TRAINER_CLASSES: dict = {}
 PUSH_TO_HUB = ("TensorParallelTrainer uploads nothing (Trainer's upload would take output_dir without the dense "
                "model); call trainer.save_model(dir) on every rank, then upload dir from one rank with "
                "huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir)")
@@ -53,6 +59,32 @@ def _model_and_wrapped(model):
     """The model and, for a PEFT model, the HF model it wraps (``get_base_model``)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return [model] if inner is model else [model, inner]
+
+
+def _model_and_args(next_init, positional: tuple, keywords: dict):
+    """The model and the training arguments among the arguments a Trainer subclass's ``__init__`` (``next_init``)
+    receives: their positions differ (TRL's DPOTrainer takes ``ref_model`` second, GRPOTrainer ``reward_funcs``)."""
+    try:
+        arguments = inspect.signature(next_init).bind_partial(*positional, **keywords).arguments
+    except TypeError:
+        arguments = {}
+    model = arguments.get("model", keywords.get("model", positional[0] if positional else None))
+    return model, arguments.get("args", keywords.get("args"))
+
+
+def tensor_parallel_trainer(trainer_class: type) -> type:
+    """``trainer_class`` (a subclass of ``transformers.Trainer``: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer``, or one's own) made to train an nxdtp-parallelized model as ``TensorParallelTrainer`` does: the
+    class ``TensorParallel<Name>`` with ``TensorParallelTrainer`` before it, made once per class. Its arguments are
+    ``trainer_class``'s. TRL's fused LM head is computed on the vocab-parallel shards (``nxdtp.models.fused_head``)."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"tensor_parallel_trainer() takes a subclass of transformers.Trainer, not {trainer_class!r}")
+    if issubclass(trainer_class, TensorParallelTrainer):
+        return trainer_class
+    if trainer_class not in _TRAINER_CLASSES:
+        _TRAINER_CLASSES[trainer_class] = type(f"TensorParallel{trainer_class.__name__}",
+                                               (TensorParallelTrainer, trainer_class), {"__module__": __name__})
+    return _TRAINER_CLASSES[trainer_class]
 
 
 def _refusals(model, args) -> list:
@@ -72,9 +104,6 @@ def _refusals(model, args) -> list:
                        "(on CPU accelerate ignores fp16 anyway and trains in fp32)")
     if getattr(args, "push_to_hub", False):
         reasons.append("push_to_hub=True: " + PUSH_TO_HUB)
-    if getattr(args, "label_smoothing_factor", 0):
-        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer smooths the model's logits, "
-                       "which are vocab-parallel shards here; pass label smoothing to the model's loss instead")
     if getattr(args, "load_best_model_at_end", False):
         reasons.append("load_best_model_at_end=True: not supported yet; reload a checkpoint-N with "
                        "resume_from_checkpoint instead")
@@ -88,22 +117,21 @@ class TensorParallelTrainer(transformers.Trainer):
     """``transformers.Trainer`` for an nxdtp-parallelized model: the same arguments, equal to the dense model trained by
     ``Trainer`` on the global batch (DP size × per-device batch × accumulation steps)."""
 
-    def __init__(self, model=None, args=None, *positional, compute_loss_func=None, compute_metrics=None,
-                 preprocess_logits_for_metrics=None, **keywords):
+    def __init__(self, *positional, **keywords):
+        model, args = _model_and_args(super().__init__, positional, keywords)
+        name = type(self).__name__
         if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("TensorParallelTrainer needs nxdtp's parallel state: call "
+            raise RuntimeError(f"{name} needs nxdtp's parallel state: call "
                                "nxdtp.parallel_state.initialize_model_parallel(tensor_model_parallel_size=...) and "
                                "nxdtp.models.parallelize_model(model) first")
-        if model is None or not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
-            raise TypeError(f"TensorParallelTrainer trains a model sharded by nxdtp.models.parallelize_model; "
+        if not isinstance(model, torch.nn.Module) or not any(
+                getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
+            raise TypeError(f"{name} trains a model sharded by nxdtp.models.parallelize_model; "
                             f"{type(model).__name__} has no tensor-parallel parameter (use transformers.Trainer for a "
-                            "dense model)")
+                            "dense model, or pass the parallelized model itself rather than a name to load)")
         reasons = _refusals(model, args)
-        if compute_loss_func is not None:
-            reasons.append("compute_loss_func: it would receive vocab-parallel logits; the model's own loss "
-                           "(nxdtp's vocab-parallel loss) is used")
         if reasons:
-            raise ValueError("TensorParallelTrainer cannot run this configuration: " + "; ".join(reasons))
+            raise ValueError(f"{name} cannot run this configuration: " + "; ".join(reasons))
         tp = parallel_state.get_tensor_model_parallel_size()
         # transformers 5 reads these to build accelerate's ParallelismConfig(tp_size, dp_shard_size): the data is
         # then split by DP rank only and the model is not wrapped in DDP. Set here, not by parallelize_model, so that
@@ -111,12 +139,17 @@ class TensorParallelTrainer(transformers.Trainer):
         # (get_peft_model) hands attribute reads to the HF model it wraps: both get them.
         for target in _model_and_wrapped(model):
             target._tp_size = tp
-            note_of(target, TrainedByNote).trainer = type(self).__name__   # the forward's guard against plain Trainer
+            note_of(target, TrainedByNote).trainer = name   # the forward's guard against plain Trainer
         model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
-        super().__init__(model, args, *positional, compute_metrics=compute_metrics,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **keywords)
+        super().__init__(*positional, **keywords)
+        self._refuse_foreign_accelerator()
+        for target in models_of(self):   # a reference model TRL runs beside the trained one
+            note_of(target, TrainedByNote).trainer = name
+        use_vocab_parallel_fused_heads(self)
+
+    def _refuse_foreign_accelerator(self):
         if self.accelerator.distributed_type.name == "XLA":
-            raise ValueError("TensorParallelTrainer on an XLA device: accelerate all-reduces gradients over the whole "
+            raise ValueError(f"{type(self).__name__} on an XLA device: accelerate all-reduces gradients over the whole "
                              "world there; train with nxdtp's own loop on XLA (docs/wrapping_hf_models.md). On a "
                              "machine without XLA devices where torch_xla is installed, set USE_TORCH_XLA=0 in the "
                              "environment (before transformers is imported) and TrainingArguments(use_cpu=True)")
@@ -159,9 +192,20 @@ class TensorParallelTrainer(transformers.Trainer):
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        return (_aux_loss_scaled_once(self, loss, outputs, num_items_in_batch), outputs) if return_outputs else \
-            _aux_loss_scaled_once(self, loss, outputs, num_items_in_batch)
+        if _next_compute_loss(type(self)) is not transformers.Trainer.compute_loss:
+            # A subclass's compute_loss (TRL's) reads what it needs of the model's outputs: the full logits, or TRL's
+            # fused head's statistics (nxdtp.models.fused_head); its loss scaling is its own.
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # Trainer's own compute_loss reads nothing but the model's loss unless it returns the outputs or computes the
+        # loss from the logits itself: then the logits can stay vocab-parallel (no gather).
+        only_the_loss = (not return_outputs and "labels" in inputs and self.compute_loss_func is None
+                         and self.label_smoother is None and has_vocab_parallel_head(self.model))
+        with vocab_parallel_logits(self.model) if only_the_loss else contextlib.nullcontext():
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+        loss = _aux_loss_scaled_once(self, loss, outputs, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
 
     def _clip_grad_norm(self, model):
         return grads.clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
@@ -170,16 +214,6 @@ class TensorParallelTrainer(transformers.Trainer):
         return grads.get_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm
 
     # ---- evaluation and prediction: full-vocabulary logits, gathered over DP only ------------------------------------
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if prediction_loss_only:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        # The loss inside the forward still runs on the vocab-parallel shards; the logits it returns are gathered.
-        hook = self.model.register_forward_hook(_full_vocabulary_logits)
-        try:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        finally:
-            hook.remove()
 
     def evaluation_loop(self, *args, **kwargs):
         # Trainer resets gather_function to accelerate's gather_for_metrics at the end of every loop: set it each time.
@@ -276,17 +310,14 @@ def _aux_loss_scaled_once(trainer, loss, outputs, num_items_in_batch):
     return loss - (scale - 1) * coefficient * aux
 
 
-def _full_vocabulary_logits(model, args, outputs):
-    """Forward hook for prediction: the model's vocab-parallel ``logits`` (or BERT's ``prediction_logits``) become the
-    full-vocabulary logits, the same on every TP rank (``gather_vocab_logits``; padded vocabulary columns dropped)."""
-    head = vocab_parallel_head(model)
-    if head is None or not hasattr(outputs, "keys"):
-        return outputs
-    for key in ("logits", "prediction_logits"):
-        logits = outputs.get(key)
-        if torch.is_tensor(logits) and logits.shape[-1] == head.output_size_per_partition:
-            outputs[key] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))
-    return outputs
+def _next_compute_loss(trainer_class: type):
+    """The ``compute_loss`` that ``TensorParallelTrainer.compute_loss``'s ``super()`` call reaches in
+    ``trainer_class``."""
+    mro = trainer_class.__mro__
+    for cls in mro[mro.index(TensorParallelTrainer) + 1:]:
+        if "compute_loss" in vars(cls):
+            return vars(cls)["compute_loss"]
+    return None
 
 
 def _tag_in(checkpoint_dir: str) -> str:

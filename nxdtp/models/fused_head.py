@@ -1,0 +1,128 @@
+"""TRL's fused LM head, computed on the vocab-parallel shards.
+
+TRL's trainers (SFT, DPO, GRPO, ...) call ``add_fused_lm_head(model)``, which replaces the model's ``forward`` with one
+that, given ``fused_lm_head=True``, runs the backbone and multiplies the hidden states by ``lm_head.weight`` itself to
+get each label's log-probability (and the entropy, the top-1 hit, ...) without building the logits. On a parallelized
+model that weight is this rank's vocabulary slice: the softmax would run over a fraction of the vocabulary, and the run
+would train, wrongly, without an error. ``use_vocab_parallel_fused_heads(trainer)`` (which ``TensorParallelTrainer``
+calls once the TRL trainer is built) replaces each such forward with this module's: the same outputs, computed from the
+LM head's vocab-parallel logits by ``nxdtp.loss_functions.vocab_parallel_token_statistics`` (two small all-reduces per
+forward, no gather). It holds this rank's ``[tokens, vocabulary / tp]`` logits where TRL's kernel tiles the full
+vocabulary.
+
+TRL's settings for the head (temperature, logit scale and soft-capping, the outputs asked for, the forward it wrapped)
+are read from its forward's closure; a TRL release whose fused head keeps other names is refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from ..loss_functions import vocab_parallel_token_statistics
+from .logits import vocab_parallel_head
+
+TRL_FORWARD_NAME = "_fused_forward"
+TRL_SETTINGS = ("original_forward", "backbone_attr", "temperature", "logit_scale", "final_logit_softcapping",
+                "cast_lm_head_to_fp32", "outputs")
+STATISTICS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def use_vocab_parallel_fused_heads(trainer) -> None:
+    """Give every model of ``trainer`` (the policy, and a reference model) that TRL fitted with its fused LM head and
+    nxdtp parallelized with a vocab-parallel head the vocab-parallel fused head (module docstring)."""
+    for model in models_of(trainer):
+        trl_forward = model.__dict__.get("forward")
+        code = getattr(getattr(trl_forward, "__func__", None), "__code__", None)
+        if getattr(code, "co_name", None) != TRL_FORWARD_NAME:   # functools.wraps renamed the function, not its code
+            continue
+        if vocab_parallel_head(model) is None:
+            continue   # a dense reference model, or a head HF's tp_plan left whole: TRL's own head is right
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise NotImplementedError(
+                f"{type(trainer).__name__} with a mixture-of-experts load-balancing loss (router_aux_loss_coef="
+                f"{getattr(trainer, 'router_aux_loss_coef', None)}): TRL computes it from router logits nxdtp's expert "
+                "layers reduce differently; set router_aux_loss_coef=0.0 in the trainer's config, or train with "
+                "TensorParallelTrainer")
+        model.forward = types.MethodType(_vocab_parallel_fused_forward(model, _trl_settings(trl_forward)), model)
+
+
+def models_of(trainer) -> list:
+    """The models ``trainer`` runs: its model and a reference model (TRL's DPO, GRPO), and the HF models that PEFT
+    models among them wrap."""
+    models = []
+    for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
+        if isinstance(model, nn.Module):
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+            models.extend(m for m in {id(model): model, id(inner): inner}.values() if m not in models)
+    return models
+
+
+def _trl_settings(trl_forward) -> dict:
+    """TRL's settings of a fused head, from its forward's closure; refused by name when they are not all there."""
+    settings = inspect.getclosurevars(trl_forward.__func__).nonlocals
+    missing = [name for name in TRL_SETTINGS if name not in settings]
+    if missing:
+        import trl
+
+        raise NotImplementedError(f"TRL {trl.__version__}'s fused LM head does not keep {missing} where nxdtp reads "
+                                  "them, so nxdtp cannot compute it on the vocab-parallel shards; use a TRL release "
+                                  "in nxdtp's tested range (setup.cfg's hf extra)")
+    return {name: settings[name] for name in TRL_SETTINGS}
+
+
+def _vocab_parallel_fused_forward(model: nn.Module, settings: dict):
+    """The forward that replaces TRL's on ``model``: TRL's signature and outputs, its fused path on the shards."""
+    original = settings["original_forward"]
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return original(*args, **kwargs, **{key: value for key, value in extra.items() if value is not None})
+        kwargs["use_cache"] = False
+        hidden = getattr(self, settings["backbone_attr"])(*args, **kwargs).last_hidden_state
+        logits = _head_logits(self, hidden, settings)
+        if shift_labels is None:   # position t scores label t + 1
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        return _fused_outputs(self, logits, labels.to(logits.device), num_items_in_batch, settings)
+
+    return forward
+
+
+def _head_logits(model: nn.Module, hidden: torch.Tensor, settings: dict) -> torch.Tensor:
+    """The LM head's vocab-parallel logits of ``hidden``, scaled, soft-capped and divided by the temperature as TRL's
+    kernel does, in fp32."""
+    head = vocab_parallel_head(model)
+    autocast = contextlib.nullcontext()
+    if settings["cast_lm_head_to_fp32"]:
+        hidden = hidden.float()
+        autocast = torch.autocast(hidden.device.type, enabled=False)
+    with autocast:
+        logits = head(hidden).float() * settings["logit_scale"]
+    cap = settings["final_logit_softcapping"]
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    return logits / settings["temperature"]
+
+
+def _fused_outputs(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch, settings: dict):
+    """TRL's ``FusedCausalLMOutput`` from vocab-parallel logits: each statistic TRL asked for, zero (False) where the
+    label is ignored, and the loss as TRL's head computes it."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    head = vocab_parallel_head(model)
+    mask = labels != -100
+    statistics = vocab_parallel_token_statistics(logits, labels.clamp(min=0),
+                                                 getattr(head, "real_output_size", head.output_size))
+    asked = set(settings["outputs"]) | {"log_probs"}
+    values = {name: statistics[name].masked_fill(~mask, 0) if name in asked else None for name in STATISTICS}
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(loss=-values["log_probs"].sum() / count, label_mask=mask, **values)
