@@ -23,10 +23,10 @@ def finish_hf_model(model: nn.Module) -> None:
     """Fit HF's methods to the parallelized ``model``: activation checkpointing replays nxdtp's RNG states; the
     forward returns full-vocabulary logits (``nxdtp.models.logits``); ``generate`` decodes on the whole sequence
     (``nxdtp.models.generation``); ``save_pretrained`` writes the dense HF directory gathered from the shards; a
-    multi-process accelerate (plain ``transformers.Trainer``) driving it is refused at its first training forward; and every forward checks that the
-    ranks of the TP group received the same inputs (``nxdtp.agreement``; HF's training loops feed each process its own
-    batch unless told otherwise); ``peft.get_peft_model`` shards LoRA adapters like their base layers
-    (``support_peft``)."""
+    multi-process accelerate (plain ``transformers.Trainer``) driving it is refused at its first training forward;
+    and every forward checks that the ranks of the TP group received the same inputs (``nxdtp.agreement``; HF's
+    training loops feed each process its own batch unless told otherwise); ``peft.get_peft_model`` shards LoRA
+    adapters like their base layers (``support_peft``)."""
     support_hf_checkpointing(model)
     support_full_logits(model)
     support_hf_generation(model)
