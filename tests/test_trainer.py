@@ -178,9 +178,14 @@ def test_save_model_writes_an_hf_directory_from_pretrained_loads(tp2):
     torch.testing.assert_close(logits, torch.from_numpy(np.load(tp2 / "predictions.npy")), **TOL)
 
 
-def test_save_and_resume_equal_the_uninterrupted_run(dense):
-    tmp = dense[0]
-    whole = _run(tmp, "saved", "--save_steps", "2", ranks=2)
+@pytest.fixture(scope="module")
+def saved(dense):
+    """The tp2 run of ``tp2``, saving checkpoint-2 and checkpoint-4."""
+    return _run(dense[0], "saved", "--save_steps", "2", ranks=2)
+
+
+def test_save_and_resume_equal_the_uninterrupted_run(dense, saved):
+    tmp, whole = dense[0], saved
     checkpoint = whole / "checkpoint-2"
     assert (checkpoint / "nxdtp_training").is_dir() and (checkpoint / "trainer_state.json").is_file()
     resumed = _run(tmp, "resumed", "--resume", str(whole / "checkpoint-2"), ranks=2)
@@ -193,6 +198,36 @@ def test_save_and_resume_equal_the_uninterrupted_run(dense):
     final, resumed_final = _final_weights(whole / "final"), _final_weights(resumed / "final")
     assert all(torch.equal(resumed_final[name], value) for name, value in final.items())
     _check_equals_dense(resumed, dense, "resumed tp2")
+
+
+@pytest.mark.slow   # a Trainer run each
+@pytest.mark.parametrize("layout,arguments,ranks", [
+    ("tp2dp2", ("--tp", "2", "--per_device", "1"), 4),
+    ("tp4", ("--tp", "4"), 4),
+    ("tp1dp2-merged", ("--tp", "1", "--per_device", "1"), 2)])
+def test_resume_at_another_size_continues_the_uninterrupted_run(dense, saved, layout, arguments, ranks):
+    """checkpoint-2 of the tp2 x dp1 run resumed at tp2 x dp2 (the tag as it is), at tp4 (resharded by the trainer into
+    its output_dir) and at tp1 x dp2 from what ``nxdtp-merge --reshard 1`` wrote: every step's loss and grad norm and
+    the final weights equal the uninterrupted run's, and the dense Trainer's (the global batch is the same)."""
+    tmp = dense[0]
+    checkpoint = saved / "checkpoint-2"
+    if layout.endswith("merged"):
+        checkpoint = tmp / "merged-tp1"
+        merge = subprocess.run([sys.executable, "-m", "nxdtp.cli", str(saved / "checkpoint-2"), str(checkpoint),
+                                "--reshard", "1", "--no-progress"], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert merge.returncode == 0, merge.stderr[-3000:]
+    resumed = _run(tmp, f"resumed-{layout}", *arguments, "--resume", str(checkpoint), ranks=ranks)
+    tp = int(arguments[1])
+    assert (resumed / f"resharded-tp{tp}-checkpoint-2").is_dir() == (layout == "tp4"), sorted(resumed.iterdir())
+    for step, expected in zip(_log(resumed), _log(saved), strict=True):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(step[key]), torch.tensor(expected[key]), **TOL,
+                                       msg=lambda m: f"{layout} step {step['step']} {key}: {m}")
+    final = _final_weights(saved / "final")
+    for name, value in _final_weights(resumed / "final").items():
+        torch.testing.assert_close(value, final[name], **TOL, msg=lambda m: f"{layout} {name}: {m}")
+    _check_equals_dense(resumed, dense, f"resumed at {layout}")
 
 
 def test_plain_trainer_on_a_tp_model_is_refused_before_it_trains(tmp_path):

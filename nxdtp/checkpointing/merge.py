@@ -61,6 +61,7 @@ OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
+HF_TRAINER_STATE_FILE = "trainer_state.json"   # transformers.trainer.TRAINER_STATE_NAME, beside the tag
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
@@ -276,6 +277,11 @@ class _ReshardJob:
         files[RESHARD_FILE] = self._write_reshard_record(new_tag_dir)
         tags.mark_done(new_tag_dir, self._new_index(files, contents).write(new_tag_dir))
         tags.set_newest(staging, self.tag_name)
+        # A Hugging Face Trainer checkpoint (checkpoint-N) keeps its state beside the tag: with it, Trainer resumes
+        # from the resharded directory. Its per-process RNG files belong to the old layout and stay behind.
+        trainer_state = os.path.join(os.path.dirname(os.path.normpath(self.tag_dir)), HF_TRAINER_STATE_FILE)
+        if os.path.isfile(trainer_state):
+            copy_durably(trainer_state, os.path.join(staging, HF_TRAINER_STATE_FILE))
         return self.tag_name
 
     def _write_rank_files(self, new_tag_dir: str) -> Tuple[Dict[str, dict], Dict[str, dict]]:
@@ -314,7 +320,7 @@ class _ReshardJob:
 
     def _new_index(self, files: Dict[str, dict], contents: Dict[str, dict]) -> CheckpointIndex:
         optimizer = (_new_optimizer_index(self.index.optimizer, self.new_entries, self.optimizer_plan)
-                     if self.optimizer_plan else None)
+                     if self.optimizer_plan is not None else None)
         return CheckpointIndex(tensor_model_parallel_size=self.new_tp, data_parallel_size=self.index.data_parallel_size,
                                tensors=self.new_entries, optimizer=optimizer, nxdtp_version=__version__,
                                files=dict(sorted(files.items())), tensor_checksums=dict(sorted(contents.items())))

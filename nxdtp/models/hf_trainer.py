@@ -43,6 +43,7 @@ from ..record import note_of
 from .fused_head import models_of, use_vocab_parallel_fused_heads
 from .hf_integration import TrainedByNote
 from .logits import has_vocab_parallel_head, vocab_parallel_logits
+from .trainer_resume import ResumeSource, checkpoint_at_this_size, reseed_by_rule
 
 # The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
 # saved by save_model() alone (save_only_model, or a user's trainer.save_model(dir)) go to MODEL_TAG.
@@ -284,15 +285,31 @@ class TensorParallelTrainer(transformers.Trainer):
         checkpointing.save({"model": self.model, "optimizer": checkpointing.unwrap.unwrap_optimizer(self.optimizer),
                             "scheduler": self.lr_scheduler}, output_dir, tag=TRAINING_TAG)
 
+    # ---- resuming, at this run's TP and DP sizes whatever the checkpoint's (nxdtp.models.trainer_resume) ------------
+
+    def _resume_source(self, checkpoint_dir) -> ResumeSource:
+        cached = getattr(self, "_nxdtp_resume", None)
+        if cached is None or cached[0] != checkpoint_dir:
+            self._nxdtp_resume = (checkpoint_dir, checkpoint_at_this_size(checkpoint_dir, _tag_in(checkpoint_dir),
+                                                                          self.args.output_dir))
+        return self._nxdtp_resume[1]
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        checkpointing.load(resume_from_checkpoint, model=self.model, tag=_tag_in(resume_from_checkpoint))
+        source = self._resume_source(resume_from_checkpoint)
+        checkpointing.load(source.directory, model=self.model, tag=source.tag)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or _tag_in(checkpoint) != TRAINING_TAG:
             return
+        source = self._resume_source(checkpoint)
         optimizer = checkpointing.unwrap.unwrap_optimizer(self.optimizer)   # accelerate's wrapper holds it
-        checkpointing.load(checkpoint, model=self.model, optimizer=optimizer, scheduler=self.lr_scheduler,
-                           tag=TRAINING_TAG, restore_rng_states=True)
+        checkpointing.load(source.directory, model=self.model, optimizer=optimizer, scheduler=self.lr_scheduler,
+                           tag=source.tag, restore_rng_states=source.same_layout)
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is None or self._resume_source(checkpoint).same_layout:
+            return super()._load_rng_state(checkpoint)
+        reseed_by_rule(self.args.seed, self.state.global_step)
 
 
 def _aux_loss_scaled_once(trainer, loss, outputs, num_items_in_batch):
