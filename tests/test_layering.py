@@ -44,9 +44,10 @@ KNOWN_BACKEND_USES = {
         "the barrier after group creation (no rank leaves before every rank has made every group); comm sits above "
         "the topology core and cannot be used there",
     ("nxdtp.process_groups", "dist.init_process_group"):
-        "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state",
+        "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state; "
+        "join_gloo_world: the worker processes of nxdtp verify join their CPU world",
     ("nxdtp.process_groups", "dist.destroy_process_group"):
-        "destroy_model_parallel releases the groups made for the topology",
+        "destroy_model_parallel releases the groups made for the topology; leave_world ends nxdtp verify's worker world",
     ("nxdtp.process_groups", "torch_xla.distributed.xla_backend"):
         "registers torch.distributed's 'xla' backend before a single-process XLA world is made",
     ("nxdtp.agreement", "torch_xla.core.xla_model"):
