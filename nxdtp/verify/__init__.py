@@ -11,6 +11,7 @@ ranks; ``report.passed`` says whether everything is within ``atol + rtol * |dens
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, List, Optional
 
@@ -76,21 +77,19 @@ def verify(model: Any = None, *, factory: Optional[str] = None, plan: Optional[s
     """
     from .launch import launch
 
-    config, shrunk = None, []
+    job = Job(tp=tp, dp=dp, steps=steps, seed=seed, batch_size=batch_size, seq_len=seq_len, atol=atol, rtol=rtol,
+              optimizer=optimizer, lr=lr, factory=factory, plan=plan, batch=batch)
+    check_job(job)
+    if (model is None) == (factory is None):
+        raise ValueError("give a model (directory, config.json, model type or transformers config) or factory= "
+                         "('module:function'), not both and not neither")
+    shrunk: List[str] = []
     if factory is None:
-        if model is None:
-            raise ValueError("give a model (directory, config.json, model type or config) or factory=")
         config, model_class = (read_hf_config(model, model_class) if isinstance(model, str)
                                else (model, model_class or default_model_class(model)))
-        if not full_size:
-            config, shrunk = tiny_config(config, tp, seq_len)
+        config, shrunk = (copy.deepcopy(config), []) if full_size else tiny_config(config, tp, seq_len)
         config._attn_implementation = "eager"
-    elif model is not None:
-        raise ValueError("give a model or factory=, not both")
-    job = Job(tp=tp, dp=dp, steps=steps, seed=seed, batch_size=batch_size, seq_len=seq_len, atol=atol, rtol=rtol,
-              optimizer=optimizer, lr=lr, config=config, model_class=model_class, factory=factory, plan=plan,
-              batch=batch)
-    check_job(job)
+        job = dataclasses.replace(job, config=config, model_class=model_class)
     plan_of(job)   # resolves, or names the value, before any process starts
     dense_state = build_dense(job).state_dict()
     rows, error = launch(job, dense_state, timeout_s=timeout_s)

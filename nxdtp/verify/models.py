@@ -66,9 +66,6 @@ def check_job(job: Job) -> None:
             raise ValueError(f"{name}={value!r}: must be a number >= 0")
     if job.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={job.optimizer!r}: must be one of {OPTIMIZERS}")
-    if (job.config is None) == (job.factory is None):
-        raise ValueError("give a Hugging Face config (a model directory, config.json or model type) or a factory "
-                         "('module:function'), not both and not neither")
 
 
 def resolve(reference: str, what: str) -> Any:
@@ -259,16 +256,22 @@ def read_hf_config(source: str, model_class: Optional[str] = None) -> Tuple[Any,
 
 
 def default_model_class(config) -> str:
+    """The config's first architecture transformers has, else the first of its causal-LM and masked-LM classes that
+    nxdtp can shard (a family's plan), else the first of them."""
     import transformers
+
+    from ..models import supported_models
 
     for name in getattr(config, "architectures", None) or []:
         if hasattr(transformers, name):
             return name
+    candidates = []
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
-        mapping = getattr(auto, "_model_mapping", {})
-        try:
-            return mapping[type(config)].__name__
-        except KeyError:
-            continue
+        model_class = getattr(auto, "_model_mapping", {}).get(type(config), None)
+        if model_class is not None:
+            candidates.append(model_class.__name__)
+    supported = [name for name in candidates if name in supported_models()]
+    if supported or candidates:
+        return (supported or candidates)[0]
     raise ValueError(f"{type(config).__name__} names no architecture and has no causal-LM or masked-LM class; give "
                      "--model-class")
