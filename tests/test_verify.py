@@ -16,12 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from nxdtp.plan import ColumnParallel, Plan, RowParallel
+from nxdtp.plan import ColumnParallel, Plan, ReplicatedWithGradAllReduce, RowParallel
 from nxdtp.verify import Job, StepRow, run_in_world, verify
 from nxdtp.verify.cli import main
 from nxdtp.verify.compare import failures, worst_parameter
 from nxdtp.verify.models import perturb_constant_parameters, tiny_config
 
+PREFIX = "tests.test_verify:"
 FACTORY = "tests.test_verify:tiny_mlp"
 BATCH = "tests.test_verify:mlp_batch"
 
@@ -42,6 +43,35 @@ def tiny_mlp() -> nn.Module:
     return TinyMLP()
 
 
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class GainedMLP(TinyMLP):
+    """A replicated gain between fc1 and fc2 acts on each rank's share of fc1's features: each rank holds part of its
+    gradient, which must be summed over TP."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = Gain()
+
+    def forward(self, x):
+        return self.fc2(self.gain(torch.tanh(self.fc1(x)))).square().mean()
+
+
+def gained_mlp() -> nn.Module:
+    return GainedMLP()
+
+
+def gained_plan() -> Plan:
+    return Plan(styles={"fc1": ColumnParallel(), "gain": ReplicatedWithGradAllReduce(), "fc2": RowParallel()})
+
+
 def mlp_batch(rows: int, seq_len: int, generator: torch.Generator):
     return {"x": torch.randn(rows, seq_len, 8, generator=generator)}
 
@@ -55,11 +85,11 @@ def right_plan() -> Plan:
 WRONG_PLAN = Plan(styles={"fc1": ColumnParallel(gather_output=True), "fc2": ColumnParallel()})
 
 
-def case_verify(plan: str, steps: int = 2):
-    job = Job(tp=2, steps=steps, factory=FACTORY, plan=plan, batch=BATCH, seq_len=4)
+def case_verify(plan: str, steps: int = 2, factory: str = FACTORY, **options):
+    job = Job(tp=2, steps=steps, factory=factory, plan=plan, batch=BATCH, seq_len=4, **options)
     rows = run_in_world(job)
-    return [dict(loss=(r.loss_dense, r.loss_tp), grad=r.grad.name, ratio=r.grad.ratio) for r in rows], \
-        failures(rows, job), worst_parameter(rows, job)
+    return [dict(loss=(r.loss_dense, r.loss_tp), grad=r.grad.name, ratio=r.grad.ratio, drift=r.drift)
+            for r in rows], failures(rows, job), worst_parameter(rows, job)
 
 
 def test_a_right_plan_passes(worlds):
@@ -75,6 +105,18 @@ def test_a_row_parallel_layer_declared_column_parallel_fails_naming_it(worlds):
                                              plan="tests.test_verify:WRONG_PLAN", steps=1)
     assert worst is not None and worst.startswith("fc2."), (worst, failed)
     assert any("loss" in line for line in failed) and any("'fc2." in line for line in failed), failed
+
+
+def test_a_replicated_parameter_whose_gradient_is_not_summed_drifts_and_is_named(worlds):
+    # SGD: AdamW's normalised step would move the copies apart by about lr only, within the tolerance at first.
+    (rows, failed, worst), _ = worlds(2).run(case_verify, tensor_model_parallel_size=2, plan=PREFIX + "right_plan",
+                                             factory=PREFIX + "gained_mlp", optimizer="sgd", lr=0.1)
+    assert worst == "gain.weight", (worst, failed)
+    assert "gain.weight" in rows[0]["drift"] and rows[0]["drift"]["gain.weight"] > 1e-4, rows
+    assert any("replicated parameter 'gain.weight' differs across TP ranks" in line for line in failed), failed
+    (rows, failed, worst), _ = worlds(2).run(case_verify, tensor_model_parallel_size=2, plan=PREFIX + "gained_plan",
+                                             factory=PREFIX + "gained_mlp", optimizer="sgd", lr=0.1)
+    assert failed == [] and worst is None and rows[-1]["drift"] == {}, failed
 
 
 def test_the_report_blames_the_first_step_out_of_tolerance():
