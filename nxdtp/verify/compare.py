@@ -17,7 +17,7 @@ from torch import nn
 from .. import comm
 from ..agreement import fingerprint
 from ..checkpointing.dense import gather_dense
-from ..grads import allreduce_gradients, get_grad_norm
+from ..grads import allreduce_gradients
 from ..models import parallelize_model
 from ..spec import ParamSpec, ShardedModule
 from ..topology import data_parallel_group, get_topology, tensor_parallel_group
@@ -82,15 +82,14 @@ def _step(job: Job, step: int, dense: nn.Module, model: nn.Module, dense_optimiz
     loss_tp.backward()
     allreduce_gradients(model)
     loss_tp = comm.all_reduce(loss_tp.detach().clone(), data_parallel_group()) / job.dp
-    norm_tp = float(get_grad_norm(model.parameters()))
-    norm_dense = _dense_norm(dense)
-    grad = _worst(model, dense, specs, job, gradients=True)
+    norm_dense = _norm([p.grad for p in dense.parameters()])
+    grad, norm_tp = _worst(model, dense, specs, job, gradients=True)
     dense_optimizer.step()
     optimizer.step()
     dense_optimizer.zero_grad()
     optimizer.zero_grad()
     return StepRow(step, float(loss_dense), float(loss_tp), norm_dense, norm_tp,
-                   _worst(model, dense, specs, job, gradients=False), grad, _drift(model, specs))
+                   _worst(model, dense, specs, job, gradients=False)[0], grad, _drift(model, specs))
 
 
 def _optimizer(job: Job, model: nn.Module) -> torch.optim.Optimizer:
@@ -111,16 +110,19 @@ def _specs_by_parameter(model: nn.Module) -> Dict[int, ParamSpec]:
     return specs
 
 
-def _dense_norm(model: nn.Module) -> float:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+def _norm(grads: List[Optional[torch.Tensor]]) -> float:
+    """The 2-norm of ``grads`` summed in float64: fp32 sums over tensors of millions of elements drift by 1e-4 of the
+    norm with the order of summation, which would hide or fake a difference between TP and dense."""
+    return math.sqrt(sum(float(g.double().square().sum()) for g in grads if g is not None))
 
 
-def _worst(model: nn.Module, dense: nn.Module, specs: Dict[int, ParamSpec], job: Job, gradients: bool) -> Worst:
-    """Collective: the worst parameter (or gradient) over every rank, each TP piece gathered to the dense tensor."""
+def _worst(model: nn.Module, dense: nn.Module, specs: Dict[int, ParamSpec], job: Job, gradients: bool
+           ) -> Tuple[Worst, float]:
+    """Collective: the worst parameter (or gradient) over every rank, each TP piece gathered to the dense tensor, and
+    the norm of the gathered tensors on global rank 0."""
     group = tensor_parallel_group()
     reference = dict(dense.named_parameters(remove_duplicate=False))
-    worst = Worst()
+    worst, gathered = Worst(), []
     for name, param in model.named_parameters():
         if name not in reference:
             raise ValueError(f"the parallelized model has a parameter {name!r} the dense model does not have; a plan "
@@ -130,11 +132,12 @@ def _worst(model: nn.Module, dense: nn.Module, specs: Dict[int, ParamSpec], job:
         if mine is None:
             mine = torch.zeros_like(param)
         full = gather_dense(mine, spec, group)
+        gathered.append(full)
         expected = reference[name].grad if gradients else reference[name]
         expected = torch.zeros_like(reference[name]) if expected is None else expected.detach()
         worst = worst.worse(_difference(name, full, expected, job))
-    everyone = comm.all_gather_object(dataclasses.astuple(worst))
-    return max((Worst(*values) for values in everyone), key=lambda w: w.ratio)
+    everyone = comm.all_gather_object((dataclasses.astuple(worst), _norm(gathered)))
+    return max((Worst(*values) for values, _ in everyone), key=lambda w: w.ratio), everyone[0][1]
 
 
 def _difference(name: str, got: torch.Tensor, expected: torch.Tensor, job: Job) -> Worst:
