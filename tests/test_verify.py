@@ -221,3 +221,24 @@ def test_the_command_fails_on_a_wrong_plan_naming_the_parameter(capsys):
 def test_the_function_passes_with_the_right_plan():
     report = verify(factory=FACTORY, plan="tests.test_verify:right_plan", batch=BATCH, seq_len=4, steps=2)
     assert report.passed and report.worst is None and len(report.rows) == 2, report.lines()
+
+
+# fc2 declared column-parallel without fc1 gathering: fc2 gets fc1's split output, which does not fit its weight.
+UNFIT_PLAN = Plan(styles={"fc1": ColumnParallel(), "fc2": ColumnParallel()})
+
+
+@pytest.mark.slow
+def test_a_plan_whose_layers_do_not_fit_fails_with_the_error(capsys):
+    status = main(["verify", "--factory", FACTORY, "--plan", PREFIX + "UNFIT_PLAN", "--batch", BATCH, "--seq-len", "4",
+                   "--steps", "1"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert out.splitlines()[-1].startswith("FAIL: the run raised at rank ") and "step 0: RuntimeError" in out, out
+
+
+@pytest.mark.slow
+def test_a_model_nxdtp_cannot_shard_exits_2_naming_it(capsys):
+    pytest.importorskip("transformers")
+    assert main(["verify", "bert", "--model-class", "BertLMHeadModel", "--steps", "1"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]   # transformers may warn before it
+    assert last.startswith("nxdtp: error: rank 0: TypeError: nxdtp cannot shard BertLMHeadModel"), last
