@@ -45,15 +45,17 @@ def launch(job: Job, dense_state: dict, timeout_s: float = 1800) -> Tuple[Option
         with open(job_path, "wb") as f:
             pickle.dump(dataclasses.replace(job, state_path=state_path), f)
         store = host_rendezvous_store(world, timeout_s=COLLECTIVE_TIMEOUT_S)
-        workers = [_start(job_path, rank, store.port, tmp) for rank in range(world)]
+        workers = [_start(job_path, rank, store.port, tmp, world) for rank in range(world)]
         _wait(workers, timeout_s)
         del store
         return _outcome(tmp, world)
 
 
-def _start(job_path: str, rank: int, port: int, tmp: str) -> subprocess.Popen:
+def _start(job_path: str, rank: int, port: int, tmp: str, world: int) -> subprocess.Popen:
     path = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+    # The machine's cores shared out: more threads than cores per process would only make the workers wait.
+    threads = str(max(1, (os.cpu_count() or 1) // world))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": threads}
     log = open(os.path.join(tmp, f"rank{rank}.log"), "wb")
     try:
         return subprocess.Popen([sys.executable, "-m", "nxdtp.verify.launch", job_path, str(rank), str(port)],
