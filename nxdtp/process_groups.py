@@ -130,3 +130,33 @@ def release_single_process_world() -> None:
     a world of several processes is left alone."""
     if dist.is_initialized() and dist.get_world_size() == 1:
         dist.destroy_process_group()
+
+
+def join_gloo_world(rank: int, world_size: int, store_host: str, store_port: int,
+                    timeout_s: Optional[float] = None) -> None:
+    """Join a CPU world of ``world_size`` gloo processes whose rendezvous store (a ``TCPStore``) another process
+    already hosts at ``store_host:store_port``; every rank joins it as a client. The world of the worker processes
+    ``nxdtp verify`` starts (``nxdtp.verify.launch``); ``leave_world`` ends it."""
+    import datetime
+
+    store = dist.TCPStore(store_host, store_port, world_size=world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s or 300))
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **kwargs)
+
+
+def leave_world() -> None:
+    """Release the groups made here, then destroy the default world (``join_gloo_world``'s)."""
+    release_owned_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def host_rendezvous_store(world_size: int, timeout_s: float = 300):
+    """A ``TCPStore`` this process hosts on a port the kernel picks (``store.port``), listening from now on, for
+    ``world_size`` processes that join it with ``join_gloo_world``: no port is chosen first and bound later, so none
+    can be taken in between."""
+    import datetime
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))

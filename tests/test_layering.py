@@ -44,9 +44,11 @@ KNOWN_BACKEND_USES = {
         "the barrier after group creation (no rank leaves before every rank has made every group); comm sits above "
         "the topology core and cannot be used there",
     ("nxdtp.process_groups", "dist.init_process_group"):
-        "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state",
+        "initialize_single_process_world: the in-process world of 1 behind initialize_fallback_parallel_state; "
+        "join_gloo_world: the worker processes of nxdtp verify join their CPU world",
     ("nxdtp.process_groups", "dist.destroy_process_group"):
-        "destroy_model_parallel releases the groups made for the topology",
+        "destroy_model_parallel releases the groups made for the topology; leave_world ends nxdtp verify's worker "
+        "world",
     ("nxdtp.process_groups", "torch_xla.distributed.xla_backend"):
         "registers torch.distributed's 'xla' backend before a single-process XLA world is made",
     ("nxdtp.agreement", "torch_xla.core.xla_model"):
@@ -259,6 +261,12 @@ def test_nothing_imports_nxdtp_init_from_inside_the_library():
     assert not importers, f"{importers} import nxdtp/__init__.py; import the module that defines the name instead"
 
 
+# module: why it imports by name. Only modules named by the user, never an edge of nxdtp's own graph.
+KNOWN_IMPORTS_BY_NAME = {
+    "nxdtp.verify.models": "resolves the user's 'module:attr' of nxdtp verify's --factory, --plan and --batch",
+}
+
+
 def test_no_importlib_hides_an_edge():
     """Imports by name (importlib.import_module, __import__) would hide an edge from the graph above."""
     hiding = []
@@ -268,13 +276,15 @@ def test_no_importlib_hides_an_edge():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "__import__",
                                                                           "import_module"):
-                hiding.append(f"{module}:{node.lineno}")
+                if module not in KNOWN_IMPORTS_BY_NAME:
+                    hiding.append(f"{module}:{node.lineno}")
     assert not hiding, f"imports by name: {hiding}"
 
 
 def test_no_import_machinery_or_generated_globals():
-    """Names a reader can grep and imports the graph above sees: no module of nxdtp imports importlib, calls
-    __import__, touches sys.meta_path (an import hook), or writes names through globals()[...]."""
+    """Names a reader can grep and imports the graph above sees: no module of nxdtp imports importlib (except those
+    ``KNOWN_IMPORTS_BY_NAME`` names, which import only the user's modules), calls __import__, touches sys.meta_path
+    (an import hook), or writes names through globals()[...]."""
     found = []
     for module, path in module_files(REPO).items():
         with open(path, encoding="utf-8") as f:
@@ -283,6 +293,8 @@ def test_no_import_machinery_or_generated_globals():
             imported = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(name.split(".")[0] == "importlib" for name in imported):
+                if module in KNOWN_IMPORTS_BY_NAME:
+                    continue
                 found.append(f"{module}:{node.lineno}: imports importlib")
             elif isinstance(node, ast.Name) and node.id == "__import__":
                 found.append(f"{module}:{node.lineno}: __import__")
