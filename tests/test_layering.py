@@ -261,12 +261,6 @@ def test_nothing_imports_nxdtp_init_from_inside_the_library():
     assert not importers, f"{importers} import nxdtp/__init__.py; import the module that defines the name instead"
 
 
-# module: why it imports by name. Only modules named by the user, never an edge of nxdtp's own graph.
-KNOWN_IMPORTS_BY_NAME = {
-    "nxdtp.verify.models": "resolves the user's 'module:attr' of nxdtp verify's --factory, --plan and --batch",
-}
-
-
 def test_no_importlib_hides_an_edge():
     """Imports by name (importlib.import_module, __import__) would hide an edge from the graph above."""
     hiding = []
@@ -276,15 +270,13 @@ def test_no_importlib_hides_an_edge():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "__import__",
                                                                           "import_module"):
-                if module not in KNOWN_IMPORTS_BY_NAME:
-                    hiding.append(f"{module}:{node.lineno}")
+                hiding.append(f"{module}:{node.lineno}")
     assert not hiding, f"imports by name: {hiding}"
 
 
 def test_no_import_machinery_or_generated_globals():
-    """Names a reader can grep and imports the graph above sees: no module of nxdtp imports importlib (except those
-    ``KNOWN_IMPORTS_BY_NAME`` names, which import only the user's modules), calls __import__, touches sys.meta_path
-    (an import hook), or writes names through globals()[...]."""
+    """Names a reader can grep and imports the graph above sees: no module of nxdtp imports importlib, calls
+    __import__, touches sys.meta_path (an import hook), or writes names through globals()[...]."""
     found = []
     for module, path in module_files(REPO).items():
         with open(path, encoding="utf-8") as f:
@@ -293,8 +285,6 @@ def test_no_import_machinery_or_generated_globals():
             imported = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(name.split(".")[0] == "importlib" for name in imported):
-                if module in KNOWN_IMPORTS_BY_NAME:
-                    continue
                 found.append(f"{module}:{node.lineno}: imports importlib")
             elif isinstance(node, ast.Name) and node.id == "__import__":
                 found.append(f"{module}:{node.lineno}: __import__")

@@ -8,8 +8,8 @@ so the dense reference needs no tensor sent between processes.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
+import pkgutil
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -77,15 +77,11 @@ def resolve(reference: str, what: str) -> Any:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        return pkgutil.resolve_name(reference)
     except ImportError as e:
         raise ValueError(f"{what} {reference!r}: cannot import module {module_name!r} ({e})") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    except AttributeError:
+        raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def plan_of(job: Job) -> Optional[Plan]:
