@@ -291,7 +291,7 @@ def test_losses_reading_the_logits_equal_dense(tmp_path, option):
 
 def case_refusals():
     from nxdtp.models import parallelize_model
-    from nxdtp.models.hf_trainer import TensorParallelTrainer
+    from nxdtp.models.hf_trainer import TensorParallelTrainer, tensor_parallel_trainer
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2)
@@ -308,6 +308,15 @@ def case_refusals():
         refused[what] = str(e.value)
     with pytest.raises(TypeError, match="has no tensor-parallel parameter"):
         TensorParallelTrainer(model=transformers.LlamaForCausalLM(config), args=types.SimpleNamespace())
+    with pytest.raises(TypeError, match="takes a subclass of transformers.Trainer, not <class 'object'>"):
+        tensor_parallel_trainer(object)
+    import trl   # the test extra's; TRL trainers whose online generation splits batches by process are refused
+
+    for trainer_class in (trl.GRPOTrainer, trl.RLOOTrainer):
+        with pytest.raises(ValueError, match=f"TensorParallel{trainer_class.__name__} cannot run this configuration: "
+                                             f"{trainer_class.__name__}: it generates completions for every process"):
+            tensor_parallel_trainer(trainer_class)(model=model, reward_funcs=lambda **_: [],
+                                                   args=types.SimpleNamespace())
     return sorted(refused)
 
 

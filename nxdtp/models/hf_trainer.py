@@ -51,6 +51,9 @@ TRAINING_TAG = "nxdtp_training"
 MODEL_TAG = "nxdtp_model"
 OLDEST_TRAINER = (5, 0)
 _TRAINER_CLASSES: dict = {}
+ONLINE_GENERATION = ("it generates completions for every process and hands each process its slice by process index, "
+                     "so the ranks of a TP group would train on different samples; train with SFTTrainer or "
+                     "DPOTrainer on generated data, or generate with model.generate and train with your own loop")
 PUSH_TO_HUB = ("TensorParallelTrainer uploads nothing (Trainer's upload would take output_dir without the dense "
                "model); call trainer.save_model(dir) on every rank, then upload dir from one rank with "
                "huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir)")
@@ -86,6 +89,12 @@ def tensor_parallel_trainer(trainer_class: type) -> type:
         _TRAINER_CLASSES[trainer_class] = type(f"TensorParallel{trainer_class.__name__}",
                                                (TensorParallelTrainer, trainer_class), {"__module__": __name__})
     return _TRAINER_CLASSES[trainer_class]
+
+
+def _refused_classes(trainer_class: type) -> list:
+    """The Trainer subclasses in ``trainer_class``'s bases that cannot train a TP model, each as a sentence."""
+    return [f"{cls.__name__}: {ONLINE_GENERATION}" for cls in trainer_class.__mro__
+            if cls.__module__.startswith("trl.") and cls.__name__ in ("GRPOTrainer", "RLOOTrainer")]
 
 
 def _refusals(model, args) -> list:
@@ -130,7 +139,7 @@ class TensorParallelTrainer(transformers.Trainer):
             raise TypeError(f"{name} trains a model sharded by nxdtp.models.parallelize_model; "
                             f"{type(model).__name__} has no tensor-parallel parameter (use transformers.Trainer for a "
                             "dense model, or pass the parallelized model itself rather than a name to load)")
-        reasons = _refusals(model, args)
+        reasons = _refusals(model, args) + _refused_classes(type(self))
         if reasons:
             raise ValueError(f"{name} cannot run this configuration: " + "; ".join(reasons))
         tp = parallel_state.get_tensor_model_parallel_size()
