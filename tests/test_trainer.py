@@ -310,7 +310,7 @@ def case_refusals():
         TensorParallelTrainer(model=transformers.LlamaForCausalLM(config), args=types.SimpleNamespace())
     with pytest.raises(TypeError, match="takes a subclass of transformers.Trainer, not <class 'object'>"):
         tensor_parallel_trainer(object)
-    import trl   # the test extra's; TRL trainers whose online generation splits batches by process are refused
+    import trl  # the test extra's; TRL trainers whose online generation splits batches by process are refused
 
     for trainer_class in (trl.GRPOTrainer, trl.RLOOTrainer):
         with pytest.raises(ValueError, match=f"TensorParallel{trainer_class.__name__} cannot run this configuration: "
