@@ -14,11 +14,13 @@ Everything is computed in fp32 whatever the logits' dtype, so bf16 logits lose n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from . import comm, mappings
+from .record import read_note
 from .topology import ParallelGroup, rank_tensor, tensor_parallel_group
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -131,10 +133,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None, None
 
 
+@dataclasses.dataclass
+class FullVocabularyNote:
+    """On a logits tensor a parallelized model's forward gathered (``nxdtp.models.logits``): it holds the whole
+    vocabulary on every TP rank, so the vocab-parallel losses, which take it for this rank's shard, refuse it."""
+    full: bool = False
+
+
 def _check_inputs(logits, target, label_smoothing, reduction, vocab_size, group) -> None:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"vocab_parallel_logits must be a floating-point tensor, got "
                         f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if read_note(logits, FullVocabularyNote).full:
+        raise ValueError(f"vocab_parallel_logits of shape {tuple(logits.shape)} are a parallelized model's "
+                         "full-vocabulary logits (its forward's default), not this rank's shard: run the forward "
+                         "inside nxdtp.models.vocab_parallel_logits(model) to get the shard, or use "
+                         "torch.nn.functional.cross_entropy on the full logits")
     if not isinstance(target, torch.Tensor) or target.dtype not in _INTEGRAL_DTYPES:
         raise TypeError(f"target must be an integer tensor of vocabulary ids (int64 or another integer dtype), got "
                         f"{getattr(target, 'dtype', type(target).__name__)}")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nxdtp import parallel_state as ps
+from nxdtp.loss_functions import parallel_cross_entropy
 from nxdtp.models import gather_vocab_logits, parallelize_model, vocab_parallel_logits
 from tests import test_models_decoders as decoders
 from tests import test_models_gpt2 as gpt2
@@ -185,6 +186,8 @@ def case_full_logits_unless_asked_for_shards_around_generate(sequence_parallel: 
             assert out.logits.shape == (2, 8, vocab), f"{what} {when}: logits {tuple(out.logits.shape)}"
             _close(out.logits, expected.logits, f"{what} {when}: full logits")
             _close(out.loss, expected.loss, f"{what} {when}: loss")
+            with pytest.raises(ValueError, match=r"full-vocabulary logits .*vocab_parallel_logits\(model\)"):
+                parallel_cross_entropy(out.logits, batch["labels"])   # an NxD habit, on what is not a shard
             with vocab_parallel_logits(model):
                 shards = model(**batch)
             assert shards.logits.shape == (2, 8, local), f"{what} {when}: shard logits {tuple(shards.logits.shape)}"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..layers import ColumnParallelLinear
+from ..loss_functions import FullVocabularyNote
 from ..plan import wrap_forward
 from ..record import note_of, read_note
 from .common import gather_vocab_logits
@@ -101,6 +102,7 @@ def _full_vocabulary_logits(forward, *args, **kwargs):
             logits = outputs.get(key)
             if torch.is_tensor(logits) and logits.shape[-1] == head.output_size_per_partition:
                 outputs[key] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))
+                note_of(outputs[key], FullVocabularyNote).full = True   # the vocab-parallel losses refuse them
     if return_dict:
         return outputs
     # HF's tuple holds the output class's own fields (keys a plan adds, such as BERT's mlm_loss, stay out of it).
