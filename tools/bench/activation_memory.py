@@ -1,6 +1,5 @@
-"""Section 6: activation memory per rank of BERT-large layers, dense / TP / TP+SP / TP+SP+``checkpoint_layers``, the
-bytes autograd saves, each storage once, by layer and by a term of Megatron's formula (Korthikanti et al. 2022), and
-the peak RSS of the forward (docs/performance.md, section 6)."""
+"""Section 6: the bytes autograd saves per BERT-large layer per rank, each storage once, by a term of Megatron's formula
+(Korthikanti et al. 2022), and the forward's peak RSS (docs/performance.md, section 6)."""
 
 from __future__ import annotations
 
@@ -44,11 +43,8 @@ TERM_ORDER = (T_INPUT, T_Q, T_K, T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V, T_PROJ,
 def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, checkpoint: bool,
                    heads_seq_over_hidden: float, mask_bytes: int = MASK_BYTES,
                    attention_bytes: Optional[int] = None) -> Dict[str, float]:
-    """Megatron's per-layer activation bytes, term by term, in units of s*b*h. The paper's 34 sbh + 5as^2b (2-byte
-    activations, 1-byte masks) generalised to e-byte activations: sbh(16e + 2) + as^2b(2e + 1). TP divides Q, K, V,
-    the output-dense, GELU and second-linear inputs and the attention terms by t; SP divides the rest too; full
-    recomputation keeps e sbh (/ t with SP). ``mask_bytes`` and ``attention_bytes`` (Q, K, V, softmax and dropout
-    outputs, attention dropout mask) describe kernels that store other sizes (``cpu_kernel_terms``)."""
+    """Megatron's per-layer activation bytes by term, in units of sbh, generalised to e-byte activations: sbh(16e + 2)
+    + as^2b(2e + 1). ``mask_bytes`` and ``attention_bytes`` describe kernels that store other sizes."""
     e, t, r = activation_bytes, tp, heads_seq_over_hidden
     m, a = mask_bytes, activation_bytes if attention_bytes is None else attention_bytes
     attention_mask = m if attention_bytes is None else a
@@ -67,20 +63,12 @@ def megatron_closed_form(tp: int, mode: str, heads_seq_over_hidden: float) -> fl
             "tp_sp_ckpt": 2 / t}[mode]
 
 
-def formula_terms(mode: str, tp: int, dtype: str, shape: Dict[str, int]) -> Dict[str, float]:
-    r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
-    return megatron_terms(ACTIVATION_BYTES[dtype], 1 if mode == "dense" else tp, mode.startswith("tp_sp"),
-                          mode == "tp_sp_ckpt", r)
-
-
-def cpu_kernel_terms(mode: str, tp: int, dtype: str, attention: str, shape: Dict[str, int]) -> Dict[str, float]:
-    """The formula at the sizes PyTorch's CPU kernels store (torch 2.9), so what remains is the library's own: CPU
-    dropout is ``input * mask`` with a mask in the input's dtype (e bytes); sdpa with dropout runs its math fallback,
-    which computes bf16 in fp32 (4 bytes for Q, K, V, softmax and dropout outputs and the attention mask)."""
-    e = ACTIVATION_BYTES[dtype]
-    r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
-    return megatron_terms(e, 1 if mode == "dense" else tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", r,
-                          mask_bytes=e, attention_bytes=4 if attention == "sdpa" else e)
+def formula_terms(mode: str, tp: int, dtype: str, shape: Dict[str, int], attention: Optional[str] = None):
+    """Megatron's terms of ``mode``; given ``attention``, at the sizes PyTorch's CPU kernels store (torch 2.9), so what
+    remains is the library's own: CPU dropout keeps an e-byte mask, sdpa with dropout computes bf16 in fp32."""
+    e, r = ACTIVATION_BYTES[dtype], shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
+    kernel = {} if attention is None else dict(mask_bytes=e, attention_bytes=4 if attention == "sdpa" else e)
+    return megatron_terms(e, 1 if mode == "dense" else tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", r, **kernel)
 
 
 # ---- what a saved tensor is ----------------------------------------------------------------------------------------
@@ -89,9 +77,8 @@ _LAYER_PATH = re.compile(r"(?:^|\.)layer\.(\d+)(?:\.(.*))?$")
 
 
 def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, hidden: int) -> str:
-    """The formula term a tensor saved inside an HF BERT layer stands for. ``relative_module`` is the path of the
-    module that packed it, below ``encoder.layer.N`` ('' for the layer itself); ``holders`` are 'Node.attribute'
-    names of the autograd nodes holding it."""
+    """The term a tensor saved inside an HF BERT layer stands for, by the module below ``encoder.layer.N`` that packed
+    it ('' for the layer) and the 'Node.attribute' names of the autograd nodes holding it."""
     joined = " ".join(holders)
     last = shape[-1] if shape else None
     if "Checkpoint" in joined:
@@ -243,7 +230,7 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
     sbh = spec["seq"] * spec["batch"] * spec["layer"]["hidden_size"]
     by_layer = [max(r["saved_bytes_per_layer"][i] for r in ranks) for i in range(spec["layers"])]
     measured = sum(by_layer) / spec["layers"]
-    formula, kernel = formula_terms(mode, tp, dtype, shape), cpu_kernel_terms(mode, tp, dtype, attention, shape)
+    formula, kernel = formula_terms(mode, tp, dtype, shape), formula_terms(mode, tp, dtype, shape, attention)
     present = {t for r in ranks for t in r["terms_bytes_per_layer"]} | set(formula)
     terms = [t for t in TERM_ORDER if t in present] + sorted(present - set(TERM_ORDER))
     peaks = [r["peak_rss_increase_kib"] for r in ranks]

@@ -1,5 +1,5 @@
-"""Section 3: collectives per BERT layer per train step, counted in the XLA HLO of a simulated rank and in a counting
-gloo run, next to Megatron-LM's (docs/performance.md, section 3). Per layer = (L+1 layers) - (L layers)."""
+"""Section 3: collectives per BERT layer per train step, in the XLA HLO of a simulated rank and in a counting gloo run,
+next to Megatron-LM's. Per layer = (L+1 layers) - (L layers)."""
 
 from __future__ import annotations
 
@@ -99,10 +99,9 @@ class _Counter:
     """{phase: {op: [count, bytes of the full tensor]}}, with the op's measured argument (an all-reduce's buffer, an
     all-gather's output, a reduce-scatter's input) by torch.distributed function, or by functional collective."""
 
-    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),
+    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),  # what nxdtp.comm calls
             "all_gather_into_tensor": ("all-gather", 0, "output_tensor"),
-            "all_gather": ("all-gather", 0, "tensor_list"), "reduce_scatter_tensor": ("reduce-scatter", 1, "input"),
-            "reduce_scatter": ("reduce-scatter", 1, "input_list")}
+            "reduce_scatter_tensor": ("reduce-scatter", 1, "input")}
     FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
                   "reduce_scatter_tensor": "reduce-scatter", "broadcast": "broadcast"}
 
@@ -120,8 +119,7 @@ class _Counter:
             op, index, keyword = self.DIST[name]
 
             def wrapper(*args, **kwargs):
-                value = args[index] if len(args) > index else kwargs[keyword]
-                self.add(op, sum(t.nbytes for t in value) if isinstance(value, list) else value.nbytes)
+                self.add(op, (args[index] if len(args) > index else kwargs[keyword]).nbytes)
                 return fn(*args, **kwargs)
             return wrapper
 

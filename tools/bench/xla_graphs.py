@@ -1,5 +1,5 @@
-"""Section 4: XLA graphs per train step on XLA:CPU; distinct graphs over every rank of a simulated world; the compile
-time of one graph (docs/performance.md, section 4). Each part runs in a process of its own."""
+"""Section 4: XLA graphs per train step on XLA:CPU, distinct graphs over every rank of a simulated world, the compile
+time of one graph; each part in a process of its own."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ RANKS_QUICK = dict(world=4, tp=2, seq=16, batch=2, bert=TINY["model"],
 FAMILIES, PHASES = ("bert", "llama"), ("forward", "gradients", "step")
 
 
+def case_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
+    return {variant: _variant_steps(variant, spec) for variant in VARIANTS}
+
+
 def _variant_steps(variant: str, spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -71,10 +75,6 @@ def _variant_steps(variant: str, spec: Dict[str, Any]) -> Dict[str, Any]:
         losses.append(loss)
     # Read after counting: the syncs materialised these tensors, so reading them executes nothing new.
     return {"per_step": per_step, "losses": [float(x.cpu()) for x in losses], "seconds": seconds}
-
-
-def case_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
-    return {variant: _variant_steps(variant, spec) for variant in VARIANTS}
 
 
 def _dense_model(family: str, cfg: Dict[str, Any]):
