@@ -163,6 +163,7 @@ def _recording(model):
 
 
 def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
+    """The layer stack in ``mode``, and a seeded batch with one padded sequence, as real batches have."""
     config = BertConfig(**spec["layer"], num_hidden_layers=spec["layers"], vocab_size=VOCAB,
                         max_position_embeddings=spec["seq"], type_vocab_size=2, hidden_dropout_prob=DROPOUT,
                         attention_probs_dropout_prob=DROPOUT, attn_implementation=attention)
@@ -172,14 +173,10 @@ def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
         parallelize_bert(model, sequence_parallel=mode.startswith("tp_sp"))
     if mode == "tp_sp_ckpt":
         checkpoint_layers(model)
-    return model.to(getattr(torch, dtype)).train()
-
-
-def _batch(spec: Dict[str, Any]):
     input_ids = torch.randint(0, VOCAB, (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(SEED + 1))
     attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, -spec["seq"] // 8:] = 0  # a padded sequence, as real batches have
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    attention_mask[0, -spec["seq"] // 8:] = 0
+    return model.to(getattr(torch, dtype)).train(), {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def _attribute(storages, holders, spec) -> Dict[str, Any]:
@@ -210,7 +207,7 @@ def case_measure(spec: Dict[str, Any], mode: str, dtype: str, attention: str = A
     if mode == "dense" and dist.get_rank() != 0:
         return None
     model_parallel_xla_manual_seed(SEED)  # dropout inside TP regions draws from the tracker's per-rank state
-    model, batch = _build(spec, mode, dtype, attention), _batch(spec)
+    model, batch = _build(spec, mode, dtype, attention)
     model(**batch)  # warm-up: lazily built state (masks, communication buffers) is not counted below
     mark = rss_mark()
     with _recording(model) as storages:
