@@ -31,7 +31,8 @@ EPILOG = "\n".join(["Suite sections (gpu only when named, or --gpu):", *(f"  {k:
                     f"Tools: {', '.join(TOOLS)}. Progress goes to stderr, the report to stdout."])
 
 
-def _parser() -> argparse.ArgumentParser:
+def _arguments(argv) -> tuple:
+    """The options, and the sections they name, in the report's order."""
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     parser.add_argument("section", nargs="*", help="suite sections to run (default: all but gpu)")
@@ -47,17 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-device", default="cuda:0", help=argparse.SUPPRESS)  # "cpu" checks that code path
     parser.add_argument("--merge-rounds", type=int, help="rounds of section 5 (default 3, --quick 1)")
     parser.add_argument("--merge-workdir", help="where section 5 keeps its checkpoint (reused when present)")
-    return parser
-
-
-def _sections(args, parser) -> list:
+    args = parser.parse_args(argv)
     named = list(args.section) + [s.strip() for s in (args.sections or "").split(",") if s.strip()]
     sections = named or [s for s in SECTIONS if s != "gpu"]
     sections += ["gpu"] if args.gpu and "gpu" not in sections else []
     unknown = sorted(set(sections) - set(KEYS))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(KEYS)}, or a tool of {list(TOOLS)}")
-    return [s for s in KEYS if s in sections]
+    return args, [s for s in KEYS if s in sections]
 
 
 def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
@@ -109,9 +107,7 @@ def main(argv=None) -> int:
 
 
 def _suite(argv) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    sections = _sections(args, parser)
+    args, sections = _arguments(argv)
     started, machine = time.perf_counter(), common.machine()
     out = run_suite(args, sections)
     machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -249,19 +249,6 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
     return row
 
 
-def _measure_world(spec: Dict[str, Any], tp: int, with_dense: bool) -> List[Dict[str, Any]]:
-    rows = []
-    log(f"activation memory: starting a gloo world of {tp}")
-    with Pool(tp, tp=tp, malloc=True) as pool:
-        configurations = [("dense", d, a) for d in spec["dtypes"] for a in (ATTENTION, "eager")] if with_dense else []
-        configurations += [(m, d, ATTENTION) for d in spec["dtypes"] for m in MODES[1:]]
-        for mode, dtype, attention in configurations:  # dense runs on rank 0, the other ranks idle
-            log(f"activation memory: tp={tp} {LABELS[mode]} {dtype} {attention}")
-            per_rank = pool.call(case_measure, spec=spec, mode=mode, dtype=dtype, attention=attention)
-            rows.append(_summarise_ranks(per_rank, spec, mode, tp, dtype, attention))
-    return rows
-
-
 def _find(rows, mode, dtype, tp=None, attention=ATTENTION):
     return next(r for r in rows if (r["mode"], r["dtype"], r["attention"]) == (mode, dtype, attention)
                 and tp in (None, r["tp"]))
@@ -269,8 +256,15 @@ def _find(rows, mode, dtype, tp=None, attention=ATTENTION):
 
 def run(ctx) -> Dict[str, Any]:
     spec = QUICK if ctx.quick else FULL
-    rows = [row for i, tp in enumerate(spec["tps"]) for row in _measure_world(spec, tp, i == 0)]
-    ratios, numbers = [], {}
+    rows, ratios, numbers = [], [], {}
+    for tp in spec["tps"]:
+        log(f"activation memory: starting a gloo world of {tp}")
+        first = [("dense", d, a) for d in spec["dtypes"] for a in (ATTENTION, "eager")] if tp == spec["tps"][0] else []
+        with Pool(tp, tp=tp, malloc=True) as pool:  # dense runs on rank 0, the other ranks idle
+            for mode, dtype, attention in first + [(m, d, ATTENTION) for d in spec["dtypes"] for m in MODES[1:]]:
+                log(f"activation memory: tp={tp} {LABELS[mode]} {dtype} {attention}")
+                per_rank = pool.call(case_measure, spec=spec, mode=mode, dtype=dtype, attention=attention)
+                rows.append(_summarise_ranks(per_rank, spec, mode, tp, dtype, attention))
     for dtype in spec["dtypes"]:
         dense = _find(rows, "dense", dtype)
         numbers.update({f"{dtype}_dense_saved_bytes_per_layer": dense["saved_bytes_per_layer"],

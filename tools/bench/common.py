@@ -242,21 +242,21 @@ def rss_mark() -> Callable[[], Dict[str, Any]]:
     return since
 
 
-def _sample_peaks(peak: Dict[str, int], stop: threading.Event, interval_s: float) -> None:
-    while True:
-        status = proc_status_kib()
-        peak.update({k: max(v, status.get(k, 0)) for k, v in peak.items()})
-        if stop.wait(interval_s):
-            return
-
-
 def measure_rss(run: Callable[[], Any]) -> tuple:
     """``(run()'s value, figures)``: wall time and memory (MiB) over the RSS before the call; the peak from VmHWM after
     a reset (else ``ru_maxrss``), RssAnon / RssFile sampled every 2 ms by a thread."""
     import resource
 
     mark, peak, stop = rss_mark(), {"RssAnon": 0, "RssFile": 0}, threading.Event()
-    sampler = threading.Thread(target=_sample_peaks, args=(peak, stop, 0.002), daemon=True)
+
+    def sample() -> None:
+        while True:
+            status = proc_status_kib()
+            peak.update({k: max(v, status.get(k, 0)) for k, v in peak.items()})
+            if stop.wait(0.002):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
     start = time.perf_counter()
     sampler.start()
     value = run()

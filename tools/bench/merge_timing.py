@@ -148,23 +148,6 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
     return out
 
 
-def _runs(kinds: List[str], rounds: int, dirs: Dict[str, str], tp: int) -> List[dict]:
-    """Every kind ``rounds`` times in turn, each in a fresh process after its inputs were read (warm page cache)."""
-    sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
-
-    def one(kind: str) -> dict:
-        warm(files_under(dirs["dcp"]) if kind.startswith("from_dcp") else sources)
-        output = os.path.join(dirs["scratch"], kind)
-        r = fresh(case_measure, kind=kind, checkpoint_dir=dirs["checkpoint"], dcp_dir=dirs["dcp"],
-                  output_dir=output, reshard_tp=tp)[0]
-        shutil.rmtree(output, ignore_errors=True)
-        log(f"merge timing: {kind}: {r['seconds']:.2f} s, peak RSS +{r['increase_mib']:.1f} MiB")
-        return r
-
-    by_kind = alternate(kinds, rounds, one)
-    return [dict(by_kind[k][i], round=i) for i in range(rounds) for k in kinds]
-
-
 def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]] = None, tp: int = TP) -> str:
     """``model``'s checkpoint at ``tp`` in ``workdir``, created by a world of tp ranks unless it is there."""
     checkpoint_dir = os.path.join(workdir, f"{model}-tp{tp}")
@@ -176,19 +159,31 @@ def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]]
 
 def measure(model: str, workdir: str, rounds: int, kinds: List[str], config: Optional[Dict[str, Any]] = None,
             tp: int = TP) -> Dict[str, Any]:
-    """Create (or reuse) ``model``'s checkpoint at ``tp`` in ``workdir`` and measure ``kinds`` on it."""
+    """Create (or reuse) ``model``'s checkpoint at ``tp`` in ``workdir``; measure ``kinds`` on it, ``rounds`` times in
+    turn, each in a fresh process after its inputs were read (warm page cache)."""
     dirs = {"checkpoint": ensure_checkpoint(model, workdir, config, tp),
             "dcp": os.path.join(workdir, f"{model}-tp{tp}" + "-dcp"),
             "scratch": tempfile.mkdtemp(prefix="run_", dir=workdir)}
+    sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
+
+    def one(kind: str) -> dict:
+        warm(files_under(dirs["dcp"]) if kind.startswith("from_dcp") else sources)
+        output = os.path.join(dirs["scratch"], kind)
+        r = fresh(case_measure, kind=kind, checkpoint_dir=dirs["checkpoint"], dcp_dir=dirs["dcp"],
+                  output_dir=output, reshard_tp=tp)[0]
+        shutil.rmtree(output, ignore_errors=True)
+        log(f"merge timing: {kind}: {r['seconds']:.2f} s, peak RSS +{r['increase_mib']:.1f} MiB")
+        return r
+
     try:
         if set(kinds) & {"from_dcp", "from_dcp_reshard"} and not os.path.isfile(os.path.join(dirs["dcp"], ".metadata")):
             shutil.rmtree(dirs["dcp"], ignore_errors=True)  # the imports' input: this checkpoint's export, made once
             fresh(case_measure, kind="to_dcp", checkpoint_dir=dirs["checkpoint"], dcp_dir="", output_dir=dirs["dcp"],
                   reshard_tp=tp)
-        runs = _runs(kinds, rounds, dirs, tp)
+        by_kind = alternate(kinds, rounds, one)
     finally:
         shutil.rmtree(dirs["scratch"], ignore_errors=True)
-    sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
+    runs = [dict(by_kind[k][i], round=i) for i in range(rounds) for k in kinds]
     checkpoint_bytes = sum(map(os.path.getsize, sources))
     return {"model": model, "model_config": config or MODELS[model], "tp": tp, "checkpoint_bytes": checkpoint_bytes,
             "checkpoint_tensor_bytes": sum(safetensors_tensor_bytes(p)[1] for p in sources),

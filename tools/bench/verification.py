@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 
@@ -92,7 +92,15 @@ def main(argv=None) -> int:
                         what="verify")
     shutil.rmtree(scratch, ignore_errors=True)
     size = sum(map(os.path.getsize, files_under(os.path.join(tag, "model"))))
-    figures = {op: _figures(samples[op], samples[f"{op}-unverified"]) for op in operations}
+    figures = {}
+    for op in operations:
+        on, off = samples[op], samples[f"{op}-unverified"]
+        f = figures[op] = {name: [r[key] for r in runs] for name, runs, key in (
+            ("verified", on, "seconds"), ("unverified", off, "seconds"), ("cpu_verified", on, "cpu_seconds"),
+            ("cpu_unverified", off, "cpu_seconds"), ("verify_seconds", on, "verify_seconds"))}
+        f.update(overhead=median(f["verified"]) / median(f["unverified"]) - 1,
+                 cpu_overhead=median(f["cpu_verified"]) / median(f["cpu_unverified"]) - 1,
+                 verification_share=median(f["verify_seconds"]) / median(f["unverified"]))
     labels = {"merge": "merge (all 8 files)",
               "load": f"load, TP rank {args.load_rank} (its file + rank 0's), copied with clone",
               "load-live": f"load, TP rank {args.load_rank}, copied into live tensors"}
@@ -105,13 +113,3 @@ def main(argv=None) -> int:
                "% of unverified|+.1f", "target <= 10 %"]
     return emit([f"BERT-large tp=8, model files {size:,} bytes; warm page cache; median of {args.rounds} rounds",
                  table(columns, rows)], {"model_bytes": size, "rounds": args.rounds, "figures": figures}, args.json)
-
-
-def _figures(on: list, off: list) -> Dict[str, Any]:
-    out = {name: [r[key] for r in runs] for name, runs, key in (
-        ("verified", on, "seconds"), ("unverified", off, "seconds"), ("cpu_verified", on, "cpu_seconds"),
-        ("cpu_unverified", off, "cpu_seconds"), ("verify_seconds", on, "verify_seconds"))}
-    out["overhead"] = median(out["verified"]) / median(out["unverified"]) - 1
-    out["cpu_overhead"] = median(out["cpu_verified"]) / median(out["cpu_unverified"]) - 1
-    out["verification_share"] = median(out["verify_seconds"]) / median(out["unverified"])
-    return out
