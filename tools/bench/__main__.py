@@ -1,25 +1,12 @@
 """nxdtp benchmark: ``python -m tools.bench [SECTION ...] [--quick] [--json OUT]`` runs sections of the suite and
 prints them as markdown (``python tools/benchmark.py --sections a,b`` is the same); ``python -m tools.bench TOOL
-[...]`` runs a measurement with options of its own (``TOOL --help``). docs/performance.md says how each measures.
-
-Suite sections:
-  train       train step on CPU: BERT, dense vs nxdtp TP=2 vs DTensor TP=2; a Llama-shaped decoder, dense vs nxdtp
-  memory      parameter and AdamW bytes per rank of BERT-large at TP = 1, 2, 4, 8, counted and measured
-  comm        collectives per BERT layer per step, from the XLA HLO and a counting gloo run, next to Megatron's
-  xla         XLA graphs per step on XLA:CPU; distinct graphs over every rank of simulated worlds; a compile time
-  merge       checkpoint merge time and memory against a raw copy (the merge_timing tool, warm page cache)
-  actmem      activation memory per rank of BERT-large layers, dense / TP / TP+SP / +checkpointing, vs Megatron
-  zero1       ZeRO-1 bytes per parameter, peak RSS of a step, step time against plain DP
-  async_save  the step loop's stall while a checkpoint is written, sync against async_save=True
-  moe         MoE layers: step time at TP2 x EP2 against dense, all-to-all bytes, Mixtral-8x7B bytes per rank
-  gpu         (only when named, or --gpu) section 1's model on one GPU, dense vs nxdtp tp=1 over NCCL
-Tools: merge_timing, verify, divergence. Progress goes to stderr, the report to stdout.
-"""
+[...]`` runs a measurement with options of its own (``TOOL --help``). docs/performance.md says how each measures."""
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib
 import math
 import os
 import sys
@@ -39,12 +26,15 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "moe": ("moe", "9. Mixture of experts: TP x EP"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
-TOOLS = ("merge_timing", "verify", "divergence")
+TOOLS = {"merge_timing": "merge_timing", "verify": "verification", "divergence": "divergence"}  # name: module
+EPILOG = "\n".join(["Suite sections (gpu only when named, or --gpu):", *(f"  {k:<11} {t}" for k, t in TITLES.items()),
+                    f"Tools: {', '.join(TOOLS)}. Progress goes to stderr, the report to stdout."])
 
 
-def _parser() -> argparse.ArgumentParser:
+def _arguments(argv) -> tuple:
+    """The options, and the sections they name, in the report's order."""
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     parser.add_argument("section", nargs="*", help="suite sections to run (default: all but gpu)")
     parser.add_argument("--sections", help="the same, comma-separated (tools/benchmark.py's form)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks that all works")
@@ -58,17 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-device", default="cuda:0", help=argparse.SUPPRESS)  # "cpu" checks that code path
     parser.add_argument("--merge-rounds", type=int, help="rounds of section 5 (default 3, --quick 1)")
     parser.add_argument("--merge-workdir", help="where section 5 keeps its checkpoint (reused when present)")
-    return parser
-
-
-def _sections(args, parser) -> list:
+    args = parser.parse_args(argv)
     named = list(args.section) + [s.strip() for s in (args.sections or "").split(",") if s.strip()]
     sections = named or [s for s in SECTIONS if s != "gpu"]
     sections += ["gpu"] if args.gpu and "gpu" not in sections else []
     unknown = sorted(set(sections) - set(KEYS))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(KEYS)}, or a tool of {list(TOOLS)}")
-    return [s for s in KEYS if s in sections]
+    return args, [s for s in KEYS if s in sections]
 
 
 def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
@@ -111,30 +98,22 @@ def run_suite(args, sections) -> Dict[str, Any]:
     return {"sections": results, "section_wall_s": seconds}
 
 
-def _non_finite(numbers: dict) -> list:
-    return [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))
-            or not math.isfinite(v)]
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     with common.report_on_stdout():
         if argv and argv[0] in TOOLS:
-            from . import divergence, merge_timing, verification
-
-            return dict(zip(TOOLS, (merge_timing, verification, divergence)))[argv[0]].main(argv[1:])
+            return importlib.import_module(f".{TOOLS[argv[0]]}", __package__).main(argv[1:])
         return _suite(argv)
 
 
 def _suite(argv) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    sections = _sections(args, parser)
+    args, sections = _arguments(argv)
     started, machine = time.perf_counter(), common.machine()
     out = run_suite(args, sections)
     machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     wall, command = time.perf_counter() - started, " ".join(["python -m tools.bench", *argv])
-    problems = {KEYS[n]: bad for n in sections if (bad := _non_finite(out["sections"][KEYS[n]]["numbers"]))}
+    problems = {KEYS[n]: bad for n in sections if (bad := [k for k, v in out["sections"][KEYS[n]]["numbers"].items()
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)])}
     tables = [b for n in sections for b in (f"## {TITLES[n]}", *out["sections"][KEYS[n]]["tables"])]
     common.emit([f"# nxdtp benchmark{' (--quick: tiny sizes, not for comparison)' if args.quick else ''}",
                  f"{machine['date_utc']}; {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "

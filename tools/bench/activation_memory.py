@@ -1,6 +1,5 @@
-"""Section 6: activation memory per rank of BERT-large layers, dense / TP / TP+SP / TP+SP+``checkpoint_layers``, the
-bytes autograd saves, each storage once, by layer and by a term of Megatron's formula (Korthikanti et al. 2022), and
-the peak RSS of the forward (docs/performance.md, section 6)."""
+"""Section 6: the bytes autograd saves per BERT-large layer per rank, each storage once, by a term of Megatron's formula
+(Korthikanti et al. 2022), and the forward's peak RSS (docs/performance.md, section 6)."""
 
 from __future__ import annotations
 
@@ -44,11 +43,8 @@ TERM_ORDER = (T_INPUT, T_Q, T_K, T_SOFTMAX, T_ATT_MASK, T_ATT_DROP, T_V, T_PROJ,
 def megatron_terms(activation_bytes: int, tp: int, sequence_parallel: bool, checkpoint: bool,
                    heads_seq_over_hidden: float, mask_bytes: int = MASK_BYTES,
                    attention_bytes: Optional[int] = None) -> Dict[str, float]:
-    """Megatron's per-layer activation bytes, term by term, in units of s*b*h. The paper's 34 sbh + 5as^2b (2-byte
-    activations, 1-byte masks) generalised to e-byte activations: sbh(16e + 2) + as^2b(2e + 1). TP divides Q, K, V,
-    the output-dense, GELU and second-linear inputs and the attention terms by t; SP divides the rest too; full
-    recomputation keeps e sbh (/ t with SP). ``mask_bytes`` and ``attention_bytes`` (Q, K, V, softmax and dropout
-    outputs, attention dropout mask) describe kernels that store other sizes (``cpu_kernel_terms``)."""
+    """Megatron's per-layer activation bytes by term, in units of sbh, generalised to e-byte activations: sbh(16e + 2)
+    + as^2b(2e + 1). ``mask_bytes`` and ``attention_bytes`` describe kernels that store other sizes."""
     e, t, r = activation_bytes, tp, heads_seq_over_hidden
     m, a = mask_bytes, activation_bytes if attention_bytes is None else attention_bytes
     attention_mask = m if attention_bytes is None else a
@@ -67,20 +63,12 @@ def megatron_closed_form(tp: int, mode: str, heads_seq_over_hidden: float) -> fl
             "tp_sp_ckpt": 2 / t}[mode]
 
 
-def formula_terms(mode: str, tp: int, dtype: str, shape: Dict[str, int]) -> Dict[str, float]:
-    r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
-    return megatron_terms(ACTIVATION_BYTES[dtype], 1 if mode == "dense" else tp, mode.startswith("tp_sp"),
-                          mode == "tp_sp_ckpt", r)
-
-
-def cpu_kernel_terms(mode: str, tp: int, dtype: str, attention: str, shape: Dict[str, int]) -> Dict[str, float]:
-    """The formula at the sizes PyTorch's CPU kernels store (torch 2.9), so what remains is the library's own: CPU
-    dropout is ``input * mask`` with a mask in the input's dtype (e bytes); sdpa with dropout runs its math fallback,
-    which computes bf16 in fp32 (4 bytes for Q, K, V, softmax and dropout outputs and the attention mask)."""
-    e = ACTIVATION_BYTES[dtype]
-    r = shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
-    return megatron_terms(e, 1 if mode == "dense" else tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", r,
-                          mask_bytes=e, attention_bytes=4 if attention == "sdpa" else e)
+def formula_terms(mode: str, tp: int, dtype: str, shape: Dict[str, int], attention: Optional[str] = None):
+    """Megatron's terms of ``mode``; given ``attention``, at the sizes PyTorch's CPU kernels store (torch 2.9), so what
+    remains is the library's own: CPU dropout keeps an e-byte mask, sdpa with dropout computes bf16 in fp32."""
+    e, r = ACTIVATION_BYTES[dtype], shape["num_attention_heads"] * shape["seq"] / shape["hidden_size"]
+    kernel = {} if attention is None else dict(mask_bytes=e, attention_bytes=4 if attention == "sdpa" else e)
+    return megatron_terms(e, 1 if mode == "dense" else tp, mode.startswith("tp_sp"), mode == "tp_sp_ckpt", r, **kernel)
 
 
 # ---- what a saved tensor is ----------------------------------------------------------------------------------------
@@ -89,9 +77,8 @@ _LAYER_PATH = re.compile(r"(?:^|\.)layer\.(\d+)(?:\.(.*))?$")
 
 
 def classify(relative_module: str, holders: List[str], shape: tuple, seq: int, hidden: int) -> str:
-    """The formula term a tensor saved inside an HF BERT layer stands for. ``relative_module`` is the path of the
-    module that packed it, below ``encoder.layer.N`` ('' for the layer itself); ``holders`` are 'Node.attribute'
-    names of the autograd nodes holding it."""
+    """The term a tensor saved inside an HF BERT layer stands for, by the module below ``encoder.layer.N`` that packed
+    it ('' for the layer) and the 'Node.attribute' names of the autograd nodes holding it."""
     joined = " ".join(holders)
     last = shape[-1] if shape else None
     if "Checkpoint" in joined:
@@ -176,6 +163,7 @@ def _recording(model):
 
 
 def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
+    """The layer stack in ``mode``, and a seeded batch with one padded sequence, as real batches have."""
     config = BertConfig(**spec["layer"], num_hidden_layers=spec["layers"], vocab_size=VOCAB,
                         max_position_embeddings=spec["seq"], type_vocab_size=2, hidden_dropout_prob=DROPOUT,
                         attention_probs_dropout_prob=DROPOUT, attn_implementation=attention)
@@ -185,14 +173,10 @@ def _build(spec: Dict[str, Any], mode: str, dtype: str, attention: str):
         parallelize_bert(model, sequence_parallel=mode.startswith("tp_sp"))
     if mode == "tp_sp_ckpt":
         checkpoint_layers(model)
-    return model.to(getattr(torch, dtype)).train()
-
-
-def _batch(spec: Dict[str, Any]):
     input_ids = torch.randint(0, VOCAB, (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(SEED + 1))
     attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, -spec["seq"] // 8:] = 0  # a padded sequence, as real batches have
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    attention_mask[0, -spec["seq"] // 8:] = 0
+    return model.to(getattr(torch, dtype)).train(), {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def _attribute(storages, holders, spec) -> Dict[str, Any]:
@@ -223,7 +207,7 @@ def case_measure(spec: Dict[str, Any], mode: str, dtype: str, attention: str = A
     if mode == "dense" and dist.get_rank() != 0:
         return None
     model_parallel_xla_manual_seed(SEED)  # dropout inside TP regions draws from the tracker's per-rank state
-    model, batch = _build(spec, mode, dtype, attention), _batch(spec)
+    model, batch = _build(spec, mode, dtype, attention)
     model(**batch)  # warm-up: lazily built state (masks, communication buffers) is not counted below
     mark = rss_mark()
     with _recording(model) as storages:
@@ -243,7 +227,7 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
     sbh = spec["seq"] * spec["batch"] * spec["layer"]["hidden_size"]
     by_layer = [max(r["saved_bytes_per_layer"][i] for r in ranks) for i in range(spec["layers"])]
     measured = sum(by_layer) / spec["layers"]
-    formula, kernel = formula_terms(mode, tp, dtype, shape), cpu_kernel_terms(mode, tp, dtype, attention, shape)
+    formula, kernel = formula_terms(mode, tp, dtype, shape), formula_terms(mode, tp, dtype, shape, attention)
     present = {t for r in ranks for t in r["terms_bytes_per_layer"]} | set(formula)
     terms = [t for t in TERM_ORDER if t in present] + sorted(present - set(TERM_ORDER))
     peaks = [r["peak_rss_increase_kib"] for r in ranks]
@@ -265,19 +249,6 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
     return row
 
 
-def _measure_world(spec: Dict[str, Any], tp: int, with_dense: bool) -> List[Dict[str, Any]]:
-    rows = []
-    log(f"activation memory: starting a gloo world of {tp}")
-    with Pool(tp, tp=tp, malloc=True) as pool:
-        configurations = [("dense", d, a) for d in spec["dtypes"] for a in (ATTENTION, "eager")] if with_dense else []
-        configurations += [(m, d, ATTENTION) for d in spec["dtypes"] for m in MODES[1:]]
-        for mode, dtype, attention in configurations:  # dense runs on rank 0, the other ranks idle
-            log(f"activation memory: tp={tp} {LABELS[mode]} {dtype} {attention}")
-            per_rank = pool.call(case_measure, spec=spec, mode=mode, dtype=dtype, attention=attention)
-            rows.append(_summarise_ranks(per_rank, spec, mode, tp, dtype, attention))
-    return rows
-
-
 def _find(rows, mode, dtype, tp=None, attention=ATTENTION):
     return next(r for r in rows if (r["mode"], r["dtype"], r["attention"]) == (mode, dtype, attention)
                 and tp in (None, r["tp"]))
@@ -285,8 +256,15 @@ def _find(rows, mode, dtype, tp=None, attention=ATTENTION):
 
 def run(ctx) -> Dict[str, Any]:
     spec = QUICK if ctx.quick else FULL
-    rows = [row for i, tp in enumerate(spec["tps"]) for row in _measure_world(spec, tp, i == 0)]
-    ratios, numbers = [], {}
+    rows, ratios, numbers = [], [], {}
+    for tp in spec["tps"]:
+        log(f"activation memory: starting a gloo world of {tp}")
+        first = [("dense", d, a) for d in spec["dtypes"] for a in (ATTENTION, "eager")] if tp == spec["tps"][0] else []
+        with Pool(tp, tp=tp, malloc=True) as pool:  # dense runs on rank 0, the other ranks idle
+            for mode, dtype, attention in first + [(m, d, ATTENTION) for d in spec["dtypes"] for m in MODES[1:]]:
+                log(f"activation memory: tp={tp} {LABELS[mode]} {dtype} {attention}")
+                per_rank = pool.call(case_measure, spec=spec, mode=mode, dtype=dtype, attention=attention)
+                rows.append(_summarise_ranks(per_rank, spec, mode, tp, dtype, attention))
     for dtype in spec["dtypes"]:
         dense = _find(rows, "dense", dtype)
         numbers.update({f"{dtype}_dense_saved_bytes_per_layer": dense["saved_bytes_per_layer"],

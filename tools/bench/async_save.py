@@ -1,12 +1,10 @@
-"""Section 8: the step loop's stall while a checkpoint is written, ``save_checkpoint`` synchronous against
-``async_save=True`` (docs/performance.md, "Checkpoint stall")."""
+"""Section 8: the step loop's stall while ``save_checkpoint`` writes, sync against ``async_save=True``."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-import time
 from typing import Any, Dict, List
 
 import torch
@@ -14,7 +12,7 @@ import torch.distributed as dist
 
 from nxdtp.trainer import finalize_checkpoint, save_checkpoint
 
-from .common import Pool, alternate, barrier, log, median, model_text, table, timed
+from .common import Pool, alternate, log, median, model_text, slowest, table, timed
 from .zero1 import SEED, TINY_LLAMA, llama_batch, make_optimizer, real_model
 
 FULL = dict(model=dict(kind="llama", vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -25,13 +23,10 @@ STATE: Dict[str, Any] = {}
 
 
 def _step() -> float:
-    barrier()
-    t0 = time.perf_counter()
     STATE["optimizer"].zero_grad(set_to_none=True)
     STATE["model"](**STATE["batch"]).loss.backward()
     STATE["optimizer"].step()
     STATE["scheduler"].step()
-    return time.perf_counter() - t0
 
 
 def case_setup(spec: Dict[str, Any]) -> int:
@@ -40,27 +35,22 @@ def case_setup(spec: Dict[str, Any]) -> int:
     STATE.update(model=model, optimizer=optimizer, batch=llama_batch(spec), step=0,
                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s)))
     for _ in range(spec["warmup"]):
-        _step()
+        timed(_step)
     return sum(p.numel() for p in model.parameters())
 
 
 def case_round(mode: str, directory: str, pre: int, post: int) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"pre": [_step() for _ in range(pre)]}
+    out: Dict[str, Any] = {"pre": [timed(_step) for _ in range(pre)]}
     STATE["step"] += 1
     tag = f"step_{STATE['step']}"
     state = (STATE["model"], STATE["optimizer"], STATE["scheduler"], {"global_step": STATE["step"], "seed": SEED})
     out["call_s"] = timed(lambda: save_checkpoint(directory, tag, *state, async_save=mode == "async"))
-    out["post"] = [_step() for _ in range(post)]
+    out["post"] = [timed(_step) for _ in range(post)]
     out["finalize_s"] = timed(finalize_checkpoint)
     if dist.get_rank() == 0:
         out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(directory, tag))
                            for f in fs)
     return out
-
-
-def _slowest(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    return {**{k: [max(x) for x in zip(*(r[k] for r in ranks))] for k in ("pre", "post")},
-            **{k: max(r[k] for r in ranks) for k in ("call_s", "finalize_s")}, "bytes": ranks[0].get("bytes")}
 
 
 def run(ctx) -> Dict[str, Any]:
@@ -72,7 +62,9 @@ def run(ctx) -> Dict[str, Any]:
     def one_round(mode: str) -> Dict[str, Any]:
         directory = os.path.join(workdir, f"{mode}_{next(counter)}")
         try:
-            return _slowest(pool.call(case_round, mode=mode, directory=directory, pre=spec["pre"], post=spec["post"]))
+            ranks = pool.call(case_round, mode=mode, directory=directory, pre=spec["pre"], post=spec["post"])
+            return {**{k: [max(x) for x in zip(*(r[k] for r in ranks))] for k in ("pre", "post")},
+                    **slowest(ranks, ("call_s", "finalize_s")), "bytes": ranks[0].get("bytes")}
         finally:
             shutil.rmtree(directory, ignore_errors=True)  # every save writes the same bytes
 

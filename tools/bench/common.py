@@ -1,9 +1,9 @@
-"""What the sections share: worker pools (tests/harness.py's), models, the machine, statistics, memory probes, and
-the one renderer of a section's tables (plain data) to markdown. Workers import torch themselves, after their thread
-counts are set, so this module imports it only inside functions."""
+"""What the sections share: worker pools, models, the machine, statistics, memory probes and the one markdown renderer.
+Workers import torch after their thread counts are set, so this module imports it only inside functions."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import io
@@ -176,6 +176,21 @@ def log(message: str) -> None:
     print(f"# [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def slowest(per_rank: Sequence[Dict[str, Any]], keys: Iterable[str]) -> Dict[str, Any]:
+    """Per key, the largest value over the ranks (None where a rank has None): the slowest or the largest rank."""
+    return {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in keys}
+
+
+def tool_args(name: str, doc: str, argv, options: Dict[str, Dict[str, Any]]):
+    """``(parser, args)`` of ``python -m tools.bench name``: ``options`` maps each flag to add_argument's keywords;
+    ``--json OUT`` is every tool's."""
+    parser = argparse.ArgumentParser(prog=f"python -m tools.bench {name}", description=doc)
+    for flag, keywords in options.items():
+        parser.add_argument(flag, **keywords)
+    parser.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
+    return parser, parser.parse_args(argv)
+
+
 def emit(blocks: Iterable[Any], figures: Any, json_path: Optional[str]) -> int:
     """A tool's end: its report on stdout, its figures to ``json_path`` when given."""
     print(render(blocks))
@@ -206,54 +221,50 @@ def malloc_trim() -> None:
 
 def reset_peak_rss() -> bool:
     """Reset this process's peak-RSS watermark (VmHWM) to its current RSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        return f.write("5") > 0
+    return False
 
 
-def rss_mark() -> Callable[[], Dict[str, Optional[int]]]:
+def rss_mark() -> Callable[[], Dict[str, Any]]:
     """After a gc, reset the peak watermark; the function returned gives the RSS (KiB) before, and the peak (None where
-    the reset was refused) and held increases since."""
+    the reset was refused) and held increases since, with both /proc/self/status readings."""
     import gc
 
     gc.collect()
-    before, peak_reset = proc_status_kib()["VmRSS"], reset_peak_rss()
+    status, peak_reset = proc_status_kib(), reset_peak_rss()
+    before = status["VmRSS"]
 
-    def since() -> Dict[str, Optional[int]]:
+    def since() -> Dict[str, Any]:
         after = proc_status_kib()
         return {"before": before, "peak": after["VmHWM"] - before if peak_reset else None,
-                "held": after["VmRSS"] - before}
+                "held": after["VmRSS"] - before, "status_before": status, "status_after": after}
     return since
-
-
-def _sample_peaks(peak: Dict[str, int], stop: threading.Event, interval_s: float) -> None:
-    while True:
-        status = proc_status_kib()
-        peak.update({k: max(v, status.get(k, 0)) for k, v in peak.items()})
-        if stop.wait(interval_s):
-            return
 
 
 def measure_rss(run: Callable[[], Any]) -> tuple:
     """``(run()'s value, figures)``: wall time and memory (MiB) over the RSS before the call; the peak from VmHWM after
     a reset (else ``ru_maxrss``), RssAnon / RssFile sampled every 2 ms by a thread."""
-    import gc
     import resource
 
-    gc.collect()
-    before, peak_reset = proc_status_kib(), reset_peak_rss()
-    peak, stop = {"RssAnon": 0, "RssFile": 0}, threading.Event()
-    sampler = threading.Thread(target=_sample_peaks, args=(peak, stop, 0.002), daemon=True)
+    mark, peak, stop = rss_mark(), {"RssAnon": 0, "RssFile": 0}, threading.Event()
+
+    def sample() -> None:
+        while True:
+            status = proc_status_kib()
+            peak.update({k: max(v, status.get(k, 0)) for k, v in peak.items()})
+            if stop.wait(0.002):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
     start = time.perf_counter()
     sampler.start()
     value = run()
     seconds = time.perf_counter() - start
     stop.set()
     sampler.join()
-    after, maxrss = proc_status_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss, maxrss = mark(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before, after, peak_reset = rss["status_before"], rss["status_after"], rss["peak"] is not None
     top = after["VmHWM"] if peak_reset else maxrss
     return value, {"seconds": seconds, "baseline_mib": before["VmRSS"] / 1024, "peak_reset": peak_reset,
                    "peak_mib": top / 1024, "increase_mib": (top - before["VmRSS"]) / 1024,

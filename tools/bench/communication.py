@@ -1,5 +1,5 @@
-"""Section 3: collectives per BERT layer per train step, counted in the XLA HLO of a simulated rank and in a counting
-gloo run, next to Megatron-LM's (docs/performance.md, section 3). Per layer = (L+1 layers) - (L layers)."""
+"""Section 3: collectives per BERT layer per train step, in the XLA HLO of a simulated rank and in a counting gloo run,
+next to Megatron-LM's. Per layer = (L+1 layers) - (L layers)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import Pool, fmt_bytes, fresh, log, table
+from .common import fmt_bytes, fresh, log, table
 from .train_step import ADAMW, FULL, QUICK, SEED, build_dense, make_batch, shard
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -99,10 +99,9 @@ class _Counter:
     """{phase: {op: [count, bytes of the full tensor]}}, with the op's measured argument (an all-reduce's buffer, an
     all-gather's output, a reduce-scatter's input) by torch.distributed function, or by functional collective."""
 
-    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),
+    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),  # what nxdtp.comm calls
             "all_gather_into_tensor": ("all-gather", 0, "output_tensor"),
-            "all_gather": ("all-gather", 0, "tensor_list"), "reduce_scatter_tensor": ("reduce-scatter", 1, "input"),
-            "reduce_scatter": ("reduce-scatter", 1, "input_list")}
+            "reduce_scatter_tensor": ("reduce-scatter", 1, "input")}
     FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
                   "reduce_scatter_tensor": "reduce-scatter", "broadcast": "broadcast"}
 
@@ -120,8 +119,7 @@ class _Counter:
             op, index, keyword = self.DIST[name]
 
             def wrapper(*args, **kwargs):
-                value = args[index] if len(args) > index else kwargs[keyword]
-                self.add(op, sum(t.nbytes for t in value) if isinstance(value, list) else value.nbytes)
+                self.add(op, (args[index] if len(args) > index else kwargs[keyword]).nbytes)
                 return fn(*args, **kwargs)
             return wrapper
 
@@ -188,27 +186,23 @@ def megatron_minimum(model_cfg, seq: int, batch: int, sequence_parallel: bool) -
             "backward": {"all-gather": [4, 4 * full], "reduce-scatter": [2, 2 * full]}}
 
 
-def _gloo_counts(pool: Pool, kind: str, spec, sp: bool) -> Dict[int, Any]:
-    by_layers = {}
-    for layers in (BASE_LAYERS, BASE_LAYERS + 1):
-        log(f"communication: counting {kind} collectives, {layers} layer(s), sequence_parallel={sp}")
-        answers = pool.call(case_count_comm, kind=kind, model_cfg=dict(spec["model"], num_hidden_layers=layers),
-                            seq=spec["seq"], batch=spec["batch"], sequence_parallel=sp)
-        if any(a["counts"] != answers[0]["counts"] for a in answers):
-            raise AssertionError(f"{kind} ranks counted different collectives: {answers}")
-        by_layers[layers] = answers[0]["counts"]
-    return by_layers
-
-
 def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
     """Both parts; ``hlo``: trace_hlo's result when it already ran (beside section 1, under --quick)."""
     spec = QUICK if ctx.quick else FULL
     hlo = hlo or trace_hlo(spec)
     sources = {f"hlo,sp={sp}": _per_layer({n: hlo["results"][f"sp={sp},layers={n}"]
                                            for n in (BASE_LAYERS, BASE_LAYERS + 1)}) for sp in (False, True)}
-    for kind, name, sps in (("nxdtp", "gloo", (False, True)), ("dtensor", "dtensor-gloo", (False,))):
-        for sp in sps:
-            sources[f"{name},sp={sp}"] = _per_layer(_gloo_counts(ctx.competitors.pool(kind), kind, spec, sp))
+    for kind, name, sp in (("nxdtp", "gloo", False), ("nxdtp", "gloo", True), ("dtensor", "dtensor-gloo", False)):
+        by_layers = {}
+        for layers in (BASE_LAYERS, BASE_LAYERS + 1):
+            log(f"communication: counting {kind} collectives, {layers} layer(s), sequence_parallel={sp}")
+            answers = ctx.competitors.pool(kind).call(case_count_comm, kind=kind, seq=spec["seq"], batch=spec["batch"],
+                                                      model_cfg=dict(spec["model"], num_hidden_layers=layers),
+                                                      sequence_parallel=sp)
+            if any(a["counts"] != answers[0]["counts"] for a in answers):
+                raise AssertionError(f"{kind} ranks counted different collectives: {answers}")
+            by_layers[layers] = answers[0]["counts"]
+        sources[f"{name},sp={sp}"] = _per_layer(by_layers)
     megatron = {f"sp={sp}": megatron_minimum(spec["model"], spec["seq"], spec["batch"], sp) for sp in (False, True)}
     out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "tp": HLO_TP,
            "layers_compared": [BASE_LAYERS, BASE_LAYERS + 1], "sources": sources, "megatron": megatron,

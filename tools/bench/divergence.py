@@ -1,10 +1,8 @@
-"""What the silent-divergence safeguards cost on two single-threaded gloo ranks at tp=2 (``python -m tools.bench
-divergence --help``; docs/performance.md, "Divergence checks"): the input check, sequence-parallel gradients summed in
-backward, the replicated-tensor check of ``save``."""
+"""What the silent-divergence safeguards cost on two gloo ranks at tp=2: the input check, sequence-parallel gradients
+summed in backward, the replicated-tensor check of ``save`` (docs/performance.md, "Divergence checks")."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from typing import Any, Dict, List
@@ -20,7 +18,7 @@ from nxdtp.models import parallelize_model
 from nxdtp.parallel_state import tensor_parallel_group
 from nxdtp.record import read_note
 
-from .common import BERT_LARGE, Pool, alternate, emit, hf_model, log, median, summary, table, timed
+from .common import BERT_LARGE, Pool, alternate, emit, hf_model, log, median, summary, table, timed, tool_args
 
 TINY_LLAMA = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=64)
@@ -38,19 +36,12 @@ def _paired(on: List[float], off: List[float]) -> str:
     return f"{difference * 1e3:+.3f} ms ({difference / median(off) * 100:+.2f} %)"
 
 
-def _llama(size: str):
-    cfg = TINY_LLAMA if size == "tiny" else BIGGER_LLAMA
-    model = hf_model(cfg, "llama", seed=0)
-    ids = torch.randint(0, cfg["vocab_size"], (2, 8 if size == "tiny" else 512),
-                        generator=torch.Generator().manual_seed(1))
-    return model, dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-
-
 def _inputs(rounds: int) -> List[Any]:
     rows = []
-    for size in ("tiny", "bigger"):
-        model, batch = _llama(size)
-        model = parallelize_model(model).train()
+    for size, cfg, seq in (("tiny", TINY_LLAMA, 8), ("bigger", BIGGER_LLAMA, 512)):
+        model = parallelize_model(hf_model(cfg, "llama", seed=0)).train()
+        ids = torch.randint(0, cfg["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
+        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
 
         def one(every: int) -> float:  # 0: check off, 1: on, 2: the check alone
             set_input_check(model, every=min(every, 1))
@@ -123,19 +114,13 @@ def _save(rounds: int, workdir: str) -> List[Any]:
 
 
 def case_parts(parts: List[str], rounds: int, sp_layers: int, workdir: str) -> List[Any]:
-    """The report (rank 0's is printed)."""
     return ((_inputs(rounds) if "inputs" in parts else []) + (_sp(rounds, sp_layers) if "sp" in parts else [])
             + (_save(min(rounds, 10), workdir) if "save" in parts else []))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench divergence", description=__doc__)
-    parser.add_argument("--parts", default="inputs,sp,save")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--sp-layers", type=int, default=4)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--json", metavar="OUT", help="also write the report's tables, as data, to this JSON file")
-    args = parser.parse_args(argv)
+    _, args = tool_args("divergence", __doc__, argv, {"--parts": dict(default="inputs,sp,save"), "--rounds": dict(
+        type=int, default=20), "--sp-layers": dict(type=int, default=4), "--workdir": dict(default=None)})
     log(f"divergence: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir, Pool(2, tp=2) as pool:
         report = pool.call(case_parts, parts=args.parts.split(","), rounds=args.rounds, sp_layers=args.sp_layers,

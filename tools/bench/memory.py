@@ -1,5 +1,4 @@
-"""Section 2: parameter and AdamW bytes per rank of BERT-large at TP 1, 2, 4, 8, counted and measured
-(docs/performance.md, section 2)."""
+"""Section 2: parameter and AdamW bytes per rank of BERT-large at TP 1, 2, 4, 8, counted and measured."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from nxdtp.models.bert import parallelize_bert
 from nxdtp.parallel_state import simulated_topology
 from nxdtp.storage import held_bytes
 
-from .common import BERT_LARGE, fresh, hf_model, malloc_trim, proc_status_kib, table, verdict
+from .common import BERT_LARGE, fresh, hf_model, malloc_trim, proc_status_kib, records, table, verdict
 
 QUICK_CFG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
                  max_position_embeddings=128, type_vocab_size=2)
@@ -98,20 +97,22 @@ def run(ctx) -> Dict[str, Any]:
     return out
 
 
+COLUMNS = {"tp": "tp", "nxdtp parameters / rank": "nxdtp_parameters_per_rank",
+           "parameter bytes|bytes": "nxdtp_parameter_bytes", "storage bytes held|bytes": "nxdtp_storage_bytes_held",
+           "AdamW state bytes|bytes": "nxdtp_adamw_state_bytes", "params + grads + AdamW|bytes": "nxdtp_training_bytes",
+           "% of dense|.2f": "nxdtp_percent_of_dense", "limit: dense / tp|.2f": "limit_percent_of_dense",
+           "NxD attention-only parameters / rank": "nxd_parameters_per_rank",
+           "NxD parameter bytes|bytes": "nxd_parameter_bytes", "NxD AdamW state bytes|bytes": "nxd_adamw_state_bytes",
+           "NxD % of dense|.2f": "nxd_percent_of_dense"}
+
+
 def _tables(out: Dict[str, Any]) -> List[Any]:
     cfg, dense, at8 = out["config"], out["dense_parameters"], out["rows"][-1]
-    columns = ["tp", "nxdtp parameters / rank", "parameter bytes|bytes", "storage bytes held|bytes",
-               "AdamW state bytes|bytes", "params + grads + AdamW|bytes", "% of dense|.2f", "limit: dense / tp|.2f",
-               "NxD attention-only parameters / rank", "NxD parameter bytes|bytes", "NxD AdamW state bytes|bytes",
-               "NxD % of dense|.2f"]
-    keys = ("tp", "nxdtp_parameters_per_rank", "nxdtp_parameter_bytes", "nxdtp_storage_bytes_held",
-            "nxdtp_adamw_state_bytes", "nxdtp_training_bytes", "nxdtp_percent_of_dense", "limit_percent_of_dense",
-            "nxd_parameters_per_rank", "nxd_parameter_bytes", "nxd_adamw_state_bytes", "nxd_percent_of_dense")
     rss_cfg = out["rss"]["config"]
     return [f"BERT-large BertForPreTraining ({', '.join(f'{k} {v}' for k, v in cfg.items())}): dense {dense:,} "
             f"parameters, {4 * dense / (1 << 20):,.1f} MiB fp32. Per rank, built on meta and sharded under a simulated "
             "topology; NxD attention-only computed from the config; percentages of dense.",
-            table(columns, ([r[k] for k in keys] for r in out["rows"])),
+            records(COLUMNS, out["rows"]),
             f"Target at tp=8: <= {TARGET_PERCENT_AT_TP8} % of dense; nxdtp {at8['nxdtp_percent_of_dense']:.2f} % "
             f"({verdict(at8['nxdtp_percent_of_dense'], TARGET_PERCENT_AT_TP8)}); limit "
             f"{at8['limit_percent_of_dense']:.2f} %; NxD attention-only {at8['nxd_percent_of_dense']:.2f} %.",

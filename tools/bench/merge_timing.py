@@ -1,9 +1,8 @@
-"""Wall time and peak host memory of merging a tp=8 checkpoint, and of the DCP export and imports, against a raw copy
-of the same bytes: section 5 and ``python -m tools.bench merge_timing`` (docs/performance.md, section 5)."""
+"""Section 5 and ``python -m tools.bench merge_timing``: wall time and peak host memory of merging a tp=8 checkpoint,
+and of the DCP export and imports, against a raw copy of the same bytes."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ from nxdtp.models import parallelize_model
 from nxdtp.models.hf_loading import materialize_meta_model
 
 from . import common
-from .common import BERT_LARGE, alternate, emit, fresh, hf_model, log, measure_rss, median, summary, table
+from .common import BERT_LARGE, alternate, emit, fresh, hf_model, log, measure_rss, median, summary, table, tool_args
 
 TP = 8
 # A Llama-3.2-1B-shaped decoder (GQA: 32 query heads, 8 KV heads; tied embeddings; 1.24 B parameters, 4.9 GB fp32).
@@ -79,32 +78,19 @@ def case_create(model: str, checkpoint_dir: str, config: Optional[Dict[str, Any]
         dense.config.to_json_file(os.path.join(checkpoint_dir, CONFIG_NAME))
 
 
-def _import_model_classes() -> Dict[str, float]:
-    """Load the HF model classes the DCP import builds (``import transformers`` loads them lazily) before the
-    baseline, and say what that cost."""
-    before, start = common.proc_status_kib()["VmRSS"], time.perf_counter()
-    classes = [tf.BertForPreTraining.__name__, tf.LlamaForCausalLM.__name__]
-    return {"seconds": time.perf_counter() - start, "rss_mib": (common.proc_status_kib()["VmRSS"] - before) / 1024,
-            "classes": classes}
-
-
 def _copy(sources: List[str], destination: str, whole: bool) -> int:
-    buffer, total = None if whole else bytearray(COPY_BUFFER_BYTES), 0
+    """Stream each file through one 16 MiB buffer, or (naive) read it whole and write it; fsync each."""
+    buffer = None if whole else memoryview(bytearray(COPY_BUFFER_BYTES))
     for source in sources:
         with open(source, "rb", buffering=0) as src, \
-                open(os.path.join(destination, os.path.basename(source)), "wb", buffering=0) as dst:
-            if whole:  # naive: the whole file in memory at once
-                data = src.read()
-                dst.write(data)
-                total += len(data)
-                del data
+                open(os.path.join(destination, os.path.basename(source)), "wb") as dst:
+            if whole:
+                dst.write(src.read())
             while not whole and (n := src.readinto(buffer)):
-                written = 0
-                while written < n:
-                    written += dst.write(memoryview(buffer)[written:n])
-                total += n
+                dst.write(buffer[:n])
+            dst.flush()
             os.fsync(dst.fileno())
-    return total
+    return sum(map(os.path.getsize, sources))
 
 
 def _operation(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, reshard_tp: int):
@@ -121,8 +107,12 @@ def _operation(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, re
 
 
 def case_measure(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, reshard_tp: int) -> Dict[str, Any]:
-    """One operation in this (fresh) process: its wall time and memory over the RSS before it."""
-    imported = _import_model_classes()
+    """One operation in this (fresh) process: its wall time and memory over the RSS before it, after loading the HF
+    model classes the DCP import builds (``import transformers`` loads them lazily), which is timed apart."""
+    before, start = common.proc_status_kib()["VmRSS"], time.perf_counter()
+    imported = {"classes": [tf.BertForPreTraining.__name__, tf.LlamaForCausalLM.__name__],
+                "seconds": time.perf_counter() - start,
+                "rss_mib": (common.proc_status_kib()["VmRSS"] - before) / 1024}
     value, result = measure_rss(_operation(kind, checkpoint_dir, dcp_dir, output_dir, reshard_tp))
     result.update(kind=kind, model_code_import=imported)
     if kind == "merge":
@@ -133,10 +123,9 @@ def case_measure(kind: str, checkpoint_dir: str, dcp_dir: str, output_dir: str, 
 
 
 def warm(paths: List[str]) -> None:
-    buffer = bytearray(COPY_BUFFER_BYTES)
     for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buffer):
+        with open(path, "rb") as f:
+            while f.read(COPY_BUFFER_BYTES):
                 pass
 
 
@@ -159,23 +148,6 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
     return out
 
 
-def _runs(kinds: List[str], rounds: int, dirs: Dict[str, str], tp: int) -> List[dict]:
-    """Every kind ``rounds`` times in turn, each in a fresh process after its inputs were read (warm page cache)."""
-    sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
-
-    def one(kind: str) -> dict:
-        warm(files_under(dirs["dcp"]) if kind.startswith("from_dcp") else sources)
-        output = os.path.join(dirs["scratch"], kind)
-        r = fresh(case_measure, kind=kind, checkpoint_dir=dirs["checkpoint"], dcp_dir=dirs["dcp"],
-                  output_dir=output, reshard_tp=tp)[0]
-        shutil.rmtree(output, ignore_errors=True)
-        log(f"merge timing: {kind}: {r['seconds']:.2f} s, peak RSS +{r['increase_mib']:.1f} MiB")
-        return r
-
-    by_kind = alternate(kinds, rounds, one)
-    return [dict(by_kind[k][i], round=i) for i in range(rounds) for k in kinds]
-
-
 def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]] = None, tp: int = TP) -> str:
     """``model``'s checkpoint at ``tp`` in ``workdir``, created by a world of tp ranks unless it is there."""
     checkpoint_dir = os.path.join(workdir, f"{model}-tp{tp}")
@@ -187,19 +159,31 @@ def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]]
 
 def measure(model: str, workdir: str, rounds: int, kinds: List[str], config: Optional[Dict[str, Any]] = None,
             tp: int = TP) -> Dict[str, Any]:
-    """Create (or reuse) ``model``'s checkpoint at ``tp`` in ``workdir`` and measure ``kinds`` on it."""
+    """Create (or reuse) ``model``'s checkpoint at ``tp`` in ``workdir``; measure ``kinds`` on it, ``rounds`` times in
+    turn, each in a fresh process after its inputs were read (warm page cache)."""
     dirs = {"checkpoint": ensure_checkpoint(model, workdir, config, tp),
             "dcp": os.path.join(workdir, f"{model}-tp{tp}" + "-dcp"),
             "scratch": tempfile.mkdtemp(prefix="run_", dir=workdir)}
+    sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
+
+    def one(kind: str) -> dict:
+        warm(files_under(dirs["dcp"]) if kind.startswith("from_dcp") else sources)
+        output = os.path.join(dirs["scratch"], kind)
+        r = fresh(case_measure, kind=kind, checkpoint_dir=dirs["checkpoint"], dcp_dir=dirs["dcp"],
+                  output_dir=output, reshard_tp=tp)[0]
+        shutil.rmtree(output, ignore_errors=True)
+        log(f"merge timing: {kind}: {r['seconds']:.2f} s, peak RSS +{r['increase_mib']:.1f} MiB")
+        return r
+
     try:
         if set(kinds) & {"from_dcp", "from_dcp_reshard"} and not os.path.isfile(os.path.join(dirs["dcp"], ".metadata")):
             shutil.rmtree(dirs["dcp"], ignore_errors=True)  # the imports' input: this checkpoint's export, made once
             fresh(case_measure, kind="to_dcp", checkpoint_dir=dirs["checkpoint"], dcp_dir="", output_dir=dirs["dcp"],
                   reshard_tp=tp)
-        runs = _runs(kinds, rounds, dirs, tp)
+        by_kind = alternate(kinds, rounds, one)
     finally:
         shutil.rmtree(dirs["scratch"], ignore_errors=True)
-    sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
+    runs = [dict(by_kind[k][i], round=i) for i in range(rounds) for k in kinds]
     checkpoint_bytes = sum(map(os.path.getsize, sources))
     return {"model": model, "model_config": config or MODELS[model], "tp": tp, "checkpoint_bytes": checkpoint_bytes,
             "checkpoint_tensor_bytes": sum(safetensors_tensor_bytes(p)[1] for p in sources),
@@ -253,15 +237,13 @@ def run(ctx) -> Dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench merge_timing", description=__doc__)
-    parser.add_argument("--workdir", help="where the checkpoint is created (reused when it holds one); default: a "
-                                          "temporary directory, removed at exit")
-    parser.add_argument("--rounds", type=int, default=3, help="measurements of each operation (default: 3)")
-    parser.add_argument("--no-naive", action="store_true", help="skip the naive read-whole-file copy")
-    parser.add_argument("--models", default="bert-large", help=f"comma-separated, from {', '.join(MODELS)}")
-    parser.add_argument("--dcp", action="store_true", help="also the DCP export and the two imports of that export")
-    parser.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
-    args = parser.parse_args(argv)
+    parser, args = tool_args("merge_timing", __doc__, argv, {
+        "--workdir": dict(help="where the checkpoint is created (reused when it holds one); default: a temporary "
+                               "directory, removed at exit"),
+        "--rounds": dict(type=int, default=3, help="measurements of each operation (default: 3)"),
+        "--no-naive": dict(action="store_true", help="skip the naive read-whole-file copy"),
+        "--models": dict(default="bert-large", help=f"comma-separated, from {', '.join(MODELS)}"),
+        "--dcp": dict(action="store_true", help="also the DCP export and the two imports of that export")})
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.rounds < 1 or not models or set(models) - set(MODELS):
         parser.error(f"--rounds {args.rounds} (>= 1), --models {args.models!r} (from {', '.join(MODELS)})")

@@ -1,11 +1,10 @@
-"""Section 9: mixture of experts (docs/performance.md, section 9). A stack of Mixtral-shaped MoE layers
-(``nxdtp.modules.moe``): its train step at TP2 x EP2 on 4 gloo ranks against the dense stack on the same global
-batch in one process; the bytes each layer hands to the all-to-all against the formula; and parameter and storage
-bytes per rank of Mixtral-8x7B at tp=8 x ep=8, counted on the meta device."""
+"""Section 9: Mixtral-shaped MoE layers at TP2 x EP2 against dense, their all-to-all bytes against the formula, and
+Mixtral-8x7B's bytes per rank at tp=8 x ep=8 on the meta device (docs/performance.md, section 9)."""
 
 from __future__ import annotations
 
 from typing import Any, Dict
+from unittest import mock
 
 from .common import Pool, alternate, log, median, records, timed
 
@@ -51,12 +50,8 @@ def case_step(count_all_to_all: bool = False) -> Dict[str, float]:
         x.square().mean().backward()
         grads.allreduce_gradients(_STATE["layers"])
 
-    comm.all_to_all = counting if count_all_to_all else original
-    try:
-        seconds = timed(step)
-    finally:
-        comm.all_to_all = original
-    return {"seconds": seconds, "all_to_all_bytes": float(sum(sent))}
+    with mock.patch.object(comm, "all_to_all", counting if count_all_to_all else original):
+        return {"seconds": timed(step), "all_to_all_bytes": float(sum(sent))}
 
 
 def case_mixtral_bytes(rank: int) -> Dict[str, float]:
@@ -83,15 +78,15 @@ def run(ctx) -> Dict[str, Any]:
     spec = QUICK if ctx.quick else FULL
     log("moe: Mixtral-8x7B bytes per rank at tp=8 x ep=8 on the meta device")
     with Pool(1) as pool:
-        counted = [pool.run(case_mixtral_bytes, tensor_model_parallel_size=None, rank=r)[0] for r in (0, TP * EP - 1)]
+        counted = [pool.call(case_mixtral_bytes, rank=r)[0] for r in (0, TP * EP - 1)]
     log("moe: dense stack (1 process) and TP2 x EP2 (4 gloo ranks), alternating")
     with Pool(1) as dense, Pool(4) as parallel:
         for pool, tp, ep in ((dense, 1, 1), (parallel, 2, 2)):
-            pool.run(case_setup, tensor_model_parallel_size=None, spec=spec, tp=tp, ep=ep)
-        sent = parallel.run(case_step, tensor_model_parallel_size=None, count_all_to_all=True)[0]["all_to_all_bytes"]
+            pool.call(case_setup, spec=spec, tp=tp, ep=ep)
+        sent = parallel.call(case_step, count_all_to_all=True)[0]["all_to_all_bytes"]
         pools = {"dense, 1 process": dense, "TP2 x EP2, 4 ranks": parallel}
         rounds = alternate(list(pools), spec["rounds"], lambda name: max(
-            r["seconds"] for r in pools[name].run(case_step, tensor_model_parallel_size=None)), warmup=1, swap=True)
+            r["seconds"] for r in pools[name].call(case_step)), warmup=1, swap=True)
     return _result(spec, counted, sent, rounds)
 
 

@@ -1,6 +1,5 @@
-"""Section 1: a BertForPreTraining train step on CPU, dense vs nxdtp TP=2 vs DTensor TP=2, then a Llama-shaped decoder
-(GQA), dense vs nxdtp TP=2; ``run_gpu``: dense vs nxdtp tp=1 on one device over NCCL (docs/performance.md, section
-1). Competitors are pools of single-threaded workers; their steps alternate, each timed by the slowest rank."""
+"""Section 1: train steps of competitors (pools of single-threaded workers), alternating, each timed by the slowest
+rank; ``run_gpu``: the --gpu section (docs/performance.md, section 1)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ STATE: Dict[str, Any] = {}  # a worker's model, optimizer and batch between call
 # ---- models and batches (also sections 3 and 4) --------------------------------------------------------------------
 
 def build_dense(model_cfg: Dict[str, Any], seed: int, arch: str = "bert"):
-    """The same model in every process: dropout off, an untied Llama head, every parameter moved off its initial value
-    by seeded N(0, 0.02) noise."""
+    """The same model in every process: dropout off, an untied Llama head, every parameter moved by seeded noise."""
     dropout_off = (dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) if arch == "bert"
                    else dict(attention_dropout=0.0, tie_word_embeddings=False))
     model = common.hf_model(model_cfg, arch, seed, **dropout_off)
@@ -128,8 +126,9 @@ def case_build(kind: str, model_cfg, seq: int, batch: int, arch: str = "bert", v
             "local_vocab_rows": model.get_input_embeddings().weight.shape[0]}
 
 
-def _one_step(marks: bool = False) -> Dict[str, float]:
+def case_step(marks: bool = False) -> Dict[str, float]:
     """zero_grad and forward, backward, clip, AdamW step: the wall time of each phase (device work included)."""
+    barrier()
     model, optimizer, out = STATE["model"], STATE["optimizer"], {}
     actions = {"forward": lambda: (optimizer.zero_grad(set_to_none=True), model(**STATE["batch"]).loss)[1],
                "backward": lambda: out["loss"].backward(), "clip": lambda: STATE["clip"](list(model.parameters())),
@@ -145,11 +144,6 @@ def _one_step(marks: bool = False) -> Dict[str, float]:
     out.update(seconds=last - start, loss=out["loss"].item(), grad_norm=float(out["grad_norm"]))
     del out["_"]
     return out
-
-
-def case_step() -> Dict[str, float]:
-    barrier()
-    return _one_step()
 
 
 def case_memory() -> Dict[str, Any]:
@@ -168,8 +162,7 @@ def case_release() -> None:
 
 
 def case_gemm_probe(model_cfg, seq: int, batch: int, seconds: float = 1.5) -> Dict[str, float]:
-    """Can the TP ranks compute at full speed at once? Each rank times an MLP column-shard GEMM (forward and
-    backward) alone, then all at once: together / alone is 1.0 with a core per rank, 2.0 when two share one."""
+    """Each rank times an MLP column-shard GEMM alone, then all at once: 1.0 with a core per rank, 2.0 sharing one."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(seq * batch, model_cfg["hidden_size"], requires_grad=True)
     w = torch.randn(model_cfg["intermediate_size"] // world, model_cfg["hidden_size"], requires_grad=True)
@@ -197,9 +190,8 @@ def case_gemm_probe(model_cfg, seq: int, batch: int, seconds: float = 1.5) -> Di
 
 def case_profile(row_limit: int = 25) -> Dict[str, Any]:
     """One train step under torch.profiler: the phases' wall times and the ops by self CPU time."""
-    barrier()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step = _one_step(marks=True)
+        step = case_step(marks=True)
     ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:row_limit]
     return {"step": step, "ops": [[e.key, str(e.input_shapes)[:60], e.count, e.self_cpu_time_total / 1e3]
                                   for e in ops if not e.key.startswith("phase::")]}
@@ -230,14 +222,14 @@ def _competitor(kind: str, build: List[dict], steps: List[List[dict]], memory: L
             "last_loss": last[0], "last_loss_ranks_equal": len(set(last)) == 1,
             "parameter_bytes_per_rank": [b["parameter_bytes"] for b in build],
             "attn_implementation": build[0]["attn_implementation"], "local_vocab_rows": build[0]["local_vocab_rows"],
-            "memory": memory[0], "peak_rss_mib_per_rank": [m["peak_mib"] for m in memory],
-            "rss_increase_mib_per_rank": [m["increase_mib"] for m in memory],
-            "peak_over_after_build_mib_per_rank": [m["increase_over_build_mib"] for m in memory],
-            "peak_reset": all(m["peak_reset"] for m in memory)}
+            "memory": memory[0], "peak_reset": all(m["peak_reset"] for m in memory),
+            **{f"{k}_per_rank": [m[v] for m in memory] for k, v in (("peak_rss_mib", "peak_mib"), (
+                "rss_increase_mib", "increase_mib"), ("peak_over_after_build_mib", "increase_over_build_mib"))}}
 
 
-def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu") -> Dict[str, Any]:
-    """Build on every competitor, alternate their steps, read their memory; the figures of each and their ratios."""
+def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu", profiled: bool = False) -> dict:
+    """Build on every competitor, alternate their steps, read their memory (then profile a step), release the model;
+    the figures of each and their ratios."""
     rounds = ctx.rounds or (QUICK if ctx.quick else FULL)["rounds"]
     warmup = WARMUP if ctx.warmup is None else ctx.warmup
     log(f"train step ({arch}): building {', '.join(pools)} (config {spec['model']}, seq {spec['seq']})")
@@ -246,6 +238,10 @@ def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu") -
               for k, p in pools.items()}
     steps = alternate(list(pools), warmup + rounds, lambda k: pools[k].call(case_step), what=f"train step ({arch})")
     c = {k: _competitor(k, builds[k], steps[k], p.call(case_memory), warmup) for k, p in pools.items()}
+    for k, pool in pools.items():
+        if profiled:
+            c[k]["profile"] = pool.call(case_profile)[0]
+        pool.call(case_release)
     losses = {k: v["last_loss"] for k, v in c.items()}
     worst = max(abs(v - losses["dense"]) / abs(losses["dense"]) for v in losses.values())
     per_round = {f"nxdtp/{o}": [b / a for b, a in zip(c["nxdtp"]["step_s_per_round"], c[o]["step_s_per_round"])]
@@ -260,23 +256,14 @@ def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu") -
                        **{f"{o} step time, median of per-round ratios": median(v) for o, v in per_round.items()}}}
 
 
-def _release(pools: Dict[str, Pool]) -> None:
-    for pool in pools.values():
-        pool.call(case_release)
-
-
 def run(ctx) -> Dict[str, Any]:
-    """Section 1; ``ctx.vocab_multiple``: make_vocab_size_divisible_by for (b) (Megatron pads to 128)."""
     pools = {k: ctx.competitors.pool(k) for k in LABELS}
     spec = QUICK if ctx.quick else FULL
-    out = _rounds(pools, spec, "bert", ctx)
+    out = _rounds(pools, spec, "bert", ctx, profiled=ctx.profile)
     c = out["competitors"]
     probe = pools["nxdtp"].call(case_gemm_probe, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"])
     out["two_rank_gemm_probe"] = {"per_rank": probe, "together_over_alone": max(p["together_over_alone"]
                                                                                for p in probe)}
-    for kind, pool in pools.items() if ctx.profile else ():
-        c[kind]["profile"] = pool.call(case_profile)[0]
-    _release(pools)
     increase, peak = ({k: max(v[key]) for k, v in c.items()} for key in ("rss_increase_mib_per_rank",
                                                                            "peak_rss_mib_per_rank"))
     out["ratios"].update({"nxdtp/dense peak RSS increase per rank": increase["nxdtp"] / increase["dense"],
@@ -286,20 +273,18 @@ def run(ctx) -> Dict[str, Any]:
         **{f"step_s_{k}": v["step_s"]["median"] for k, v in c.items()},
         "ratio_nxdtp_dense": out["ratios"]["nxdtp/dense step time"],
         "ratio_nxdtp_dtensor": out["ratios"]["nxdtp/dtensor step time"],
-        **{f"peak_rss_mib_{k}": v for k, v in peak.items()}, **{f"rss_increase_mib_{k}": v
-                                                                for k, v in increase.items()},
+        **{f"{n}_{k}": v for n, d in (("peak_rss_mib", peak), ("rss_increase_mib", increase)) for k, v in d.items()},
         "rss_increase_ratio_nxdtp_dense": out["ratios"]["nxdtp/dense peak RSS increase per rank"],
         **{f"last_loss_{k}": v for k, v in out["loss_agreement"]["losses"].items()},
         "loss_max_rel_diff": out["loss_agreement"]["max_rel_diff_vs_dense"],
         "two_rank_gemm_slowdown": out["two_rank_gemm_probe"]["together_over_alone"]})
     llama_pools = {k: pools[k] for k in ("dense", "nxdtp")}  # the same workers, their BERT released
     llama = out["llama"] = _rounds(llama_pools, LLAMA_QUICK if ctx.quick else LLAMA_FULL, "llama", ctx)
-    _release(llama_pools)
     # The workers ran BERT's rounds first: the peak is compared over the RSS right after the Llama was built.
     during = {k: max(v["peak_over_after_build_mib_per_rank"]) for k, v in llama["competitors"].items()}
     llama["ratios"]["nxdtp/dense peak RSS over build per rank"] = during["nxdtp"] / during["dense"]
-    out["numbers"].update({f"llama_step_s_{k}": v["step_s"]["median"] for k, v in llama["competitors"].items()})
-    out["numbers"].update({f"llama_peak_over_build_mib_{k}": v for k, v in during.items()},
+    out["numbers"].update({f"llama_step_s_{k}": v["step_s"]["median"] for k, v in llama["competitors"].items()},
+                          **{f"llama_peak_over_build_mib_{k}": v for k, v in during.items()},
                           llama_ratio_nxdtp_dense=llama["ratios"]["nxdtp/dense step time"],
                           llama_loss_rel_diff=llama["loss_agreement"]["max_rel_diff_vs_dense"],
                           **{f"llama_last_loss_{k}": v for k, v in llama["loss_agreement"]["losses"].items()})
@@ -308,13 +293,11 @@ def run(ctx) -> Dict[str, Any]:
 
 
 def run_gpu(ctx) -> Dict[str, Any]:
-    """The --gpu section: section 1's model and step on one device, dense vs nxdtp at tp=1 (a 1-rank NCCL world);
-    the ratio is nxdtp's overhead where nothing is split. ``ctx.gpu_device == "cpu"`` runs it over gloo."""
+    """The --gpu section: section 1's step, dense vs nxdtp tp=1 (NCCL; gloo when ``ctx.gpu_device`` is cpu)."""
     device = ctx.gpu_device
     backend = "nccl" if device.startswith("cuda") else "gloo"
     pools = {"dense": ctx.competitors.pool("gpu-dense"), "nxdtp": ctx.competitors.pool("gpu-nxdtp", backend)}
     out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device)
-    _release(pools)
     c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]
     memory = {k: v["memory"].get("device_peak_mib", v["memory"]["peak_mib"]) for k, v in c.items()}
     out.update(device=device, backend=backend, numbers={

@@ -1,13 +1,12 @@
-"""What checksum verification costs (``python -m tools.bench verify --help``; docs/performance.md, "Checksum
-verification cost"): merge and load of merge_timing's BERT-large tp=8 checkpoint with and without it."""
+"""What checksum verification costs: merge and load of merge_timing's BERT-large tp=8 checkpoint with and without it
+(``python -m tools.bench verify --help``; docs/performance.md, "Checksum verification cost")."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 
@@ -16,7 +15,7 @@ from nxdtp.checkpointing.index import dtype_from_name, model_file
 from nxdtp.checkpointing.merge import merge
 from nxdtp.checkpointing.save_load import read_model_shard
 
-from .common import alternate, emit, fresh, median, summary, table
+from .common import alternate, emit, fresh, median, summary, table, tool_args
 from .merge_timing import ensure_checkpoint, files_under, tag_dir, warm
 
 OPERATIONS = ("merge", "load", "load-live")
@@ -71,18 +70,17 @@ def case_verify(kind: str, checkpoint_dir: str, output_dir: str, load_rank: int)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench verify", description=__doc__)
-    parser.add_argument("--workdir", required=True, help="holds (or gets) the bert-large-tp8 checkpoint")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--operations", default=",".join(OPERATIONS), help=f"comma-separated, of {OPERATIONS}")
-    parser.add_argument("--load-rank", type=int, default=1, help="the TP rank whose load is timed (default 1)")
-    parser.add_argument("--json", metavar="OUT")
-    args = parser.parse_args(argv)
+    parser, args = tool_args("verify", __doc__, argv, {
+        "--workdir": dict(required=True, help="holds (or gets) the bert-large-tp8 checkpoint"),
+        "--rounds": dict(type=int, default=5), "--load-rank": dict(type=int, default=1, help="the TP rank whose load "
+                                                                   "is timed (default 1)"),
+        "--operations": dict(default=",".join(OPERATIONS), help=f"comma-separated, of {OPERATIONS}")})
     operations = [op for op in OPERATIONS if op in args.operations.split(",")]
     if not operations or set(args.operations.split(",")) - set(OPERATIONS):
         parser.error(f"--operations {args.operations!r}: give some of {', '.join(OPERATIONS)}, comma-separated")
     checkpoint_dir = ensure_checkpoint("bert-large", os.path.abspath(args.workdir))
     tag, scratch = tag_dir(checkpoint_dir), os.path.join(os.path.abspath(args.workdir), "bench_verify_out")
+
     def one(kind: str) -> Dict[str, float]:
         shutil.rmtree(scratch, ignore_errors=True)
         warm(files_under(tag))
@@ -94,22 +92,15 @@ def main(argv=None) -> int:
                         what="verify")
     shutil.rmtree(scratch, ignore_errors=True)
     size = sum(map(os.path.getsize, files_under(os.path.join(tag, "model"))))
-    figures = {op: _figures(samples[op], samples[f"{op}-unverified"]) for op in operations}
-    return emit(_tables(figures, size, args), {"model_bytes": size, "rounds": args.rounds, "figures": figures},
-                args.json)
-
-
-def _figures(on: list, off: list) -> Dict[str, Any]:
-    pick = lambda runs, key: [r[key] for r in runs]  # noqa: E731
-    out = {"verified": pick(on, "seconds"), "unverified": pick(off, "seconds"), "cpu_verified": pick(on, "cpu_seconds"),
-           "cpu_unverified": pick(off, "cpu_seconds"), "verify_seconds": pick(on, "verify_seconds")}
-    out["overhead"] = median(out["verified"]) / median(out["unverified"]) - 1
-    out["cpu_overhead"] = median(out["cpu_verified"]) / median(out["cpu_unverified"]) - 1
-    out["verification_share"] = median(out["verify_seconds"]) / median(out["unverified"])
-    return out
-
-
-def _tables(figures: Dict[str, Any], size: int, args) -> list:
+    figures = {}
+    for op in operations:
+        on, off = samples[op], samples[f"{op}-unverified"]
+        f = figures[op] = {name: [r[key] for r in runs] for name, runs, key in (
+            ("verified", on, "seconds"), ("unverified", off, "seconds"), ("cpu_verified", on, "cpu_seconds"),
+            ("cpu_unverified", off, "cpu_seconds"), ("verify_seconds", on, "verify_seconds"))}
+        f.update(overhead=median(f["verified"]) / median(f["unverified"]) - 1,
+                 cpu_overhead=median(f["cpu_verified"]) / median(f["cpu_unverified"]) - 1,
+                 verification_share=median(f["verify_seconds"]) / median(f["unverified"]))
     labels = {"merge": "merge (all 8 files)",
               "load": f"load, TP rank {args.load_rank} (its file + rank 0's), copied with clone",
               "load-live": f"load, TP rank {args.load_rank}, copied into live tensors"}
@@ -120,5 +111,5 @@ def _tables(figures: Dict[str, Any], size: int, args) -> list:
     columns = ["operation", "verified s (min-max)|.3f", "unverified s (min-max)|.3f", "overhead %|+.1f",
                "CPU s verified / unverified|.3f", "CPU overhead %|+.1f", "time in verification s|.3f",
                "% of unverified|+.1f", "target <= 10 %"]
-    return [f"BERT-large tp=8, model files {size:,} bytes; warm page cache; median of {args.rounds} rounds",
-            table(columns, rows)]
+    return emit([f"BERT-large tp=8, model files {size:,} bytes; warm page cache; median of {args.rounds} rounds",
+                 table(columns, rows)], {"model_bytes": size, "rounds": args.rounds, "figures": figures}, args.json)

@@ -1,5 +1,5 @@
-"""Section 4: XLA graphs per train step on XLA:CPU; distinct graphs over every rank of a simulated world; the compile
-time of one graph (docs/performance.md, section 4). Each part runs in a process of its own."""
+"""Section 4: XLA graphs per train step on XLA:CPU, distinct graphs over every rank of a simulated world, the compile
+time of one graph; each part in a process of its own."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ RANKS_QUICK = dict(world=4, tp=2, seq=16, batch=2, bert=TINY["model"],
 FAMILIES, PHASES = ("bert", "llama"), ("forward", "gradients", "step")
 
 
+def case_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
+    return {variant: _variant_steps(variant, spec) for variant in VARIANTS}
+
+
 def _variant_steps(variant: str, spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -71,10 +75,6 @@ def _variant_steps(variant: str, spec: Dict[str, Any]) -> Dict[str, Any]:
         losses.append(loss)
     # Read after counting: the syncs materialised these tensors, so reading them executes nothing new.
     return {"per_step": per_step, "losses": [float(x.cpu()) for x in losses], "seconds": seconds}
-
-
-def case_steps(spec: Dict[str, Any]) -> Dict[str, Any]:
-    return {variant: _variant_steps(variant, spec) for variant in VARIANTS}
 
 
 def _dense_model(family: str, cfg: Dict[str, Any]):
@@ -120,28 +120,11 @@ def _traced_step(family: str, dense, batch: Dict[str, Any], sequence_parallel: b
     return {"forward": [loss], "gradients": gradients, "step": [loss, norm] + list(model.parameters()) + state}
 
 
-def _compile_one(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Compile, without executing, BERT's whole-step graph at tp=1 (a world of one: no collectives)."""
+def case_ranks(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Never executes a graph: traces every rank of a simulated world, then compiles (only) BERT's whole-step graph at
+    tp=1 (a world of one: no collectives)."""
     import torch_xla
     import torch_xla.debug.metrics as met
-
-    device = torch_xla.device()
-    batch = _batch("bert", spec["bert"], spec["seq"], spec["batch"], device)
-    with parallel_state.simulated_topology(1, 0, 1):
-        tensors = _traced_step("bert", _dense_model("bert", spec["bert"]), batch, False)["step"]
-        met.clear_all()
-        start = time.perf_counter()
-        torch_xla._XLAC._xla_warm_up_cache(tensors, [str(device)])
-        wall = time.perf_counter() - start
-    metric = met.metric_data("CompileTime")
-    return {"wall_s": wall, "compile_time_s": metric[1] / 1e9 if metric else None,
-            "compiles": met.counter_value("UncachedCompile") or 0,
-            "executed": met.counter_value("ExecuteComputation") or 0}
-
-
-def case_ranks(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Never executes a graph: traces every rank of a simulated world, then compiles (only) one tp=1 graph."""
-    import torch_xla
 
     from nxdtp.xla_graphs import trace_every_rank
 
@@ -155,7 +138,18 @@ def case_ranks(spec: Dict[str, Any]) -> Dict[str, Any]:
             census[f"{family} sp={'on' if sp else 'off'}"] = {
                 "distinct": {p: graphs.distinct(p) for p in PHASES}, "ranks_per_graph": graphs.rank_classes("step"),
                 "trace_s": time.perf_counter() - start}
-    return {"census": census, "compile": _compile_one(spec)}
+    device = torch_xla.device()
+    batch = _batch("bert", spec["bert"], spec["seq"], spec["batch"], device)
+    with parallel_state.simulated_topology(1, 0, 1):
+        tensors = _traced_step("bert", _dense_model("bert", spec["bert"]), batch, False)["step"]
+        met.clear_all()
+        start = time.perf_counter()
+        torch_xla._XLAC._xla_warm_up_cache(tensors, [str(device)])
+        wall = time.perf_counter() - start
+    metric = met.metric_data("CompileTime")
+    return {"census": census, "compile": {"wall_s": wall, "compile_time_s": metric[1] / 1e9 if metric else None,
+                                          "compiles": met.counter_value("UncachedCompile") or 0,
+                                          "executed": met.counter_value("ExecuteComputation") or 0}}
 
 
 def run(ctx) -> Dict[str, Any]:

@@ -1,5 +1,4 @@
-"""Section 7: ZeRO-1 (``NeuronZero1Optimizer``): bytes per parameter per rank counted, the peak RSS of a real step and
-the step time against plain DP (docs/performance.md, "ZeRO-1")."""
+"""Section 7: ZeRO-1's bytes per parameter per rank counted, the peak RSS of a real step, step time against plain DP."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from nxdtp.optimizer import NeuronZero1Optimizer, optimizer_state_bytes
 from nxdtp.spec import FlatShardLayout
 
 from . import common
-from .common import Pool, alternate, barrier, cell, hf_model, log, median, model_text, records, rss_mark, verdict
+from .common import Pool, alternate, barrier, cell, hf_model, log, median, model_text, records, rss_mark, slowest, timed
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -184,16 +183,11 @@ def case_collectives(reps: int) -> Dict[str, Any]:
     rows = torch.nn.functional.pad(flat, (0, shard * group.size - numel)).reshape(group.size, shard)
     times: Dict[str, List[float]] = {"all_reduce_s": [], "reduce_scatter_s": [], "all_gather_s": []}
     for _ in range(reps):
-        barrier()
-        t0 = time.perf_counter()
-        comm.all_reduce(flat, group)
-        times["all_reduce_s"].append(time.perf_counter() - t0)
-        barrier()
-        t0 = time.perf_counter()
-        mine = comm.reduce_scatter(rows, group, dim=0)
-        t1 = time.perf_counter()
-        comm.all_gather(mine, group, dim=0)
-        times["reduce_scatter_s"].append(t1 - t0)
+        times["all_reduce_s"].append(timed(lambda: comm.all_reduce(flat, group)))
+        mine = []
+        times["reduce_scatter_s"].append(timed(lambda: mine.append(comm.reduce_scatter(rows, group, dim=0))))
+        t1 = time.perf_counter()  # no barrier: the all-gather follows the reduce-scatter as in the optimizer's step
+        comm.all_gather(mine[0], group, dim=0)
         times["all_gather_s"].append(time.perf_counter() - t1)
     return {"bytes": numel * 4, **times}
 
@@ -208,9 +202,8 @@ def case_time_finish() -> Dict[str, float]:
 
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
-    most = {k: None if None in (v := [r[k] for r in per_rank]) else max(v) for k in (
-        "parameters", "parameter_bytes", "grad_bytes", "peak_rss_increase_kib", "rss_held_increase_kib",
-        "rss_before_kib")}
+    most = slowest(per_rank, ("parameters", "parameter_bytes", "grad_bytes", "peak_rss_increase_kib",
+                              "rss_held_increase_kib", "rss_before_kib"))
     return {"per_rank": per_rank, "parameters_per_rank": most["parameters"], "parameter_bytes": most["parameter_bytes"],
             "grad_bytes": most["grad_bytes"],
             "optimizer_bytes_counted": max(sum(r["optimizer_bytes"].values()) for r in per_rank),
@@ -225,8 +218,7 @@ def _timing(pool: Pool, spec: Dict[str, Any], tp: int, dp: int) -> Dict[str, Any
     keys = ("forward_backward_s", "update_s", "step_s")
     samples = alternate(("plain", "zero1"), spec["rounds"], lambda v: pool.call(case_step, variant=v),
                         warmup=spec["warmup"], swap=True, what=f"zero1 tp={tp} x dp={dp}")
-    samples = {v: [{**{k: max(r[k] for r in ranks) for k in keys}, "loss": ranks[0]["loss"]} for ranks in s]
-               for v, s in samples.items()}
+    samples = {v: [{**slowest(ranks, keys), "loss": ranks[0]["loss"]} for ranks in s] for v, s in samples.items()}
     collectives = pool.call(case_collectives, reps=spec["collective_reps"])
     finish = pool.call(case_time_finish)
     cc = {k: median(max(r[k][i] for r in collectives) for i in range(spec["collective_reps"]))
@@ -311,7 +303,7 @@ TIME_COLUMNS = {"world": lambda x: f"tp{x['tp']} x dp{x['dp']}",
                 "ratio of the medians": "ratio_of_medians",
                 "after backward s, plain / ZeRO-1": lambda x: [x["median"][v]["update_s"] for v in ("plain", "zero1")],
                 "after-backward ratio": "update_ratio",
-                "goal": lambda x: f"<= {STEP_TIME_GOAL}: {verdict(x['ratio'], STEP_TIME_GOAL)}",
+                "goal": lambda x: f"<= {STEP_TIME_GOAL}: {common.verdict(x['ratio'], STEP_TIME_GOAL)}",
                 "max abs weight difference|.2e": "max_abs_weight_difference",
                 "DP buffer|bytes": lambda x: x["collectives"]["bytes"],
                 **{c: lambda x, k=k: x["collectives"][k] for c, k in (
