@@ -24,6 +24,7 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "zero1": ("zero1", "7. ZeRO-1: bytes per parameter, peak RSS, step time"),
             "async_save": ("async_save", "8. Checkpoint stall: save_checkpoint, sync against async_save"),
             "moe": ("moe", "9. Mixture of experts: TP x EP"),
+            "logits": ("logits", "10. Full-vocabulary logits: what they cost"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
 TOOLS = {"merge_timing": "merge_timing", "verify": "verification", "divergence": "divergence"}  # name: module
@@ -61,7 +62,18 @@ def _arguments(argv) -> tuple:
 def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
     """Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
     run does everything one after the other, so nothing disturbs the timed sections."""
-    from . import activation_memory, async_save, communication, memory, merge_timing, moe, train_step, xla_graphs, zero1
+    from . import (
+        activation_memory,
+        async_save,
+        communication,
+        logits,
+        memory,
+        merge_timing,
+        moe,
+        train_step,
+        xla_graphs,
+        zero1,
+    )
 
     spec = train_step.QUICK if ctx.quick else train_step.FULL
     early = {k: background.submit(fn).result for k, fn in (("comm", lambda: communication.trace_hlo(spec)),
@@ -71,6 +83,7 @@ def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
             "comm": lambda: communication.run(ctx, early["comm"]() if "comm" in early else None),
             "memory": lambda: memory.run(ctx), "actmem": lambda: activation_memory.run(ctx),
             "zero1": lambda: zero1.run(ctx), "async_save": lambda: async_save.run(ctx), "moe": lambda: moe.run(ctx),
+            "logits": lambda: logits.run(ctx),
             "xla": early.get("xla", lambda: xla_graphs.run(ctx)), "merge": lambda: merge_timing.run(ctx)}
 
 

@@ -50,11 +50,11 @@ def case_step(mode: str) -> Dict[str, float]:
 def run(ctx) -> Dict[str, Any]:
     spec = QUICK if ctx.quick else FULL
     log("logits: Llama-shaped model at TP2 (2 gloo ranks), full logits against vocab_parallel_logits, alternating")
-    with Pool(2) as pool:
-        pool.run(case_setup, tensor_model_parallel_size=2, spec=spec)
-        results = {mode: pool.run(case_step, tensor_model_parallel_size=2, mode=mode)[0] for mode in MODES}
+    with Pool(2, tp=2) as pool:
+        pool.call(case_setup, spec=spec)
+        results = {mode: pool.call(case_step, mode=mode)[0] for mode in MODES}
         rounds = alternate(list(MODES), spec["rounds"], lambda mode: max(
-            r["seconds"] for r in pool.run(case_step, tensor_model_parallel_size=2, mode=mode)), warmup=1, swap=True)
+            r["seconds"] for r in pool.call(case_step, mode=mode)), warmup=1, swap=True)
     full, shards = (median(rounds[mode]) for mode in MODES)
     numbers = {"step_s_full_logits": full, "step_s_vocab_parallel": shards, "full_over_vocab_parallel": full / shards,
                "logits_bytes_full": results[MODES[0]]["logits_bytes"],
