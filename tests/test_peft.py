@@ -187,6 +187,28 @@ def case_lora_equals_dense(family: str, sequence_parallel: bool, kv_heads: int, 
     return losses
 
 
+def case_lora_on_the_lm_head_gives_full_logits():
+    """LoRA on the vocab-parallel LM head too (the head is then PEFT's layer around nxdtp's): the forward still
+    returns the dense PEFT model's full-vocabulary logits, padded vocabulary dropped, and the same loss."""
+    torch.manual_seed(5)
+    dense, targets = _llama(2)
+    randomised(dense, 6)
+    tp_model = parallelize_model(copy.deepcopy(dense), make_vocab_size_divisible_by=8)
+    torch.manual_seed(7)
+    dense = peft.get_peft_model(dense, _lora_config([*targets, "lm_head"], init_lora_weights="gaussian"))
+    torch.manual_seed(7)
+    tp_peft = peft.get_peft_model(tp_model, _lora_config([*targets, "lm_head"], init_lora_weights="gaussian"))
+    batch = _batch(dense.config.vocab_size)
+    out, expected = tp_peft(**batch), dense(**batch)
+    assert out.logits.shape == expected.logits.shape, (tuple(out.logits.shape), tuple(expected.logits.shape))
+    torch.testing.assert_close(out.logits, expected.logits, **TOL)
+    torch.testing.assert_close(out.loss, expected.loss, **TOL)
+
+
+def test_lora_on_the_lm_head_gives_full_logits(worlds):
+    worlds(2).run(case_lora_on_the_lm_head_gives_full_logits, tensor_model_parallel_size=2)
+
+
 def case_save_adapter(directory: str, family: str, kv_heads: int):
     """One AdamW step at this TP degree, then PEFT's save_pretrained (global rank 0 writes); the TP model's logits."""
     import torch.distributed as dist

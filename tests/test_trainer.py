@@ -302,7 +302,8 @@ def case_refusals():
             ("fp16=True", dict(fp16=True), {}),
             ("push_to_hub=True", dict(push_to_hub=True), {}),
             ("fsdp", dict(fsdp="full_shard"), {}),
-            ("load_best_model_at_end=True", dict(load_best_model_at_end=True), {})):
+            ("load_best_model_at_end=True", dict(load_best_model_at_end=True), {}),
+            ("precompute_ref_log_probs=True", dict(precompute_ref_log_probs=True), {})):
         with pytest.raises(ValueError, match="TensorParallelTrainer cannot run this configuration: .*" + what) as e:
             TensorParallelTrainer(model=model, args=types.SimpleNamespace(**args), **extra)
         refused[what] = str(e.value)
@@ -322,7 +323,7 @@ def case_refusals():
 
 def test_unsupported_modes_are_refused_at_construction(worlds):
     refused = worlds(2).run(case_refusals, tensor_model_parallel_size=2)
-    assert refused[0] == refused[1] and len(refused[0]) == 5
+    assert refused[0] == refused[1] and len(refused[0]) == 6
 
 
 @pytest.fixture(scope="module")

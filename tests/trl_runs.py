@@ -51,18 +51,28 @@ def dataset(kind: str):
     return Dataset.from_list(rows)
 
 
-def config(kind: str, out: str, tp_run: bool, per_device: int, accumulation: int):
+def config(kind: str, out: str, per_device: int, accumulation: int, **options):
     """SGD in fp32 (see tests/trainer_runs.py's training_arguments), TRL's other defaults kept (gradient
-    checkpointing on, as SFTConfig sets it)."""
+    checkpointing on, as SFTConfig sets it); ``options`` override."""
     import trl
 
     common = dict(output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
                   learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], optim="sgd", seed=3,
                   data_seed=4, dataloader_drop_last=True, use_cpu=True, disable_tqdm=True, max_steps=3,
-                  save_strategy="no", bf16=False)
+                  save_strategy="no", **{"bf16": False, "max_length": None, **options})
     if kind == "sft":
-        return trl.SFTConfig(**common, max_length=None)
-    return trl.DPOConfig(**common, beta=0.5, max_length=None)
+        return trl.SFTConfig(**common)
+    return trl.DPOConfig(**common, beta=0.5)
+
+
+def check_reference_head_under_mixed_precision(trainer_class, policy, reference, out: str) -> None:
+    """With bf16, accelerate wraps the reference model's forward while DPOTrainer is built: the forward it wraps
+    must be nxdtp's vocab-parallel fused head, not TRL's (which would read this rank's vocabulary shard)."""
+    built = trainer_class(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference),
+                          args=config("dpo", out, 1, 1, bf16=True), train_dataset=dataset("dpo"),
+                          processing_class=tokenizer())
+    wrapped = built.ref_model.__dict__["_original_forward"]
+    assert wrapped.__func__.__code__.co_filename.endswith("fused_head.py"), wrapped.__func__.__code__
 
 
 def run(kind: str, out: str, tp: int, per_device: int, accumulation: int) -> None:
@@ -83,7 +93,9 @@ def run(kind: str, out: str, tp: int, per_device: int, accumulation: int) -> Non
         reference = parallelize_model(reference) if reference is not None else None
         trainer_class = tensor_parallel_trainer(trainer_class)
     extra = {"ref_model": reference} if kind == "dpo" else {}
-    trainer = trainer_class(model=policy, args=config(kind, out, bool(tp), per_device, accumulation),
+    if tp and kind == "dpo":
+        check_reference_head_under_mixed_precision(trainer_class, policy, reference, os.path.join(out, "bf16"))
+    trainer = trainer_class(model=policy, args=config(kind, out, per_device, accumulation),
                             train_dataset=dataset(kind), processing_class=tokenizer(), **extra)
     trainer.train()
     trainer.save_model(os.path.join(out, "final") if tp else out)

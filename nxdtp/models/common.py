@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import mappings, sequence_parallel_linear
+from ..loss_functions import FullVocabularyNote
 from ..plan import SEQUENCE_PARALLEL, TENSOR_PARALLEL, WrapForward, wrapper_factory
 from ..random import get_xla_rng_tracker
 from ..record import read_note
@@ -73,9 +74,9 @@ def with_and_without_prefix(name: str, prefix: str) -> list:
 
 
 def gather_vocab_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """All-gather vocab-parallel logits over TP and drop the padded columns. Logits that are full already
-    (``vocab_size`` wide, as a parallelized model's forward returns them by default) are returned as they are."""
-    if vocab_parallel_logits.shape[-1] == vocab_size:
+    """All-gather vocab-parallel logits over TP and drop the padded columns. The full-vocabulary logits a
+    parallelized model's forward returns by default (they carry a ``FullVocabularyNote``) are returned as they are."""
+    if read_note(vocab_parallel_logits, FullVocabularyNote).full:
         return vocab_parallel_logits
     full = mappings.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
     return full[..., :vocab_size]

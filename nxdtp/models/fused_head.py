@@ -4,11 +4,12 @@ TRL's trainers (SFT, DPO, GRPO, ...) call ``add_fused_lm_head(model)``, which re
 that, given ``fused_lm_head=True``, runs the backbone and multiplies the hidden states by ``lm_head.weight`` itself to
 get each label's log-probability (and the entropy, the top-1 hit, ...) without building the logits. On a parallelized
 model that weight is this rank's vocabulary slice: the softmax would run over a fraction of the vocabulary, and the run
-would train, wrongly, without an error. ``use_vocab_parallel_fused_heads(trainer)`` (which ``TensorParallelTrainer``
-calls once the TRL trainer is built) replaces each such forward with this module's: the same outputs, computed from the
-LM head's vocab-parallel logits by ``nxdtp.loss_functions.vocab_parallel_token_statistics`` (two small all-reduces per
-forward, no gather). It holds this rank's ``[tokens, vocabulary / tp]`` logits where TRL's kernel tiles the full
-vocabulary.
+would train, wrongly, without an error. While ``TensorParallelTrainer`` builds a TRL trainer,
+``vocab_parallel_fused_heads()`` follows each of TRL's ``add_fused_lm_head`` calls with this module's forward: the
+same outputs, computed from the LM head's vocab-parallel logits by
+``nxdtp.loss_functions.vocab_parallel_token_statistics`` (two small all-reduces per forward, no gather). It holds
+this rank's ``[tokens, vocabulary / tp]`` logits and a few fp32 temporaries of that size for the backward, where
+TRL's kernel tiles the full vocabulary.
 
 TRL's settings for the head (temperature, logit scale and soft-capping, the outputs asked for, the forward it wrapped)
 are read from its forward's closure; a TRL release whose fused head keeps other names is refused by name.
@@ -19,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import types
 
 import torch
 from torch import nn
 
 from ..loss_functions import vocab_parallel_token_statistics
-from .logits import vocab_parallel_head
+from .logits import vocab_parallel_head, vocabulary_sizes
 
 TRL_FORWARD_NAME = "_fused_forward"
 TRL_SETTINGS = ("original_forward", "backbone_attr", "temperature", "logit_scale", "final_logit_softcapping",
@@ -33,22 +35,59 @@ TRL_SETTINGS = ("original_forward", "backbone_attr", "temperature", "logit_scale
 STATISTICS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
-def use_vocab_parallel_fused_heads(trainer) -> None:
-    """Give every model of ``trainer`` (the policy, and a reference model) that TRL fitted with its fused LM head and
-    nxdtp parallelized with a vocab-parallel head the vocab-parallel fused head (module docstring)."""
+@contextlib.contextmanager
+def vocab_parallel_fused_heads():
+    """While a TRL trainer is built: each ``add_fused_lm_head(model)`` TRL calls is followed at once by nxdtp's fused
+    forward on ``model`` when its head is vocab-parallel, before anything else runs the model or wraps its forward
+    (accelerate's mixed-precision wrapper, DPO's precomputed reference log-probabilities). TRL's modules that hold the
+    function get the wrapped one for the duration only."""
+    utils = sys.modules.get("trl.trainer.utils")
+    original = utils.__dict__.get("add_fused_lm_head") if utils is not None else None
+    if original is None:   # TRL not imported: no TRL trainer is being built
+        yield
+        return
+
+    def add_fused_lm_head(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        _use_vocab_parallel_fused_forward(model)
+
+    holders = [module for name, module in list(sys.modules.items())
+               if name.startswith("trl.") and getattr(module, "__dict__", {}).get("add_fused_lm_head") is original]
+    for module in holders:
+        module.add_fused_lm_head = add_fused_lm_head
+    try:
+        yield
+    finally:
+        for module in holders:
+            module.add_fused_lm_head = original
+
+
+def refuse_trl_fused_heads_left(trainer) -> None:
+    """After a TRL trainer is built: refuse, by name, a model whose vocab-parallel head TRL's own fused head still
+    reads (fitted where ``vocab_parallel_fused_heads`` did not see it), and TRL's MoE load-balancing loss."""
     for model in models_of(trainer):
-        trl_forward = model.__dict__.get("forward")
-        code = getattr(getattr(trl_forward, "__func__", None), "__code__", None)
-        if getattr(code, "co_name", None) != TRL_FORWARD_NAME:   # functools.wraps renamed the function, not its code
-            continue
         if vocab_parallel_head(model) is None:
             continue   # a dense reference model, or a head HF's tp_plan left whole: TRL's own head is right
+        if any(_is_trl_fused_forward(model.__dict__.get(name)) for name in ("forward", "_original_forward")):
+            raise NotImplementedError(
+                f"{type(trainer).__name__}: TRL fitted its fused LM head on {type(model).__name__} where nxdtp could "
+                "not replace it; it would take its softmax over this rank's vocabulary shard")
         if getattr(trainer, "aux_loss_enabled", False):
             raise NotImplementedError(
                 f"{type(trainer).__name__} with a mixture-of-experts load-balancing loss (router_aux_loss_coef="
                 f"{getattr(trainer, 'router_aux_loss_coef', None)}): TRL computes it from router logits nxdtp's expert "
                 "layers reduce differently; set router_aux_loss_coef=0.0 in the trainer's config, or train with "
                 "TensorParallelTrainer")
+
+
+def _is_trl_fused_forward(forward) -> bool:
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return getattr(code, "co_name", None) == TRL_FORWARD_NAME   # functools.wraps renamed the function, not its code
+
+
+def _use_vocab_parallel_fused_forward(model: nn.Module) -> None:
+    trl_forward = model.__dict__.get("forward")
+    if _is_trl_fused_forward(trl_forward) and vocab_parallel_head(model) is not None:
         model.forward = types.MethodType(_vocab_parallel_fused_forward(model, _trl_settings(trl_forward)), model)
 
 
@@ -72,7 +111,7 @@ def _trl_settings(trl_forward) -> dict:
 
         raise NotImplementedError(f"TRL {trl.__version__}'s fused LM head does not keep {missing} where nxdtp reads "
                                   "them, so nxdtp cannot compute it on the vocab-parallel shards; use a TRL release "
-                                  "in nxdtp's tested range (setup.cfg's hf extra)")
+                                  "in nxdtp's tested range (pip install 'nxdtp[trl]')")
     return {name: settings[name] for name in TRL_SETTINGS}
 
 
@@ -118,10 +157,9 @@ def _fused_outputs(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor,
     label is ignored, and the loss as TRL's head computes it."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    head = vocab_parallel_head(model)
     mask = labels != -100
     statistics = vocab_parallel_token_statistics(logits, labels.clamp(min=0),
-                                                 getattr(head, "real_output_size", head.output_size))
+                                                 vocabulary_sizes(vocab_parallel_head(model))[1])
     asked = set(settings["outputs"]) | {"log_probs"}
     values = {name: statistics[name].masked_fill(~mask, 0) if name in asked else None for name in STATISTICS}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

@@ -40,7 +40,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpointing, comm, grads, parallel_state
 from ..record import note_of
-from .fused_head import models_of, use_vocab_parallel_fused_heads
+from .fused_head import models_of, refuse_trl_fused_heads_left, vocab_parallel_fused_heads
 from .hf_integration import TrainedByNote
 from .logits import has_vocab_parallel_head, vocab_parallel_logits
 from .trainer_resume import ResumeSource, checkpoint_at_this_size, reseed_by_rule
@@ -66,19 +66,19 @@ def _model_and_wrapped(model):
 
 
 def _model_and_args(next_init, positional: tuple, keywords: dict):
-    """The model and the training arguments among the arguments a Trainer subclass's ``__init__`` (``next_init``)
-    receives: their positions differ (TRL's DPOTrainer takes ``ref_model`` second, GRPOTrainer ``reward_funcs``)."""
+    """The model, the training arguments and a reference model (TRL's DPO) among the arguments a Trainer subclass's
+    ``__init__`` (``next_init``) receives: their positions differ (DPOTrainer takes ``ref_model`` second)."""
     try:
         arguments = inspect.signature(next_init).bind_partial(*positional, **keywords).arguments
     except TypeError:
         arguments = {}
     model = arguments.get("model", keywords.get("model", positional[0] if positional else None))
-    return model, arguments.get("args", keywords.get("args"))
+    return model, arguments.get("args", keywords.get("args")), arguments.get("ref_model")
 
 
 def tensor_parallel_trainer(trainer_class: type) -> type:
-    """``trainer_class`` (a subclass of ``transformers.Trainer``: TRL's ``SFTTrainer``, ``DPOTrainer``,
-    ``GRPOTrainer``, or one's own) made to train an nxdtp-parallelized model as ``TensorParallelTrainer`` does: the
+    """``trainer_class`` (a subclass of ``transformers.Trainer``: TRL's ``SFTTrainer`` or ``DPOTrainer``, or one's
+    own) made to train an nxdtp-parallelized model as ``TensorParallelTrainer`` does: the
     class ``TensorParallel<Name>`` with ``TensorParallelTrainer`` before it, made once per class. Its arguments are
     ``trainer_class``'s. TRL's fused LM head is computed on the vocab-parallel shards (``nxdtp.models.fused_head``)."""
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
@@ -114,6 +114,10 @@ def _refusals(model, args) -> list:
                        "(on CPU accelerate ignores fp16 anyway and trains in fp32)")
     if getattr(args, "push_to_hub", False):
         reasons.append("push_to_hub=True: " + PUSH_TO_HUB)
+    if getattr(args, "precompute_ref_log_probs", False):
+        reasons.append("precompute_ref_log_probs=True: TRL names its cache of reference log-probabilities by a hash "
+                       "of the model's state_dict, which holds nxdtp's layout records besides tensors; leave it False "
+                       "(the reference model then runs beside the trained one)")
     if getattr(args, "load_best_model_at_end", False):
         reasons.append("load_best_model_at_end=True: not supported yet; reload a checkpoint-N with "
                        "resume_from_checkpoint instead")
@@ -128,7 +132,7 @@ class TensorParallelTrainer(transformers.Trainer):
     ``Trainer`` on the global batch (DP size × per-device batch × accumulation steps)."""
 
     def __init__(self, *positional, **keywords):
-        model, args = _model_and_args(super().__init__, positional, keywords)
+        model, args, reference = _model_and_args(super().__init__, positional, keywords)
         name = type(self).__name__
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError(f"{name} needs nxdtp's parallel state: call "
@@ -149,13 +153,17 @@ class TensorParallelTrainer(transformers.Trainer):
         # (get_peft_model) hands attribute reads to the HF model it wraps: both get them.
         for target in _model_and_wrapped(model):
             target._tp_size = tp
-            note_of(target, TrainedByNote).trainer = name   # the forward's guard against plain Trainer
-        model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
-        super().__init__(*positional, **keywords)
-        self._refuse_foreign_accelerator()
-        for target in models_of(self):   # a reference model TRL runs beside the trained one
+        # The forward's guard against plain Trainer; TRL may run a reference model while it is built (DPO's
+        # precomputed log-probabilities).
+        for target in _model_and_wrapped(model) + (_model_and_wrapped(reference) if reference is not None else []):
             note_of(target, TrainedByNote).trainer = name
-        use_vocab_parallel_fused_heads(self)
+        model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
+        with vocab_parallel_fused_heads():
+            super().__init__(*positional, **keywords)
+        self._refuse_foreign_accelerator()
+        refuse_trl_fused_heads_left(self)
+        for target in models_of(self):   # a reference model TRL made itself
+            note_of(target, TrainedByNote).trainer = name
 
     def _refuse_foreign_accelerator(self):
         if self.accelerator.distributed_type.name == "XLA":

@@ -38,13 +38,24 @@ class LogitsNote:
 
 
 def vocab_parallel_head(model: nn.Module):
-    """The model's LM head if its logits are vocab-parallel (a column-parallel layer that does not gather), else None
-    (a head HF's tp_plan left replicated gives full logits already)."""
+    """The model's LM head if its logits are vocab-parallel (a column-parallel layer that does not gather, or PEFT's
+    LoRA layer around one), else None (a head HF's tp_plan left replicated gives full logits already)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    if isinstance(head, ColumnParallelLinear) and not head.gather_output:
+    layer = _parallel_layer(head)
+    if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
         return head
     return None
+
+
+def vocabulary_sizes(head: nn.Module) -> tuple:
+    """(the columns of the logits a rank's ``head`` computes, the real vocabulary size) of a vocab-parallel head."""
+    layer = _parallel_layer(head)
+    return layer.output_size_per_partition, getattr(layer, "real_output_size", layer.output_size)
+
+
+def _parallel_layer(head):
+    return head.get_base_layer() if hasattr(head, "get_base_layer") else head
 
 
 def has_vocab_parallel_head(model: nn.Module) -> bool:
@@ -97,11 +108,12 @@ def _full_vocabulary_logits(forward, *args, **kwargs):
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     outputs = forward(*args, return_dict=True, **kwargs)
+    local, real = vocabulary_sizes(head)
     if hasattr(outputs, "keys"):
         for key in LOGITS_KEYS:
             logits = outputs.get(key)
-            if torch.is_tensor(logits) and logits.shape[-1] == head.output_size_per_partition:
-                outputs[key] = gather_vocab_logits(logits, getattr(head, "real_output_size", head.output_size))
+            if torch.is_tensor(logits) and logits.shape[-1] == local:
+                outputs[key] = gather_vocab_logits(logits, real)
                 note_of(outputs[key], FullVocabularyNote).full = True   # the vocab-parallel losses refuse them
     if return_dict:
         return outputs
