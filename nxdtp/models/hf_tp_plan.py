@@ -15,7 +15,7 @@ HF's style strings map onto nxdtp styles:
 | ``replicated_with_grad_allreduce`` | ``ReplicatedWithGradAllReduce`` |
 | ``moe_tp_experts`` | ``ParallelExperts`` (``nxdtp.models.moe``), which splits the experts' weights itself |
 
-(*) a vocab-parallel head whose logits stay split, and the vocab-parallel loss.
+(*) a vocab-parallel head (the model's forward gathers its logits) and the vocab-parallel loss.
 
 The input embedding is made vocab-parallel too, so a head tied to it stays consistent, unless its class has a forward
 of its own (Gemma's scaled embedding): then it stays replicated, and so does a head tied to it (a warning says so).

@@ -51,6 +51,7 @@ TRAINING_TAG = "nxdtp_training"
 MODEL_TAG = "nxdtp_model"
 OLDEST_TRAINER = (5, 0)
 _TRAINER_CLASSES: dict = {}
+ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer")
 ONLINE_GENERATION = ("it generates completions for every process and hands each process its slice by process index, "
                      "so the ranks of a TP group would train on different samples; train with SFTTrainer or "
                      "DPOTrainer on generated data, or generate with model.generate and train with your own loop")
@@ -94,7 +95,7 @@ def tensor_parallel_trainer(trainer_class: type) -> type:
 def _refused_classes(trainer_class: type) -> list:
     """The Trainer subclasses in ``trainer_class``'s bases that cannot train a TP model, each as a sentence."""
     return [f"{cls.__name__}: {ONLINE_GENERATION}" for cls in trainer_class.__mro__
-            if cls.__module__.startswith("trl.") and cls.__name__ in ("GRPOTrainer", "RLOOTrainer")]
+            if cls.__module__.startswith("trl.") and cls.__name__ in ONLINE_TRAINERS]
 
 
 def _refusals(model, args) -> list:
@@ -217,12 +218,14 @@ class TensorParallelTrainer(transformers.Trainer):
                                         num_items_in_batch=num_items_in_batch)
         # Trainer's own compute_loss reads nothing but the model's loss unless it returns the outputs or computes the
         # loss from the logits itself: then the logits can stay vocab-parallel (no gather).
-        only_the_loss = (not return_outputs and "labels" in inputs and self.compute_loss_func is None
-                         and self.label_smoother is None and has_vocab_parallel_head(self.model))
+        # Decided before the call: Trainer takes the labels out of ``inputs`` when it computes the loss itself.
+        models_loss = "labels" in inputs and self.compute_loss_func is None and self.label_smoother is None
+        only_the_loss = models_loss and not return_outputs and has_vocab_parallel_head(self.model)
         with vocab_parallel_logits(self.model) if only_the_loss else contextlib.nullcontext():
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                  num_items_in_batch=num_items_in_batch)
-        loss = _aux_loss_scaled_once(self, loss, outputs, num_items_in_batch)
+        if models_loss:   # else the loss holds no load-balancing term to correct
+            loss = _aux_loss_scaled_once(self, loss, outputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def _clip_grad_norm(self, model):
@@ -232,6 +235,14 @@ class TensorParallelTrainer(transformers.Trainer):
         return grads.get_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm
 
     # ---- evaluation and prediction: full-vocabulary logits, gathered over DP only ------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Only the loss is wanted, and Trainer's own compute_loss reads nothing else: no logits to gather.
+        loss_only = (prediction_loss_only and _next_compute_loss(type(self)) is transformers.Trainer.compute_loss
+                     and self.compute_loss_func is None and self.label_smoother is None
+                     and has_vocab_parallel_head(self.model))
+        with vocab_parallel_logits(self.model) if loss_only else contextlib.nullcontext():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def evaluation_loop(self, *args, **kwargs):
         # Trainer resets gather_function to accelerate's gather_for_metrics at the end of every loop: set it each time.

@@ -11,8 +11,8 @@ Megatron-style, as for BERT:
   divide) each KV head is repeated until TP divides them (``KVReplicatedColumnParallel``); query heads TP does not
   divide get zero heads (``HeadPadded``, ``pad_heads``). ``attention_styles.py`` chooses these styles.
 * ``embed_tokens`` and ``lm_head`` are vocab-parallel (padded to ``make_vocab_size_divisible_by * tp``), tied when the
-  config ties them. The loss is the vocab-parallel causal-LM loss (``nxdtp.models.losses``); ``logits`` stay
-  vocab-parallel (``gather_vocab_logits`` gives the full ones).
+  config ties them. The loss is the vocab-parallel causal-LM loss (``nxdtp.models.losses``); the forward
+  returns full-vocabulary ``logits`` (``nxdtp.models.logits``).
 * RMSNorms are replicated. Qwen3's q_norm / k_norm act on this rank's heads only, so their gradients are summed over
   TP in backward (``ReplicatedWithGradAllReduce``).
 * ``sequence_parallel=True``: the hidden states are split along the sequence from the first decoder layer's input to

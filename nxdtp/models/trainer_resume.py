@@ -17,6 +17,7 @@ resumed at), the same on every run that resumes there, and the log says so.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -25,7 +26,7 @@ import numpy
 
 from .. import comm
 from ..checkpointing import CheckpointIndex
-from ..checkpointing.merge import reshard
+from ..checkpointing.merge import RESHARD_FILE, reshard
 from ..checkpointing.save_load import rng_file
 from ..random import model_parallel_xla_manual_seed
 from ..topology import data_parallel_group, get_topology, tensor_parallel_group
@@ -52,21 +53,32 @@ def checkpoint_at_this_size(checkpoint_dir: str, tag: str, output_dir: str) -> R
         rng_saved = os.path.isfile(os.path.join(checkpoint_dir, tag, rng_file(get_topology().rank)))
         return ResumeSource(checkpoint_dir, tag, index.data_parallel_size == dp and rng_saved)
     resharded = os.path.join(output_dir, f"resharded-tp{tp}-{os.path.basename(os.path.normpath(checkpoint_dir))}")
-    if not os.path.isdir(os.path.join(resharded, tag)):
-        outcome = "done"
-        if get_topology().rank == 0:
-            logger.warning("%s was saved at tensor_model_parallel_size=%d; resharding it to %d in %s",
-                           checkpoint_dir, index.tensor_model_parallel_size, tp, resharded)
-            try:
-                reshard(checkpoint_dir, resharded, tp, tag=tag, progress=False)
-            except Exception as error:   # every rank must learn of it, or the others wait at the gather forever
-                outcome = f"{type(error).__name__}: {error}"
-        outcome = comm.all_gather_object(outcome)[0]
-        if outcome != "done":
-            raise RuntimeError(f"resuming from {checkpoint_dir} at tensor_model_parallel_size={tp}: resharding its "
-                               f"{tag} (saved at tensor_model_parallel_size={index.tensor_model_parallel_size}) "
-                               f"failed on rank 0: {outcome}")
+    outcome = "done"
+    if get_topology().rank == 0:   # one rank decides and writes; every rank then takes part in one gather
+        try:
+            _reshard_unless_done(checkpoint_dir, tag, resharded, index.tensor_model_parallel_size, tp)
+        except Exception as error:   # every rank must learn of it, or the others would go on alone
+            outcome = f"{type(error).__name__}: {error}"
+    outcome = comm.all_gather_object(outcome)[0]
+    if outcome != "done":
+        raise RuntimeError(f"resuming from {checkpoint_dir} at tensor_model_parallel_size={tp}: resharding its {tag} "
+                           f"(saved at tensor_model_parallel_size={index.tensor_model_parallel_size}) failed on rank "
+                           f"0: {outcome}")
     return ResumeSource(resharded, tag, False)
+
+
+def _reshard_unless_done(checkpoint_dir: str, tag: str, resharded: str, saved_tp: int, tp: int) -> None:
+    """Write ``resharded`` (the tag at ``tp``) unless a complete one of this very source is there: one resharded from
+    another run's checkpoint of the same name is replaced."""
+    source = os.path.abspath(os.path.join(checkpoint_dir, tag))
+    record = os.path.join(resharded, tag, RESHARD_FILE)
+    if os.path.isfile(record):
+        with open(record) as f:
+            if json.load(f).get("source") == source:
+                return
+    logger.warning("%s was saved at tensor_model_parallel_size=%d; resharding it to %d in %s", checkpoint_dir,
+                   saved_tp, tp, resharded)
+    reshard(checkpoint_dir, resharded, tp, tag=tag, progress=False, force=True)
 
 
 def reseed_by_rule(seed: int, global_step: int) -> None:

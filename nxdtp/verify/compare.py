@@ -17,7 +17,7 @@ from torch import nn
 from .. import comm
 from ..agreement import fingerprint
 from ..checkpointing.dense import gather_dense
-from ..grads import allreduce_gradients
+from ..grads import allreduce_gradients, allreduce_sequence_parallel_gradients
 from ..models import parallelize_model
 from ..spec import ParamSpec, ShardedModule
 from ..topology import data_parallel_group, get_topology, tensor_parallel_group
@@ -80,6 +80,7 @@ def _step(job: Job, step: int, dense: nn.Module, model: nn.Module, dense_optimiz
     loss_dense.backward()
     loss_tp = loss_of(model(**dp_slice(batch, job, data_parallel_group().rank)), "parallelized")
     loss_tp.backward()
+    allreduce_sequence_parallel_gradients(model)   # a plan's sequence-parallel norms; nothing for the others
     allreduce_gradients(model)
     loss_tp = comm.all_reduce(loss_tp.detach().clone(), data_parallel_group()) / job.dp
     norm_dense = _norm([p.grad for p in dense.parameters()])
