@@ -37,6 +37,7 @@ from master_weights import MasterWeights  # noqa: E402
 from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 from nxdtp import checkpointing, comm, grads, move_model_to_device, parallel_state  # noqa: E402
+from nxdtp.models import vocab_parallel_logits  # noqa: E402
 from nxdtp.models.bert import attention_bias  # noqa: E402
 from nxdtp.optimizer import (
     Lamb,  # noqa: E402
@@ -368,7 +369,9 @@ class Trainer:
             # DDP all-reduces in the backward of the last micro-batch only.
             syncing = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
             with syncing:
-                with self.rt.autocast(self.args.enable_pt_autocast):  # the forward only, as PyTorch recommends
+                # Only the loss is read: the MLM logits stay vocab-parallel. Autocast covers the forward only, as
+                # PyTorch recommends.
+                with self.rt.autocast(self.args.enable_pt_autocast), vocab_parallel_logits(self.model):
                     outputs = (self.ddp or self.model)(
                         input_ids=input_ids, attention_mask=attention_bias(input_mask, self.compute_dtype),
                         token_type_ids=segment_ids,

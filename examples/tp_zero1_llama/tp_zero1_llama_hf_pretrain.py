@@ -45,6 +45,7 @@ from training_log import MetricsFile, Throughput, TrainingLog  # noqa: E402
 
 import nxdtp as nxd  # noqa: E402  (NxD's script: import neuronx_distributed as nxd)
 from nxdtp import comm, parallel_state  # noqa: E402
+from nxdtp.models import vocab_parallel_logits  # noqa: E402
 from nxdtp.models.hf_loading import PretrainedDirectoryError  # noqa: E402
 
 
@@ -553,8 +554,9 @@ def train_llama(flags: argparse.Namespace, rt: runtime_lib.Runtime, failures=Non
         num_items = total[0] / dp_size
         step_loss = torch.zeros((), device=rt.device)
         for batch in micro_batches:
-            outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                            labels=batch["labels"], num_items_in_batch=num_items)
+            with vocab_parallel_logits(model):   # only the loss is read: the logits stay vocab-parallel
+                outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                labels=batch["labels"], num_items_in_batch=num_items)
             loss = outputs.loss
             timer.mark("forward")
             loss.backward()

@@ -64,8 +64,11 @@ def has_vocab_parallel_head(model: nn.Module) -> bool:
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
-    """The HF model itself, also when PEFT wraps it (``get_base_model``)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    """The HF model itself, also when PEFT (``get_base_model``) or NxD's trainer API (``NxDModel.original_module``)
+    wraps it."""
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model.original_module() if hasattr(type(model), "original_module") else model
 
 
 @contextlib.contextmanager
