@@ -23,6 +23,9 @@ from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durab
 FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
 DONE_FILE = "done"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_STATE_FILE = "optim/state.json"
+CONFIG_FILE = "config.json"
 
 
 class CheckpointIntegrityError(DamagedInputError):
@@ -65,6 +68,11 @@ class TensorEntry:
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "TensorEntry":
         return cls(dtype=d["dtype"], spec=ParamSpec.from_dict(d["spec"]), aliases=list(d["aliases"]))
+
+
+def owners_by_name(entries: Dict[str, TensorEntry]) -> Dict[str, str]:
+    """Every name of a stored tensor (its key and its tied aliases) -> the key it is stored under."""
+    return {name: key for key, entry in entries.items() for name in [key] + entry.aliases}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -12,11 +12,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import integrity, tags
 from .durable import copy_durably
-from .index import INDEX_FILE, CheckpointIndex, dtype_from_name
+from .index import CONFIG_FILE, INDEX_FILE, CheckpointIndex, dtype_from_name
 from .output_dir import check_output_dir
 from .safetensors_stream import SafetensorsFileReader
-
-CONFIG_FILE = "config.json"
 
 __all__ = ["choose_source", "model_file_names", "read_checked_index", "open_rank_file", "rank_file_opener",
            "check_piece", "open_model_files", "config_source", "copy_if_present", "progress_bar", "CONFIG_FILE"]

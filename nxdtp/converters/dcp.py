@@ -30,7 +30,7 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     multiple of ``pad_to_multiple_of * new_tp`` (the model's ``make_vocab_size_divisible_by``; default 1)."""
     from ..checkpointing.dcp_import import read_checkpoint
     from ..checkpointing.dcp_io import DcpSource
-    from ..checkpointing.index import CheckpointIndex, optim_file
+    from ..checkpointing.index import CheckpointIndex, optim_file, owners_by_name
     from ..checkpointing.merge import check_reshard_arguments, reshard_source
     from ..version import __version__
 
@@ -40,7 +40,7 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     check_output_dir(dcp_dir, output_dir, force)
     entries, parameter_names = _entries_at_tensor_parallel_one(checkpoint.config_path, pad_to_multiple_of or 1)
     model = DcpSource(checkpoint.reader, _model_layout(checkpoint, entries))
-    primary = {alias: key for key, entry in entries.items() for alias in [key] + entry.aliases}
+    primary = owners_by_name(entries)
     optimizer_layout, optimizer_index, optimizer_json = _optimizer(checkpoint, entries, primary, parameter_names)
     optimizer = DcpSource(checkpoint.reader, optimizer_layout) if optimizer_layout is not None else None
     index = CheckpointIndex(tensor_model_parallel_size=1, data_parallel_size=1, tensors=entries,
@@ -67,7 +67,7 @@ def _write_json_files(directory: str, trainer_state: Optional[dict], optimizer_j
     """Write the tag's JSON files (trainer state, the optimizer's groups) into the tag directory a save of the
     recorded step would make under ``directory``; return that tag directory."""
     from ..checkpointing import tags
-    from ..checkpointing.save_load import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
+    from ..checkpointing.index import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
 
     trainer_state = {key: value for key, value in (trainer_state or {}).items()
                      if key in ("global_step", "scheduler") and value is not None}
