@@ -1,10 +1,6 @@
-"""Import a torch.distributed.checkpoint (DCP) directory into a dense Hugging Face directory (``nxdtp-merge DCP_DIR
-OUT --from-dcp``): (``DcpSource``, ``DenseSink``) for the model's tensors under their HF ``state_dict`` names, and the
-optimizer state (torch's flattened form under ``optimizer``) beside it as ``nxdtp-merge`` writes it. The config's
-model class, built on the meta device, says which tensors the checkpoint must hold: a missing, misshapen or unknown
-tensor is refused by name before anything is written. docs/checkpoints.md, "Importing from
-torch.distributed.checkpoint", has the details.
-"""
+"""Import a torch.distributed.checkpoint (DCP) directory into a dense Hugging Face directory (``nxdtp-merge DCP_DIR OUT
+--from-dcp``): (``DcpSource``, ``DenseSink``), the optimizer state beside it; the config's model class says which
+tensors the checkpoint must hold (docs/checkpoints.md, "Importing from torch.distributed.checkpoint")."""
 
 from __future__ import annotations
 
@@ -43,10 +39,9 @@ class ImportResult:
 
 @dataclasses.dataclass
 class DcpCheckpoint:
-    """A DCP checkpoint checked against the model its config names (``read_checkpoint``): ``expected`` (first name ->
-    (shape, tied names)), the DCP key holding each (``sources``), ``source`` (the model's tensors by first name and
-    the optimizer's by flattened key), the flattened ``optimizer_state`` (``DenseOptimizerTensor`` or value), what was
-    left out (``notes``) and the recorded step and scheduler (``trainer_state``)."""
+    """A DCP checkpoint checked against the model its config names: ``expected`` (first name -> (shape, tied names)),
+    ``sources`` (the DCP key of each), ``source``, the flattened ``optimizer_state``, ``notes`` and
+    ``trainer_state``."""
     dcp_dir: str
     config_path: str
     reader: DcpReader

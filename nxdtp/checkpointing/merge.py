@@ -86,12 +86,9 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
     skipped."""
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
-    def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
-        own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
-        return model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
-
     # Validates every file before anything is written.
-    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
+    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
+                                                lambda tag_dir, index: files_read(index, config, optimizer))
     config_path = config_source(tag_dir, config)
     optim_files: Dict[str, Any] = {}
     try:
@@ -564,6 +561,13 @@ class DenseOptimizerTensor:
     spec: Optional[ParamSpec] = None
     read_piece: Optional[Callable[[int], torch.Tensor]] = None
     read_parts: Optional[Callable[[], Iterable[torch.Tensor]]] = None
+
+
+def files_read(index: CheckpointIndex, config: Optional[str], optimizer: bool = True) -> List[str]:
+    """The files of a tag that a merge or an export reads: the model's, its own config.json unless ``config``
+    replaces it, and the optimizer's."""
+    own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
+    return model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
 
 
 def optimizer_file_names(index: CheckpointIndex) -> List[str]:
