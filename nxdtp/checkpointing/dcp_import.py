@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import shutil
-from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -17,7 +16,7 @@ from .dcp_io import EXPORT_RECORD_FILE, DcpReader, DcpSource, read_metadata
 from .dense import DenseWeightsWriter
 from .merge import DenseOptimizerTensor, write_dense_optimizer
 from .output_dir import check_output_dir, write_atomically
-from .pipeline import DenseSink, dense_slabs, rows_within, stream
+from .pipeline import DenseSink, stream
 from .tag_source import CONFIG_FILE, progress_bar
 
 OPTIMIZER_PREFIX = "optimizer."
@@ -182,12 +181,7 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected, source: DcpS
                              "model parameter (optimizer.state.<param>.<field> or "
                              "optimizer.param_groups.<param>.<hyperparameter>)")
         if flat in source.layout:
-            shape, dtype, read_boxes = tuple(saved[key].size), saved[key].properties.dtype, partial(
-                source.read_boxes, flat)
-            state[flat] = DenseOptimizerTensor(
-                shape=shape, dtype=dtype, read=lambda r=read_boxes, s=shape: r([((0,) * len(s), s)])[0],
-                read_parts=None if not shape else partial(
-                    dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype)))
+            state[flat] = DenseOptimizerTensor.of_source(source, flat)
     values = [key for key in keys if key[len(OPTIMIZER_PREFIX):] not in source.layout]
     if values:  # small pickled values (hyperparameters, 'step' of some optimizers): all in one dcp.load
         for key, value in _load_values(dcp_dir, values).items():

@@ -562,6 +562,18 @@ class DenseOptimizerTensor:
     read_piece: Optional[Callable[[int], torch.Tensor]] = None
     read_parts: Optional[Callable[[], Iterable[torch.Tensor]]] = None
 
+    @classmethod
+    def of_source(cls, source: TensorSource, key: str, pieces: bool = False, parts: bool = True
+                  ) -> "DenseOptimizerTensor":
+        """Tensor ``key`` of a pipeline source; with ``pieces`` its spec and TP pieces (a ``TagSource``'s), with
+        ``parts`` its slabs of rows."""
+        spec, dtype, read_boxes = source.spec(key), source.dtype(key), partial(source.read_boxes, key)
+        shape = tuple(spec.unpadded_shape)
+        return cls(shape=shape, dtype=dtype, read=lambda: read_boxes([((0,) * len(shape), shape)])[0].contiguous(),
+                   spec=spec if pieces else None, read_piece=partial(source.piece, key) if pieces else None,
+                   read_parts=partial(dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype))
+                   if parts and shape else None)
+
 
 def files_read(index: CheckpointIndex, config: Optional[str], optimizer: bool = True) -> List[str]:
     """The files of a tag that a merge or an export reads: the model's, its own config.json unless ``config``
@@ -609,15 +621,9 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
         for field, kind, _, _ in fields:
             key = f"{name}/{field}"
             flat_key = f"{MASTER_PREFIX}{name}" if field == master else f"state.{name}.{field}"
-            shape, dtype, read_boxes = tuple(source.spec(key).unpadded_shape), source.dtype(key), partial(
-                source.read_boxes, key)
-            shaped = kind != "copy"  # 'step' and other state not shaped like the parameter: TP rank 0's value
-            state[flat_key] = DenseOptimizerTensor(
-                shape=shape, dtype=dtype, read=lambda r=read_boxes, s=shape: r([((0,) * len(s), s)])[0].contiguous(),
-                spec=source.spec(key) if shaped else None, read_piece=partial(source.piece, key) if shaped else None,
-                # plain state is stored as its parameter: read in slabs of piece rows
-                read_parts=None if zero1 or not shape else partial(
-                    dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype)))
+            # 'step' and other state not shaped like the parameter is TP rank 0's value; plain state is stored as
+            # its parameter, so it is read in slabs of piece rows (a ZeRO-1 piece is built whole).
+            state[flat_key] = DenseOptimizerTensor.of_source(source, key, pieces=kind != "copy", parts=not zero1)
     state.update(optimizer_values(tag_dir))
     return state, handles, None
 
