@@ -109,8 +109,9 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
             finally:
                 bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
-            if optimizer_state is not None:
-                _write_dense_optimizer(staging, optimizer_state, index, tag_dir, progress)
+            if optimizer_state is not None:  # with the trainer state: continuing dense training needs it
+                kind = "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain"
+                write_dense_optimizer(staging, optimizer_state, kind, read_trainer_state(tag_dir), progress)
             return name
 
         name = write_atomically(output_dir, write)
@@ -626,13 +627,6 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
             state[flat_key] = DenseOptimizerTensor.of_source(source, key, pieces=kind != "copy", parts=not zero1)
     state.update(optimizer_values(tag_dir))
     return state, handles, None
-
-
-def _write_dense_optimizer(directory: str, state: Dict[str, Any], index: CheckpointIndex, tag_dir: str,
-                           progress: bool) -> None:
-    # The scheduler's state and the step go too: continuing dense training needs them.
-    write_dense_optimizer(directory, state, "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain",
-                          read_trainer_state(tag_dir), progress)
 
 
 def read_trainer_state(tag_dir: str) -> Optional[dict]:

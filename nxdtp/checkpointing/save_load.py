@@ -221,10 +221,6 @@ class SaveJob:
         self.extras = copy.deepcopy(self.extras) if self.writes_model() else {}
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
-
-
 def _host_copies(tensors: Dict[str, Any], kept: Callable[[str], bool]) -> Dict[str, torch.Tensor]:
     """Host copies of the tensors ``kept`` names, each ``GatheredWhenWritten`` one gathered on the way (every rank
     takes part in each gather, in order, kept or not)."""
@@ -233,7 +229,7 @@ def _host_copies(tensors: Dict[str, Any], kept: Callable[[str], bool]) -> Dict[s
         if isinstance(tensor, GatheredWhenWritten) or kept(key):
             value = written_value(tensor)
             if kept(key):
-                copies[key] = _host_copy(value)
+                copies[key] = value.detach().to("cpu", copy=True)
     return copies
 
 

@@ -112,7 +112,8 @@ def locate_rank_files(checkpoint_dir: str, tag: Optional[str] = None) -> RankFil
     if tag is not None:
         path = os.path.join(checkpoint_dir, tag)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"NxD checkpoint tag {path} does not exist; complete tags: {_names(tags)}")
+            raise FileNotFoundError(f"NxD checkpoint tag {path} does not exist; complete tags: "
+                                    f"{[os.path.basename(t) for t in tags]}")
         return _scan(_model_dir_of_tag(path))
     if tags:
         return _scan(_model_dir_of_tag(tags[-1]))
@@ -127,10 +128,6 @@ def locate_rank_files(checkpoint_dir: str, tag: Optional[str] = None) -> RankFil
                             f"or the xser file tp_rank_XX_pp_rank_00, written by parallel_layers.checkpointing.save; "
                             f"or {V2_MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_00.pt, written by "
                             f"trainer.save_checkpoint){hint}")
-
-
-def _names(tags: Sequence[str]) -> List[str]:
-    return [os.path.basename(t) for t in tags]
 
 
 def _complete_tags(root: str) -> List[str]:
