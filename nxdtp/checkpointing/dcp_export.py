@@ -121,8 +121,7 @@ def _optimizer_source(tag_dir: str, index: CheckpointIndex, optim_files: Dict[st
 
 
 def zero1_source(dense_state: Dict[str, Any]) -> Tuple[TagSource, Dict[str, Any]]:
-    """ZeRO-1 state (``merge.dense_optimizer_state``) as a source, master weights left out, and the non-tensor values.
-    """
+    """ZeRO-1 state (``merge.dense_optimizer_state``) as a source without masters, and the non-tensor values."""
     tensors = {key: t for key, t in dense_state.items()
                if isinstance(t, DenseOptimizerTensor) and not key.startswith(MASTER_PREFIX)}
     tp = max([t.spec.num_partitions for t in tensors.values() if t.spec is not None and t.spec.is_sharded] or [1])
