@@ -1,8 +1,6 @@
 """Export a sharded nxdtp checkpoint to a torch.distributed.checkpoint (DCP) directory (``nxdtp-merge CKPT OUT --to
-dcp``), offline, in one process: (``TagSource``, ``DcpSink``) for the model and the optimizer state, keyed as a native
-job's ``dcp.save`` of the dense model and its flattened optimizer state keys them, TorchTitan's ``lr_scheduler`` and
-``train_state`` beside them. docs/checkpoints.md, "Exporting to torch.distributed.checkpoint", has the layout.
-"""
+dcp``): (``TagSource``, ``DcpSink``), keyed as a native job's ``dcp.save`` keys them (docs/checkpoints.md, "Exporting
+to torch.distributed.checkpoint")."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from .index import CheckpointIndex, is_zero1_optimizer_index
 from .merge import (
     DenseOptimizerTensor,
     dense_optimizer_state,
-    optimizer_file_names,
+    files_read,
     optimizer_values,
     plan_optimizer,
     read_trainer_state,
@@ -30,7 +28,7 @@ from .merge import (
 )
 from .output_dir import write_atomically
 from .pipeline import TagSource, stream
-from .tag_source import CONFIG_FILE, choose_source, config_source, copy_if_present, model_file_names, progress_bar
+from .tag_source import CONFIG_FILE, choose_source, config_source, copy_if_present, progress_bar
 
 # The most bytes of one written chunk (the export's slab): tests lower it to cut small tensors.
 CHUNK_BYTES = 64 << 20
@@ -52,12 +50,8 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
                progress: bool = True, config: Optional[str] = None, *, verify: bool = True) -> ExportResult:
     """Write the DCP form of a sharded nxdtp checkpoint to ``output_dir``; return what was written. The arguments are
     ``merge``'s; the tag's ``config.json`` (or ``config``) is copied beside the DCP files, where an import finds it."""
-    def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
-        names = model_file_names(index) + optimizer_file_names(index)
-        names += [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
-        return [name for name in names if index.files is None or name in index.files]
-
-    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
+    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
+                                                lambda tag_dir, index: files_read(index, config))
     config_path = config_source(tag_dir, config)
     optim_files: Dict[str, Any] = {}
     notes: List[str] = []
@@ -127,9 +121,7 @@ def _optimizer_source(tag_dir: str, index: CheckpointIndex, optim_files: Dict[st
 
 
 def zero1_source(dense_state: Dict[str, Any]) -> Tuple[TagSource, Dict[str, Any]]:
-    """ZeRO-1 state (``merge.dense_optimizer_state``) as a source: a tensor shaped like its parameter is read from the
-    TP pieces its boxes lie in, each reassembled from its DP shards (the last one kept), others whole; the master
-    weights are not optimizer state of the dense model and are left out. Also the non-tensor values."""
+    """ZeRO-1 state (``merge.dense_optimizer_state``) as a source without masters, and the non-tensor values."""
     tensors = {key: t for key, t in dense_state.items()
                if isinstance(t, DenseOptimizerTensor) and not key.startswith(MASTER_PREFIX)}
     tp = max([t.spec.num_partitions for t in tensors.values() if t.spec is not None and t.spec.is_sharded] or [1])
@@ -145,9 +137,8 @@ def zero1_source(dense_state: Dict[str, Any]) -> Tuple[TagSource, Dict[str, Any]
 
 
 def torchtitan_states(trainer_state: Optional[dict], notes: List[str]) -> Dict[Tuple[str, ...], Any]:
-    """The LR scheduler's ``last_epoch`` and the step where TorchTitan keeps them (``lr_scheduler``, ``train_state``:
-    ``step``, ``ntokens_seen``, which nxdtp does not count: 0), by path, from the tag's trainer state; what it lacks
-    is left out, with a note."""
+    """The scheduler's ``last_epoch`` and the step where TorchTitan keeps them, by path, from the tag's trainer state;
+    what it lacks is left out with a note."""
     trainer_state = trainer_state or {}
     states: Dict[Tuple[str, ...], Any] = {}
     scheduler = trainer_state.get("scheduler")

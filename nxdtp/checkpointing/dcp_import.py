@@ -1,10 +1,6 @@
-"""Import a torch.distributed.checkpoint (DCP) directory into a dense Hugging Face directory (``nxdtp-merge DCP_DIR
-OUT --from-dcp``): (``DcpSource``, ``DenseSink``) for the model's tensors under their HF ``state_dict`` names, and the
-optimizer state (torch's flattened form under ``optimizer``) beside it as ``nxdtp-merge`` writes it. The config's
-model class, built on the meta device, says which tensors the checkpoint must hold: a missing, misshapen or unknown
-tensor is refused by name before anything is written. docs/checkpoints.md, "Importing from
-torch.distributed.checkpoint", has the details.
-"""
+"""Import a torch.distributed.checkpoint (DCP) directory into a dense Hugging Face directory (``nxdtp-merge DCP_DIR OUT
+--from-dcp``): (``DcpSource``, ``DenseSink``), the optimizer state beside it; the config's model class says which
+tensors the checkpoint must hold (docs/checkpoints.md, "Importing from torch.distributed.checkpoint")."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import dataclasses
 import json
 import os
 import shutil
-from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -21,7 +16,7 @@ from .dcp_io import EXPORT_RECORD_FILE, DcpReader, DcpSource, read_metadata
 from .dense import DenseWeightsWriter
 from .merge import DenseOptimizerTensor, write_dense_optimizer
 from .output_dir import check_output_dir, write_atomically
-from .pipeline import DenseSink, dense_slabs, rows_within, stream
+from .pipeline import DenseSink, stream
 from .tag_source import CONFIG_FILE, progress_bar
 
 OPTIMIZER_PREFIX = "optimizer."
@@ -43,10 +38,9 @@ class ImportResult:
 
 @dataclasses.dataclass
 class DcpCheckpoint:
-    """A DCP checkpoint checked against the model its config names (``read_checkpoint``): ``expected`` (first name ->
-    (shape, tied names)), the DCP key holding each (``sources``), ``source`` (the model's tensors by first name and
-    the optimizer's by flattened key), the flattened ``optimizer_state`` (``DenseOptimizerTensor`` or value), what was
-    left out (``notes``) and the recorded step and scheduler (``trainer_state``)."""
+    """A DCP checkpoint checked against the model its config names: ``expected`` (first name -> (shape, tied names)),
+    ``sources`` (the DCP key of each), ``source``, the flattened ``optimizer_state``, ``notes`` and
+    ``trainer_state``."""
     dcp_dir: str
     config_path: str
     reader: DcpReader
@@ -187,12 +181,7 @@ def _optimizer_state(dcp_dir: str, saved: Dict[str, Any], expected, source: DcpS
                              "model parameter (optimizer.state.<param>.<field> or "
                              "optimizer.param_groups.<param>.<hyperparameter>)")
         if flat in source.layout:
-            shape, dtype, read_boxes = tuple(saved[key].size), saved[key].properties.dtype, partial(
-                source.read_boxes, flat)
-            state[flat] = DenseOptimizerTensor(
-                shape=shape, dtype=dtype, read=lambda r=read_boxes, s=shape: r([((0,) * len(s), s)])[0],
-                read_parts=None if not shape else partial(
-                    dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype)))
+            state[flat] = DenseOptimizerTensor.of_source(source, flat)
     values = [key for key in keys if key[len(OPTIMIZER_PREFIX):] not in source.layout]
     if values:  # small pickled values (hyperparameters, 'step' of some optimizers): all in one dcp.load
         for key, value in _load_values(dcp_dir, values).items():

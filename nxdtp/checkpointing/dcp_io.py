@@ -1,8 +1,6 @@
-"""The DCP end of the checkpoint pipeline (``pipeline.stream``): ``DcpSource`` reads a torch.distributed.checkpoint
-directory by boxes of its dense tensors, ``DcpSink`` writes one chunk by chunk through torch's ``FileSystemWriter``,
-and ``piece_boxes`` is the chunk planner of the sink and of a live job's state dict (``dcp_state``).
-docs/checkpoints.md explains the memory bounds.
-"""
+"""The DCP end of the checkpoint pipeline: ``DcpSource`` reads a torch.distributed.checkpoint directory by boxes of its
+dense tensors, ``DcpSink`` writes one chunk by chunk, and ``piece_boxes`` plans the chunks of the sink and of
+``dcp_state`` (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -42,9 +40,8 @@ class CycleCollector:
 
 
 def piece_boxes(spec: ParamSpec, rank: int, copies: bool = False) -> List[Tuple[Box, Narrow]]:
-    """The boxes of the dense tensor that TP rank ``rank``'s piece holds, with where each lies in the piece: one per
-    run that is the first copy of its dense rows (``dense_runs_of_piece``), or with ``copies`` the other copies. A
-    replicated tensor is one box, rank 0's (the others' are copies)."""
+    """The boxes of the dense tensor that TP rank ``rank``'s piece holds first copies of (with ``copies``, the other
+    copies), and where each lies in the piece; a replicated tensor is rank 0's one box."""
     shape = tuple(spec.unpadded_shape)
     if not spec.is_sharded:
         return [(((0,) * len(shape), shape), None)] if (rank == 0) != copies else []
@@ -83,9 +80,8 @@ def read_metadata(dcp_dir: str):
 # ---- reading -----------------------------------------------------------------------------------------------------
 
 class DcpReader:
-    """Reads through torch's ``FileSystemReader`` with read items made here: DCP's resharding read
-    (``create_read_items_for_chunk_list``) with each wanted box as the "local chunk", so only the saved chunks a box
-    overlaps are loaded (each whole: ``torch.load``). ``budget`` is the most bytes read at once."""
+    """Reads through torch's ``FileSystemReader`` with each wanted box as DCP's "local chunk", so only the saved chunks
+    a box overlaps are loaded; ``budget`` is the most bytes read at once."""
 
     def __init__(self, dcp_dir: str, metadata, budget: int):
         from torch.distributed.checkpoint import FileSystemReader
@@ -137,11 +133,9 @@ class DcpReader:
 
 
 class DcpSource:
-    """A DCP directory as a ``pipeline.TensorSource`` keyed by ``layout``: key -> (DCP key, spec of its layout, None
-    for replicated). A tensor within the budget is read whole, together with the small ones after it, and cut; a
-    larger one box by box, unless it was saved in chunks over the budget: then the rows between the saved chunks'
-    edges around the boxes are read once and cut. Also the optimizer's rank file of a TP=1 checkpoint as reshard reads
-    it (``keys``, ``get_slice``, ``dtype``, ``get_tensor``: the full tensor)."""
+    """A DCP directory as a ``TensorSource`` keyed by ``layout`` (key -> (DCP key, spec or None)): small tensors read
+    whole in batches, larger ones by box, or by the rows between saved chunks' edges when those chunks are over the
+    budget. Also the optimizer rank file of a TP=1 checkpoint as reshard reads it."""
 
     def __init__(self, reader: DcpReader, layout: Dict[str, Tuple[str, Optional[ParamSpec]]]):
         self.reader, self.layout, self.slab_bytes = reader, layout, reader.budget
@@ -228,10 +222,9 @@ class _Shape:
 # ---- writing -----------------------------------------------------------------------------------------------------
 
 class DcpSink:
-    """A DCP directory, as a ``pipeline.TensorSink``: ``write`` plans a tensor as chunks of at most the slab bytes,
-    the boxes of ``specs[key]``'s pieces (``piece_boxes``, so each chunk is read from one piece) cut along dim 0, each
-    read only when torch's writer asks for it; ``save`` writes them all with the ``values``. ``names[key]``: where the
-    tensor goes, paths in the nested state dict (several for tied names)."""
+    """A DCP directory as a ``TensorSink``: ``write`` plans a tensor as chunks of at most the slab bytes, each within
+    one piece and read only when torch's writer asks for it; ``save`` writes them with the ``values``.
+    ``names[key]``: the tensor's paths in the nested state dict."""
 
     def __init__(self, names: Dict[str, List[Tuple[str, ...]]], specs: Dict[str, ParamSpec]):
         self.names, self.specs = names, specs
@@ -249,9 +242,8 @@ class DcpSink:
             self.planned[path] = (shape, dtype, boxes, read_boxes)
 
     def save(self, directory: str, values: Dict[Tuple[str, ...], Any], bar) -> None:
-        """Write the planned tensors and ``values`` (path -> a value DCP pickles) to ``directory`` with
-        ``dcp.save(..., no_dist=True)``, one file per chunk (``FileSystemWriter`` keeps a file's tensors until it
-        closes it)."""
+        """Write the planned tensors and ``values`` to ``directory`` with ``dcp.save(..., no_dist=True)``, one file per
+        chunk."""
         import torch.distributed.checkpoint as dcp
 
         state: Dict[str, Any] = {}

@@ -1,10 +1,6 @@
-"""torch.distributed.checkpoint (DCP) inside a running nxdtp job: ``get_state_dict`` gives the model's and the
-optimizer's state in the layout ``nxdtp-merge --to dcp`` writes, every tensor a ``DenseView`` of its dense shape
-that torch's own planners save from and load into (the ``_Checkpointable`` hooks), each rank's chunks planned as the
-export plans them (``dcp_io.piece_boxes``; a ZeRO-1 shard's by ``dense_chunks_of_flat_shard``); ``set_state_dict``
-applies what ``dcp.load`` hands back as values. Not a ``pipeline.stream`` pair: DCP's collective planners drive the
-reads and writes of live tensors. docs/checkpoints.md, "DCP in a running job", explains it.
-"""
+"""torch.distributed.checkpoint (DCP) inside a running nxdtp job: ``get_state_dict`` gives the state in the layout
+``nxdtp-merge --to dcp`` writes, every tensor a ``DenseView`` that torch's own planners save from and load into;
+``set_state_dict`` applies what ``dcp.load`` hands back (docs/checkpoints.md, "DCP in a running job")."""
 
 from __future__ import annotations
 
@@ -33,17 +29,15 @@ _Run = Tuple[torch.Size, torch.Size, Tuple[int, Optional[Tuple[int, ...]], Optio
 
 
 def dcp_process_group():
-    """The process group to pass as ``process_group=`` to ``dcp.save`` / ``dcp.load`` in an nxdtp job: a gloo group of
-    every rank where the world's default backend refuses CPU objects (NCCL, XLA), None (the default group) on a gloo
-    world. DCP gathers its plans and metadata as pickled host objects over it."""
+    """The ``process_group=`` for ``dcp.save`` / ``dcp.load`` in an nxdtp job: a gloo group of every rank where the
+    default backend refuses CPU objects, None on a gloo world."""
     return comm.host_process_group()
 
 
 class DenseView(torch.Tensor):
-    """A tensor of the dense global shape standing for this rank's part of it, the live ``local`` tensor (a save reads
-    it, a load writes into it); ``spec`` lays out the TP-local tensor (``local``, or with ``flat = (layout,
-    shard_rank)`` the tensor whose flat shard it is); ``writes``: whether this rank writes its chunks. Only for
-    ``dcp.save`` / ``dcp.load`` and ``set_state_dict``: it supports no tensor operations."""
+    """A tensor of the dense global shape standing for this rank's part of it, the live ``local`` tensor laid out by
+    ``spec`` (with ``flat``, a ZeRO-1 flat shard); ``writes``: whether this rank writes its chunks. It supports no
+    tensor operations."""
 
     _local: torch.Tensor
     _key: str
@@ -239,11 +233,9 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[_Entry]
 
 def get_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, lr_scheduler: Any = None,
                    step: Optional[int] = None, ntokens_seen: int = 0) -> Dict[str, Any]:
-    """The DCP-ready state of an nxdtp model (its ``state_dict()`` names, tied ones too) and optimizer (flattened,
-    under ``optimizer``; ZeRO-1's as the dense optimizer's, without master weights), with ``lr_scheduler``'s
-    ``last_epoch`` and ``train_state`` (``step``, ``ntokens_seen``) where TorchTitan keeps them. Call on every rank,
-    then ``dcp.save(state, checkpoint_id=..., process_group=dcp_process_group())``; to load, ``dcp.load`` it, then
-    ``set_state_dict``. A fresh optimizer's state is made first."""
+    """The DCP-ready state of an nxdtp model and optimizer (flattened, under ``optimizer``; ZeRO-1's without masters),
+    with ``lr_scheduler`` and ``train_state`` where TorchTitan keeps them. Call on every rank, then ``dcp.save(state,
+    ..., process_group=dcp_process_group())``; a fresh optimizer's state is made first."""
     optimizer = unwrap_optimizer(optimizer)
     _check(model, optimizer, "get_state_dict")
     tp, dp_rank = tensor_parallel_group(), data_parallel_group().rank
@@ -304,10 +296,9 @@ def _first_names(model: nn.Module) -> Dict[int, str]:
 
 def set_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state_dict: Dict[str, Any], *,
                    lr_scheduler: Any = None) -> Dict[str, Any]:
-    """Restore ``state_dict`` (``get_state_dict``'s, after ``dcp.load``: its DenseViews are loaded in place) into the
-    model, optimizer and ``lr_scheduler``: the values DCP hands back (hyperparameters, non-tensor state), a ZeRO-1
-    optimizer's master weights cut afresh from the model, a plain dense tensor cut by its layout. Return its
-    ``train_state`` (or ``{}``). Strict: a missing or unknown key, or another model's DenseView, raises first."""
+    """Restore ``get_state_dict``'s state after ``dcp.load`` into the model, optimizer and ``lr_scheduler``; return its
+    ``train_state`` (or ``{}``). Strict: a missing or unknown key, or another model's DenseView, raises before
+    anything changes."""
     optimizer = unwrap_optimizer(optimizer)
     _check(model, optimizer, "set_state_dict")
     tp = tensor_parallel_group()

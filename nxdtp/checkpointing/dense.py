@@ -1,8 +1,6 @@
 """The dense Hugging Face weights of a sharded model, written one tensor at a time by one writer
-(``DenseWeightsWriter``) for ``nxdtp-merge`` and the NxD import (through ``pipeline.DenseSink``) and for
-``save_pretrained`` (``save_dense``: each tensor gathered from the live ranks, reassembled by its spec, written and
-dropped before the next), so both write the same directory for the same weights (docs/checkpoints.md).
-"""
+(``DenseWeightsWriter``) for ``nxdtp-merge``, the imports and ``save_pretrained`` (``save_dense``), so all write the
+same directory for the same weights."""
 
 from __future__ import annotations
 
@@ -48,10 +46,9 @@ def write_order(files: Dict[str, List[str]]) -> List[str]:
 
 
 class DenseWeightsWriter:
-    """Write the weight files of a dense HF directory, one tensor at a time, in ``write_order(files)``: ``files`` is a
-    shard plan (default ``single_file``; more than one file adds HF's index). The files are renamed into place only
-    when all are complete; then an earlier save's weight files this one does not replace are removed, other files
-    left alone."""
+    """Write the weight files of a dense HF directory, one tensor at a time in ``write_order(files)`` (``files``: a
+    shard plan; more than one file adds HF's index). The files are renamed into place once all are complete; an
+    earlier save's weight files not replaced are then removed."""
 
     def __init__(self, directory: str, layout: Layout, files: Optional[Dict[str, List[str]]] = None,
                  metadata: Optional[Dict[str, str]] = None, index_metadata: Optional[Dict[str, Any]] = None):
@@ -148,14 +145,10 @@ def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[st
                index_metadata: Optional[Callable[[Layout], Dict[str, Any]]] = None,
                write_beside: Optional[Callable[[str], None]] = None, check: Optional[Callable[[], None]] = None,
                what: str = "save_dense") -> None:
-    """Collective: write the dense weights of the parallelized ``model`` to ``directory``. Each tensor is gathered over
-    every TP group (XLA needs every rank in the same collectives), reassembled by its spec and written by the lowest
-    global rank whose ``is_writer`` is true, one tensor at a time. ``state_dict``: this rank's shards to write instead
-    (the model's specs lay them out); ``plan_files(layout, held)``: the shard plan (``held``: each saved tensor
-    that is a part of a held one, transformers' saved form, mapped to that tensor's key and bytes);
-    ``index_metadata(layout)``: extra index metadata; ``write_beside(directory)``: the writer's other files, once the
-    weights are in place; ``check()``: runs first on every rank. An error on any rank raises on every rank (``what``
-    names it) after the last gather."""
+    """Collective: write the dense weights of the parallelized ``model`` to ``directory``, each tensor gathered on every
+    rank, reassembled by its spec and written by the lowest rank whose ``is_writer`` is true. ``state_dict``: shards
+    to write instead; ``plan_files(layout, held)``: the shard plan; ``index_metadata``, ``write_beside(directory)``
+    and ``check()`` as named. An error on any rank raises on every rank after the last gather."""
     group = tensor_parallel_group()
     error: Optional[BaseException] = None
     plan: Optional[_DensePlan] = None
@@ -180,9 +173,7 @@ def save_dense(model: nn.Module, directory: str, *, state_dict: Optional[Dict[st
 
 @dataclasses.dataclass
 class _DensePlan:
-    """What ``save_dense`` writes, decided on every rank before any gather: this rank's tensors and their index
-    entries (specs), the dense tensors' layout, the files' layout in transformers' saved form (``hf_form``) and their
-    shard plan, the order the tensors are gathered in, and the saved form (None: the tensors as held)."""
+    """What ``save_dense`` writes, decided on every rank before any gather."""
 
     tensors: Dict[str, torch.Tensor]
     entries: Dict[str, TensorEntry]
@@ -301,13 +292,10 @@ def _close_dense_writer(writer: DenseWeightsWriter, directory: str,
 
 def gather_dense(local: torch.Tensor, spec: ParamSpec, group, *, dtype: Optional[torch.dtype] = None,
                  keep: bool = True) -> Optional[torch.Tensor]:
-    """Collective over the tensor-parallel ``group`` (and the expert-parallel group where ``spec`` splits experts):
-    the dense tensor (on the host) of which ``local`` is this rank's piece as ``spec`` lays it out, on the ranks that
-    ``keep`` it (None on the others), from the pieces broadcast from their owners in rank order, so one piece is in
-    flight at a time whatever the device holds (the gloo groups of the checkpoint path carry host tensors on every
-    backend). A replicated tensor needs no collective: this rank's copy
-    is it. An error while assembling is raised after the remaining broadcasts, so no rank waits alone. The result
-    may be a view of the padded full tensor: copy it to keep it alone."""
+    """Collective over the TP ``group`` (and the expert-parallel one where ``spec`` splits experts): the dense host
+    tensor of which ``local`` is this rank's piece, on the ranks that ``keep`` it (None elsewhere), from pieces
+    broadcast one at a time. An error while assembling is raised after the remaining broadcasts. The result may be a
+    view of the padded tensor."""
     dtype = dtype or local.dtype
     local, spec = gather_experts(local, spec)
     if not spec.is_sharded:

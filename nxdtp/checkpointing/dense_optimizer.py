@@ -1,8 +1,5 @@
-"""The dense model's optimizer state that ``nxdtp-merge`` writes beside the Hugging Face model, and its loader:
-``optimizer.safetensors`` (each tensor as the dense model's optimizer holds it, under torch's flattened keys
-``state.<param>.<field>``; ZeRO-1's fp32 masters as ``master.<param>``) and ``optimizer.json`` (the other values,
-``param_groups.<param>.<hyperparameter>``, and the source kind). docs/checkpoints.md, "Merging and resharding".
-"""
+"""The dense model's optimizer state that ``nxdtp-merge`` writes beside the Hugging Face model
+(``optimizer.safetensors`` and ``optimizer.json``), and its loader (docs/checkpoints.md, "Merging and resharding")."""
 
 from __future__ import annotations
 
@@ -93,9 +90,8 @@ def _read_dense_optimizer_files(directory: str) -> Tuple[Dict[str, Any], Dict[st
 
 
 def _this_rank_piece(model: nn.Module) -> Tuple[int, Callable[[str, Any], Any]]:
-    """The TP size, and ``piece(name, value)``: this TP rank's piece of ``value`` when it is a dense tensor shaped like
-    model tensor ``name``'s dense tensor, laid out as the model's is (padding and repeated KV heads included); any
-    other value ('step', state of a replicated tensor) as it is."""
+    """The TP size, and ``piece(name, value)``: this TP rank's piece of a dense tensor shaped like model tensor
+    ``name``'s, laid out as the model's is; any other value as it is."""
     from .. import parallel_state as ps
     from .save_load import sharding_specs
 
@@ -116,9 +112,8 @@ def _this_rank_piece(model: nn.Module) -> Tuple[int, Callable[[str, Any], Any]]:
 
 def _fuse_parts(model: nn.Module, flat: Dict[str, Any], masters: Dict[str, torch.Tensor],
                 piece: Callable[[str, Any], Any]) -> None:
-    """A fused parameter (``ShardedModule.fused_parameters``: GQAQKVColumnParallelLinear's ``weight_qkv``) has its
-    dense state under its parts' names, as the dense model's separate Q, K and V: each part's state is cut to this TP
-    rank's piece (``piece``) and the pieces joined under the fused name, which the optimizer holds."""
+    """A fused parameter's dense state is under its parts' names: each part's is cut to this rank's piece and the pieces
+    joined under the fused name, which the optimizer holds."""
     from .fused_state import fused_parameters_of
 
     for name, parts in fused_parameters_of(model).values():

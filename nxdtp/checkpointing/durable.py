@@ -1,14 +1,6 @@
-"""Durable writes: what a save needs so that a power loss leaves either the old state or the new one on disk.
-
-A written file survives a power loss only once it is ``fsync``ed, and a directory entry (a new file's or directory's
-name, a rename) only once its *directory* is ``fsync``ed. ``replace_atomically`` combines both for small files that
-must change all at once (``done``, ``newest``). ``ChecksummedWriter`` computes a file's checksum and size while it is
-written, so recording a checksum costs no second read.
-
-The checksum is XXH3-64 (the ``xxhash`` package): about 25 GB/s on one core of the development machines, against
-about 4 GB/s for zlib's CRC-32, which made verification cost more than reading the files (docs/performance.md). Its
-64 bits make an undetected random corruption a 2^-64 chance; it is no defence against deliberate tampering.
-"""
+"""Durable writes, so that a power loss leaves either the old state or the new one on disk: files and their directories
+``fsync``ed, small files replaced atomically, checksums (XXH3-64, fast enough that verification costs less than
+reading) computed while writing."""
 
 from __future__ import annotations
 
@@ -26,13 +18,17 @@ CHECKSUM = "xxh3_64"
 _DIGEST = re.compile("[0-9a-f]{16}")
 
 
-def fsync_directory(path: str) -> None:
-    """Make the entries of directory ``path`` (names created, removed or renamed in it) durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def _fsync(path: str, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_directory(path: str) -> None:
+    """Make the entries of directory ``path`` (names created, removed or renamed in it) durable."""
+    _fsync(path, getattr(os, "O_DIRECTORY", 0))
 
 
 def make_directories(path: str) -> List[str]:
@@ -56,7 +52,21 @@ def make_directories(path: str) -> List[str]:
     return created
 
 
-class ChecksummedWriter:
+class ClosesOnExit:
+    """A writer used as a context manager: ``close()`` (completing it) on a normal exit, ``abandon()`` on an error, so
+    no file passes for a whole one."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abandon()
+
+
+class ChecksummedWriter(ClosesOnExit):
     """A binary file opened for writing that keeps the checksum and size of what was written; ``close`` flushes and
     ``fsync``s it. Usable wherever a writable binary file object is (``torch.save``, ``json.dump`` via ``text``)."""
 
@@ -89,15 +99,6 @@ class ChecksummedWriter:
 
     def record(self) -> dict:
         return file_record(self.size, self._hash.hexdigest())
-
-    def __enter__(self) -> "ChecksummedWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.abandon()
 
 
 def file_record(size: int, digest: str) -> dict:
@@ -175,11 +176,7 @@ def fsync_tree(root: str, files: bool = False) -> List[str]:
     if files:
         for dirpath, _, names in walked:
             for name in names:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(os.path.join(dirpath, name))
     directories = [dirpath for dirpath, _, _ in reversed(walked)]
     for directory in directories:
         fsync_directory(directory)

@@ -1,11 +1,6 @@
-"""Expert tensors split over the expert-parallel group, as checkpoints take and give them.
-
-Files hold every expert of a TP piece (``ParamSpec.with_all_experts``), so a checkpoint loads at any expert-parallel
-size and merges, reshards and exports as a model without expert parallelism does. Saving gathers each expert tensor
-over the expert-parallel group when it is written, one tensor at a time and on the host (``GatheredWhenWritten``: the
-device never holds more experts than it trains, the writer's host one gathered tensor at a time); loading keeps this
-rank's experts of what the file holds.
-"""
+"""Expert tensors split over the expert-parallel group, as checkpoints take and give them: files hold every expert of a
+TP piece, so a checkpoint loads at any expert-parallel size; saving gathers one tensor at a time on the host, loading
+keeps this rank's experts."""
 
 from __future__ import annotations
 
@@ -20,10 +15,9 @@ from ..topology import expert_parallel_group
 
 
 def gather_experts(local: torch.Tensor, spec: ParamSpec) -> Tuple[torch.Tensor, ParamSpec]:
-    """Collective over the expert-parallel group when ``spec`` splits experts: this TP piece with every expert (a
-    host tensor) and its spec; otherwise ``local`` and ``spec`` unchanged. Every rank of the group must call it for
-    the same tensor. ``local`` may be any tensor indexed by this rank's experts along dim 0 (a parameter, or state of
-    one such as Adafactor's row statistics)."""
+    """Collective over the expert-parallel group when ``spec`` splits experts: this TP piece with every expert (on the
+    host) and its spec; otherwise ``local`` and ``spec`` unchanged. ``local`` is any tensor indexed by this rank's
+    experts along dim 0."""
     if spec.expert_partitions == 1:
         return local, spec
     group = expert_parallel_group()
@@ -41,9 +35,8 @@ def indexed_by_experts(value: Any, spec: ParamSpec, experts: int) -> bool:
 
 
 class GatheredWhenWritten:
-    """A tensor whose experts are split over the expert-parallel group, stored with every expert: ``value()``
-    gathers them (a collective: every rank of the group calls it, in the same order), so a save holds one gathered
-    tensor at a time on the host, not every expert of the model."""
+    """A tensor stored with every expert: ``value()`` gathers them (a collective, called by every rank of the group in
+    the same order), so a save holds one gathered tensor at a time."""
 
     def __init__(self, local: torch.Tensor, spec: ParamSpec):
         self.local, self.spec = local, spec

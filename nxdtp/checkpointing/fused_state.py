@@ -1,14 +1,6 @@
-"""The optimizer state of fused parameters in the form a checkpoint describes.
-
-A module may train a parameter whose rows are tensors its state dict holds under their own keys and specs
-(``ShardedModule.fused_parameters``: GQAQKVColumnParallelLinear's ``weight_qkv`` is Q's rows, then K's, then V's).
-No model tensor of a checkpoint has the fused parameter's name or layout, so its optimizer state is saved as its
-parts': each field shaped like the parameter is split along dim 0 into the parts' rows and stored under the part's
-name; a field that is not (Adam's ``step``) goes to every part. The state then merges, reshards and exports exactly as
-a layer of separate parameters would write it, and loading concatenates the parts again (whoever wrote them: a fused
-or an unfused layer, at this TP size or resharded to it). Nothing here knows a layer: the modules declare their fused
-parameters.
-"""
+"""The optimizer state of fused parameters (``ShardedModule.fused_parameters``) in the form a checkpoint describes:
+saved as its parts' (each field shaped like the parameter cut into the parts' rows, others copied to every part), so
+it merges, reshards and exports as separate parameters would, and is joined again on loading."""
 
 from __future__ import annotations
 
@@ -47,9 +39,8 @@ def fused_by_position(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dic
 
 
 def split_state(fields: Dict[str, Any], shape: Tuple[int, ...], parts: Parts) -> List[Tuple[str, Dict[str, Any]]]:
-    """A fused parameter's optimizer state (``fields``; the parameter has ``shape``) as its parts': (part name, fields)
-    per part, each tensor shaped like the parameter cut to the part's rows (views: dim-0 blocks, no copy), anything
-    else the same in every part."""
+    """A fused parameter's optimizer state as its parts': (part name, fields) per part, tensors shaped like the
+    parameter cut to the part's rows (views), anything else the same in every part."""
     rows = [n for _, n in parts]
     if sum(rows) != shape[0]:
         raise ValueError(f"the fused parameter's parts {[name for name, _ in parts]} have {rows} rows, but the "
@@ -61,9 +52,8 @@ def split_state(fields: Dict[str, Any], shape: Tuple[int, ...], parts: Parts) ->
 
 
 def fuse_state(where: str, fused: Fused, given: Dict[str, Dict[str, Any]], shape: Tuple[int, ...]) -> Dict[str, Any]:
-    """The fused parameter's optimizer state from its parts' (``given``: part name -> fields, each tensor shaped like
-    the part), the inverse of ``split_state``. Every part must be there with the same fields: a part left at fresh state
-    beside trained ones would be a silently wrong resume."""
+    """The inverse of ``split_state``. Every part must be there with the same fields: a part left at fresh state beside
+    trained ones would be a silently wrong resume."""
     name, parts = fused
     missing = [part for part, _ in parts if part not in given]
     if missing:

@@ -1,14 +1,7 @@
-"""The form transformers saves a model's weights in, where it differs from the tensors the model holds.
-
-transformers 5 holds some tensors in another form than its files store (its weight conversions): a mixture of
-experts keeps each layer's experts fused in one module (``mlp.experts.gate_up_proj``), and saves and reads them one
-expert at a time (Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``, the Qwen models' ``mlp.experts.N.gate_proj/
-up_proj/down_proj``), the form the Hub holds and transformers 4, vLLM and NxD's converters read. ``save_pretrained``
-and ``nxdtp-merge`` write each dense tensor in that form, through transformers' own reversal
-(``revert_weight_conversion``), so their directories hold the keys the model's own ``save_pretrained`` writes (and
-``save_pretrained`` plans its shard files in transformers' order). A conversion whose reverse joins several held
-tensors into one saved tensor cannot be written one held tensor at a time: such a model's tensors are written as held.
-"""
+"""The form transformers saves a model's weights in, where it differs from the tensors the model holds (transformers 5's
+weight conversions: a mixture of experts' fused experts are saved one expert at a time). ``save_pretrained`` and
+``nxdtp-merge`` write that form through transformers' own ``revert_weight_conversion``; a conversion that joins
+several held tensors into one saved tensor is written as held."""
 
 from __future__ import annotations
 
@@ -33,9 +26,8 @@ class SavedForm:
 
     @classmethod
     def of_model(cls, model: nn.Module, layout: Layout) -> Optional["SavedForm"]:
-        """The saved form of a transformers model's ``layout`` (key, dtype, shape of the tensors it holds); None where
-        transformers saves them as held (no conversion, or transformers 4), for another kind of model, or where a
-        saved tensor joins several held ones (it could not be written one held tensor at a time)."""
+        """The saved form of a transformers model's ``layout``; None where transformers saves the tensors as held, or a
+        saved tensor joins several held ones."""
         try:
             from transformers import PreTrainedModel
             from transformers.conversion_mapping import get_model_conversion_mapping

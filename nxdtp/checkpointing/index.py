@@ -1,10 +1,6 @@
-"""The checkpoint index: what every tensor of a sharded checkpoint is and where it lies.
-
-``nxdtp_index.json`` makes a checkpoint self-describing: merging, resharding and loading need nothing but the directory.
-Per model tensor it records the real and padded full shape, dtype, partition dim and stride (or that it is replicated),
-the file of each TP rank that holds a piece, and the other names it is tied to (stored once: safetensors refuses shared
-tensors). Specs come from the modules (``state_dict()`` carries them as ``<module>._extra_state``).
-"""
+"""The checkpoint index, ``nxdtp_index.json``: per model tensor its layout (``ParamSpec``), dtype and tied aliases, and
+every file's record, so merging, resharding and loading need nothing but the directory (docs/checkpoints.md, "The
+index")."""
 
 from __future__ import annotations
 
@@ -23,6 +19,9 @@ from .durable import CHECKSUM, checked_digest, checked_record, write_bytes_durab
 FORMAT_VERSION = 1
 INDEX_FILE = "nxdtp_index.json"
 DONE_FILE = "done"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_STATE_FILE = "optim/state.json"
+CONFIG_FILE = "config.json"
 
 
 class CheckpointIntegrityError(DamagedInputError):
@@ -67,6 +66,11 @@ class TensorEntry:
         return cls(dtype=d["dtype"], spec=ParamSpec.from_dict(d["spec"]), aliases=list(d["aliases"]))
 
 
+def owners_by_name(entries: Dict[str, TensorEntry]) -> Dict[str, str]:
+    """Every name of a stored tensor (its key and its tied aliases) -> the key it is stored under."""
+    return {name: key for key, entry in entries.items() for name in [key] + entry.aliases}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -89,15 +93,10 @@ def _alias_identity(key: str, value: torch.Tensor) -> object:
 
 def split_state_dict(state_dict: Dict[str, Any], tp: int, alias_keys: Iterable[str] = (),
                      preferred_keys: Iterable[str] = ()) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
-    """Separate a model state dict into the tensors to store (aliases dropped) and their index entries.
-
-    A tied tensor is stored under its first key that is not in ``alias_keys`` (the keys a model re-ties on loading, such
-    as an HF model's ``_tied_weights_keys``), so a merged checkpoint names it as the model's own loader expects; a key
-    in ``preferred_keys`` leads before any other (a model's plan names them where some loader needs that name).
-
-    A tensor without a spec in its module's extra state is replicated. Two keys whose tensors share storage, shape and
-    offset (on XLA: that are one Parameter object) are one tied tensor, stored under its first key.
-    """
+    """Separate a model state dict into the tensors to store and their index entries. Keys of one tensor (shared
+    storage; on XLA one Parameter object) are one tied tensor, stored under its first key in ``preferred_keys``, else
+    its first not in ``alias_keys`` (the keys a model re-ties on loading). A tensor without a spec in its module's
+    extra state is replicated."""
     specs: Dict[str, ParamSpec] = {}
     for key, value in state_dict.items():
         if key.endswith("_extra_state") and isinstance(value, dict) and "params" in value:
@@ -148,12 +147,8 @@ class TiedKeysNote:
 
 def split_model_state(model: Any, state_dict: Dict[str, Any], tp: int
                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, TensorEntry]]:
-    """``split_state_dict`` with the tied keys named as ``model`` names them (``model`` may be the module or, as in
-    NxD's ``save({"model": model.state_dict()})``, the state dict itself, which names none): HF models list the keys
-    they re-tie when loading (``_tied_weights_keys``, a dict in transformers 5, a list before), and a plan may name
-    the key a tie's owner must be stored under (the model's ``TiedKeysNote``). ``save`` and
-    ``save_pretrained`` both store ties this way, so a merged checkpoint and a saved-pretrained directory name every
-    tensor alike."""
+    """``split_state_dict`` with the tied keys named as ``model`` names them (HF's ``_tied_weights_keys``, the plan's
+    ``TiedKeysNote``; a state dict names none), so ``save`` and ``save_pretrained`` name every tensor alike."""
     return split_state_dict(state_dict, tp, alias_keys=getattr(model, "_tied_weights_keys", None) or (),
                             preferred_keys=read_note(model, TiedKeysNote).keys)
 

@@ -1,20 +1,7 @@
-"""Is a tag intact, and are its bytes the ones that were saved?
-
-Three kinds of checking (docs/checkpoints.md, "Integrity"):
-
-* ``check_intact``: cheap, used to pick the newest intact tag when none is named. ``done`` is present and readable,
-  the index matches the size and checksum that ``done`` records for it and parses, and every file the index lists is
-  present with its recorded size.
-* ``verify_files``: the checksum of each file a reader is about to read, against the index's record.
-* ``TensorChecks``: for a safetensors file whose header and tensors have records of their own (``tensor_checksums``
-  in the index), the header's checksum before it is parsed and each tensor's as it is read, so a reader that needs
-  only some tensors of a file (``load`` on TP rank r > 0 reads only the replicated tensors of TP rank 0's file) hashes
-  just those, in the same pass that brings them into memory.
-
-``done`` holds the index's record, so a damaged index is detected as well; the index holds every other file's.
-A tag without these records (a ``done`` that is not the index's record, an index without ``files`` or
-``tensor_checksums``) is refused, naming the file and what it lacks.
-"""
+"""Is a tag intact, and are its bytes the ones that were saved? ``check_intact`` (cheap: ``done``, the index and every
+file's size) picks the newest intact tag; ``verify_files`` checks whole files' checksums; ``TensorChecks`` verifies a
+safetensors file's header and each tensor as it is read. A tag without these records is refused (docs/checkpoints.md,
+"Integrity")."""
 
 from __future__ import annotations
 
@@ -73,10 +60,8 @@ def check_intact(tag_dir: str, verify_index: bool = True) -> CheckpointIndex:
 
 def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str], tensors_as_read: bool = False
                  ) -> None:
-    """Verify the size and checksum of each listed file (relative to ``tag_dir``). A file the index's records do not
-    list is refused.
-    With ``tensors_as_read``, a file whose header and tensors have records of their own gets its size checked only:
-    the caller reads it through ``TensorChecks``, which verifies what it reads."""
+    """Verify the size and checksum of each listed file; one the index does not list is refused. With
+    ``tensors_as_read``, a file with per-tensor records gets its size checked only (``TensorChecks`` does the rest)."""
     for relative in relatives:
         record = index.files.get(relative)
         path = os.path.join(tag_dir, relative)
@@ -90,11 +75,8 @@ def verify_files(tag_dir: str, index: CheckpointIndex, relatives: Iterable[str],
 
 
 class TensorChecks:
-    """The recorded checksums of one safetensors file's header and tensors (``tensor_checksums`` in the index).
-
-    ``check_header`` reads and verifies the header before a parser trusts it (its byte ranges then say truly where
-    each tensor lies); ``check`` verifies a tensor's bytes as read from the file, so a reader hashes exactly the
-    tensors it loads, as it reads them."""
+    """The recorded checksums of one safetensors file's header and tensors: ``check_header`` before a parser trusts the
+    header, ``check`` on each tensor as read."""
 
     def __init__(self, path: str, record: Dict[str, dict]):
         self.path = path
@@ -140,11 +122,9 @@ class TensorChecks:
 
 def intact_candidates(path: str, tag: Optional[str], problems: List[str], verify_index: bool = True
                       ) -> Iterator[Tuple[str, CheckpointIndex, bool]]:
-    """``(tag_dir, index, named)`` for each tag to try, in order. A tag named explicitly (``tag``, or ``path`` is a
-    tag directory) is the only candidate, and anything wrong with it raises. Otherwise the tag ``newest`` names comes
-    first, then the other complete tags, newest first; each that fails ``check_intact`` is skipped with a warning
-    naming it and what is wrong (``skip``, which callers use too for damage they find later). When none is left, the
-    error lists every skipped tag and its problem."""
+    """``(tag_dir, index, named)`` for each tag to try, in order: a named tag alone (anything wrong raises), else
+    ``tags.candidates``' order, each that fails ``check_intact`` skipped with a warning. When none is left, the error
+    lists every skipped tag."""
     tag_dirs, named = tags.candidates(path, tag)
     if named:
         yield tag_dirs[0], check_intact(tag_dirs[0], verify_index), True

@@ -1,14 +1,6 @@
-"""A lock on one checkpoint tag, so that two jobs never write the same tag at once.
-
-The lock is the file ``<checkpoint_dir>/<tag>.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local filesystems
-and NFSv3+), holding JSON: the owner's host, pid, process start time, the wall-clock time the save started and a random
-token. A second taker gets ``CheckpointLockedError`` naming all of that and the lock path.
-
-A lock whose owner is on this host and no longer running (the pid is gone, or now belongs to a process that started
-later: a reused pid) is stale: a save killed by SIGKILL or a power loss leaves one. It is broken with a warning that
-names the dead owner, and the save goes on, so a job restarted after a crash can save its tag again. An owner on
-another host cannot be checked from here: the error says to delete the lock file if that job is gone.
-"""
+"""A lock on one checkpoint tag (``<checkpoint_dir>/<tag>.lock``, created with ``O_EXCL``), so two jobs never write the
+same tag at once; a lock left by a dead owner on this host is broken with a warning (docs/checkpoints.md, "Tag
+locks")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree, from
-the checkpoint directory alone (``nxdtp_index.json`` says how every tensor was split). Both check everything before
-writing anything and write atomically; the model's tensors go through the checkpoint pipeline, a merge as
-(``TagSource``, ``DenseSink``), a reshard as (``TagSource``, ``RankFilesSink``), each tensor padded again for the new
-degree by its own recorded rule (``ParamSpec.at_degree``). The rules in full: docs/checkpoints.md, "Merging and
-resharding".
-"""
+"""Merge a sharded nxdtp checkpoint into one dense Hugging Face checkpoint, or reshard it to another TP degree, from the
+checkpoint directory alone: (``TagSource``, ``DenseSink``) and (``TagSource``, ``RankFilesSink``) through the
+checkpoint pipeline; everything is checked before anything is written (docs/checkpoints.md, "Merging and
+resharding")."""
 
 from __future__ import annotations
 
@@ -26,13 +23,17 @@ from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DE
 from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
 from .hf_form import SavedForm
 from .index import (
+    CONFIG_FILE,
     INDEX_FILE,
+    OPTIMIZER_STATE_FILE,
+    TRAINER_STATE_FILE,
     CheckpointIndex,
     TensorEntry,
     dtype_from_name,
     is_zero1_optimizer_index,
     model_file,
     optim_file,
+    owners_by_name,
 )
 from .output_dir import write_atomically
 from .pipeline import (
@@ -46,7 +47,6 @@ from .pipeline import (
 )
 from .safetensors_stream import StreamingSafetensorsWriter
 from .tag_source import (
-    CONFIG_FILE,
     check_piece,
     choose_source,
     config_source,
@@ -56,12 +56,10 @@ from .tag_source import (
     rank_file_opener,
 )
 
-TRAINER_STATE_FILE = "trainer_state.json"
-OPTIMIZER_STATE_FILE = "optim/state.json"
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
-HF_TRAINER_STATE_FILE = "trainer_state.json"   # transformers.trainer.TRAINER_STATE_NAME, beside the tag
+HF_TRAINER_STATE_FILE = TRAINER_STATE_FILE   # transformers.trainer.TRAINER_STATE_NAME, beside the tag
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
@@ -72,11 +70,10 @@ def merge(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, outpu
           force: bool = False, progress: bool = True, config: Optional[str] = None, *, verify: bool = True,
           optimizer: bool = True) -> str:
     """Write the dense model of a sharded checkpoint to ``output_dir`` in Hugging Face's layout (``model.safetensors``,
-    or ``pytorch_model.bin``, held whole in memory, with ``output_format="pytorch_bin"``), with the tag's config.json or
-    ``config``; return the file path. ``checkpoint_dir`` is a checkpoint directory (its tag ``tag``, or the newest
-    intact one, damaged ones skipped with a warning) or a complete tag directory. ``verify`` checks every file read
-    against its checksum first. With ``optimizer``, optimizer state keyed by parameter name is written beside the
-    model (``dense_optimizer``); state keyed by index is left out with a warning."""
+    or ``pytorch_model.bin`` held whole with ``output_format="pytorch_bin"``) with the tag's config.json or
+    ``config``; return the file path. ``checkpoint_dir`` is a checkpoint directory (``tag``, or the newest intact
+    one) or a tag directory; ``verify`` checks every file read first. With ``optimizer``, state keyed by name is
+    written beside the model; state keyed by index is left out with a warning."""
     return merge_and_name_source(checkpoint_dir, output_dir, tag, output_format, force, progress, config,
                                  verify=verify, optimizer=optimizer)[0]
 
@@ -85,16 +82,13 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
                           output_format: str = "safetensors", force: bool = False, progress: bool = True,
                           config: Optional[str] = None, *, verify: bool = True, optimizer: bool = True
                           ) -> Tuple[str, str]:
-    """``merge``, returning ``(file written, tag directory it was merged from)``: the tag is only known once a damaged
-    newest tag has been skipped."""
+    """``merge``, returning ``(file written, tag directory merged)``: the tag is known only once damaged tags have been
+    skipped."""
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"output_format={output_format!r} must be one of {list(OUTPUT_FORMATS)}")
-    def reads(tag_dir: str, index: CheckpointIndex) -> List[str]:
-        own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
-        return model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
-
     # Validates every file before anything is written.
-    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify, reads)
+    tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
+                                                lambda tag_dir, index: files_read(index, config, optimizer))
     config_path = config_source(tag_dir, config)
     optim_files: Dict[str, Any] = {}
     try:
@@ -115,8 +109,9 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
             finally:
                 bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
-            if optimizer_state is not None:
-                _write_dense_optimizer(staging, optimizer_state, index, tag_dir, progress)
+            if optimizer_state is not None:  # with the trainer state: continuing dense training needs it
+                kind = "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain"
+                write_dense_optimizer(staging, optimizer_state, kind, read_trainer_state(tag_dir), progress)
             return name
 
         name = write_atomically(output_dir, write)
@@ -128,9 +123,8 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
 
 def _write_merged_weights(path: str, index: CheckpointIndex, source: TensorSource, config_path: Optional[str],
                           bar) -> None:
-    """The dense weights file ``path`` (``model.safetensors``, streamed in slabs, or ``pytorch_model.bin``, whole in
-    memory). The tensors transformers saves in another form than it holds them (a mixture of experts' fused experts)
-    are written in that form, as the model's own save_pretrained writes them."""
+    """The dense weights file ``path``, tensors transformers saves in another form (fused experts) in that form, as the
+    model's own save_pretrained writes them."""
     layout = dense_layout(index.tensors)
     form = SavedForm.of_config(config_path, layout)
     if path.endswith(".safetensors"):
@@ -153,11 +147,10 @@ def _write_merged_weights(path: str, index: CheckpointIndex, source: TensorSourc
 def reshard(checkpoint_dir: str, output_dir: str, new_tp: int, tag: Optional[str] = None, force: bool = False,
             progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None, *,
             verify: bool = True) -> str:
-    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp`` (the same format, loadable with
-    ``load`` into the model built at ``new_tp``); return its tag directory. Each tensor is padded again by its own rule
-    (``pad_to_multiple_of`` replaces the vocabulary's multiple); optimizer state keyed by name is resharded, state
-    keyed by index dropped with a warning; RNG states are copied only at the same degree; ``reshard.json`` records
-    what was done. ``config``: a config.json to use; ``checkpoint_dir``, ``tag`` and ``verify`` as for ``merge``."""
+    """Write a complete sharded checkpoint at tensor parallel degree ``new_tp``; return its tag directory. Each tensor
+    is padded again by its own rule (``pad_to_multiple_of`` replaces the vocabulary's multiple); optimizer state
+    keyed by name is resharded, keyed by index dropped with a warning; RNG states are kept only at the same degree;
+    ``reshard.json`` records what was done. Other arguments as for ``merge``."""
     check_reshard_arguments(new_tp, pad_to_multiple_of)
     tag_dir, index, model_files = choose_source(checkpoint_dir, tag, output_dir, force, verify,
                                                  lambda tag_dir, index: sorted(index.files or {}))
@@ -172,13 +165,10 @@ def reshard_source(tag_dir: str, index: CheckpointIndex, model_source: TensorSou
                    progress: bool = True, pad_to_multiple_of: Optional[int] = None, config: Optional[str] = None,
                    open_file: Optional[Callable[[str], Any]] = None,
                    optimizer_source: Optional[TensorSource] = None, source: Optional[str] = None) -> str:
-    """``reshard`` of a source already chosen and checked (``output_dir`` too): the tag directory ``tag_dir`` with its
-    ``index`` and its model tensors (``model_source``, a ``pipeline.TensorSource`` keyed as the index). A converter
-    gives a checkpoint that is not on disk as a source of its own, ``open_file(rank file name)`` for the optimizer's
-    rank files (read as ``SafetensorsFileReader``: ``keys()``, ``get_slice(key).get_shape()``, ``dtype(key)``,
-    ``get_tensor(key)``) and ``optimizer_source`` for its tensors shaped like their parameters, with only the JSON
-    files (trainer state, optimizer groups, config) in ``tag_dir``; ``source`` is what ``reshard.json`` names as the
-    source (default ``tag_dir``)."""
+    """``reshard`` of a source already chosen and checked: ``tag_dir`` with its ``index`` and its model tensors as a
+    ``TensorSource``. A converter gives a checkpoint that is not on disk as ``model_source``, ``open_file`` (an
+    optimizer rank file's name -> a reader like ``SafetensorsFileReader``) and ``optimizer_source``, with only the
+    JSON files in ``tag_dir``; ``source`` is what ``reshard.json`` names."""
     check_reshard_arguments(new_tp, pad_to_multiple_of)
     config_path = config_source(tag_dir, config)
     multiple, multiple_source = _pad_multiple(index, pad_to_multiple_of)
@@ -215,9 +205,8 @@ def _resharded_entries(index: CheckpointIndex, new_tp: int, pad_to_multiple_of: 
 
 @dataclasses.dataclass
 class _ReshardJob:
-    """One reshard: the source tag and what its tensors become, then what is done with its optimizer state and RNG
-    files (``plan_optimizer``, ``plan_rng``), all decided before ``write`` writes the new tag into the staging
-    directory of ``write_atomically``."""
+    """One reshard: the source and what its tensors become, the optimizer and RNG plans, all decided before ``write``
+    writes the new tag into ``write_atomically``'s staging directory."""
 
     tag_dir: str
     index: CheckpointIndex
@@ -255,8 +244,8 @@ class _ReshardJob:
             self.notes.append(message)
 
     def plan_rng(self) -> None:
-        """Copy the RNG states when the degree is unchanged; otherwise drop them (a TP rank's tracker state has no
-        counterpart at another degree) with a note."""
+        """Copy the RNG states at the same degree; otherwise drop them with a note (a TP rank's tracker state has no
+        counterpart at another degree)."""
         rng_dir = os.path.join(self.tag_dir, "rng")
         self.copy_rng = self.new_tp == self.old_tp and os.path.isdir(rng_dir)
         if os.path.isdir(rng_dir) and not self.copy_rng:
@@ -285,8 +274,8 @@ class _ReshardJob:
         return self.tag_name
 
     def _write_rank_files(self, new_tag_dir: str) -> Tuple[Dict[str, dict], Dict[str, dict]]:
-        """Write the model's (and the optimizer's) rank files at the new degree; return the new tag's file records
-        and the rank files' header and tensor records."""
+        """Write the model's and optimizer's rank files at the new degree; return their file records and header and
+        tensor records."""
         total = len(self.new_entries) + sum(len(fields) for _, (_, fields) in self.optimizer_plan or [])
         bar = progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
         try:
@@ -330,8 +319,7 @@ class _ReshardJob:
 
 def tag_model_source(index: CheckpointIndex, model_files: Dict[str, Any], slab_bytes: Optional[int] = None
                      ) -> TagSource:
-    """The model tensors of a tag (its open rank files) as a ``pipeline.TensorSource`` (the index was checked: each
-    spec's partition count is the checkpoint's TP degree)."""
+    """The model tensors of a tag (its open rank files) as a ``TensorSource``."""
     tp = index.tensor_model_parallel_size
     return TagSource(model_files, {key: (entry.spec, dtype_from_name(entry.dtype), entry.files(tp))
                                    for key, entry in index.tensors.items()}, slab_bytes)
@@ -350,9 +338,8 @@ def _pad_multiple(index: CheckpointIndex, explicit: Optional[int]) -> Tuple[int,
 
 
 def _new_spec(key: str, spec: ParamSpec, new_tp: int, explicit_multiple: Optional[int]) -> ParamSpec:
-    """The tensor's spec at ``new_tp`` by its own padding record (the layout algebra's ``at_degree``); an explicit
-    ``pad_to_multiple_of`` replaces a vocabulary's recorded multiple (the user builds the model at the new degree with
-    it), other recorded rules (partition padding) are the layers' own and stay."""
+    """The tensor's spec at ``new_tp`` by its own padding record; an explicit ``pad_to_multiple_of`` replaces a
+    vocabulary's recorded multiple only."""
     if spec.vocabulary and spec.pad_to_multiple_of is not None and explicit_multiple is not None:
         spec = dataclasses.replace(spec, pad_to_multiple_of=explicit_multiple)
     try:
@@ -376,16 +363,16 @@ def _reshard_model(new_tag_dir: str, new_entries: Dict[str, TensorEntry], source
 
 @contextlib.contextmanager
 def _open_writers(paths: List[str], layouts) -> Iterator[List[StreamingSafetensorsWriter]]:
-    """One writer per path. Leaving normally completes them all (each checks every tensor was written); leaving on
-    an error closes them without completing, so no file passes for a whole one."""
+    """One writer per path, completed on a normal exit; on an error closed without completing, so no file passes for a
+    whole one."""
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(StreamingSafetensorsWriter(path, layout)) for path, layout in zip(paths, layouts)]
 
 
 def _optimizer_params(tag_dir: str, index: CheckpointIndex):
-    """The optimizer's per-parameter records, the model key of every parameter name (aliases of tied tensors
-    included), and why they cannot be resharded (None if they can); the optimizer's state file must exist."""
-    primary = {alias: key for key, entry in index.tensors.items() for alias in [key] + entry.aliases}
+    """The optimizer's per-parameter records, the model key of every parameter name, and why they cannot be resharded
+    (None if they can)."""
+    primary = owners_by_name(index.tensors)
     params = index.optimizer.get("params", {})
     unknown = [name for name in params if name not in primary]
     fused = [name for name in unknown if "fused_parts" in params[name]]
@@ -408,12 +395,9 @@ def _optimizer_params(tag_dir: str, index: CheckpointIndex):
 
 def plan_optimizer(tag_dir: str, index: CheckpointIndex, open_file: Optional[Callable[[str], Any]] = None):
     """How the tag's optimizer state keyed by name is laid out: ``[(param name, (model key, [(field, kind, shape,
-    dtype)]))]`` (shape and dtype as TP rank 0 stores the field), the open rank files (``optimizer_rank_files``), or
-    ``(None, {}, why not)``. kind is "shard" (plain state shaped like its sharded parameter's piece: split like it),
-    "replicate" (plain state shaped like its replicated parameter), "flat" (ZeRO-1, the master weights included: a
-    flat shard of the TP-local tensor in every TP x DP rank file) or "copy" (anything else, e.g. Adam's 'step': TP
-    (and DP) rank 0's value goes to every file). A damaged index or a rank file that lacks or misshapes what it lists
-    raises."""
+    dtype)]))]``, the open rank files, or ``(None, {}, why not)``. kind is "shard" (split like its sharded
+    parameter), "replicate" (whole like its replicated parameter), "flat" (ZeRO-1 flat shards, masters included) or
+    "copy" (e.g. 'step': rank 0's value). A damaged index or rank file raises."""
     try:
         return _plan_optimizer(tag_dir, index, open_file or rank_file_opener(tag_dir))
     except (KeyError, TypeError, AttributeError) as e:  # the index's optimizer part is not what save writes
@@ -460,8 +444,8 @@ def _plan_optimizer(tag_dir: str, index: CheckpointIndex, open_file: Callable[[s
 
 def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSpec, info: Dict[str, Any]
                   ) -> FlatShardLayout:
-    """The flat layout of a parameter's ZeRO-1 state, which must cut its model tensor's local shape over the
-    checkpoint's sharding group."""
+    """The flat layout of a parameter's ZeRO-1 state, checked against its model tensor's local shape and the sharding
+    group size."""
     layout, dp = FlatShardLayout.from_dict(fields["layout"]), int(info["zero1"]["sharding_group_size"])
     if tuple(layout.shape) != tuple(spec.local_shape()) or layout.group_size != dp:
         raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)}: the ZeRO-1 state of '{name}' is cut as "
@@ -471,8 +455,8 @@ def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSp
 
 
 def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, int], str]:
-    """The optimizer's rank file of each (TP rank, DP rank): a plain optimizer's one per TP rank (as DP rank 0),
-    ZeRO-1's one per TP x DP rank."""
+    """The optimizer's rank file of each (TP rank, DP rank): plain state's one per TP rank (DP rank 0), ZeRO-1's one per
+    TP x DP rank."""
     if not is_zero1_optimizer_index(optimizer):
         return {(rank, 0): optim_file(rank) for rank in range(tp)}
     dp = int(optimizer["zero1"]["sharding_group_size"])
@@ -482,9 +466,8 @@ def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
                        handles: Dict[str, Any], new_tp: int, bar, source: Optional[TensorSource] = None
                        ) -> List[StreamingSafetensorsWriter]:
-    """Write the optimizer's rank files at ``new_tp``: each tensor shaped like its parameter streamed from ``source``
-    (default: the tag's optimizer files) into a ``RankFilesSink`` (plain state; a replicated tensor whole in every
-    file) or a ``Zero1Sink`` (ZeRO-1, the same DP size); other state ('step') is TP (and DP) rank 0's value."""
+    """Write the optimizer's rank files at ``new_tp``: state shaped like its parameter streamed into a ``RankFilesSink``
+    (plain) or ``Zero1Sink`` (ZeRO-1, same DP size); other state is rank 0's value."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
     dp = int(index.optimizer["zero1"]["sharding_group_size"]) if zero1 else 1
     new_files = optimizer_rank_files(index.optimizer, new_tp)
@@ -512,8 +495,7 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
 
 
 class Zero1Sink:
-    """ZeRO-1 rank files (``writers[(tp rank, dp rank)]``) at the TP size of ``specs``: each new TP piece cut into
-    flat shards over the ``dp`` ranks."""
+    """ZeRO-1 rank files (``writers[(tp rank, dp rank)]``): each new TP piece cut into flat shards over ``dp`` ranks."""
 
     def __init__(self, writers: Dict[Tuple[int, int], Any], specs: Dict[str, ParamSpec], dp: int):
         self.writers, self.specs, self.dp = writers, specs, dp
@@ -530,9 +512,8 @@ class Zero1Sink:
 
 def tag_optimizer_source(index: CheckpointIndex, plan, handles: Dict[str, Any], slab_bytes: Optional[int] = None
                          ) -> TagSource:
-    """The optimizer's tensors (keys ``name/field``) as a ``TagSource`` of its rank files: state shaped like its
-    parameter laid out like it, other state ('step') as TP rank 0 stores it. A ZeRO-1 TP piece is its DP shards
-    joined, built whole (a flat shard holds no rows)."""
+    """The optimizer's tensors (``name/field``) as a ``TagSource`` of its rank files; a ZeRO-1 TP piece is built whole
+    from its DP shards."""
     tp = index.tensor_model_parallel_size
     files = optimizer_rank_files(index.optimizer, tp)
     layout, flat = {}, {}
@@ -555,8 +536,8 @@ def tag_optimizer_source(index: CheckpointIndex, plan, handles: Dict[str, Any], 
 
 
 def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, TensorEntry], plan) -> Dict[str, Any]:
-    """The optimizer part of a resharded tag's index: ZeRO-1 entries get their new TP-local shape, flat layout and TP
-    spec; plain state's index is unchanged."""
+    """A resharded tag's optimizer index: ZeRO-1 entries get their new shape, layout and spec; plain state's is
+    unchanged."""
     if not is_zero1_optimizer_index(optimizer):
         return optimizer
     keys = dict((name, key) for name, (key, _) in plan)
@@ -573,10 +554,8 @@ def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, Tenso
 
 @dataclasses.dataclass
 class DenseOptimizerTensor:
-    """One tensor of the dense model's optimizer state; ``read()`` reassembles it from the rank files. State shaped
-    like its parameter also gives the parameter's ``spec`` and ``read_piece(tp_rank)``, one TP piece of it, for a
-    writer that takes the tensor piece by piece (the DCP export). A source that can give a large tensor in row ranges
-    gives ``read_parts()``, those ranges in order, which ``write_dense_optimizer`` then streams (the DCP import)."""
+    """One tensor of the dense model's optimizer state: ``read()`` gives it whole; state shaped like its parameter also
+    has ``spec`` and ``read_piece(tp_rank)``; ``read_parts()``, where given, yields it in row ranges to stream."""
     shape: Tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[], torch.Tensor]
@@ -584,9 +563,28 @@ class DenseOptimizerTensor:
     read_piece: Optional[Callable[[int], torch.Tensor]] = None
     read_parts: Optional[Callable[[], Iterable[torch.Tensor]]] = None
 
+    @classmethod
+    def of_source(cls, source: TensorSource, key: str, pieces: bool = False, parts: bool = True
+                  ) -> "DenseOptimizerTensor":
+        """Tensor ``key`` of a pipeline source; with ``pieces`` its spec and TP pieces (a ``TagSource``'s), with
+        ``parts`` its slabs of rows."""
+        spec, dtype, read_boxes = source.spec(key), source.dtype(key), partial(source.read_boxes, key)
+        shape = tuple(spec.unpadded_shape)
+        return cls(shape=shape, dtype=dtype, read=lambda: read_boxes([((0,) * len(shape), shape)])[0].contiguous(),
+                   spec=spec if pieces else None, read_piece=partial(source.piece, key) if pieces else None,
+                   read_parts=partial(dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype))
+                   if parts and shape else None)
+
+
+def files_read(index: CheckpointIndex, config: Optional[str], optimizer: bool = True) -> List[str]:
+    """The files of a tag that a merge or an export reads: the model's, its own config.json unless ``config``
+    replaces it, and the optimizer's."""
+    own_config = [CONFIG_FILE] if config is None and CONFIG_FILE in (index.files or {}) else []
+    return model_file_names(index) + own_config + (optimizer_file_names(index) if optimizer else [])
+
 
 def optimizer_file_names(index: CheckpointIndex) -> List[str]:
-    """The tag's optimizer files (a plain optimizer's per TP rank, or ZeRO-1's per TP x DP rank, and the JSON part)."""
+    """The tag's optimizer files: the rank files and the JSON part."""
     if index.optimizer is None:
         return []
     names = list(optimizer_rank_files(index.optimizer, index.tensor_model_parallel_size).values())
@@ -594,8 +592,8 @@ def optimizer_file_names(index: CheckpointIndex) -> List[str]:
 
 
 def optimizer_values(tag_dir: str) -> Dict[str, Any]:
-    """The non-tensor optimizer state of a tag under torch's flattened keys: ``state.<param>.<field>`` for scalars and
-    ``param_groups.<param>.<hyperparameter>`` for every parameter of every group."""
+    """The non-tensor optimizer state under torch's flattened keys (``state.<param>.<field>``,
+    ``param_groups.<param>.<hyperparameter>``)."""
     with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
         saved = json.load(f)
     values: Dict[str, Any] = {}
@@ -611,9 +609,8 @@ def optimizer_values(tag_dir: str) -> Dict[str, Any]:
 
 
 def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
-    """The optimizer state of the dense model: ``{flattened key: DenseOptimizerTensor or value}`` (module
-    ``dense_optimizer`` for the keys), the open files, or ``(None, {}, why not)``. Plain state is reassembled from its
-    TP pieces like the parameter; ZeRO-1 state from each TP rank's DP shards, then its TP pieces."""
+    """The dense model's optimizer state, ``{flattened key: DenseOptimizerTensor or value}``, and the open files; or
+    ``(None, {}, why not)``."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
     plan, handles, why_not = plan_optimizer(tag_dir, index)
     if plan is None:
@@ -625,24 +622,11 @@ def dense_optimizer_state(tag_dir: str, index: CheckpointIndex):
         for field, kind, _, _ in fields:
             key = f"{name}/{field}"
             flat_key = f"{MASTER_PREFIX}{name}" if field == master else f"state.{name}.{field}"
-            shape, dtype, read_boxes = tuple(source.spec(key).unpadded_shape), source.dtype(key), partial(
-                source.read_boxes, key)
-            shaped = kind != "copy"  # 'step' and other state not shaped like the parameter: TP rank 0's value
-            state[flat_key] = DenseOptimizerTensor(
-                shape=shape, dtype=dtype, read=lambda r=read_boxes, s=shape: r([((0,) * len(s), s)])[0].contiguous(),
-                spec=source.spec(key) if shaped else None, read_piece=partial(source.piece, key) if shaped else None,
-                # plain state is stored as its parameter: read in slabs of piece rows
-                read_parts=None if zero1 or not shape else partial(
-                    dense_slabs, read_boxes, shape, rows_within(source.slab_bytes, shape, dtype)))
+            # 'step' and other state not shaped like the parameter is TP rank 0's value; plain state is stored as
+            # its parameter, so it is read in slabs of piece rows (a ZeRO-1 piece is built whole).
+            state[flat_key] = DenseOptimizerTensor.of_source(source, key, pieces=kind != "copy", parts=not zero1)
     state.update(optimizer_values(tag_dir))
     return state, handles, None
-
-
-def _write_dense_optimizer(directory: str, state: Dict[str, Any], index: CheckpointIndex, tag_dir: str,
-                           progress: bool) -> None:
-    # The scheduler's state and the step go too: continuing dense training needs them.
-    write_dense_optimizer(directory, state, "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain",
-                          read_trainer_state(tag_dir), progress)
 
 
 def read_trainer_state(tag_dir: str) -> Optional[dict]:
@@ -655,8 +639,8 @@ def read_trainer_state(tag_dir: str) -> Optional[dict]:
 
 def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: str, trainer_state: Optional[dict],
                           progress: bool) -> None:
-    """Write ``optimizer.safetensors`` (the ``DenseOptimizerTensor`` values, read one at a time) and
-    ``optimizer.json`` (the other values, the source kind and the trainer state) into ``directory``."""
+    """Write ``optimizer.safetensors`` (tensors, one at a time) and ``optimizer.json`` (the other values, the source
+    kind and the trainer state) into ``directory``."""
     tensors = {key: value for key, value in state.items() if isinstance(value, DenseOptimizerTensor)}
     bar = progress_bar(len(tensors), "optimizer", progress)
     try:

@@ -28,13 +28,8 @@ def check_output_dir(checkpoint_dir: str, output_dir: str, force: bool) -> None:
 
 
 def write_atomically(output_dir: str, write: Callable[[str], Any]) -> Any:
-    """Run ``write(staging_dir)`` in a temporary sibling of ``output_dir``, then put the result in its place.
-
-    A previous ``output_dir`` is moved aside and deleted only after the new one is in place; on any error the staging
-    directory, and any parent directories this call created, are removed. Every file and directory written is
-    ``fsync``ed before the rename, and the parent directory after it, so a power loss leaves the old output or the
-    complete new one.
-    """
+    """Run ``write(staging_dir)`` in a temporary sibling of ``output_dir``, then put the result in its place, durably: a
+    power loss or an error leaves the old output or the complete new one."""
     target = os.path.abspath(output_dir)
     parent, base = os.path.dirname(target), os.path.basename(target)
     created = make_directories(parent)[::-1]  # deepest first, to be removed in that order on error

@@ -1,19 +1,7 @@
-"""The checkpoint pipeline: one driver that streams the tensors of any source into any sink in bounded slabs.
-
-A **source** (``TensorSource``) gives a checkpoint's tensors as dense tensors (padding and repeated copies dropped),
-read by box: ``spec(key)`` is the tensor's layout in the source (its dense shape is ``spec.unpadded_shape``),
-``dtype(key)`` its dtype, and ``read_boxes(key, boxes)`` the boxes ``(offsets, sizes)`` of the dense tensor. A **sink**
-(``TensorSink``) writes one tensor at a time, asking the source for the boxes it needs in slabs of at most
-``slab_bytes``, so no tensor is whole in memory unless a source can only read it whole. ``stream`` is the driver.
-
-Sources: ``TagSource`` (an nxdtp tag's rank files: a box is read from the rows of the pieces that hold it),
-``dcp_io.DcpSource`` (a DCP directory) and ``converters.nxd.reader.NxdSource`` (NxD's rank files). Sinks:
-``DenseSink`` (a Hugging Face safetensors file, the dense tensor in slabs of rows), ``RankFilesSink`` (the rank files
-of an nxdtp tag at another TP size, each piece in slabs of rows, ``slabs.piece_parts``) and ``dcp_io.DcpSink`` (a DCP
-directory, chunk by chunk). ``nxdtp-merge``'s merge and reshard are (``TagSource``, ``DenseSink``) and (``TagSource``,
-``RankFilesSink``); ``--to dcp`` is (``TagSource``, ``DcpSink``), ``--from-dcp`` (``DcpSource``, ``DenseSink``),
-``--from-dcp --reshard`` (``DcpSource``, ``RankFilesSink``) and ``--from-nxd`` (``NxdSource``, ``DenseSink``).
-"""
+"""The checkpoint pipeline: ``stream`` writes the tensors of any source into any sink in bounded slabs. A source
+(``TensorSource``) gives dense tensors by box (``spec``, ``dtype``, ``read_boxes``); a sink (``TensorSink``) writes
+one tensor at a time, asking for at most ``slab_bytes`` at once. Each ``nxdtp-merge`` operation is one (source, sink)
+pair (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -95,12 +83,9 @@ def shifted(box: Box, rows: int) -> Box:
 
 
 class TagSource:
-    """The tensors of an nxdtp tag's rank files (``handles``: relative name -> ``SafetensorsFileReader``), each laid
-    out by ``layout[key] = (spec, dtype, rank file names)``. A box of the dense tensor is read from the rows of the
-    pieces that hold it (``ParamSpec.dense_runs_of_piece``): along the split dim when it is dim 0, else the box's rows
-    of each piece that holds a part of it, so reading a slab never reads a whole piece of a larger tensor. With
-    ``build_piece(key, rank)`` the pieces are built whole instead (a ZeRO-1 piece is its DP shards joined: a flat
-    shard holds no rows), the last one kept while its boxes are read."""
+    """The tensors of an nxdtp tag's rank files (``handles``), laid out by ``layout[key] = (spec, dtype, rank file
+    names)``: a box is read from the rows of the pieces that hold it, never a whole piece of a larger tensor. With
+    ``build_piece(key, rank)`` pieces are built whole instead (ZeRO-1's joined DP shards), the last one kept."""
 
     def __init__(self, handles: Dict[str, Any], layout: Dict[str, Tuple[ParamSpec, torch.dtype, List[Any]]],
                  slab_bytes: Optional[int] = None, build_piece: Optional[Callable[[str, int], torch.Tensor]] = None):
@@ -159,9 +144,8 @@ class TagSource:
 
 
 class DenseSink:
-    """A dense safetensors writer (``DenseWeightsWriter``, or a ``StreamingSafetensorsWriter``): each tensor in slabs
-    of rows of the dense tensor; with a ``form`` (``hf_form.SavedForm``), a tensor transformers saves in another form
-    is read whole and written as its saved parts."""
+    """A dense safetensors writer, each tensor in slabs of rows; with a ``form`` (``hf_form.SavedForm``), a tensor
+    transformers saves in another form is read whole and written as its saved parts."""
 
     def __init__(self, writer, form=None):
         self.writer, self.form = writer, form
@@ -178,9 +162,8 @@ class DenseSink:
 
 
 class RankFilesSink:
-    """The rank files of a tag at the TP size of ``specs`` (``writers[rank]``, one ``StreamingSafetensorsWriter``
-    per TP rank): each rank's piece at its new layout (``specs[key]``), in slabs of rows. A replicated tensor goes
-    to rank 0's file only (model files), or with ``every_rank`` whole to every rank's (plain optimizer state)."""
+    """The rank files of a tag at the TP size of ``specs`` (one writer per TP rank), each piece in slabs of rows; a
+    replicated tensor goes to rank 0's file, or with ``every_rank`` to every file."""
 
     def __init__(self, writers: List[Any], specs: Dict[str, ParamSpec], every_rank: bool = False):
         self.writers, self.specs, self.every_rank = writers, specs, every_rank

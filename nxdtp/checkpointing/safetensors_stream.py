@@ -1,19 +1,6 @@
-"""nxdtp's one safetensors writer and one safetensors reader.
-
-The writer writes a file one tensor at a time, so it never holds more than one tensor in memory.
-
-``safetensors.torch.save_file`` needs the whole dict at once. The format itself is simple (an 8-byte little-endian
-header length, a JSON header with each tensor's dtype, shape and byte range, then the raw bytes in order), so when
-every tensor's dtype and shape are known up front the header can be written first and the data streamed after it.
-
-Besides the whole file's checksum, the writer records one for the header and one for each tensor's bytes, computed on
-the same chunks as they are written (``contents_record``): a reader that needs only some tensors of a file verifies
-just those (docs/checkpoints.md, "Integrity").
-
-The reader (``SafetensorsFileReader``) reads whole tensors, or a range along any dimension, with plain reads at their
-byte offsets; every file nxdtp reads (its own checkpoints, merged optimizer state, Hugging Face model directories) goes
-through it.
-"""
+"""nxdtp's one safetensors writer and one reader. The writer writes the header first and streams each tensor after it,
+so it never holds more than one tensor, and records the checksums of the header and of each tensor as it writes
+(docs/checkpoints.md, "Integrity"). The reader reads tensors or ranges at their byte offsets."""
 
 from __future__ import annotations
 
@@ -26,7 +13,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import xxhash
 
-from .durable import ChecksummedWriter, file_record, tensor_bytes
+from .durable import ChecksummedWriter, ClosesOnExit, file_record, tensor_bytes
 
 # Tensors are written (and hashed twice: for the file and for the tensor) in chunks of this size, so the second hash
 # reads bytes the first has just brought into the CPU cache.
@@ -39,11 +26,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class StreamingSafetensorsWriter:
-    """``layout`` is the ordered list of (name, dtype, shape); ``write(name, tensor)`` must follow that order.
-
-    ``close`` ``fsync``s the file; ``record()`` then gives its size and checksum, and ``contents_record()`` the
-    checksums of its header and of each tensor, all computed while it was written."""
+class StreamingSafetensorsWriter(ClosesOnExit):
+    """``layout`` is the ordered list of (name, dtype, shape) that ``write`` must follow. ``close`` ``fsync``s the file;
+    ``record()`` and ``contents_record()`` then give its records."""
 
     def __init__(self, path: str, layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
                  metadata: Optional[Dict[str, str]] = None):
@@ -78,10 +63,8 @@ class StreamingSafetensorsWriter:
         self.write_parts(name, [tensor])
 
     def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
-        """Write the next tensor, ``name``, from ``parts``: consecutive row ranges (along dim 0) that together are
-        the tensor, each written and let go before the next is taken, so a large tensor never has to be in memory
-        whole (a 0-dim tensor is one part). The file is left incomplete (and the caller abandons it) when the parts do
-        not add up to the tensor."""
+        """Write the next tensor from consecutive row ranges (a 0-dim tensor is one part), each let go before the next
+        is taken; parts that do not add up to the tensor raise."""
         expected_name, dtype, shape = self._expected[self._position]
         if name != expected_name:
             raise ValueError(f"{self.path}: expected '{expected_name}' next, got '{name}'")
@@ -127,15 +110,6 @@ class StreamingSafetensorsWriter:
         {name: xxh3_64}}``, where the header is the length prefix and the JSON header with its padding."""
         return {"header": self._header_record, "tensors": dict(self._tensor_digests)}
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.abandon()
-
 
 # What the reader accepts: every dtype the writer writes, and the float8 and unsigned ones Hugging Face checkpoints may
 # hold (which nxdtp never writes).
@@ -158,13 +132,8 @@ class _TensorInfo:
 
 
 class SafetensorsFileReader:
-    """Read tensors of a safetensors file with plain reads at their byte offsets.
-
-    ``safe_open`` memory-maps the file, and every page a tensor touched stays in the process's RSS while the file is
-    open: merging a checkpoint that way holds the whole checkpoint in RSS. Reading each tensor into its own buffer
-    keeps the footprint at the tensors actually alive. The header is checked on open, so a truncated or damaged file
-    is refused before anything is read.
-    """
+    """Read tensors of a safetensors file with plain reads at their byte offsets: ``safe_open``'s memory map would keep
+    every page read in RSS while the file is open. The header is checked on open."""
 
     def __init__(self, path: str):
         self.path = path

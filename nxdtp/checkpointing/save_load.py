@@ -1,10 +1,6 @@
-"""``save`` and ``load`` in NxD's call form, writing and reading the self-describing sharded format.
-
-Who writes what: the ranks whose DP rank is 0 write their TP shard of the model and optimizer (the DP replicas hold the
-same values); every rank writes its own RNG states; global rank 0 writes the index, trainer state, config, ``done`` and
-``newest``. Each step ends with an exchange on the host group in which every rank learns whether any rank failed, so
-``done`` exists only once every file is complete, and a failure on one rank (in ``save`` or ``load``) raises on all.
-"""
+"""``save`` and ``load`` in NxD's call form, writing and reading the self-describing sharded format
+(docs/checkpoints.md). Each step ends with every rank learning whether any rank failed, so ``done`` exists only once
+every file is complete and a failure on one rank raises on all."""
 
 from __future__ import annotations
 
@@ -40,21 +36,23 @@ from .experts import (
 )
 from .fused_state import Fused, fuse_state, fused_by_position, split_state, with_fused_tensors
 from .index import (
+    CONFIG_FILE,
+    OPTIMIZER_STATE_FILE,
+    TRAINER_STATE_FILE,
     CheckpointIndex,
     TensorEntry,
     dtype_from_name,
     is_zero1_optimizer_index,
     model_file,
     optim_file,
+    owners_by_name,
     split_model_state,
 )
 from .lock import TagLock
-from .safetensors_stream import SafetensorsFileReader, StreamingSafetensorsWriter
+from .safetensors_stream import StreamingSafetensorsWriter
+from .tag_source import open_rank_file
 from .unwrap import is_zero1
 
-TRAINER_STATE_FILE = "trainer_state.json"
-OPTIMIZER_STATE_FILE = "optim/state.json"
-CONFIG_FILE = "config.json"
 # Checkpoint entries that are not JSON (NxD's guide saves an optimizer state dict and a loss tensor beside the model):
 # one torch.save file per TP rank, since such values may differ between TP ranks.
 EXTRA_FILE = "extra/tp_rank_{:02d}.pt"
@@ -93,10 +91,8 @@ def _invoke_preshard_hooks(module: nn.Module, state_dict: Dict[str, Any], prefix
 
 
 def sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
-    """The spec of every TP-sharded tensor of ``model``, by tensor identity (so tied keys share it): from the
-    modules' own specs, else from NxD attributes set by hand (``set_tensor_model_parallel_attributes``). A fused
-    parameter (``fused_parts``: GQAQKVColumnParallelLinear's ``weight_qkv``) has none: its parts, which its module's
-    state dict holds, have theirs."""
+    """The spec of every TP-sharded tensor of ``model``, by tensor identity (tied keys share it): the modules' own, else
+    NxD's attributes set by hand. A fused parameter has none: its parts have theirs."""
     specs: Dict[int, ParamSpec] = {}
     for module in model.modules():
         if isinstance(module, ShardedModule):
@@ -117,14 +113,9 @@ def sharding_specs(model: nn.Module, tp: int) -> Dict[int, ParamSpec]:
 
 
 def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -> Dict[str, Any]:
-    """Turn a full (unsharded) state dict of ``model`` into this TP rank's, in place, and return it (NxD's name).
-
-    Each TP-sharded tensor of the model is replaced by this rank's shard, cut as its layer's spec lays it out (strides,
-    padding, repeated KV heads). A full tensor may be given with the dense shape (the unpadded vocabulary, one copy of
-    each KV head) or with the padded full shape. Replicated tensors and keys the model does not have are left as they
-    are, and keys the state dict lacks are skipped. An nxdtp sharding spec in the dict (``<module>._extra_state``, from
-    a TP=1 model's ``state_dict()``) is replaced by the model's own. Modules with NxD's ``preshard_hook`` run it first.
-    """
+    """Turn a full state dict of ``model`` into this TP rank's, in place, and return it (NxD's name). A full tensor may
+    have the dense or the padded full shape; replicated tensors, keys the model lacks and keys the dict lacks are
+    left as they are; an nxdtp spec in the dict is replaced by the model's own; NxD's ``preshard_hook`` runs first."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"get_sharded_model_dict needs the model (an nn.Module), got {type(model).__name__}")
     if not isinstance(model_state_dict, dict):
@@ -164,26 +155,13 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: Dict[str, Any]) -
 def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True, save_xser: bool = False,
          down_cast_bf16: bool = False, master_dp_only: bool = True, *, tag: Optional[str] = None,
          keep_last: Optional[int] = None, check_replicated: bool = True) -> str:
-    """Save a training checkpoint; return the tag directory.
-
-    ``checkpoint`` is NxD's dict: ``model`` (a module or its ``state_dict()``), ``optimizer`` (an optimizer or its state
-    dict), ``scheduler``, ``global_step``, and any other values: JSON ones (epoch, data position, ...) go to the trainer
-    state, others (an optimizer state dict under another key, a loss tensor) to one ``torch.save`` file per TP rank,
-    which ``load`` reads back with ``weights_only=True``. The tag defaults to ``step_<global_step>``, or without a
-    ``global_step`` to the first free ``checkpoint``, ``checkpoint_1``, ... (NxD's form, which names no step).
-    ``keep_last`` keeps only that many complete tags. ``down_cast_bf16`` stores floating model tensors as bfloat16 (the
-    optimizer keeps full precision).
-
-    Replicated tensors are written once, from TP rank 0. So that no other rank's copy is silently dropped, ``save``
-    first checks that every replicated tensor of the model is the same on every rank of the TP group (a fingerprint
-    per tensor, compared on the host group: ``nxdtp.agreement.check_replicated_agree``) and otherwise raises
-    ``nxdtp.agreement.DivergenceError`` on every rank, naming the tensors and the TP ranks that differ, before anything
-    is written. ``check_replicated=False`` skips the check (and keeps TP rank 0's copies).
-
-    NxD's positional parameters are kept. ``save_serially`` takes either value and changes nothing: every writing rank
-    streams one tensor at a time to its file, so there is no whole-shard host copy for staggering to bound.
-    ``save_xser=True`` and ``master_dp_only=False`` are refused (nxdtp writes its own format, once per DP group).
-    """
+    """Save a training checkpoint (NxD's dict: ``model``, ``optimizer``, ``scheduler``, ``global_step`` and other
+    values; JSON ones go to the trainer state, others to one ``torch.save`` file per TP rank); return the tag
+    directory. The tag defaults to ``step_<global_step>``, else the first free ``checkpoint``, ``checkpoint_1``, ...;
+    ``keep_last`` keeps that many complete tags; ``down_cast_bf16`` stores floating model tensors as bfloat16.
+    Replicated tensors are written from TP rank 0, so first every one is checked equal across the TP group
+    (``check_replicated``; ``DivergenceError`` on every rank otherwise). ``save_serially`` changes nothing (every
+    writer streams one tensor at a time); ``save_xser=True`` and ``master_dp_only=False`` are refused."""
     if not isinstance(save_serially, bool):
         raise TypeError(f"save_serially={save_serially!r} must be True or False (it is NxD's third parameter; pass "
                         "tag= and keep_last= by keyword)")
@@ -199,10 +177,8 @@ def save(checkpoint: Dict[str, Any], output_dir: str, save_serially: bool = True
 
 @dataclasses.dataclass
 class SaveJob:
-    """One save, prepared (``prepare_save``) and not yet written (``write_save``): what this rank will write, with the
-    tag chosen, the directory made and (on rank 0) the tag's lock held. ``to_host()`` replaces every tensor this rank
-    writes by a host copy, after which the job no longer depends on the live model, optimizer or RNG states, and may
-    be written while training goes on (``nxdtp.trainer.save_checkpoint(async_save=True)``)."""
+    """One save, prepared (``prepare_save``) and not yet written (``write_save``). ``to_host()`` makes it independent of
+    the live objects, so it may be written while training goes on (``async_save``)."""
 
     output_dir: str
     tag: str
@@ -245,10 +221,6 @@ class SaveJob:
         self.extras = copy.deepcopy(self.extras) if self.writes_model() else {}
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
-
-
 def _host_copies(tensors: Dict[str, Any], kept: Callable[[str], bool]) -> Dict[str, torch.Tensor]:
     """Host copies of the tensors ``kept`` names, each ``GatheredWhenWritten`` one gathered on the way (every rank
     takes part in each gather, in order, kept or not)."""
@@ -257,18 +229,16 @@ def _host_copies(tensors: Dict[str, Any], kept: Callable[[str], bool]) -> Dict[s
         if isinstance(tensor, GatheredWhenWritten) or kept(key):
             value = written_value(tensor)
             if kept(key):
-                copies[key] = _host_copy(value)
+                copies[key] = value.detach().to("cpu", copy=True)
     return copies
 
 
 def prepare_save(checkpoint: Dict[str, Any], output_dir: str, *, tag: Optional[str] = None,
                  keep_last: Optional[int] = None, down_cast_bf16: bool = False, check_replicated: bool = True,
                  pickled_keys: Tuple[str, ...] = ()) -> SaveJob:
-    """Collective: the first two phases of ``save`` (nothing written yet but the tag directory). Every rank prepares
-    what it will write (the RNG states and JSON files are encoded now), the replicated tensors are compared, and rank 0
-    takes the tag's lock and makes the tag directory; every rank raises if any failed. ``pickled_keys``: entries of
-    ``checkpoint`` stored with ``torch.save`` (per TP rank) even when they are JSON, so they come back as they were
-    (tuples stay tuples, integer keys stay integers)."""
+    """Collective: the first two phases of ``save`` (nothing written yet but the tag directory): every rank prepares
+    what it will write, the replicated tensors are compared, rank 0 takes the tag's lock. ``pickled_keys``: entries
+    stored with ``torch.save`` even when they are JSON, so they come back as they were."""
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise ValueError("save() takes a dict with at least a 'model' entry (a module or its state_dict()), got "
                          f"{type(checkpoint).__name__}" + (f" with keys {sorted(checkpoint)}"
@@ -358,9 +328,8 @@ def _prepare_phases(checkpoint: Dict[str, Any], output_dir: str, tag: str, tag_d
 
 
 def _defer_expert_gathers(job: SaveJob, model: Any) -> None:
-    """The tensors whose experts are split over ranks, and their plain optimizer state, are stored with every expert:
-    each becomes a ``GatheredWhenWritten`` (gathered over the expert-parallel group as it is written or copied to the
-    host) and its index entry the spec of every expert."""
+    """Tensors whose experts are split over ranks, and their plain optimizer state, are stored with every expert: each
+    becomes a ``GatheredWhenWritten`` and its index entry the spec of every expert."""
     specs: Dict[str, ParamSpec] = {}
     for key, entry in job.entries.items():
         if entry.spec.expert_partitions > 1:
@@ -405,10 +374,8 @@ def _json_files(rank: int, model: Any, optimizer_json: Optional[Dict[str, Any]],
 
 
 def write_save(job: SaveJob) -> None:
-    """Collective (over the host group, or the group ``comm.host_group_of_this_thread`` names): the last phases of
-    ``save``. Every rank writes and ``fsync``s its files; rank 0 writes the index, ``fsync``s the tag's directories,
-    writes ``done``, then ``newest``, prunes old tags (``keep_last``) and releases the tag's lock; every rank raises if
-    any failed."""
+    """Collective: the last phases of ``save``: every rank writes and ``fsync``s its files; rank 0 writes the index,
+    ``done``, ``newest``, prunes and releases the lock; every rank raises if any failed."""
     topology, tp_group, dp_group = get_topology(), tensor_parallel_group(), data_parallel_group()
     tag_dir, lock = job.tag_dir, job.lock
     error: Optional[BaseException] = None
@@ -514,9 +481,8 @@ def _write_plain(path: str, tensors: Dict[str, Any]) -> Tuple[dict, dict]:
 
 
 def _write_streaming(path: str, layout, values: List[Tuple[str, Callable[[], torch.Tensor]]]) -> Tuple[dict, dict]:
-    """One safetensors file of ``layout``, its tensors from ``values`` (key, a call giving the tensor) in order, one
-    in memory at a time; returns the file's record and contents record. Every call is made even after a write
-    failed: a call may be a gather the other ranks of an expert-parallel group wait in."""
+    """One safetensors file of ``layout``, its tensors from ``values`` one in memory at a time. Every call is made even
+    after a failure: a call may be a gather an expert-parallel group waits in."""
     error: Optional[BaseException] = None
     writer: Optional[StreamingSafetensorsWriter] = None
     try:
@@ -590,11 +556,8 @@ ZERO1_MASTER_FIELD = "zero1_master"
 
 
 def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
-    """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (the inner optimizer's state and the master
-    weights, keyed ``<param>/<field>``), the index (per parameter its TP-local shape and ``FlatShardLayout``, and which
-    fields are flat shards), the JSON part (groups, scalars), and this rank's (sharding rank, replica rank). The
-    first replica of each shard writes it, under its sharding rank (the DP rank when sharding over DP); the index
-    records the sharding group size k, so the files are ``optim_file(tp_rank, 0..k-1)`` whatever the DP size."""
+    """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (state and master weights, keyed
+    ``<param>/<field>``), the index, the JSON part and this rank's (sharding rank, replica rank)."""
     state_dict = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     info = state_dict.get("zero1")
     masters = state_dict.get("sharded_master_weights")
@@ -639,24 +602,17 @@ def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Di
     tensor, beside the DP layout: the index then says every cut of the state."""
     if not is_zero1_optimizer_index(optimizer_index) or optimizer_index["keyed_by"] != "name":
         return
-    by_name = {}
-    for key, entry in entries.items():
-        for name in [key] + list(entry.aliases):
-            by_name[name] = entry
+    owners = owners_by_name(entries)
     for name, info in optimizer_index["params"].items():
-        if name in by_name:
-            info["spec"] = by_name[name].spec.to_dict()
+        if name in owners:
+            info["spec"] = entries[owners[name]].spec.to_dict()
 
 
 def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict],
                                                  Optional[Tuple[int, int]]]:
-    """Optimizer tensors keyed ``<param>/<field>``, the per-param index, the JSON part (groups, scalars), and for
-    ZeRO-1 state this rank's (sharding rank, replica rank) (None otherwise).
-
-    With a live optimizer and a live model, state is keyed by parameter *name* and carries the parameter's spec, so it
-    can be resharded. An optimizer state dict alone (NxD's form) is keyed by parameter index: it reloads at the same TP
-    degree only.
-    """
+    """Optimizer tensors keyed ``<param>/<field>``, the index, the JSON part, and ZeRO-1's place. With a live optimizer
+    and model, state is keyed by parameter name (reshardable); a state dict alone by index (reloads at the same TP
+    degree only)."""
     if optimizer is None:
         return None, None, None, None
     names: Dict[int, str] = {}
@@ -706,10 +662,9 @@ def _saved_names(i: int, names: Dict[int, str], fused: Dict[int, Fused]) -> List
 def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_rank: int,
                           optimizer: torch.optim.Optimizer, model: Optional[nn.Module], verify: bool,
                           model_state: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
-    """The state dict that ``optimizer.load_state_dict`` takes, from this TP rank's optimizer files. Plain state loads
-    into a plain optimizer as saved. ZeRO-1 state (flat shards over DP) is re-cut to a ZeRO-1 optimizer's own layout
-    (any DP size), or gathered into whole TP-local tensors for a plain optimizer; plain state keyed by name is cut
-    into a ZeRO-1 optimizer's shards, with the master weights from the checkpoint's model tensors."""
+    """The state dict ``optimizer.load_state_dict`` takes, from this TP rank's optimizer files: plain state as saved,
+    ZeRO-1 state re-cut to the live layout (or gathered whole for a plain optimizer), plain state keyed by name cut
+    into ZeRO-1 shards with masters from the model tensors."""
     index = checkpoint_index.optimizer
     saved_zero, target = is_zero1_optimizer_index(index), _Zero1Target.of(optimizer)
     _check_convertible(tag_dir, index, saved_zero, optimizer)
@@ -862,9 +817,8 @@ def _slot_of(tag_dir: str, name: str, info: Dict[str, Any], keyed_by_name: bool,
 def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
                       files: Callable[..., _RankFile], target: Optional[_Zero1Target], model_state: Any = None
                       ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-    """One parameter's saved ZeRO-1 state (flat shards over the saved DP size): re-cut to a live ZeRO-1 optimizer's
-    layout, with its master shard (saved: ``model_state`` is not needed); or, for a plain optimizer, gathered into
-    whole TP-local tensors (and no master)."""
+    """One parameter's saved ZeRO-1 state: re-cut to a live ZeRO-1 layout with its master shard, or gathered whole for a
+    plain optimizer (no master)."""
     saved_layout = FlatShardLayout.from_dict(info["layout"])
     if tuple(saved_layout.shape) != shape:
         raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
@@ -915,9 +869,8 @@ def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tupl
 
 def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: List[Dict[str, Any]],
                   position: Dict[str, int]) -> List[Dict[str, Any]]:
-    """The saved parameter groups, matched one to one with the optimizer's, their parameters given as positions. A
-    hyperparameter the saved group lacks (one the saving torch did not have, such as ``decoupled_weight_decay`` before
-    torch 2.6) keeps the live group's value."""
+    """The saved parameter groups matched with the optimizer's, parameters as positions; a hyperparameter the saved
+    group lacks (newer torch) keeps the live value."""
     if len(optimizer.param_groups) != len(saved_groups):
         raise ValueError(f"{tag_dir}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
                          f"{len(saved_groups)}")
@@ -997,10 +950,8 @@ def restore_rng(tag_dir: str, rank: int) -> None:
 # ---- load ------------------------------------------------------------------------------------------------------------
 
 class _RankFile:
-    """A safetensors file of the tag, opened for ``load``. With ``verify`` and the index's records of its header and
-    tensors, the header is verified before it is parsed, and each tensor right after it is read: the bytes a rank
-    loads, and only those, are hashed. Files without such records were verified whole before reading
-    (``integrity.verify_files``)."""
+    """A safetensors file of the tag, opened for ``load``; with ``verify``, its header is verified before parsing and
+    each tensor as it is read (files without such records were verified whole first)."""
 
     def __init__(self, tag_dir: str, index: CheckpointIndex, relative: str, verify: bool):
         self.path = os.path.join(tag_dir, relative)
@@ -1009,10 +960,7 @@ class _RankFile:
         self._checks = integrity.TensorChecks.of(tag_dir, index, relative) if verify else None
         if self._checks is not None:
             self._checks.check_header()
-        try:
-            self._handle = SafetensorsFileReader(self.path)
-        except ValueError as e:
-            raise ValueError(f"checkpoint file {self.path} is damaged or truncated: {e}") from None
+        self._handle = open_rank_file(self.path)
 
     def get_tensor(self, key: str) -> torch.Tensor:
         try:
@@ -1026,9 +974,8 @@ class _RankFile:
 
 def read_model_shard(tag_dir: str, index: CheckpointIndex, tp_rank: int, verify: bool = False
                      ) -> Dict[str, torch.Tensor]:
-    """This TP rank's model state dict (tied aliases included) from its own file and TP rank 0's replicated tensors.
-    ``verify``: check every tensor read (and each file's header) against the checksums the index records for them
-    (see ``_RankFile``)."""
+    """This TP rank's model state dict (tied aliases included) from its own file and TP rank 0's replicated tensors;
+    ``verify`` checks each tensor read against the index."""
     state: Dict[str, torch.Tensor] = {}
     files = {relative: _RankFile(tag_dir, index, relative, verify)
              for relative in sorted({model_file(tp_rank), model_file(0)})}
@@ -1049,27 +996,13 @@ def load(chkpt_path: str, model: Optional[nn.Module] = None, model_or_optimizer=
          master_dp_only: bool = True, weights_only: bool = False, *, tag: Optional[str] = None,
          optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, restore_rng_states: bool = False,
          verify: bool = True) -> Optional[Dict[str, Any]]:
-    """Load a checkpoint saved by ``save`` into live objects; return the rest of the saved dict: the trainer state
-    (step, epoch, ...) and this TP rank's other entries (NxD's ``load`` returns the saved dict less the model).
-
-    NxD's positional parameters are kept: ``load(dir, model)``, ``load(dir, optimizer)`` and
-    ``load(dir, model_or_optimizer=...)`` work; so does ``load(dir, model=..., optimizer=..., scheduler=...,
-    restore_rng_states=True)`` to resume training exactly. ``chkpt_path`` is a checkpoint directory (``tag`` defaults
-    to its newest complete tag) or one complete tag directory, as ``save`` returns it. The TP degree
-    must match the one saved; otherwise the error names both and the reshard command.
-
-    Without a named tag, the newest *intact* tag is loaded: a damaged one is skipped with a warning naming it and what
-    is wrong (all ranks take rank 0's decision). ``verify=True`` checks the size and checksum of every file this rank
-    reads against the index (and the index against ``done``) before anything is loaded; a mismatch raises
-    ``CheckpointIntegrityError`` naming the file (or, for an unnamed tag, skips to the next older one). A tag named
-    explicitly is never replaced by another.
-
-    ``sharded=False`` is NxD's full-checkpoint form: ``chkpt_path`` is one ``torch.save`` file holding the full state
-    dict (under ``model_key``, or the whole file with ``model_key=None``), which ``get_sharded_model_dict`` cuts to this
-    rank's shards before loading it into the model. It returns the rest of the file's dict (None with
-    ``model_key=None``). Pickles are read with ``weights_only=True`` whatever ``weights_only`` says.
-    ``load_xser=True`` and ``master_dp_only=False`` are refused.
-    """
+    """Load a checkpoint saved by ``save`` into live objects; return the trainer state and this TP rank's other entries.
+    NxD's positional forms work (``load(dir, model)``, ``load(dir, optimizer)``); ``chkpt_path`` is a checkpoint
+    directory (newest intact tag, damaged ones skipped with a warning) or one tag directory. The TP degree must
+    match. ``verify`` checks every file read against the index (``CheckpointIntegrityError``). ``sharded=False``
+    reads one full ``torch.save`` file (under ``model_key``, or all of it with ``model_key=None``) and cuts it with
+    ``get_sharded_model_dict``. Pickles are read with ``weights_only=True``; ``load_xser=True`` and
+    ``master_dp_only=False`` are refused."""
     _check_load_flags(load_xser, master_dp_only, sharded, weights_only, restore_rng_states, verify)
     model, optimizer = _model_and_optimizer(model, model_or_optimizer, optimizer)
     if not sharded:
@@ -1230,12 +1163,9 @@ class _Read:
 
 def _agreed_read(path: str, tag: Optional[str], verify: bool, reads: _Reads
                  ) -> Tuple[str, Optional[_Read], Optional[BaseException]]:
-    """Collective: the tag every rank loads, and this rank's reading of it (or the error that reading raised, which
-    the caller raises on every rank). Rank 0 picks the newest intact candidate (or the named tag); every rank then
-    checks the sizes of the files it reads and verifies those without per-tensor records whole, then reads, verifying
-    each tensor it reads (``_RankFile``). If any rank finds damage in an unnamed tag, rank 0 warns and all move on to
-    the next candidate together, discarding what they read; a named tag raises on every rank. Nothing live changes
-    before this returns."""
+    """Collective: the tag every rank loads, and this rank's reading of it (or its error). Rank 0 picks the candidate;
+    damage found by any rank in an unnamed tag moves all ranks to the next one, a named tag raises. Nothing live
+    changes before this returns."""
     root = get_topology().rank == 0
     problems: List[str] = []
     candidates = integrity.intact_candidates(path, tag, problems, verify_index=verify) if root else None

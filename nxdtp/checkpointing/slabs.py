@@ -16,9 +16,8 @@ __all__ = ["read_ranges", "read_piece", "piece_parts"]
 
 
 def read_ranges(spec: ParamSpec, rank: int) -> List[Tuple[int, int, Optional[int]]]:
-    """What TP rank ``rank`` reads of the dense tensor to build its piece: ``(piece_start, length, dense_start)`` runs
-    along partition_dim covering the piece once, in order; ``dense_start`` None is zero padding. A copy of a repeated
-    block reads the rows it copies. A replicated tensor is one run over dim 0 (none for a 0-dim tensor)."""
+    """``(piece_start, length, dense_start)`` runs along partition_dim that build TP rank ``rank``'s piece from the
+    dense tensor, in order (``dense_start`` None: zero padding); a replicated tensor is one run over dim 0."""
     if not spec.is_sharded:
         return [(0, spec.unpadded_shape[0], 0)] if spec.unpadded_shape else []
     rows = spec.local_shape()[spec.partition_dim]
@@ -39,9 +38,8 @@ def read_ranges(spec: ParamSpec, rank: int) -> List[Tuple[int, int, Optional[int
 
 def read_piece(spec: ParamSpec, read_rows: Callable[[int, int], torch.Tensor], rank: int,
                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """TP rank ``rank``'s piece from dense reads: ``read_rows(start, stop)`` gives dense rows ``[start, stop)`` along
-    partition_dim (dim 0 when replicated), called once per run of ``read_ranges``; padding is zeros (of ``dtype``,
-    or the reads')."""
+    """TP rank ``rank``'s piece from ``read_rows(start, stop)`` of the dense tensor, one call per run of
+    ``read_ranges``; padding is zeros."""
     runs = read_ranges(spec, rank)
     parts: List[Optional[torch.Tensor]] = [None if dense_start is None else read_rows(dense_start, dense_start + length)
                                            for _, length, dense_start in runs]
@@ -56,9 +54,8 @@ def read_piece(spec: ParamSpec, read_rows: Callable[[int, int], torch.Tensor], r
 
 def piece_parts(spec: ParamSpec, rank: int, read_boxes: Callable[[List[Box]], List[torch.Tensor]],
                 rows_per_part: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """TP rank ``rank``'s piece as slabs along dim 0 of at most ``rows_per_part`` rows (in ``dtype``), each from one
-    ``read_boxes([(offsets, sizes), ...])`` call for boxes of the dense tensor, zeros for padding. A 0-dim tensor is
-    one part."""
+    """TP rank ``rank``'s piece as slabs of at most ``rows_per_part`` dim-0 rows, each from one ``read_boxes`` call on
+    the dense tensor, zeros for padding."""
     dense = tuple(spec.unpadded_shape)
     if not dense:
         yield read_boxes([((), ())])[0].to(dtype)

@@ -1,7 +1,5 @@
-"""Reading a sharded nxdtp checkpoint tag as a source: the tag to read (the newest intact one, or the one named),
-its checked index, its rank files open and checked against the index, and the tag's config; shared by every reader of
-a tag (merge, reshard, the DCP export).
-"""
+"""Reading a sharded nxdtp checkpoint tag as a source (merge, reshard, the DCP export): the tag to read, its checked
+index, its rank files open and checked, and its config."""
 
 from __future__ import annotations
 
@@ -12,11 +10,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import integrity, tags
 from .durable import copy_durably
-from .index import INDEX_FILE, CheckpointIndex, dtype_from_name
+from .index import CONFIG_FILE, INDEX_FILE, CheckpointIndex, dtype_from_name
 from .output_dir import check_output_dir
 from .safetensors_stream import SafetensorsFileReader
-
-CONFIG_FILE = "config.json"
 
 __all__ = ["choose_source", "model_file_names", "read_checked_index", "open_rank_file", "rank_file_opener",
            "check_piece", "open_model_files", "config_source", "copy_if_present", "progress_bar", "CONFIG_FILE"]
@@ -24,10 +20,9 @@ __all__ = ["choose_source", "model_file_names", "read_checked_index", "open_rank
 
 def choose_source(checkpoint_dir: str, tag: Optional[str], output_dir: str, force: bool, verify: bool,
                    reads: Callable[[str, CheckpointIndex], List[str]]) -> Tuple[str, CheckpointIndex, Dict[str, Any]]:
-    """The tag directory to read, its checked index and its open model files. ``checkpoint_dir`` is a checkpoint
-    directory (the newest intact tag, or ``tag``) or a complete tag directory. ``output_dir`` must lie outside it (and
-    outside the checkpoint directory that holds a given tag). With ``verify``, the files ``reads(tag_dir, index)``
-    names pass their checksums. A named tag that fails any check raises; an unnamed one is skipped with a warning."""
+    """The tag directory to read, its checked index and its open model files. ``output_dir`` must lie outside the
+    checkpoint; with ``verify`` the files ``reads(tag_dir, index)`` names pass their checksums. A named tag that
+    fails a check raises; an unnamed one is skipped with a warning."""
     problems: List[str] = []
     for tag_dir, _, named in integrity.intact_candidates(checkpoint_dir, tag, problems, verify_index=verify):
         holder = os.path.dirname(os.path.abspath(tag_dir))
@@ -53,12 +48,9 @@ def model_file_names(index: CheckpointIndex) -> List[str]:
 
 def read_checked_index(tag_dir: str) -> CheckpointIndex:
     path = os.path.join(tag_dir, INDEX_FILE)
-    try:
-        index = CheckpointIndex.read(tag_dir)
-    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not an index
-        raise ValueError(f"{path} is damaged: missing or malformed field {e}") from None
+    index = CheckpointIndex.read(tag_dir)  # refuses a malformed field itself
     tp = index.tensor_model_parallel_size
-    if not isinstance(tp, int) or tp < 1:
+    if tp < 1:
         raise ValueError(f"{path} is damaged: tensor_model_parallel_size={tp!r}")
     for key, entry in index.tensors.items():
         spec = entry.spec

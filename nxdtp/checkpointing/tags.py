@@ -1,9 +1,5 @@
-"""Checkpoint tags: one directory per save, complete only once ``done`` exists, and an atomic ``newest`` pointer.
-
-A crash at any point of a save leaves ``newest`` naming the previous complete tag, and the half-written tag has no
-``done`` file, so it is never loaded (it is named in the error if asked for explicitly). ``done`` holds the size and
-checksum of the index, so a damaged index is detected too. Both are written with ``durable.replace_atomically``.
-"""
+"""Checkpoint tags: one directory per save, complete only once ``done`` (which records the index) exists, and an atomic
+``newest`` pointer, so a crash leaves the previous complete tag in use (docs/checkpoints.md, "Crash consistency")."""
 
 from __future__ import annotations
 
@@ -109,10 +105,8 @@ def resolve_tag(output_dir: str, tag: Optional[str]) -> str:
 
 
 def candidates(path: str, tag: Optional[str]) -> Tuple[List[str], bool]:
-    """``(tag directories to try, named)``. Named (``tag`` given, or ``path`` is a tag directory): that one tag,
-    resolved as ``_resolve_named`` does. Otherwise the tag ``newest`` names, then every other complete tag of
-    ``path``, newest ``done`` first; a ``newest`` that names no tag directory is still listed, so the caller can say
-    what is wrong with it."""
+    """``(tag directories to try, named)``: a named tag alone, or the tag ``newest`` names (listed even when it names no
+    directory, so the caller can say so) then every other complete tag, newest first."""
     if tag is not None or is_tag_dir(path):
         return [_resolve_named(path, tag)], True
     if not os.path.isdir(path):

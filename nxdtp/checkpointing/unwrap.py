@@ -1,16 +1,7 @@
-"""What a checkpoint saves of a wrapped model or optimizer: the object that owns the state.
-
-One rule for every caller (``save``/``load`` through NxD's trainer API, HF's ``Trainer`` with accelerate, the DCP
-state dict of a running job), by duck typing, so wrappers of other libraries are accepted without importing them:
-
-* a model ``m`` is replaced by ``m.module`` while ``m.module`` is an ``nn.Module`` and ``m``'s parameters and buffers
-  are exactly ``m.module``'s (a wrapper that owns no tensor of its own: NxD's ``NxDModel``,
-  ``DistributedDataParallel``);
-* an optimizer ``o`` is replaced by ``o.optimizer`` while ``o`` is not a ZeRO-1 optimizer (whose ``.optimizer`` is the
-  inner optimizer of its shards, not a wrapper's target), ``o.optimizer`` is a ``torch.optim.Optimizer``, and ``o``
-  either is not an optimizer itself or shares ``o.optimizer``'s ``param_groups`` (a delegating wrapper: NxD's
-  ``NxDOptimizer``, accelerate's ``AcceleratedOptimizer``).
-"""
+"""What a checkpoint saves of a wrapped model or optimizer: the object that owns the state, found by duck typing so
+other libraries' wrappers (``DistributedDataParallel``, NxD's ``NxDModel`` and ``NxDOptimizer``, accelerate's
+``AcceleratedOptimizer``) need no import. A wrapper is unwrapped only while it owns no state of its own; a ZeRO-1
+optimizer's ``.optimizer`` is not a wrapper's target."""
 
 from __future__ import annotations
 

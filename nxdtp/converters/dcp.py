@@ -1,12 +1,7 @@
-"""Import a torch.distributed.checkpoint (DCP) directory into an nxdtp sharded checkpoint at any TP size
-(``nxdtp-merge DCP_DIR OUT --from-dcp --reshard N``), optimizer included: (``DcpSource``, ``RankFilesSink``) through
-``merge.reshard_source``. The DCP checkpoint is read as the TP=1 nxdtp checkpoint of the model its config names: that
-model is built on the meta device and sharded by its plan at TP size 1 (its index entries: specs, padding, ties), and
-its rank files are ``DcpSource``s over the DCP directory, so each new rank's piece is read in slabs of boxes of the
-dense tensor. Only the small JSON files (trainer state, the optimizer's groups, one per distinct set of
-hyperparameters in parameter order) are written, into a temporary directory removed in every case. State not shaped
-like its parameter nor a scalar (Adafactor's), or a tensor hyperparameter, is refused. docs/checkpoints.md has more.
-"""
+"""Import a torch.distributed.checkpoint (DCP) directory as an nxdtp checkpoint at any TP size (``nxdtp-merge DCP_DIR
+OUT --from-dcp --reshard N``): the DCP checkpoint is read as the TP=1 nxdtp checkpoint of the model its config names
+(built on the meta device and sharded by its plan), through ``merge.reshard_source`` with ``DcpSource``s; only the
+small JSON files are written, into a temporary directory (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -25,12 +20,12 @@ __all__ = ["import_dcp_resharded"]
 def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Optional[str] = None,
                          force: bool = False, progress: bool = True,
                          pad_to_multiple_of: Optional[int] = None) -> str:
-    """Write the nxdtp checkpoint at TP size ``new_tp`` of the DCP checkpoint ``dcp_dir`` into ``output_dir``; return
-    its tag directory. ``config`` is the model's config.json when ``dcp_dir`` has none; the vocabulary is padded to a
-    multiple of ``pad_to_multiple_of * new_tp`` (the model's ``make_vocab_size_divisible_by``; default 1)."""
+    """Write the nxdtp checkpoint at TP size ``new_tp`` of the DCP checkpoint ``dcp_dir``; return its tag directory.
+    ``config``: the model's config.json when ``dcp_dir`` has none; ``pad_to_multiple_of``: the vocabulary multiple
+    (default 1)."""
     from ..checkpointing.dcp_import import read_checkpoint
     from ..checkpointing.dcp_io import DcpSource
-    from ..checkpointing.index import CheckpointIndex, optim_file
+    from ..checkpointing.index import CheckpointIndex, optim_file, owners_by_name
     from ..checkpointing.merge import check_reshard_arguments, reshard_source
     from ..version import __version__
 
@@ -40,7 +35,7 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
     check_output_dir(dcp_dir, output_dir, force)
     entries, parameter_names = _entries_at_tensor_parallel_one(checkpoint.config_path, pad_to_multiple_of or 1)
     model = DcpSource(checkpoint.reader, _model_layout(checkpoint, entries))
-    primary = {alias: key for key, entry in entries.items() for alias in [key] + entry.aliases}
+    primary = owners_by_name(entries)
     optimizer_layout, optimizer_index, optimizer_json = _optimizer(checkpoint, entries, primary, parameter_names)
     optimizer = DcpSource(checkpoint.reader, optimizer_layout) if optimizer_layout is not None else None
     index = CheckpointIndex(tensor_model_parallel_size=1, data_parallel_size=1, tensors=entries,
@@ -64,10 +59,10 @@ def import_dcp_resharded(dcp_dir: str, output_dir: str, new_tp: int, config: Opt
 
 
 def _write_json_files(directory: str, trainer_state: Optional[dict], optimizer_json: Optional[dict]) -> str:
-    """Write the tag's JSON files (trainer state, the optimizer's groups) into the tag directory a save of the
-    recorded step would make under ``directory``; return that tag directory."""
+    """Write the tag's JSON files into the tag directory a save of the recorded step would make under ``directory``;
+    return that directory."""
     from ..checkpointing import tags
-    from ..checkpointing.save_load import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
+    from ..checkpointing.index import OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
 
     trainer_state = {key: value for key, value in (trainer_state or {}).items()
                      if key in ("global_step", "scheduler") and value is not None}
@@ -85,9 +80,8 @@ def _write_json_files(directory: str, trainer_state: Optional[dict], optimizer_j
 
 
 def _entries_at_tensor_parallel_one(config_path: str, multiple: int):
-    """The index entries ``save`` would write for the config's model sharded at TP size 1 (vocabulary multiple
-    ``multiple``), and its parameter names in order: the model is built with its parameters on the meta device, in a
-    world of one process made for it and torn down after."""
+    """The index entries ``save`` would write for the config's model at TP size 1, and its parameter names in order,
+    from a meta-device model in a world of one process made for it."""
     import torch.distributed as dist
 
     from .. import topology as ps
@@ -129,8 +123,8 @@ def _refuse_distributed_job(what: str) -> None:
 
 
 def _model_layout(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
-    """{index key: (DCP key, spec)} for every model tensor; each entry takes the DCP tensor's dtype. The plan's model
-    and the config's class must hold the same tensors (a plan renaming one would be a defect: refused, naming it)."""
+    """{index key: (DCP key, spec)} for every model tensor, each entry taking the DCP tensor's dtype; the plan's model
+    and the config's class must hold the same tensors."""
     from ..checkpointing.index import dtype_name
 
     saved = checkpoint.reader.saved
@@ -156,8 +150,8 @@ def _model_layout(checkpoint, entries) -> Dict[str, Tuple[str, Any]]:
 
 
 def _optimizer(checkpoint, entries, primary: Dict[str, str], parameter_names: List[str]):
-    """The layout of the optimizer's rank file at TP 1 (``DcpSource``'s), its index part and its JSON part, as ``save``
-    writes them for a live optimizer keyed by parameter name (all None without optimizer state)."""
+    """The optimizer's rank file layout at TP 1, its index part and its JSON part, as ``save`` writes them for state
+    keyed by name (all None without optimizer state)."""
     from ..checkpointing.merge import DenseOptimizerTensor
 
     tensors: Dict[str, Tuple[str, Any]] = {}

@@ -147,9 +147,8 @@ def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, forc
                          plan: Mapping[str, int] = NXD_ATTENTION_ONLY_PLAN,
                          dtype: Optional[torch.dtype] = None, tag: Optional[str] = None,
                          verify_checksums: bool = True) -> str:
-    """Merge an NxD BERT checkpoint (one file per TP rank, no spec) into a dense HF directory; return ``output_dir``.
-    Everything is checked before anything is written, and ``output_dir`` is replaced atomically (a non-empty one only
-    with ``force``). The arguments: docs/api.md, ``nxdtp.converters.nxd``."""
+    """Merge an NxD BERT checkpoint into a dense HF directory, checked before anything is written, atomically; return
+    ``output_dir`` (arguments: docs/api.md)."""
     config = _load_config(config_json)
     cls = _model_class(config, model_class)
 

@@ -1,12 +1,6 @@
-"""Import a Llama (or Mistral) checkpoint written by neuronx-distributed (NxD) into a dense HF ``*ForCausalLM``
-directory. The per-rank layout is that of NxD's Llama training model (``modeling_llama_nxd.py``, also what NxD's
-``checkpoint_converter.py --convert_from_full_state`` writes): the vocabulary, ``gate_up_proj`` (stride 2),
-``down_proj`` and replicated norms are ParamSpecs; attention is one of four forms (``ATTENTION_FORMS``) whose Q heads
-are put back in HF order and whose ``kv_size_multiplier`` copies of a KV head are checked equal (``head_layout``). The
-tensor-parallel degree is the number of rank files; the multiplier and the form are read from keys and shapes.
-``Planner`` also reads NxD's Mixtral model (``mixtral.py``), whose layers differ only in the MLP.
-docs/checkpoints.md ("Llama and Mistral") has the layout in full.
-"""
+"""Import a Llama (or Mistral) checkpoint written by NxD into a dense HF ``*ForCausalLM`` directory, reading the
+per-rank layout of NxD's Llama training model; ``Planner`` also serves Mixtral, whose layers differ only in the MLP
+(docs/checkpoints.md, "Llama and Mistral")."""
 
 from __future__ import annotations
 
@@ -69,13 +63,9 @@ ATTENTION_FORMS = (
 
 
 def head_layout(num_heads: int, num_kv_heads: int, tp: int, multiplier: int):
-    """Where each dense head lives in the NxD ranks: ``(q_sources, kv_copies)``.
-
-    ``q_sources[h]`` is the (TP rank, local Q slot) that holds HF query head h; ``kv_copies[g]`` lists every (TP rank,
-    local KV slot) holding a copy of HF KV head g. Local Q slot s of a rank uses its local KV slot ``s // (q_local /
-    kv_local)`` (``repeat_kv`` on the rank's heads); HF query head h uses KV head ``h // (num_heads / num_kv_heads)``.
-    Q heads are placed in HF order so that both pairings agree, in rank order within each KV group.
-    """
+    """Where each dense head lives in the NxD ranks: ``(q_sources, kv_copies)``: the (TP rank, local Q slot) of HF query
+    head h, and every (TP rank, local KV slot) holding a copy of KV head g. Q heads are placed so that the ranks'
+    ``repeat_kv`` pairing and HF's agree."""
     q_local, kv_local = num_heads // tp, num_kv_heads * multiplier // tp
     per_kv = q_local // kv_local
     group = num_heads // num_kv_heads
@@ -98,10 +88,9 @@ def head_layout(num_heads: int, num_kv_heads: int, tp: int, multiplier: int):
 
 
 def load_decoder_config(config_json, classes: Dict[str, Tuple[str, str]], family: str, module: str):
-    """The HF config and model class of ``config_json`` for an importer of the model types ``classes`` maps to their
-    (config class, model class) names in transformers; refused in a transformers release nxdtp's ``family`` plan was
-    not written for (its config class and the HF key names an import writes are checked there), for another model
-    type (``module`` names the importer) and with biases NxD's decoder layers do not have."""
+    """The HF config and model class of ``config_json`` (``classes``: model type -> config and model class names);
+    refused for another model type, a transformers release the ``family`` plan was not written for, and biases NxD's
+    decoder layers lack."""
     import transformers
     from transformers import PretrainedConfig
 
@@ -471,9 +460,8 @@ class Planner:
 def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
                          progress: bool = True, model_key: Optional[str] = AUTO, dtype: Optional[torch.dtype] = None,
                          tag: Optional[str] = None, verify_checksums: bool = True) -> str:
-    """Merge an NxD Llama (or Mistral) checkpoint into a dense HF ``*ForCausalLM`` directory; return ``output_dir``.
-    Everything is checked before anything is written, and ``output_dir`` is replaced atomically (a non-empty one only
-    with ``force``). The arguments: docs/api.md, ``nxdtp.converters.nxd``."""
+    """Merge an NxD Llama (or Mistral) checkpoint into a dense HF directory, checked before anything is written,
+    atomically; return ``output_dir`` (arguments: docs/api.md)."""
     config, model_class = load_decoder_config(config_json, _CLASSES, LLAMA_FAMILY, __name__)
 
     def layout(shards: List[RankShard], files: RankFiles, dtype: Optional[torch.dtype]) -> NxdSource:

@@ -1,13 +1,6 @@
-"""Import a Mixtral checkpoint written by neuronx-distributed (NxD) into a dense HF ``MixtralForCausalLM`` directory.
-The per-rank layout is that of NxD's Mixtral training model (``examples/training/mixtral/
-modeling_mixtral_moe_nxd.py``): attention, embeddings and norms are NxD's Llama model's (``llama.Planner`` reads
-them); each layer's ``mlp`` is NxD's ``modules.moe`` MoE, a router whole on every TP rank and the experts' fused
-matrices held transposed, ``(experts, in, out)``, split over TP (``gate_up_proj`` with stride 2) and, with expert
-parallelism, into consecutive experts over the EP ranks' files (``dp_rank_00_ep_rank_XX_tp_rank_YY_pp_rank_00.pt``;
-the other tensors are read from EP rank 0's files). The experts become the fused tensors transformers 5 holds
-(``mlp.experts.gate_up_proj``, ``down_proj``), which ``import_checkpoint`` writes one expert at a time, as the model's
-own ``save_pretrained`` does. docs/checkpoints.md ("Mixtral") has the layout in full.
-"""
+"""Import a Mixtral checkpoint written by NxD into a dense HF ``MixtralForCausalLM`` directory: ``llama.Planner`` with
+NxD's MoE for each layer's MLP, experts held transposed and split over TP and, with expert parallelism, over the EP
+ranks' files (docs/checkpoints.md, "Mixtral")."""
 
 from __future__ import annotations
 
@@ -122,9 +115,8 @@ class _Planner(Planner):
 def merge_nxd_checkpoint(checkpoint_dir: str, config_json, output_dir: str, force: bool = False,
                          progress: bool = True, model_key: Optional[str] = AUTO, dtype: Optional[torch.dtype] = None,
                          tag: Optional[str] = None, verify_checksums: bool = True) -> str:
-    """Merge an NxD Mixtral checkpoint (any TP and EP degree) into a dense HF ``MixtralForCausalLM`` directory; return
-    ``output_dir``. Everything is checked before anything is written, and ``output_dir`` is replaced atomically (a
-    non-empty one only with ``force``). The arguments: docs/api.md, ``nxdtp.converters.nxd``."""
+    """Merge an NxD Mixtral checkpoint (any TP and EP degree) into a dense HF directory, checked before anything is
+    written, atomically; return ``output_dir`` (arguments: docs/api.md)."""
     config, model_class = load_decoder_config(config_json, _CLASSES, MOE_FAMILY, __name__)
 
     def layout(shards: List[RankShard], files: RankFiles, dtype: Optional[torch.dtype]) -> NxdSource:

@@ -1,11 +1,7 @@
-"""What every NxD-import family shares: finding NxD's per-rank files (pipeline rank 0; the layouts of
-``parallel_layers.checkpointing.save``, "v1", and ``trainer.save_checkpoint``, "v2", also with expert parallelism,
-"v2-ep"), loading them safely (``torch.load(weights_only=True)`` after each zip entry's CRC-32 is checked, torch_xla's
-``TensorReference`` rebuilt as a stand-in), and ``NxdSource``, the dense tensors as a pipeline source (the experts of
-an expert-parallel checkpoint read through ``ExpertPieces``). Each family module (``bert.py``, ``llama.py``,
-``mixtral.py``) supplies the layout, which NxD's files do not record. The layouts read and refused:
-docs/checkpoints.md, "Migrating NxD checkpoints".
-"""
+"""What every NxD-import family shares: finding NxD's rank files (layouts "v1", "v2" and "v2-ep"), loading them safely
+(CRC-checked, ``weights_only=True``, torch_xla's ``TensorReference`` rebuilt as a stand-in) and ``NxdSource``, the
+dense tensors as a pipeline source. Each family module supplies the layout, which NxD's files do not record
+(docs/checkpoints.md, "Migrating NxD checkpoints")."""
 
 from __future__ import annotations
 
@@ -116,7 +112,8 @@ def locate_rank_files(checkpoint_dir: str, tag: Optional[str] = None) -> RankFil
     if tag is not None:
         path = os.path.join(checkpoint_dir, tag)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"NxD checkpoint tag {path} does not exist; complete tags: {_names(tags)}")
+            raise FileNotFoundError(f"NxD checkpoint tag {path} does not exist; complete tags: "
+                                    f"{[os.path.basename(t) for t in tags]}")
         return _scan(_model_dir_of_tag(path))
     if tags:
         return _scan(_model_dir_of_tag(tags[-1]))
@@ -131,10 +128,6 @@ def locate_rank_files(checkpoint_dir: str, tag: Optional[str] = None) -> RankFil
                             f"or the xser file tp_rank_XX_pp_rank_00, written by parallel_layers.checkpointing.save; "
                             f"or {V2_MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_00.pt, written by "
                             f"trainer.save_checkpoint){hint}")
-
-
-def _names(tags: Sequence[str]) -> List[str]:
-    return [os.path.basename(t) for t in tags]
 
 
 def _complete_tags(root: str) -> List[str]:
@@ -249,9 +242,8 @@ def check_saved_tp(files: RankFiles, shard: RankShard, key: str, dim: int, full:
 
 
 def check_saved_ep(files: RankFiles, shard: RankShard, key: str, experts: int) -> None:
-    """Refuse an expert-parallel checkpoint saved at more EP ranks than ``files`` holds (a missing last EP rank leaves
-    the names of 0..ep-2 complete): ``key``'s experts per file tell the saved degree (NxD gives each EP rank
-    ``experts / ep`` of them)."""
+    """Refuse an expert-parallel checkpoint saved at more EP ranks than ``files`` holds: ``key``'s experts per file tell
+    the saved degree."""
     local = shard.get(key).shape[0] if shard.get(key).dim() else 0
     saved_ep = experts // local if local and experts % local == 0 else 0
     if saved_ep > files.ep and files.layout == "v1":
@@ -277,11 +269,9 @@ _CRC_THREADS = min(8, os.cpu_count() or 1)
 
 
 def verify_zip_checksums(path: str, data_entries: bool = True) -> Dict[int, set]:
-    """Read the entries of a ``torch.save`` zip archive through ``zipfile``, which compares each entry's CRC-32 with
-    the one recorded; a mismatch, a truncated or malformed archive is an :class:`NxdCheckpointError` naming the file
-    (zipfile's message names the entry). ``data_entries=False`` skips the tensor storages (``.../data/N``), whose
-    recorded CRCs are returned by size for :func:`verify_storages` to check only the ones that are used. A file that
-    is not a zip archive (torch's legacy format) is left to ``torch.load``."""
+    """Read a ``torch.save`` zip archive's entries through ``zipfile``, which checks each CRC-32; damage is an
+    ``NxdCheckpointError`` naming the file. With ``data_entries=False`` the storages' recorded CRCs are returned by
+    size instead, for ``verify_storages``. A legacy (non-zip) file is left to ``torch.load``."""
     recorded: Dict[int, set] = {}
     try:
         if not zipfile.is_zipfile(path):
@@ -303,9 +293,8 @@ def verify_zip_checksums(path: str, data_entries: bool = True) -> Dict[int, set]
 
 
 def verify_storages(path: str, tensors: Sequence[torch.Tensor], recorded: Dict[int, set]) -> None:
-    """Each tensor's storage, as memory-mapped from ``path``, must have the CRC-32 the archive records for an entry of
-    its size: a flipped byte in it cannot (bar a 1-in-2**32 chance). Only the storages used are read, so the optimizer
-    state a model import skips is not."""
+    """Each tensor's storage must have the CRC-32 the archive records for an entry of its size; only the storages used
+    are read."""
     if not recorded:
         return  # legacy format: no checksums
     storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
@@ -322,9 +311,8 @@ def verify_storages(path: str, tensors: Sequence[torch.Tensor], recorded: Dict[i
 
 
 def _torch_load(path: str, verify: bool = True, data_entries: bool = True) -> Tuple[Any, Dict[int, set]]:
-    """``torch.load(weights_only=True)``, memory-mapped where the file allows it, after checking the archive's CRCs
-    (``verify``; tensor storages only with ``data_entries``); refusals and damage name the file. Returns the object
-    and the recorded CRCs of the storages not checked (see :func:`verify_zip_checksums`)."""
+    """``torch.load(weights_only=True)``, memory-mapped where possible, after the CRC checks; returns the object and the
+    storages' recorded CRCs not yet checked."""
     recorded = verify_zip_checksums(path, data_entries) if verify else {}
 
     def load(mmap: bool):
@@ -435,9 +423,8 @@ def open_shards(files: RankFiles, model_key: Optional[str], progress: bool,
 
 def open_expert_shards(files: RankFiles, shards: Sequence[RankShard], model_key: Optional[str], progress: bool,
                        verify_checksums: bool, is_expert: Callable[[str], bool]) -> List[List[RankShard]]:
-    """Every (TP rank, EP rank)'s state dict, by TP rank, then EP rank; ``shards`` are the EP rank 0 files (from
-    :func:`open_shards`). NxD saves the tensors that are not experts (``is_expert`` tells) from EP rank 0: another EP
-    rank's file may lack them or hold None or copies, which are not read; its experts' keys must be EP rank 0's."""
+    """Every (TP rank, EP rank)'s state dict, by TP rank then EP rank. Other EP ranks' files may lack the tensors that
+    are not experts; their experts' keys must be EP rank 0's."""
     key = files.model_key if model_key == AUTO else model_key
     ranks = []
     for tp_rank, paths in enumerate(files.expert_paths):
@@ -462,9 +449,8 @@ def _check_expert_keys(first: RankShard, other: RankShard, is_expert: Callable[[
 
 
 class ExpertPieces:
-    """A TP rank's piece of each expert tensor, every expert in it, read from the files of its EP ranks (``shards``, in
-    EP rank order) where ``specs[key]`` (its ``expert_partitions``: the EP degree) puts each row: a handle of
-    :class:`NxdSource`'s ``TagSource``, which reads pieces by rows."""
+    """A TP rank's piece of each expert tensor, every expert in it, read from its EP ranks' files: a handle of
+    ``NxdSource``'s ``TagSource``."""
 
     def __init__(self, shards: Sequence[RankShard]):
         self.shards, self.specs = list(shards), {}
@@ -540,10 +526,8 @@ def expected_layout(config, model_class) -> Tuple[Dict[str, Tuple[int, ...]], Di
 
 
 def tied_aliases(model) -> Dict[str, str]:
-    """{alias: source} for the tied parameters of an HF model. transformers 5 lists them (``all_tied_weights_keys``);
-    transformers 4 has no such map, but ties them at construction: every further name of one parameter object is an
-    alias of its first name, which is the name HF loads directly (``named_parameters`` lists the input embedding
-    before the LM head, and a head's own bias before its decoder's)."""
+    """{alias: source} for the tied parameters of an HF model: transformers 5's ``all_tied_weights_keys``, else every
+    further name of one parameter object."""
     tied = getattr(model, "all_tied_weights_keys", None)
     if tied is not None:
         return dict(tied)
@@ -554,12 +538,9 @@ def tied_aliases(model) -> Dict[str, str]:
 
 
 class NxdSource:
-    """An NxD checkpoint's dense tensors as a ``pipeline.TensorSource``, in the order they are added. ``laid_out``: a
-    tensor read through ``spec``, NxD's layout of one key over the ranks' pieces (a ``TagSource``, in slabs of piece
-    rows; the pieces are the TP ranks' files, or ``handles``, named by ``add_handles``), from dense row ``offset`` on,
-    with the two dims ``swap`` names swapped (NxD holds experts' matrices transposed); ``built``: one built whole
-    (reordered heads, checked copies), kept until another is read. ``dtype`` casts floating tensors; ``keys`` are
-    those written (a tied alias is only compared)."""
+    """An NxD checkpoint's dense tensors as a ``TensorSource``, in the order added: ``laid_out`` reads one through NxD's
+    layout of a key over the ranks' pieces (from dense row ``offset``, dims ``swap`` swapped); ``built`` builds one
+    whole, kept until another is read. ``dtype`` casts floating tensors; ``keys`` are those written."""
 
     def __init__(self, shards: Sequence[RankShard], dtype: Optional[torch.dtype]):
         self.paths, self.cast = [shard.path for shard in shards], dtype
@@ -633,11 +614,9 @@ def import_checkpoint(checkpoint_dir, output_dir, config, architecture: str,
                       plan: Callable[[List[RankShard], RankFiles, Optional[torch.dtype]], NxdSource], *, force: bool,
                       progress: bool, model_key: Optional[str], tag: Optional[str], dtype: Optional[torch.dtype],
                       verify_checksums: bool = True, reads_experts: bool = False) -> str:
-    """The steps every family shares: check the output, find and open the rank files (TP ranks; the EP rank 0 files
-    of an expert-parallel checkpoint, which only a family that ``reads_experts`` takes), let ``plan`` check everything
-    and give the dense tensors as a source, then write ``config.json`` and stream the tensors into
-    ``model.safetensors`` (a ``DenseSink``) in the form transformers saves them (``hf_form.SavedForm``: a mixture of
-    experts one expert at a time), atomically."""
+    """The steps every family shares: check the output, open the rank files, let ``plan`` check everything and give the
+    dense tensors, then write ``config.json`` and stream ``model.safetensors`` in transformers' saved form,
+    atomically."""
     checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
     check_output_dir(checkpoint_dir, output_dir, force)
     files = locate_rank_files(checkpoint_dir, tag)
