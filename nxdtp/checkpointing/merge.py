@@ -59,7 +59,7 @@ from .tag_source import (
 RESHARD_FILE = "reshard.json"
 PYTORCH_BIN_NAME = "pytorch_model.bin"
 OUTPUT_FORMATS = ("safetensors", "pytorch_bin")
-HF_TRAINER_STATE_FILE = TRAINER_STATE_FILE   # transformers.trainer.TRAINER_STATE_NAME, beside the tag
+HF_TRAINER_STATE_FILE = "trainer_state.json"   # transformers.trainer.TRAINER_STATE_NAME, beside the tag
 
 __all__ = ["merge", "reshard", "OUTPUT_FORMATS"]
 
