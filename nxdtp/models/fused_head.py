@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..loss_functions import vocab_parallel_token_statistics
-from .logits import vocab_parallel_head, vocabulary_sizes
+from .logits import model_and_wrapped, vocab_parallel_head, vocabulary_sizes
 
 TRL_FORWARD_NAME = "_fused_forward"
 TRL_SETTINGS = ("original_forward", "backbone_attr", "temperature", "logit_scale", "final_logit_softcapping",
@@ -97,8 +97,7 @@ def models_of(trainer) -> list:
     models = []
     for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
         if isinstance(model, nn.Module):
-            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-            models.extend(m for m in {id(model): model, id(inner): inner}.values() if m not in models)
+            models.extend(m for m in model_and_wrapped(model) if m not in models)
     return models
 
 

@@ -42,7 +42,7 @@ from .. import checkpointing, comm, grads, parallel_state
 from ..record import note_of
 from .fused_head import models_of, refuse_trl_fused_heads_left, vocab_parallel_fused_heads
 from .hf_integration import TrainedByNote
-from .logits import has_vocab_parallel_head, vocab_parallel_logits
+from .logits import has_vocab_parallel_head, model_and_wrapped, vocab_parallel_logits
 from .trainer_resume import ResumeSource, checkpoint_at_this_size, reseed_by_rule
 
 # The nxdtp tag inside each of Trainer's checkpoint-N directories: model, optimizer and scheduler shards. Weights
@@ -58,12 +58,6 @@ ONLINE_GENERATION = ("it generates completions for every process and hands each 
 PUSH_TO_HUB = ("TensorParallelTrainer uploads nothing (Trainer's upload would take output_dir without the dense "
                "model); call trainer.save_model(dir) on every rank, then upload dir from one rank with "
                "huggingface_hub.HfApi().upload_folder(repo_id=..., folder_path=dir)")
-
-
-def _model_and_wrapped(model):
-    """The model and, for a PEFT model, the HF model it wraps (``get_base_model``)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return [model] if inner is model else [model, inner]
 
 
 def _model_and_args(next_init, positional: tuple, keywords: dict):
@@ -152,11 +146,11 @@ class TensorParallelTrainer(transformers.Trainer):
         # then split by DP rank only and the model is not wrapped in DDP. Set here, not by parallelize_model, so that
         # plain Trainer never takes this path without the gradient averaging and clipping below. A PEFT model
         # (get_peft_model) hands attribute reads to the HF model it wraps: both get them.
-        for target in _model_and_wrapped(model):
+        for target in model_and_wrapped(model):
             target._tp_size = tp
         # The forward's guard against plain Trainer; TRL may run a reference model while it is built (DPO's
         # precomputed log-probabilities).
-        for target in _model_and_wrapped(model) + (_model_and_wrapped(reference) if reference is not None else []):
+        for target in model_and_wrapped(model) + (model_and_wrapped(reference) if reference is not None else []):
             note_of(target, TrainedByNote).trainer = name
         model.config.distributed_config = types.SimpleNamespace(dp_size=parallel_state.get_data_parallel_size())
         with vocab_parallel_fused_heads():
@@ -220,8 +214,7 @@ class TensorParallelTrainer(transformers.Trainer):
         # loss from the logits itself: then the logits can stay vocab-parallel (no gather).
         # Decided before the call: Trainer takes the labels out of ``inputs`` when it computes the loss itself.
         models_loss = "labels" in inputs and self.compute_loss_func is None and self.label_smoother is None
-        only_the_loss = models_loss and not return_outputs and has_vocab_parallel_head(self.model)
-        with vocab_parallel_logits(self.model) if only_the_loss else contextlib.nullcontext():
+        with self._logits_unread(models_loss and not return_outputs):
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                  num_items_in_batch=num_items_in_batch)
         if models_loss:   # else the loss holds no load-balancing term to correct
@@ -237,12 +230,16 @@ class TensorParallelTrainer(transformers.Trainer):
     # ---- evaluation and prediction: full-vocabulary logits, gathered over DP only ------------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # Only the loss is wanted, and Trainer's own compute_loss reads nothing else: no logits to gather.
-        loss_only = (prediction_loss_only and _next_compute_loss(type(self)) is transformers.Trainer.compute_loss
-                     and self.compute_loss_func is None and self.label_smoother is None
-                     and has_vocab_parallel_head(self.model))
-        with vocab_parallel_logits(self.model) if loss_only else contextlib.nullcontext():
+        with self._logits_unread(prediction_loss_only):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _logits_unread(self, only_the_loss_is_wanted: bool):
+        """``vocab_parallel_logits`` (no gather) when only the model's loss is wanted and Trainer's own
+        ``compute_loss``, which then reads nothing else, computes it; else nothing."""
+        unread = (only_the_loss_is_wanted and _next_compute_loss(type(self)) is transformers.Trainer.compute_loss
+                  and self.compute_loss_func is None and self.label_smoother is None
+                  and has_vocab_parallel_head(self.model))
+        return vocab_parallel_logits(self.model) if unread else contextlib.nullcontext()
 
     def evaluation_loop(self, *args, **kwargs):
         # Trainer resets gather_function to accelerate's gather_for_metrics at the end of every loop: set it each time.

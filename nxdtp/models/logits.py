@@ -63,6 +63,12 @@ def has_vocab_parallel_head(model: nn.Module) -> bool:
     return vocab_parallel_head(_hf_model(model)) is not None
 
 
+def model_and_wrapped(model: nn.Module) -> list:
+    """``model`` and, when it wraps one (PEFT, NxD's ``NxDModel``), the HF model inside it."""
+    inner = _hf_model(model)
+    return [model] if inner is model else [model, inner]
+
+
 def _hf_model(model: nn.Module) -> nn.Module:
     """The HF model itself, also when PEFT (``get_base_model``) or NxD's trainer API (``NxDModel.original_module``)
     wraps it."""
