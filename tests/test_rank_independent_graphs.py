@@ -212,6 +212,28 @@ def case_decoder_step_graphs(world_size: int, tp: int, sequence_parallel: bool, 
     return _report(trace_every_rank(step, world_size, tp, keep_hlo=keep_hlo), keep_hlo)
 
 
+def case_token_statistics_graphs():
+    """``vocab_parallel_token_statistics`` (TRL's fused head on the shards), forward and backward, with padding in the
+    last shards: the rank enters as data, so every rank of a tp=4 world traces one graph."""
+    import torch
+    import torch_xla
+
+    from nxdtp.loss_functions import vocab_parallel_token_statistics
+    from nxdtp.xla_graphs import trace_every_rank
+
+    device = torch_xla.device()
+    g = torch.Generator().manual_seed(SEED)
+    logits, target = torch.randn(3, 5, 6, generator=g), torch.randint(0, 21, (3, 5), generator=g)
+
+    def step():
+        shard = logits.to(device).requires_grad_(True)
+        out = vocab_parallel_token_statistics(shard, target.to(device), vocab_size=21)   # 24 columns, 3 of padding
+        (out["log_probs"].sum() + out["entropy"].sum()).backward()
+        return [out[key] for key in sorted(out)] + [shard.grad]
+
+    return _report(trace_every_rank(step, 4, 4), False)
+
+
 def _assert_one_graph(result):
     distinct = result["distinct"]
     assert all(n == 1 for n in distinct.values()), f"distinct graphs per phase {distinct}, ranks per graph " \
@@ -377,3 +399,8 @@ def test_embedding_padding_row_on_any_shard(worlds, world, tp, padding_idx):
     pad_grads = worlds(world).run(case_embedding_padding_row_on_any_shard, tensor_model_parallel_size=tp, seed=5,
                                   padding_idx=padding_idx)
     assert pad_grads == [0.0] * world
+
+
+def test_token_statistics_are_one_graph_for_every_rank(worlds):
+    result, = worlds(1, "xla-hlo").run(case_token_statistics_graphs, tensor_model_parallel_size=None)
+    _assert_one_graph(result)
