@@ -272,6 +272,7 @@ def vocab_parallel_token_statistics(vocab_parallel_logits: torch.Tensor, target:
     so the sums are all-reduced with an identity backward. Two all-reduces: a MAX of two stacked maxima (the softmax's
     stabiliser and the largest logit before the target), and one stacked SUM."""
     group = tensor_parallel_group()
+    _check_inputs(vocab_parallel_logits, target, 0.0, "none", vocab_size, group)
     x = vocab_parallel_logits.float()
     local_vocab = x.shape[-1]
     first_id = _first_id(group, local_vocab, x.device)

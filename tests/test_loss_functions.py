@@ -346,6 +346,21 @@ def test_invalid_arguments_name_the_value(kwargs, error, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(target=torch.zeros(3, 5)), TypeError, "target must be an integer tensor of vocabulary ids"),
+    (dict(target=torch.zeros(3, dtype=torch.long)), ValueError, "needs a target of shape (3, 5)"),
+    (dict(logits=torch.zeros(3, 5, 8, dtype=torch.long)), TypeError, "must be a floating-point tensor, got torch.int"),
+    (dict(vocab_size=17), ValueError, "vocab_size=17 must be an int in [1, 16]"),
+])
+def test_token_statistics_name_bad_arguments(kwargs, error, message):
+    logits = kwargs.pop("logits", torch.zeros(3, 5, 8))
+    target = kwargs.pop("target", torch.zeros(3, 5, dtype=torch.long))
+    with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
+        with pytest.raises(error) as info:
+            vocab_parallel_token_statistics(logits, target, **kwargs)
+    assert message in str(info.value)
+
+
 def test_signatures_are_nxds():
     from tests.test_utils import REQUIRED, check_nxd_signature
 
