@@ -198,10 +198,23 @@ def _dense_norm(params: List[torch.Tensor], p: float, experts: List[torch.Tensor
     return total.pow(1.0 / p)
 
 
+def _by_device_and_dtype(tensors: List[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
 def _per_tensor_norms(grads: List[torch.Tensor], p: float, device) -> torch.Tensor:
+    """The fp32 p-norm of each gradient, on ``device`` (in an order of their own). Off XLA, one foreach call per device
+    and dtype, as torch.nn.utils.clip_grad_norm_ does: on a GPU a kernel per tensor would leave the step waiting on
+    launches. XLA traces the norms into its graph either way, so there each is an op of its own."""
     if not grads:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
+    if device.type == "xla":
+        return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
+    return torch.stack([n.to(device) for group in _by_device_and_dtype(grads).values()
+                        for n in torch._foreach_norm(group, p, dtype=torch.float32)])
 
 
 def _tp_share(grads_sharded: List[torch.Tensor], copies: List[float], grads_replicated: List[torch.Tensor], p: float,
@@ -211,8 +224,12 @@ def _tp_share(grads_sharded: List[torch.Tensor], copies: List[float], grads_repl
     traces the same graph."""
     zero = torch.zeros((), dtype=torch.float32, device=device)
     counts_replicas = (rank_tensor(group, device) == 0).reshape(())
-    sharded = (_per_tensor_norms(grads_sharded, p, device).pow(p)
-               / torch.tensor(copies or [1.0], device=device)).sum()
+    by_copies: Dict[float, List[torch.Tensor]] = {}
+    for grad, count in zip(grads_sharded, copies):
+        by_copies.setdefault(count, []).append(grad)
+    # Divided by Python numbers: a tensor of the counts would be a copy to the device, and a wait for it, every step.
+    sharded = sum((_per_tensor_norms(grads, p, device).pow(p).sum() / count for count, grads in by_copies.items()),
+                  zero)
     replicated = _per_tensor_norms(grads_replicated, p, device).pow(p).sum()
     # Selected, not multiplied by the weight: inf * 0 would be NaN. A non-finite replicated sum counts on every rank,
     # so that an inf or NaN in any rank's copy makes the norm non-finite everywhere (inf + inf = inf; NaN wins).
@@ -294,9 +311,13 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def _scale_gradients(params: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     coefficient = clip_coefficient(total_norm, max_norm)
-    for param in params:
-        if param.grad is not None:
-            param.grad.detach().mul_(coefficient.to(param.grad.device))
+    grads = [param.grad.detach() for param in params if param.grad is not None]
+    for (device, _), group in _by_device_and_dtype(grads).items():
+        if device.type == "xla":
+            for grad in group:
+                grad.mul_(coefficient.to(device))
+        else:
+            torch._foreach_mul_(group, coefficient.to(device))
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from nxdtp import move_model_to_device
 from nxdtp import parallel_state as ps
 from nxdtp.grads import allreduce_sequence_parallel_gradients, get_grad_norm
 from nxdtp.models import gather_vocab_logits, parallelize_model
@@ -76,7 +77,8 @@ def _batch(seed: int):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int, kv_heads=None):
+def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int, kv_heads=None, device="cpu"):
+    """``device``: where both models run once sharded (tests/test_cuda.py runs this case on a GPU)."""
     tp = ps.get_tensor_model_parallel_size()
     report = []
     for family in families:
@@ -86,10 +88,12 @@ def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int, 
         dense = _dense(family, config, seed=len(family))
         model = parallelize_model(copy.deepcopy(dense), sequence_parallel=sequence_parallel,
                                   make_vocab_size_divisible_by=multiple)
+        dense.to(device)
+        move_model_to_device(model, device)
         _check_weights(model, dense, what)
         if config.tie_word_embeddings:
             assert model.lm_head.weight is model.model.embed_tokens.weight, f"{what}: the tie was lost"
-        batch = _batch(seed=len(family) + 1)
+        batch = {k: v.to(device) for k, v in _batch(seed=len(family) + 1).items()}
         dense_out, out = dense(**batch), model(**batch)
         _close(out.loss, dense_out.loss, f"{what} loss")
         logits = gather_vocab_logits(out.logits, VOCAB)
@@ -106,7 +110,7 @@ def case_decoder_equals_dense(families, sequence_parallel: bool, multiple: int, 
             allreduce_sequence_parallel_gradients(model.parameters())
         _check_grads(model, dense, what)
         norm = get_grad_norm(list(model.parameters()))
-        _close(norm, torch.tensor(_dense_grad_norm(dense)), f"{what} grad norm")
+        _close(norm, torch.tensor(_dense_grad_norm(dense), device=norm.device), f"{what} grad norm")
         report.append(what)
     return report
 

@@ -123,13 +123,18 @@ def _parallelize(kind, dense):
 
 # ---- ZeRO-1 equals dense ---------------------------------------------------------------------------------------------
 
-def case_zero1_equals_dense(model: str, inner: str, norm_type: float, accumulate: str, max_norm: float):
+def case_zero1_equals_dense(model: str, inner: str, norm_type: float, accumulate: str, max_norm: float,
+                            device: str = "cpu"):
+    """``device``: where both models train (tests/test_cuda.py runs this case on a GPU)."""
+    from nxdtp import move_model_to_device
     from tests.test_models_bert import _check_weights
 
     dp = ps.get_data_parallel_size()
     build, batches = MODELS[model]
     dense = build()
-    parallel = _parallelize(model, dense)
+    parallel = move_model_to_device(_parallelize(model, dense), device)
+    dense.to(device)
+    on_device = lambda batch: {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}  # noqa: E731
     optimizer_class, kwargs = INNER[inner]
     micro_steps = 1 if accumulate == "none" else 2
 
@@ -144,6 +149,7 @@ def case_zero1_equals_dense(model: str, inner: str, norm_type: float, accumulate
     norms = []
     for step in range(STEPS):
         full, micro, scale = batches(step, dp, micro_steps)
+        full, micro = on_device(full), [on_device(batch) for batch in micro]
         dense_opt.zero_grad()
         dense(**full).loss.backward()
         dense_norm = torch_clip_grad_norm_(dense.parameters(), max_norm, norm_type=norm_type)

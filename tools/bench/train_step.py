@@ -297,7 +297,7 @@ def run_gpu(ctx) -> Dict[str, Any]:
     device = ctx.gpu_device
     backend = "nccl" if device.startswith("cuda") else "gloo"
     pools = {"dense": ctx.competitors.pool("gpu-dense"), "nxdtp": ctx.competitors.pool("gpu-nxdtp", backend)}
-    out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device)
+    out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device, profiled=ctx.profile)
     c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]
     memory = {k: v["memory"].get("device_peak_mib", v["memory"]["peak_mib"]) for k, v in c.items()}
     out.update(device=device, backend=backend, numbers={
