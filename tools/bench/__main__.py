@@ -27,6 +27,11 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "logits": ("logits", "10. Full-vocabulary logits: what they cost"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
+# section: (its module, the function that runs it)
+RUNNERS = {"train": ("train_step", "run"), "gpu": ("train_step", "run_gpu"), "memory": ("memory", "run"),
+           "comm": ("communication", "run"), "xla": ("xla_graphs", "run"), "merge": ("merge_timing", "run"),
+           "actmem": ("activation_memory", "run"), "zero1": ("zero1", "run"), "async_save": ("zero1", "run_async_save"),
+           "moe": ("moe", "run"), "logits": ("logits", "run")}
 TOOLS = {"merge_timing": "merge_timing", "verify": "verification", "divergence": "divergence"}  # name: module
 EPILOG = "\n".join(["Suite sections (gpu only when named, or --gpu):", *(f"  {k:<11} {t}" for k, t in TITLES.items()),
                     f"Tools: {', '.join(TOOLS)}. Progress goes to stderr, the report to stdout."])
@@ -62,29 +67,14 @@ def _arguments(argv) -> tuple:
 def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
     """Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
     run does everything one after the other, so nothing disturbs the timed sections."""
-    from . import (
-        activation_memory,
-        async_save,
-        communication,
-        logits,
-        memory,
-        merge_timing,
-        moe,
-        train_step,
-        xla_graphs,
-        zero1,
-    )
-
-    spec = train_step.QUICK if ctx.quick else train_step.FULL
-    early = {k: background.submit(fn).result for k, fn in (("comm", lambda: communication.trace_hlo(spec)),
-                                                            ("xla", lambda: xla_graphs.run(ctx)))
+    module = {k: importlib.import_module(f".{m}", __package__) for k, (m, _) in RUNNERS.items()}
+    runners = {k: (lambda k=k, f=f: getattr(module[k], f)(ctx)) for k, (_, f) in RUNNERS.items()}
+    spec = module["train"].QUICK if ctx.quick else module["train"].FULL
+    early = {k: background.submit(fn).result for k, fn in (("comm", lambda: module["comm"].trace_hlo(spec)),
+                                                            ("xla", runners["xla"]))
              if background and k in ctx.sections}
-    return {"train": lambda: train_step.run(ctx), "gpu": lambda: train_step.run_gpu(ctx),
-            "comm": lambda: communication.run(ctx, early["comm"]() if "comm" in early else None),
-            "memory": lambda: memory.run(ctx), "actmem": lambda: activation_memory.run(ctx),
-            "zero1": lambda: zero1.run(ctx), "async_save": lambda: async_save.run(ctx), "moe": lambda: moe.run(ctx),
-            "logits": lambda: logits.run(ctx),
-            "xla": early.get("xla", lambda: xla_graphs.run(ctx)), "merge": lambda: merge_timing.run(ctx)}
+    return {**runners, "xla": early.get("xla", runners["xla"]),
+            "comm": lambda: module["comm"].run(ctx, early["comm"]() if "comm" in early else None)}
 
 
 def run_suite(args, sections) -> Dict[str, Any]:

@@ -1,9 +1,13 @@
-"""Section 7: ZeRO-1's bytes per parameter per rank counted, the peak RSS of a real step, step time against plain DP."""
+"""Section 7: ZeRO-1's bytes per parameter per rank counted, the peak RSS of a real step, step time against plain DP;
+section 8 (``run_async_save``): the step loop's stall while ``save_checkpoint`` writes, sync against async_save."""
 
 from __future__ import annotations
 
 import copy
 import gc
+import os
+import shutil
+import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -16,9 +20,10 @@ from nxdtp.grads import allreduce_gradients, clip_grad_norm
 from nxdtp.models import parallelize_model
 from nxdtp.optimizer import NeuronZero1Optimizer, optimizer_state_bytes
 from nxdtp.spec import FlatShardLayout
+from nxdtp.trainer import finalize_checkpoint, save_checkpoint
 
 from . import common
-from .common import Pool, alternate, barrier, cell, hf_model, log, median, model_text, records, rss_mark, slowest, timed
+from .common import Pool, alternate, barrier, hf_model, log, median, model_text, records, rss_mark, slowest, timed
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -46,6 +51,9 @@ QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("
              dps=(1, 2, 4, 8), rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
              time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2),
              worlds=((2, 2), (1, 2)))
+ASYNC_FULL = dict(model=dict(LLAMA_50M, hidden_size=512, intermediate_size=1408, num_attention_heads=8), batch=2,
+                  seq=64, warmup=2, pre=3, post=8, rounds=6, tp=2, dp=1)
+ASYNC_QUICK = dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, pre=2, post=2, rounds=2, tp=2, dp=1)
 
 
 # ---- counting (part 1): meta models under a simulated topology --------------------------------------------------
@@ -329,11 +337,96 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         f"**Peak RSS of a real step**, tp={rss['tp']} x dp={rss['dp']} gloo processes on CPU, fp32 Llama-shaped model "
         f"({model_text(m['model'])}), batch {m['batch']} x {m['seq']} per DP rank, {m['steps']} steps after a warm-up "
         "forward and backward; the largest rank; increases over the RSS before the optimizer was made. Measured / "
-        f"counted saving: held {cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
-        f"{cell(rss.get('peak_saving_over_counted'), '.3f')}.",
+        f"counted saving: held {common.cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
+        f"{common.cell(rss.get('peak_saving_over_counted'), '.3f')}.",
         records(RSS_COLUMNS, paths),
         f"**Step time**, ZeRO-1 against plain DP (bucketed all-reduce + clip + AdamW), fp32 Llama-shaped model "
         f"({model_text(t['model'])}), batch {t['batch']} x {t['seq']} per DP rank; {t['warmup']} warm-up and "
         f"{t['rounds']} timed rounds, the paths alternating (order swapped each round); slowest rank; medians. The DP "
         "collectives alone: nxdtp.comm over the DP group on a buffer of the rank's fp32 gradient size.",
         records(TIME_COLUMNS, out["timings"])]
+
+
+# ---- section 8: the stall of save_checkpoint, sync against async_save -------------------------------------------
+
+def _async_step() -> None:
+    STATE["optimizer"].zero_grad(set_to_none=True)
+    STATE["model"](**STATE["batch"]).loss.backward()
+    STATE["optimizer"].step()
+    STATE["scheduler"].step()
+
+
+def case_async_setup(spec: Dict[str, Any]) -> int:
+    model = real_model(spec["model"])
+    optimizer = make_optimizer(model, "zero1")
+    STATE.update(model=model, optimizer=optimizer, batch=llama_batch(spec), step=0,
+                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s)))
+    for _ in range(spec["warmup"]):
+        timed(_async_step)
+    return sum(p.numel() for p in model.parameters())
+
+
+def case_async_round(mode: str, directory: str, pre: int, post: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"pre": [timed(_async_step) for _ in range(pre)]}
+    STATE["step"] += 1
+    tag = f"step_{STATE['step']}"
+    state = (STATE["model"], STATE["optimizer"], STATE["scheduler"], {"global_step": STATE["step"], "seed": SEED})
+    out["call_s"] = timed(lambda: save_checkpoint(directory, tag, *state, async_save=mode == "async"))
+    out["post"] = [timed(_async_step) for _ in range(post)]
+    out["finalize_s"] = timed(finalize_checkpoint)
+    if dist.get_rank() == 0:
+        out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(directory, tag))
+                           for f in fs)
+    return out
+
+
+def run_async_save(ctx) -> Dict[str, Any]:
+    spec = ASYNC_QUICK if ctx.quick else ASYNC_FULL
+    log(f"async_save: starting a gloo world of tp={spec['tp']} x dp={spec['dp']}")
+    workdir = tempfile.mkdtemp(prefix="nxdtp_bench_async_save_")
+    counter = iter(range(1 << 30))
+
+    def one_round(mode: str) -> Dict[str, Any]:
+        directory = os.path.join(workdir, f"{mode}_{next(counter)}")
+        try:
+            ranks = pool.call(case_async_round, mode=mode, directory=directory, pre=spec["pre"], post=spec["post"])
+            return {**{k: [max(x) for x in zip(*(r[k] for r in ranks))] for k in ("pre", "post")},
+                    **slowest(ranks, ("call_s", "finalize_s")), "bytes": ranks[0].get("bytes")}
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)  # every save writes the same bytes
+
+    try:
+        with Pool(spec["tp"] * spec["dp"], tp=spec["tp"]) as pool:
+            parameters = pool.call(case_async_setup, spec=spec)[0]
+            rounds = alternate(("sync", "async"), spec["rounds"], one_round, swap=True, what="async_save")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _async_result(spec, parameters, rounds)
+
+
+def _async_result(spec, parameters: int, rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
+    baseline = median(t for mine in rounds.values() for r in mine for t in r["pre"])
+    numbers = {"baseline_step_s": baseline, "checkpoint_bytes": float(rounds["sync"][0]["bytes"] or 0),
+               "parameters_per_rank": float(parameters)}
+    for mode, mine in rounds.items():
+        excess = [sum(t - baseline for t in r["post"]) for r in mine]
+        numbers.update({f"{mode}_call_s": median(r["call_s"] for r in mine), f"{mode}_post_excess_s": median(excess),
+                        f"{mode}_post_step_s": median(t for r in mine for t in r["post"]),
+                        f"{mode}_finalize_s": median(r["finalize_s"] for r in mine),
+                        f"{mode}_stall_s": median(r["call_s"] + e + r["finalize_s"] for r, e in zip(mine, excess))})
+    numbers["async_over_sync_stall"] = numbers["async_stall_s"] / numbers["sync_stall_s"]
+    numbers["async_call_over_sync_call"] = numbers["async_call_s"] / numbers["sync_call_s"]
+    n, post = numbers, spec["post"]
+    columns = {"call returns after s|.3f": "call_s", f"step s during the next {post}|.3f": "post_step_s",
+               f"excess of those {post} steps over the baseline, s|.3f": "post_excess_s",
+               "finalize_checkpoint waited s|.3f": "finalize_s", "stall s (call + excess + finalize)|.3f": "stall_s"}
+    tables = [f"tp={spec['tp']} x dp={spec['dp']} gloo ranks, fp32 Llama ({model_text(spec['model'])}; {parameters:,} "
+              f"parameters / rank), ZeRO-1 AdamW, batch {spec['batch']} x {spec['seq']}; checkpoint tag "
+              f"{n['checkpoint_bytes']:,.0f} B; baseline step {baseline:.3f} s. {spec['rounds']} alternating rounds "
+              f"per mode: {spec['pre']} steps, save_checkpoint, {post} steps, finalize_checkpoint; slowest rank; "
+              "medians.",
+              common.table(["save_checkpoint", *columns], ([m, *(n[f"{m}_{k}"] for k in columns.values())]
+                                                           for m in rounds)),
+              f"Async stall / sync stall: {n['async_over_sync_stall']:.3f}; async call / sync call: "
+              f"{n['async_call_over_sync_call']:.3f} (the background thread writes the rest while the steps run)."]
+    return {"spec": spec, "rounds": rounds, "numbers": numbers, "tables": tables}
