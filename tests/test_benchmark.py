@@ -96,9 +96,10 @@ def test_train_step_llama_rows(quick):
     la = llama["loss_agreement"]
     assert set(la["losses"]) == {"dense", "nxdtp"} and la["agree"] is True
     assert abs(la["losses"]["nxdtp"] - la["losses"]["dense"]) <= la["rtol"] * abs(la["losses"]["dense"])
-    numbers = train["numbers"]
-    assert numbers["llama_ratio_nxdtp_dense"] == pytest.approx(
-        numbers["llama_step_s_nxdtp"] / numbers["llama_step_s_dense"])
+    numbers = train["numbers"]  # the figures of the report's Llama tables, by row and column
+    step = {k: numbers[f"llama_{label}_step_s_median_min_max"] for k, label in (
+        ("dense", "a_dense_1_process_x_1_thread"), ("nxdtp", "b_nxdtp_tp_2_2_gloo_ranks_x_1_thread"))}
+    assert numbers["llama_step_time_b_a_nxdtp_dense_value"] == pytest.approx(step["nxdtp"] / step["dense"])
     assert "LlamaForCausalLM (Llama-shaped decoder)" in stdout and "Llama step time b/a (nxdtp / dense)" in stdout
 
 

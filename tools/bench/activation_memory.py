@@ -15,7 +15,7 @@ from transformers import BertConfig, BertModel
 from nxdtp.models.bert import checkpoint_layers, parallelize_bert
 from nxdtp.random import model_parallel_xla_manual_seed
 
-from .common import Pool, log, records, rss_mark, table
+from .common import Pool, figures, log, records, rss_mark, table
 
 FULL = dict(layer=dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096), layers=2, seq=512,
             batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
@@ -256,7 +256,7 @@ def _find(rows, mode, dtype, tp=None, attention=ATTENTION):
 
 def run(ctx) -> Dict[str, Any]:
     spec = QUICK if ctx.quick else FULL
-    rows, ratios, numbers = [], [], {}
+    rows, ratios = [], []
     for tp in spec["tps"]:
         log(f"activation memory: starting a gloo world of {tp}")
         first = [("dense", d, a) for d in spec["dtypes"] for a in (ATTENTION, "eager")] if tp == spec["tps"][0] else []
@@ -267,27 +267,18 @@ def run(ctx) -> Dict[str, Any]:
                 rows.append(_summarise_ranks(per_rank, spec, mode, tp, dtype, attention))
     for dtype in spec["dtypes"]:
         dense = _find(rows, "dense", dtype)
-        numbers.update({f"{dtype}_dense_saved_bytes_per_layer": dense["saved_bytes_per_layer"],
-                        f"{dtype}_dense_measured_over_formula": dense["measured_over_formula"]})
         for tp in spec["tps"]:
             chain = {m: _find(rows, m, dtype, tp) for m in MODES[1:]}
             pairs = {"tp_over_dense": (chain["tp"], dense), "sp_over_tp": (chain["tp_sp"], chain["tp"]),
                      "ckpt_over_sp": (chain["tp_sp_ckpt"], chain["tp_sp"])}
-            entry = {"dtype": dtype, "tp": tp}
-            for name, (a, b) in pairs.items():
-                for suffix, key in (("", "saved_bytes_per_layer"), ("_formula", "formula_bytes_per_layer"),
-                                    ("_cpu_kernel_formula", "cpu_kernel_formula_bytes_per_layer")):
-                    entry[name + suffix] = numbers[f"{dtype}_tp{tp}_{name}{suffix}"] = a[key] / b[key]
-            ratios.append(entry)
-            for row in chain.values():
-                prefix = f"{dtype}_tp{tp}_{row['mode']}"
-                numbers.update({f"{prefix}_{k}": row[k] for k in (
-                    "saved_bytes_per_layer", "measured_over_formula", "measured_over_cpu_kernel_formula")})
-                if row["peak_rss_increase_bytes_max_rank"] is not None:
-                    numbers[f"{prefix}_peak_rss_increase_bytes"] = row["peak_rss_increase_bytes_max_rank"]
+            # measured / formula / CPU-kernel formula
+            ratios.append({"dtype": dtype, "tp": tp, **{name: [a[k] / b[k] for k in (
+                "saved_bytes_per_layer", "formula_bytes_per_layer", "cpu_kernel_formula_bytes_per_layer")]
+                for name, (a, b) in pairs.items()}})
     out = {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.items()}, "attention": ATTENTION,
-           "dropout": DROPOUT, "rows": rows, "ratios": ratios, "numbers": numbers}
+           "dropout": DROPOUT, "rows": rows, "ratios": ratios}
     out["tables"] = _tables(out)
+    out["numbers"] = figures(out["tables"])
     return out
 
 
@@ -312,13 +303,11 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
               "2022 with e-byte activations and 1-byte masks; CPU-kernel formula: the same terms at the sizes "
               "PyTorch's CPU kernels store."]
     for dtype in spec["dtypes"]:
-        blocks += [f"**{dtype}**", records(COLUMNS, (r for r in rows if r["dtype"] == dtype))]
+        blocks += [f"**{dtype}**", records(COLUMNS, (r for r in rows if r["dtype"] == dtype), name=dtype, keys=2)]
     names = {"TP / dense|.4f": "tp_over_dense", "TP+SP / TP|.4f": "sp_over_tp",
              "TP+SP+checkpoint / TP+SP|.4f": "ckpt_over_sp"}
     blocks += ["Ratios of saved bytes per layer per rank: measured / formula / CPU-kernel formula.",
-               records({"dtype": "dtype", "tp": "tp", **{c: lambda x, n=n: [x[n], x[n + "_formula"],
-                                                                         x[n + "_cpu_kernel_formula"]]
-                                                       for c, n in names.items()}}, out["ratios"])]
+               records({"dtype": "dtype", "tp": "tp", **names}, out["ratios"], keys=2)]
     tp = max(spec["tps"])
     for dtype in spec["dtypes"]:
         chosen = [_find(rows, "dense", dtype)] + [_find(rows, m, dtype, tp) for m in MODES[1:]]
@@ -328,5 +317,5 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
                                  for r in chosen])
         blocks += [f"Breakdown, {dtype}, tp={tp}, per layer per rank in sbh units: measured / formula / CPU-kernel "
                    "formula, per term (the module that saved a tensor and the autograd node holding it decide it):",
-                   table(["term"] + [LABELS[r["mode"]] + "|.3f" for r in chosen], body)]
+                   table(["term"] + [LABELS[r["mode"]] + "|.3f" for r in chosen], body, name=f"{dtype} tp{tp}")]
     return blocks

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import threading
 import time
@@ -301,18 +302,42 @@ def cell(value: Any, spec: str = "") -> str:
     return f"{value:.3g}" if abs(value) >= 0.001 or value == 0 else f"{value:.2e}"
 
 
-def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], formats: Optional[Dict[str, str]] = None):
+def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], formats: Optional[Dict[str, str]] = None,
+          name: str = "", keys: int = 1):
     """A table as data. A column named "name|spec" is shown as "name" with cells formatted by ``cell(v, spec)``;
-    ``formats`` maps more column names to specs."""
+    ``formats`` maps more column names to specs. ``name`` and the first ``keys`` columns name its figures (``figures``;
+    none for ``keys=0``)."""
     names = [c.split("|")[0] for c in columns]
     specs = {**{n: c.split("|")[1] for n, c in zip(names, columns) if "|" in c}, **(formats or {})}
-    return {"columns": names, "rows": [list(r) for r in rows], "formats": specs}
+    return {"columns": names, "rows": [list(r) for r in rows], "formats": specs, "name": name, "keys": keys}
 
 
-def records(columns: Dict[str, Any], items: Iterable[Any]):
+def records(columns: Dict[str, Any], items: Iterable[Any], **kw):
     """A ``table`` of one row per item: column "name|spec" shows the item's value at the key it maps to, or the value
     of the function it maps to on the item (None where it has no such key)."""
-    return table(list(columns), ([f(i) if callable(f) else i.get(f) for f in columns.values()] for i in items))
+    return table(list(columns), ([f(i) if callable(f) else i.get(f) for f in columns.values()] for i in items), **kw)
+
+
+def snake(*parts: Any) -> str:
+    return re.sub(r"[^0-9a-z]+", "_", " ".join(map(str, parts)).lower()).strip("_")
+
+
+def figures(blocks: Iterable[Any], **extra: Any) -> Dict[str, Any]:
+    """A section's ``numbers``: ``extra``, then each number in its tables (a median/min/max cell's median, each item
+    of a list) as "table name, row, column" in snake case; a row is named by its key cells (a number with its column's
+    name: tp=2 is "tp2")."""
+    out = dict(extra)
+    for block in (b for b in blocks if not isinstance(b, str) and b["keys"]):
+        k, columns = block["keys"], block["columns"]
+        for row in block["rows"]:
+            label = [v if isinstance(v, str) else f"{c}{v}" for c, v in zip(columns[:k], row[:k])]
+            for column, value in zip(columns[k:], row[k:]):
+                value = value["median"] if isinstance(value, dict) else value
+                values = value if isinstance(value, (list, tuple)) else [value]
+                for i, v in enumerate(values):
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        out[snake(block["name"], *label, column, i + 1 if len(values) > 1 else "")] = v
+    return out
 
 
 def render(blocks: Iterable[Any]) -> str:

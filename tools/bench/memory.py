@@ -11,7 +11,7 @@ from nxdtp.models.bert import parallelize_bert
 from nxdtp.parallel_state import simulated_topology
 from nxdtp.storage import held_bytes
 
-from .common import BERT_LARGE, fresh, hf_model, malloc_trim, proc_status_kib, records, table, verdict
+from .common import BERT_LARGE, figures, fresh, hf_model, malloc_trim, proc_status_kib, records, table, verdict
 
 QUICK_CFG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
                  max_position_embeddings=128, type_vocab_size=2)
@@ -85,15 +85,8 @@ def run(ctx) -> Dict[str, Any]:
     out = fresh(case_count, cfg=BERT_LARGE)[0]
     cfg = QUICK_CFG if ctx.quick else BERT_LARGE
     out["rss"] = {"config": cfg, "rows": fresh(case_rss, malloc=True, cfg=cfg, tps=list(RSS_TPS[ctx.quick]))[0]}
-    rows, at8 = out["rows"], out["rows"][-1]
-    out.update(target_percent_at_tp8=TARGET_PERCENT_AT_TP8,
-               target_met=at8["nxdtp_percent_of_dense"] <= TARGET_PERCENT_AT_TP8)
-    keys = ("nxdtp_percent_of_dense", "nxd_percent_of_dense", "nxdtp_parameter_bytes", "nxdtp_storage_bytes_held",
-            "nxdtp_adamw_state_bytes")
-    out["numbers"] = {f"{k.replace('_of_dense', '')}_tp{r['tp']}": r[k] for r in rows for k in keys}
-    out["numbers"].update({f"rss_{k}_tp{r['tp']}": r[k] for r in out["rss"]["rows"]
-                           for k in ("rss_gain", "storage_bytes_held", "parameter_bytes")})
     out["tables"] = _tables(out)
+    out["numbers"] = figures(out["tables"])
     return out
 
 
@@ -122,4 +115,5 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
             table(["tp", "parameter bytes|bytes", "storage bytes held|bytes", "RSS gained|bytes",
                    "% of the dense model's RSS|.2f", "dense model's RSS|bytes"],
                   ([r["tp"], r["parameter_bytes"], r["storage_bytes_held"], r["rss_gain"],
-                    100 * r["rss_gain"] / r["dense_rss_gain"], r["dense_rss_gain"]] for r in out["rss"]["rows"]))]
+                    100 * r["rss_gain"] / r["dense_rss_gain"], r["dense_rss_gain"]] for r in out["rss"]["rows"]),
+                  name="rss")]

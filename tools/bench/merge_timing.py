@@ -227,12 +227,8 @@ def run(ctx) -> Dict[str, Any]:
     finally:
         if ctx.merge_workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    s = out["summary"]
-    out["numbers"] = {"merge_over_raw": s["wall_ratio"], "merge_rss_increase_fraction": s["rss_fraction"]}
-    for kind, name in (("merge", "merge"), ("raw", "raw_copy"), ("naive", "naive_copy")):
-        out["numbers"].update({f"{name}_s": s[kind]["seconds"]["median"],
-                               f"{name}_rss_increase_mib": s[kind]["increase_mib"]["median"]})
     out["tables"] = tables(out)
+    out["numbers"] = common.figures(out["tables"])
     return out
 
 

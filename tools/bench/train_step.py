@@ -269,26 +269,13 @@ def run(ctx) -> Dict[str, Any]:
     out["ratios"].update({"nxdtp/dense peak RSS increase per rank": increase["nxdtp"] / increase["dense"],
                           "nxdtp/dense peak RSS per rank (absolute)": peak["nxdtp"] / peak["dense"],
                           "dtensor/dense peak RSS increase per rank": increase["dtensor"] / increase["dense"]})
-    out.update(adamw=ADAMW, max_grad_norm=MAX_GRAD_NORM, targets=TARGETS, numbers={
-        **{f"step_s_{k}": v["step_s"]["median"] for k, v in c.items()},
-        "ratio_nxdtp_dense": out["ratios"]["nxdtp/dense step time"],
-        "ratio_nxdtp_dtensor": out["ratios"]["nxdtp/dtensor step time"],
-        **{f"{n}_{k}": v for n, d in (("peak_rss_mib", peak), ("rss_increase_mib", increase)) for k, v in d.items()},
-        "rss_increase_ratio_nxdtp_dense": out["ratios"]["nxdtp/dense peak RSS increase per rank"],
-        **{f"last_loss_{k}": v for k, v in out["loss_agreement"]["losses"].items()},
-        "loss_max_rel_diff": out["loss_agreement"]["max_rel_diff_vs_dense"],
-        "two_rank_gemm_slowdown": out["two_rank_gemm_probe"]["together_over_alone"]})
     llama_pools = {k: pools[k] for k in ("dense", "nxdtp")}  # the same workers, their BERT released
     llama = out["llama"] = _rounds(llama_pools, LLAMA_QUICK if ctx.quick else LLAMA_FULL, "llama", ctx)
     # The workers ran BERT's rounds first: the peak is compared over the RSS right after the Llama was built.
     during = {k: max(v["peak_over_after_build_mib_per_rank"]) for k, v in llama["competitors"].items()}
     llama["ratios"]["nxdtp/dense peak RSS over build per rank"] = during["nxdtp"] / during["dense"]
-    out["numbers"].update({f"llama_step_s_{k}": v["step_s"]["median"] for k, v in llama["competitors"].items()},
-                          **{f"llama_peak_over_build_mib_{k}": v for k, v in during.items()},
-                          llama_ratio_nxdtp_dense=llama["ratios"]["nxdtp/dense step time"],
-                          llama_loss_rel_diff=llama["loss_agreement"]["max_rel_diff_vs_dense"],
-                          **{f"llama_last_loss_{k}": v for k, v in llama["loss_agreement"]["losses"].items()})
     out["tables"] = _tables(out)
+    out["numbers"] = common.figures(out["tables"])
     return out
 
 
@@ -300,10 +287,7 @@ def run_gpu(ctx) -> Dict[str, Any]:
     out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device, profiled=ctx.profile)
     c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]
     memory = {k: v["memory"].get("device_peak_mib", v["memory"]["peak_mib"]) for k, v in c.items()}
-    out.update(device=device, backend=backend, numbers={
-        "step_s_dense": c["dense"]["step_s"]["median"], "step_s_nxdtp_tp1": c["nxdtp"]["step_s"]["median"],
-        "nxdtp_tp1_over_dense": ratio, "loss_rel_diff": out["loss_agreement"]["max_rel_diff_vs_dense"],
-        **{f"peak_{'device' if device.startswith('cuda') else 'rss'}_mib_{k}": v for k, v in memory.items()}})
+    out.update(device=device, backend=backend)
     out["tables"] = [f"Section 1's model and step on {device} ({backend}), {out['warmup_steps']} warm-up steps, "
                      f"{out['rounds']} alternating rounds, medians (each phase ends with a device synchronize).",
                      table(["competitor", "step s median (min-max)", "peak memory MiB", "loss at last step"],
@@ -311,6 +295,8 @@ def run_gpu(ctx) -> Dict[str, Any]:
                            {"step s median (min-max)": ".4f", "loss at last step": ".7f"}),
                      f"nxdtp tp=1 / dense step time: {ratio:.3f} (1.00 = no overhead); losses agree within "
                      f"{LOSS_RTOL:.0e}: {out['loss_agreement']['agree']}."]
+    out["numbers"] = common.figures(out["tables"], nxdtp_tp1_over_dense=ratio,
+                                    loss_rel_diff=out["loss_agreement"]["max_rel_diff_vs_dense"])
     return out
 
 
@@ -330,7 +316,7 @@ def _describe(result: Dict[str, Any], arch: str) -> List[Any]:
             f"{ADAMW['lr']}), clip to {MAX_GRAD_NORM}; {result['warmup_steps']} warm-up steps, {result['rounds']} "
             f"rounds; attention {c['dense']['attn_implementation']}; nxdtp make_vocab_size_divisible_by="
             f"{result['nxdtp_make_vocab_size_divisible_by']} ({c['nxdtp']['local_vocab_rows']} vocabulary rows per "
-            "rank).", table(columns, rows)]
+            "rank).", table(columns, rows, name="" if bert else "llama")]
 
 
 HALF = "<= 0.60 (limit 0.50)"
@@ -369,5 +355,5 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
     for kind, c in out["competitors"].items():
         if "profile" in c:
             blocks += [f"Profile of one step, {LABELS[kind]}, rank 0 (phases {c['profile']['step']}):",
-                       table(["op", "input shapes", "calls", "self CPU ms|.2f"], c["profile"]["ops"])]
+                       table(["op", "input shapes", "calls", "self CPU ms|.2f"], c["profile"]["ops"], keys=0)]
     return blocks

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 import time
 from typing import Any, Dict, List
 
@@ -19,7 +18,7 @@ from nxdtp.optimizer import Lamb
 from nxdtp.random import model_parallel_xla_manual_seed
 from nxdtp.utils import move_model_to_device
 
-from .common import BERT_LARGE, fresh, hf_model, log, model_text, table
+from .common import BERT_LARGE, figures, fresh, hf_model, log, model_text, snake, table
 from .train_step import ADAMW, MAX_GRAD_NORM, SEED, build_dense, make_batch
 
 STEPS, STEADY_FROM = 10, 2
@@ -167,24 +166,17 @@ def run(ctx) -> Dict[str, Any]:
         executed = [s["ExecuteComputation"] for s in steady]
         v.update(max_executed_per_step_after=max(executed), min_executed_per_step_after=min(executed),
                  new_compiles_after=sum(s["UncachedCompile"] for s in steady),
-                 compiles_step0=v["per_step"][0]["UncachedCompile"])
+                 last_loss=v["losses"][-1])
         v["target_met"] = max(executed) == 1 == min(executed) and v["new_compiles_after"] == 0
     out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "steps": STEPS,
-           "steady_from_step": STEADY_FROM, "variants": variants, "target_met": variants[VARIANTS[0]]["target_met"],
-           "ranks": dict(ranks, **{k: ranks_spec[k] for k in ("world", "tp", "seq", "batch")},
-                         models={f: ranks_spec[f] for f in FAMILIES}),
-           "ranks_target_met": all(n == 1 for c in ranks["census"].values() for n in c["distinct"].values())}
-    tag = lambda name: re.sub(r"\W+", "_", name).strip("_")  # noqa: E731
-    out["numbers"] = {f"{tag(n)}_distinct_{p}_graphs": c["distinct"][p] for n, c in ranks["census"].items()
-                      for p in PHASES}
-    out["numbers"].update(compile_time_s_tp1_bert_step=ranks["compile"]["compile_time_s"],
-                          compile_executed_graphs=ranks["compile"]["executed"])
-    for name, v in variants.items():
-        out["numbers"].update({f"{tag(name)}_max_executed_per_step_after_2": v["max_executed_per_step_after"],
-                               f"{tag(name)}_new_compiles_after_2": v["new_compiles_after"],
-                               f"{tag(name)}_compiles_step0": v["compiles_step0"],
-                               f"{tag(name)}_last_loss": v["losses"][-1]})
+           "variants": variants, "ranks": dict(ranks, **{k: ranks_spec[k] for k in ("world", "tp", "seq", "batch")},
+                                               models={f: ranks_spec[f] for f in FAMILIES})}
     out["tables"] = _tables(out)
+    out["numbers"] = figures(out["tables"], compile_time_s_tp1_bert_step=ranks["compile"]["compile_time_s"],
+                             compile_executed_graphs=ranks["compile"]["executed"], **{
+                                 snake(name, k): v[k] for name, v in variants.items()
+                                 for k in ("min_executed_per_step_after", "max_executed_per_step_after",
+                                           "new_compiles_after", "last_loss")})
     return out
 
 

@@ -259,12 +259,6 @@ def run(ctx) -> Dict[str, Any]:
 
 
 def _result(spec, counted, rss, timings) -> Dict[str, Any]:
-    numbers: Dict[str, float] = {}
-    for row in counted:
-        key = f"{row['model'].split()[0].split('-')[0].lower()}_tp{row['tp']}_dp{row['dp']}"
-        numbers.update({f"{key}_bytes_per_parameter_fp32_grads": row["bpp_total_fp32_grads"],
-                        f"{key}_bytes_per_parameter_bf16_grads": row["bpp_total_bf16_grads"],
-                        f"{key}_padding_percent": row["padding_percent"]})
     plain, zero = rss["plain"], rss["zero1"]
     saving = plain["optimizer_bytes_counted"] - zero["optimizer_bytes_counted"]
     rss.update(counted_saving_bytes=saving,
@@ -273,22 +267,10 @@ def _result(spec, counted, rss, timings) -> Dict[str, Any]:
         rss["peak_saving_bytes"] = plain["peak_rss_increase_bytes"] - zero["peak_rss_increase_bytes"]
     rss.update({f"{k}_saving_over_counted": rss[f"{k}_saving_bytes"] / saving for k in ("held", "peak")
                 if saving and f"{k}_saving_bytes" in rss})
-    numbers.update({f"rss_{k}": v for k, v in rss.items() if "saving" in k})
-    numbers.update({f"rss_{variant}_{k.replace('rss_', '').replace('peak_rss', 'peak')}": rss[variant][k]
-                    for variant in ("plain", "zero1")
-                    for k in ("rss_held_increase_bytes", "optimizer_bytes_counted", "peak_rss_increase_bytes")
-                    if rss[variant][k] is not None})
-    for t in timings:
-        numbers.update({f"tp{t['tp']}_dp{t['dp']}_{k}": v for k, v in (
-            ("step_ratio", t["ratio"]), ("step_ratio_of_medians", t["ratio_of_medians"]),
-            ("update_ratio", t["update_ratio"]), ("plain_step_s", t["median"]["plain"]["step_s"]),
-            ("zero1_step_s", t["median"]["zero1"]["step_s"]),
-            ("max_abs_weight_difference", t["max_abs_weight_difference"]),
-            ("reduce_scatter_plus_all_gather_over_all_reduce", t["collectives"]["ratio"]))})
     out = {"spec": {**spec, "count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]]},
-           "adamw": ADAMW, "max_norm": MAX_NORM, "counted": counted, "rss": rss, "timings": timings,
-           "numbers": numbers}
+           "counted": counted, "rss": rss, "timings": timings}
     out["tables"] = _tables(out)
+    out["numbers"] = common.figures(out["tables"], **{f"rss_{k}": v for k, v in rss.items() if "over" in k})
     return out
 
 
@@ -330,7 +312,7 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         "**Bytes per parameter per rank**, bf16 parameters, ZeRO-1 AdamW with fp32 master shards; counted on meta "
         "models sharded under a simulated topology (FlatShardLayout padding included); per TP-local parameter. "
         "Models: " + "; ".join(f"{c['model']} tp={c['tp']} ({model_text(c['config'])})" for c in spec["count"]),
-        records(COUNT_COLUMNS, out["counted"]),
+        records(COUNT_COLUMNS, out["counted"], keys=3),
         "Totals: params + grads + master + AdamW state. \"bf16 grads\" is nxdtp's default (.grad in the parameter "
         "dtype); \"fp32 main_grad\" is `use_grad_acc_hook=True`, Megatron's gradient buffer: the like-for-like of "
         "6 + 12/d. AdamW state includes a 4-byte step counter per tensor on every rank (not sharded).",
@@ -405,28 +387,27 @@ def run_async_save(ctx) -> Dict[str, Any]:
 
 
 def _async_result(spec, parameters: int, rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
-    baseline = median(t for mine in rounds.values() for r in mine for t in r["pre"])
-    numbers = {"baseline_step_s": baseline, "checkpoint_bytes": float(rounds["sync"][0]["bytes"] or 0),
-               "parameters_per_rank": float(parameters)}
+    baseline, post = median(t for mine in rounds.values() for r in mine for t in r["pre"]), spec["post"]
+    rows = {}
     for mode, mine in rounds.items():
         excess = [sum(t - baseline for t in r["post"]) for r in mine]
-        numbers.update({f"{mode}_call_s": median(r["call_s"] for r in mine), f"{mode}_post_excess_s": median(excess),
-                        f"{mode}_post_step_s": median(t for r in mine for t in r["post"]),
-                        f"{mode}_finalize_s": median(r["finalize_s"] for r in mine),
-                        f"{mode}_stall_s": median(r["call_s"] + e + r["finalize_s"] for r, e in zip(mine, excess))})
-    numbers["async_over_sync_stall"] = numbers["async_stall_s"] / numbers["sync_stall_s"]
-    numbers["async_call_over_sync_call"] = numbers["async_call_s"] / numbers["sync_call_s"]
-    n, post = numbers, spec["post"]
+        rows[mode] = {"call_s": median(r["call_s"] for r in mine), "post_excess_s": median(excess),
+                      "post_step_s": median(t for r in mine for t in r["post"]),
+                      "finalize_s": median(r["finalize_s"] for r in mine),
+                      "stall_s": median(r["call_s"] + e + r["finalize_s"] for r, e in zip(mine, excess))}
+    stall, call = (rows["async"][k] / rows["sync"][k] for k in ("stall_s", "call_s"))
     columns = {"call returns after s|.3f": "call_s", f"step s during the next {post}|.3f": "post_step_s",
                f"excess of those {post} steps over the baseline, s|.3f": "post_excess_s",
                "finalize_checkpoint waited s|.3f": "finalize_s", "stall s (call + excess + finalize)|.3f": "stall_s"}
+    size = float(rounds["sync"][0]["bytes"] or 0)
     tables = [f"tp={spec['tp']} x dp={spec['dp']} gloo ranks, fp32 Llama ({model_text(spec['model'])}; {parameters:,} "
-              f"parameters / rank), ZeRO-1 AdamW, batch {spec['batch']} x {spec['seq']}; checkpoint tag "
-              f"{n['checkpoint_bytes']:,.0f} B; baseline step {baseline:.3f} s. {spec['rounds']} alternating rounds "
-              f"per mode: {spec['pre']} steps, save_checkpoint, {post} steps, finalize_checkpoint; slowest rank; "
-              "medians.",
-              common.table(["save_checkpoint", *columns], ([m, *(n[f"{m}_{k}"] for k in columns.values())]
-                                                           for m in rounds)),
-              f"Async stall / sync stall: {n['async_over_sync_stall']:.3f}; async call / sync call: "
-              f"{n['async_call_over_sync_call']:.3f} (the background thread writes the rest while the steps run)."]
-    return {"spec": spec, "rounds": rounds, "numbers": numbers, "tables": tables}
+              f"parameters / rank), ZeRO-1 AdamW, batch {spec['batch']} x {spec['seq']}; checkpoint tag {size:,.0f} "
+              f"B; baseline step {baseline:.3f} s. {spec['rounds']} alternating rounds per mode: {spec['pre']} steps, "
+              f"save_checkpoint, {post} steps, finalize_checkpoint; slowest rank; medians.",
+              common.table(["save_checkpoint", *columns], ([m, *(r[k] for k in columns.values())]
+                                                           for m, r in rows.items())),
+              f"Async stall / sync stall: {stall:.3f}; async call / sync call: {call:.3f} (the background thread "
+              "writes the rest while the steps run)."]
+    return {"spec": spec, "rounds": rounds, "tables": tables, "numbers": common.figures(
+        tables, baseline_step_s=baseline, checkpoint_bytes=size, parameters_per_rank=float(parameters),
+        async_over_sync_stall=stall, async_call_over_sync_call=call)}
