@@ -27,11 +27,9 @@ SECTIONS = {"train": ("train_step", "1. Train step, CPU"), "memory": ("memory", 
             "logits": ("logits", "10. Full-vocabulary logits: what they cost"),
             "gpu": ("gpu_train_step", "GPU: train step, dense vs nxdtp tp=1")}
 KEYS, TITLES = ({k: v[i] for k, v in SECTIONS.items()} for i in (0, 1))
-# section: (its module, the function that runs it)
-RUNNERS = {"train": ("train_step", "run"), "gpu": ("train_step", "run_gpu"), "memory": ("memory", "run"),
-           "comm": ("communication", "run"), "xla": ("xla_graphs", "run"), "merge": ("merge_timing", "run"),
-           "actmem": ("activation_memory", "run"), "zero1": ("zero1", "run"), "async_save": ("zero1", "run_async_save"),
-           "moe": ("moe", "run"), "logits": ("logits", "run")}
+# the function that runs a section: "module.function", by default its JSON key's module's run
+RUNNERS = {**{k: f"{v}.run" for k, v in KEYS.items()}, "merge": "merge_timing.run",
+           "async_save": "zero1.run_async_save", "gpu": "train_step.run_gpu"}
 TOOLS = {"merge_timing": "merge_timing", "verify": "verification", "divergence": "divergence"}  # name: module
 EPILOG = "\n".join(["Suite sections (gpu only when named, or --gpu):", *(f"  {k:<11} {t}" for k, t in TITLES.items()),
                     f"Tools: {', '.join(TOOLS)}. Progress goes to stderr, the report to stdout."])
@@ -67,8 +65,8 @@ def _arguments(argv) -> tuple:
 def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
     """Under --quick the XLA parts (processes of their own) start at once, beside section 1, to use both cores; a full
     run does everything one after the other, so nothing disturbs the timed sections."""
-    module = {k: importlib.import_module(f".{m}", __package__) for k, (m, _) in RUNNERS.items()}
-    runners = {k: (lambda k=k, f=f: getattr(module[k], f)(ctx)) for k, (_, f) in RUNNERS.items()}
+    module = {k: importlib.import_module(f".{r.split('.')[0]}", __package__) for k, r in RUNNERS.items()}
+    runners = {k: (lambda k=k: getattr(module[k], RUNNERS[k].split(".")[1])(ctx)) for k in RUNNERS}
     spec = module["train"].QUICK if ctx.quick else module["train"].FULL
     early = {k: background.submit(fn).result for k, fn in (("comm", lambda: module["comm"].trace_hlo(spec)),
                                                             ("xla", runners["xla"]))

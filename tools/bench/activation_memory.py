@@ -184,7 +184,7 @@ def _attribute(storages, holders, spec) -> Dict[str, Any]:
     layers = spec["layers"]
     out: Dict[str, Any] = {"saved_bytes_per_layer": [0] * layers, "terms_bytes_per_layer": {},
                            "saved_bytes_shared_by_layers": 0, "saved_bytes_outside_layers": 0,
-                           "parameter_bytes_referenced": 0, "last_layer_detail": []}
+                           "parameter_bytes_referenced": 0}
     for key, entry in storages.items():
         found = [(int(m.group(1)), m.group(2) or "") for m in map(_LAYER_PATH.search, entry["modules"]) if m]
         where = ("parameter_bytes_referenced" if entry["parameter"] else "saved_bytes_outside_layers" if not found
@@ -196,9 +196,6 @@ def _attribute(storages, holders, spec) -> Dict[str, Any]:
         out["saved_bytes_per_layer"][index] += entry["bytes"]
         term = classify(relative, holders.get(key, []), entry["shape"], spec["seq"], spec["layer"]["hidden_size"])
         out["terms_bytes_per_layer"][term] = out["terms_bytes_per_layer"].get(term, 0) + entry["bytes"] / layers
-        if index == layers - 1:
-            out["last_layer_detail"].append({"module": relative, "holders": sorted(set(holders.get(key, []))),
-                                             "shape": list(entry["shape"]), "bytes": entry["bytes"], "term": term})
     return out
 
 
@@ -240,8 +237,7 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
                                    for t in terms},
            "saved_bytes_shared_by_layers": max(r["saved_bytes_shared_by_layers"] for r in ranks),
            "peak_rss_increase_bytes_max_rank": None if None in peaks else max(peaks) * 1024,
-           "rss_held_after_forward_bytes_max_rank": max(r["rss_held_after_forward_kib"] for r in ranks) * 1024,
-           "last_layer_detail_rank0": ranks[0]["last_layer_detail"]}
+           "rss_held_after_forward_bytes_max_rank": max(r["rss_held_after_forward_kib"] for r in ranks) * 1024}
     for name, terms_ in (("formula", formula), ("cpu_kernel_formula", kernel)):
         row[f"{name}_bytes_per_layer"] = sum(terms_.values()) * sbh
         row[f"{name}_sbh_per_layer"] = sum(terms_.values())

@@ -192,12 +192,12 @@ def tool_args(name: str, doc: str, argv, options: Dict[str, Dict[str, Any]]):
     return parser, parser.parse_args(argv)
 
 
-def emit(blocks: Iterable[Any], figures: Any, json_path: Optional[str]) -> int:
-    """A tool's end: its report on stdout, its figures to ``json_path`` when given."""
+def emit(blocks: Iterable[Any], data: Any, json_path: Optional[str]) -> int:
+    """A tool's end: its report on stdout, ``data`` (its figures) to ``json_path`` when given."""
     print(render(blocks))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(figures, f, indent=1, default=str)
+            json.dump(data, f, indent=1, default=str)
         log(f"wrote {json_path}")
     return 0
 

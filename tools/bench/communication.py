@@ -174,7 +174,7 @@ def trace_hlo(spec: Dict[str, Any]) -> Dict[str, Any]:
 def _per_layer(by_layers: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
     low, high = by_layers[BASE_LAYERS], by_layers[BASE_LAYERS + 1]
     per_layer = {p: _subtract(high.get(p, {}), low.get(p, {})) for p in PHASES}
-    return {"per_layer": per_layer, "raw": by_layers,
+    return {"per_layer": per_layer,
             "non_layer": {p: _subtract(low.get(p, {}), per_layer[p], BASE_LAYERS) for p in PHASES}}
 
 
@@ -204,14 +204,10 @@ def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
             by_layers[layers] = answers[0]["counts"]
         sources[f"{name},sp={sp}"] = _per_layer(by_layers)
     megatron = {f"sp={sp}": megatron_minimum(spec["model"], spec["seq"], spec["batch"], sp) for sp in (False, True)}
-    out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "tp": HLO_TP,
-           "layers_compared": [BASE_LAYERS, BASE_LAYERS + 1], "sources": sources, "megatron": megatron,
-           "hlo_world": {"world": HLO_WORLD, "rank": HLO_RANK, "tp": HLO_TP, "executed_graphs": hlo["executed_graphs"]},
+    out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "tp": HLO_TP, "sources": sources,
+           "megatron": megatron, "hlo_executed_graphs": hlo["executed_graphs"],
            "agreement": {f"sp={sp}": {p: sources[f"hlo,sp={sp}"]["per_layer"][p] == sources[f"gloo,sp={sp}"]
-                                      ["per_layer"][p] for p in PHASES[:2]} for sp in (False, True)},
-           "matches_megatron": {f"sp={sp}": {s: all(sources[f"{s},sp={sp}"]["per_layer"][p] == megatron[f"sp={sp}"][p]
-                                                    for p in PHASES[:2]) for s in ("hlo", "gloo")}
-                                for sp in (False, True)}}
+                                      ["per_layer"][p] for p in PHASES[:2]} for sp in (False, True)}}
     out["numbers"] = {f"{key.replace(',', '_').replace('=', '')}_{phase}_{op}_{what}": source["per_layer"][phase]
                       .get(op, [0, 0])[i] for key, source in sources.items() for phase in PHASES[:2]
                       for op in OPS + ("broadcast",) for i, what in enumerate(("count", "bytes"))}
@@ -240,10 +236,10 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
                                      else counts == mega])
                 if mega is not None:
                     rows.append([f"{what}, {phase}", sp, "Megatron-LM", *_cells(mega), ""])
-    cfg, world = out["config"], out["hlo_world"]
+    cfg = out["config"]
     return [f"Per train step of BertForPreTraining (hidden {cfg['hidden_size']}, seq {out['seq']}, batch "
             f"{out['batch']}, fp32), tp={out['tp']}: count (bytes of the full tensor), 2-layer model - 1-layer model. "
-            f"HLO: rank {world['rank']} of a simulated world of {world['world']} ({world['executed_graphs']} graphs "
+            f"HLO: rank {HLO_RANK} of a simulated world of {HLO_WORLD} ({out['hlo_executed_graphs']} graphs "
             "executed); gloo: 2 real ranks.",
             table(["what", "SP", "source", *OPS, "= Megatron-LM"], rows),
             "HLO and gloo counts per layer agree: " + ", ".join(

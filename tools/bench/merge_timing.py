@@ -144,7 +144,6 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
                                                          zip(by_kind["raw"], by_kind[kind])],
                                 "wall_target_met": ratio <= TARGETS["wall_ratio"],
                                 "rss_target_met": fraction <= TARGETS["rss_fraction"]}
-    out.update(out["targets"].get("merge", {}))  # the merge's figures at the top, where section 5 reads them
     return out
 
 

@@ -309,23 +309,23 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
               "peak_rss_increase_bytes": rss.get("peak_saving_bytes"),
               "rss_held_increase_bytes": rss["held_saving_bytes"]}]
     return [
-        "**Bytes per parameter per rank**, bf16 parameters, ZeRO-1 AdamW with fp32 master shards; counted on meta "
-        "models sharded under a simulated topology (FlatShardLayout padding included); per TP-local parameter. "
-        "Models: " + "; ".join(f"{c['model']} tp={c['tp']} ({model_text(c['config'])})" for c in spec["count"]),
+        "**Bytes per parameter per rank**: bf16 parameters, ZeRO-1 AdamW with fp32 master shards, counted on meta "
+        "models sharded under a simulated topology (FlatShardLayout padding included), per TP-local parameter. Models: "
+        + "; ".join(f"{c['model']} tp={c['tp']} ({model_text(c['config'])})" for c in spec["count"]),
         records(COUNT_COLUMNS, out["counted"], keys=3),
-        "Totals: params + grads + master + AdamW state. \"bf16 grads\" is nxdtp's default (.grad in the parameter "
-        "dtype); \"fp32 main_grad\" is `use_grad_acc_hook=True`, Megatron's gradient buffer: the like-for-like of "
-        "6 + 12/d. AdamW state includes a 4-byte step counter per tensor on every rank (not sharded).",
-        f"**Peak RSS of a real step**, tp={rss['tp']} x dp={rss['dp']} gloo processes on CPU, fp32 Llama-shaped model "
+        "Totals: params + grads + master + AdamW state. \"bf16 grads\": nxdtp's default .grad; \"fp32 main_grad\": "
+        "`use_grad_acc_hook=True`, Megatron's gradient buffer, the like-for-like of 6 + 12/d. AdamW state includes "
+        "a 4-byte step counter per tensor on every rank (not sharded).",
+        f"**Peak RSS of a real step**, tp={rss['tp']} x dp={rss['dp']} gloo ranks, fp32 Llama "
         f"({model_text(m['model'])}), batch {m['batch']} x {m['seq']} per DP rank, {m['steps']} steps after a warm-up "
-        "forward and backward; the largest rank; increases over the RSS before the optimizer was made. Measured / "
-        f"counted saving: held {common.cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
+        "forward and backward; largest rank; increases over the RSS before the optimizer. Measured / counted saving: "
+        f"held {common.cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
         f"{common.cell(rss.get('peak_saving_over_counted'), '.3f')}.",
         records(RSS_COLUMNS, paths),
-        f"**Step time**, ZeRO-1 against plain DP (bucketed all-reduce + clip + AdamW), fp32 Llama-shaped model "
+        f"**Step time**, ZeRO-1 against plain DP (bucketed all-reduce + clip + AdamW), fp32 Llama "
         f"({model_text(t['model'])}), batch {t['batch']} x {t['seq']} per DP rank; {t['warmup']} warm-up and "
-        f"{t['rounds']} timed rounds, the paths alternating (order swapped each round); slowest rank; medians. The DP "
-        "collectives alone: nxdtp.comm over the DP group on a buffer of the rank's fp32 gradient size.",
+        f"{t['rounds']} rounds alternating the paths (order swapped each round); slowest rank; medians. DP collectives "
+        "alone: nxdtp.comm on the DP group, a buffer of the rank's fp32 gradient size.",
         records(TIME_COLUMNS, out["timings"])]
 
 
