@@ -293,11 +293,10 @@ KINDS = ("measured", "formula", "cpu_kernel_formula")
 def _tables(out: Dict[str, Any]) -> List[Any]:
     spec, rows = out["spec"], out["rows"]
     sbh = spec["seq"] * spec["batch"] * spec["layer"]["hidden_size"]
-    blocks = [f"HF BertModel layers ({spec['layer']}), {spec['layers']} layers measured, sequence {spec['seq']}, "
-              f"batch {spec['batch']}, dropout {out['dropout']}, attention {out['attention']}; saved bytes per layer "
-              f"(mean over the layers) per rank (the largest); s*b*h = {sbh:,} elements. Formula: Korthikanti et al. "
-              "2022 with e-byte activations and 1-byte masks; CPU-kernel formula: the same terms at the sizes "
-              "PyTorch's CPU kernels store."]
+    blocks = [f"{spec['layers']} HF BertModel layers ({spec['layer']}), sequence {spec['seq']}, batch {spec['batch']}, "
+              f"dropout {out['dropout']}, attention {out['attention']}; saved bytes per layer (mean over the layers) "
+              f"per rank (the largest); s*b*h = {sbh:,}. Formula: Korthikanti et al. 2022 with e-byte activations and "
+              "1-byte masks; CPU-kernel formula: the same terms at the sizes PyTorch's CPU kernels store."]
     for dtype in spec["dtypes"]:
         blocks += [f"**{dtype}**", records(COLUMNS, (r for r in rows if r["dtype"] == dtype), name=dtype, keys=2)]
     names = {"TP / dense|.4f": "tp_over_dense", "TP+SP / TP|.4f": "sp_over_tp",
@@ -311,7 +310,7 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         body = [[t] + [[r["terms_sbh_per_layer"].get(t, {}).get(k, 0) for k in KINDS] for r in chosen] for t in terms]
         body.append(["total"] + [[r[f"{k.replace('measured', 'saved')}_sbh_per_layer"] for k in KINDS]
                                  for r in chosen])
-        blocks += [f"Breakdown, {dtype}, tp={tp}, per layer per rank in sbh units: measured / formula / CPU-kernel "
-                   "formula, per term (the module that saved a tensor and the autograd node holding it decide it):",
+        blocks += [f"Breakdown, {dtype}, tp={tp}, sbh per layer per rank: measured / formula / CPU-kernel formula, "
+                   "per term (decided by the module that saved a tensor and the autograd node holding it):",
                    table(["term"] + [LABELS[r["mode"]] + "|.3f" for r in chosen], body, name=f"{dtype} tp{tp}")]
     return blocks

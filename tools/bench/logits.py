@@ -61,8 +61,8 @@ def run(ctx) -> Dict[str, Any]:
                "logits_bytes_vocab_parallel": results[MODES[1]]["logits_bytes"]}
     return {"spec": spec, "rounds": rounds, "numbers": numbers, "tables": [
         f"Llama-shaped, vocabulary {spec['vocab']}, hidden {spec['hidden']}, {spec['layers']} layers, batch "
-        f"{spec['batch']} x {spec['seq']}, fp32, TP2 on 2 gloo ranks, one thread each; the slowest rank; median of "
-        f"{spec['rounds']} alternating rounds. Train step with full-vocabulary logits (the default) "
-        f"{full:.3f} s, inside vocab_parallel_logits {shards:.3f} s: {full / shards:.2f}x. Logits bytes a rank holds "
-        f"after the forward: {numbers['logits_bytes_full']:,.0f} (full, batch x seq x vocab x 4 B) against "
+        f"{spec['batch']} x {spec['seq']}, fp32, TP2 on 2 gloo ranks, a thread each; slowest rank, median of "
+        f"{spec['rounds']} alternating rounds. Train step with full-vocabulary logits (the default) {full:.3f} s, "
+        f"inside vocab_parallel_logits {shards:.3f} s: {full / shards:.2f}x. Logits bytes a rank holds after the "
+        f"forward: {numbers['logits_bytes_full']:,.0f} (full, batch x seq x vocab x 4 B) against "
         f"{numbers['logits_bytes_vocab_parallel']:,.0f} (its shard)."]}
