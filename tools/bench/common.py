@@ -335,8 +335,11 @@ def figures(blocks: Iterable[Any], **extra: Any) -> Dict[str, Any]:
                 value = value["median"] if isinstance(value, dict) else value
                 values = value if isinstance(value, (list, tuple)) else [value]
                 for i, v in enumerate(values):
+                    key = snake(block["name"], *label, column, i + 1 if len(values) > 1 else "")
+                    if key in out:
+                        raise ValueError(f"two figures named {key!r}: give the table a name or more key columns")
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        out[snake(block["name"], *label, column, i + 1 if len(values) > 1 else "")] = v
+                        out[key] = v
     return out
 
 
