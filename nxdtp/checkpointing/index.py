@@ -46,6 +46,12 @@ def is_zero1_optimizer_index(optimizer: Any) -> bool:
     return isinstance(optimizer, dict) and optimizer.get("kind") == "zero1"
 
 
+def zero1_group_size(optimizer: Any) -> int:
+    """How many DP shards each TP rank's optimizer state is cut into: the ZeRO-1 sharding group's size, 1 for plain
+    state (one file per TP rank)."""
+    return int(optimizer["zero1"]["sharding_group_size"]) if is_zero1_optimizer_index(optimizer) else 1
+
+
 @dataclasses.dataclass
 class TensorEntry:
     """One logical (full) tensor of the model."""

@@ -34,6 +34,7 @@ from .index import (
     model_file,
     optim_file,
     owners_by_name,
+    zero1_group_size,
 )
 from .output_dir import write_atomically
 from .pipeline import (
@@ -446,7 +447,7 @@ def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSp
                   ) -> FlatShardLayout:
     """The flat layout of a parameter's ZeRO-1 state, checked against its model tensor's local shape and the sharding
     group size."""
-    layout, dp = FlatShardLayout.from_dict(fields["layout"]), int(info["zero1"]["sharding_group_size"])
+    layout, dp = FlatShardLayout.from_dict(fields["layout"]), zero1_group_size(info)
     if tuple(layout.shape) != tuple(spec.local_shape()) or layout.group_size != dp:
         raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)}: the ZeRO-1 state of '{name}' is cut as "
                          f"{fields['layout']}, but its model tensor's local shape is {list(spec.local_shape())} and "
@@ -457,10 +458,9 @@ def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSp
 def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, int], str]:
     """The optimizer's rank file of each (TP rank, DP rank): plain state's one per TP rank (DP rank 0), ZeRO-1's one per
     TP x DP rank."""
-    if not is_zero1_optimizer_index(optimizer):
-        return {(rank, 0): optim_file(rank) for rank in range(tp)}
-    dp = int(optimizer["zero1"]["sharding_group_size"])
-    return {(rank, k): optim_file(rank, k) for rank in range(tp) for k in range(dp)}
+    zero1 = is_zero1_optimizer_index(optimizer)
+    return {(rank, k): optim_file(rank, k if zero1 else None) for rank in range(tp)
+            for k in range(zero1_group_size(optimizer))}
 
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
@@ -469,9 +469,9 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
     """Write the optimizer's rank files at ``new_tp``: state shaped like its parameter streamed into a ``RankFilesSink``
     (plain) or ``Zero1Sink`` (ZeRO-1, same DP size); other state is rank 0's value."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
-    dp = int(index.optimizer["zero1"]["sharding_group_size"]) if zero1 else 1
+    dp = zero1_group_size(index.optimizer)
     new_files = optimizer_rank_files(index.optimizer, new_tp)
-    first = handles[optim_file(0, 0) if zero1 else optim_file(0)]
+    first = handles[new_files[(0, 0)]]
     fields = {f"{name}/{field}": (new_entries[key].spec, kind, shape, dtype)
               for name, (key, fields) in plan for field, kind, shape, dtype in fields}
     stored = {"copy": lambda spec, shape: shape, "replicate": lambda spec, shape: shape,
@@ -541,7 +541,7 @@ def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, Tenso
     if not is_zero1_optimizer_index(optimizer):
         return optimizer
     keys = dict((name, key) for name, (key, _) in plan)
-    dp = int(optimizer["zero1"]["sharding_group_size"])
+    dp = zero1_group_size(optimizer)
     params = {}
     for name, info in optimizer["params"].items():
         spec = new_entries[keys[name]].spec

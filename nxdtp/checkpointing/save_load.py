@@ -47,6 +47,7 @@ from .index import (
     optim_file,
     owners_by_name,
     split_model_state,
+    zero1_group_size,
 )
 from .lock import TagLock
 from .safetensors_stream import StreamingSafetensorsWriter
@@ -1143,7 +1144,7 @@ def _optimizer_files(index: CheckpointIndex, tp_rank: int, optimizer: torch.opti
     info = index.optimizer
     if not is_zero1_optimizer_index(info):
         return [optim_file(tp_rank)]
-    saved_size = int(info["zero1"]["sharding_group_size"])
+    saved_size = zero1_group_size(info)
     if not is_zero1(optimizer):
         return [optim_file(tp_rank, k) for k in range(saved_size)]
     ranks = {0}
