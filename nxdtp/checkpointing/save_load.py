@@ -556,22 +556,69 @@ def _refuse_zero1(value: Any, what: str) -> None:
 ZERO1_MASTER_FIELD = "zero1_master"
 
 
-def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
-    """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (state and master weights, keyed
-    ``<param>/<field>``), the index, the JSON part and this rank's (sharding rank, replica rank)."""
-    state_dict = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Dict[str, TensorEntry]) -> None:
+    """Record in a ZeRO-1 optimizer index, per parameter, the TP spec (full shapes, how TP cut it) of its model
+    tensor, beside the DP layout: the index then says every cut of the state."""
+    if not is_zero1_optimizer_index(optimizer_index) or optimizer_index["keyed_by"] != "name":
+        return
+    owners = owners_by_name(entries)
+    for name, info in optimizer_index["params"].items():
+        if name in owners:
+            info["spec"] = entries[owners[name]].spec.to_dict()
+
+
+def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict],
+                                                 Optional[Tuple[int, int]]]:
+    """Optimizer tensors keyed ``<param>/<field>``, the index, the JSON part, and ZeRO-1's (sharding rank, replica
+    rank). With a live optimizer and model, state is keyed by parameter name (reshardable); a state dict alone by
+    index (reloads at the same TP degree only). Plain and ZeRO-1 state differ only in the per-parameter entries."""
+    if optimizer is None:
+        return None, None, None, None
+    names: Dict[int, str] = {}
+    fused: Dict[int, Fused] = {}
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
+        by_identity = {id(p): n for n, p in model.named_parameters()}
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
+        fused = fused_by_position(optimizer, model)
+    state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
+    tensors: Dict[str, torch.Tensor] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    zero1, place = is_zero1(optimizer), None
+    if zero1:
+        # ZeRO-1 keeps a fused parameter's state whole (its flat shards mix the parts' rows), under its own name.
+        head, params, place = _zero1_params(state_dict, names, fused, tensors, scalars)
+        fused = {}
+    else:
+        head, params = {}, {}
+        for param_id, fields in state_dict["state"].items():
+            i = int(param_id)
+            # A fused parameter's state is saved as its parts', which the checkpoint's model tensors describe.
+            pieces = (split_state(fields, tuple(flat[i].shape), fused[i][1]) if i in fused
+                      else [(names.get(i, str(param_id)), fields)])
+            for name, part_fields in pieces:
+                params[name] = {"param_index": i, "tensors": _store_fields(name, part_fields, tensors, scalars)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [name for i in g["params"] for name in _saved_names(int(i), names, fused)]}
+              for g in state_dict["param_groups"]]
+    index = {**({"kind": "zero1"} if zero1 else {}), "keyed_by": "name" if names else "index", **head,
+             "params": params}
+    return tensors, index, {"param_groups": groups, "scalars": scalars}, place
+
+
+def _zero1_params(state_dict: Dict[str, Any], names: Dict[int, str], fused: Dict[int, Fused],
+                  tensors: Dict[str, torch.Tensor], scalars: Dict[str, Dict[str, Any]]):
+    """A ZeRO-1 optimizer's part of the index (its ``zero1`` record, the entries by saved name) and this rank's
+    (sharding rank, replica rank); its shards (state and master weights) stored into ``tensors`` and ``scalars``."""
     info = state_dict.get("zero1")
     masters = state_dict.get("sharded_master_weights")
     if not isinstance(info, dict) or masters is None:
         raise ValueError("save(): checkpoint['optimizer'] is a ZeRO-1 state dict without its layout ('zero1') or "
                          "master weights ('sharded_master_weights'); pass the NeuronZero1Optimizer itself, or its "
                          "state_dict() as nxdtp makes it")
-    layouts = [FlatShardLayout.from_dict(d) for d in info["layouts"]]
-    tensors: Dict[str, torch.Tensor] = {}
     index: Dict[str, Dict[str, Any]] = {}
-    scalars: Dict[str, Dict[str, Any]] = {}
     base_state = state_dict["base_state"]
-    for i, layout in enumerate(layouts):
+    for i, layout in enumerate(FlatShardLayout.from_dict(d) for d in info["layouts"]):
         name = names.get(i, str(i))
         fields = base_state.get(i, base_state.get(str(i), {}))
         if ZERO1_MASTER_FIELD in fields:
@@ -589,58 +636,9 @@ def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
             # and merge and reshard refuse it by name (the parts are recorded for their message).
             entry["fused_parts"] = [[part, rows] for part, rows in fused[i][1]]
         index[name] = entry
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
-    zero1 = {"layout": "flat", "sharding_group_size": int(info["sharding_group_size"]),
-             "optimizer_dtype": info["optimizer_dtype"]}
-    place = (int(info["sharding_rank"]), int(info.get("replica_rank", 0)))
-    return tensors, {"kind": "zero1", "keyed_by": "name" if names else "index", "zero1": zero1, "params": index}, \
-        {"param_groups": groups, "scalars": scalars}, place
-
-
-def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Dict[str, TensorEntry]) -> None:
-    """Record in a ZeRO-1 optimizer index, per parameter, the TP spec (full shapes, how TP cut it) of its model
-    tensor, beside the DP layout: the index then says every cut of the state."""
-    if not is_zero1_optimizer_index(optimizer_index) or optimizer_index["keyed_by"] != "name":
-        return
-    owners = owners_by_name(entries)
-    for name, info in optimizer_index["params"].items():
-        if name in owners:
-            info["spec"] = entries[owners[name]].spec.to_dict()
-
-
-def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict],
-                                                 Optional[Tuple[int, int]]]:
-    """Optimizer tensors keyed ``<param>/<field>``, the index, the JSON part, and ZeRO-1's place. With a live optimizer
-    and model, state is keyed by parameter name (reshardable); a state dict alone by index (reloads at the same TP
-    degree only)."""
-    if optimizer is None:
-        return None, None, None, None
-    names: Dict[int, str] = {}
-    fused: Dict[int, Fused] = {}
-    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
-        by_identity = {id(p): n for n, p in model.named_parameters()}
-        flat = [p for group in optimizer.param_groups for p in group["params"]]
-        names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
-        fused = fused_by_position(optimizer, model)
-    if is_zero1(optimizer):
-        return _zero1_payload(optimizer, names, fused)
-    state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
-    tensors: Dict[str, torch.Tensor] = {}
-    index: Dict[str, Dict[str, Any]] = {}
-    scalars: Dict[str, Dict[str, Any]] = {}
-    for param_id, fields in state_dict["state"].items():
-        i = int(param_id)
-        # A fused parameter's state is saved as its parts', which the checkpoint's model tensors describe.
-        pieces = (split_state(fields, tuple(flat[i].shape), fused[i][1]) if i in fused
-                  else [(names.get(i, str(param_id)), fields)])
-        for name, part_fields in pieces:
-            index[name] = {"param_index": i, "tensors": _store_fields(name, part_fields, tensors, scalars)}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [name for i in g["params"] for name in _saved_names(int(i), names, fused)]}
-              for g in state_dict["param_groups"]]
-    return tensors, {"keyed_by": "name" if names else "index", "params": index}, {"param_groups": groups,
-                                                                                  "scalars": scalars}, None
+    head = {"zero1": {"layout": "flat", "sharding_group_size": int(info["sharding_group_size"]),
+                      "optimizer_dtype": info["optimizer_dtype"]}}
+    return head, index, (int(info["sharding_rank"]), int(info.get("replica_rank", 0)))
 
 
 def _store_fields(name: str, fields: Dict[str, Any], tensors: Dict[str, torch.Tensor],
@@ -685,7 +683,6 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
         once, when first needed."""
         return _RankFile(tag_dir, checkpoint_index, optim_file(tp_rank, dp_rank), verify)
 
-    read_state = _read_zero1_state if saved_zero else _read_plain_state
     state: Dict[int, Dict[str, Any]] = {}
     masters: Dict[int, torch.Tensor] = {}
     given: Dict[int, Dict[str, Dict[str, Any]]] = {}
@@ -694,13 +691,13 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
             slot = part_slots[name]
             rows = dict(fused[slot][1])[name]
             shape = (rows,) + tuple(live_params[slot].shape[1:])
-            fields = read_state(tag_dir, name, info, shape, files, None, None)[0]
+            fields = _read_state(tag_dir, name, info, shape, files, None)[0]
             given.setdefault(slot, {})[name] = {**fields, **saved["scalars"].get(name, {})}
             continue
         slot = _slot_of(tag_dir, name, info, index["keyed_by"] == "name", position, len(live_params))
         spec = experts.get(name)
         shape = tuple(live_params[slot].shape) if spec is None else spec.with_all_experts().local_shape()
-        fields, master = read_state(tag_dir, name, info, shape, files, target, model_state)
+        fields, master = _read_state(tag_dir, name, info, shape, files, target, model_state)
         if spec is not None:   # its moments and any other state indexed by the experts, as saved: every expert
             keep_this_ranks_experts(fields, {field: spec for field, value in fields.items()
                                              if indexed_by_experts(value, spec, spec.full_shape[0])})
@@ -815,57 +812,43 @@ def _slot_of(tag_dir: str, name: str, info: Dict[str, Any], keyed_by_name: bool,
     return slot
 
 
-def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
-                      files: Callable[..., _RankFile], target: Optional[_Zero1Target], model_state: Any = None
-                      ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-    """One parameter's saved ZeRO-1 state: re-cut to a live ZeRO-1 layout with its master shard, or gathered whole for a
-    plain optimizer (no master)."""
-    saved_layout = FlatShardLayout.from_dict(info["layout"])
-    if tuple(saved_layout.shape) != shape:
-        raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
-                         f"{list(saved_layout.shape)}, the optimizer's parameter has {list(shape)}; reshard "
-                         "the checkpoint to this tensor parallel size first (nxdtp-merge CKPT OUT --reshard N)")
-
-    def read(field: str, k: int) -> torch.Tensor:
-        return files(k).get_tensor(f"{name}/{field}")
-
-    fields: Dict[str, Any] = {}
-    if target is None:
-        for field in info["tensors"]:
-            if field in info["flat"]:
-                fields[field] = saved_layout.full_from_shards([read(field, k) for k in range(saved_layout.group_size)])
-            else:
-                fields[field] = read(field, 0)
-        return fields, None
-    layout = FlatShardLayout(shape, target.group_size)
-    sources = layout.source_ranks(saved_layout, target.rank)
+def _read_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
+                files: Callable[..., _RankFile], target: Optional[_Zero1Target],
+                model_state: Optional[Dict[str, torch.Tensor]] = None
+                ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+    """One parameter's saved state, plain or ZeRO-1 (flat shards over the saved group, ``info["layout"]``): whole
+    TP-local tensors for a plain optimizer (``target`` None, no master); for a ZeRO-1 one, parameter-shaped or flat
+    state cut or re-cut to this rank's flat shard, with its master shard (from the saved masters, or from the saved
+    model tensor when the state is plain)."""
+    saved = FlatShardLayout.from_dict(info["layout"]) if "layout" in info else None
+    if saved is not None and tuple(saved.shape) != shape:
+        raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape {list(saved.shape)}, the "
+                         f"optimizer's parameter has {list(shape)}; reshard the checkpoint to this tensor parallel "
+                         "size first (nxdtp-merge CKPT OUT --reshard N)")
+    live = FlatShardLayout(shape, target.group_size) if target is not None else None
+    sources = live.source_ranks(saved, target.rank) if live is not None and saved is not None else []
     # A field that is not flat (such as a step counter) is whole in every shard: read it from a file this rank opens
     # anyway.
     first = sources[0] if len(sources) else 0
-    for field in info["tensors"]:
-        if field in info["flat"]:
-            fields[field] = layout.shard_from(saved_layout, lambda k, f=field: read(f, k), target.rank, target.dtype)
-        else:
-            fields[field] = read(field, first)
-    master = layout.shard_from(saved_layout, lambda k: read(info["master"], k), target.rank, target.dtype)
-    return fields, master
 
+    def read(field: str, k: int) -> torch.Tensor:
+        return files(None if saved is None else k).get_tensor(f"{name}/{field}")
 
-def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
-                      files: Callable[..., _RankFile], target: Optional[_Zero1Target],
-                      model_state: Optional[Dict[str, torch.Tensor]]) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-    """One parameter's saved plain state: as saved for a plain optimizer; for a ZeRO-1 optimizer, its
-    parameter-shaped tensors cut to this rank's flat shard, with the master shard from the saved model tensor."""
-    f = files()
     fields: Dict[str, Any] = {}
     for field in info["tensors"]:
-        value = f.get_tensor(f"{name}/{field}")
-        if target is not None and tuple(value.shape) == shape:
-            value = target.shard_of(value)
-        fields[field] = value
+        if saved is None or field not in info["flat"]:
+            value = read(field, first)
+            is_param = saved is None and target is not None and tuple(value.shape) == shape
+            fields[field] = target.shard_of(value) if is_param else value
+        elif live is None:
+            fields[field] = saved.full_from_shards([read(field, k) for k in range(saved.group_size)])
+        else:
+            fields[field] = live.shard_from(saved, lambda k, f=field: read(f, k), target.rank, target.dtype)
     if target is None:
         return fields, None
-    return fields, target.master_from_model(tag_dir, name, shape, model_state)
+    if saved is None:
+        return fields, target.master_from_model(tag_dir, name, shape, model_state)
+    return fields, live.shard_from(saved, lambda k: read(info["master"], k), target.rank, target.dtype)
 
 
 def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: List[Dict[str, Any]],
