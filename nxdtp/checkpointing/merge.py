@@ -20,7 +20,7 @@ from ..version import __version__
 from . import tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
-from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
+from .durable import ChecksummedWriter, copy_durably, read_json, write_bytes_durably
 from .hf_form import SavedForm
 from .index import (
     CONFIG_FILE,
@@ -32,7 +32,7 @@ from .index import (
     dtype_from_name,
     is_zero1_optimizer_index,
     model_file,
-    optim_file,
+    optimizer_rank_files,
     owners_by_name,
     zero1_group_size,
 )
@@ -455,14 +455,6 @@ def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSp
     return layout
 
 
-def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, int], str]:
-    """The optimizer's rank file of each (TP rank, DP rank): plain state's one per TP rank (DP rank 0), ZeRO-1's one per
-    TP x DP rank."""
-    zero1 = is_zero1_optimizer_index(optimizer)
-    return {(rank, k): optim_file(rank, k if zero1 else None) for rank in range(tp)
-            for k in range(zero1_group_size(optimizer))}
-
-
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
                        handles: Dict[str, Any], new_tp: int, bar, source: Optional[TensorSource] = None
                        ) -> List[StreamingSafetensorsWriter]:
@@ -594,8 +586,7 @@ def optimizer_file_names(index: CheckpointIndex) -> List[str]:
 def optimizer_values(tag_dir: str) -> Dict[str, Any]:
     """The non-tensor optimizer state under torch's flattened keys (``state.<param>.<field>``,
     ``param_groups.<param>.<hyperparameter>``)."""
-    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE))
     values: Dict[str, Any] = {}
     for name, fields in saved.get("scalars", {}).items():
         for field, value in fields.items():
@@ -633,8 +624,7 @@ def read_trainer_state(tag_dir: str) -> Optional[dict]:
     """The tag's trainer state (the step, the scheduler's state), or None when it has none."""
     if not os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
         return None
-    with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-        return json.load(f)
+    return read_json(os.path.join(tag_dir, TRAINER_STATE_FILE))
 
 
 def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: str, trainer_state: Optional[dict],

@@ -25,7 +25,7 @@ from ..topology import data_parallel_group, expert_parallel_group, get_topology,
 from ..utils import move_all_tensor_to_cpu
 from ..version import __version__
 from . import integrity, tags
-from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
+from .durable import ChecksummedWriter, fsync_tree, make_directories, read_json, write_bytes_durably
 from .experts import (
     GatheredWhenWritten,
     expert_specs,
@@ -45,9 +45,9 @@ from .index import (
     is_zero1_optimizer_index,
     model_file,
     optim_file,
+    optimizer_rank_files,
     owners_by_name,
     split_model_state,
-    zero1_group_size,
 )
 from .lock import TagLock
 from .safetensors_stream import StreamingSafetensorsWriter
@@ -430,8 +430,8 @@ def _write_rank_files(job: SaveJob, tp_rank: int, written: Dict[str, dict], cont
         written[relative], contents[relative] = write_file(os.path.join(job.tag_dir, relative))
 
     if job.writes_model():
-        relative = model_file(tp_rank)
-        attempt(lambda: write(relative, lambda path: _write_tensors(path, job.tensors, job.entries, tp_rank)))
+        attempt(lambda: write(model_file(tp_rank), lambda path: _write_tensors(path, job.tensors, {
+            k: dtype_from_name(e.dtype) for k, e in job.entries.items() if e.spec.is_sharded or tp_rank == 0})))
         if job.extras:
             attempt(lambda: _write_extras(job, tp_rank, written))
     else:
@@ -439,7 +439,8 @@ def _write_rank_files(job: SaveJob, tp_rank: int, written: Dict[str, dict], cont
     if job.writes_optimizer() and error is None:
         # ZeRO-1: each shard of the TP rank's optimizer state is written once, by the first of its replicas (every DP
         # rank when sharding over the DP group).
-        attempt(lambda: write(job.optimizer_file(), lambda path: _write_plain(path, job.optimizer_tensors)))
+        attempt(lambda: write(job.optimizer_file(), lambda path: _write_tensors(path, job.optimizer_tensors, {
+            k: t.dtype for k, t in job.optimizer_tensors.items()})))
     else:
         gather_without_writing(job.optimizer_tensors or {})
     for relative, payload in job.json_files.items():
@@ -465,34 +466,21 @@ def _write_extras(job: SaveJob, tp_rank: int, written: Dict[str, dict]) -> None:
 _agree = comm.raise_on_every_rank_if_any_failed
 
 
-def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int
-                   ) -> Tuple[dict, dict]:
-    """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor. Returns the
-    file's record and its contents record (header and tensors)."""
-    mine = [(k, t, dtype_from_name(entries[k].dtype)) for k, t in tensors.items()
-            if entries[k].spec.is_sharded or tp_rank == 0]
-    return _write_streaming(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine],
-                            [(k, lambda t=t, dtype=dtype: written_value(t).detach().to("cpu").to(dtype))
-                             for k, t, dtype in mine])
-
-
-def _write_plain(path: str, tensors: Dict[str, Any]) -> Tuple[dict, dict]:
-    return _write_streaming(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
-                            [(k, lambda t=t: written_value(t)) for k, t in tensors.items()])
-
-
-def _write_streaming(path: str, layout, values: List[Tuple[str, Callable[[], torch.Tensor]]]) -> Tuple[dict, dict]:
-    """One safetensors file of ``layout``, its tensors from ``values`` one in memory at a time. Every call is made even
-    after a failure: a call may be a gather an expert-parallel group waits in."""
+def _write_tensors(path: str, tensors: Dict[str, Any], dtypes: Dict[str, torch.dtype]) -> Tuple[dict, dict]:
+    """One safetensors file of the ``tensors`` that ``dtypes`` names (the model's: this TP rank's pieces, plus on TP
+    rank 0 every replicated tensor; the optimizer's: all), each cast on the host to its dtype there and in memory one
+    at a time; returns the file's record and its contents record (header and tensors). Every tensor is read even
+    after a failure: a read may be a gather an expert-parallel group waits in."""
+    mine = [(k, t, dtypes[k]) for k, t in tensors.items() if k in dtypes]
     error: Optional[BaseException] = None
     writer: Optional[StreamingSafetensorsWriter] = None
     try:
         make_directories(os.path.dirname(path))
-        writer = StreamingSafetensorsWriter(path, layout)
+        writer = StreamingSafetensorsWriter(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine])
     except Exception as e:  # noqa: BLE001 - raised below, once every gather has run
         error = e
-    for key, value in values:
-        tensor = value()
+    for key, value, dtype in mine:
+        tensor = written_value(value).detach().to("cpu").to(dtype)
         if error is None:
             try:
                 writer.write(key, tensor)
@@ -667,8 +655,7 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
     index = checkpoint_index.optimizer
     saved_zero, target = is_zero1_optimizer_index(index), _Zero1Target.of(optimizer)
     _check_convertible(tag_dir, index, saved_zero, optimizer)
-    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE))
     position = _positions_by_name(index, optimizer, model)
     live_params = [p for group in optimizer.param_groups for p in group["params"]]
     # Fused parameters' state is saved as their parts' (fused_state): each part's is read whole and they are joined.
@@ -924,8 +911,7 @@ def restore_rng(tag_dir: str, rank: int) -> None:
         raise FileNotFoundError(f"checkpoint file {path} is missing: the tag has no RNG states for rank {rank} (a "
                                 "resharded checkpoint has none: they belong to the old layout); load it with "
                                 "restore_rng_states=False")
-    with open(path) as f:
-        payload = json.load(f)
+    payload = read_json(path)
     set_rng_state({k: _decode(v) for k, v in payload["default"].items()})
     get_xla_rng_tracker().set_states({name: {k: _decode(v) for k, v in state.items()}
                                       for name, state in payload["tracker"].items()})
@@ -1113,8 +1099,7 @@ class _Reads:
                 model_state = read_model_shard(tag_dir, index, tp_group.rank, verify)
             read.optimizer_state = _optimizer_state_dict(tag_dir, index, tp_group.rank, self.optimizer, self.model,
                                                          verify, model_state)
-        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-            read.trainer_state = json.load(f)
+        read.trainer_state = read_json(os.path.join(tag_dir, TRAINER_STATE_FILE))
         extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
         if os.path.isfile(extra_path):
             read.trainer_state.update(_torch_load(extra_path))
@@ -1125,11 +1110,8 @@ def _optimizer_files(index: CheckpointIndex, tp_rank: int, optimizer: torch.opti
     """The optimizer files of ``index`` this rank reads: its TP rank's file, or with ZeRO-1 state the DP shards of it
     that overlap this rank's shards (a ZeRO-1 optimizer at any DP size), or all of them (a plain optimizer)."""
     info = index.optimizer
-    if not is_zero1_optimizer_index(info):
-        return [optim_file(tp_rank)]
-    saved_size = zero1_group_size(info)
-    if not is_zero1(optimizer):
-        return [optim_file(tp_rank, k) for k in range(saved_size)]
+    if not is_zero1_optimizer_index(info) or not is_zero1(optimizer):
+        return [name for (rank, _), name in optimizer_rank_files(info, tp_rank + 1).items() if rank == tp_rank]
     ranks = {0}
     size, rank = optimizer.sharding_group.size, optimizer.sharding_group.rank
     for param in info["params"].values():
