@@ -84,12 +84,9 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     layout = [(name, source.dtype(name), shape) for name, (shape, _) in checkpoint.expected.items()]
 
     def write(staging: str) -> None:
-        bar = progress_bar(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
-        try:
+        with progress_bar(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress) as bar:
             with DenseWeightsWriter(staging, layout, metadata={"format": "pt"}) as writer:
                 stream(source, DenseSink(writer), checkpoint.expected, bar=bar)
-        finally:
-            bar.close()
         shutil.copyfile(checkpoint.config_path, os.path.join(staging, CONFIG_FILE))
         if checkpoint.optimizer_state:
             write_dense_optimizer(staging, checkpoint.optimizer_state, "dcp", checkpoint.trainer_state, progress)

@@ -103,12 +103,9 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
         def write(staging: str) -> str:
             name = WEIGHTS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
             entries = list(index.tensors.items())
-            bar = progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
-            try:
+            with progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress) as bar:
                 _write_merged_weights(os.path.join(staging, name), index, tag_model_source(index, model_files),
                                       config_path, bar)
-            finally:
-                bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             if optimizer_state is not None:  # with the trainer state: continuing dense training needs it
                 kind = "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain"
@@ -278,14 +275,11 @@ class _ReshardJob:
         """Write the model's and optimizer's rank files at the new degree; return their file records and header and
         tensor records."""
         total = len(self.new_entries) + sum(len(fields) for _, (_, fields) in self.optimizer_plan or [])
-        bar = progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
-        try:
+        with progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress) as bar:
             writers = _reshard_model(new_tag_dir, self.new_entries, self.model_source, self.new_tp, bar)
             if self.optimizer_plan is not None:
                 writers += _reshard_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
                                               self.optim_files, self.new_tp, bar, self.optimizer_source)
-        finally:
-            bar.close()
         files: Dict[str, dict] = {}
         contents: Dict[str, dict] = {}
         for writer in writers:
@@ -632,8 +626,7 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
     """Write ``optimizer.safetensors`` (tensors, one at a time) and ``optimizer.json`` (the other values, the source
     kind and the trainer state) into ``directory``."""
     tensors = {key: value for key, value in state.items() if isinstance(value, DenseOptimizerTensor)}
-    bar = progress_bar(len(tensors), "optimizer", progress)
-    try:
+    with progress_bar(len(tensors), "optimizer", progress) as bar:
         layout = [(key, t.dtype, t.shape) for key, t in tensors.items()]
         with StreamingSafetensorsWriter(os.path.join(directory, DENSE_OPTIMIZER_TENSORS), layout,
                                         metadata={"format": "pt"}) as writer:
@@ -643,8 +636,6 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
                 else:
                     writer.write(key, t.read())
                 bar.update(1)
-    finally:
-        bar.close()
     record = {"format": DENSE_OPTIMIZER_FORMAT, "nxdtp_version": __version__, "source_kind": source_kind,
               "values": {key: value for key, value in state.items() if key not in tensors},
               "trainer_state": trainer_state}
