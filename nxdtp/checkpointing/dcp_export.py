@@ -69,11 +69,8 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None, 
         values.update(torchtitan_states(trainer_state, notes))
 
         def write(staging: str) -> int:
-            bar = progress_bar(sink.chunk_count(), f"dcp {os.path.basename(tag_dir)}", progress)
-            try:
+            with progress_bar(sink.chunk_count(), f"dcp {os.path.basename(tag_dir)}", progress) as bar:
                 sink.save(staging, values, bar)
-            finally:
-                bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             record = {"source": os.path.abspath(tag_dir),
                       "source_tensor_model_parallel_size": index.tensor_model_parallel_size,

@@ -5,7 +5,6 @@ tensors the checkpoint must hold (docs/checkpoints.md, "Importing from torch.dis
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from typing import Any, Dict, List, Optional, Tuple
@@ -14,6 +13,7 @@ import torch
 
 from .dcp_io import EXPORT_RECORD_FILE, DcpReader, DcpSource, read_metadata
 from .dense import DenseWeightsWriter
+from .durable import read_json
 from .merge import DenseOptimizerTensor, write_dense_optimizer
 from .output_dir import check_output_dir, write_atomically
 from .pipeline import DenseSink, stream
@@ -84,12 +84,9 @@ def import_dcp(dcp_dir: str, output_dir: str, config: Optional[str] = None, forc
     layout = [(name, source.dtype(name), shape) for name, (shape, _) in checkpoint.expected.items()]
 
     def write(staging: str) -> None:
-        bar = progress_bar(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress)
-        try:
+        with progress_bar(len(layout), f"import {os.path.basename(os.path.normpath(dcp_dir))}", progress) as bar:
             with DenseWeightsWriter(staging, layout, metadata={"format": "pt"}) as writer:
                 stream(source, DenseSink(writer), checkpoint.expected, bar=bar)
-        finally:
-            bar.close()
         shutil.copyfile(checkpoint.config_path, os.path.join(staging, CONFIG_FILE))
         if checkpoint.optimizer_state:
             write_dense_optimizer(staging, checkpoint.optimizer_state, "dcp", checkpoint.trainer_state, progress)
@@ -120,8 +117,7 @@ def model_class_and_config(config_path: str):
     what to add."""
     import transformers
 
-    with open(config_path) as f:
-        config_dict = json.load(f)
+    config_dict = read_json(config_path)
     architectures = config_dict.get("architectures") or []
     if not architectures or not hasattr(transformers, architectures[0]):
         raise ValueError(f"{config_path} names no model class transformers {transformers.__version__} has "
@@ -209,5 +205,4 @@ def _export_record_trainer_state(dcp_dir: str) -> Optional[dict]:
     path = os.path.join(dcp_dir, EXPORT_RECORD_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("trainer_state")
+    return read_json(path).get("trainer_state")

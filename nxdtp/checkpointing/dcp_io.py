@@ -1,6 +1,6 @@
 """The DCP end of the checkpoint pipeline: ``DcpSource`` reads a torch.distributed.checkpoint directory by boxes of its
-dense tensors, ``DcpSink`` writes one chunk by chunk, and ``piece_boxes`` plans the chunks of the sink and of
-``dcp_state`` (docs/checkpoints.md)."""
+dense tensors, ``DcpSink`` writes one chunk by chunk, each within the boxes ``slabs.piece_boxes`` plans
+(docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import torch
 
 from ..spec import ParamSpec
 from .pipeline import Box, ReadBoxes, narrowed, row_cuts, rows_within, shifted
+from .safetensors_stream import TensorInfo
+from .slabs import piece_boxes
 
 OPTIMIZER_KEY, LR_SCHEDULER_KEY, TRAIN_STATE_KEY = "optimizer", "lr_scheduler", "train_state"  # TorchTitan's names
 EXPORT_RECORD_FILE = "nxdtp_dcp_export.json"
 # torch.save / torch.load leave each chunk in a reference cycle: collected once this many bytes have passed.
 COLLECT_BYTES = 16 << 20
-# Where a box lies in a TP piece: (dim, start, length), or None for all of it.
-Narrow = Optional[Tuple[int, int, int]]
 
-__all__ = ["DcpSource", "DcpSink", "DcpReader", "piece_boxes", "read_metadata", "OPTIMIZER_KEY"]
+__all__ = ["DcpSource", "DcpSink", "DcpReader", "read_metadata", "OPTIMIZER_KEY"]
 
 
 class CycleCollector:
@@ -37,20 +37,6 @@ class CycleCollector:
         if self.pending >= self.budget:
             gc.collect(1)
             self.pending = 0
-
-
-def piece_boxes(spec: ParamSpec, rank: int, copies: bool = False) -> List[Tuple[Box, Narrow]]:
-    """The boxes of the dense tensor that TP rank ``rank``'s piece holds first copies of (with ``copies``, the other
-    copies), and where each lies in the piece; a replicated tensor is rank 0's one box."""
-    shape = tuple(spec.unpadded_shape)
-    if not spec.is_sharded:
-        return [(((0,) * len(shape), shape), None)] if (rank == 0) != copies else []
-    boxes = []
-    for start, length, dense_start in (spec.copy_runs_of_piece if copies else spec.dense_runs_of_piece)(rank):
-        offsets, sizes = [0] * len(shape), list(shape)
-        offsets[spec.partition_dim], sizes[spec.partition_dim] = dense_start, length
-        boxes.append(((tuple(offsets), tuple(sizes)), (spec.partition_dim, start, length)))
-    return boxes
 
 
 def write_item(fqn: str, offsets, sizes, dtype: torch.dtype, shape):
@@ -202,21 +188,11 @@ class DcpSource:
         return self.layout.keys()
 
     def get_slice(self, key: str):
-        return _Shape(self.spec(key).full_shape)
+        return TensorInfo(tuple(self.spec(key).full_shape))
 
     def get_tensor(self, key: str) -> torch.Tensor:
         spec, size = self.spec(key), tuple(self.reader.saved[self.layout[key][0]].size)
         return spec.full_from_dense(self.read_boxes(key, [((0,) * len(size), size)])[0])
-
-
-class _Shape:
-    """What reshard asks of ``get_slice``: the shape, without reading the tensor."""
-
-    def __init__(self, shape):
-        self.shape = list(shape)
-
-    def get_shape(self) -> List[int]:
-        return list(self.shape)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from torch import nn
 from .. import comm
 from ..spec import FlatShardLayout, ParamSpec, ShardedModule, dense_chunks_of_flat_shard
 from ..topology import data_parallel_group, expert_parallel_group, model_parallel_is_initialized, tensor_parallel_group
-from .dcp_io import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, piece_boxes, write_item
+from .dcp_io import LR_SCHEDULER_KEY, OPTIMIZER_KEY, TRAIN_STATE_KEY, write_item
 from .fused_state import fused_by_position, fused_parameters_of, split_state
 from .save_load import sharding_specs
+from .slabs import piece_boxes
 from .unwrap import is_zero1, unwrap_optimizer
 
 __all__ = ["get_state_dict", "set_state_dict", "dcp_process_group", "DenseView", "OPTIMIZER_KEY", "LR_SCHEDULER_KEY",

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
+from .durable import read_json
 from .safetensors_stream import SafetensorsFileReader
 
 DENSE_OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -69,8 +69,7 @@ def _read_dense_optimizer_files(directory: str) -> Tuple[Dict[str, Any], Dict[st
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: {directory} holds no optimizer state (nxdtp-merge writes it "
                                     "only for checkpoints saved with a live optimizer and model; it says so when not)")
-    with open(values_path) as f:
-        record = json.load(f)
+    record = read_json(values_path)
     if record.get("format") != DENSE_OPTIMIZER_FORMAT:
         raise ValueError(f"{values_path} has format {record.get('format')!r}; this nxdtp reads "
                          f"{DENSE_OPTIMIZER_FORMAT!r}")

@@ -4,10 +4,11 @@ reading) computed while writing."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 import xxhash
@@ -145,6 +146,12 @@ def write_bytes_durably(path: str, data: bytes) -> dict:
     with ChecksummedWriter(path) as f:
         f.write(data)
     return f.record()
+
+
+def read_json(path: str) -> Any:
+    """A JSON file's contents (nxdtp's JSON files are written with ``write_bytes_durably``)."""
+    with open(path) as f:
+        return json.load(f)
 
 
 def checksum_file(path: str) -> Tuple[int, str]:

@@ -46,6 +46,20 @@ def is_zero1_optimizer_index(optimizer: Any) -> bool:
     return isinstance(optimizer, dict) and optimizer.get("kind") == "zero1"
 
 
+def zero1_group_size(optimizer: Any) -> int:
+    """How many DP shards each TP rank's optimizer state is cut into: the ZeRO-1 sharding group's size, 1 for plain
+    state (one file per TP rank)."""
+    return int(optimizer["zero1"]["sharding_group_size"]) if is_zero1_optimizer_index(optimizer) else 1
+
+
+def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, int], str]:
+    """The optimizer's rank file of each (TP rank, DP rank): plain state's one per TP rank (DP rank 0), ZeRO-1's one per
+    TP x DP rank."""
+    zero1 = is_zero1_optimizer_index(optimizer)
+    return {(rank, k): optim_file(rank, k if zero1 else None) for rank in range(tp)
+            for k in range(zero1_group_size(optimizer))}
+
+
 @dataclasses.dataclass
 class TensorEntry:
     """One logical (full) tensor of the model."""

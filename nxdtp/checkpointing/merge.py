@@ -20,7 +20,7 @@ from ..version import __version__
 from . import tags
 from .dense import WEIGHTS_NAME, DenseWeightsWriter, dense_layout
 from .dense_optimizer import DENSE_OPTIMIZER_FORMAT, DENSE_OPTIMIZER_TENSORS, DENSE_OPTIMIZER_VALUES, MASTER_PREFIX
-from .durable import ChecksummedWriter, copy_durably, write_bytes_durably
+from .durable import ChecksummedWriter, copy_durably, read_json, write_bytes_durably
 from .hf_form import SavedForm
 from .index import (
     CONFIG_FILE,
@@ -32,8 +32,9 @@ from .index import (
     dtype_from_name,
     is_zero1_optimizer_index,
     model_file,
-    optim_file,
+    optimizer_rank_files,
     owners_by_name,
+    zero1_group_size,
 )
 from .output_dir import write_atomically
 from .pipeline import (
@@ -102,12 +103,9 @@ def merge_and_name_source(checkpoint_dir: str, output_dir: str, tag: Optional[st
         def write(staging: str) -> str:
             name = WEIGHTS_NAME if output_format == "safetensors" else PYTORCH_BIN_NAME
             entries = list(index.tensors.items())
-            bar = progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress)
-            try:
+            with progress_bar(len(entries), f"merge {os.path.basename(tag_dir)}", progress) as bar:
                 _write_merged_weights(os.path.join(staging, name), index, tag_model_source(index, model_files),
                                       config_path, bar)
-            finally:
-                bar.close()
             copy_if_present(config_path, os.path.join(staging, CONFIG_FILE))
             if optimizer_state is not None:  # with the trainer state: continuing dense training needs it
                 kind = "zero1" if is_zero1_optimizer_index(index.optimizer) else "plain"
@@ -277,14 +275,11 @@ class _ReshardJob:
         """Write the model's and optimizer's rank files at the new degree; return their file records and header and
         tensor records."""
         total = len(self.new_entries) + sum(len(fields) for _, (_, fields) in self.optimizer_plan or [])
-        bar = progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress)
-        try:
+        with progress_bar(total, f"reshard {self.tag_name} tp {self.old_tp}->{self.new_tp}", self.progress) as bar:
             writers = _reshard_model(new_tag_dir, self.new_entries, self.model_source, self.new_tp, bar)
             if self.optimizer_plan is not None:
                 writers += _reshard_optimizer(new_tag_dir, self.index, self.new_entries, self.optimizer_plan,
                                               self.optim_files, self.new_tp, bar, self.optimizer_source)
-        finally:
-            bar.close()
         files: Dict[str, dict] = {}
         contents: Dict[str, dict] = {}
         for writer in writers:
@@ -446,21 +441,12 @@ def _zero1_layout(tag_dir: str, name: str, fields: Dict[str, Any], spec: ParamSp
                   ) -> FlatShardLayout:
     """The flat layout of a parameter's ZeRO-1 state, checked against its model tensor's local shape and the sharding
     group size."""
-    layout, dp = FlatShardLayout.from_dict(fields["layout"]), int(info["zero1"]["sharding_group_size"])
+    layout, dp = FlatShardLayout.from_dict(fields["layout"]), zero1_group_size(info)
     if tuple(layout.shape) != tuple(spec.local_shape()) or layout.group_size != dp:
         raise ValueError(f"{os.path.join(tag_dir, INDEX_FILE)}: the ZeRO-1 state of '{name}' is cut as "
                          f"{fields['layout']}, but its model tensor's local shape is {list(spec.local_shape())} and "
                          f"the sharding group size {dp}")
     return layout
-
-
-def optimizer_rank_files(optimizer: Dict[str, Any], tp: int) -> Dict[Tuple[int, int], str]:
-    """The optimizer's rank file of each (TP rank, DP rank): plain state's one per TP rank (DP rank 0), ZeRO-1's one per
-    TP x DP rank."""
-    if not is_zero1_optimizer_index(optimizer):
-        return {(rank, 0): optim_file(rank) for rank in range(tp)}
-    dp = int(optimizer["zero1"]["sharding_group_size"])
-    return {(rank, k): optim_file(rank, k) for rank in range(tp) for k in range(dp)}
 
 
 def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Dict[str, TensorEntry], plan,
@@ -469,9 +455,9 @@ def _reshard_optimizer(new_tag_dir: str, index: CheckpointIndex, new_entries: Di
     """Write the optimizer's rank files at ``new_tp``: state shaped like its parameter streamed into a ``RankFilesSink``
     (plain) or ``Zero1Sink`` (ZeRO-1, same DP size); other state is rank 0's value."""
     zero1 = is_zero1_optimizer_index(index.optimizer)
-    dp = int(index.optimizer["zero1"]["sharding_group_size"]) if zero1 else 1
+    dp = zero1_group_size(index.optimizer)
     new_files = optimizer_rank_files(index.optimizer, new_tp)
-    first = handles[optim_file(0, 0) if zero1 else optim_file(0)]
+    first = handles[new_files[(0, 0)]]
     fields = {f"{name}/{field}": (new_entries[key].spec, kind, shape, dtype)
               for name, (key, fields) in plan for field, kind, shape, dtype in fields}
     stored = {"copy": lambda spec, shape: shape, "replicate": lambda spec, shape: shape,
@@ -541,7 +527,7 @@ def _new_optimizer_index(optimizer: Dict[str, Any], new_entries: Dict[str, Tenso
     if not is_zero1_optimizer_index(optimizer):
         return optimizer
     keys = dict((name, key) for name, (key, _) in plan)
-    dp = int(optimizer["zero1"]["sharding_group_size"])
+    dp = zero1_group_size(optimizer)
     params = {}
     for name, info in optimizer["params"].items():
         spec = new_entries[keys[name]].spec
@@ -594,8 +580,7 @@ def optimizer_file_names(index: CheckpointIndex) -> List[str]:
 def optimizer_values(tag_dir: str) -> Dict[str, Any]:
     """The non-tensor optimizer state under torch's flattened keys (``state.<param>.<field>``,
     ``param_groups.<param>.<hyperparameter>``)."""
-    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE))
     values: Dict[str, Any] = {}
     for name, fields in saved.get("scalars", {}).items():
         for field, value in fields.items():
@@ -633,8 +618,7 @@ def read_trainer_state(tag_dir: str) -> Optional[dict]:
     """The tag's trainer state (the step, the scheduler's state), or None when it has none."""
     if not os.path.isfile(os.path.join(tag_dir, TRAINER_STATE_FILE)):
         return None
-    with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-        return json.load(f)
+    return read_json(os.path.join(tag_dir, TRAINER_STATE_FILE))
 
 
 def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: str, trainer_state: Optional[dict],
@@ -642,8 +626,7 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
     """Write ``optimizer.safetensors`` (tensors, one at a time) and ``optimizer.json`` (the other values, the source
     kind and the trainer state) into ``directory``."""
     tensors = {key: value for key, value in state.items() if isinstance(value, DenseOptimizerTensor)}
-    bar = progress_bar(len(tensors), "optimizer", progress)
-    try:
+    with progress_bar(len(tensors), "optimizer", progress) as bar:
         layout = [(key, t.dtype, t.shape) for key, t in tensors.items()]
         with StreamingSafetensorsWriter(os.path.join(directory, DENSE_OPTIMIZER_TENSORS), layout,
                                         metadata={"format": "pt"}) as writer:
@@ -653,8 +636,6 @@ def write_dense_optimizer(directory: str, state: Dict[str, Any], source_kind: st
                 else:
                     writer.write(key, t.read())
                 bar.update(1)
-    finally:
-        bar.close()
     record = {"format": DENSE_OPTIMIZER_FORMAT, "nxdtp_version": __version__, "source_kind": source_kind,
               "values": {key: value for key, value in state.items() if key not in tensors},
               "trainer_state": trainer_state}

@@ -4,6 +4,7 @@ so it never holds more than one tensor, and records the checksums of the header 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -118,17 +119,19 @@ _DTYPES_BY_NAME = {**{name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()
                    "U32": torch.uint32, "U64": torch.uint64}
 
 
-class _TensorInfo:
-    """What safetensors' ``get_slice`` answers about a tensor, without reading it."""
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What safetensors' ``get_slice`` answers about a tensor, without reading it: its shape and, where known, its
+    safetensors dtype name."""
 
-    def __init__(self, dtype: str, shape: List[int]):
-        self._dtype, self._shape = dtype, shape
+    shape: Tuple[int, ...]
+    dtype: Optional[str] = None
 
-    def get_dtype(self) -> str:
-        return self._dtype
+    def get_dtype(self) -> Optional[str]:
+        return self.dtype
 
     def get_shape(self) -> List[int]:
-        return list(self._shape)
+        return list(self.shape)
 
 
 class SafetensorsFileReader:
@@ -170,9 +173,9 @@ class SafetensorsFileReader:
     def keys(self):
         return self._entries.keys()
 
-    def get_slice(self, key: str) -> _TensorInfo:
+    def get_slice(self, key: str) -> TensorInfo:
         dtype, shape, _, _ = self._entries[key]
-        return _TensorInfo(dtype, shape)
+        return TensorInfo(tuple(shape), dtype)
 
     def dtype(self, key: str) -> torch.dtype:
         return _DTYPES_BY_NAME[self._entries[key][0]]

@@ -25,7 +25,7 @@ from ..topology import data_parallel_group, expert_parallel_group, get_topology,
 from ..utils import move_all_tensor_to_cpu
 from ..version import __version__
 from . import integrity, tags
-from .durable import ChecksummedWriter, fsync_tree, make_directories, write_bytes_durably
+from .durable import ChecksummedWriter, fsync_tree, make_directories, read_json, write_bytes_durably
 from .experts import (
     GatheredWhenWritten,
     expert_specs,
@@ -45,6 +45,7 @@ from .index import (
     is_zero1_optimizer_index,
     model_file,
     optim_file,
+    optimizer_rank_files,
     owners_by_name,
     split_model_state,
 )
@@ -429,8 +430,8 @@ def _write_rank_files(job: SaveJob, tp_rank: int, written: Dict[str, dict], cont
         written[relative], contents[relative] = write_file(os.path.join(job.tag_dir, relative))
 
     if job.writes_model():
-        relative = model_file(tp_rank)
-        attempt(lambda: write(relative, lambda path: _write_tensors(path, job.tensors, job.entries, tp_rank)))
+        attempt(lambda: write(model_file(tp_rank), lambda path: _write_tensors(path, job.tensors, {
+            k: dtype_from_name(e.dtype) for k, e in job.entries.items() if e.spec.is_sharded or tp_rank == 0})))
         if job.extras:
             attempt(lambda: _write_extras(job, tp_rank, written))
     else:
@@ -438,7 +439,8 @@ def _write_rank_files(job: SaveJob, tp_rank: int, written: Dict[str, dict], cont
     if job.writes_optimizer() and error is None:
         # ZeRO-1: each shard of the TP rank's optimizer state is written once, by the first of its replicas (every DP
         # rank when sharding over the DP group).
-        attempt(lambda: write(job.optimizer_file(), lambda path: _write_plain(path, job.optimizer_tensors)))
+        attempt(lambda: write(job.optimizer_file(), lambda path: _write_tensors(path, job.optimizer_tensors, {
+            k: t.dtype for k, t in job.optimizer_tensors.items()})))
     else:
         gather_without_writing(job.optimizer_tensors or {})
     for relative, payload in job.json_files.items():
@@ -464,34 +466,21 @@ def _write_extras(job: SaveJob, tp_rank: int, written: Dict[str, dict]) -> None:
 _agree = comm.raise_on_every_rank_if_any_failed
 
 
-def _write_tensors(path: str, tensors: Dict[str, torch.Tensor], entries: Dict[str, TensorEntry], tp_rank: int
-                   ) -> Tuple[dict, dict]:
-    """This TP rank's file: its pieces of sharded tensors, plus (TP rank 0 only) every replicated tensor. Returns the
-    file's record and its contents record (header and tensors)."""
-    mine = [(k, t, dtype_from_name(entries[k].dtype)) for k, t in tensors.items()
-            if entries[k].spec.is_sharded or tp_rank == 0]
-    return _write_streaming(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine],
-                            [(k, lambda t=t, dtype=dtype: written_value(t).detach().to("cpu").to(dtype))
-                             for k, t, dtype in mine])
-
-
-def _write_plain(path: str, tensors: Dict[str, Any]) -> Tuple[dict, dict]:
-    return _write_streaming(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
-                            [(k, lambda t=t: written_value(t)) for k, t in tensors.items()])
-
-
-def _write_streaming(path: str, layout, values: List[Tuple[str, Callable[[], torch.Tensor]]]) -> Tuple[dict, dict]:
-    """One safetensors file of ``layout``, its tensors from ``values`` one in memory at a time. Every call is made even
-    after a failure: a call may be a gather an expert-parallel group waits in."""
+def _write_tensors(path: str, tensors: Dict[str, Any], dtypes: Dict[str, torch.dtype]) -> Tuple[dict, dict]:
+    """One safetensors file of the ``tensors`` that ``dtypes`` names (the model's: this TP rank's pieces, plus on TP
+    rank 0 every replicated tensor; the optimizer's: all), each cast on the host to its dtype there and in memory one
+    at a time; returns the file's record and its contents record (header and tensors). Every tensor is read even
+    after a failure: a read may be a gather an expert-parallel group waits in."""
+    mine = [(k, t, dtypes[k]) for k, t in tensors.items() if k in dtypes]
     error: Optional[BaseException] = None
     writer: Optional[StreamingSafetensorsWriter] = None
     try:
         make_directories(os.path.dirname(path))
-        writer = StreamingSafetensorsWriter(path, layout)
+        writer = StreamingSafetensorsWriter(path, [(k, dtype, tuple(t.shape)) for k, t, dtype in mine])
     except Exception as e:  # noqa: BLE001 - raised below, once every gather has run
         error = e
-    for key, value in values:
-        tensor = value()
+    for key, value, dtype in mine:
+        tensor = written_value(value).detach().to("cpu").to(dtype)
         if error is None:
             try:
                 writer.write(key, tensor)
@@ -555,22 +544,69 @@ def _refuse_zero1(value: Any, what: str) -> None:
 ZERO1_MASTER_FIELD = "zero1_master"
 
 
-def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
-    """A ZeRO-1 optimizer's part of the checkpoint: this rank's shards (state and master weights, keyed
-    ``<param>/<field>``), the index, the JSON part and this rank's (sharding rank, replica rank)."""
-    state_dict = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Dict[str, TensorEntry]) -> None:
+    """Record in a ZeRO-1 optimizer index, per parameter, the TP spec (full shapes, how TP cut it) of its model
+    tensor, beside the DP layout: the index then says every cut of the state."""
+    if not is_zero1_optimizer_index(optimizer_index) or optimizer_index["keyed_by"] != "name":
+        return
+    owners = owners_by_name(entries)
+    for name, info in optimizer_index["params"].items():
+        if name in owners:
+            info["spec"] = entries[owners[name]].spec.to_dict()
+
+
+def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict],
+                                                 Optional[Tuple[int, int]]]:
+    """Optimizer tensors keyed ``<param>/<field>``, the index, the JSON part, and ZeRO-1's (sharding rank, replica
+    rank). With a live optimizer and model, state is keyed by parameter name (reshardable); a state dict alone by
+    index (reloads at the same TP degree only). Plain and ZeRO-1 state differ only in the per-parameter entries."""
+    if optimizer is None:
+        return None, None, None, None
+    names: Dict[int, str] = {}
+    fused: Dict[int, Fused] = {}
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
+        by_identity = {id(p): n for n, p in model.named_parameters()}
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
+        fused = fused_by_position(optimizer, model)
+    state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
+    tensors: Dict[str, torch.Tensor] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    zero1, place = is_zero1(optimizer), None
+    if zero1:
+        # ZeRO-1 keeps a fused parameter's state whole (its flat shards mix the parts' rows), under its own name.
+        head, params, place = _zero1_params(state_dict, names, fused, tensors, scalars)
+        fused = {}
+    else:
+        head, params = {}, {}
+        for param_id, fields in state_dict["state"].items():
+            i = int(param_id)
+            # A fused parameter's state is saved as its parts', which the checkpoint's model tensors describe.
+            pieces = (split_state(fields, tuple(flat[i].shape), fused[i][1]) if i in fused
+                      else [(names.get(i, str(param_id)), fields)])
+            for name, part_fields in pieces:
+                params[name] = {"param_index": i, "tensors": _store_fields(name, part_fields, tensors, scalars)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [name for i in g["params"] for name in _saved_names(int(i), names, fused)]}
+              for g in state_dict["param_groups"]]
+    index = {**({"kind": "zero1"} if zero1 else {}), "keyed_by": "name" if names else "index", **head,
+             "params": params}
+    return tensors, index, {"param_groups": groups, "scalars": scalars}, place
+
+
+def _zero1_params(state_dict: Dict[str, Any], names: Dict[int, str], fused: Dict[int, Fused],
+                  tensors: Dict[str, torch.Tensor], scalars: Dict[str, Dict[str, Any]]):
+    """A ZeRO-1 optimizer's part of the index (its ``zero1`` record, the entries by saved name) and this rank's
+    (sharding rank, replica rank); its shards (state and master weights) stored into ``tensors`` and ``scalars``."""
     info = state_dict.get("zero1")
     masters = state_dict.get("sharded_master_weights")
     if not isinstance(info, dict) or masters is None:
         raise ValueError("save(): checkpoint['optimizer'] is a ZeRO-1 state dict without its layout ('zero1') or "
                          "master weights ('sharded_master_weights'); pass the NeuronZero1Optimizer itself, or its "
                          "state_dict() as nxdtp makes it")
-    layouts = [FlatShardLayout.from_dict(d) for d in info["layouts"]]
-    tensors: Dict[str, torch.Tensor] = {}
     index: Dict[str, Dict[str, Any]] = {}
-    scalars: Dict[str, Dict[str, Any]] = {}
     base_state = state_dict["base_state"]
-    for i, layout in enumerate(layouts):
+    for i, layout in enumerate(FlatShardLayout.from_dict(d) for d in info["layouts"]):
         name = names.get(i, str(i))
         fields = base_state.get(i, base_state.get(str(i), {}))
         if ZERO1_MASTER_FIELD in fields:
@@ -588,58 +624,9 @@ def _zero1_payload(optimizer, names: Dict[int, str], fused: Dict[int, Fused]):
             # and merge and reshard refuse it by name (the parts are recorded for their message).
             entry["fused_parts"] = [[part, rows] for part, rows in fused[i][1]]
         index[name] = entry
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names.get(int(i), str(i)) for i in g["params"]]} for g in state_dict["param_groups"]]
-    zero1 = {"layout": "flat", "sharding_group_size": int(info["sharding_group_size"]),
-             "optimizer_dtype": info["optimizer_dtype"]}
-    place = (int(info["sharding_rank"]), int(info.get("replica_rank", 0)))
-    return tensors, {"kind": "zero1", "keyed_by": "name" if names else "index", "zero1": zero1, "params": index}, \
-        {"param_groups": groups, "scalars": scalars}, place
-
-
-def _describe_zero1_specs(optimizer_index: Optional[Dict[str, Any]], entries: Dict[str, TensorEntry]) -> None:
-    """Record in a ZeRO-1 optimizer index, per parameter, the TP spec (full shapes, how TP cut it) of its model
-    tensor, beside the DP layout: the index then says every cut of the state."""
-    if not is_zero1_optimizer_index(optimizer_index) or optimizer_index["keyed_by"] != "name":
-        return
-    owners = owners_by_name(entries)
-    for name, info in optimizer_index["params"].items():
-        if name in owners:
-            info["spec"] = entries[owners[name]].spec.to_dict()
-
-
-def _optimizer_payload(optimizer, model) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[Dict], Optional[Dict],
-                                                 Optional[Tuple[int, int]]]:
-    """Optimizer tensors keyed ``<param>/<field>``, the index, the JSON part, and ZeRO-1's place. With a live optimizer
-    and model, state is keyed by parameter name (reshardable); a state dict alone by index (reloads at the same TP
-    degree only)."""
-    if optimizer is None:
-        return None, None, None, None
-    names: Dict[int, str] = {}
-    fused: Dict[int, Fused] = {}
-    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
-        by_identity = {id(p): n for n, p in model.named_parameters()}
-        flat = [p for group in optimizer.param_groups for p in group["params"]]
-        names = {i: by_identity.get(id(p), str(i)) for i, p in enumerate(flat)}
-        fused = fused_by_position(optimizer, model)
-    if is_zero1(optimizer):
-        return _zero1_payload(optimizer, names, fused)
-    state_dict = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
-    tensors: Dict[str, torch.Tensor] = {}
-    index: Dict[str, Dict[str, Any]] = {}
-    scalars: Dict[str, Dict[str, Any]] = {}
-    for param_id, fields in state_dict["state"].items():
-        i = int(param_id)
-        # A fused parameter's state is saved as its parts', which the checkpoint's model tensors describe.
-        pieces = (split_state(fields, tuple(flat[i].shape), fused[i][1]) if i in fused
-                  else [(names.get(i, str(param_id)), fields)])
-        for name, part_fields in pieces:
-            index[name] = {"param_index": i, "tensors": _store_fields(name, part_fields, tensors, scalars)}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [name for i in g["params"] for name in _saved_names(int(i), names, fused)]}
-              for g in state_dict["param_groups"]]
-    return tensors, {"keyed_by": "name" if names else "index", "params": index}, {"param_groups": groups,
-                                                                                  "scalars": scalars}, None
+    head = {"zero1": {"layout": "flat", "sharding_group_size": int(info["sharding_group_size"]),
+                      "optimizer_dtype": info["optimizer_dtype"]}}
+    return head, index, (int(info["sharding_rank"]), int(info.get("replica_rank", 0)))
 
 
 def _store_fields(name: str, fields: Dict[str, Any], tensors: Dict[str, torch.Tensor],
@@ -668,8 +655,7 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
     index = checkpoint_index.optimizer
     saved_zero, target = is_zero1_optimizer_index(index), _Zero1Target.of(optimizer)
     _check_convertible(tag_dir, index, saved_zero, optimizer)
-    with open(os.path.join(tag_dir, OPTIMIZER_STATE_FILE)) as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(tag_dir, OPTIMIZER_STATE_FILE))
     position = _positions_by_name(index, optimizer, model)
     live_params = [p for group in optimizer.param_groups for p in group["params"]]
     # Fused parameters' state is saved as their parts' (fused_state): each part's is read whole and they are joined.
@@ -684,7 +670,6 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
         once, when first needed."""
         return _RankFile(tag_dir, checkpoint_index, optim_file(tp_rank, dp_rank), verify)
 
-    read_state = _read_zero1_state if saved_zero else _read_plain_state
     state: Dict[int, Dict[str, Any]] = {}
     masters: Dict[int, torch.Tensor] = {}
     given: Dict[int, Dict[str, Dict[str, Any]]] = {}
@@ -693,13 +678,13 @@ def _optimizer_state_dict(tag_dir: str, checkpoint_index: CheckpointIndex, tp_ra
             slot = part_slots[name]
             rows = dict(fused[slot][1])[name]
             shape = (rows,) + tuple(live_params[slot].shape[1:])
-            fields = read_state(tag_dir, name, info, shape, files, None, None)[0]
+            fields = _read_state(tag_dir, name, info, shape, files, None)[0]
             given.setdefault(slot, {})[name] = {**fields, **saved["scalars"].get(name, {})}
             continue
         slot = _slot_of(tag_dir, name, info, index["keyed_by"] == "name", position, len(live_params))
         spec = experts.get(name)
         shape = tuple(live_params[slot].shape) if spec is None else spec.with_all_experts().local_shape()
-        fields, master = read_state(tag_dir, name, info, shape, files, target, model_state)
+        fields, master = _read_state(tag_dir, name, info, shape, files, target, model_state)
         if spec is not None:   # its moments and any other state indexed by the experts, as saved: every expert
             keep_this_ranks_experts(fields, {field: spec for field, value in fields.items()
                                              if indexed_by_experts(value, spec, spec.full_shape[0])})
@@ -814,57 +799,43 @@ def _slot_of(tag_dir: str, name: str, info: Dict[str, Any], keyed_by_name: bool,
     return slot
 
 
-def _read_zero1_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
-                      files: Callable[..., _RankFile], target: Optional[_Zero1Target], model_state: Any = None
-                      ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-    """One parameter's saved ZeRO-1 state: re-cut to a live ZeRO-1 layout with its master shard, or gathered whole for a
-    plain optimizer (no master)."""
-    saved_layout = FlatShardLayout.from_dict(info["layout"])
-    if tuple(saved_layout.shape) != shape:
-        raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape "
-                         f"{list(saved_layout.shape)}, the optimizer's parameter has {list(shape)}; reshard "
-                         "the checkpoint to this tensor parallel size first (nxdtp-merge CKPT OUT --reshard N)")
-
-    def read(field: str, k: int) -> torch.Tensor:
-        return files(k).get_tensor(f"{name}/{field}")
-
-    fields: Dict[str, Any] = {}
-    if target is None:
-        for field in info["tensors"]:
-            if field in info["flat"]:
-                fields[field] = saved_layout.full_from_shards([read(field, k) for k in range(saved_layout.group_size)])
-            else:
-                fields[field] = read(field, 0)
-        return fields, None
-    layout = FlatShardLayout(shape, target.group_size)
-    sources = layout.source_ranks(saved_layout, target.rank)
+def _read_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
+                files: Callable[..., _RankFile], target: Optional[_Zero1Target],
+                model_state: Optional[Dict[str, torch.Tensor]] = None
+                ) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+    """One parameter's saved state, plain or ZeRO-1 (flat shards over the saved group, ``info["layout"]``): whole
+    TP-local tensors for a plain optimizer (``target`` None, no master); for a ZeRO-1 one, parameter-shaped or flat
+    state cut or re-cut to this rank's flat shard, with its master shard (from the saved masters, or from the saved
+    model tensor when the state is plain)."""
+    saved = FlatShardLayout.from_dict(info["layout"]) if "layout" in info else None
+    if saved is not None and tuple(saved.shape) != shape:
+        raise ValueError(f"{tag_dir}: parameter '{name}' was saved with the TP-local shape {list(saved.shape)}, the "
+                         f"optimizer's parameter has {list(shape)}; reshard the checkpoint to this tensor parallel "
+                         "size first (nxdtp-merge CKPT OUT --reshard N)")
+    live = FlatShardLayout(shape, target.group_size) if target is not None else None
+    sources = live.source_ranks(saved, target.rank) if live is not None and saved is not None else []
     # A field that is not flat (such as a step counter) is whole in every shard: read it from a file this rank opens
     # anyway.
     first = sources[0] if len(sources) else 0
-    for field in info["tensors"]:
-        if field in info["flat"]:
-            fields[field] = layout.shard_from(saved_layout, lambda k, f=field: read(f, k), target.rank, target.dtype)
-        else:
-            fields[field] = read(field, first)
-    master = layout.shard_from(saved_layout, lambda k: read(info["master"], k), target.rank, target.dtype)
-    return fields, master
 
+    def read(field: str, k: int) -> torch.Tensor:
+        return files(None if saved is None else k).get_tensor(f"{name}/{field}")
 
-def _read_plain_state(tag_dir: str, name: str, info: Dict[str, Any], shape: Tuple[int, ...],
-                      files: Callable[..., _RankFile], target: Optional[_Zero1Target],
-                      model_state: Optional[Dict[str, torch.Tensor]]) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-    """One parameter's saved plain state: as saved for a plain optimizer; for a ZeRO-1 optimizer, its
-    parameter-shaped tensors cut to this rank's flat shard, with the master shard from the saved model tensor."""
-    f = files()
     fields: Dict[str, Any] = {}
     for field in info["tensors"]:
-        value = f.get_tensor(f"{name}/{field}")
-        if target is not None and tuple(value.shape) == shape:
-            value = target.shard_of(value)
-        fields[field] = value
+        if saved is None or field not in info["flat"]:
+            value = read(field, first)
+            is_param = saved is None and target is not None and tuple(value.shape) == shape
+            fields[field] = target.shard_of(value) if is_param else value
+        elif live is None:
+            fields[field] = saved.full_from_shards([read(field, k) for k in range(saved.group_size)])
+        else:
+            fields[field] = live.shard_from(saved, lambda k, f=field: read(f, k), target.rank, target.dtype)
     if target is None:
         return fields, None
-    return fields, target.master_from_model(tag_dir, name, shape, model_state)
+    if saved is None:
+        return fields, target.master_from_model(tag_dir, name, shape, model_state)
+    return fields, live.shard_from(saved, lambda k: read(info["master"], k), target.rank, target.dtype)
 
 
 def _param_groups(tag_dir: str, optimizer: torch.optim.Optimizer, saved_groups: List[Dict[str, Any]],
@@ -940,8 +911,7 @@ def restore_rng(tag_dir: str, rank: int) -> None:
         raise FileNotFoundError(f"checkpoint file {path} is missing: the tag has no RNG states for rank {rank} (a "
                                 "resharded checkpoint has none: they belong to the old layout); load it with "
                                 "restore_rng_states=False")
-    with open(path) as f:
-        payload = json.load(f)
+    payload = read_json(path)
     set_rng_state({k: _decode(v) for k, v in payload["default"].items()})
     get_xla_rng_tracker().set_states({name: {k: _decode(v) for k, v in state.items()}
                                       for name, state in payload["tracker"].items()})
@@ -1129,8 +1099,7 @@ class _Reads:
                 model_state = read_model_shard(tag_dir, index, tp_group.rank, verify)
             read.optimizer_state = _optimizer_state_dict(tag_dir, index, tp_group.rank, self.optimizer, self.model,
                                                          verify, model_state)
-        with open(os.path.join(tag_dir, TRAINER_STATE_FILE)) as f:
-            read.trainer_state = json.load(f)
+        read.trainer_state = read_json(os.path.join(tag_dir, TRAINER_STATE_FILE))
         extra_path = os.path.join(tag_dir, EXTRA_FILE.format(tp_group.rank))
         if os.path.isfile(extra_path):
             read.trainer_state.update(_torch_load(extra_path))
@@ -1141,11 +1110,8 @@ def _optimizer_files(index: CheckpointIndex, tp_rank: int, optimizer: torch.opti
     """The optimizer files of ``index`` this rank reads: its TP rank's file, or with ZeRO-1 state the DP shards of it
     that overlap this rank's shards (a ZeRO-1 optimizer at any DP size), or all of them (a plain optimizer)."""
     info = index.optimizer
-    if not is_zero1_optimizer_index(info):
-        return [optim_file(tp_rank)]
-    saved_size = int(info["zero1"]["sharding_group_size"])
-    if not is_zero1(optimizer):
-        return [optim_file(tp_rank, k) for k in range(saved_size)]
+    if not is_zero1_optimizer_index(info) or not is_zero1(optimizer):
+        return [name for (rank, _), name in optimizer_rank_files(info, tp_rank + 1).items() if rank == tp_rank]
     ranks = {0}
     size, rank = optimizer.sharding_group.size, optimizer.sharding_group.rank
     for param in info["params"].values():

@@ -11,8 +11,24 @@ from ..spec import ParamSpec
 
 # A box of a dense tensor: (offsets, sizes), one of each per dimension.
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
+# Where a box lies in a TP piece: (dim, start, length), or None for all of it.
+Narrow = Optional[Tuple[int, int, int]]
 
-__all__ = ["read_ranges", "read_piece", "piece_parts"]
+__all__ = ["read_ranges", "read_piece", "piece_parts", "piece_boxes"]
+
+
+def piece_boxes(spec: ParamSpec, rank: int, copies: bool = False) -> List[Tuple[Box, Narrow]]:
+    """The boxes of the dense tensor that TP rank ``rank``'s piece holds first copies of (with ``copies``, the other
+    copies), and where each lies in the piece; a replicated tensor is rank 0's one box."""
+    shape = tuple(spec.unpadded_shape)
+    if not spec.is_sharded:
+        return [(((0,) * len(shape), shape), None)] if (rank == 0) != copies else []
+    boxes = []
+    for start, length, dense_start in (spec.copy_runs_of_piece if copies else spec.dense_runs_of_piece)(rank):
+        offsets, sizes = [0] * len(shape), list(shape)
+        offsets[spec.partition_dim], sizes[spec.partition_dim] = dense_start, length
+        boxes.append(((tuple(offsets), tuple(sizes)), (spec.partition_dim, start, length)))
+    return boxes
 
 
 def read_ranges(spec: ParamSpec, rank: int) -> List[Tuple[int, int, Optional[int]]]:
