@@ -295,7 +295,10 @@ def clip_grads_with_norm(parameters: ParamsArg, total_norm: torch.Tensor, max_no
     params = _unique_params(parameters)
     if not params:
         raise ValueError("clip_grads_with_norm needs at least one parameter")
-    _scale_gradients(params, torch.as_tensor(total_norm, dtype=torch.float32), float(max_norm))
+    norm = torch.as_tensor(total_norm, dtype=torch.float32)
+    if norm.numel() != 1:
+        raise ValueError(f"total_norm of shape {tuple(norm.shape)} must hold one number (a 0-dim or 1-element tensor)")
+    _scale_gradients(params, norm.reshape(()), float(max_norm))
     return total_norm
 
 
@@ -312,12 +315,13 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def _scale_gradients(params: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     coefficient = clip_coefficient(total_norm, max_norm)
     grads = [param.grad.detach() for param in params if param.grad is not None]
-    for (device, _), group in _by_device_and_dtype(grads).items():
+    for (device, dtype), group in _by_device_and_dtype(grads).items():
         if device.type == "xla":
             for grad in group:
                 grad.mul_(coefficient.to(device))
         else:
-            torch._foreach_mul_(group, coefficient.to(device))
+            # In the gradients' dtype, as mul_ rounds it anyway: CUDA fuses the multiplies only when the dtypes match.
+            torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:

@@ -123,6 +123,15 @@ def test_clip_grads_with_norm_and_shared_filter():
     torch.nn.utils.clip_grad_norm_(reference, 0.5)
     for p, r in zip(params, reference):
         torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=1e-6)
+    # A 1-element norm (NxD-style code may build one) clips as the 0-dim one does.
+    again = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for a, r in zip(again, reference):
+        a.grad = r.grad / min(1.0, 0.5 / (norm.item() + 1e-6))   # the gradients before clipping
+    clip_grads_with_norm(again, norm.reshape(1), 0.5)
+    for a, r in zip(again, reference):
+        torch.testing.assert_close(a.grad, r.grad, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"total_norm of shape \(2,\) must hold one number"):
+        clip_grads_with_norm(params, torch.ones(2), 1.0)
     with pytest.raises(ValueError, match="needs at least one parameter"):
         clip_grads_with_norm([], norm, 1.0)
     with pytest.raises(ValueError, match="max_norm=0 must be > 0"):
