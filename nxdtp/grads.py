@@ -315,13 +315,15 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def _scale_gradients(params: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     coefficient = clip_coefficient(total_norm, max_norm)
     grads = [param.grad.detach() for param in params if param.grad is not None]
-    for (device, dtype), group in _by_device_and_dtype(grads).items():
+    for (device, _), group in _by_device_and_dtype(grads).items():
         if device.type == "xla":
             for grad in group:
                 grad.mul_(coefficient.to(device))
         else:
-            # In the gradients' dtype, as mul_ rounds it anyway: CUDA fuses the multiplies only when the dtypes match.
-            torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
+            # The fp32 coefficient, not one rounded to a bf16 gradient's dtype: the multiply of a low-precision
+            # gradient by it happens in fp32 (what Lamb's own clip and torch's give, bit for bit), at the cost of CUDA
+            # not fusing the multiplies of such gradients.
+            torch._foreach_mul_(group, coefficient.to(device))
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
