@@ -23,8 +23,13 @@ from .topology import ParallelGroup, get_topology, rank_tensor
 _REDUCE_OPS = ("sum", "max", "min")
 
 
+def is_xla(device: torch.device) -> bool:
+    """Whether ``device`` is an XLA device: torch_xla traces its ops into a graph rather than launching each one."""
+    return device.type == "xla"
+
+
 def _is_xla(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "xla"
+    return is_xla(tensor.device)
 
 
 def _xla_model():

@@ -211,7 +211,7 @@ def _per_tensor_norms(grads: List[torch.Tensor], p: float, device) -> torch.Tens
     launches. XLA traces the norms into its graph either way, so there each is an op of its own."""
     if not grads:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    if device.type == "xla":
+    if comm.is_xla(device):
         return torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads])
     return torch.stack([n.to(device) for group in _by_device_and_dtype(grads).values()
                         for n in torch._foreach_norm(group, p, dtype=torch.float32)])
@@ -316,7 +316,7 @@ def _scale_gradients(params: List[torch.Tensor], total_norm: torch.Tensor, max_n
     coefficient = clip_coefficient(total_norm, max_norm)
     grads = [param.grad.detach() for param in params if param.grad is not None]
     for (device, _), group in _by_device_and_dtype(grads).items():
-        if device.type == "xla":
+        if comm.is_xla(device):
             for grad in group:
                 grad.mul_(coefficient.to(device))
         else:

@@ -338,11 +338,16 @@ def test_single_rank_equals_dense():
     (dict(vocab_size=0), ValueError, "vocab_size=0 must be an int in [1, 16]"),
 ])
 def test_invalid_arguments_name_the_value(kwargs, error, message):
+    _check_refused(parallel_cross_entropy, kwargs, error, message)
+
+
+def _check_refused(function, kwargs, error, message):
+    """``function`` on a tp=2 rank's (3, 5, 8) logits shard and (3, 5) targets, ``kwargs`` replacing any of them."""
     logits = kwargs.pop("logits", torch.zeros(3, 5, 8))
     target = kwargs.pop("target", torch.zeros(3, 5, dtype=torch.long))
     with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
         with pytest.raises(error) as info:
-            parallel_cross_entropy(logits, target, **kwargs)
+            function(logits, target, **kwargs)
     assert message in str(info.value)
 
 
@@ -353,12 +358,7 @@ def test_invalid_arguments_name_the_value(kwargs, error, message):
     (dict(vocab_size=17), ValueError, "vocab_size=17 must be an int in [1, 16]"),
 ])
 def test_token_statistics_name_bad_arguments(kwargs, error, message):
-    logits = kwargs.pop("logits", torch.zeros(3, 5, 8))
-    target = kwargs.pop("target", torch.zeros(3, 5, dtype=torch.long))
-    with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
-        with pytest.raises(error) as info:
-            vocab_parallel_token_statistics(logits, target, **kwargs)
-    assert message in str(info.value)
+    _check_refused(vocab_parallel_token_statistics, kwargs, error, message)
 
 
 def test_signatures_are_nxds():
