@@ -13,11 +13,12 @@ Comparisons are bitwise (``np.array_equal``): a checkpoint stores exact bits.
 from __future__ import annotations
 
 import builtins
+import datetime
 import json
+import multiprocessing
 import os
 import random
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -647,34 +648,35 @@ def test_two_jobs_saving_one_tag_at_once_one_wins_the_other_names_it(worlds, tmp
 
 # ---- 4. kill -9 at random moments of a save --------------------------------------------------------------------------
 
-KILL_WORKER = """
-import json, os, sys, time, datetime
-import torch
-import torch.distributed as dist
-sys.path.insert(0, {repo!r})
-torch.set_num_threads(1)
-from nxdtp import parallel_state as ps
-from nxdtp.checkpointing import save
-root, gate, hidden, zero1 = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "zero1"
-if int(os.environ["WORLD_SIZE"]) == 1:
-    ps.initialize_single_process_world()
-else:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-# ZeRO-1 shards over DP: its ranks are DP ranks (tp=1); the plain case puts them all in TP.
-ps.initialize_model_parallel(tensor_model_parallel_size=1 if zero1 else dist.get_world_size())
-from tests.test_checkpoint_durability import _model_and_optimizer
-model, opt = _model_and_optimizer(seed=2, hidden=hidden, zero1=zero1)
-rank = dist.get_rank()
-open(os.path.join(gate, f"ready_{{rank}}"), "w").close()
-while not os.path.exists(os.path.join(gate, "go")):
-    time.sleep(0.0005)
-start = time.perf_counter()
-save({{"model": model, "optimizer": opt, "global_step": 2}}, root)
-with open(os.path.join(gate, f"finished_{{rank}}"), "w") as f:
-    f.write(str(time.perf_counter() - start))
-ps.destroy_model_parallel()
-dist.destroy_process_group()
-"""
+# The saving processes are forked from a server that imported torch and nxdtp once (multiprocessing's forkserver), so
+# a kill moment costs a fork and a gloo rendezvous, not two interpreter starts (about 3 s a moment, 54 moments in all).
+# torch._dynamo too: an optimizer's first step imports it (about 0.8 s). They are real processes all the same: SIGKILL
+# ends each one wherever its save is.
+SAVERS = multiprocessing.get_context("forkserver")
+SAVERS.set_forkserver_preload(["torch", "torch._dynamo", "nxdtp.checkpointing", "tests.test_checkpoint_durability"])
+
+
+def saver_process(root: str, gate: str, hidden: int, zero1: bool, rank: int, world: int, port: int) -> None:
+    """One rank saving tag B (seed 2) into ``root`` once the file ``gate``/go appears; ``gate``/ready_RANK says it
+    is waiting, ``gate``/finished_RANK holds the save's duration."""
+    torch.set_num_threads(1)
+    if world == 1:
+        ps.initialize_single_process_world()
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+    # ZeRO-1 shards over DP: its ranks are DP ranks (tp=1); the plain case puts them all in TP.
+    ps.initialize_model_parallel(tensor_model_parallel_size=1 if zero1 else world)
+    model, opt = _model_and_optimizer(seed=2, hidden=hidden, zero1=zero1)
+    open(os.path.join(gate, f"ready_{rank}"), "w").close()
+    while not os.path.exists(os.path.join(gate, "go")):
+        time.sleep(0.0005)
+    start = time.perf_counter()
+    save({"model": model, "optimizer": opt, "global_step": 2}, root)
+    with open(os.path.join(gate, f"finished_{rank}"), "w") as f:
+        f.write(str(time.perf_counter() - start))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _pristine(worlds, directory: str, world: int, hidden: int, zero1: bool = False) -> None:
@@ -693,32 +695,31 @@ def _save_b_killed(directory: str, gate: str, world: int, hidden: int, delay, ze
     (None: let them finish). Returns the save's duration as rank 0 measured it, or -1 when killed."""
     os.makedirs(gate)
     port = _free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    script = KILL_WORKER.format(repo=REPO_ROOT)
-    processes = [subprocess.Popen([sys.executable, "-c", script, directory, gate, str(hidden),
-                                   "zero1" if zero1 else "plain"], cwd=REPO_ROOT,
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
+    processes = [SAVERS.Process(target=saver_process, args=(directory, gate, hidden, zero1, r, world, port))
                  for r in range(world)]
+    for p in processes:
+        p.start()
     try:
         deadline = time.time() + PROCESS_WAIT_S
         while not all(os.path.exists(os.path.join(gate, f"ready_{r}")) for r in range(world)):
-            assert time.time() < deadline and all(p.poll() is None for p in processes), "a worker did not start"
+            assert time.time() < deadline and all(p.is_alive() for p in processes), "a worker did not start"
             time.sleep(0.01)
         open(os.path.join(gate, "go"), "w").close()
         if delay is None:
             for p in processes:
-                assert p.wait(timeout=PROCESS_WAIT_S) == 0
+                p.join(timeout=PROCESS_WAIT_S)
+                assert p.exitcode == 0, p.exitcode
             with open(os.path.join(gate, "finished_0")) as f:
                 return float(f.read())
         time.sleep(delay)
         for p in processes:
-            p.send_signal(signal.SIGKILL)
+            p.kill()
         for p in processes:
-            p.wait(timeout=60)
+            p.join(timeout=60)
         return -1.0
     finally:
         for p in processes:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
 
 
