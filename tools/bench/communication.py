@@ -6,10 +6,8 @@ from __future__ import annotations
 import math
 import re
 from typing import Any, Dict, List
-from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nxdtp import comm, parallel_state
@@ -95,51 +93,35 @@ def case_hlo(**args) -> Dict[str, Any]:
 
 # ---- (ii) the counting gloo run, in section 1's nxdtp and DTensor workers -------------------------------------------
 
-class _Counter:
-    """{phase: {op: [count, bytes of the full tensor]}}, with the op's measured argument (an all-reduce's buffer, an
-    all-gather's output, a reduce-scatter's input) by torch.distributed function, or by functional collective."""
+class _Counter(TorchDispatchMode):
+    """{phase: {op: [count, bytes of the full tensor]}} of the collectives dispatched within: torch.distributed's (what
+    nxdtp.comm calls), or with ``functional`` DTensor's (torch.ops._c10d_functional.*), each by its measured argument
+    (an all-reduce's buffer, an all-gather's output, a reduce-scatter's input)."""
 
-    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),  # what nxdtp.comm calls
-            "all_gather_into_tensor": ("all-gather", 0, "output_tensor"),
-            "reduce_scatter_tensor": ("reduce-scatter", 1, "input")}
+    C10D = {"allreduce_": ("all-reduce", 0), "broadcast_": ("broadcast", 0), "_allgather_base_": ("all-gather", 0),
+            "_reduce_scatter_base_": ("reduce-scatter", 1)}  # op: (its name here, the index of its measured argument)
     FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
                   "reduce_scatter_tensor": "reduce-scatter", "broadcast": "broadcast"}
 
-    def __init__(self):
-        self.phase, self.counts = "setup", {}
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.phase, self.counts, self.functional = "setup", {}, functional
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        library, _, op = str(func.overloadpacket).partition(".")
+        if self.functional and library == "_c10d_functional" and not op.startswith("wait_tensor"):
+            kind = next((k for k in self.FUNCTIONAL if op.startswith(k)), None)  # unknown: 0 bytes
+            scale = int(args[1]) if kind == "all_gather_into_tensor" else 1
+            self.add(self.FUNCTIONAL.get(kind, op), args[0].nbytes * scale if kind else 0)
+        elif not self.functional and library == "c10d" and op in self.C10D:
+            name, index = self.C10D[op]
+            self.add(name, (args[index][0] if isinstance(args[index], list) else args[index]).nbytes)
+        return func(*args, **(kwargs or {}))
 
     def add(self, op: str, nbytes: int) -> None:
         entry = self.counts.setdefault(self.phase, {}).setdefault(op, [0, 0])
         entry[0] += 1
         entry[1] += int(nbytes)
-
-    def torch_distributed(self):
-        """Every torch.distributed collective of ``DIST``, counted on its way through."""
-        def wrap(name, fn):
-            op, index, keyword = self.DIST[name]
-
-            def wrapper(*args, **kwargs):
-                self.add(op, (args[index] if len(args) > index else kwargs[keyword]).nbytes)
-                return fn(*args, **kwargs)
-            return wrapper
-
-        return mock.patch.multiple(dist, **{name: wrap(name, getattr(dist, name)) for name in self.DIST})
-
-    def functional(self):
-        """A dispatch mode counting DTensor's functional collectives (torch.ops._c10d_functional.*)."""
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                op = name.split(".", 1)[1] if name.startswith("_c10d_functional.") else "wait_tensor"
-                if not op.startswith("wait_tensor"):
-                    kind = next((k for k in counter.FUNCTIONAL if op.startswith(k)), None)  # unknown: 0 bytes
-                    scale = int(args[1]) if kind == "all_gather_into_tensor" else 1
-                    counter.add(counter.FUNCTIONAL.get(kind, op), args[0].nbytes * scale if kind else 0)
-                return func(*args, **(kwargs or {}))
-
-        return Mode()
 
 
 def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_parallel: bool = False) -> Dict[str, Any]:
@@ -147,10 +129,9 @@ def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_paralle
     model = build_dense(model_cfg, SEED)
     clip = shard(kind, model, sequence_parallel=sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    inputs, counter = make_batch(model_cfg, seq, batch, SEED), _Counter()
+    inputs = make_batch(model_cfg, seq, batch, SEED)
     for _ in range(2):  # the first step creates AdamW's state; count the second
-        counter.counts.clear()
-        with counter.functional() if kind == "dtensor" else counter.torch_distributed():
+        with _Counter(functional=kind == "dtensor") as counter:
             optimizer.zero_grad(set_to_none=True)
             counter.phase = "forward"
             loss = model(**inputs).loss
@@ -224,18 +205,14 @@ def _cells(counts: Dict[str, List[int]]) -> List[str]:
 def _tables(out: Dict[str, Any]) -> List[Any]:
     labels = {"hlo": "nxdtp, XLA HLO", "gloo": "nxdtp, gloo run", "dtensor-gloo": "DTensor, gloo run"}
     rows = []
-    for what in ("per layer", "not in layers"):
-        for sp in (False, True):
-            for phase in PHASES:
-                mega = out["megatron"][f"sp={sp}"].get(phase) if what == "per layer" else None
-                for src, label in labels.items():
-                    source = out["sources"].get(f"{src},sp={sp}")
-                    counts = source and source["per_layer" if what == "per layer" else "non_layer"][phase]
-                    if counts or (source and mega is not None):
-                        rows.append([f"{what}, {phase}", sp, label, *_cells(counts), "" if mega is None
-                                     else counts == mega])
-                if mega is not None:
-                    rows.append([f"{what}, {phase}", sp, "Megatron-LM", *_cells(mega), ""])
+    for (what, part), sp, phase in ((w, sp, p) for w in (("per layer", "per_layer"), ("not in layers", "non_layer"))
+                                    for sp in (False, True) for p in PHASES):
+        mega = out["megatron"][f"sp={sp}"].get(phase) if part == "per_layer" else None
+        for src, label in labels.items():
+            counts = (source := out["sources"].get(f"{src},sp={sp}")) and source[part][phase]
+            if counts or (source and mega is not None):
+                rows.append([f"{what}, {phase}", sp, label, *_cells(counts), "" if mega is None else counts == mega])
+        rows += [[f"{what}, {phase}", sp, "Megatron-LM", *_cells(mega), ""]] if mega is not None else []
     cfg = out["config"]
     return [f"Per train step of BertForPreTraining (hidden {cfg['hidden_size']}, seq {out['seq']}, batch "
             f"{out['batch']}, fp32), tp={out['tp']}: count (bytes of the full tensor), 2-layer model - 1-layer model. "
