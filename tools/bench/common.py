@@ -12,9 +12,7 @@ import math
 import os
 import platform
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from statistics import median  # of any iterable: it sorts a copy
@@ -45,18 +43,6 @@ def case_started(fixed_mmap_threshold: bool) -> int:
 
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
     return os.getpid()
-
-
-@contextlib.contextmanager
-def workdir(path: Optional[str], prefix: str):
-    """``path`` (made where missing), or a temporary directory that is removed at the end."""
-    made = tempfile.mkdtemp(prefix=prefix) if path is None else None
-    os.makedirs(path or made, exist_ok=True)
-    try:
-        yield os.path.abspath(path or made)
-    finally:
-        if made:
-            shutil.rmtree(made, ignore_errors=True)
 
 
 @contextlib.contextmanager

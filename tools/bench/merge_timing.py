@@ -3,6 +3,7 @@ and of the DCP export and imports, against a raw copy of the same bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -147,6 +148,11 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
     return out
 
 
+def _workdir(path: Optional[str]):
+    """``path``, or a temporary directory removed at the end."""
+    return contextlib.nullcontext(os.path.abspath(path)) if path else tempfile.TemporaryDirectory(prefix="bench_merge_")
+
+
 def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]] = None, tp: int = TP) -> str:
     """``model``'s checkpoint at ``tp`` in ``workdir``, created by a world of tp ranks unless it is there."""
     checkpoint_dir = os.path.join(workdir, f"{model}-tp{tp}")
@@ -216,7 +222,7 @@ def tables(out: Dict[str, Any]) -> List[Any]:
 def run(ctx) -> Dict[str, Any]:
     """Section 5: BERT-large at tp=8 (``--quick``: a tiny BERT at tp=2), warm page cache, raw / merge / naive."""
     config, tp = (QUICK_CONFIG, 2) if ctx.quick else (None, TP)
-    with common.workdir(ctx.merge_workdir, "bench_merge_") as workdir:
+    with _workdir(ctx.merge_workdir) as workdir:
         out = measure("bert-large", workdir, ctx.merge_rounds or (1 if ctx.quick else 3), list(KINDS), config, tp)
     return dict(out, **common.section(tables(out)))
 
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
     if args.rounds < 1 or not models or set(models) - set(MODELS):
         parser.error(f"--rounds {args.rounds} (>= 1), --models {args.models!r} (from {', '.join(MODELS)})")
     kinds = [k for k in KINDS if not (args.no_naive and k == "naive")] + (list(DCP_KINDS) if args.dcp else [])
-    with common.workdir(args.workdir, "bench_merge_") as workdir:
+    with _workdir(args.workdir) as workdir:
         outs = [measure(m, workdir, args.rounds, kinds) for m in models]
     # One model: its figures at the top level of the JSON; several: a list of them.
     return emit([b for out in outs for b in tables(out)], outs[0] if len(outs) == 1 else {"models": outs}, args.json)
