@@ -53,20 +53,13 @@ def _trace_step(cfg, args, sequence_parallel: bool, hlo) -> Dict[str, Any]:
     model = move_model_to_device(model, device)
     batch = {k: v.to(device) for k, v in make_batch(cfg, args["seq"], args["batch"], SEED).items()
              if k != "attention_mask"}
-    params = list(model.parameters())
-    grads = lambda: [p.grad for p in params if p.grad is not None]  # noqa: E731
-    loss = model(**batch).loss
-    forward = hlo([loss])
-    loss.backward()
-    backward = hlo([loss] + grads())
-    if sequence_parallel:
-        allreduce_sequence_parallel_gradients(params)
-    sp_sum = hlo([loss] + grads())
-    clip_grad_norm(params, 1.0)
-    step = hlo([loss] + grads())
-    return {"forward": forward, "backward": _subtract(backward, forward),
-            "sequence-parallel gradient sum": _subtract(sp_sum, backward), "clip": _subtract(step, sp_sum),
-            "optimizer": {}}
+    params, loss = list(model.parameters()), model(**batch).loss
+    seen = [hlo([loss])]  # the collectives in the graph after forward, backward, the SP sum, clip: each less the last
+    for action in (loss.backward, lambda: sequence_parallel and allreduce_sequence_parallel_gradients(params),
+                   lambda: clip_grad_norm(params, 1.0)):
+        action()
+        seen.append(hlo([loss] + [p.grad for p in params if p.grad is not None]))
+    return {"forward": seen[0], **{p: _subtract(b, a) for p, a, b in zip(PHASES[1:4], seen, seen[1:])}, "optimizer": {}}
 
 
 def case_hlo(**args) -> Dict[str, Any]:
@@ -129,22 +122,16 @@ def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_paralle
     model = build_dense(model_cfg, SEED)
     clip = shard(kind, model, sequence_parallel=sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    inputs = make_batch(model_cfg, seq, batch, SEED)
+    inputs, out = make_batch(model_cfg, seq, batch, SEED), {}
+    actions = {"forward": lambda: out.update(loss=model(**inputs).loss), "backward": lambda: out["loss"].backward(),
+               "sequence-parallel gradient sum": lambda: allreduce_sequence_parallel_gradients(optimizer),
+               "clip": lambda: clip(list(model.parameters())), "optimizer": optimizer.step}
     for _ in range(2):  # the first step creates AdamW's state; count the second
         with _Counter(functional=kind == "dtensor") as counter:
             optimizer.zero_grad(set_to_none=True)
-            counter.phase = "forward"
-            loss = model(**inputs).loss
-            counter.phase = "backward"
-            loss.backward()
-            if sequence_parallel:
-                counter.phase = "sequence-parallel gradient sum"
-                allreduce_sequence_parallel_gradients(optimizer)
-            counter.phase = "clip"
-            clip(list(model.parameters()))
-            counter.phase = "optimizer"
-            optimizer.step()
-    return {"counts": counter.counts, "loss": loss.item()}
+            for counter.phase in (p for p in PHASES if sequence_parallel or p != "sequence-parallel gradient sum"):
+                actions[counter.phase]()
+    return {"counts": counter.counts, "loss": out["loss"].item()}
 
 
 def trace_hlo(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -192,8 +179,7 @@ def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
     out["numbers"] = {f"{key.replace(',', '_').replace('=', '')}_{phase}_{op}_{what}": source["per_layer"][phase]
                       .get(op, [0, 0])[i] for key, source in sources.items() for phase in PHASES[:2]
                       for op in OPS + ("broadcast",) for i, what in enumerate(("count", "bytes"))}
-    out["tables"] = _tables(out)
-    return out
+    return dict(out, tables=_tables(out))
 
 
 def _cells(counts: Dict[str, List[int]]) -> List[str]:

@@ -86,12 +86,12 @@ def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any
             "master_bytes": counted["master"], "state_bytes": counted["state"]}
 
 
-def count_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
-    rows = []
+def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    """Rank 0: the counted rows of every model, tp and dp."""
+    rows = [] if dist.get_rank() == 0 else None
     for label, cfg, tp in spec["count"]:
-        for dp in spec["dps"]:
-            world = tp * dp
-            per_rank = [count_one(cfg, tp, dp, r) for r in sorted({0, world - 1})]
+        for dp in spec["dps"] if rows is not None else ():
+            per_rank = [count_one(cfg, tp, dp, r) for r in sorted({0, tp * dp - 1})]
             worst = max(per_rank, key=lambda r: r["parameter_bytes"] + r["master_bytes"] + r["state_bytes"])
             n, pad = worst["parameters"], worst["padding_elements"]
             per = {k: worst[f"{k}_bytes"] / n for k in ("parameter", "grad", "main_grad", "master", "state")}
@@ -139,10 +139,6 @@ def timed_step(model, optimizer, batch, variant: str) -> Dict[str, float]:
     optimizer.step()       # ZeRO-1: reduce-scatter, norm and clip, AdamW on the shards, all-gather
     t2 = time.perf_counter()
     return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
-
-
-def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-    return count_rows(spec) if dist.get_rank() == 0 else None
 
 
 def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
