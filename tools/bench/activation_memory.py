@@ -19,8 +19,7 @@ from .common import SEED, Pool, log, rss_mark, section, table
 
 FULL = dict(layer=dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096), layers=2, seq=512,
             batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
-QUICK = dict(layer=dict(hidden_size=64, num_attention_heads=4, intermediate_size=256), layers=2, seq=64, batch=2,
-             tps=(2,), dtypes=("float32", "bfloat16"))
+QUICK = dict(FULL, layer=dict(hidden_size=64, num_attention_heads=4, intermediate_size=256), seq=64, batch=2, tps=(2,))
 MODES = ("dense", "tp", "tp_sp", "tp_sp_ckpt")
 LABELS = {"dense": "dense", "tp": "TP", "tp_sp": "TP+SP", "tp_sp_ckpt": "TP+SP+checkpoint"}
 DROPOUT = 0.1

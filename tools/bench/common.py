@@ -106,15 +106,17 @@ def timed(function: Callable[[], Any]) -> float:
 
 def hf_model(cfg: Dict[str, Any], arch: str = "bert", seed: Optional[int] = None, device: Optional[str] = None,
              **extra):
-    """BertForPreTraining or LlamaForCausalLM of config ``cfg`` and ``extra``, seeded when ``seed`` is given."""
+    """BertForPreTraining, or ``arch``'s ForCausalLM (llama, mixtral), of config ``cfg`` and ``extra``, seeded when
+    ``seed`` is given."""
     import torch
     import transformers as tf
 
     if seed is not None:
         torch.manual_seed(seed)
-    cls, config = (tf.BertForPreTraining, tf.BertConfig) if arch == "bert" else (tf.LlamaForCausalLM, tf.LlamaConfig)
+    name = arch.capitalize()
+    cls = getattr(tf, f"{name}ForPreTraining" if arch == "bert" else f"{name}ForCausalLM")
     with torch.device(device) if device else contextlib.nullcontext():
-        return cls(config(**cfg, **extra))
+        return cls(getattr(tf, f"{name}Config")(**cfg, **extra))
 
 
 def model_text(cfg: Dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 from unittest import mock
 
-from .common import Pool, alternate, log, median, section, table, timed
+from .common import Pool, alternate, hf_model, log, median, section, table, timed
 
 FULL = dict(hidden=256, intermediate=896, experts=8, top_k=2, layers=4, batch=4, seq=64, rounds=5)
 QUICK = dict(hidden=64, intermediate=96, experts=8, top_k=2, layers=2, batch=2, seq=16, rounds=2)
@@ -55,15 +55,11 @@ def case_step(count_all_to_all: bool = False) -> Dict[str, float]:
 
 
 def case_mixtral_bytes(rank: int) -> Dict[str, float]:
-    import torch
-    import transformers
-
     from nxdtp.models import parallelize_model
     from nxdtp.parallel_state import simulated_topology
     from nxdtp.storage import held_bytes
 
-    with torch.device("meta"):
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL_8X7B))
+    model = hf_model(MIXTRAL_8X7B, "mixtral", device="meta")
     dense = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     experts = sum(b for n, b in dense.items() if ".experts." in n)
     with simulated_topology(world_size=TP * EP, rank=rank, tensor_model_parallel_size=TP,

@@ -43,10 +43,9 @@ FULL = dict(count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8),
             dps=(1, 2, 4, 8), rss=dict(model=LLAMA_160M, batch=2, seq=64, steps=2),
             time=dict(model=LLAMA_50M, batch=2, seq=64, warmup=2, rounds=16, collective_reps=5),
             worlds=((2, 2), (1, 2)))  # (tp, dp); the first also runs parts 1 and 2
-QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
-             dps=(1, 2, 4, 8), rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
-             time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2),
-             worlds=((2, 2), (1, 2)))
+QUICK = dict(FULL, count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
+             rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
+             time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2))
 ASYNC_FULL = dict(model=dict(LLAMA_50M, hidden_size=512, intermediate_size=1408, num_attention_heads=8), batch=2,
                   seq=64, warmup=2, pre=3, post=8, rounds=6, tp=2, dp=1)
 ASYNC_QUICK = dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, pre=2, post=2, rounds=2, tp=2, dp=1)
