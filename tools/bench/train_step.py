@@ -13,9 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel as Col
-from torch.distributed.tensor.parallel import RowwiseParallel as Row
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import BertForPreTraining, LlamaForCausalLM  # noqa: F401 - imported before the memory baselines
 
@@ -92,8 +90,9 @@ def shard(kind: str, model, arch: str = "bert", sequence_parallel: bool = False,
         return lambda params: nxdtp.grads.clip_grad_norm(params, MAX_GRAD_NORM)
     if kind == "dtensor":
         mesh = STATE.setdefault("mesh", init_device_mesh("cpu", (dist.get_world_size(),)))
-        plan = {"attention.self.query": Col(), "attention.self.key": Col(), "attention.self.value": Col(),
-                "attention.output.dense": Row(), "intermediate.dense": Col(), "output.dense": Row()}
+        plan = {name: (RowwiseParallel if name.endswith("output.dense") else ColwiseParallel)() for name in (
+            "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+            "intermediate.dense", "output.dense")}
         for layer in model.bert.encoder.layer:
             parallelize_module(layer, mesh, plan)
             layer.attention.self.num_attention_heads //= mesh.size()  # the local head count
