@@ -15,8 +15,8 @@ from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import fmt_bytes, fresh, log, table
-from .train_step import ADAMW, FULL, QUICK, SEED, build_dense, make_batch, shard
+from .common import ADAMW, SEED, fmt_bytes, fresh, log, table
+from .train_step import FULL, QUICK, build_dense, make_batch, shard
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 HLO_WORLD, HLO_RANK, HLO_TP = 2, 1, 2

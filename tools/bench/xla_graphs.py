@@ -18,8 +18,8 @@ from nxdtp.optimizer import Lamb
 from nxdtp.random import model_parallel_xla_manual_seed
 from nxdtp.utils import move_model_to_device
 
-from .common import BERT_LARGE, fresh, hf_model, log, model_text, section, snake, table
-from .train_step import ADAMW, MAX_GRAD_NORM, SEED, build_dense, make_batch
+from .common import ADAMW, BERT_LARGE, MAX_GRAD_NORM, SEED, fresh, hf_model, log, model_text, section, snake, table
+from .train_step import build_dense, make_batch
 
 STEPS, STEADY_FROM = 10, 2
 COUNTERS = ("UncachedCompile", "CachedCompile", "ExecuteComputation")
