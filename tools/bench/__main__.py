@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import importlib
 import math
 import os
@@ -54,11 +55,10 @@ def _arguments(argv) -> tuple:
     parser.add_argument("--merge-workdir", help="where section 5 keeps its checkpoint (reused when present)")
     args = parser.parse_args(argv)
     named = list(args.section) + [s.strip() for s in (args.sections or "").split(",") if s.strip()]
-    sections = named or [s for s in SECTIONS if s != "gpu"]
-    sections += ["gpu"] if args.gpu and "gpu" not in sections else []
-    unknown = sorted(set(sections) - set(KEYS))
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {list(KEYS)}, or a tool of {list(TOOLS)}")
+    sections = (named or [s for s in SECTIONS if s != "gpu"]) + (["gpu"] if args.gpu else [])
+    if set(sections) - set(KEYS):
+        parser.error(f"unknown sections {sorted(set(sections) - set(KEYS))}; choose from {list(KEYS)}, or a tool of "
+                     f"{list(TOOLS)}")
     return args, [s for s in KEYS if s in sections]
 
 
@@ -78,13 +78,12 @@ def _runners(ctx, background) -> Dict[str, Callable[[], Any]]:
 def run_suite(args, sections) -> Dict[str, Any]:
     from .train_step import Competitors
 
-    background = concurrent.futures.ThreadPoolExecutor(max_workers=2) if args.quick else None
     ctx = types.SimpleNamespace(**{**vars(args), "sections": sections, "competitors": Competitors()})
     results, seconds = {}, {}
-    try:
-        runners = _runners(ctx, background)
-        # Sections 1, gpu and 3 share the competitors' workers; the others start worlds of their own after those end.
-        shared = ("train", "gpu", "comm")
+    # Sections 1, gpu and 3 share the competitors' workers; the others start worlds of their own after those end.
+    shared = ("train", "gpu", "comm")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as background, contextlib.closing(ctx.competitors):
+        runners = _runners(ctx, background if args.quick else None)
         for name in [s for s in shared if s in sections] + [s for s in sections if s not in shared]:
             if name not in shared:
                 ctx.competitors.close()
@@ -92,10 +91,6 @@ def run_suite(args, sections) -> Dict[str, Any]:
             results[KEYS[name]] = runners[name]()
             seconds[name] = time.perf_counter() - started
             common.log(f"{TITLES[name]}: done in {seconds[name]:.1f} s")
-    finally:
-        ctx.competitors.close()
-        if background is not None:
-            background.shutdown()
     return {"sections": results, "section_wall_s": seconds}
 
 

@@ -15,18 +15,16 @@ from transformers import BertConfig, BertModel
 from nxdtp.models.bert import checkpoint_layers, parallelize_bert
 from nxdtp.random import model_parallel_xla_manual_seed
 
-from .common import Pool, figures, log, records, rss_mark, table
+from .common import SEED, Pool, log, rss_mark, section, table
 
 FULL = dict(layer=dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096), layers=2, seq=512,
             batch=4, tps=(2, 4, 8), dtypes=("float32", "bfloat16"))
-QUICK = dict(layer=dict(hidden_size=64, num_attention_heads=4, intermediate_size=256), layers=2, seq=64, batch=2,
-             tps=(2,), dtypes=("float32", "bfloat16"))
+QUICK = dict(FULL, layer=dict(hidden_size=64, num_attention_heads=4, intermediate_size=256), seq=64, batch=2, tps=(2,))
 MODES = ("dense", "tp", "tp_sp", "tp_sp_ckpt")
 LABELS = {"dense": "dense", "tp": "TP", "tp_sp": "TP+SP", "tp_sp_ckpt": "TP+SP+checkpoint"}
 DROPOUT = 0.1
 ATTENTION = "sdpa"  # transformers 5's default for BERT; "eager" is measured once (dense) for comparison
 VOCAB = 512  # the embeddings are outside the measured layers: keep them small
-SEED = 1234
 ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2}
 MASK_BYTES = 1
 
@@ -245,14 +243,15 @@ def _summarise_ranks(per_rank: List[dict], spec: Dict[str, Any], mode: str, tp: 
     return row
 
 
-def _find(rows, mode, dtype, tp=None, attention=ATTENTION):
-    return next(r for r in rows if (r["mode"], r["dtype"], r["attention"]) == (mode, dtype, attention)
-                and tp in (None, r["tp"]))
+def _chain(rows: List[dict], dtype: str, tp: int) -> List[dict]:
+    """The rows of ``dtype`` of each mode in turn: dense (of the default attention), then each TP mode at ``tp``."""
+    return [next(r for r in rows if (r["mode"], r["dtype"], r["attention"], r["tp"]) == (
+        mode, dtype, ATTENTION, 1 if mode == "dense" else tp)) for mode in MODES]
 
 
 def run(ctx) -> Dict[str, Any]:
     spec = QUICK if ctx.quick else FULL
-    rows, ratios = [], []
+    rows = []
     for tp in spec["tps"]:
         log(f"activation memory: starting a gloo world of {tp}")
         first = [("dense", d, a) for d in spec["dtypes"] for a in (ATTENTION, "eager")] if tp == spec["tps"][0] else []
@@ -261,21 +260,14 @@ def run(ctx) -> Dict[str, Any]:
                 log(f"activation memory: tp={tp} {LABELS[mode]} {dtype} {attention}")
                 per_rank = pool.call(case_measure, spec=spec, mode=mode, dtype=dtype, attention=attention)
                 rows.append(_summarise_ranks(per_rank, spec, mode, tp, dtype, attention))
-    for dtype in spec["dtypes"]:
-        dense = _find(rows, "dense", dtype)
-        for tp in spec["tps"]:
-            chain = {m: _find(rows, m, dtype, tp) for m in MODES[1:]}
-            pairs = {"tp_over_dense": (chain["tp"], dense), "sp_over_tp": (chain["tp_sp"], chain["tp"]),
-                     "ckpt_over_sp": (chain["tp_sp_ckpt"], chain["tp_sp"])}
-            # measured / formula / CPU-kernel formula
-            ratios.append({"dtype": dtype, "tp": tp, **{name: [a[k] / b[k] for k in (
-                "saved_bytes_per_layer", "formula_bytes_per_layer", "cpu_kernel_formula_bytes_per_layer")]
-                for name, (a, b) in pairs.items()}})
+    # Each mode over the one before it: measured / formula / CPU-kernel formula.
+    ratios = [{"dtype": dtype, "tp": tp, **{name: [a[k] / b[k] for k in (
+        "saved_bytes_per_layer", "formula_bytes_per_layer", "cpu_kernel_formula_bytes_per_layer")]
+        for name, b, a in zip(("tp_over_dense", "sp_over_tp", "ckpt_over_sp"), chain, chain[1:])}}
+        for dtype in spec["dtypes"] for tp in spec["tps"] for chain in [_chain(rows, dtype, tp)]]
     out = {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.items()}, "attention": ATTENTION,
            "dropout": DROPOUT, "rows": rows, "ratios": ratios}
-    out["tables"] = _tables(out)
-    out["numbers"] = figures(out["tables"])
-    return out
+    return dict(out, **section(_tables(out)))
 
 
 COLUMNS = {"configuration": lambda r: LABELS[r["mode"]] + ("" if r["attention"] == ATTENTION else
@@ -298,14 +290,14 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
               f"per rank (the largest); s*b*h = {sbh:,}. Formula: Korthikanti et al. 2022 with e-byte activations and "
               "1-byte masks; CPU-kernel formula: the same terms at the sizes PyTorch's CPU kernels store."]
     for dtype in spec["dtypes"]:
-        blocks += [f"**{dtype}**", records(COLUMNS, (r for r in rows if r["dtype"] == dtype), name=dtype, keys=2)]
+        blocks += [f"**{dtype}**", table(COLUMNS, (r for r in rows if r["dtype"] == dtype), name=dtype, keys=2)]
     names = {"TP / dense|.4f": "tp_over_dense", "TP+SP / TP|.4f": "sp_over_tp",
              "TP+SP+checkpoint / TP+SP|.4f": "ckpt_over_sp"}
     blocks += ["Ratios of saved bytes per layer per rank: measured / formula / CPU-kernel formula.",
-               records({"dtype": "dtype", "tp": "tp", **names}, out["ratios"], keys=2)]
+               table({"dtype": "dtype", "tp": "tp", **names}, out["ratios"], keys=2)]
     tp = max(spec["tps"])
     for dtype in spec["dtypes"]:
-        chosen = [_find(rows, "dense", dtype)] + [_find(rows, m, dtype, tp) for m in MODES[1:]]
+        chosen = _chain(rows, dtype, tp)
         terms = list(dict.fromkeys(t for r in chosen for t in r["terms_sbh_per_layer"]))
         body = [[t] + [[r["terms_sbh_per_layer"].get(t, {}).get(k, 0) for k in KINDS] for r in chosen] for t in terms]
         body.append(["total"] + [[r[f"{k.replace('measured', 'saved')}_sbh_per_layer"] for k in KINDS]

@@ -25,6 +25,9 @@ BERT_LARGE = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_
                   intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2)
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                      "TOKENIZERS_PARALLELISM": "false"}
+SEED, MAX_GRAD_NORM = 1234, 1.0  # the sections' seed and clipping norm
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+EMPTY = "-"  # a table cell with no figure on purpose; a None cell is a figure that went missing (``figures``)
 
 
 # ---- worker pools and models -----------------------------------------------------------------------------------------
@@ -103,15 +106,17 @@ def timed(function: Callable[[], Any]) -> float:
 
 def hf_model(cfg: Dict[str, Any], arch: str = "bert", seed: Optional[int] = None, device: Optional[str] = None,
              **extra):
-    """BertForPreTraining or LlamaForCausalLM of config ``cfg`` and ``extra``, seeded when ``seed`` is given."""
+    """BertForPreTraining, or ``arch``'s ForCausalLM (llama, mixtral), of config ``cfg`` and ``extra``, seeded when
+    ``seed`` is given."""
     import torch
     import transformers as tf
 
     if seed is not None:
         torch.manual_seed(seed)
-    cls, config = (tf.BertForPreTraining, tf.BertConfig) if arch == "bert" else (tf.LlamaForCausalLM, tf.LlamaConfig)
+    name = arch.capitalize()
+    cls = getattr(tf, f"{name}ForPreTraining" if arch == "bert" else f"{name}ForCausalLM")
     with torch.device(device) if device else contextlib.nullcontext():
-        return cls(config(**cfg, **extra))
+        return cls(getattr(tf, f"{name}Config")(**cfg, **extra))
 
 
 def model_text(cfg: Dict[str, Any]) -> str:
@@ -153,9 +158,8 @@ def summary(values: Iterable[float]) -> Dict[str, Any]:
 
 
 def verdict(value: Optional[float], target: float) -> str:
-    if value is None:
-        return "-"
-    return "met" if value <= target else f"MISSED by {(value - target) / target * 100:.1f} %"
+    missed = None if value is None else (value - target) / target * 100
+    return EMPTY if value is None else "met" if missed <= 0 else f"MISSED by {missed:.1f} %"
 
 
 def alternate(variants: Sequence[str], rounds: int, run_one: Callable[[str], Any], warmup: int = 0,
@@ -277,11 +281,8 @@ def measure_rss(run: Callable[[], Any]) -> tuple:
 # ---- the one renderer ------------------------------------------------------------------------------------------------
 
 def fmt_bytes(n: float) -> str:
-    if abs(n) < 1024:
-        return f"{n:,.0f} B"
-    if abs(n) < MIB:
-        return f"{n / 1024:,.1f} KiB"
-    return f"{n / MIB:,.1f} MiB" if abs(n) < (1 << 30) else f"{n / (1 << 30):,.2f} GiB"
+    unit = next((u for u in (3, 2, 1) if abs(n) >= 1 << 10 * u), 0)
+    return f"{n / (1 << 10 * unit):,.{(0, 1, 1, 2)[unit]}f} {('B', 'KiB', 'MiB', 'GiB')[unit]}"
 
 
 def cell(value: Any, spec: str = "") -> str:
@@ -302,20 +303,16 @@ def cell(value: Any, spec: str = "") -> str:
     return f"{value:.3g}" if abs(value) >= 0.001 or value == 0 else f"{value:.2e}"
 
 
-def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], formats: Optional[Dict[str, str]] = None,
-          name: str = "", keys: int = 1):
+def table(columns, rows: Iterable[Any], formats: Optional[Dict[str, str]] = None, name: str = "", keys: int = 1):
     """A table as data. A column named "name|spec" is shown as "name" with cells formatted by ``cell(v, spec)``;
     ``formats`` maps more column names to specs. ``name`` and the first ``keys`` columns name its figures (``figures``;
-    none for ``keys=0``)."""
+    none for ``keys=0``). ``columns`` as a dict: one row per item of ``rows``, each column the item's value at the key
+    it maps to (``EMPTY`` where it has none), or the value of the function it maps to on the item."""
+    if isinstance(columns, dict):
+        rows = ([f(i) if callable(f) else i.get(f, EMPTY) for f in columns.values()] for i in rows)
     names = [c.split("|")[0] for c in columns]
     specs = {**{n: c.split("|")[1] for n, c in zip(names, columns) if "|" in c}, **(formats or {})}
     return {"columns": names, "rows": [list(r) for r in rows], "formats": specs, "name": name, "keys": keys}
-
-
-def records(columns: Dict[str, Any], items: Iterable[Any], **kw):
-    """A ``table`` of one row per item: column "name|spec" shows the item's value at the key it maps to, or the value
-    of the function it maps to on the item (None where it has no such key)."""
-    return table(list(columns), ([f(i) if callable(f) else i.get(f) for f in columns.values()] for i in items), **kw)
 
 
 def snake(*parts: Any) -> str:
@@ -325,7 +322,7 @@ def snake(*parts: Any) -> str:
 def figures(blocks: Iterable[Any], **extra: Any) -> Dict[str, Any]:
     """A section's ``numbers``: ``extra``, then each number in its tables (a median/min/max cell's median, each item
     of a list) as "table name, row, column" in snake case; a row is named by its key cells (a number with its column's
-    name: tp=2 is "tp2")."""
+    name: tp=2 is "tp2"). Text cells (``EMPTY`` among them) are no figures; a None cell is kept, as None."""
     out = dict(extra)
     for block in (b for b in blocks if not isinstance(b, str) and b["keys"]):
         k, columns = block["keys"], block["columns"]
@@ -338,9 +335,14 @@ def figures(blocks: Iterable[Any], **extra: Any) -> Dict[str, Any]:
                     key = snake(block["name"], *label, column, i + 1 if len(values) > 1 else "")
                     if key in out:
                         raise ValueError(f"two figures named {key!r}: give the table a name or more key columns")
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
                         out[key] = v
     return out
+
+
+def section(blocks: List[Any], **extra: Any) -> Dict[str, Any]:
+    """A section's ``tables`` and their ``figures`` (with ``extra``)."""
+    return {"tables": blocks, "numbers": figures(blocks, **extra)}
 
 
 def render(blocks: Iterable[Any]) -> str:

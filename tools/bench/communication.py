@@ -6,10 +6,8 @@ from __future__ import annotations
 import math
 import re
 from typing import Any, Dict, List
-from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nxdtp import comm, parallel_state
@@ -17,8 +15,8 @@ from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import fmt_bytes, fresh, log, table
-from .train_step import ADAMW, FULL, QUICK, SEED, build_dense, make_batch, shard
+from .common import ADAMW, SEED, fmt_bytes, fresh, log, table
+from .train_step import FULL, QUICK, build_dense, make_batch, shard
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 HLO_WORLD, HLO_RANK, HLO_TP = 2, 1, 2
@@ -55,20 +53,13 @@ def _trace_step(cfg, args, sequence_parallel: bool, hlo) -> Dict[str, Any]:
     model = move_model_to_device(model, device)
     batch = {k: v.to(device) for k, v in make_batch(cfg, args["seq"], args["batch"], SEED).items()
              if k != "attention_mask"}
-    params = list(model.parameters())
-    grads = lambda: [p.grad for p in params if p.grad is not None]  # noqa: E731
-    loss = model(**batch).loss
-    forward = hlo([loss])
-    loss.backward()
-    backward = hlo([loss] + grads())
-    if sequence_parallel:
-        allreduce_sequence_parallel_gradients(params)
-    sp_sum = hlo([loss] + grads())
-    clip_grad_norm(params, 1.0)
-    step = hlo([loss] + grads())
-    return {"forward": forward, "backward": _subtract(backward, forward),
-            "sequence-parallel gradient sum": _subtract(sp_sum, backward), "clip": _subtract(step, sp_sum),
-            "optimizer": {}}
+    params, loss = list(model.parameters()), model(**batch).loss
+    seen = [hlo([loss])]  # the collectives in the graph after forward, backward, the SP sum, clip: each less the last
+    for action in (loss.backward, lambda: sequence_parallel and allreduce_sequence_parallel_gradients(params),
+                   lambda: clip_grad_norm(params, 1.0)):
+        action()
+        seen.append(hlo([loss] + [p.grad for p in params if p.grad is not None]))
+    return {"forward": seen[0], **{p: _subtract(b, a) for p, a, b in zip(PHASES[1:4], seen, seen[1:])}, "optimizer": {}}
 
 
 def case_hlo(**args) -> Dict[str, Any]:
@@ -95,51 +86,35 @@ def case_hlo(**args) -> Dict[str, Any]:
 
 # ---- (ii) the counting gloo run, in section 1's nxdtp and DTensor workers -------------------------------------------
 
-class _Counter:
-    """{phase: {op: [count, bytes of the full tensor]}}, with the op's measured argument (an all-reduce's buffer, an
-    all-gather's output, a reduce-scatter's input) by torch.distributed function, or by functional collective."""
+class _Counter(TorchDispatchMode):
+    """{phase: {op: [count, bytes of the full tensor]}} of the collectives dispatched within: torch.distributed's (what
+    nxdtp.comm calls), or with ``functional`` DTensor's (torch.ops._c10d_functional.*), each by its measured argument
+    (an all-reduce's buffer, an all-gather's output, a reduce-scatter's input)."""
 
-    DIST = {"all_reduce": ("all-reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),  # what nxdtp.comm calls
-            "all_gather_into_tensor": ("all-gather", 0, "output_tensor"),
-            "reduce_scatter_tensor": ("reduce-scatter", 1, "input")}
+    C10D = {"allreduce_": ("all-reduce", 0), "broadcast_": ("broadcast", 0), "_allgather_base_": ("all-gather", 0),
+            "_reduce_scatter_base_": ("reduce-scatter", 1)}  # op: (its name here, the index of its measured argument)
     FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
                   "reduce_scatter_tensor": "reduce-scatter", "broadcast": "broadcast"}
 
-    def __init__(self):
-        self.phase, self.counts = "setup", {}
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.phase, self.counts, self.functional = "setup", {}, functional
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        library, _, op = str(func.overloadpacket).partition(".")
+        if self.functional and library == "_c10d_functional" and not op.startswith("wait_tensor"):
+            kind = next((k for k in self.FUNCTIONAL if op.startswith(k)), None)  # unknown: 0 bytes
+            scale = int(args[1]) if kind == "all_gather_into_tensor" else 1
+            self.add(self.FUNCTIONAL.get(kind, op), args[0].nbytes * scale if kind else 0)
+        elif not self.functional and library == "c10d" and op in self.C10D:
+            name, index = self.C10D[op]
+            self.add(name, (args[index][0] if isinstance(args[index], list) else args[index]).nbytes)
+        return func(*args, **(kwargs or {}))
 
     def add(self, op: str, nbytes: int) -> None:
         entry = self.counts.setdefault(self.phase, {}).setdefault(op, [0, 0])
         entry[0] += 1
         entry[1] += int(nbytes)
-
-    def torch_distributed(self):
-        """Every torch.distributed collective of ``DIST``, counted on its way through."""
-        def wrap(name, fn):
-            op, index, keyword = self.DIST[name]
-
-            def wrapper(*args, **kwargs):
-                self.add(op, (args[index] if len(args) > index else kwargs[keyword]).nbytes)
-                return fn(*args, **kwargs)
-            return wrapper
-
-        return mock.patch.multiple(dist, **{name: wrap(name, getattr(dist, name)) for name in self.DIST})
-
-    def functional(self):
-        """A dispatch mode counting DTensor's functional collectives (torch.ops._c10d_functional.*)."""
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                op = name.split(".", 1)[1] if name.startswith("_c10d_functional.") else "wait_tensor"
-                if not op.startswith("wait_tensor"):
-                    kind = next((k for k in counter.FUNCTIONAL if op.startswith(k)), None)  # unknown: 0 bytes
-                    scale = int(args[1]) if kind == "all_gather_into_tensor" else 1
-                    counter.add(counter.FUNCTIONAL.get(kind, op), args[0].nbytes * scale if kind else 0)
-                return func(*args, **(kwargs or {}))
-
-        return Mode()
 
 
 def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_parallel: bool = False) -> Dict[str, Any]:
@@ -147,23 +122,16 @@ def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_paralle
     model = build_dense(model_cfg, SEED)
     clip = shard(kind, model, sequence_parallel=sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    inputs, counter = make_batch(model_cfg, seq, batch, SEED), _Counter()
+    inputs, out = make_batch(model_cfg, seq, batch, SEED), {}
+    actions = {"forward": lambda: out.update(loss=model(**inputs).loss), "backward": lambda: out["loss"].backward(),
+               "sequence-parallel gradient sum": lambda: allreduce_sequence_parallel_gradients(optimizer),
+               "clip": lambda: clip(list(model.parameters())), "optimizer": optimizer.step}
     for _ in range(2):  # the first step creates AdamW's state; count the second
-        counter.counts.clear()
-        with counter.functional() if kind == "dtensor" else counter.torch_distributed():
+        with _Counter(functional=kind == "dtensor") as counter:
             optimizer.zero_grad(set_to_none=True)
-            counter.phase = "forward"
-            loss = model(**inputs).loss
-            counter.phase = "backward"
-            loss.backward()
-            if sequence_parallel:
-                counter.phase = "sequence-parallel gradient sum"
-                allreduce_sequence_parallel_gradients(optimizer)
-            counter.phase = "clip"
-            clip(list(model.parameters()))
-            counter.phase = "optimizer"
-            optimizer.step()
-    return {"counts": counter.counts, "loss": loss.item()}
+            for counter.phase in (p for p in PHASES if sequence_parallel or p != "sequence-parallel gradient sum"):
+                actions[counter.phase]()
+    return {"counts": counter.counts, "loss": out["loss"].item()}
 
 
 def trace_hlo(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -211,8 +179,7 @@ def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
     out["numbers"] = {f"{key.replace(',', '_').replace('=', '')}_{phase}_{op}_{what}": source["per_layer"][phase]
                       .get(op, [0, 0])[i] for key, source in sources.items() for phase in PHASES[:2]
                       for op in OPS + ("broadcast",) for i, what in enumerate(("count", "bytes"))}
-    out["tables"] = _tables(out)
-    return out
+    return dict(out, tables=_tables(out))
 
 
 def _cells(counts: Dict[str, List[int]]) -> List[str]:
@@ -224,18 +191,14 @@ def _cells(counts: Dict[str, List[int]]) -> List[str]:
 def _tables(out: Dict[str, Any]) -> List[Any]:
     labels = {"hlo": "nxdtp, XLA HLO", "gloo": "nxdtp, gloo run", "dtensor-gloo": "DTensor, gloo run"}
     rows = []
-    for what in ("per layer", "not in layers"):
-        for sp in (False, True):
-            for phase in PHASES:
-                mega = out["megatron"][f"sp={sp}"].get(phase) if what == "per layer" else None
-                for src, label in labels.items():
-                    source = out["sources"].get(f"{src},sp={sp}")
-                    counts = source and source["per_layer" if what == "per layer" else "non_layer"][phase]
-                    if counts or (source and mega is not None):
-                        rows.append([f"{what}, {phase}", sp, label, *_cells(counts), "" if mega is None
-                                     else counts == mega])
-                if mega is not None:
-                    rows.append([f"{what}, {phase}", sp, "Megatron-LM", *_cells(mega), ""])
+    for (what, part), sp, phase in ((w, sp, p) for w in (("per layer", "per_layer"), ("not in layers", "non_layer"))
+                                    for sp in (False, True) for p in PHASES):
+        mega = out["megatron"][f"sp={sp}"].get(phase) if part == "per_layer" else None
+        for src, label in labels.items():
+            counts = (source := out["sources"].get(f"{src},sp={sp}")) and source[part][phase]
+            if counts or (source and mega is not None):
+                rows.append([f"{what}, {phase}", sp, label, *_cells(counts), "" if mega is None else counts == mega])
+        rows += [[f"{what}, {phase}", sp, "Megatron-LM", *_cells(mega), ""]] if mega is not None else []
     cfg = out["config"]
     return [f"Per train step of BertForPreTraining (hidden {cfg['hidden_size']}, seq {out['seq']}, batch "
             f"{out['batch']}, fp32), tp={out['tp']}: count (bytes of the full tensor), 2-layer model - 1-layer model. "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .common import Pool, alternate, log, median, timed
+from .common import Pool, alternate, hf_model, log, median, timed
 
 FULL = dict(vocab=32000, hidden=256, layers=2, batch=4, seq=128, rounds=6)
 QUICK = dict(vocab=1024, hidden=64, layers=1, batch=2, seq=16, rounds=2)
@@ -16,15 +16,12 @@ _STATE: Dict[str, Any] = {}
 
 def case_setup(spec: Dict[str, int]) -> None:
     import torch
-    import transformers
 
     from nxdtp.models import parallelize_model
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_attention_heads=4,
-                                      num_key_value_heads=4, intermediate_size=2 * spec["hidden"],
-                                      num_hidden_layers=spec["layers"], tie_word_embeddings=False)
-    _STATE["model"] = parallelize_model(transformers.LlamaForCausalLM(config))
+    _STATE["model"] = parallelize_model(hf_model(dict(
+        vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=2 * spec["hidden"], num_hidden_layers=spec["layers"], tie_word_embeddings=False), "llama", 0))
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
     _STATE["batch"] = dict(input_ids=ids, labels=ids)
 

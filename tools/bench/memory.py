@@ -11,7 +11,7 @@ from nxdtp.models.bert import parallelize_bert
 from nxdtp.parallel_state import simulated_topology
 from nxdtp.storage import held_bytes
 
-from .common import BERT_LARGE, figures, fresh, hf_model, malloc_trim, proc_status_kib, records, table, verdict
+from .common import BERT_LARGE, fresh, hf_model, malloc_trim, proc_status_kib, section, table, verdict
 
 QUICK_CFG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
                  max_position_embeddings=128, type_vocab_size=2)
@@ -85,9 +85,7 @@ def run(ctx) -> Dict[str, Any]:
     out = fresh(case_count, cfg=BERT_LARGE)[0]
     cfg = QUICK_CFG if ctx.quick else BERT_LARGE
     out["rss"] = {"config": cfg, "rows": fresh(case_rss, malloc=True, cfg=cfg, tps=list(RSS_TPS[ctx.quick]))[0]}
-    out["tables"] = _tables(out)
-    out["numbers"] = figures(out["tables"])
-    return out
+    return dict(out, **section(_tables(out)))
 
 
 COLUMNS = {"tp": "tp", "nxdtp parameters / rank": "nxdtp_parameters_per_rank",
@@ -105,7 +103,7 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
     return [f"BERT-large BertForPreTraining ({', '.join(f'{k} {v}' for k, v in cfg.items())}): dense {dense:,} "
             f"parameters, {4 * dense / (1 << 20):,.1f} MiB fp32. Per rank, built on meta and sharded under a simulated "
             "topology; NxD attention-only computed from the config; percentages of dense.",
-            records(COLUMNS, out["rows"]),
+            table(COLUMNS, out["rows"]),
             f"Target at tp=8: <= {TARGET_PERCENT_AT_TP8} % of dense; nxdtp {at8['nxdtp_percent_of_dense']:.2f} % "
             f"({verdict(at8['nxdtp_percent_of_dense'], TARGET_PERCENT_AT_TP8)}); limit "
             f"{at8['limit_percent_of_dense']:.2f} %; NxD attention-only {at8['nxd_percent_of_dense']:.2f} %.",

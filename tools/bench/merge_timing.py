@@ -3,6 +3,7 @@ and of the DCP export and imports, against a raw copy of the same bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -147,6 +148,11 @@ def _summarise(runs: List[Dict[str, Any]], checkpoint_bytes: int) -> Dict[str, A
     return out
 
 
+def _workdir(path: Optional[str]):
+    """``path``, or a temporary directory removed at the end."""
+    return contextlib.nullcontext(os.path.abspath(path)) if path else tempfile.TemporaryDirectory(prefix="bench_merge_")
+
+
 def ensure_checkpoint(model: str, workdir: str, config: Optional[Dict[str, Any]] = None, tp: int = TP) -> str:
     """``model``'s checkpoint at ``tp`` in ``workdir``, created by a world of tp ranks unless it is there."""
     checkpoint_dir = os.path.join(workdir, f"{model}-tp{tp}")
@@ -161,8 +167,7 @@ def measure(model: str, workdir: str, rounds: int, kinds: List[str], config: Opt
     """Create (or reuse) ``model``'s checkpoint at ``tp`` in ``workdir``; measure ``kinds`` on it, ``rounds`` times in
     turn, each in a fresh process after its inputs were read (warm page cache)."""
     dirs = {"checkpoint": ensure_checkpoint(model, workdir, config, tp),
-            "dcp": os.path.join(workdir, f"{model}-tp{tp}" + "-dcp"),
-            "scratch": tempfile.mkdtemp(prefix="run_", dir=workdir)}
+            "dcp": os.path.join(workdir, f"{model}-tp{tp}-dcp")}
     sources = files_under(os.path.join(tag_dir(dirs["checkpoint"]), "model"))
 
     def one(kind: str) -> dict:
@@ -174,14 +179,12 @@ def measure(model: str, workdir: str, rounds: int, kinds: List[str], config: Opt
         log(f"merge timing: {kind}: {r['seconds']:.2f} s, peak RSS +{r['increase_mib']:.1f} MiB")
         return r
 
-    try:
-        if set(kinds) & {"from_dcp", "from_dcp_reshard"} and not os.path.isfile(os.path.join(dirs["dcp"], ".metadata")):
-            shutil.rmtree(dirs["dcp"], ignore_errors=True)  # the imports' input: this checkpoint's export, made once
-            fresh(case_measure, kind="to_dcp", checkpoint_dir=dirs["checkpoint"], dcp_dir="", output_dir=dirs["dcp"],
-                  reshard_tp=tp)
+    if set(kinds) & {"from_dcp", "from_dcp_reshard"} and not os.path.isfile(os.path.join(dirs["dcp"], ".metadata")):
+        shutil.rmtree(dirs["dcp"], ignore_errors=True)  # the imports' input: this checkpoint's export, made once
+        fresh(case_measure, kind="to_dcp", checkpoint_dir=dirs["checkpoint"], dcp_dir="", output_dir=dirs["dcp"],
+              reshard_tp=tp)
+    with tempfile.TemporaryDirectory(prefix="run_", dir=workdir) as dirs["scratch"]:
         by_kind = alternate(kinds, rounds, one)
-    finally:
-        shutil.rmtree(dirs["scratch"], ignore_errors=True)
     runs = [dict(by_kind[k][i], round=i) for i in range(rounds) for k in kinds]
     checkpoint_bytes = sum(map(os.path.getsize, sources))
     return {"model": model, "model_config": config or MODELS[model], "tp": tp, "checkpoint_bytes": checkpoint_bytes,
@@ -218,17 +221,10 @@ def tables(out: Dict[str, Any]) -> List[Any]:
 
 def run(ctx) -> Dict[str, Any]:
     """Section 5: BERT-large at tp=8 (``--quick``: a tiny BERT at tp=2), warm page cache, raw / merge / naive."""
-    workdir = ctx.merge_workdir or tempfile.mkdtemp(prefix="bench_merge_")
-    os.makedirs(workdir, exist_ok=True)
     config, tp = (QUICK_CONFIG, 2) if ctx.quick else (None, TP)
-    try:
+    with _workdir(ctx.merge_workdir) as workdir:
         out = measure("bert-large", workdir, ctx.merge_rounds or (1 if ctx.quick else 3), list(KINDS), config, tp)
-    finally:
-        if ctx.merge_workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    out["tables"] = tables(out)
-    out["numbers"] = common.figures(out["tables"])
-    return out
+    return dict(out, **common.section(tables(out)))
 
 
 def main(argv=None) -> int:
@@ -242,13 +238,8 @@ def main(argv=None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.rounds < 1 or not models or set(models) - set(MODELS):
         parser.error(f"--rounds {args.rounds} (>= 1), --models {args.models!r} (from {', '.join(MODELS)})")
-    workdir = os.path.abspath(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="bench_merge_")
-    os.makedirs(workdir, exist_ok=True)
     kinds = [k for k in KINDS if not (args.no_naive and k == "naive")] + (list(DCP_KINDS) if args.dcp else [])
-    try:
+    with _workdir(args.workdir) as workdir:
         outs = [measure(m, workdir, args.rounds, kinds) for m in models]
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     # One model: its figures at the top level of the JSON; several: a list of them.
     return emit([b for out in outs for b in tables(out)], outs[0] if len(outs) == 1 else {"models": outs}, args.json)

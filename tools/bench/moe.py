@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 from unittest import mock
 
-from .common import Pool, alternate, figures, log, median, records, timed
+from .common import Pool, alternate, hf_model, log, median, section, table, timed
 
 FULL = dict(hidden=256, intermediate=896, experts=8, top_k=2, layers=4, batch=4, seq=64, rounds=5)
 QUICK = dict(hidden=64, intermediate=96, experts=8, top_k=2, layers=2, batch=2, seq=16, rounds=2)
@@ -55,15 +55,11 @@ def case_step(count_all_to_all: bool = False) -> Dict[str, float]:
 
 
 def case_mixtral_bytes(rank: int) -> Dict[str, float]:
-    import torch
-    import transformers
-
     from nxdtp.models import parallelize_model
     from nxdtp.parallel_state import simulated_topology
     from nxdtp.storage import held_bytes
 
-    with torch.device("meta"):
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL_8X7B))
+    model = hf_model(MIXTRAL_8X7B, "mixtral", device="meta")
     dense = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     experts = sum(b for n, b in dense.items() if ".experts." in n)
     with simulated_topology(world_size=TP * EP, rank=rank, tensor_model_parallel_size=TP,
@@ -100,17 +96,16 @@ def _result(spec, counted, sent: float, rounds) -> Dict[str, Any]:
     numbers = {"step_s_dense": dense, "step_s_tp2_ep2": parallel, "tp2_ep2_over_dense": parallel / dense,
                "all_to_all_bytes_per_step": sent, "all_to_all_bytes_formula": float(formula),
                "mixtral_percent_over_ideal": 100 * (worst["storage_bytes"] / worst["ideal_bytes"] - 1)}
-    tables = [
+    return {"spec": spec, "rounds": rounds, "mixtral": counted, **section([
         f"{spec['layers']} MoE layers (hidden {spec['hidden']}, intermediate {spec['intermediate']}, {spec['experts']} "
         f"experts, top-{spec['top_k']}, dropless), fp32, global batch {spec['batch'] * 4} x {spec['seq']}, a thread "
         f"per process; slowest rank, median of {spec['rounds']} alternating rounds: dense {dense:.3f} s, TP2 x EP2 "
         f"{parallel:.3f} s ({parallel / dense:.2f}x). All-to-all bytes per step: {sent:,.0f}; formula (4 x layers - 1) "
         f"x E x C x H x 4 B = {formula:,.0f} (entry and exit, forward and backward, less the first layer's entry in "
         f"backward; C = the rank's {tokens} tokens).",
-        records({"rank": "rank", "parameter bytes|bytes": "parameter_bytes",
-                 "storage bytes held|bytes": "storage_bytes", "ideal (experts / 64, rest / 8)|bytes": "ideal_bytes",
-                 "over ideal %|.2f": lambda c: 100 * (c["storage_bytes"] / c["ideal_bytes"] - 1)},
-                [dict(c, rank=r) for c, r in zip(counted, (0, TP * EP - 1))]),
+        table({"rank": "rank", "parameter bytes|bytes": "parameter_bytes",
+               "storage bytes held|bytes": "storage_bytes", "ideal (experts / 64, rest / 8)|bytes": "ideal_bytes",
+               "over ideal %|.2f": lambda c: 100 * (c["storage_bytes"] / c["ideal_bytes"] - 1)},
+              [dict(c, rank=r) for c, r in zip(counted, (0, TP * EP - 1))]),
         f"Mixtral-8x7B at tp={TP} x ep={EP}: {numbers['mixtral_percent_over_ideal']:.2f} % over the ideal (goal "
-        f"{BYTES_GOAL_PERCENT} %; the replicated norms and routers are the difference)."]
-    return {"spec": spec, "rounds": rounds, "mixtral": counted, "tables": tables, "numbers": figures(tables, **numbers)}
+        f"{BYTES_GOAL_PERCENT} %; the replicated norms and routers are the difference)."], **numbers)}

@@ -13,9 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel as Col
-from torch.distributed.tensor.parallel import RowwiseParallel as Row
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import BertForPreTraining, LlamaForCausalLM  # noqa: F401 - imported before the memory baselines
 
@@ -25,12 +23,11 @@ from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
 from . import common
-from .common import Pool, alternate, barrier, log, median, proc_status_kib, reset_peak_rss, summary, table, verdict
+from .common import ADAMW, MAX_GRAD_NORM, SEED, Pool, alternate, barrier, log, median, section, summary, table, verdict
 
 LABELS = {"dense": "(a) dense, 1 process x 1 thread", "nxdtp": "(b) nxdtp TP=2, 2 gloo ranks x 1 thread",
           "dtensor": "(c) DTensor TP=2, 2 gloo ranks x 1 thread"}
-TP, SEED, MAX_GRAD_NORM = 2, 1234, 1.0
-ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+TP, WARMUP = 2, 2
 PHASES = ("forward", "backward", "clip", "optimizer")
 # Sharded sums move results by a few ulps per operation (at most 2.3e-6 relative over the 12 steps of the full run),
 # far below the 4-22 % one step changes the loss here: a sharding error cannot hide inside this tolerance.
@@ -39,7 +36,6 @@ FULL = dict(model=dict(num_hidden_layers=4, hidden_size=768, num_attention_heads
                        vocab_size=30522, max_position_embeddings=512, type_vocab_size=2), seq=128, batch=8, rounds=10)
 QUICK = dict(model=dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256,
                         vocab_size=512, max_position_embeddings=64, type_vocab_size=2), seq=32, batch=4, rounds=3)
-WARMUP = 2
 # GQA: 8 query heads over 2 KV heads, so each TP rank holds 4 query heads and one KV head.
 LLAMA_FULL = dict(model=dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
                              intermediate_size=1408, vocab_size=8192, max_position_embeddings=256), seq=128, batch=4)
@@ -94,8 +90,9 @@ def shard(kind: str, model, arch: str = "bert", sequence_parallel: bool = False,
         return lambda params: nxdtp.grads.clip_grad_norm(params, MAX_GRAD_NORM)
     if kind == "dtensor":
         mesh = STATE.setdefault("mesh", init_device_mesh("cpu", (dist.get_world_size(),)))
-        plan = {"attention.self.query": Col(), "attention.self.key": Col(), "attention.self.value": Col(),
-                "attention.output.dense": Row(), "intermediate.dense": Col(), "output.dense": Row()}
+        plan = {name: (RowwiseParallel if name.endswith("output.dense") else ColwiseParallel)() for name in (
+            "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+            "intermediate.dense", "output.dense")}
         for layer in model.bert.encoder.layer:
             parallelize_module(layer, mesh, plan)
             layer.attention.self.num_attention_heads //= mesh.size()  # the local head count
@@ -108,7 +105,7 @@ def case_build(kind: str, model_cfg, seq: int, batch: int, arch: str = "bert", v
                device: str = "cpu") -> Dict[str, Any]:
     """Build, shard and keep the model, AdamW and the batch; reset the peak-RSS watermark."""
     if "baseline" not in STATE:  # after the same imports in every competitor
-        STATE["baseline"] = proc_status_kib()["VmRSS"] / 1024
+        STATE["baseline"] = common.proc_status_kib()["VmRSS"] / 1024
     model = build_dense(model_cfg, SEED, arch)
     clip = shard(kind, model, arch, vocab_multiple=vocab_multiple)
     if device != "cpu":  # the --gpu section: tp=1, nothing was split
@@ -118,7 +115,7 @@ def case_build(kind: str, model_cfg, seq: int, batch: int, arch: str = "bert", v
     STATE.update(model=model, clip=clip, optimizer=torch.optim.AdamW(model.parameters(), **ADAMW), device=device,
                  batch={k: v.to(device) for k, v in make_batch(model_cfg, seq, batch, SEED, arch).items()})
     gc.collect()
-    STATE.update(peak_reset=reset_peak_rss(), after_build=proc_status_kib()["VmRSS"] / 1024)
+    STATE.update(peak_reset=common.reset_peak_rss(), after_build=common.proc_status_kib()["VmRSS"] / 1024)
     local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
     return {"parameter_bytes": sum(p.numel() * p.element_size() for p in local),
             "attn_implementation": model.config._attn_implementation,
@@ -146,7 +143,7 @@ def case_step(marks: bool = False) -> Dict[str, float]:
 
 
 def case_memory() -> Dict[str, Any]:
-    peak = proc_status_kib()["VmHWM"] / 1024
+    peak = common.proc_status_kib()["VmHWM"] / 1024
     out = {"peak_mib": peak, "increase_mib": peak - STATE["baseline"], "after_build_mib": STATE["after_build"],
            "increase_over_build_mib": peak - STATE["after_build"], "peak_reset": STATE["peak_reset"]}
     if STATE["device"].startswith("cuda"):
@@ -254,27 +251,26 @@ def _rounds(pools: Dict[str, Pool], spec, arch: str, ctx, device: str = "cpu", p
                        **{f"{o} step time, median of per-round ratios": median(v) for o, v in per_round.items()}}}
 
 
+def _peak_ratio(competitors: Dict[str, Any], kind: str, key: str) -> float:
+    return max(competitors[kind][key]) / max(competitors["dense"][key])
+
+
 def run(ctx) -> Dict[str, Any]:
-    pools = {k: ctx.competitors.pool(k) for k in LABELS}
-    spec = QUICK if ctx.quick else FULL
+    pools, spec = {k: ctx.competitors.pool(k) for k in LABELS}, QUICK if ctx.quick else FULL
     out = _rounds(pools, spec, "bert", ctx, profiled=ctx.profile)
-    c = out["competitors"]
     probe = pools["nxdtp"].call(case_gemm_probe, model_cfg=spec["model"], seq=spec["seq"], batch=spec["batch"])
     out["two_rank_gemm_probe"] = {"per_rank": probe, "together_over_alone": max(p["together_over_alone"]
                                                                                for p in probe)}
-    increase, peak = ({k: max(v[key]) for k, v in c.items()} for key in ("rss_increase_mib_per_rank",
-                                                                           "peak_rss_mib_per_rank"))
-    out["ratios"].update({"nxdtp/dense peak RSS increase per rank": increase["nxdtp"] / increase["dense"],
-                          "nxdtp/dense peak RSS per rank (absolute)": peak["nxdtp"] / peak["dense"],
-                          "dtensor/dense peak RSS increase per rank": increase["dtensor"] / increase["dense"]})
+    out["ratios"].update({f"{k}/dense peak RSS {what}": _peak_ratio(out["competitors"], k, key) for k, what, key in (
+        ("nxdtp", "increase per rank", "rss_increase_mib_per_rank"),
+        ("nxdtp", "per rank (absolute)", "peak_rss_mib_per_rank"),
+        ("dtensor", "increase per rank", "rss_increase_mib_per_rank"))})
     llama_pools = {k: pools[k] for k in ("dense", "nxdtp")}  # the same workers, their BERT released
     llama = out["llama"] = _rounds(llama_pools, LLAMA_QUICK if ctx.quick else LLAMA_FULL, "llama", ctx)
     # The workers ran BERT's rounds first: the peak is compared over the RSS right after the Llama was built.
-    during = {k: max(v["peak_over_after_build_mib_per_rank"]) for k, v in llama["competitors"].items()}
-    llama["ratios"]["nxdtp/dense peak RSS over build per rank"] = during["nxdtp"] / during["dense"]
-    out["tables"] = _tables(out)
-    out["numbers"] = common.figures(out["tables"])
-    return out
+    llama["ratios"]["nxdtp/dense peak RSS over build per rank"] = _peak_ratio(
+        llama["competitors"], "nxdtp", "peak_over_after_build_mib_per_rank")
+    return dict(out, **section(_tables(out)))
 
 
 def run_gpu(ctx) -> Dict[str, Any]:
@@ -282,39 +278,36 @@ def run_gpu(ctx) -> Dict[str, Any]:
     device = ctx.gpu_device
     backend = "nccl" if device.startswith("cuda") else "gloo"
     pools = {"dense": ctx.competitors.pool("gpu-dense"), "nxdtp": ctx.competitors.pool("gpu-nxdtp", backend)}
-    out = _rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device, profiled=ctx.profile)
-    c, ratio = out["competitors"], out["ratios"]["nxdtp/dense step time"]
-    memory = {k: v["memory"].get("device_peak_mib", v["memory"]["peak_mib"]) for k, v in c.items()}
-    out.update(device=device, backend=backend)
-    out["tables"] = [f"Section 1's model and step on {device} ({backend}), {out['warmup_steps']} warm-up steps, "
-                     f"{out['rounds']} alternating rounds, medians (each phase ends with a device synchronize).",
-                     table(["competitor", "step s median (min-max)", "peak memory MiB", "loss at last step"],
-                           [[k, v["step_s"], memory[k], v["last_loss"]] for k, v in c.items()],
-                           {"step s median (min-max)": ".4f", "loss at last step": ".7f"}),
-                     f"nxdtp tp=1 / dense step time: {ratio:.3f} (1.00 = no overhead); losses agree within "
-                     f"{LOSS_RTOL:.0e}: {out['loss_agreement']['agree']}."]
-    out["numbers"] = common.figures(out["tables"], nxdtp_tp1_over_dense=ratio,
-                                    loss_rel_diff=out["loss_agreement"]["max_rel_diff_vs_dense"])
-    return out
+    out = dict(_rounds(pools, QUICK if ctx.quick else FULL, "bert", ctx, device, profiled=ctx.profile),
+               device=device, backend=backend)
+    ratio, agree = out["ratios"]["nxdtp/dense step time"], out["loss_agreement"]
+    return dict(out, **section([
+        f"Section 1's model and step on {device} ({backend}), {out['warmup_steps']} warm-up steps, {out['rounds']} "
+        "alternating rounds, medians (each phase ends with a device synchronize).",
+        table({"competitor": "kind", "step s median (min-max)|.4f": "step_s", "peak memory MiB": lambda v: v[
+            "memory"].get("device_peak_mib", v["memory"]["peak_mib"]), "loss at last step|.7f": "last_loss"},
+              [dict(v, kind=k) for k, v in out["competitors"].items()]),
+        f"nxdtp tp=1 / dense step time: {ratio:.3f} (1.00 = no overhead); losses agree within {LOSS_RTOL:.0e}: "
+        f"{agree['agree']}."], nxdtp_tp1_over_dense=ratio, loss_rel_diff=agree["max_rel_diff_vs_dense"]))
 
 
 def _describe(result: Dict[str, Any], arch: str) -> List[Any]:
     """The caption and the competitors' table of one model's rounds."""
     cfg, c, bert = result["config"], result["competitors"], arch == "bert"
-    columns = ["competitor", "step s median (min-max)|.3f", "forward s|.3f", "backward s|.3f", "clip s|.4f",
-               "AdamW s|.3f", "parameters MiB / rank|,.1f", "peak RSS MiB per rank|.0f"] + (
-        ["peak RSS increase MiB per rank (over imports)|.0f"] if bert else []) + [
-        "peak RSS MiB per rank over RSS after build|.0f", "loss at last step|.7f"]
-    rows = [[k["label"], k["step_s"], *(k["phase_s_median"][p] for p in PHASES),
-             max(k["parameter_bytes_per_rank"]) / (1 << 20), k["peak_rss_mib_per_rank"]]
-            + ([k["rss_increase_mib_per_rank"]] if bert else [])
-            + [k["peak_over_after_build_mib_per_rank"], k["last_loss"]] for k in c.values()]
+    columns = {"competitor": "label", "step s median (min-max)|.3f": "step_s", **{
+        f"{p if p != 'optimizer' else 'AdamW'} s|{'.4f' if p == 'clip' else '.3f'}": lambda k, p=p: k[
+            "phase_s_median"][p] for p in PHASES},
+        "parameters MiB / rank|,.1f": lambda k: max(k["parameter_bytes_per_rank"]) / (1 << 20),
+        "peak RSS MiB per rank|.0f": "peak_rss_mib_per_rank",
+        **({"peak RSS increase MiB per rank (over imports)|.0f": "rss_increase_mib_per_rank"} if bert else {}),
+        "peak RSS MiB per rank over RSS after build|.0f": "peak_over_after_build_mib_per_rank",
+        "loss at last step|.7f": "last_loss"}
     name = "BertForPreTraining" if bert else "LlamaForCausalLM (Llama-shaped decoder)"
     return [f"{name}: {common.model_text(cfg)}; seq {result['seq']}, batch {result['batch']}, fp32, AdamW (lr "
             f"{ADAMW['lr']}), clip to {MAX_GRAD_NORM}; {result['warmup_steps']} warm-up steps, {result['rounds']} "
             f"rounds; attention {c['dense']['attn_implementation']}; nxdtp make_vocab_size_divisible_by="
             f"{result['nxdtp_make_vocab_size_divisible_by']} ({c['nxdtp']['local_vocab_rows']} vocabulary rows per "
-            "rank).", table(columns, rows, name="" if bert else "llama")]
+            "rank).", table(columns, c.values(), name="" if bert else "llama")]
 
 
 HALF = "<= 0.60 (limit 0.50)"
@@ -331,23 +324,23 @@ LLAMA_FIGURES = [("Llama step time b/a (nxdtp / dense)", "nxdtp/dense step time"
                  ("Llama peak RSS per rank over RSS after build, b/a", "nxdtp/dense peak RSS over build per rank")]
 
 
-def _figures(result: Dict[str, Any], figures, who: str) -> List[list]:
+def _figures(result: Dict[str, Any], figures, who: str, *extra: list) -> Dict[str, Any]:
+    """The table of ``figures`` (their targets and verdicts), ``extra`` rows, then the losses' agreement."""
     agree, ratios = result["loss_agreement"], result["ratios"]
-    return [[label, ratios[key], *((t[0], verdict(ratios[key], t[1])) if t else ("", ""))]
-            for label, key, *t in figures] + [
-        [f"{who}losses at the last step agree", agree["max_rel_diff_vs_dense"], f"<= {LOSS_RTOL:.0e}",
-         "met" if agree["agree"] else "MISSED"]]
+    return table(["figure", "value", "target", "verdict"], [
+        [label, ratios[key], *((t[0], verdict(ratios[key], t[1])) if t else ("", ""))] for label, key, *t in figures]
+        + list(extra) + [[f"{who}losses at the last step agree", agree["max_rel_diff_vs_dense"],
+                          f"<= {LOSS_RTOL:.0e}", "met" if agree["agree"] else "MISSED"]])
 
 
 def _tables(out: Dict[str, Any]) -> List[Any]:
-    probe, columns = out["two_rank_gemm_probe"]["together_over_alone"], ["figure", "value", "target", "verdict"]
-    figures = _figures(out, FIGURES, "")
-    figures.insert(-1, ["machine check: a TP-shard GEMM, both ranks at once / one rank alone", probe,
-                        "1.00 (a core per rank)", "ok" if probe <= 1.15 else
-                        "the ranks do not get a core each: b/a cannot reach its target here"])
-    blocks = _describe(out, "bert") + [table(columns, figures), "Peak RSS: VmHWM over the train steps; increase = "
-                                       "over the RSS after the imports; the next column, over the RSS after build."]
-    blocks += _describe(out["llama"], "llama") + [table(columns, _figures(out["llama"], LLAMA_FIGURES, "Llama "))]
+    probe = out["two_rank_gemm_probe"]["together_over_alone"]
+    blocks = _describe(out, "bert") + [_figures(out, FIGURES, "", [
+        "machine check: a TP-shard GEMM, both ranks at once / one rank alone", probe, "1.00 (a core per rank)",
+        "ok" if probe <= 1.15 else "the ranks do not get a core each: b/a cannot reach its target here"]),
+        "Peak RSS: VmHWM over the train steps; increase = over the RSS after the imports; the next column, over the "
+        "RSS after build."]
+    blocks += _describe(out["llama"], "llama") + [_figures(out["llama"], LLAMA_FIGURES, "Llama ")]
     for kind, c in out["competitors"].items():
         if "profile" in c:
             blocks += [f"Profile of one step, {LABELS[kind]}, rank 0 (phases {c['profile']['step']}):",

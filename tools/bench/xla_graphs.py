@@ -18,8 +18,8 @@ from nxdtp.optimizer import Lamb
 from nxdtp.random import model_parallel_xla_manual_seed
 from nxdtp.utils import move_model_to_device
 
-from .common import BERT_LARGE, figures, fresh, hf_model, log, model_text, snake, table
-from .train_step import ADAMW, MAX_GRAD_NORM, SEED, build_dense, make_batch
+from .common import ADAMW, BERT_LARGE, MAX_GRAD_NORM, SEED, fresh, hf_model, log, model_text, section, snake, table
+from .train_step import build_dense, make_batch
 
 STEPS, STEADY_FROM = 10, 2
 COUNTERS = ("UncachedCompile", "CachedCompile", "ExecuteComputation")
@@ -153,9 +153,8 @@ def case_ranks(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(ctx) -> Dict[str, Any]:
     spec, ranks_spec = (TINY, RANKS_QUICK) if ctx.quick else (SMALL, RANKS_FULL)
-    env = {"PJRT_DEVICE": "CPU"}
-    if ctx.quick:
-        env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + QUICK_XLA_FLAGS).strip()
+    env = {"PJRT_DEVICE": "CPU", **({"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()}
+                                    if ctx.quick else {})}
     log(f"xla graphs: {STEPS} steps on XLA:CPU, {len(VARIANTS)} variants (a process of its own)")
     variants = fresh(case_steps, tp=1, env=env, spec=spec)[0]
     log(f"xla graphs: every rank of a simulated tp={ranks_spec['tp']} x dp={ranks_spec['world'] // ranks_spec['tp']} "
@@ -165,19 +164,16 @@ def run(ctx) -> Dict[str, Any]:
         steady = v["per_step"][STEADY_FROM:]
         executed = [s["ExecuteComputation"] for s in steady]
         v.update(max_executed_per_step_after=max(executed), min_executed_per_step_after=min(executed),
-                 new_compiles_after=sum(s["UncachedCompile"] for s in steady),
-                 last_loss=v["losses"][-1])
+                 new_compiles_after=sum(s["UncachedCompile"] for s in steady), last_loss=v["losses"][-1])
         v["target_met"] = max(executed) == 1 == min(executed) and v["new_compiles_after"] == 0
     out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "steps": STEPS,
            "variants": variants, "ranks": dict(ranks, **{k: ranks_spec[k] for k in ("world", "tp", "seq", "batch")},
                                                models={f: ranks_spec[f] for f in FAMILIES})}
-    out["tables"] = _tables(out)
-    out["numbers"] = figures(out["tables"], compile_time_s_tp1_bert_step=ranks["compile"]["compile_time_s"],
-                             compile_executed_graphs=ranks["compile"]["executed"], **{
-                                 snake(name, k): v[k] for name, v in variants.items()
-                                 for k in ("min_executed_per_step_after", "max_executed_per_step_after",
-                                           "new_compiles_after", "last_loss")})
-    return out
+    return dict(out, **section(_tables(out), compile_time_s_tp1_bert_step=ranks["compile"]["compile_time_s"],
+                               compile_executed_graphs=ranks["compile"]["executed"], **{
+                                   snake(name, k): v[k] for name, v in variants.items() for k in (
+                                       "min_executed_per_step_after", "max_executed_per_step_after",
+                                       "new_compiles_after", "last_loss")}))
 
 
 def _tables(out: Dict[str, Any]) -> List[Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import shutil
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
@@ -23,11 +22,8 @@ from nxdtp.spec import FlatShardLayout
 from nxdtp.trainer import finalize_checkpoint, save_checkpoint
 
 from . import common
-from .common import Pool, alternate, barrier, hf_model, log, median, model_text, records, rss_mark, slowest, timed
+from .common import ADAMW, MAX_GRAD_NORM, SEED, Pool, alternate, log, median, model_text, section, slowest, table, timed
 
-SEED = 1234
-MAX_NORM = 1.0
-ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PADDING_ALLOWANCE = 0.01   # the issue's goal: <= 6 + 12/d plus 1 % padding
 STEP_TIME_GOAL = 1.05      # ZeRO-1 step <= 1.05 x plain DP step
 
@@ -47,10 +43,9 @@ FULL = dict(count=[("BERT-large", BERT_LARGE, 1), ("BERT-large", BERT_LARGE, 8),
             dps=(1, 2, 4, 8), rss=dict(model=LLAMA_160M, batch=2, seq=64, steps=2),
             time=dict(model=LLAMA_50M, batch=2, seq=64, warmup=2, rounds=16, collective_reps=5),
             worlds=((2, 2), (1, 2)))  # (tp, dp); the first also runs parts 1 and 2
-QUICK = dict(count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
-             dps=(1, 2, 4, 8), rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
-             time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2),
-             worlds=((2, 2), (1, 2)))
+QUICK = dict(FULL, count=[("BERT tiny", TINY_BERT, 1), ("BERT tiny", TINY_BERT, 2), ("Llama tiny", TINY_LLAMA, 2)],
+             rss=dict(model=TINY_LLAMA, batch=2, seq=16, steps=2),
+             time=dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, rounds=2, collective_reps=2))
 ASYNC_FULL = dict(model=dict(LLAMA_50M, hidden_size=512, intermediate_size=1408, num_attention_heads=8), batch=2,
                   seq=64, warmup=2, pre=3, post=8, rounds=6, tp=2, dp=1)
 ASYNC_QUICK = dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, pre=2, post=2, rounds=2, tp=2, dp=1)
@@ -59,7 +54,7 @@ ASYNC_QUICK = dict(model=TINY_LLAMA, batch=2, seq=16, warmup=1, pre=2, post=2, r
 # ---- counting (part 1): meta models under a simulated topology --------------------------------------------------
 
 def _build_model(cfg: Dict[str, Any], **kwargs):
-    return hf_model({k: v for k, v in cfg.items() if k != "kind"}, cfg["kind"], **kwargs)
+    return common.hf_model({k: v for k, v in cfg.items() if k != "kind"}, cfg["kind"], **kwargs)
 
 
 def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any]:
@@ -90,12 +85,12 @@ def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any
             "master_bytes": counted["master"], "state_bytes": counted["state"]}
 
 
-def count_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
-    rows = []
+def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    """Rank 0: the counted rows of every model, tp and dp."""
+    rows = [] if dist.get_rank() == 0 else None
     for label, cfg, tp in spec["count"]:
-        for dp in spec["dps"]:
-            world = tp * dp
-            per_rank = [count_one(cfg, tp, dp, r) for r in sorted({0, world - 1})]
+        for dp in spec["dps"] if rows is not None else ():
+            per_rank = [count_one(cfg, tp, dp, r) for r in sorted({0, tp * dp - 1})]
             worst = max(per_rank, key=lambda r: r["parameter_bytes"] + r["master_bytes"] + r["state_bytes"])
             n, pad = worst["parameters"], worst["padding_elements"]
             per = {k: worst[f"{k}_bytes"] / n for k in ("parameter", "grad", "main_grad", "master", "state")}
@@ -126,7 +121,7 @@ def llama_batch(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def make_optimizer(model, variant: str):
     if variant == "zero1":
-        return NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, max_norm=MAX_NORM, **ADAMW)
+        return NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, max_norm=MAX_GRAD_NORM, **ADAMW)
     return torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
@@ -139,14 +134,10 @@ def timed_step(model, optimizer, batch, variant: str) -> Dict[str, float]:
     loss, t1 = float(loss.detach()), time.perf_counter()
     if variant == "plain":   # bucketed all-reduce, clip over TP x DP, AdamW on whole tensors
         allreduce_gradients(model)
-        clip_grad_norm(model.parameters(), MAX_NORM)
+        clip_grad_norm(model.parameters(), MAX_GRAD_NORM)
     optimizer.step()       # ZeRO-1: reduce-scatter, norm and clip, AdamW on the shards, all-gather
     t2 = time.perf_counter()
     return {"forward_backward_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss}
-
-
-def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-    return count_rows(spec) if dist.get_rank() == 0 else None
 
 
 def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
@@ -155,7 +146,7 @@ def case_rss(spec: Dict[str, Any], variant: str) -> Dict[str, Any]:
     model(**batch).loss.backward()   # warm-up: lazily built state is not counted below
     for p in model.parameters():
         p.grad = None
-    mark = rss_mark()
+    mark = common.rss_mark()
     optimizer = make_optimizer(model, variant)
     losses = [timed_step(model, optimizer, batch, variant)["loss"] for _ in range(spec["steps"])]
     gc.collect()
@@ -177,7 +168,7 @@ def case_time_setup(spec: Dict[str, Any]) -> None:
 
 
 def case_step(variant: str) -> Dict[str, float]:
-    barrier()
+    common.barrier()
     return timed_step(STATE["models"][variant], STATE["optimizers"][variant], STATE["batch"], variant)
 
 
@@ -210,26 +201,24 @@ def case_time_finish() -> Dict[str, float]:
 
 
 def _rss_summary(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
-    most = slowest(per_rank, ("parameters", "parameter_bytes", "grad_bytes", "peak_rss_increase_kib",
-                              "rss_held_increase_kib", "rss_before_kib"))
-    return {"per_rank": per_rank, "parameters_per_rank": most["parameters"], "parameter_bytes": most["parameter_bytes"],
-            "grad_bytes": most["grad_bytes"],
+    most = slowest(per_rank, ("parameters", "parameter_bytes", "grad_bytes"))
+    kib = slowest(per_rank, ("peak_rss_increase_kib", "rss_held_increase_kib", "rss_before_kib"))
+    return {"per_rank": per_rank, "parameters_per_rank": most.pop("parameters"), **most,
             "optimizer_bytes_counted": max(sum(r["optimizer_bytes"].values()) for r in per_rank),
             "optimizer_bytes_by_kind": per_rank[0]["optimizer_bytes"], "last_loss": per_rank[0]["losses"][-1],
-            **{f"{k[:-4]}_bytes": None if most[k] is None else most[k] * 1024
-               for k in ("peak_rss_increase_kib", "rss_held_increase_kib", "rss_before_kib")}}
+            **{f"{k[:-4]}_bytes": None if v is None else v * 1024 for k, v in kib.items()}}
 
 
 def _timing(pool: Pool, spec: Dict[str, Any], tp: int, dp: int) -> Dict[str, Any]:
     log(f"zero1: step time at tp={tp} x dp={dp}")
     pool.call(case_time_setup, spec=spec)
-    keys = ("forward_backward_s", "update_s", "step_s")
+    keys, reps = ("forward_backward_s", "update_s", "step_s"), spec["collective_reps"]
     samples = alternate(("plain", "zero1"), spec["rounds"], lambda v: pool.call(case_step, variant=v),
                         warmup=spec["warmup"], swap=True, what=f"zero1 tp={tp} x dp={dp}")
     samples = {v: [{**slowest(ranks, keys), "loss": ranks[0]["loss"]} for ranks in s] for v, s in samples.items()}
-    collectives = pool.call(case_collectives, reps=spec["collective_reps"])
-    finish = pool.call(case_time_finish)
-    cc = {k: median(max(r[k][i] for r in collectives) for i in range(spec["collective_reps"]))
+    collectives = pool.call(case_collectives, reps=reps)
+    finish = slowest(pool.call(case_time_finish), ("max_abs_weight_difference", "max_abs_weight"))
+    cc = {k: median(max(r[k][i] for r in collectives) for i in range(reps))
           for k in ("all_reduce_s", "reduce_scatter_s", "all_gather_s")}
     cc.update(bytes=collectives[0]["bytes"], ratio=(cc["reduce_scatter_s"] + cc["all_gather_s"]) / cc["all_reduce_s"])
     med = {v: {k: median(x[k] for x in s) for k in keys} for v, s in samples.items()}
@@ -237,9 +226,7 @@ def _timing(pool: Pool, spec: Dict[str, Any], tp: int, dp: int) -> Dict[str, Any
     # The headline is the median of the per-round ratios: each pair ran back to back, so drift cancels.
     return {"tp": tp, "dp": dp, "rounds": spec["rounds"], "warmup": spec["warmup"], "samples": samples, "median": med,
             "ratio": median(per_round["step_s"]), "ratio_of_medians": med["zero1"]["step_s"] / med["plain"]["step_s"],
-            "update_ratio": median(per_round["update_s"]),
-            "max_abs_weight_difference": max(f["max_abs_weight_difference"] for f in finish),
-            "max_abs_weight": max(f["max_abs_weight"] for f in finish), "collectives": cc}
+            "update_ratio": median(per_round["update_s"]), **finish, "collectives": cc}
 
 
 def run(ctx) -> Dict[str, Any]:
@@ -255,23 +242,16 @@ def run(ctx) -> Dict[str, Any]:
                     rss[variant] = _rss_summary(pool.call(case_rss, spec=spec["rss"], variant=variant))
                 rss.update(tp=tp, dp=dp)
             timings.append(_timing(pool, spec["time"], tp, dp))
-    return _result(spec, counted, rss, timings)
-
-
-def _result(spec, counted, rss, timings) -> Dict[str, Any]:
-    plain, zero = rss["plain"], rss["zero1"]
-    saving = plain["optimizer_bytes_counted"] - zero["optimizer_bytes_counted"]
-    rss.update(counted_saving_bytes=saving,
-               held_saving_bytes=plain["rss_held_increase_bytes"] - zero["rss_held_increase_bytes"])
-    if None not in (plain["peak_rss_increase_bytes"], zero["peak_rss_increase_bytes"]):
-        rss["peak_saving_bytes"] = plain["peak_rss_increase_bytes"] - zero["peak_rss_increase_bytes"]
+    for what, key in (("counted", "optimizer_bytes_counted"), ("held", "rss_held_increase_bytes"),
+                      ("peak", "peak_rss_increase_bytes")):
+        if None not in (rss["plain"][key], rss["zero1"][key]):
+            rss[f"{what}_saving_bytes"] = rss["plain"][key] - rss["zero1"][key]
+    saving = rss["counted_saving_bytes"]
     rss.update({f"{k}_saving_over_counted": rss[f"{k}_saving_bytes"] / saving for k in ("held", "peak")
                 if saving and f"{k}_saving_bytes" in rss})
     out = {"spec": {**spec, "count": [{"model": label, "config": cfg, "tp": tp} for label, cfg, tp in spec["count"]]},
            "counted": counted, "rss": rss, "timings": timings}
-    out["tables"] = _tables(out)
-    out["numbers"] = common.figures(out["tables"], **{f"rss_{k}": v for k, v in rss.items() if "over" in k})
-    return out
+    return dict(out, **section(_tables(out), **{f"rss_{k}": v for k, v in rss.items() if "over" in k}))
 
 
 COUNT_COLUMNS = {"model": "model", "tp": "tp", "dp": "dp", "parameters / rank": "parameters",
@@ -312,7 +292,7 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         "**Bytes per parameter per rank**: bf16 parameters, ZeRO-1 AdamW with fp32 master shards, counted on meta "
         "models sharded under a simulated topology (FlatShardLayout padding included), per TP-local parameter. Models: "
         + "; ".join(f"{c['model']} tp={c['tp']} ({model_text(c['config'])})" for c in spec["count"]),
-        records(COUNT_COLUMNS, out["counted"], keys=3),
+        table(COUNT_COLUMNS, out["counted"], keys=3),
         "Totals: params + grads + master + AdamW state. \"bf16 grads\": nxdtp's default .grad; \"fp32 main_grad\": "
         "`use_grad_acc_hook=True`, Megatron's gradient buffer, the like-for-like of 6 + 12/d. AdamW state includes "
         "a 4-byte step counter per tensor on every rank (not sharded).",
@@ -321,12 +301,12 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
         "forward and backward; largest rank; increases over the RSS before the optimizer. Measured / counted saving: "
         f"held {common.cell(rss.get('held_saving_over_counted'), '.3f')}, peak "
         f"{common.cell(rss.get('peak_saving_over_counted'), '.3f')}.",
-        records(RSS_COLUMNS, paths),
+        table(RSS_COLUMNS, paths),
         f"**Step time**, ZeRO-1 against plain DP (bucketed all-reduce + clip + AdamW), fp32 Llama "
         f"({model_text(t['model'])}), batch {t['batch']} x {t['seq']} per DP rank; {t['warmup']} warm-up and "
         f"{t['rounds']} rounds alternating the paths (order swapped each round); slowest rank; medians. DP collectives "
         "alone: nxdtp.comm on the DP group, a buffer of the rank's fp32 gradient size.",
-        records(TIME_COLUMNS, out["timings"])]
+        table(TIME_COLUMNS, out["timings"])]
 
 
 # ---- section 8: the stall of save_checkpoint, sync against async_save -------------------------------------------
@@ -365,49 +345,40 @@ def case_async_round(mode: str, directory: str, pre: int, post: int) -> Dict[str
 def run_async_save(ctx) -> Dict[str, Any]:
     spec = ASYNC_QUICK if ctx.quick else ASYNC_FULL
     log(f"async_save: starting a gloo world of tp={spec['tp']} x dp={spec['dp']}")
-    workdir = tempfile.mkdtemp(prefix="nxdtp_bench_async_save_")
-    counter = iter(range(1 << 30))
 
     def one_round(mode: str) -> Dict[str, Any]:
-        directory = os.path.join(workdir, f"{mode}_{next(counter)}")
-        try:
+        with tempfile.TemporaryDirectory(dir=workdir) as directory:  # every save writes the same bytes
             ranks = pool.call(case_async_round, mode=mode, directory=directory, pre=spec["pre"], post=spec["post"])
-            return {**{k: [max(x) for x in zip(*(r[k] for r in ranks))] for k in ("pre", "post")},
-                    **slowest(ranks, ("call_s", "finalize_s")), "bytes": ranks[0].get("bytes")}
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)  # every save writes the same bytes
+        return {**{k: [max(x) for x in zip(*(r[k] for r in ranks))] for k in ("pre", "post")},
+                **slowest(ranks, ("call_s", "finalize_s")), "bytes": ranks[0].get("bytes")}
 
-    try:
-        with Pool(spec["tp"] * spec["dp"], tp=spec["tp"]) as pool:
-            parameters = pool.call(case_async_setup, spec=spec)[0]
-            rounds = alternate(("sync", "async"), spec["rounds"], one_round, swap=True, what="async_save")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="nxdtp_bench_async_save_") as workdir, \
+            Pool(spec["tp"] * spec["dp"], tp=spec["tp"]) as pool:
+        parameters = pool.call(case_async_setup, spec=spec)[0]
+        rounds = alternate(("sync", "async"), spec["rounds"], one_round, swap=True, what="async_save")
     return _async_result(spec, parameters, rounds)
 
 
 def _async_result(spec, parameters: int, rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
-    baseline, post = median(t for mine in rounds.values() for r in mine for t in r["pre"]), spec["post"]
-    rows = {}
+    baseline, post, rows = median(t for mine in rounds.values() for r in mine for t in r["pre"]), spec["post"], []
     for mode, mine in rounds.items():
         excess = [sum(t - baseline for t in r["post"]) for r in mine]
-        rows[mode] = {"call_s": median(r["call_s"] for r in mine), "post_excess_s": median(excess),
-                      "post_step_s": median(t for r in mine for t in r["post"]),
-                      "finalize_s": median(r["finalize_s"] for r in mine),
-                      "stall_s": median(r["call_s"] + e + r["finalize_s"] for r, e in zip(mine, excess))}
-    stall, call = (rows["async"][k] / rows["sync"][k] for k in ("stall_s", "call_s"))
-    columns = {"call returns after s|.3f": "call_s", f"step s during the next {post}|.3f": "post_step_s",
-               f"excess of those {post} steps over the baseline, s|.3f": "post_excess_s",
-               "finalize_checkpoint waited s|.3f": "finalize_s", "stall s (call + excess + finalize)|.3f": "stall_s"}
+        rows.append({"mode": mode, "call_s": median(r["call_s"] for r in mine), "post_excess_s": median(excess),
+                     "post_step_s": median(t for r in mine for t in r["post"]),
+                     "finalize_s": median(r["finalize_s"] for r in mine),
+                     "stall_s": median(r["call_s"] + e + r["finalize_s"] for r, e in zip(mine, excess))})
+    stall, call = (rows[1][k] / rows[0][k] for k in ("stall_s", "call_s"))  # async / sync
     size = float(rounds["sync"][0]["bytes"] or 0)
-    tables = [f"tp={spec['tp']} x dp={spec['dp']} gloo ranks, fp32 Llama ({model_text(spec['model'])}; {parameters:,} "
-              f"parameters / rank), ZeRO-1 AdamW, batch {spec['batch']} x {spec['seq']}; checkpoint tag {size:,.0f} "
-              f"B; baseline step {baseline:.3f} s. {spec['rounds']} alternating rounds per mode: {spec['pre']} steps, "
-              f"save_checkpoint, {post} steps, finalize_checkpoint; slowest rank; medians.",
-              common.table(["save_checkpoint", *columns], ([m, *(r[k] for k in columns.values())]
-                                                           for m, r in rows.items())),
-              f"Async stall / sync stall: {stall:.3f}; async call / sync call: {call:.3f} (the background thread "
-              "writes the rest while the steps run)."]
-    return {"spec": spec, "rounds": rounds, "tables": tables, "numbers": common.figures(
-        tables, baseline_step_s=baseline, checkpoint_bytes=size, parameters_per_rank=float(parameters),
-        async_over_sync_stall=stall, async_call_over_sync_call=call)}
+    return {"spec": spec, "rounds": rounds, **section([
+        f"tp={spec['tp']} x dp={spec['dp']} gloo ranks, fp32 Llama ({model_text(spec['model'])}; {parameters:,} "
+        f"parameters / rank), ZeRO-1 AdamW, batch {spec['batch']} x {spec['seq']}; checkpoint tag {size:,.0f} B; "
+        f"baseline step {baseline:.3f} s. {spec['rounds']} alternating rounds per mode: {spec['pre']} steps, "
+        f"save_checkpoint, {post} steps, finalize_checkpoint; slowest rank; medians.",
+        table({"save_checkpoint": "mode", "call returns after s|.3f": "call_s",
+               f"step s during the next {post}|.3f": "post_step_s",
+               f"excess of those {post} steps over the baseline, s|.3f": "post_excess_s",
+               "finalize_checkpoint waited s|.3f": "finalize_s", "stall s (call + excess + finalize)|.3f": "stall_s"},
+              rows),
+        f"Async stall / sync stall: {stall:.3f}; async call / sync call: {call:.3f} (the background thread writes the "
+        "rest while the steps run)."], baseline_step_s=baseline, checkpoint_bytes=size,
+        parameters_per_rank=float(parameters), async_over_sync_stall=stall, async_call_over_sync_call=call)}
