@@ -158,8 +158,9 @@ def summary(values: Iterable[float]) -> Dict[str, Any]:
 
 
 def verdict(value: Optional[float], target: float) -> str:
-    missed = None if value is None else (value - target) / target * 100
-    return EMPTY if value is None else "met" if missed <= 0 else f"MISSED by {missed:.1f} %"
+    if value is None:
+        return EMPTY
+    return "met" if value <= target else f"MISSED by {(value - target) / target * 100:.1f} %"
 
 
 def alternate(variants: Sequence[str], rounds: int, run_one: Callable[[str], Any], warmup: int = 0,
@@ -281,8 +282,11 @@ def measure_rss(run: Callable[[], Any]) -> tuple:
 # ---- the one renderer ------------------------------------------------------------------------------------------------
 
 def fmt_bytes(n: float) -> str:
-    unit = next((u for u in (3, 2, 1) if abs(n) >= 1 << 10 * u), 0)
-    return f"{n / (1 << 10 * unit):,.{(0, 1, 1, 2)[unit]}f} {('B', 'KiB', 'MiB', 'GiB')[unit]}"
+    if abs(n) < 1024:
+        return f"{n:,.0f} B"
+    if abs(n) < MIB:
+        return f"{n / 1024:,.1f} KiB"
+    return f"{n / MIB:,.1f} MiB" if abs(n) < (1 << 30) else f"{n / (1 << 30):,.2f} GiB"
 
 
 def cell(value: Any, spec: str = "") -> str:
