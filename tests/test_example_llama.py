@@ -82,6 +82,9 @@ def _torchrun(nproc):
 
 # ---- TP=2 x DP=2 with ZeRO-1 equals dense, and a resumed run continues exactly --------------------------------
 
+# Three torchrun launches of 4 ranks (~35 s): slow. ZeRO-1 and SP equal dense in process in test_zero1 and
+# test_models_decoders.
+@pytest.mark.slow
 def test_tp2_dp2_zero1_equals_dense_and_resumes_exactly(data_dir, model_path, tmp_path):
     """Launch 1 trains steps 1-2 of a 4-step schedule and saves; launch 2, with NxD's --loading_step
     latest_if_exists, resumes there and trains steps 3-4. All four step losses must equal the dense reference's

@@ -252,6 +252,7 @@ def test_without_use_cpu_on_cpus_both_trainers_refuse_instead_of_training_nothin
 
 # ---- LoRA (PEFT) -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # two torchrun launches (~19 s); TP LoRA equals dense LoRA in process: test_peft
 def test_lora_with_tensor_parallel_trainer_equals_dense_lora_trainer(dense):
     """get_peft_model(parallelized model, LoraConfig(...)) trained by TensorParallelTrainer at tp2 x dp2 equals the
     dense LoRA model trained by Trainer: every step's loss and pre-clip grad norm (the adapters' only) within 1e-5, and
