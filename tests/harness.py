@@ -6,7 +6,7 @@ collect it); each rank calls it with the same keyword arguments after ``initiali
 comes back as a list indexed by rank; an exception on any rank fails the test with that rank's traceback.
 
 A case that hangs (one rank failed before a collective the others wait in) is caught by gloo's timeout; the pool is then
-torn down and the next case starts a fresh one.
+torn down and the next case starts a fresh one, as after any failure but one that every rank shares.
 
 The pool's rendezvous store is a TCPStore that this process opens on a port the kernel picks, before any worker starts,
 and keeps until the pool closes; the workers join it as clients, as torchrun's workers join the store of their agent.
@@ -22,6 +22,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import re
 import sys
 import time
 import traceback
@@ -191,8 +192,8 @@ class WorkerGroup:
         outcomes = self._outcomes(case.__name__)
         errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
         if errors:
-            # A rank that failed mid-case may have left peers inside a collective; start clean next time.
-            self.close()
+            if not _same_failure_on_every_rank(outcomes):
+                self.close()   # a rank that failed mid-case may have left peers inside a collective: start clean
             raise AssertionError(f"{case.__name__} failed on ranks {sorted(errors)}" + _format_errors(outcomes))
         return [outcomes[r][1] for r in range(self.world_size)]
 
@@ -231,6 +232,21 @@ class WorkerGroup:
 def _failed(pool: WorkerGroup, message: str, outcomes: Dict[int, tuple]) -> AssertionError:
     pool.close()
     return AssertionError(message + _format_errors(outcomes))
+
+
+# Errors that say the world itself broke: after one of these the pool is not reused.
+_WORLD_FAILURES = ("Timed out", "timed out", "DistBackendError", "DistNetworkError", "Connection", "gloo")
+_FRAME = re.compile(r'^  File "(.*)", line (\d+), in (.*)$', re.MULTILINE)
+
+
+def _same_failure_on_every_rank(outcomes: Dict[int, tuple]) -> bool:
+    """Whether every rank raised through the same frames (a test's deliberate bad input: every rank checks it alike)
+    and no error is the world's own: the ranks then ran the same collectives before raising, none is left inside one,
+    and the pool can run the next case (a restart costs seconds per rank)."""
+    texts = [v for s, v in outcomes.values()]
+    if any(s != "error" for s, _ in outcomes.values()) or any(w in t for t in texts for w in _WORLD_FAILURES):
+        return False
+    return len({tuple(_FRAME.findall(t)) for t in texts}) == 1
 
 
 def _format_errors(outcomes: Dict[int, tuple]) -> str:

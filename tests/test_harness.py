@@ -140,3 +140,34 @@ def test_a_worker_that_dies_fails_its_case_within_seconds():
         assert time.monotonic() - start < CASE_TIMEOUT_S / 10
     finally:
         pool.close()
+
+
+def case_pid_or_raise(raising_ranks: list):
+    import os
+
+    import torch.distributed as dist
+
+    from nxdtp import parallel_state as ps
+
+    ps.get_tensor_model_parallel_group()   # a group made, as a real case's would be
+    if dist.get_rank() in raising_ranks:
+        raise ValueError("bad input")
+    return os.getpid()
+
+
+def test_a_pool_outlives_a_failure_every_rank_shares_and_restarts_after_any_other():
+    """Deliberate bad input fails every rank alike: the pool runs the next case with the same processes (a restart
+    costs seconds per rank). A failure on some ranks only, or a dead worker, may leave peers inside a collective: the
+    next case gets fresh processes."""
+    pool = WorkerGroup(2)
+    try:
+        pids = pool.run(case_pid_or_raise, tensor_model_parallel_size=2, raising_ranks=[])
+        with pytest.raises(AssertionError, match="failed on ranks \\[0, 1\\]"):
+            pool.run(case_pid_or_raise, tensor_model_parallel_size=2, raising_ranks=[0, 1])
+        assert pool.run(case_pid_or_raise, tensor_model_parallel_size=2, raising_ranks=[]) == pids
+        with pytest.raises(AssertionError, match="failed on ranks \\[1\\]"):
+            pool.run(case_pid_or_raise, tensor_model_parallel_size=2, raising_ranks=[1])
+        fresh = pool.run(case_pid_or_raise, tensor_model_parallel_size=2, raising_ranks=[])
+        assert not set(fresh) & set(pids), (fresh, pids)
+    finally:
+        pool.close()
