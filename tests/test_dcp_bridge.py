@@ -346,7 +346,7 @@ def case_dtensor_tp_load(checkpoint: str):
 
 
 @pytest.mark.slow
-@pytest.mark.newest_torch  # two gloo pools (the tp=2 training and the DTensor world of 4): about 70 s on 2 cores
+@pytest.mark.newest_torch  # two gloo pools: the tp=2 training and the DTensor world of 4
 def test_export_loads_into_dtensor_tp_at_another_size(worlds, trained, tmp_path, capsys):
     root, expected = trained["llama"]
     out = tmp_path / "dcp"
@@ -535,7 +535,7 @@ def case_fsdp2_load(checkpoint: str, tp: int):
 
 
 @pytest.mark.slow
-@pytest.mark.newest_torch  # two gloo pools (2 and 4 ranks) beside the trained fixture's: about 60 s on 2 cores
+@pytest.mark.newest_torch  # two gloo pools (2 and 4 ranks) beside the trained fixture's
 @pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["fsdp2", "tp2xfsdp2"])
 def test_export_loads_into_fsdp2_and_a_2d_mesh_and_continues_as_nxdtp(worlds, trained, tmp_path, capsys, world, tp):
     root, expected = trained["llama"]
@@ -584,7 +584,7 @@ def case_transformers_tp_load(checkpoint: str, model_dir: str):
 
 
 @pytest.mark.slow
-@pytest.mark.newest_torch  # a tp=2 nxdtp run and a transformers TP world: about 40 s on 2 cores
+@pytest.mark.newest_torch  # a tp=2 nxdtp run and a transformers TP world
 def test_export_loads_into_transformers_own_tensor_parallelism(worlds, tmp_path, capsys):
     import warnings
 
