@@ -55,8 +55,8 @@ def _trace_step(cfg, args, sequence_parallel: bool, hlo) -> Dict[str, Any]:
              if k != "attention_mask"}
     params, loss = list(model.parameters()), model(**batch).loss
     seen = [hlo([loss])]  # the collectives in the graph after forward, backward, the SP sum, clip: each less the last
-    for action in (loss.backward, lambda: sequence_parallel and allreduce_sequence_parallel_gradients(params),
-                   lambda: clip_grad_norm(params, 1.0)):
+    sp_sum = (lambda: allreduce_sequence_parallel_gradients(params)) if sequence_parallel else (lambda: None)
+    for action in (loss.backward, sp_sum, lambda: clip_grad_norm(params, 1.0)):
         action()
         seen.append(hlo([loss] + [p.grad for p in params if p.grad is not None]))
     return {"forward": seen[0], **{p: _subtract(b, a) for p, a, b in zip(PHASES[1:4], seen, seen[1:])}, "optimizer": {}}
@@ -129,8 +129,9 @@ def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_paralle
     for _ in range(2):  # the first step creates AdamW's state; count the second
         with _Counter(functional=kind == "dtensor") as counter:
             optimizer.zero_grad(set_to_none=True)
-            for counter.phase in (p for p in PHASES if sequence_parallel or p != "sequence-parallel gradient sum"):
-                actions[counter.phase]()
+            for phase in (p for p in PHASES if sequence_parallel or p != "sequence-parallel gradient sum"):
+                counter.phase = phase
+                actions[phase]()
     return {"counts": counter.counts, "loss": out["loss"].item()}
 
 

@@ -153,8 +153,9 @@ def case_ranks(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(ctx) -> Dict[str, Any]:
     spec, ranks_spec = (TINY, RANKS_QUICK) if ctx.quick else (SMALL, RANKS_FULL)
-    env = {"PJRT_DEVICE": "CPU", **({"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()}
-                                    if ctx.quick else {})}
+    env = {"PJRT_DEVICE": "CPU"}
+    if ctx.quick:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
     log(f"xla graphs: {STEPS} steps on XLA:CPU, {len(VARIANTS)} variants (a process of its own)")
     variants = fresh(case_steps, tp=1, env=env, spec=spec)[0]
     log(f"xla graphs: every rank of a simulated tp={ranks_spec['tp']} x dp={ranks_spec['world'] // ranks_spec['tp']} "

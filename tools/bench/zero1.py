@@ -87,9 +87,11 @@ def count_one(cfg: Dict[str, Any], tp: int, dp: int, rank: int) -> Dict[str, Any
 
 def case_count(spec: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     """Rank 0: the counted rows of every model, tp and dp."""
-    rows = [] if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    rows = []
     for label, cfg, tp in spec["count"]:
-        for dp in spec["dps"] if rows is not None else ():
+        for dp in spec["dps"]:
             per_rank = [count_one(cfg, tp, dp, r) for r in sorted({0, tp * dp - 1})]
             worst = max(per_rank, key=lambda r: r["parameter_bytes"] + r["master_bytes"] + r["state_bytes"])
             n, pad = worst["parameters"], worst["padding_elements"]
