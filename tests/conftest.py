@@ -69,3 +69,12 @@ def worlds():
         pool.request_stop()
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_temp_dir(tmp_path_factory):
+    """Processes the tests start put their temporary files under pytest's base directory, which pytest prunes:
+    torchrun's agent makes a ``torchelastic_*`` directory in the temporary directory for every launch and leaves it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("children")))
+        yield
