@@ -86,8 +86,7 @@ class Style:
       ``group`` the tensor-parallel group the plan is applied over, passed in by ``parallelize``;
     * ``effect``: the declared ``Effect``.
 
-    Styles written before the protocol (any object with ``convert(module, name)``) still work: ``parallelize`` passes
-    the group only to a ``convert`` that takes it, and treats a style without ``effect`` as replacing its module.
+    ``parallelize`` refuses any other object as a style, naming its pattern.
     """
 
     expects: type = nn.Module
@@ -103,15 +102,12 @@ class Style:
         raise NotImplementedError(f"{type(self).__name__} is a Style without a declared effect")
 
 
-def effect_of(style) -> Effect:
-    """``style``'s declared effect; a style written before the protocol replaces its module and declares nothing."""
-    return style.effect if isinstance(style, Style) else Effect(replaces=True)
-
-
-def _convert(style, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
-    if len(inspect.signature(style.convert).parameters) >= 3:
-        return style.convert(module, name, group)
-    return style.convert(module, name)
+def require_style(style, where: str) -> None:
+    """Refuse ``style`` (named by ``where``) unless it follows the protocol."""
+    if not isinstance(style, Style):
+        raise TypeError(f"{where} is {type(style).__name__}, not an nxdtp.plan.Style: a style subclasses Style, with "
+                        "convert(module, name, group) and a declared effect (docs/wrapping_hf_models.md, \"The style "
+                        "protocol\")")
 
 
 # ---- styles ----------------------------------------------------------------------------------------------------------
@@ -304,7 +300,7 @@ class HeadPadded(Style):
     keeps them out of the output and out of every gradient. Zero heads therefore stay zero in training. The specs
     record the real size, the head size and the groups, so merging strips the zero heads and resharding pads anew."""
 
-    style: object        # ColumnParallel(...) or RowParallel(...)
+    style: Style        # ColumnParallel(...) or RowParallel(...)
     head_dim: int
     padded_heads: int
     dim: int
@@ -313,7 +309,7 @@ class HeadPadded(Style):
 
     @property
     def effect(self) -> Effect:
-        inner = effect_of(self.style)
+        inner = self.style.effect
         return dataclasses.replace(inner, records=inner.records + ("real_shape", "pad_block", "pad_groups"))
 
     def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
@@ -332,7 +328,7 @@ class HeadPadded(Style):
                 bias = ParamSpec(full_shape=(full_shape[0],), partition_dim=0, real_shape=tuple(bias.shape),
                                  **padding).full_from_dense(bias)
             padded.bias = nn.Parameter(bias, requires_grad=module.bias.requires_grad)
-        layer = _convert(self.style, padded, name, group)
+        layer = self.style.convert(padded, name, group)
         for param_name, spec in layer.param_specs().items():
             if spec.partition_dim == self.dim:
                 dense = list(spec.full_shape)
@@ -496,33 +492,34 @@ class Chain(Style):
     e.g. a final norm that is replicated with sequence-parallel parameters *and* ends the sequence-parallel region.
     Only the first may replace the module."""
 
-    styles: Tuple[object, ...]
+    styles: Tuple[Style, ...]
 
     def __post_init__(self):
-        late = [type(style).__name__ for style in self.styles[1:] if effect_of(style).replaces]
+        for position, style in enumerate(self.styles):
+            require_style(style, f"Chain's style {position}")
+        late = [type(style).__name__ for style in self.styles[1:] if style.effect.replaces]
         if late:
             raise ValueError(f"Chain: only the first style may replace the module, but {late} would replace what the "
                              "styles before it made")
 
     @property
     def expects(self) -> type:
-        return getattr(self.styles[0], "expects", nn.Module)
+        return self.styles[0].expects
 
     @property
     def effect(self) -> Effect:
-        effects = [effect_of(style) for style in self.styles]
+        effects = [style.effect for style in self.styles]
         return Effect(replaces=effects[0].replaces, opens=next((e.opens for e in effects if e.opens), ""),
                       closes=next((e.closes for e in reversed(effects) if e.closes), ""),
                       records=tuple(r for e in effects for r in e.records))
 
     def check(self, module: nn.Module, name: str) -> None:
         for style in self.styles:
-            if hasattr(style, "check"):
-                style.check(module, name)
+            style.check(module, name)
 
     def convert(self, module: nn.Module, name: str, group: ParallelGroup) -> nn.Module:
         for style in self.styles:
-            module = _convert(style, module, name, group)
+            module = style.convert(module, name, group)
         return module
 
 
@@ -554,7 +551,7 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     tie_groups = tied_parameter_names(model)
     converted_modules = []
     for name, style in matched:
-        converted = _convert(style, model.get_submodule(name), name, group)
+        converted = style.convert(model.get_submodule(name), name, group)
         _set_submodule(model, name, converted)
         converted_modules.append(converted)
     _retie_after_conversion(model, tie_groups)
@@ -574,6 +571,8 @@ def _styles_for(model: nn.Module, plan: Plan, group: ParallelGroup) -> Dict[str,
     styles = dict(plan.styles)
     if plan.prepare is not None:
         styles.update(_call_hook(plan.prepare, model, group) or {})
+    for pattern, style in styles.items():
+        require_style(style, f"the plan's style for '{pattern}'")
     return styles
 
 
@@ -587,7 +586,7 @@ def describe(model: nn.Module, plan: Plan) -> List[Tuple[str, str, Effect]]:
     """(module name, style, declared effect) for every module ``plan`` would change in ``model``, in the order
     ``parallelize`` applies them; nothing is changed (``prepare`` runs, as it only validates and adds styles)."""
     matched = _match(model, _styles_for(model, plan, tensor_parallel_group()))
-    return [(name, repr(style), effect_of(style)) for name, style in matched]
+    return [(name, repr(style), style.effect) for name, style in matched]
 
 
 def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]]:
@@ -609,17 +608,16 @@ def _match(model: nn.Module, styles: Dict[str, Style]) -> List[Tuple[str, Style]
     # Check every match before converting any, so a bad plan leaves the model untouched.
     for name, style in matched:
         module = model.get_submodule(name)
-        _expect(module, getattr(style, "expects", nn.Module), style, name)
-        if hasattr(style, "check"):
-            style.check(module, name)
+        _expect(module, style.expects, style, name)
+        style.check(module, name)
     # A replacing style's conversion would drop converted children, so it must name a leaf of the plan; a style that
     # changes its module in place may name a parent, and is applied after the children.
-    replacing = [name for name, style in matched if effect_of(style).replaces]
+    replacing = [name for name, style in matched if style.effect.replaces]
     nested = [(a, b) for a in replacing for b, _ in matched if b.startswith(a + ".")]
     if nested:
         raise ValueError(f"plan matches nested modules {nested[0]}, and the style on '{nested[0][0]}' replaces it: "
                          "name leaf modules, or use a style that changes the module in place on the parent")
-    return sorted(matched, key=lambda pair: (0, 0) if effect_of(pair[1]).replaces else (1, -pair[0].count(".")))
+    return sorted(matched, key=lambda pair: (0, 0) if pair[1].effect.replaces else (1, -pair[0].count(".")))
 
 
 def broadcast_replicated_state(model: nn.Module) -> None:

@@ -5,7 +5,7 @@
   each layer, and as many sequence-parallel ones as it closes in the model; the check catches a plan that lost its
   block wrapper.
 * The matching rules: a replacing style must name a leaf, an in-place one may name a parent (applied after it);
-  ``Chain`` refuses a late replacing style; a style written before the protocol (``convert(module, name)``) works.
+  ``Chain`` refuses a late replacing style; an object outside the protocol is refused as a style, naming where.
 * The registry is the one list of families.
 * After parallelizing, a forward, generation_mode and gradient checkpointing, no module of a model carries an nxdtp
   note outside its record.
@@ -37,11 +37,11 @@ from nxdtp.plan import (
     Replicate,
     RowParallel,
     SetAttributes,
+    Style,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     WrapForward,
     describe,
-    effect_of,
     parallelize,
 )
 from nxdtp.spec import ParamSpec, ShardedModule
@@ -103,7 +103,7 @@ def _set_records(module: nn.Module) -> set:
 def test_a_style_records_what_it_declares(style, dense, expected):
     with ps.simulated_topology(world_size=2, rank=1, tensor_model_parallel_size=2):
         converted = style.convert(_randomised(dense()), "module", ps.tensor_parallel_group())
-    declared = set(effect_of(style).records)
+    declared = set(style.effect.records)
     carried = _set_records(converted)
     assert carried <= declared, f"{style} sets {carried - declared} without declaring them"
     assert carried == expected
@@ -229,8 +229,18 @@ def test_an_in_place_style_on_a_parent_runs_after_its_children_are_converted(wor
     assert outer[0].scale == 0.5 and isinstance(outer[0], Block)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ToIdentity(Style):
+    """A replacing style of the test's own."""
+
+    effect = Effect(replaces=True)
+
+    def convert(self, module, name, group):
+        return nn.Identity()
+
+
 class _OldStyle:
-    """A style written before the protocol: ``convert(module, name)`` and no declared effect."""
+    """An object with a two-argument ``convert`` and no declared effect, as styles were before the protocol."""
 
     def convert(self, module, name):
         return nn.Identity()
@@ -238,7 +248,7 @@ class _OldStyle:
 
 def test_a_replacing_style_on_a_parent_of_another_match_is_refused(world_of_one):
     outer = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
-    plan = Plan({"0": _OldStyle(), "0.0": ColumnParallel()})
+    plan = Plan({"0": _ToIdentity(), "0.0": ColumnParallel()})
     with pytest.raises(ValueError, match=r"plan matches nested modules \('0', '0.0'\), and the style on '0' "
                                          r"replaces it: name leaf modules"):
         parallelize(outer, plan)
@@ -260,10 +270,15 @@ def test_set_attributes_refuses_an_attribute_the_module_lacks_before_anything_ch
     assert model[0].weight is before and type(model[0]) is nn.Linear
 
 
-def test_a_style_written_before_the_protocol_still_works(world_of_one):
-    assert effect_of(_OldStyle()) == Effect(replaces=True)
-    model = parallelize(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Plan({"0": _OldStyle()}))
-    assert isinstance(model[0], nn.Identity)
+def test_an_object_outside_the_style_protocol_is_refused_naming_where_it_stands(world_of_one):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(TypeError, match=r"the plan's style for '0' is _OldStyle, not an nxdtp.plan.Style: a style "
+                                        r"subclasses Style, with convert\(module, name, group\)"):
+        parallelize(model, Plan({"0": _OldStyle()}))
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(TypeError, match=r"Chain's style 1 is _OldStyle, not an nxdtp.plan.Style"):
+        Chain((ColumnParallel(), _OldStyle()))
+    assert isinstance(parallelize(model, Plan({"0": _ToIdentity()}))[0], nn.Identity)
 
 
 # ---- the registry ----------------------------------------------------------------------------------------------------

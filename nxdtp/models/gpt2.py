@@ -41,7 +41,6 @@ from ..plan import (
     VocabParallelLMHead,
     WrapForward,
     call_with_parameters_as,
-    effect_of,
     wrap_forward,
 )
 from ..topology import ParallelGroup
@@ -73,12 +72,12 @@ class Conv1DParallel(Style):
     """HF ``Conv1D`` → the parallel layer ``linear_style`` makes from the equivalent ``nn.Linear``, with the weight
     kept in Conv1D's ``[in, out]`` layout (and its spec describing that layout)."""
 
-    linear_style: object  # ColumnParallel(...) or RowParallel(...)
+    linear_style: Style  # ColumnParallel(...) or RowParallel(...)
     expects = nn.Module
 
     @property
     def effect(self) -> Effect:
-        return effect_of(self.linear_style)
+        return self.linear_style.effect
 
     def check(self, module: nn.Module, name: str) -> None:
         if getattr(module, "weight", None) is None or module.weight.dim() != 2 or type(module).__name__ != "Conv1D":
