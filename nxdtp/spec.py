@@ -122,8 +122,7 @@ class ParamSpec:
     # double the gradient. How the model is wired, not how the tensor is laid out: checkpoints do not record it.
     grad_allreduced_in_backward: bool = False
     # The padding record (module docstring): the split dim is zero-padded to a multiple of pad_to_multiple_of *
-    # num_partitions; None where the spec records no such rule (then the dim is not padded that way, or the spec comes
-    # from a checkpoint written before the record existed). ``vocabulary``: the multiple is the model's
+    # num_partitions; None where the dim is not padded that way. ``vocabulary``: the multiple is the model's
     # make_vocab_size_divisible_by, which a reshard may replace.
     pad_to_multiple_of: Optional[int] = None
     vocabulary: bool = False
