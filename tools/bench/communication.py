@@ -7,7 +7,6 @@ import math
 import re
 from typing import Any, Dict, List
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nxdtp import comm, parallel_state
@@ -15,8 +14,8 @@ from nxdtp.grads import allreduce_sequence_parallel_gradients, clip_grad_norm
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
 
-from .common import ADAMW, SEED, fmt_bytes, fresh, log, table
-from .train_step import FULL, QUICK, build_dense, make_batch, shard
+from .common import SEED, fmt_bytes, fresh, log, table
+from .train_step import FULL, QUICK, build_dense, case_build, case_release, case_step, make_batch
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 HLO_WORLD, HLO_RANK, HLO_TP = 2, 1, 2
@@ -117,22 +116,14 @@ class _Counter(TorchDispatchMode):
         entry[1] += int(nbytes)
 
 
-def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_parallel: bool = False) -> Dict[str, Any]:
-    """Collectives of the second of two train steps of a freshly sharded BERT, by phase and kind."""
-    model = build_dense(model_cfg, SEED)
-    clip = shard(kind, model, sequence_parallel=sequence_parallel)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    inputs, out = make_batch(model_cfg, seq, batch, SEED), {}
-    actions = {"forward": lambda: out.update(loss=model(**inputs).loss), "backward": lambda: out["loss"].backward(),
-               "sequence-parallel gradient sum": lambda: allreduce_sequence_parallel_gradients(optimizer),
-               "clip": lambda: clip(list(model.parameters())), "optimizer": optimizer.step}
+def case_count_comm(kind: str, model_cfg, seq: int, batch: int, sequence_parallel: bool = False) -> Dict[str, list]:
+    """Collectives of the second of two of section 1's train steps of a freshly sharded BERT, by phase and kind."""
+    case_build(kind, model_cfg, seq, batch, sequence_parallel=sequence_parallel)
     for _ in range(2):  # the first step creates AdamW's state; count the second
         with _Counter(functional=kind == "dtensor") as counter:
-            optimizer.zero_grad(set_to_none=True)
-            for phase in (p for p in PHASES if sequence_parallel or p != "sequence-parallel gradient sum"):
-                counter.phase = phase
-                actions[phase]()
-    return {"counts": counter.counts, "loss": out["loss"].item()}
+            case_step(counter=counter)
+    case_release()
+    return counter.counts
 
 
 def trace_hlo(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -168,9 +159,9 @@ def run(ctx, hlo: Dict[str, Any] = None) -> Dict[str, Any]:
             answers = ctx.competitors.pool(kind).call(case_count_comm, kind=kind, seq=spec["seq"], batch=spec["batch"],
                                                       model_cfg=dict(spec["model"], num_hidden_layers=layers),
                                                       sequence_parallel=sp)
-            if any(a["counts"] != answers[0]["counts"] for a in answers):
+            if any(a != answers[0] for a in answers):
                 raise AssertionError(f"{kind} ranks counted different collectives: {answers}")
-            by_layers[layers] = answers[0]["counts"]
+            by_layers[layers] = answers[0]
         sources[f"{name},sp={sp}"] = _per_layer(by_layers)
     megatron = {f"sp={sp}": megatron_minimum(spec["model"], spec["seq"], spec["batch"], sp) for sp in (False, True)}
     out = {"config": spec["model"], "seq": spec["seq"], "batch": spec["batch"], "tp": HLO_TP, "sources": sources,

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import BertForPreTraining, LlamaForCausalLM  # noqa: F401 - imported before the memory baselines
 
 import nxdtp.grads
+from nxdtp.grads import allreduce_sequence_parallel_gradients
 from nxdtp.models import parallelize_model
 from nxdtp.models.bert import parallelize_bert
 from nxdtp.utils import move_model_to_device
@@ -102,18 +103,19 @@ def shard(kind: str, model, arch: str = "bert", sequence_parallel: bool = False,
 
 
 def case_build(kind: str, model_cfg, seq: int, batch: int, arch: str = "bert", vocab_multiple: int = 1,
-               device: str = "cpu") -> Dict[str, Any]:
+               device: str = "cpu", sequence_parallel: bool = False) -> Dict[str, Any]:
     """Build, shard and keep the model, AdamW and the batch; reset the peak-RSS watermark."""
     if "baseline" not in STATE:  # after the same imports in every competitor
         STATE["baseline"] = common.proc_status_kib()["VmRSS"] / 1024
     model = build_dense(model_cfg, SEED, arch)
-    clip = shard(kind, model, arch, vocab_multiple=vocab_multiple)
+    clip = shard(kind, model, arch, sequence_parallel, vocab_multiple)
     if device != "cpu":  # the --gpu section: tp=1, nothing was split
         torch.cuda.set_device(device)
         model = move_model_to_device(model, device) if kind == "nxdtp" else model.to(device)
         torch.cuda.reset_peak_memory_stats()
     STATE.update(model=model, clip=clip, optimizer=torch.optim.AdamW(model.parameters(), **ADAMW), device=device,
-                 batch={k: v.to(device) for k, v in make_batch(model_cfg, seq, batch, SEED, arch).items()})
+                 batch={k: v.to(device) for k, v in make_batch(model_cfg, seq, batch, SEED, arch).items()},
+                 sequence_parallel=sequence_parallel)
     gc.collect()
     STATE.update(peak_reset=common.reset_peak_rss(), after_build=common.proc_status_kib()["VmRSS"] / 1024)
     local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
@@ -122,15 +124,21 @@ def case_build(kind: str, model_cfg, seq: int, batch: int, arch: str = "bert", v
             "local_vocab_rows": model.get_input_embeddings().weight.shape[0]}
 
 
-def case_step(marks: bool = False) -> Dict[str, float]:
-    """zero_grad and forward, backward, clip, AdamW step: the wall time of each phase (device work included)."""
+def case_step(marks: bool = False, counter=None) -> Dict[str, float]:
+    """zero_grad and forward, backward, (with sequence parallelism, the gradient sum,) clip, AdamW step: the wall time
+    of each phase (device work included). ``counter`` (section 3's) is told each phase before it runs."""
     barrier()
     model, optimizer, out = STATE["model"], STATE["optimizer"], {}
     actions = {"forward": lambda: (optimizer.zero_grad(set_to_none=True), model(**STATE["batch"]).loss)[1],
-               "backward": lambda: out["loss"].backward(), "clip": lambda: STATE["clip"](list(model.parameters())),
-               "optimizer": optimizer.step}
+               "backward": lambda: out["loss"].backward(),
+               "sequence-parallel gradient sum": lambda: allreduce_sequence_parallel_gradients(optimizer),
+               "clip": lambda: STATE["clip"](list(model.parameters())), "optimizer": optimizer.step}
+    if not STATE["sequence_parallel"]:
+        del actions["sequence-parallel gradient sum"]
     start = last = time.perf_counter()
     for phase, action in actions.items():
+        if counter is not None:
+            counter.phase = phase
         with record_function(f"phase::{phase}") if marks else contextlib.nullcontext():
             out[{"forward": "loss", "clip": "grad_norm"}.get(phase, "_")] = action()
         if STATE["device"].startswith("cuda"):

@@ -314,9 +314,7 @@ def _tables(out: Dict[str, Any]) -> List[Any]:
 # ---- section 8: the stall of save_checkpoint, sync against async_save -------------------------------------------
 
 def _async_step() -> None:
-    STATE["optimizer"].zero_grad(set_to_none=True)
-    STATE["model"](**STATE["batch"]).loss.backward()
-    STATE["optimizer"].step()
+    timed_step(STATE["model"], STATE["optimizer"], STATE["batch"], "zero1")
     STATE["scheduler"].step()
 
 
