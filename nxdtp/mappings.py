@@ -45,10 +45,12 @@ def note_tile_cc(where: str, tile_cc: bool) -> None:
 
 
 def _in_dtype(collective, tensor: torch.Tensor, reduce_dtype):
-    """Run a summing collective in ``reduce_dtype`` (bf16 partial sums added in fp32) and return the input's dtype."""
-    if reduce_dtype is None or reduce_dtype == tensor.dtype:
+    """Run a summing collective in ``reduce_dtype`` or the input's dtype, whichever is wider (bf16 partial sums are
+    added in fp32; fp64 ones stay fp64), and return the input's dtype."""
+    wider = tensor.dtype if reduce_dtype is None else torch.promote_types(tensor.dtype, reduce_dtype)
+    if wider == tensor.dtype:
         return collective(tensor)
-    return collective(tensor.to(reduce_dtype)).to(tensor.dtype)
+    return collective(tensor.to(wider)).to(tensor.dtype)
 
 
 def split_along_dim(tensor: torch.Tensor, group: ParallelGroup, dim: int) -> torch.Tensor:

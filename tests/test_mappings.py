@@ -312,6 +312,28 @@ def test_reduce_dtype_fp32_is_closer_than_bf16(worlds):
 
 
 
+def case_reduce_dtype_never_narrows(seed):
+    """fp64 partial sums with reduce_dtype=fp32 (the layers' default) are summed in fp64: with two ranks, a + b exactly,
+    forward and backward, all-reduce and reduce-scatter."""
+    group = ps.tensor_parallel_group()
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(8, 3, generator=gen, dtype=torch.float64) * torch.logspace(-9, 3, 3, dtype=torch.float64)
+             for _ in range(group.size)]
+    exact = parts[0] + parts[1]
+    mine = parts[group.rank]
+    reduced = mappings.reduce_from_tensor_model_parallel_region(mine.clone(), reduce_dtype=torch.float32)
+    x = mine.clone().requires_grad_(True)
+    mappings.copy_to_tensor_model_parallel_region(x, reduce_dtype=torch.float32).backward(mine)
+    scattered = mappings.reduce_scatter_to_sequence_parallel_region(mine.clone(), 0, reduce_dtype=torch.float32)
+    return (reduced.dtype, torch.equal(reduced, exact), torch.equal(x.grad, exact),
+            torch.equal(scattered, exact.chunk(group.size)[group.rank]))
+
+
+def test_reduce_dtype_never_sums_a_wider_input_in_a_narrower_dtype(worlds):
+    for dtype, *equal in worlds(2).run(case_reduce_dtype_never_narrows, tensor_model_parallel_size=2, seed=4):
+        assert dtype == torch.float64 and all(equal), equal
+
+
 def case_expert_regions(seed, tp, ep, scatter_gather):
     """NxD's expert regions with expert parallelism: the entry sends each rank's tokens for expert block k to EP rank
     k, the exit brings them back; values and gradients against the formulas written over every rank's tensors. Tokens
