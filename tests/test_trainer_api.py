@@ -119,6 +119,14 @@ def test_config_partial_model_init_config(no_world):
     (dict(model_init_config={"meta_device_init": True}), r"param_init_fn must be provided"),
     (dict(model_init_config={"meta_device_init": True, "param_init_fn": None}), r"param_init_fn must be provided"),
     (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be"),
+    (dict(optimizer_config={"zero_one_enabld": True}), r"optimizer_config has keys \['zero_one_enabld'\] that NxD's "
+     r"config does not have; its keys are \['zero_one_enabled', 'grad_clipping', 'max_grad_norm'\]; did you mean "
+     r"'zero_one_enabled' for 'zero_one_enabld'\?"),
+    (dict(mixed_precision_config={"use_master_weights": True, "bf16": True}),
+     r"mixed_precision_config has keys \['bf16'\] .*; its keys are \['use_master_weights', 'use_fp32_grad_acc', "
+     r"'use_master_weights_in_ckpt'\]$"),
+    (dict(model_init_config={"sequential_move": 2}), r"model_init_config has keys \['sequential_move'\] .*did you "
+     r"mean 'sequential_move_factor'"),
 ])
 def test_config_refusals_name_the_value(no_world, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -10,6 +10,7 @@ class, wrapped in ``NxDOptimizer``.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -51,10 +52,18 @@ def _refuse_size(name: str, value: Any, what: str) -> None:
                          f"expert parallelism, with no {what}; the valid value is {name}=1 (the default)")
 
 
-def _check_dict(name: str, value: Any) -> None:
+def _check_dict(name: str, value: Any, known: Tuple[str, ...]) -> None:
+    """Refuse a ``value`` that is not a dict, or has a key NxD's config does not read (a misspelt key would leave its
+    option at the default without a word)."""
     if not isinstance(value, dict):
         raise TypeError(f"neuronx_distributed_config: {name} must be a dict (or None for NxD's defaults); got "
                         f"{type(value).__name__} {value!r}")
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        hints = {key: difflib.get_close_matches(str(key), known, n=1) for key in unknown}
+        meant = "".join(f"; did you mean {hint[0]!r} for {key!r}?" for key, hint in hints.items() if hint)
+        raise ValueError(f"neuronx_distributed_config: {name} has keys {unknown} that NxD's config does not have; its "
+                         f"keys are {list(known)}{meant}")
 
 
 def neuronx_distributed_config(
@@ -145,7 +154,7 @@ def _filled_optimizer_config(optimizer_config: Optional[dict]) -> dict:
     """NxD's optimizer_config defaults: the whole dict for None, else the missing keys filled in place."""
     if optimizer_config is None:
         return {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
-    _check_dict("optimizer_config", optimizer_config)
+    _check_dict("optimizer_config", optimizer_config, ("zero_one_enabled", "grad_clipping", "max_grad_norm"))
     _fill_default(optimizer_config, "zero_one_enabled", False, "automatically set it to False.")
     _fill_default(optimizer_config, "grad_clipping", True, "automatically set it to True.")
     if optimizer_config["grad_clipping"]:
@@ -157,7 +166,8 @@ def _filled_mixed_precision_config(mixed_precision_config: Optional[dict], zero_
     """NxD's mixed_precision_config defaults (master weights and fp32 gradient accumulation follow ZeRO-1)."""
     if mixed_precision_config is None:
         return {"use_master_weights": zero_one, "use_fp32_grad_acc": zero_one, "use_master_weights_in_ckpt": False}
-    _check_dict("mixed_precision_config", mixed_precision_config)
+    _check_dict("mixed_precision_config", mixed_precision_config,
+                ("use_master_weights", "use_fp32_grad_acc", "use_master_weights_in_ckpt"))
     _fill_default(mixed_precision_config, "use_master_weights", zero_one, "automatically set it.")
     _fill_default(mixed_precision_config, "use_fp32_grad_acc", zero_one, "automatically set it.")
     _fill_default(mixed_precision_config, "use_master_weights_in_ckpt", False, "automatically set it to False.")
@@ -168,7 +178,8 @@ def _filled_model_init_config(model_init_config: Optional[dict], sequential_move
     """NxD's model_init_config defaults; meta-device init without a param_init_fn is refused."""
     if model_init_config is None:
         return {"sequential_move_factor": sequential_move_factor, "meta_device_init": False, "param_init_fn": None}
-    _check_dict("model_init_config", model_init_config)
+    _check_dict("model_init_config", model_init_config,
+                ("sequential_move_factor", "meta_device_init", "param_init_fn"))
     _fill_default(model_init_config, "sequential_move_factor", sequential_move_factor,
                   f"automatically set it to {sequential_move_factor}.")
     _fill_default(model_init_config, "meta_device_init", False, "automatically set it to False.")
