@@ -74,10 +74,14 @@ class BaseParallelLayer(ShardedModule):
         super().__init__()
         if not model_parallel_is_initialized():
             # NxD's behaviour: a layer built before any parallel state works as its non-parallel equivalent.
-            warnings.warn("model parallel is not initialized: falling back to a world of one process "
-                          "(nxdtp.utils.initialize_fallback_parallel_state), so this layer is not split", UserWarning,
-                          stacklevel=3)
             initialize_fallback_parallel_state(device)
+            processes = get_topology().world_size
+            over = "a world of one process" if processes == 1 else (
+                f"tensor_model_parallel_size=1 over the {processes} processes of this world")
+            warnings.warn(f"model parallel is not initialized: falling back to {over} "
+                          "(nxdtp.utils.initialize_fallback_parallel_state), so this layer is not split; call "
+                          "initialize_model_parallel(...) before building layers to split them", UserWarning,
+                          stacklevel=3)
         self._explicit_group: Optional[ParallelGroup] = (
             None if tensor_model_parallel_group is None else group_of(tensor_model_parallel_group))
 

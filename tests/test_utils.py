@@ -292,6 +292,33 @@ def test_a_layer_built_before_initialisation_falls_back_to_one_process():
     assert any("model parallel is not initialized: falling back to a world of one process" in w for w in out["warned"])
 
 
+def case_layer_before_initialisation_in_a_world_of_two():
+    """In a world of two processes, a layer built before initialize_model_parallel says what it installed, and the
+    initialisation that comes too late says where that came from."""
+    from nxdtp import layers
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layers.ColumnParallelLinear(4, 4)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    except RuntimeError as e:
+        late = str(e)
+    else:
+        late = None
+    return [str(w.message) for w in caught], late, ps.get_data_parallel_size()
+
+
+def test_a_layer_built_before_initialisation_in_a_world_of_two_says_what_it_installed(worlds):
+    for warned, late, dp in worlds(2).run(case_layer_before_initialisation_in_a_world_of_two,
+                                           tensor_model_parallel_size=None):
+        assert dp == 2
+        assert any("falling back to tensor_model_parallel_size=1 over the 2 processes of this world" in w
+                   and "call initialize_model_parallel(...) before building layers" in w for w in warned), warned
+        assert late is not None and "already initialized (tensor_model_parallel_size=1, world size 2) (a parallel " \
+            "layer built before initialize_model_parallel installs this fallback" in late, late
+
+
 def _fallback_world_at_exit_script(device_kind: str) -> dict:
     """Runs in a fresh process: reports, from an exit handler that runs after nxdtp's, whether the world of one that
     the fallback made is still up when the interpreter ends."""
