@@ -655,7 +655,10 @@ def _with_sequence_parallel_params(module: nn.Module, group: ParallelGroup) -> n
 
 def _expect(module: nn.Module, kind: type, style, name: str) -> None:
     if not isinstance(module, kind):
-        raise TypeError(f"{type(style).__name__} applies to {kind.__name__}, but '{name}' is {type(module).__name__}")
+        again = (": it is sharded already (was the model parallelized before? shard a fresh dense model)"
+                 if isinstance(module, ShardedModule) else "")
+        raise TypeError(f"{type(style).__name__} applies to {kind.__name__}, but '{name}' is "
+                        f"{type(module).__name__}{again}")
 
 
 def _replace_param(layer: nn.Module, name: str, value: torch.Tensor, like: torch.Tensor) -> None:

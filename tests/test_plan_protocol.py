@@ -254,6 +254,13 @@ def test_a_replacing_style_on_a_parent_of_another_match_is_refused(world_of_one)
         parallelize(outer, plan)
 
 
+def test_parallelizing_a_model_twice_is_refused_naming_the_sharded_layer(world_of_one):
+    model = parallelize(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Plan({"0": ColumnParallel()}))
+    with pytest.raises(TypeError, match=r"ColumnParallel applies to Linear, but '0' is ColumnParallelLinear: it is "
+                                        r"sharded already \(was the model parallelized before\?"):
+        parallelize(model, Plan({"0": ColumnParallel()}))
+
+
 def test_chain_refuses_a_replacing_style_after_the_first():
     with pytest.raises(ValueError, match=r"Chain: only the first style may replace the module, but "
                                          r"\['ColumnParallel'\] would replace"):
