@@ -36,6 +36,7 @@ from .forward_wrappers import (  # noqa: F401 - also nxdtp.plan's names, where p
 )
 from .layers import ColumnParallelLinear, LayerNorm, ParallelEmbedding, RowParallelLinear
 from .record import note_of, read_note
+from .replaced_parameters import record_replaced, weak_parameters
 from .rounding import round_up
 from .spec import ParamSpec, ShardedModule
 from .storage import owning
@@ -548,6 +549,7 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
     """
     group = tensor_parallel_group()  # the one lookup: styles and hooks are given the group
     matched = _match(model, _styles_for(model, plan, group))
+    before = weak_parameters(model)
     tie_groups = tied_parameter_names(model)
     converted_modules = []
     for name, style in matched:
@@ -555,6 +557,7 @@ def parallelize(model: nn.Module, plan: Plan, broadcast_replicated: bool = True)
         _set_submodule(model, name, converted)
         converted_modules.append(converted)
     _retie_after_conversion(model, tie_groups)
+    record_replaced(before, model.parameters())
     if plan.finalize is not None:
         _call_hook(plan.finalize, model, group)
     # Only the modules this plan converted: sequence-parallel layers a model built itself keep NxD's contract (the

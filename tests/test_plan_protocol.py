@@ -261,6 +261,23 @@ def test_parallelizing_a_model_twice_is_refused_naming_the_sharded_layer(world_o
         parallelize(model, Plan({"0": ColumnParallel()}))
 
 
+def test_an_optimizer_built_before_parallelizing_is_refused_at_its_first_step(world_of_one):
+    """It holds the dense weights the plan replaced, which get no gradient: without the refusal only the kept
+    parameters (here the ReLU-free second Linear) would train. An optimizer built after steps as usual."""
+    model = _randomised(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    parallelize(model, Plan({"0": ColumnParallel()}))
+    model(torch.randn(2, 4)).sum().backward()
+    kept = model[1].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"SGD holds 2 parameters that parallelizing replaced .*build the optimizer "
+                                           r"after parallelize_model / parallelize"):
+        early.step()
+    assert torch.equal(model[1].weight, kept)
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    late.step()
+    assert not torch.equal(model[1].weight, kept)
+
+
 def test_chain_refuses_a_replacing_style_after_the_first():
     with pytest.raises(ValueError, match=r"Chain: only the first style may replace the module, but "
                                          r"\['ColumnParallel'\] would replace"):
