@@ -41,8 +41,10 @@ def new_owned_group(*args, **kwargs):
 
 def _release_at_exit() -> None:
     """Have the interpreter's exit release what nxdtp made and still holds: its groups, and the world of 1 it made.
-    Left to interpreter shutdown, gloo's worker threads outlive the interpreter and abort a process whose work is done
-    ("terminate called without an active exception"). A world the user made is the user's to destroy."""
+    A world the user made is the user's to destroy. This alone does not keep a finished process from being aborted at
+    exit ("terminate called without an active exception"): the topology still references the groups, so their gloo
+    threads live on into finalization; what does is that nxdtp leaves those threads no tensor of its own to free
+    there (``wait_for_every_rank``)."""
     if not _EXIT_HANDLER:
         atexit.register(_release_everything_made_here)
         _EXIT_HANDLER.append(_release_everything_made_here)
@@ -84,9 +86,15 @@ def wait_for_every_rank(world_cpu_group) -> None:
     still be connecting to it. A rank that returned and then destroyed its groups (destroy_model_parallel, or its
     process ending) closed those connections under the peer, whose new_group then failed ("Connection closed by
     peer"), which a loaded machine made likely. So no rank leaves group creation before every rank has made every
-    group. A CPU tensor over the world's gloo group: the backend for CPU tensors in every world, whatever its default.
+    group. Over the world's gloo group (the backend for CPU tensors in every world, whatever its default).
+
+    A barrier, not a collective on a tensor made here: gloo's worker thread drops its reference to a finished
+    collective's tensors just after the caller's wait returns, and freeing a tensor that Python made takes the GIL.
+    In a script that ends right after initialize_model_parallel the interpreter may be finalizing by then, and a
+    thread that asks for the GIL during finalization is ended inside that C++ destructor: std::terminate, SIGABRT
+    ("terminate called without an active exception"). A barrier holds no tensor.
     """
-    dist.all_reduce(torch.zeros(1), group=world_cpu_group)
+    dist.barrier(group=world_cpu_group)
 
 
 def release_owned_groups() -> None:

@@ -40,7 +40,7 @@ BACKEND_CALLS = {
 KNOWN_BACKEND_USES = {
     ("nxdtp.process_groups", "dist.new_group"):
         "initialize_model_parallel and zero1_groups create the topology's process groups through it",
-    ("nxdtp.process_groups", "dist.all_reduce"):
+    ("nxdtp.process_groups", "dist.barrier"):
         "the barrier after group creation (no rank leaves before every rank has made every group); comm sits above "
         "the topology core and cannot be used there",
     ("nxdtp.process_groups", "dist.init_process_group"):
