@@ -30,7 +30,7 @@ def dense_model(family: str = "llama"):
     """A tiny Llama, or (``family="mixtral"``) a tiny Mixtral of 4 experts whose loss includes the load-balancing
     loss, or (``"bert"``, ``"roberta"``) a tiny masked-LM encoder without dropout."""
     torch.manual_seed(0)
-    model = _model_class_and_config(family)
+    model = _untrained_model(family)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():   # randomise everything, biases and norms included
         for p in model.parameters():
@@ -38,7 +38,7 @@ def dense_model(family: str = "llama"):
     return model
 
 
-def _model_class_and_config(family: str):
+def _untrained_model(family: str):
     import transformers
 
     if family in ("bert", "roberta"):
