@@ -436,6 +436,39 @@ def test_tp2_dp2_global_batch_equals_dense(worlds):
         assert max(norms) - min(norms) <= 1e-5 * max(norms), norms
 
 
+
+def case_masked_lm_num_items_in_batch():
+    """BertForMaskedLM at tp=2 x dp=2 given Trainer's ``num_items_in_batch`` (the global masked-token count): each DP
+    rank's loss is its sum over that count, as the decoder families' loss is; Trainer multiplies it by the DP size,
+    the DP all-reduce averages, and the result is the dense loss and gradient of the whole batch. Without the count
+    the loss stays this batch's mean."""
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_size()
+    config = _config(1021)
+    dense, model = _pair(BertForMaskedLM, config, seed=7)
+    full = _batch(config, batch=4, seed=11, masked_per_sequence=[1, 2, 5, 7])
+    full.pop("next_sentence_label", None)
+    local = {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in full.items()}
+    global_items = (full["labels"] != -100).sum()
+    local_items = (local["labels"] != -100).sum()
+    assert local_items != global_items / dp, "even counts per DP rank: a per-rank mean would pass too"
+    dense_out = dense(**full)
+    dense_out.loss.backward()
+    out = model(**local, num_items_in_batch=global_items)
+    (out.loss * dp).backward()
+    bucket_allreduce_gradients([p.grad for p in model.parameters() if p.grad is not None])
+    _close(torch.tensor(_dp_mean(out.loss.detach() * dp)), dense_out.loss, "DP-mean loss over num_items_in_batch")
+    _check_grads(model, dense, "tp=2 x dp=2 num_items_in_batch")
+    _close(get_grad_norm(model.parameters()), torch.tensor(_dense_grad_norm(dense)), "grad norm")
+    local_mean = model(**local).loss
+    _close(local_mean, local_mean.new_tensor(out.loss.item() * global_items.item() / local_items.item()),
+           "without num_items_in_batch: this batch's mean")
+    return dp_rank
+
+
+def test_masked_lm_loss_over_num_items_in_batch_equals_dense(worlds):
+    assert sorted(worlds(4).run(case_masked_lm_num_items_in_batch, tensor_model_parallel_size=2)) == [0, 0, 1, 1]
+
+
 # ---- 5. dropout: replicated regions in lockstep, TP-sharded regions with their own masks -----------------------------
 
 def case_dropout(attn, steps=3, seed=1234):

@@ -76,7 +76,8 @@ def tp2dp2(dense):
     return _run(dense[0], "tp2dp2", "--tp", "2", "--per_device", "1", "--eval", ranks=4)
 
 
-def _check_equals_dense(out: Path, dense, what: str, tol: dict = TOL) -> None:
+def _check_equals_dense(out: Path, dense, what: str, tol: dict = TOL, saved_as: dict = None) -> None:
+    """``saved_as``: {name in dense's file: name in the TP run's} for a tensor the two save under different names."""
     _, dense_log, dense_weights, _ = dense
     log = _log(out)
     assert [e["step"] for e in log] == [e["step"] for e in dense_log] == [1, 2, 3, 4], (what, log)
@@ -85,6 +86,8 @@ def _check_equals_dense(out: Path, dense, what: str, tol: dict = TOL) -> None:
             torch.testing.assert_close(torch.tensor(step[key]), torch.tensor(expected[key]), **tol,
                                        msg=lambda m: f"{what} step {step['step']} {key}: {m}")
     weights = _final_weights(out / "final")
+    for dense_name, name in (saved_as or {}).items():
+        weights[dense_name] = weights.pop(name)
     assert sorted(weights) == sorted(dense_weights), what
     for name, value in dense_weights.items():
         torch.testing.assert_close(weights[name], value, **tol, msg=lambda m: f"{what} {name}: {m}")
@@ -345,3 +348,22 @@ def test_mixtral_tp2_ep2_trainer_equals_dense_and_resumes_at_another_expert_para
     resumed = _run(tmp, "resumed", "--model", "mixtral", "--ep", "1", "--per_device", "1",
                    "--resume", str(whole / "checkpoint-2"), ranks=4)
     _check_equals_dense(resumed, dense_mixtral, "mixtral resumed at tp2 x ep1")
+
+
+# ---- encoders: the masked-LM loss over Trainer's global count -------------------------------------------------------
+
+@pytest.mark.slow   # two Trainer runs each (~30 s under load); the loss itself: test_models_bert.py
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_masked_lm_tp2_dp2_trainer_equals_the_dense_global_batch_mean(tmp_path, family):
+    """BertForMaskedLM / RobertaForMaskedLM through TensorParallelTrainer at tp=2 x dp=2 with gradient accumulation 2
+    (one sample per DP rank per micro-batch): the MLM loss is divided by Trainer's ``num_items_in_batch``, as the
+    decoder families' loss is, so every step's logged loss and grad norm and the final weights equal the dense Trainer
+    on the whole global batch of 4 at once. The dense reference takes no accumulation: HF's dense MLM head ignores
+    ``num_items_in_batch`` and returns each micro-batch's mean, which Trainer, believing it normalised, neither
+    divides by the accumulation steps nor leaves undivided by DP (it multiplies by the DP size)."""
+    dense_out = _run(tmp_path, "dense", "--model", family, "--per_device", "4", "--accumulation", "1")
+    dense = (tmp_path, _log(dense_out), _final_weights(dense_out), dense_out)
+    tp2dp2 = _run(tmp_path, "tp2dp2", "--model", family, "--tp", "2", "--per_device", "1", ranks=4)
+    # nxdtp saves RoBERTa's MLM bias (one tensor under two names) under the name every transformers release loads.
+    saved_as = {"lm_head.bias": "lm_head.decoder.bias"} if family == "roberta" else {}
+    _check_equals_dense(tp2dp2, dense, f"{family} tp2 x dp2", saved_as=saved_as)

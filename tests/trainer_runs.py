@@ -28,25 +28,33 @@ EVAL_SAMPLES, PREDICT_SAMPLES = 8, 9
 
 def dense_model(family: str = "llama"):
     """A tiny Llama, or (``family="mixtral"``) a tiny Mixtral of 4 experts whose loss includes the load-balancing
-    loss."""
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=32, tie_word_embeddings=False)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                                            router_aux_loss_coef=0.3, output_router_logits=True)
-        model_class = transformers.MixtralForCausalLM
-    else:
-        config = transformers.LlamaConfig(**common, intermediate_size=64, attention_bias=True)
-        model_class = transformers.LlamaForCausalLM
+    loss, or (``"bert"``, ``"roberta"``) a tiny masked-LM encoder without dropout."""
     torch.manual_seed(0)
-    model = model_class(config)
+    model = _untrained_model(family)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():   # randomise everything, biases and norms included
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     return model
+
+
+def _untrained_model(family: str):
+    import transformers
+
+    if family in ("bert", "roberta"):
+        config_class = transformers.BertConfig if family == "bert" else transformers.RobertaConfig
+        config = config_class(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)
+        model_class = transformers.BertForMaskedLM if family == "bert" else transformers.RobertaForMaskedLM
+        return model_class(config)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=32, tie_word_embeddings=False)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                            router_aux_loss_coef=0.3, output_router_logits=True)
+        return transformers.MixtralForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, intermediate_size=64, attention_bias=True))
 
 
 class Samples(torch.utils.data.Dataset):
@@ -211,7 +219,7 @@ if __name__ == "__main__":
     parser.add_argument("--eval", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on every projection")
     parser.add_argument("--no_use_cpu", action="store_true", help="leave TrainingArguments' use_cpu False")
-    parser.add_argument("--model", choices=["llama", "mixtral"], default="llama")
+    parser.add_argument("--model", choices=["llama", "mixtral", "bert", "roberta"], default="llama")
     parser.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (mixtral)")
     parser.add_argument("--custom_loss", action="store_true", help="Trainer's compute_loss_func on outputs.logits")
     parser.add_argument("--label_smoothing", action="store_true", help="TrainingArguments(label_smoothing_factor=0.1)")

@@ -65,6 +65,7 @@ from .common import (  # noqa: F401 - re-exports
 )
 from .family import Family
 from .hf_integration import finish_hf_model
+from .losses import vocab_parallel_lm_loss
 
 # HF BERT is batch-first: [batch, seq, hidden].
 SEQUENCE_DIM = 1
@@ -217,6 +218,8 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     arguments = dict(bound.arguments)
     arguments.pop("self")
     extra = arguments.pop("kwargs", {})
+    # Trainer's global count of masked tokens, for the MLM loss; HF's encoder forward has no use for it.
+    num_items_in_batch = extra.pop("num_items_in_batch", None)
     labels = arguments.pop("labels", None)
     next_sentence_label = arguments.pop("next_sentence_label", None)
     # HF's forward returns a tuple for return_dict=False (or config.return_dict=False); the loss is added to its
@@ -231,11 +234,7 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
         return output if return_dict else output.to_tuple()  # HF computes no loss in these cases either
     logits = output.prediction_logits if is_pretraining else output.logits
     dp = data_parallel_group().size
-    per_token = parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size, reduction="none")
-    if mlm_denominator is None:
-        mlm_loss = per_token.sum() / (labels != -100).sum()
-    else:
-        mlm_loss = per_token.sum() * dp / mlm_denominator
+    mlm_loss = _mlm_loss(logits, labels, self.config.vocab_size, mlm_denominator, num_items_in_batch)
     losses = {"mlm_loss": mlm_loss}
     loss = mlm_loss
     if is_pretraining:
@@ -253,6 +252,16 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     for key, value in losses.items():
         output[key] = value  # after HF's keys, so positional access matches HF
     return output
+
+
+def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, mlm_denominator, num_items_in_batch):
+    """The MLM loss: the mean over this batch's masked tokens; over Trainer's global count ``num_items_in_batch`` as
+    the decoder families' loss takes it (Trainer multiplies the result by the DP size); or, with nxdtp's own
+    ``mlm_denominator``, the sum over that global count times the DP size."""
+    if mlm_denominator is None:
+        return vocab_parallel_lm_loss(logits, labels, vocab_size, num_items_in_batch)
+    per_token = parallel_cross_entropy(logits, labels, vocab_size=vocab_size, reduction="none")
+    return per_token.sum() * data_parallel_group().size / mlm_denominator
 
 
 def local_head_count(model: nn.Module) -> Optional[int]:

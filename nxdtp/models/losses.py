@@ -17,6 +17,25 @@ from torch import nn
 from ..loss_functions import parallel_cross_entropy
 
 
+def vocab_parallel_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                           num_items_in_batch: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                           label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross entropy of vocab-parallel ``logits`` against ``labels`` of the same positions (no shift), in fp32.
+
+    The mean over counted targets, or, when ``num_items_in_batch`` is given (Trainer's global count over DP ranks and
+    accumulation steps), their sum divided by it: HF's convention for a loss that gradient accumulation and data
+    parallelism add up to the global-batch mean. The causal-LM loss and the encoders' MLM loss both end here.
+    """
+    loss = parallel_cross_entropy(logits.float(), labels.to(logits.device), label_smoothing=label_smoothing,
+                                  ignore_index=ignore_index, reduction="mean" if num_items_in_batch is None else "sum",
+                                  vocab_size=vocab_size)
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                                   num_items_in_batch: Optional[torch.Tensor] = None, ignore_index: int = -100,
                                   shift_labels: Optional[torch.Tensor] = None, label_smoothing: float = 0.0,
@@ -31,15 +50,7 @@ def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vo
     if shift_labels is None:
         # Pad, then shift: the last position has no next token, exactly as HF does it.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    shift_labels = shift_labels.to(logits.device)
-    loss = parallel_cross_entropy(logits.float(), shift_labels, label_smoothing=label_smoothing,
-                                  ignore_index=ignore_index, reduction="mean" if num_items_in_batch is None else "sum",
-                                  vocab_size=vocab_size)
-    if num_items_in_batch is None:
-        return loss
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    return vocab_parallel_lm_loss(logits, shift_labels, vocab_size, num_items_in_batch, ignore_index, label_smoothing)
 
 
 def use_vocab_parallel_causal_lm_loss(model: nn.Module) -> None:
