@@ -425,9 +425,7 @@ def case_dtensor_job_saves(checkpoint: str):
 def case_nxdtp_continues_from_import(directory: str):
     """nxdtp at this world's TP size loads the imported directory and its optimizer state, and takes the next step."""
     from nxdtp.checkpointing import load_dense_optimizer_state
-    from nxdtp.grads import allreduce_gradients
     from nxdtp.models import from_pretrained_sharded
-    from tests.test_models_bert import _check_grads, _check_tensors, _check_weights
 
     model = from_pretrained_sharded(directory, transformers.LlamaForCausalLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
@@ -436,22 +434,33 @@ def case_nxdtp_continues_from_import(directory: str):
     reference = _llama(seed=0)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
     _step(reference, reference_optimizer, _llama_batch())
+    logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
+    check_next_adam_step(model, optimizer, reference, reference_optimizer, _llama_batch(),
+                         "nxdtp's step after importing the DTensor job's checkpoint")
+    return logits
+
+
+def check_next_adam_step(model, optimizer, reference, reference_optimizer, batch, what: str) -> None:
+    """The loaded AdamW moments, the next step's gradients (all-reduced over DP: every rank has the same batch) and
+    the weights after it, against a dense model and AdamW one step ahead.
+
+    Moments and gradients are held to 1e-5. Adam divides each gradient by the root of its second moment, which turns
+    last-bit differences of a gradient near zero into differences of a few percent of the learning rate (they differ
+    between CPU models), so the weights after the step are held to LR/10: a moment lost in loading would move them
+    by about LR."""
+    from nxdtp.grads import allreduce_gradients
+    from tests.test_models_bert import _check_grads, _check_tensors, _check_weights
+
     moments = {**reference_optimizer.state, **optimizer.state}  # keyed by parameter: either model's
     for field in ("exp_avg", "exp_avg_sq"):
-        _check_tensors(model, reference, lambda p: moments[p][field], TOL, f"the imported {field}")
-    logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
-    model(**_llama_batch()).loss.backward()
+        _check_tensors(model, reference, lambda p: moments[p][field], TOL, f"{what}: the loaded {field}")
+    model(**batch).loss.backward()
     allreduce_gradients(model)
-    reference(**_llama_batch()).loss.backward()
-    _check_grads(model, reference, "nxdtp's step after importing the DTensor job's checkpoint")
+    reference(**batch).loss.backward()
+    _check_grads(model, reference, what)
     optimizer.step()
     reference_optimizer.step()
-    # Adam divides each gradient by the root of its second moment, which turns last-bit differences of a gradient near
-    # zero into differences of a few percent of the learning rate (they differ between CPU models); the moments and
-    # gradients above are held to 1e-5. A moment lost in the import would move the weights by about LR.
-    _check_weights(model, reference, "nxdtp's step after importing the DTensor job's checkpoint",
-                   dict(rtol=1e-5, atol=LR / 10))
-    return logits
+    _check_weights(model, reference, what, dict(rtol=1e-5, atol=LR / 10))
 
 
 def test_a_dtensor_jobs_checkpoint_imports_into_nxdtp_at_another_tp_size(worlds, tmp_path, capsys):

@@ -43,6 +43,7 @@ from tests.test_dcp_bridge import (
     _native_state,
     _specs,
     _step,
+    check_next_adam_step,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -273,7 +274,6 @@ def case_load_native_job(checkpoint: str):
     import torch.distributed.checkpoint as dcp
 
     from nxdtp.checkpointing.dcp_state import dcp_process_group, get_state_dict, set_state_dict
-    from tests.test_models_bert import _check_weights
 
     model = _nxdtp_llama(seed=99)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 10, weight_decay=0.5)
@@ -281,10 +281,8 @@ def case_load_native_job(checkpoint: str):
     dcp.load(state, checkpoint_id=checkpoint, process_group=dcp_process_group())
     set_state_dict(model, optimizer, state)
     logits = _logits(model, _llama_batch(), LLAMA_VOCAB)[0]
-    _nxdtp_step(model, optimizer, _llama_batch())
-    reference, reference_optimizer = _dense_reference()
-    _step(reference, reference_optimizer, _llama_batch())
-    _check_weights(model, reference, "nxdtp's step after loading the DTensor job's checkpoint")
+    check_next_adam_step(model, optimizer, *_dense_reference(), _llama_batch(),
+                         "nxdtp's step after loading the DTensor job's checkpoint")
     return logits
 
 
