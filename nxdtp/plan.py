@@ -103,7 +103,7 @@ class Style:
         raise NotImplementedError(f"{type(self).__name__} is a Style without a declared effect")
 
 
-def require_style(style, where: str) -> None:
+def _require_style(style, where: str) -> None:
     """Refuse ``style`` (named by ``where``) unless it follows the protocol."""
     if not isinstance(style, Style):
         raise TypeError(f"{where} is {type(style).__name__}, not an nxdtp.plan.Style: a style subclasses Style, with "
@@ -497,7 +497,7 @@ class Chain(Style):
 
     def __post_init__(self):
         for position, style in enumerate(self.styles):
-            require_style(style, f"Chain's style {position}")
+            _require_style(style, f"Chain's style {position}")
         late = [type(style).__name__ for style in self.styles[1:] if style.effect.replaces]
         if late:
             raise ValueError(f"Chain: only the first style may replace the module, but {late} would replace what the "
@@ -575,7 +575,7 @@ def _styles_for(model: nn.Module, plan: Plan, group: ParallelGroup) -> Dict[str,
     if plan.prepare is not None:
         styles.update(_call_hook(plan.prepare, model, group) or {})
     for pattern, style in styles.items():
-        require_style(style, f"the plan's style for '{pattern}'")
+        _require_style(style, f"the plan's style for '{pattern}'")
     return styles
 
 
