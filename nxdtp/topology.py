@@ -269,8 +269,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     _refuse_other_nxd_options(context_parallel_size=context_parallel_size, skip_collective_init=skip_collective_init,
                               lnc_size=lnc_size, mesh_only=mesh_only)
     if _TOPOLOGY is not None:
-        fallback = (" (a parallel layer built before initialize_model_parallel installs this fallback: call "
-                    "initialize_model_parallel first)" if _TOPOLOGY.tensor_model_parallel_size == 1 else "")
+        fallback = (" (if not by you: a parallel layer built before initialize_model_parallel installs this "
+                    "fallback, so call initialize_model_parallel first)" if _TOPOLOGY.tensor_model_parallel_size == 1
+                    else "")
         raise RuntimeError(
             "model parallel is already initialized (tensor_model_parallel_size="
             f"{_TOPOLOGY.tensor_model_parallel_size}, world size {_TOPOLOGY.world_size}){fallback}; "

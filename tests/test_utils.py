@@ -315,8 +315,8 @@ def test_a_layer_built_before_initialisation_in_a_world_of_two_says_what_it_inst
         assert dp == 2
         assert any("falling back to tensor_model_parallel_size=1 over the 2 processes of this world" in w
                    and "call initialize_model_parallel(...) before building layers" in w for w in warned), warned
-        assert late is not None and "already initialized (tensor_model_parallel_size=1, world size 2) (a parallel " \
-            "layer built before initialize_model_parallel installs this fallback" in late, late
+        assert late is not None and "already initialized (tensor_model_parallel_size=1, world size 2) (if not by " \
+            "you: a parallel layer built before initialize_model_parallel installs this fallback" in late, late
 
 
 def _fallback_world_at_exit_script(device_kind: str) -> dict:
