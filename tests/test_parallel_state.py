@@ -232,11 +232,11 @@ def _launch_two_ranks(script) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_a_script_ending_without_destroy_model_parallel_exits_cleanly(tmp_path):
     """No rank is aborted at interpreter exit ("terminate called without an active exception", exit code -6). That
-    abort came in about one launch in two, so 12 launches are a convincing check; the default set's raising script
+    abort came in about one launch in two, so 6 launches miss it about once in 64; the default set's raising script
     below takes the same path once."""
     script = tmp_path / "ends.py"
     script.write_text(SCRIPT_WITHOUT_CLEANUP.format(last_line='print("end")'))
-    for launch in range(12):
+    for launch in range(6):
         done = _launch_two_ranks(script)
         output = done.stdout + done.stderr
         assert done.returncode == 0 and "terminate called" not in output, (launch, output[-3000:])
