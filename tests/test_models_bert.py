@@ -466,6 +466,12 @@ def case_masked_lm_num_items_in_batch():
 
 
 def test_masked_lm_loss_over_num_items_in_batch_equals_dense(worlds):
+    import inspect
+
+    parameters = inspect.signature(transformers.BertForMaskedLM.forward).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        pytest.skip(f"transformers {transformers.__version__}'s BertForMaskedLM.forward takes no **kwargs, so Trainer "
+                    "passes it no num_items_in_batch")
     assert sorted(worlds(4).run(case_masked_lm_num_items_in_batch, tensor_model_parallel_size=2)) == [0, 0, 1, 1]
 
 
