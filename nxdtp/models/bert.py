@@ -234,7 +234,7 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
         return output if return_dict else output.to_tuple()  # HF computes no loss in these cases either
     logits = output.prediction_logits if is_pretraining else output.logits
     dp = data_parallel_group().size
-    mlm_loss = _mlm_loss(logits, labels, self.config.vocab_size, mlm_denominator, num_items_in_batch)
+    mlm_loss = _mlm_loss(logits, labels, self.config.vocab_size, mlm_denominator, num_items_in_batch, dp)
     losses = {"mlm_loss": mlm_loss}
     loss = mlm_loss
     if is_pretraining:
@@ -254,14 +254,15 @@ def _vocab_parallel_loss(forward, *args, **kwargs):
     return output
 
 
-def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, mlm_denominator, num_items_in_batch):
+def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, mlm_denominator, num_items_in_batch,
+              dp: int):
     """The MLM loss: the mean over this batch's masked tokens; over Trainer's global count ``num_items_in_batch`` as
     the decoder families' loss takes it (Trainer multiplies the result by the DP size); or, with nxdtp's own
     ``mlm_denominator``, the sum over that global count times the DP size."""
     if mlm_denominator is None:
         return vocab_parallel_lm_loss(logits, labels, vocab_size, num_items_in_batch)
     per_token = parallel_cross_entropy(logits, labels, vocab_size=vocab_size, reduction="none")
-    return per_token.sum() * data_parallel_group().size / mlm_denominator
+    return per_token.sum() * dp / mlm_denominator
 
 
 def local_head_count(model: nn.Module) -> Optional[int]:
